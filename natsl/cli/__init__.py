@@ -1,0 +1,1 @@
+"""The `natsl` command line (Typer). Each subcommand lives in its own module."""

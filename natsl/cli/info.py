@@ -1,0 +1,56 @@
+"""`natsl info RECIPE`: the model a recipe builds, its parameter count, and one forward pass's routing."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Optional
+
+import typer
+
+from natsl.cli.app import command
+
+
+def routing_map(keep) -> list[str]:
+    """keep [NB, H] (0/1) -> one line per routing group: 'S' kept in softmax memory, '.' written to GDN."""
+    return ["".join("S" if v > 0.5 else "." for v in keep[:, h].tolist()) for h in range(keep.shape[1])]
+
+
+@command("info")
+def info(
+    recipe: str = typer.Argument(..., help="Recipe YAML (e.g. recipes/tiny_hybrid.yaml) or a recipe name."),
+    seq_len: int = typer.Option(256, help="Tokens in the forward pass (random ids)."),
+    forward: bool = typer.Option(True, help="Run a forward pass and print the routing of every NAtS-L layer."),
+    backend: Optional[str] = typer.Option(None, help="reference or fast (default: fast on CUDA, else reference)."),
+    seed: int = typer.Option(0, help="Seed for the weights and the random tokens."),
+) -> None:
+    """Print what a recipe builds; with --forward, run random tokens through it and show the routing."""
+    import torch
+
+    import natsl
+    from natsl.errors import NatslError
+
+    rec = natsl.load_recipe(recipe)
+    if seq_len < 1:
+        raise NatslError(f"--seq-len must be at least 1, got {seq_len}")
+    cfg = rec.model
+    layout = Counter(cfg.layer_types())
+    meta = natsl.build_model(rec, device="meta")
+    print(f"{rec.name}: {meta.num_parameters() / 1e6:.1f}M parameters, {cfg.num_layers} layers "
+          f"({', '.join(f'{n} {t}' for t, n in layout.items())}), width {cfg.hidden_size}, vocab {cfg.vocab_size}")
+    print("layers: " + " ".join({"gdn": "G", "attention": "A", "natsl": "N"}[t] for t in cfg.layer_types())
+          + "   (G = GDN, A = softmax attention, N = NAtS-L)")
+    if not forward:
+        return
+    torch.manual_seed(seed)
+    model = natsl.build_model(rec)
+    model.set_backend(backend)
+    ids = torch.randint(0, cfg.vocab_size, (1, seq_len))
+    with torch.no_grad():
+        logits = model(ids)
+    print(f"forward: {seq_len} random tokens -> logits {tuple(logits.shape)}, mean |logit| {logits.abs().mean():.4f}")
+    for index, layer in model.natsl_layers().items():
+        keep = layer.last_keep[0]
+        print(f"layer {index} NAtS-L routing ({keep.shape[0]} blocks of {cfg.block_size} tokens x {keep.shape[1]} "
+              f"routing groups), keep fraction {keep.mean():.2f}; S = softmax KV memory, . = GDN state:")
+        for group, line in enumerate(routing_map(keep)):
+            print(f"  group {group}: {line}")

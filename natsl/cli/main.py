@@ -1,0 +1,31 @@
+"""Entry point of the `natsl` console script: registers every subcommand module."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from natsl import __version__
+from natsl.cli.app import app
+
+# Each import registers its subcommands on `app`.
+from natsl.cli import info  # noqa: F401,E402
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        print(f"natsl {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: Optional[bool] = typer.Option(None, "--version", callback=_print_version, is_eager=True,
+                                           help="Print the version and exit."),
+) -> None:
+    """NAtS-L: train, run, evaluate and measure Neural Attention Search Linear models."""
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,307 @@
+"""Recipes: a YAML file with `model`, `train` and `data` sections, validated on load.
+
+Every section is a dataclass; loading checks each key against its field (unknown key, wrong type,
+value outside its choices, inconsistent head counts) and raises a one-line `NatslError` naming
+the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+from natsl.errors import NatslError
+
+LAYER_TYPES = ("gdn", "attention", "natsl", "mamba2")
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of a causal LM built from GDN, softmax-attention and NAtS-L layers."""
+
+    vocab_size: int = 32000
+    hidden_size: int = 1536
+    intermediate_size: int = 4096
+    num_layers: int = 21
+    # Layout: every layer is `base_layer` except the indices listed for another type.
+    base_layer: Literal["gdn", "attention", "natsl", "mamba2"] = "gdn"
+    natsl_layers: list[int] = field(default_factory=list)
+    attention_layers: list[int] = field(default_factory=list)
+    gdn_layers: list[int] = field(default_factory=list)
+    # GDN and NAtS-L heads: H heads of key dim K and value dim V.
+    num_heads: int = 6
+    head_k_dim: int = 192
+    head_v_dim: int = 384
+    conv_size: int = 4
+    # Plain softmax-attention layers (Transformer, GDN Hybrid).
+    attn_num_heads: int = 24
+    attn_head_dim: int = 64
+    attn_rope: bool = True
+    rope_theta: float = 10000.0
+    # NAtS-L: each GDN head is cut into R softmax heads that share its route.
+    softmax_heads_per_group: int = 3
+    block_size: int = 64
+    natsl_rope: bool = True
+    # Table 4 ablations.
+    intra_block_output: Literal["both", "softmax", "gdn"] = "both"
+    decay_skipped_blocks: bool = True
+    branch_norm: Literal["separate", "after_sum"] = "separate"
+    mix_input: Literal["q", "x"] = "q"
+    mix_weights: Literal["softmax", "sigmoid", "linear", "none"] = "softmax"
+    route_grad: Literal["active", "full"] = "active"
+    # Common.
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+    tie_embeddings: bool = False
+    max_seq_len: int = 131072
+    backend: Optional[Literal["reference", "chunked", "fast"]] = None
+
+    def layer_types(self) -> list[str]:
+        types_ = [self.base_layer] * self.num_layers
+        for name, indices in (("natsl", self.natsl_layers), ("attention", self.attention_layers),
+                              ("gdn", self.gdn_layers)):
+            for i in indices:
+                types_[i] = name
+        return types_
+
+    def validate(self, prefix: str = "model") -> None:
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                    "head_k_dim", "head_v_dim", "conv_size", "attn_num_heads", "attn_head_dim",
+                    "softmax_heads_per_group", "block_size", "max_seq_len"):
+            if getattr(self, key) < 1:
+                raise NatslError(f"recipe key '{prefix}.{key}' must be at least 1, got {getattr(self, key)}")
+        seen: dict[int, str] = {}
+        for name in ("natsl_layers", "attention_layers", "gdn_layers"):
+            for i in getattr(self, name):
+                if not 0 <= i < self.num_layers:
+                    raise NatslError(f"recipe key '{prefix}.{name}' has layer index {i}; allowed: 0 to {self.num_layers - 1}")
+                if i in seen:
+                    raise NatslError(f"layer {i} is listed in both '{prefix}.{seen[i]}' and '{prefix}.{name}'; list each layer once")
+                seen[i] = name
+        r = self.softmax_heads_per_group
+        if "natsl" in self.layer_types():
+            for key in ("head_k_dim", "head_v_dim"):
+                if getattr(self, key) % r:
+                    raise NatslError(f"recipe key '{prefix}.{key}' = {getattr(self, key)} is not divisible by "
+                                     f"softmax_heads_per_group = {r}; each GDN head must cut into {r} equal softmax heads")
+            if self.natsl_rope and (self.head_k_dim // r) % 2:
+                raise NatslError(f"RoPE needs an even softmax key dim, got head_k_dim/softmax_heads_per_group = {self.head_k_dim // r}; "
+                                 f"set '{prefix}.natsl_rope: false' or change the head dims")
+        if "attention" in self.layer_types() and self.attn_rope and self.attn_head_dim % 2:
+            raise NatslError(f"recipe key '{prefix}.attn_head_dim' must be even for RoPE, got {self.attn_head_dim}")
+        if "mamba2" in self.layer_types():
+            raise NatslError("Mamba2 layers are not implemented yet (they have their own issue); "
+                             f"use base_layer gdn, attention or natsl in '{prefix}'")
+
+    @property
+    def softmax_k_dim(self) -> int:
+        return self.head_k_dim // self.softmax_heads_per_group
+
+    @property
+    def softmax_v_dim(self) -> int:
+        return self.head_v_dim // self.softmax_heads_per_group
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    min_lr: float = 3e-5  # the initial (warmup start) and final (cosine end) learning rate
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    warmup_tokens: int = 1_000_000_000
+
+
+@dataclass
+class TrainConfig:
+    seq_len: int = 4096
+    tokens_per_step: int = 524288
+    micro_batch_size: int = 8
+    total_tokens: int = 50_000_000_000
+    max_steps: Optional[int] = None
+    seed: int = 0
+    dtype: Literal["bf16", "fp32"] = "bf16"
+    compile: bool = False
+    activation_checkpointing: bool = False
+    log_every: int = 10
+    eval_every: int = 500
+    eval_tokens: int = 1_048_576
+    save_every: int = 1000
+    keep_last: int = 3
+    max_bad_steps: int = 20
+    out_dir: str = "runs/{name}"
+
+
+@dataclass
+class DataConfig:
+    # A folder written by `natsl tokenize`; "builtin" means the embedded smoke-test corpus.
+    path: str = "builtin"
+    tokenizer: Optional[str] = None
+
+
+@dataclass
+class Recipe:
+    name: str = "unnamed"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ----------------------------------------------------------------------------- parsing
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if tp is type(None):
+        return "null"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check `value` against the annotation `tp`; return it converted (e.g. int -> float)."""
+    origin = typing.get_origin(tp)
+    fail = NatslError(f"recipe key '{key}' must be {_type_name(tp)}, got {type(value).__name__} {value!r}")
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except NatslError:
+                pass
+        raise fail
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise fail
+        return value
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise fail
+        (item,) = typing.get_args(tp)
+        return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise fail
+        return value
+    if tp is int:
+        # YAML 1.1 reads `50e9` as a string and `1.0e9` as a float; both are fine for a count.
+        if isinstance(value, bool):
+            raise fail
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                raise fail from None
+        if isinstance(value, float):
+            if not math.isfinite(value) or value != int(value):
+                raise fail
+            value = int(value)
+        if not isinstance(value, int):
+            raise fail
+        return value
+    if tp is float:
+        if isinstance(value, bool):
+            raise fail
+        if isinstance(value, str):  # `3e-4` without a dot is a string to PyYAML
+            try:
+                return float(value)
+            except ValueError:
+                raise fail from None
+        if not isinstance(value, (int, float)):
+            raise fail
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise fail
+        return value
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, key)
+    raise TypeError(f"unsupported annotation {tp!r} for {key}")
+
+
+def from_dict(cls: type, data: Any, prefix: str = ""):
+    """Build dataclass `cls` from a mapping, rejecting unknown keys and wrong types."""
+    where = f"'{prefix}'" if prefix else "the recipe"
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise NatslError(f"{where} must be a mapping of keys to values, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names:
+            raise NatslError(f"unknown recipe key '{full}'; allowed keys here: {', '.join(names)}")
+        kwargs[key] = _coerce(value, hints[key], full)
+    return cls(**kwargs)
+
+
+def recipe_from_dict(data: Any) -> Recipe:
+    recipe = from_dict(Recipe, data)
+    recipe.model.validate()
+    if recipe.train.tokens_per_step % (recipe.train.seq_len) != 0:
+        raise NatslError(f"recipe key 'train.tokens_per_step' = {recipe.train.tokens_per_step} must be a multiple "
+                         f"of train.seq_len = {recipe.train.seq_len}")
+    return recipe
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    """Read and validate a recipe YAML file (yaml.safe_load; nothing is executed)."""
+    path = Path(path)
+    if not path.is_file() and path.suffix == "" and (RECIPES_DIR / f"{path}.yaml").is_file():
+        path = RECIPES_DIR / f"{path}.yaml"  # a bare name such as `800m_hybrid`
+    if not path.is_file():
+        raise NatslError(f"recipe file {str(path)!r} does not exist; pass a path such as recipes/tiny_hybrid.yaml "
+                         f"or a name from {RECIPES_DIR}")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise NatslError(f"recipe file {str(path)!r} is not valid YAML ({first}); fix the file") from None
+    recipe = recipe_from_dict(data)
+    if recipe.name == "unnamed":
+        recipe.name = path.stem
+    return recipe
+
+
+def apply_overrides(recipe: Recipe, overrides: list[str]) -> Recipe:
+    """Apply dotted `section.key=value` overrides (values parsed as YAML) and re-validate."""
+    data = recipe.to_dict()
+    for item in overrides:
+        if "=" not in item:
+            raise NatslError(f"override {item!r} is not of the form section.key=value (e.g. optim.lr=1e-3)")
+        dotted, raw = item.split("=", 1)
+        parts = dotted.strip().split(".")
+        node = data
+        for i, part in enumerate(parts[:-1]):
+            if not isinstance(node, dict) or part not in node or not isinstance(node[part], dict):
+                raise NatslError(f"override key '{'.'.join(parts[:i + 1])}' is not a recipe section; "
+                                 f"sections: {', '.join(k for k, v in data.items() if isinstance(v, dict))}")
+            node = node[part]
+        try:
+            node[parts[-1]] = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            raise NatslError(f"override value {raw!r} for '{dotted}' is not valid YAML") from None
+    return recipe_from_dict(data)

@@ -1,0 +1,22 @@
+"""Model zoo: GDN, softmax attention and NAtS-L layers in one causal LM (see docs/architecture.md)."""
+
+from natsl.models.lm import CausalLM
+
+__all__ = ["CausalLM", "build_model"]
+
+
+def build_model(recipe_or_config, device=None):
+    """A `CausalLM` for a `Recipe` or `ModelConfig`; `device="meta"` builds it without allocating."""
+    from natsl.config import ModelConfig, Recipe
+
+    config = recipe_or_config.model if isinstance(recipe_or_config, Recipe) else recipe_or_config
+    if not isinstance(config, ModelConfig):
+        raise TypeError(f"build_model takes a Recipe or ModelConfig, got {type(recipe_or_config).__name__}")
+    config.validate()
+    return CausalLM(config, device=torch_device(device))
+
+
+def torch_device(device):
+    import torch
+
+    return None if device is None else torch.device(device)

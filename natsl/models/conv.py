@@ -1,0 +1,34 @@
+"""Causal depthwise short convolution (kernel 4, no bias) followed by SiLU, as in Gated DeltaNet.
+
+The layer takes an optional `tail`, the last `kernel - 1` inputs before `x`, so that prefill and
+token-by-token decoding compute exactly what the full-sequence forward computes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ShortConv(nn.Module):
+    def __init__(self, channels: int, kernel_size: int = 4, device=None):
+        super().__init__()
+        self.kernel_size = kernel_size
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size, device=device))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # PyTorch's own Conv1d default (kaiming-uniform over a fan-in of kernel_size).
+        bound = 1.0 / self.kernel_size ** 0.5
+        nn.init.uniform_(self.weight, -bound, bound)
+
+    def forward(self, x: torch.Tensor, tail: torch.Tensor | None = None):
+        """x [B, T, C], tail [B, kernel-1, C] or None (zeros) -> (SiLU(conv(x)) [B, T, C], new tail)."""
+        batch, length, channels = x.shape
+        if tail is None:
+            tail = x.new_zeros(batch, self.kernel_size - 1, channels)
+        full = torch.cat([tail.to(x.dtype), x], dim=1)
+        y = F.conv1d(full.transpose(1, 2), self.weight.to(x.dtype), groups=channels)
+        new_tail = full[:, full.shape[1] - (self.kernel_size - 1):]
+        return F.silu(y.transpose(1, 2)), new_tail

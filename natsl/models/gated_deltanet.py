@@ -1,0 +1,98 @@
+"""The Gated DeltaNet layer (Yang et al.), and the projections it shares with the NAtS-L layer.
+
+x -> q, k, v = SiLU(short causal conv(W x)); decay g = -exp(A_log) * softplus(W_a x + dt_bias)
+(fp32, log space), beta = sigmoid(W_b x); o = W_o(RMSNorm_V(GDN(q_l2, k_l2, v, g, beta)) * silu(W_g x)).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from natsl import ops
+from natsl.config import ModelConfig
+from natsl.models.conv import ShortConv
+from natsl.models.norms import RMSNorm, rms_norm
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Normalise the last dim to unit length (as flash-linear-attention's l2norm: x / sqrt(|x|^2 + eps))."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).sum(dim=-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class GatedDeltaProjections(nn.Module):
+    """Input projections of a GDN head set: q, k, v after conv+SiLU, log-decay g and write strength beta."""
+
+    def __init__(self, config: ModelConfig, device=None):
+        super().__init__()
+        d, h = config.hidden_size, config.num_heads
+        self.num_heads, self.k_dim, self.v_dim = h, config.head_k_dim, config.head_v_dim
+        self.q_proj = nn.Linear(d, h * self.k_dim, bias=False, device=device)
+        self.k_proj = nn.Linear(d, h * self.k_dim, bias=False, device=device)
+        self.v_proj = nn.Linear(d, h * self.v_dim, bias=False, device=device)
+        self.a_proj = nn.Linear(d, h, bias=False, device=device)
+        self.b_proj = nn.Linear(d, h, bias=False, device=device)
+        self.q_conv = ShortConv(h * self.k_dim, config.conv_size, device=device)
+        self.k_conv = ShortConv(h * self.k_dim, config.conv_size, device=device)
+        self.v_conv = ShortConv(h * self.v_dim, config.conv_size, device=device)
+        self.A_log = nn.Parameter(torch.empty(h, device=device))
+        self.dt_bias = nn.Parameter(torch.empty(h, device=device))
+        self.A_log._no_weight_decay = True
+        self.dt_bias._no_weight_decay = True
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # Gated DeltaNet's init: A ~ U(0, 16); dt log-uniform in [1e-3, 0.1] floored at 1e-4, and
+        # dt_bias the inverse softplus of dt so that softplus(dt_bias) = dt at zero input.
+        with torch.no_grad():
+            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0, 16).clamp_(min=1e-6).log())
+            log_dt = torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(0.1))
+            dt = log_dt.exp().clamp(min=1e-4)
+            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+
+    def forward(self, x: torch.Tensor, conv_tails=None):
+        """x [B, T, d] -> (q [B,T,H*K], k [B,T,H*K], v [B,T,H*V] post-conv, g [B,T,H] fp32, beta [B,T,H], tails)."""
+        tails = conv_tails or (None, None, None)
+        q, q_tail = self.q_conv(self.q_proj(x), tails[0])
+        k, k_tail = self.k_conv(self.k_proj(x), tails[1])
+        v, v_tail = self.v_conv(self.v_proj(x), tails[2])
+        g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
+        beta = torch.sigmoid(self.b_proj(x).float()).to(x.dtype)
+        return q, k, v, g, beta, (q_tail, k_tail, v_tail)
+
+    def split_heads(self, q, k, v):
+        """Flat projections -> per-head q, k (L2-normalised) [B,T,H,K] and v [B,T,H,V]."""
+        b, t = q.shape[:2]
+        h = self.num_heads
+        return (l2_normalize(q.view(b, t, h, self.k_dim)), l2_normalize(k.view(b, t, h, self.k_dim)),
+                v.view(b, t, h, self.v_dim))
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, config: ModelConfig, device=None):
+        super().__init__()
+        self.config = config
+        self.backend = config.backend
+        d, h, vd = config.hidden_size, config.num_heads, config.head_v_dim
+        self.proj = GatedDeltaProjections(config, device=device)
+        self.g_proj = nn.Linear(d, h * vd, bias=False, device=device)
+        self.o_norm = RMSNorm(vd, config.norm_eps, device=device)
+        self.o_proj = nn.Linear(h * vd, d, bias=False, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v, g, beta, _ = self.proj(x)
+        q, k, v = self.proj.split_heads(q, k, v)
+        o, _ = ops.gated_delta_rule(q, k, v, g, beta, backend=self.backend)
+        return self.output(o, x)
+
+    def output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """o [B,T,H,V] -> W_o(RMSNorm(o) * silu(W_g x))."""
+        b, t = x.shape[:2]
+        gate = F.silu(self.g_proj(x)).view(b, t, self.config.num_heads, self.config.head_v_dim)
+        o = rms_norm(o, self.o_norm.weight, self.o_norm.eps) * gate
+        return self.o_proj(o.reshape(b, t, -1))

@@ -1,0 +1,18 @@
+"""SwiGLU feed-forward: W_down(silu(W_gate x) * W_up x)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, device=None):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False, device=device)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, device=device)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

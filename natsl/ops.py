@@ -1,0 +1,115 @@
+"""The two NAtS-L ops with backend dispatch (contract, section 5).
+
+`backend="reference"` is pure PyTorch (any device, the definition of correct); `backend="fast"` is
+Triton (on a CPU tensor it runs under TRITON_INTERPRET=1); `backend="chunked"` is the pure-PyTorch
+chunk-parallel form of the same function (one sequential step per block instead of per token: the
+practical choice for training or evaluating on a CPU); `backend=None` reads the environment
+variable NATSL_BACKEND and otherwise picks fast on CUDA and reference elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from natsl.errors import NatslError
+
+BACKENDS = ("reference", "chunked", "fast")
+ROUTE_GRAD_POLICIES = ("active", "full")
+
+
+def resolve_backend(backend: str | None, device: torch.device) -> str:
+    """The backend a call runs on, given the caller's choice and the tensors' device."""
+    if backend is None:
+        backend = os.environ.get("NATSL_BACKEND") or None
+    if backend is None:
+        return "fast" if device.type == "cuda" else "reference"
+    if backend not in BACKENDS:
+        raise NatslError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
+    if backend == "fast" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise NatslError("backend 'fast' on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 "
+                         "before starting Python, or use backend 'chunked' / 'reference' on the CPU")
+    return backend
+
+
+def _check_route_grad(route_grad: str) -> None:
+    if route_grad not in ROUTE_GRAD_POLICIES:
+        raise NatslError(f"unknown route_grad {route_grad!r}: use 'active' or 'full'")
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    write: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    block_size: int = 64,
+    decay_skipped_blocks: bool = True,
+    route_grad: str = "active",
+    backend: str | None = None,
+    intra_block: bool = True,
+):
+    """Gated DeltaNet with a per-block write mask. Returns (o [B,T,H,V], final_state [B,H,K,V] or None).
+
+    `intra_block=False` is the Table 4 ablation in which a query reads only the committed state of
+    its block (decayed to its position), not the writes of its own block.
+    """
+    _check_route_grad(route_grad)
+    kwargs = dict(
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        block_size=block_size,
+        decay_skipped_blocks=decay_skipped_blocks,
+        route_grad=route_grad,
+    )
+    # The intra-block ablation (Table 4) exists only in the reference: it is a research switch,
+    # not a production path, so it never reaches the kernels.
+    chosen = resolve_backend(backend, q.device)
+    if chosen == "fast" and intra_block:
+        from natsl.fast import gated_delta_rule as impl
+    elif chosen == "chunked":
+        from natsl.reference.gated_delta_chunked import gated_delta_rule as impl
+
+        kwargs["intra_block"] = intra_block
+    else:
+        from natsl.reference.gated_delta import gated_delta_rule as impl
+
+        kwargs["intra_block"] = intra_block
+    return impl(q, k, v, g, beta, write, **kwargs)
+
+
+def routed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keep: torch.Tensor | None,
+    *,
+    scale: float | None = None,
+    block_size: int = 64,
+    route_grad: str = "active",
+    backend: str | None = None,
+    intra_block: bool = True,
+):
+    """Causal softmax attention in which earlier blocks are visible only where `keep` is 1.
+
+    `keep=None` means every block is kept (plain causal attention). `intra_block=False` is the
+    Table 4 ablation in which a query does not see its own block (it then sees only kept blocks;
+    a row with nothing visible outputs zeros).
+    """
+    _check_route_grad(route_grad)
+    kwargs = dict(scale=scale, block_size=block_size, route_grad=route_grad)
+    # "chunked" has no attention of its own: the dense reference is already one batched matmul.
+    if resolve_backend(backend, q.device) == "fast" and intra_block:
+        from natsl.fast import routed_attention as impl
+    else:
+        from natsl.reference.routed_attention import routed_attention as impl
+
+        kwargs["intra_block"] = intra_block
+    return impl(q, k, v, keep, **kwargs)

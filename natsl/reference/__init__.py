@@ -1,0 +1,1 @@
+"""Pure-PyTorch reference of NAtS-L: readable, recurrent, explicit masks. The definition of correct."""
