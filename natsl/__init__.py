@@ -6,3 +6,6 @@ from natsl.config import Recipe, ModelConfig, load_recipe  # noqa: E402
 from natsl.models import build_model  # noqa: E402
 
 __all__ = ["Recipe", "ModelConfig", "load_recipe", "build_model", "__version__"]
+from natsl.checkpoint import load_checkpoint  # noqa: E402
+
+__all__.append("load_checkpoint")

@@ -1,0 +1,78 @@
+"""A thin wrapper over a Hugging Face `tokenizers` tokenizer: encode, decode, EOS, save, train.
+
+natsl stores a tokenizer as `tokenizer.json` (the `tokenizers` library's own format), so a
+checkpoint folder is self-contained and nothing is fetched at run time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Iterable
+
+from natsl.errors import NatslError
+
+EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
+
+
+class Tokenizer:
+    def __init__(self, inner):
+        self.inner = inner
+        self.eos_id = next((inner.token_to_id(t) for t in EOS_CANDIDATES if inner.token_to_id(t) is not None), None)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.inner.get_vocab_size()
+
+    @property
+    def eos_token(self) -> str | None:
+        return None if self.eos_id is None else self.inner.id_to_token(self.eos_id)
+
+    def encode(self, text: str) -> list[int]:
+        return self.inner.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.inner.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.inner.decode(list(ids), skip_special_tokens=False)
+
+    def to_json(self) -> str:
+        return self.inner.to_str()
+
+    def sha256(self) -> str:
+        """A fingerprint of the vocabulary and rules, stored beside tokenized data to catch mix-ups."""
+        return hashlib.sha256(self.to_json().encode("utf-8")).hexdigest()
+
+    def save(self, folder: str | Path) -> Path:
+        path = Path(folder) / "tokenizer.json"
+        self.inner.save(str(path))
+        return path
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "Tokenizer":
+        """A `tokenizer.json` file, or a folder that holds one."""
+        from tokenizers import Tokenizer as HFTokenizer
+
+        path = Path(path)
+        if path.is_dir():
+            path = path / "tokenizer.json"
+        if not path.is_file():
+            raise NatslError(f"no tokenizer at {str(path)!r}: pass a tokenizer.json file or a folder holding one")
+        try:
+            return cls(HFTokenizer.from_file(str(path)))
+        except Exception as err:  # the tokenizers library raises plain Exceptions on bad files
+            raise NatslError(f"{str(path)!r} is not a valid tokenizer.json ({str(err).splitlines()[0]})") from None
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, eos_token: str = "<|endoftext|>") -> Tokenizer:
+    """A byte-level BPE trained on `texts` with `vocab_size` entries, EOS included."""
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+
+    inner = HFTokenizer(models.BPE())
+    inner.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    inner.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[eos_token],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    inner.train_from_iterator(texts, trainer=trainer)
+    return Tokenizer(inner)
