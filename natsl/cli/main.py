@@ -11,6 +11,8 @@ from natsl.cli.app import app
 
 # Each import registers its subcommands on `app`.
 from natsl.cli import info  # noqa: F401,E402
+from natsl.cli import generate  # noqa: F401,E402
+from natsl.cli import bench_latency  # noqa: F401,E402
 
 
 def _print_version(value: bool) -> None:

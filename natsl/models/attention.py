@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from natsl.config import ModelConfig
+from natsl.inference.functional import attend_one, write_token
 from natsl.models.rope import apply_rope
 
 
@@ -21,20 +22,50 @@ class SoftmaxAttention(nn.Module):
         self.v_proj = nn.Linear(d, nh * hd, bias=False, device=device)
         self.o_proj = nn.Linear(nh * hd, d, bias=False, device=device)
 
-    def project(self, x: torch.Tensor, start: int = 0):
-        """x [B,T,d] -> q, k, v [B,T,heads,head_dim], RoPE applied at positions start..start+T-1."""
+    def project(self, x: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None):
+        """x [B,T,d] -> q, k, v [B,T,heads,head_dim], RoPE applied at positions start..start+T-1
+        (or at `positions` [B, T], one row per sequence)."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(b, t, self.num_heads, self.head_dim)
         v = self.v_proj(x).view(b, t, self.num_heads, self.head_dim)
         if self.config.attn_rope:
-            positions = torch.arange(start, start + t, device=x.device)
+            if positions is None:
+                positions = torch.arange(start, start + t, device=x.device)
             q = apply_rope(q, positions, self.config.rope_theta)
             k = apply_rope(k, positions, self.config.rope_theta)
         return q, k, v
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
+        if cache is not None:
+            return self.forward_cached(x, cache)
         b, t, _ = x.shape
         q, k, v = self.project(x)
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
         return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+
+    def forward_cached(self, x: torch.Tensor, cache) -> torch.Tensor:
+        """Tokens that follow those in `cache` (an AttentionCache, K/V stored at absolute positions)."""
+        b, t, _ = x.shape
+        start = cache.positions.start
+        if start is None:  # decode: one token per sequence, each at its own position
+            pos = cache.positions.pos
+            q, k, v = self.project(x, positions=pos[:, None])
+            slots = pos[:, None].expand(b, self.num_heads)
+            write_token(cache.k, slots, k[:, 0])
+            write_token(cache.v, slots, v[:, 0])
+            n = cache.positions.attn_read
+            o = attend_one(q, cache.k[:, :, :n], cache.v[:, :, :n], slots + 1)
+        else:  # prefill: every sequence starts at `start`
+            q, k, v = self.project(x, start)
+            cache.k[:, :, start:start + t].copy_(k.transpose(1, 2))
+            cache.v[:, :, start:start + t].copy_(v.transpose(1, 2))
+            if start == 0:
+                o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                   is_causal=True).transpose(1, 2)
+            else:
+                keys, values = cache.k[:, :, :start + t], cache.v[:, :, :start + t]
+                key_pos = torch.arange(start + t, device=x.device)
+                causal = key_pos[None, :] <= key_pos[start:, None]  # query i at start + i
+                o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=causal).transpose(1, 2)
+        return self.o_proj(o.reshape(b, t, -1))

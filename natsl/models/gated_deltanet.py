@@ -16,6 +16,7 @@ from natsl import ops
 from natsl.config import ModelConfig
 from natsl.models.conv import ShortConv
 from natsl.models.norms import RMSNorm, rms_norm
+from natsl.inference.functional import gdn_token_step, use_fast
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -83,11 +84,28 @@ class GatedDeltaNet(nn.Module):
         self.o_norm = RMSNorm(vd, config.norm_eps, device=device)
         self.o_proj = nn.Linear(h * vd, d, bias=False, device=device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
+        if cache is not None:
+            return self.forward_cached(x, cache)
         b, t, _ = x.shape
         q, k, v, g, beta, _ = self.proj(x)
         q, k, v = self.proj.split_heads(q, k, v)
         o, _ = ops.gated_delta_rule(q, k, v, g, beta, backend=self.backend)
+        return self.output(o, x)
+
+    def forward_cached(self, x: torch.Tensor, cache) -> torch.Tensor:
+        """Tokens that follow those in `cache` (a GDNCache): one token steps the state, many run the op from it."""
+        q, k, v, g, beta, tails = self.proj(x, cache.conv)
+        cache.store_conv(tails)
+        q, k, v = self.proj.split_heads(q, k, v)
+        if x.shape[1] == 1:
+            o, state = gdn_token_step(cache.state, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
+                                      fast=use_fast(self.backend, x.device))
+            o = o[:, None]
+        else:
+            o, state = ops.gated_delta_rule(q, k, v, g, beta, initial_state=cache.state, output_final_state=True,
+                                            backend=self.backend)
+        cache.state.copy_(state)
         return self.output(o, x)
 
     def output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -25,8 +25,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps, device=device)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, device=device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.mixer(self.mixer_norm(x))
+    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
+        x = x + self.mixer(self.mixer_norm(x), cache=cache)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -61,14 +61,77 @@ class CausalLM(nn.Module):
     def natsl_layers(self) -> dict[int, NAtSL]:
         return {i: blk.mixer for i, blk in enumerate(self.layers) if isinstance(blk.mixer, NAtSL)}
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [B, T] -> logits [B, T, vocab]."""
+    def forward(self, input_ids: torch.Tensor, cache=None) -> torch.Tensor:
+        """input_ids [B, T] -> logits [B, T, vocab].
+
+        With `cache` (from `new_cache`), the tokens follow those already in it and the cache
+        advances in place: many tokens are a prefill, one token per sequence a decode step.
+        """
+        if cache is not None:
+            return self.forward_cached(input_ids, cache)
         x = self.embed(input_ids)
         for block in self.layers:
             if self.activation_checkpointing and self.training:
                 x = checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)
+        return self.lm_head(self.norm(x))
+
+    # -- incremental inference (contract section 4; natsl/inference, docs/inference.md) -------
+
+    def new_cache(self, batch_size: int, max_len: int | None = None, *, device=None, dtype=None):
+        """An empty `ModelCache` for `batch_size` sequences of up to `max_len` tokens (default: the
+        config's max_seq_len); all of it is allocated now, so decoding never reallocates."""
+        from natsl.inference.cache import new_model_cache
+
+        return new_model_cache(self, batch_size, max_len, device=device, dtype=dtype)
+
+    def forward_cached(self, input_ids: torch.Tensor, cache, *, last_only: bool = False) -> torch.Tensor:
+        """`forward(input_ids, cache)`; `last_only` returns the logits of the last token only [B, 1, vocab].
+
+        All sequences must stand at the same position for a many-token call (a chunk-mode prefill);
+        where they do not, the tokens are fed one at a time (each sequence then keeps its own
+        position). To prefill prompts of different lengths, prefill each into `cache.slot(i)`.
+        """
+        batch, length = input_ids.shape
+        if batch != cache.batch_size:
+            raise ValueError(f"input_ids has {batch} sequences, the cache {cache.batch_size}")
+        if length == 0:
+            raise ValueError("input_ids has no tokens")
+        cache.check_room(length)
+        if length == 1:
+            cache.prepare_decode()
+            logits = self.decode_step(input_ids, cache)
+            cache.advance(1)
+            return logits
+        if not cache.uniform():
+            steps = [self.forward_cached(input_ids[:, i:i + 1], cache) for i in range(length)]
+            return steps[-1] if last_only else torch.cat(steps, dim=1)
+        positions = cache.positions
+        positions.start = int(positions.lengths[0])
+        try:
+            x = self.embed(input_ids)
+            for block, layer_cache in zip(self.layers, cache.layers):
+                x = block(x, layer_cache)
+        finally:
+            positions.start = None
+        positions.pos.add_(length)
+        cache.advance(length)
+        if last_only:
+            x = x[:, -1:]
+        return self.lm_head(self.norm(x))
+
+    def decode_step(self, input_ids: torch.Tensor, cache) -> torch.Tensor:
+        """One token per sequence [B, 1] -> logits [B, 1, vocab], each sequence at its own position.
+
+        Device work only (it never reads a device value on the host), so it can be captured in a
+        CUDA graph: it advances `cache.positions.pos` but not the host-side lengths, and it reads
+        as many key slots as `cache.prepare_decode()` set. Callers use `forward` or `DecodeRunner`.
+        """
+        x = self.embed(input_ids)
+        for block, layer_cache in zip(self.layers, cache.layers):
+            x = block(x, layer_cache)
+        cache.positions.pos.add_(1)
         return self.lm_head(self.norm(x))
 
     def num_parameters(self) -> int:

@@ -10,6 +10,12 @@
 
 Table 4 ablations are switches of the config: intra_block_output, decay_skipped_blocks,
 branch_norm, mix_input, mix_weights, block_size.
+
+Incremental inference (contract section 4) is `forward(x, cache=NAtSLCache)`: a call with many
+tokens (prefill) runs the ops block-aligned from the cached states, a call with one token per
+sequence (decode) steps the state and attends over the compacted softmax memory; when a block
+completes, the router decides on its mean and the state and memory are committed. Both leave the
+cache as the other would (see natsl/inference/cache.py for the layout, docs/inference.md).
 """
 
 from __future__ import annotations
@@ -20,10 +26,12 @@ from torch import nn
 
 from natsl import ops
 from natsl.config import ModelConfig
+from natsl.inference.functional import (attend_one, commit_state, gdn_token_step, masked_attention, read_state,
+                                        use_fast, write_token)
 from natsl.models.gated_deltanet import GatedDeltaProjections
 from natsl.models.norms import RMSNorm
 from natsl.models.rope import apply_rope
-from natsl.reference.router import route_blocks
+from natsl.reference.router import route_blocks, straight_through_route
 
 
 def mixing_weights(logits: torch.Tensor, kind: str) -> torch.Tensor:
@@ -61,18 +69,24 @@ class NAtSL(nn.Module):
         self.o_proj = nn.Linear(h * config.head_v_dim, d, bias=False, device=device)
         # Routes of the last forward ([B, NB, H], detached): read by training logs and inspect-routing.
         self.last_keep: torch.Tensor | None = None
+        # Incremental inference only: `(block_index [B, N], groups) -> keep [B, N, groups]` replacing
+        # the router (natsl.inference.routing.force_keep_fraction); None = the router decides.
+        self.route_override = None
 
     # -- pieces shared by the full-sequence forward and incremental inference ------------------
 
-    def softmax_views(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int = 0):
-        """Flat post-conv q, k, v -> softmax-branch heads [B, T, H*R, K/R or V/R] (normed, RoPE)."""
+    def softmax_views(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int = 0,
+                      positions: torch.Tensor | None = None):
+        """Flat post-conv q, k, v -> softmax-branch heads [B, T, H*R, K/R or V/R] (normed, RoPE at
+        positions start..start+T-1, or at `positions` [B, T], one row per sequence)."""
         b, t = q.shape[:2]
         c = self.config
         qs = self.q_norm(q.view(b, t, self.softmax_heads, c.softmax_k_dim))
         ks = self.k_norm(k.view(b, t, self.softmax_heads, c.softmax_k_dim))
         vs = v.view(b, t, self.softmax_heads, c.softmax_v_dim)
         if c.natsl_rope:
-            positions = torch.arange(start, start + t, device=q.device)
+            if positions is None:
+                positions = torch.arange(start, start + t, device=q.device)
             qs = apply_rope(qs, positions, c.rope_theta)
             ks = apply_rope(ks, positions, c.rope_theta)
         return qs, ks, vs
@@ -102,7 +116,9 @@ class NAtSL(nn.Module):
 
     # -- full-sequence forward -----------------------------------------------------------------
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
+        if cache is not None:
+            return self.forward_cached(x, cache)
         c = self.config
         q, k, v, g, beta, _ = self.proj(x)
         keep, write = self.route(x)
@@ -117,3 +133,210 @@ class NAtSL(nn.Module):
             qs, ks, vs, keep, block_size=c.block_size, route_grad=c.route_grad, backend=self.backend,
             intra_block=c.intra_block_output != "gdn")
         return self.mix(o_la, o_nla, q, x)
+
+    # -- incremental inference -----------------------------------------------------------------
+
+    def decide_routes(self, block_sums: torch.Tensor, count: int, block_index: torch.Tensor):
+        """Sums of x over complete blocks [B, N, d], their token count and absolute indices [B|1, N]
+        -> keep, write [B, N, H] (0/1): the router on the block mean, exactly as `route_blocks`."""
+        xbar = block_sums.to(self.router.weight.dtype) / count
+        if self.route_override is not None:
+            keep = self.route_override(block_index.expand(xbar.shape[0], -1), self.num_heads).to(xbar.dtype)
+        else:
+            scores = F.linear(xbar, self.router.weight).view(*xbar.shape[:2], self.num_heads, 2)
+            keep = straight_through_route(scores)[0][..., 0].to(xbar.dtype)
+        return keep, 1 - keep
+
+    def forward_cached(self, x: torch.Tensor, cache) -> torch.Tensor:
+        """Tokens that follow those in `cache` (a NAtSLCache): decode when positions.start is None."""
+        q, k, v, g, beta, tails = self.proj(x, cache.conv)
+        cache.store_conv(tails)
+        if cache.positions.start is None:
+            o_la, o_nla = self._decode(x, q, k, v, g, beta, cache)
+        else:
+            o_la, o_nla = self._prefill(x, q, k, v, g, beta, cache, cache.positions.start)
+        return self.mix(o_la, o_nla, q, x)
+
+    def _decode(self, x, q, k, v, g, beta, cache):
+        """One token per sequence, each at its own position; no host reads (CUDA-graph safe)."""
+        c = self.config
+        C = c.block_size
+        pos = cache.positions.pos  # [B]: this token's position
+        offset = pos % C  # its index inside its block
+        fast = use_fast(self.backend, x.device)
+
+        # GDN branch: step the running state; without intra-block output read the committed one.
+        ql, kl, vl = self.proj.split_heads(q, k, v)
+        o_run, run = gdn_token_step(cache.state_run, ql[:, 0], kl[:, 0], vl[:, 0], g[:, 0], beta[:, 0], fast=fast)
+        cache.state_run.copy_(run)
+        cache.decay_sum.add_(g[:, 0])
+        if c.intra_block_output != "softmax":
+            o_la = o_run[:, None]
+        else:
+            o_la = (cache.decay_sum.exp()[:, None, :, None] * read_state(cache.state_start, ql)).to(x.dtype)
+
+        # Softmax branch: the token's K/V go after its group's kept blocks and its block's earlier tokens.
+        qs, ks, vs = self.softmax_views(q, k, v, positions=pos[:, None])
+        kept = cache.kept_len.repeat_interleave(self.groups, dim=1)  # [B, heads]
+        slots = kept + offset[:, None]
+        write_token(cache.k_mem, slots, ks[:, 0])
+        write_token(cache.v_mem, slots, vs[:, 0])
+        visible = slots + 1 if c.intra_block_output != "gdn" else kept  # "gdn": the own block is GDN-only
+        n = cache.positions.natsl_read
+        o_nla = attend_one(qs, cache.k_mem[:, :, :n], cache.v_mem[:, :, :n], visible)
+
+        # Block end (where offset == C-1): route on the block mean, commit the state, keep or drop the KV.
+        cache.x_sum.add_(x[:, 0].to(cache.x_sum.dtype))
+        done = offset == C - 1
+        keep, write = self.decide_routes(cache.x_sum[:, None], C, (pos // C)[:, None])
+        keep, write = keep[:, 0], write[:, 0]
+        committed = commit_state(cache.state_start, cache.state_run, cache.decay_sum, write,
+                                 c.decay_skipped_blocks, fast=fast)
+        at_end = done[:, None, None, None]
+        cache.state_start.copy_(torch.where(at_end, committed, cache.state_start))
+        cache.state_run.copy_(torch.where(at_end, committed, cache.state_run))
+        cache.kept_len.add_(C * keep.long() * done[:, None])
+        cache.decay_sum.masked_fill_(done[:, None], 0)
+        cache.x_sum.masked_fill_(done[:, None], 0)
+        return o_la, o_nla
+
+    def _prefill(self, x, q, k, v, g, beta, cache, start: int):
+        """T tokens for sequences that all stand at `start`, in up to three block-aligned pieces:
+        `head` finishes the block in progress, `full` whole blocks, `tail` starts the next one."""
+        c = self.config
+        C = c.block_size
+        B, T = x.shape[:2]
+        n = start % C
+        head = min(T, C - n) if n else 0
+        full = (T - head) // C
+        tail = T - head - full * C
+        closes_head = n > 0 and n + head == C
+        fast = use_fast(self.backend, x.device)
+
+        # Routes of the blocks this call completes (relative block 0 is the one holding token 0).
+        acc = cache.x_sum.dtype
+        sums = []
+        if closes_head:
+            sums.append((cache.x_sum + x[:, :head].to(acc).sum(1))[:, None])
+        if full:
+            sums.append(x[:, head:head + full * C].to(acc).view(B, full, C, -1).sum(2))
+        completed = int(closes_head) + full
+        keep = write = None
+        if completed:
+            index = torch.arange(start // C, start // C + completed, device=x.device)[None]
+            keep, write = self.decide_routes(torch.cat(sums, 1), C, index)
+
+        # GDN branch.
+        ql, kl, vl = self.proj.split_heads(q, k, v)
+        intra = c.intra_block_output != "softmax"
+        rule = dict(block_size=C, decay_skipped_blocks=c.decay_skipped_blocks, backend=self.backend,
+                    output_final_state=True)
+        s_start, s_run, decay = cache.state_start, cache.state_run, cache.decay_sum
+        outs = []
+        if head:
+            piece = slice(0, head)
+            o, s_run = ops.gated_delta_rule(ql[:, piece], kl[:, piece], vl[:, piece], g[:, piece], beta[:, piece],
+                                            initial_state=s_run, **rule)
+            cumulative = decay[:, None] + g[:, piece].to(decay.dtype).cumsum(1)
+            decay = cumulative[:, -1]
+            if not intra:  # the committed state, decayed to each token's position
+                o = (cumulative.exp()[..., None] * read_state(s_start, ql[:, piece])).to(x.dtype)
+            outs.append(o)
+            if closes_head:
+                s_start = commit_state(s_start, s_run, decay, write[:, 0], c.decay_skipped_blocks, fast=fast)
+                s_run, decay = s_start, torch.zeros_like(decay)
+        if full:
+            piece = slice(head, head + full * C)
+            o, s_start = ops.gated_delta_rule(ql[:, piece], kl[:, piece], vl[:, piece], g[:, piece], beta[:, piece],
+                                              write[:, int(closes_head):], initial_state=s_start, intra_block=intra,
+                                              **rule)
+            s_run = s_start
+            outs.append(o)
+        if tail:
+            piece = slice(T - tail, T)
+            o, s_run = ops.gated_delta_rule(ql[:, piece], kl[:, piece], vl[:, piece], g[:, piece], beta[:, piece],
+                                            initial_state=s_start, intra_block=intra, **rule)
+            decay = decay + g[:, piece].to(decay.dtype).sum(1)
+            outs.append(o)
+        o_la = torch.cat(outs, dim=1)
+
+        # Softmax branch: attention first (it reads the cached block), then the KV goes into the memory.
+        qs, ks, vs = self.softmax_views(q, k, v, start=start)
+        if start == 0:
+            nb = -(-T // C)
+            keep_all = torch.ones(B, nb, self.num_heads, dtype=x.dtype, device=x.device)
+            if keep is not None:
+                keep_all[:, :completed] = keep
+            o_nla = ops.routed_attention(qs, ks, vs, keep_all, block_size=C, backend=self.backend,
+                                         intra_block=c.intra_block_output != "gdn")
+        else:
+            o_nla = self._attend_after_prefix(qs, ks, vs, cache, n, keep)
+        self._store_kv(ks, vs, cache, n, keep)
+
+        # Commit the new states and the router's running sum of the unfinished block.
+        cache.state_start.copy_(s_start)
+        cache.state_run.copy_(s_run)
+        cache.decay_sum.copy_(decay)
+        if completed == 0:
+            cache.x_sum.add_(x.to(acc).sum(1))
+        else:
+            cache.x_sum.copy_(x[:, T - tail:].to(acc).sum(1))
+        return o_la, o_nla
+
+    def _keep_per_head(self, keep, B, device):
+        """keep [B, completed, H] or None -> bool [B, completed + 1, heads]; the extra last row is
+        False and stands for the unfinished block (so indexing by relative block is always safe)."""
+        if keep is None:
+            keep = torch.zeros(B, 0, self.num_heads, device=device)
+        heads = keep.repeat_interleave(self.groups, dim=2) > 0.5
+        return torch.cat([heads, heads.new_zeros(B, 1, heads.shape[2])], dim=1)
+
+    def _attend_after_prefix(self, qs, ks, vs, cache, n: int, keep, chunk: int = 1024):
+        """Softmax branch of a prefill that continues a cache: the new queries see the kept memory,
+        the cached tokens of the block in progress and the new keys, as routed_attention would."""
+        C = self.config.block_size
+        intra = self.config.intra_block_output != "gdn"
+        B, T = qs.shape[:2]
+        device = qs.device
+        kept0 = cache.kept_len.repeat_interleave(self.groups, dim=1)[..., None, None]  # [B, heads, 1, 1]
+        prefix = int(cache.kept_len.max()) + n
+        keys = torch.cat([cache.k_mem[:, :, :prefix], ks.transpose(1, 2)], dim=2)
+        values = torch.cat([cache.v_mem[:, :, :prefix], vs.transpose(1, 2)], dim=2)
+        keep_heads = self._keep_per_head(keep, B, device)  # [B, completed + 1, heads]
+        rel = (n + torch.arange(T, device=device)) // C  # relative block of each new token
+        key_kept = keep_heads[:, rel].permute(0, 2, 1)[:, :, None, :]  # [B, heads, 1, T]
+        slots = torch.arange(prefix, device=device)
+        committed = slots < kept0  # kept blocks: earlier than every new token
+        cached_block = (slots >= kept0) & (slots < kept0 + n)  # the block in progress (relative block 0)
+        block0_kept = keep_heads[:, 0][:, :, None, None]  # [B, heads, 1, 1]
+        outputs = []
+        for t0 in range(0, T, chunk):
+            t = torch.arange(t0, min(T, t0 + chunk), device=device)
+            a = rel[t][:, None]  # [tq, 1]
+            sees_block0 = ((a == 0) & intra) | ((a > 0) & block0_kept)  # [B, heads, tq, 1]
+            prefix_mask = committed | (cached_block & sees_block0)
+            same_block = (rel[None, :] == a) & (torch.arange(T, device=device)[None, :] <= t[:, None]) & intra
+            new_mask = same_block | ((rel[None, :] < a) & key_kept)
+            mask = torch.cat([prefix_mask.expand(B, -1, len(t), -1), new_mask.expand(B, keys.shape[1], -1, -1)], -1)
+            outputs.append(masked_attention(qs[:, t0:t0 + len(t)], keys, values, mask))
+        return torch.cat(outputs, dim=1)
+
+    def _store_kv(self, ks, vs, cache, n: int, keep) -> None:
+        """Write the new tokens' K/V into the compacted memory: tokens of kept blocks and of the
+        unfinished block, each at its group's kept length + C * (kept blocks before it) + offset."""
+        C = self.config.block_size
+        B, T = ks.shape[:2]
+        device = ks.device
+        keep_heads = self._keep_per_head(keep, B, device)  # [B, completed + 1, heads]
+        completed = keep_heads.shape[1] - 1
+        position = n + torch.arange(T, device=device)
+        rel, offset = position // C, position % C
+        kept_before = torch.cumsum(keep_heads.long(), dim=1) - keep_heads.long()  # exclusive count
+        kept0 = cache.kept_len.repeat_interleave(self.groups, dim=1)  # [B, heads]
+        dest = kept0[:, None, :] + C * kept_before[:, rel] + offset[None, :, None]  # [B, T, heads]
+        valid = keep_heads[:, rel] | (rel >= completed)[None, :, None]
+        b, t, h = valid.nonzero(as_tuple=True)
+        cache.k_mem[b, h, dest[b, t, h]] = ks[b, t, h].to(cache.k_mem.dtype)
+        cache.v_mem[b, h, dest[b, t, h]] = vs[b, t, h].to(cache.v_mem.dtype)
+        if keep is not None:
+            cache.kept_len.add_(C * (keep > 0.5).long().sum(1))

@@ -1,0 +1,78 @@
+"""`natsl bench-latency`: prefill seconds and decode ms per token against context length (paper Fig. 4)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from natsl.cli.app import command
+from natsl.errors import NatslError
+
+
+@command("bench-latency")
+def bench_latency(
+    recipe: Optional[List[str]] = typer.Option(None, help="Recipe to measure with random weights (repeatable)."),
+    checkpoint: Optional[List[str]] = typer.Option(None, help="Checkpoint folder to measure, trained router (repeatable)."),
+    min_len: int = typer.Option(1024, help="Shortest context; the lengths double from here."),
+    max_len: int = typer.Option(131072, help="Longest context (the paper goes to 131072)."),
+    keep_fraction: float = typer.Option(0.5, help="Fraction of blocks kept by the NAtS-L layers of recipe models "
+                                                  "(their router is untrained; forced by a seeded random mask)."),
+    force_keep: bool = typer.Option(False, help="Force --keep-fraction on checkpoints too (default: their router decides)."),
+    batch_size: int = typer.Option(1, help="Sequences per prefill / decode step."),
+    decode_tokens: int = typer.Option(32, help="Timed decode steps per point (the median is reported)."),
+    repeats: int = typer.Option(3, help="Prefills per point (the fastest is reported)."),
+    seed: int = typer.Option(0, help="Seed for the weights, the tokens and the forced routes."),
+    out: str = typer.Option("bench_latency", help="Folder for latency.json and latency.png."),
+    backend: Optional[str] = typer.Option(None, help="reference, chunked or fast (default: fast on CUDA, chunked on CPU)."),
+    device: Optional[str] = typer.Option(None, help="cpu, cuda or cuda:N (default: cuda if present)."),
+    dtype: Optional[str] = typer.Option(None, help="fp32, bf16 or fp16 (default: bf16 on CUDA, fp32 on CPU)."),
+    cuda_graphs: bool = typer.Option(True, help="Replay decode steps as CUDA graphs (CUDA only)."),
+    progress: bool = typer.Option(True, help="Show a progress bar."),
+    time_budget: Optional[float] = typer.Option(None, help="Seconds for the whole run, shared by the models; "
+                                                           "points past a model's share are recorded as skipped."),
+) -> None:
+    """Measure latency for recipes (default: the 800M NAtS-L Hybrid, Transformer and GDN) or checkpoints."""
+    import natsl
+    from natsl.checkpoint import read_config, resolve_checkpoint_folder
+    from natsl.cli.common import pick_backend, pick_device, pick_dtype
+    from natsl.config import recipe_from_dict
+    from natsl.inference import bench
+
+    if min_len < 1 or max_len < min_len:
+        raise NatslError(f"need 1 <= --min-len <= --max-len, got {min_len} and {max_len}")
+    if not 0.0 <= keep_fraction <= 1.0:
+        raise NatslError(f"--keep-fraction must lie in [0, 1], got {keep_fraction}")
+    for name, value in (("--batch-size", batch_size), ("--decode-tokens", decode_tokens), ("--repeats", repeats)):
+        if value < 1:
+            raise NatslError(f"{name} must be at least 1, got {value}")
+    torch_device = pick_device(device)
+    torch_dtype = pick_dtype(dtype, torch_device)
+    chosen_backend = pick_backend(backend, torch_device)
+
+    specs, limits = [], []
+    recipes = list(recipe or [])
+    if not recipes and not checkpoint:
+        recipes = list(bench.DEFAULT_RECIPES)
+    for path in recipes:
+        limits.append((path, natsl.load_recipe(path).model.max_seq_len))  # validates the recipe now
+        specs.append(bench.BenchModel("recipe", path, keep_fraction))
+    for path in checkpoint or []:
+        config = recipe_from_dict(read_config(resolve_checkpoint_folder(path))["recipe"])
+        limits.append((path, config.model.max_seq_len))
+        specs.append(bench.BenchModel("checkpoint", path, keep_fraction if force_keep else None))
+    for path, limit in limits:
+        if max_len > limit:
+            raise NatslError(f"--max-len {max_len} is beyond the max_seq_len {limit} of {path}; lower --max-len")
+
+    folder = Path(out)
+    json_path, png_path = folder / "latency.json", folder / "latency.png"
+    result = bench.run_benchmark(specs, bench.context_lengths(min_len, max_len), device=torch_device, dtype=torch_dtype,
+                                 backend=chosen_backend, batch=batch_size, decode_tokens=decode_tokens, repeats=repeats,
+                                 seed=seed, cuda_graphs=cuda_graphs, progress=progress, time_budget_s=time_budget,
+                                 on_update=lambda r: bench.save_json(r, json_path))
+    bench.save_json(result, json_path)
+    bench.plot(result, png_path)
+    print(bench.format_table(result))
+    print(f"wrote {json_path} and {png_path}")

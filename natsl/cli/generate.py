@@ -1,0 +1,143 @@
+"""`natsl generate CHECKPOINT --prompt TEXT | --prompt-file FILE`: continue prompts with a trained model."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from natsl.cli.app import command
+from natsl.errors import NatslError
+
+
+def read_prompts(prompt: str | None, prompt_file: str | None) -> list[str]:
+    """The prompts of the command line: one `--prompt`, a text file (one prompt), or a .jsonl file
+    with one JSON object per line holding the prompt under `prompt` or `text`."""
+    if (prompt is None) == (prompt_file is None):
+        raise NatslError("give exactly one of --prompt TEXT and --prompt-file FILE")
+    if prompt is not None:
+        if not prompt:
+            raise NatslError("--prompt is empty; give some text")
+        return [prompt]
+    path = Path(prompt_file)
+    if not path.is_file():
+        raise NatslError(f"prompt file {str(path)!r} does not exist; check the path")
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise NatslError(f"prompt file {str(path)!r} is not UTF-8 text") from None
+    if not raw.strip():
+        raise NatslError(f"prompt file {str(path)!r} is empty; put a prompt in it")
+    if path.suffix != ".jsonl":
+        return [raw.rstrip("\n")]
+    prompts = []
+    for number, line in enumerate(raw.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise NatslError(f"{path}:{number} is not valid JSON ({err.msg}); write one object per line") from None
+        text = record.get("prompt", record.get("text")) if isinstance(record, dict) else None
+        if not isinstance(text, str) or not text:
+            raise NatslError(f"{path}:{number} has no non-empty string field 'prompt' or 'text'")
+        prompts.append(text)
+    return prompts
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    """Write rows atomically (temporary file + rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        for row in rows:
+            fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+
+
+@command("generate")
+def generate(
+    checkpoint: str = typer.Argument(..., help="Model folder written by `natsl train` or `natsl convert` (or a run folder)."),
+    prompt: Optional[str] = typer.Option(None, help="The prompt text."),
+    prompt_file: Optional[str] = typer.Option(None, help="A text file (one prompt) or .jsonl (field 'prompt' or 'text' per line)."),
+    max_new_tokens: int = typer.Option(128, help="Tokens to generate at most per prompt."),
+    temperature: float = typer.Option(1.0, help="Sampling temperature; 0 = greedy."),
+    top_k: int = typer.Option(0, help="Sample from the k most likely tokens only (0 = all)."),
+    top_p: float = typer.Option(1.0, help="Sample from the smallest set of tokens holding this probability (1 = all)."),
+    seed: int = typer.Option(0, help="Seed of the sampler: the same seed gives the same text."),
+    stop: Optional[List[str]] = typer.Option(None, help="Stop when this string appears (not printed); repeatable."),
+    ignore_eos: bool = typer.Option(False, help="Keep going past the end-of-text token."),
+    batch_size: int = typer.Option(8, help="Prompts of a .jsonl file decoded together."),
+    output: Optional[str] = typer.Option(None, help="Also write the completions as JSON lines to this file."),
+    backend: Optional[str] = typer.Option(None, help="reference, chunked or fast (default: fast on CUDA, chunked on CPU)."),
+    device: Optional[str] = typer.Option(None, help="cpu, cuda or cuda:N (default: cuda if present)."),
+    dtype: Optional[str] = typer.Option(None, help="fp32, bf16 or fp16 (default: bf16 on CUDA, fp32 on CPU)."),
+    cuda_graphs: bool = typer.Option(True, help="Replay decode steps as CUDA graphs (CUDA only)."),
+) -> None:
+    """Continue prompts with a checkpoint; one prompt streams to the terminal as it is generated."""
+    from natsl.checkpoint import load_checkpoint
+    from natsl.cli.common import pick_backend, pick_device, pick_dtype
+    from natsl.inference.generate import generate as run_generate
+    from natsl.inference.sampling import SamplingConfig
+
+    texts = read_prompts(prompt, prompt_file)
+    config = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                            seed=seed, stop=list(stop or []), stop_at_eos=not ignore_eos)
+    config.validate()
+    if batch_size < 1:
+        raise NatslError(f"--batch-size must be at least 1, got {batch_size}")
+    torch_device = pick_device(device)
+    torch_dtype = pick_dtype(dtype, torch_device)
+    chosen_backend = pick_backend(backend, torch_device)
+    model, tokenizer = load_checkpoint(checkpoint, device=torch_device, dtype=torch_dtype)
+    if tokenizer is None:
+        raise NatslError(f"checkpoint {checkpoint!r} has no tokenizer.json; generate needs one to read and write text")
+    model.set_backend(chosen_backend)
+    prompts = [tokenizer.encode(t) for t in texts]
+    limit = model.config.max_seq_len
+    for i, ids in enumerate(prompts):
+        where = "the prompt" if len(prompts) == 1 else f"prompt {i + 1}"
+        if not ids:
+            raise NatslError(f"{where} encodes to no tokens; give some text")
+        if len(ids) >= limit:
+            raise NatslError(f"{where} has {len(ids)} tokens but the model takes at most {limit} (max_seq_len) "
+                             "including the new ones; shorten it")
+
+    single = len(prompts) == 1
+    rows = []
+    totals = {"new_tokens": 0, "decode_s": 0.0, "prefill_s": 0.0, "prompt_tokens": 0}
+    for first in range(0, len(prompts), batch_size):
+        chunk = prompts[first:first + batch_size]
+        stats: dict = {}
+
+        def stream(i: int, text: str) -> None:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+        completions = run_generate(model, tokenizer, chunk, config, on_text=stream if single else None,
+                                   cuda_graphs=cuda_graphs, stats=stats)
+        for key in totals:
+            totals[key] += stats[key]
+        for offset, completion in enumerate(completions):
+            index = first + offset
+            if single:
+                sys.stdout.write("\n")
+            else:
+                print(f"--- prompt {index + 1} ({completion.stop_reason}) ---")
+                print(completion.text)
+            rows.append({"prompt": texts[index], "completion": completion.text,
+                         "prompt_tokens": completion.prompt_tokens, "new_tokens": len(completion.tokens),
+                         "stop_reason": completion.stop_reason})
+        sys.stdout.flush()
+    if output:
+        write_jsonl(Path(output), rows)
+    rate = totals["new_tokens"] / totals["decode_s"] if totals["decode_s"] > 0 else float("nan")
+    reason = f", stop: {rows[0]['stop_reason']}" if single else ""
+    print(f"[{len(rows)} prompt(s), {totals['prompt_tokens']} prompt tokens prefilled in {totals['prefill_s']:.2f} s, "
+          f"{totals['new_tokens']} new tokens in {totals['decode_s']:.2f} s ({rate:.1f} tok/s) on {torch_device}, "
+          f"{str(torch_dtype).replace('torch.', '')}, backend {chosen_backend}{reason}]", file=sys.stderr)

@@ -1,0 +1,60 @@
+"""Next-token choice: greedy at temperature 0, else temperature, top-k and top-p (nucleus) sampling.
+
+Sampling draws on the CPU with an explicit `torch.Generator`, so a seed gives the same tokens on
+any device (the logits of one step are a few hundred kilobytes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from natsl.errors import NatslError
+
+
+@dataclass
+class SamplingConfig:
+    max_new_tokens: int = 128
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 = no limit
+    top_p: float = 1.0  # 1 = no limit
+    seed: int = 0
+    stop: list[str] = field(default_factory=list)  # stop strings (not included in the output)
+    stop_at_eos: bool = True
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 1:
+            raise NatslError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise NatslError(f"--temperature must be 0 (greedy) or more, got {self.temperature}")
+        if self.top_k < 0:
+            raise NatslError(f"--top-k must be 0 (off) or more, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise NatslError(f"--top-p must lie in (0, 1], got {self.top_p}")
+        if any(s == "" for s in self.stop):
+            raise NatslError("--stop needs a non-empty string")
+
+
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """logits [B, V] -> the same with everything outside the top-k / top-p set at -inf."""
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the tokens ranked above it already reach top_p (the first always stays).
+        drop = (probs.cumsum(-1) - probs) >= top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, config: SamplingConfig, generator: torch.Generator) -> torch.Tensor:
+    """logits [B, V] (any device) -> next tokens [B] (int64, on the CPU)."""
+    logits = logits.detach().float().cpu()
+    if config.temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = filter_logits(logits / config.temperature, config.top_k, config.top_p)
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]

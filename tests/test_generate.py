@@ -1,0 +1,133 @@
+"""`natsl generate` and `natsl bench-latency` on a tiny checkpoint / recipe, through the real CLI."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import natsl
+from natsl.checkpoint import save_model_folder
+from natsl.cli.main import app
+from natsl.tokenizer import train_bpe
+
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+MAX_SEQ_LEN = 96
+
+WORDS = "the a cat dog sat on mat ran far and then slept under warm sun while birds sang songs".split()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A tiny NAtS-L Hybrid (random weights) with a BPE tokenizer, saved as a model folder."""
+    gen = torch.Generator().manual_seed(0)
+    texts = [" ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (12,), generator=gen)) for _ in range(200)]
+    tokenizer = train_bpe(texts, vocab_size=320)
+    recipe = natsl.load_recipe(RECIPES / "tiny_hybrid.yaml")
+    recipe = dataclasses.replace(recipe, model=dataclasses.replace(
+        recipe.model, vocab_size=tokenizer.vocab_size, block_size=8, max_seq_len=MAX_SEQ_LEN))
+    torch.manual_seed(0)
+    model = natsl.build_model(recipe)
+    return save_model_folder(tmp_path_factory.mktemp("ckpt") / "tiny", model, recipe, tokenizer)
+
+
+def run(*args):
+    result = CliRunner().invoke(app, [str(a) for a in args])
+    return result
+
+
+def generate(checkpoint, *args):
+    result = run("generate", checkpoint, "--device", "cpu", "--backend", "chunked", *args)
+    assert result.exit_code == 0, result.output + result.stderr
+    return result.stdout
+
+
+def test_generate_streams_text_and_is_deterministic_with_a_seed(checkpoint):
+    args = ("--prompt", "the cat sat on", "--max-new-tokens", "20", "--temperature", "0.8", "--top-k", "50",
+            "--top-p", "0.95")
+    first = generate(checkpoint, *args, "--seed", "7")
+    assert first.strip() and first == generate(checkpoint, *args, "--seed", "7")
+    others = {generate(checkpoint, *args, "--seed", str(s)) for s in (1, 2, 3)}
+    assert len(others | {first}) > 1  # the seed matters
+
+
+def test_generate_stops_at_a_stop_string(checkpoint):
+    greedy = ("--prompt", "a dog ran", "--max-new-tokens", "30", "--temperature", "0", "--ignore-eos")
+    text = generate(checkpoint, *greedy).rstrip("\n")
+    assert len(text) > 10
+    stop = text[6:9]
+    stopped = generate(checkpoint, *greedy, "--stop", stop).rstrip("\n")
+    assert stopped == text[:text.find(stop)]
+
+
+def test_jsonl_prompts_decode_in_a_batch_as_they_would_alone(checkpoint, tmp_path):
+    prompts = ["the cat", "a dog ran far and then slept under the warm sun", "birds"]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt" if i % 2 else "text": p}) for i, p in enumerate(prompts)) + "\n")
+    out = tmp_path / "out.jsonl"
+    common = ("--max-new-tokens", "12", "--temperature", "0", "--ignore-eos")
+    generate(checkpoint, "--prompt-file", path, "--batch-size", "3", "--output", out, *common)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == prompts and all(r["new_tokens"] == 12 for r in rows)
+    for row in rows:
+        alone = generate(checkpoint, "--prompt", row["prompt"], *common).rstrip("\n")
+        assert row["completion"] == alone
+
+
+def assert_one_line_error(result, *fragments):
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
+    assert "Traceback" not in result.output + result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def test_generate_rejects_bad_input_in_one_line(checkpoint, tmp_path):
+    assert_one_line_error(run("generate", tmp_path / "nowhere", "--prompt", "hi", "--device", "cpu"), "does not exist")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n")
+    assert_one_line_error(run("generate", checkpoint, "--prompt-file", empty, "--device", "cpu"), "is empty")
+    long = tmp_path / "long.txt"
+    long.write_text(" ".join(WORDS * 10))
+    assert_one_line_error(run("generate", checkpoint, "--prompt-file", long, "--device", "cpu"),
+                          f"at most {MAX_SEQ_LEN}", "max_seq_len")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"nope": 1}\n')
+    assert_one_line_error(run("generate", checkpoint, "--prompt-file", bad, "--device", "cpu"), "bad.jsonl:2")
+    assert_one_line_error(run("generate", checkpoint, "--device", "cpu"), "exactly one of")
+    assert_one_line_error(run("generate", checkpoint, "--prompt", "x", "--top-p", "0", "--device", "cpu"), "--top-p")
+
+
+def test_console_script_error_has_no_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "natsl.cli.main", "generate", str(tmp_path / "missing"),
+                           "--prompt", "hi", "--device", "cpu"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("error:") and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_bench_latency_runs_on_the_cpu_and_writes_json_and_png(tmp_path):
+    result = run("bench-latency", "--recipe", RECIPES / "tiny_hybrid.yaml", "--min-len", "64", "--max-len", "128",
+                 "--device", "cpu", "--decode-tokens", "3", "--repeats", "1", "--out", tmp_path, "--no-progress")
+    assert result.exit_code == 0, result.output + result.stderr
+    data = json.loads((tmp_path / "latency.json").read_text())
+    (model,) = data["models"]
+    assert model["name"] == "tiny_hybrid" and model["forced_keep_fraction"] == 0.5
+    assert [p["context"] for p in model["points"]] == [64, 128]
+    for point in model["points"]:
+        assert "error" not in point, point
+        assert point["prefill_s"] > 0 and point["decode_ms"] > 0
+        assert point["prefill_floor_s"] > 0 and point["decode_floor_ms"] > 0
+        assert 0 < point["cache_bytes"] <= point["cache_allocated_bytes"]
+    assert data["rates"]["matmul_flops_per_s"] > 0 and data["rates"]["copy_bytes_per_s"] > 0
+    assert (tmp_path / "latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "tiny_hybrid" in result.stdout and "decode ms" in result.stdout
+
+
+def test_bench_latency_rejects_a_length_beyond_the_model(tmp_path):
+    assert_one_line_error(run("bench-latency", "--recipe", RECIPES / "tiny_hybrid.yaml", "--max-len", "1000000",
+                              "--device", "cpu", "--out", tmp_path), "max_seq_len")

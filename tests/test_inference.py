@@ -1,0 +1,287 @@
+"""Incremental inference: prefill + decode through the cache compute what the full forward computes.
+
+Contract section 4: for any prompt and split point, prefill + decode logits equal the full-sequence
+forward logits. Tiny models with block_size 16, so a few dozen tokens cross several blocks.
+"""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+import natsl
+from natsl.errors import NatslError
+from natsl.inference.cache import read_length
+from natsl.inference.decode import DecodeRunner
+from natsl.inference.generate import TextStream
+from natsl.inference.routing import force_keep_fraction
+from natsl.inference.sampling import filter_logits
+
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+BLOCK = 16
+
+LAYOUTS = {
+    "gdn": {"base_layer": "gdn", "natsl_layers": []},
+    "transformer": {"base_layer": "attention", "natsl_layers": []},
+    "gdn_hybrid": {"base_layer": "gdn", "natsl_layers": [], "attention_layers": [1, 3]},
+    "natsl": {"base_layer": "natsl", "natsl_layers": [], "natsl_rope": True},
+    "natsl_hybrid": {},  # tiny_hybrid itself: GDN + NAtS-L at 1 and 3, no RoPE
+}
+
+
+def tiny_model(backend="chunked", dtype=torch.float32, seed=0, **changes):
+    base = natsl.load_recipe(RECIPES / "tiny_hybrid.yaml").model
+    config = dataclasses.replace(base, **{"backend": backend, "block_size": BLOCK, **changes})
+    torch.manual_seed(seed)
+    return natsl.build_model(config).to(dtype).eval()
+
+
+def relative_error(got, expected):
+    return float((got - expected).abs().max() / expected.abs().max())
+
+
+def prefill_then_decode(model, ids, chunks):
+    """Feed ids [B, T] through one cache: a prefill per chunk end in `chunks`, then one token at a time."""
+    cache = model.new_cache(ids.shape[0], max_len=ids.shape[1])
+    parts, start = [], 0
+    for end in chunks:
+        parts.append(model(ids[:, start:end], cache=cache))
+        start = end
+    parts += [model(ids[:, t:t + 1], cache=cache) for t in range(start, ids.shape[1])]
+    return torch.cat(parts, dim=1), cache
+
+
+def mixed_routes(model) -> bool:
+    """Whether the last full forward kept some blocks and dropped others (so the test means something)."""
+    keeps = [layer.last_keep[:, :-1] for layer in model.natsl_layers().values()]
+    return any(0 < float(k.mean()) < 1 for k in keeps)
+
+
+@pytest.mark.parametrize("backend", ["reference", "chunked"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_prefill_and_decode_equal_the_full_forward(layout, backend):
+    model = tiny_model(backend, **LAYOUTS[layout])
+    ids = torch.randint(0, 1024, (2, 50), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(ids)
+        if model.natsl_layers():
+            assert mixed_routes(model)
+        # T < block, on a block boundary, inside a block, and several blocks in.
+        for split in (5, BLOCK, BLOCK + 5, 2 * BLOCK + 9):
+            got, cache = prefill_then_decode(model, ids, [split])
+            assert relative_error(got, full) < 1e-4, (layout, backend, split)
+            assert cache.positions.lengths.tolist() == [50, 50] and cache.positions.pos.tolist() == [50, 50]
+
+
+@pytest.mark.parametrize("layout", ["natsl_hybrid", "natsl", "transformer"])
+def test_prefill_in_several_chunks_continues_the_cache(layout):
+    model = tiny_model("chunked", torch.float64, **LAYOUTS[layout])
+    ids = torch.randint(0, 1024, (2, 75), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = model(ids)
+        # chunks that start inside a block, end on a boundary, hold one token, and span many blocks
+        for chunks in ([3, 20, 21, 40, 70], [16, 32, 33, 66], [7, 9, 64]):
+            got, _ = prefill_then_decode(model, ids, chunks)
+            assert relative_error(got, full) < 1e-6, chunks
+
+
+ABLATIONS = [
+    {"intra_block_output": "gdn"},
+    {"intra_block_output": "softmax", "natsl_rope": True},
+    {"decay_skipped_blocks": False},
+    {"branch_norm": "after_sum", "mix_input": "x"},
+    {"mix_weights": "none"},
+    {"mix_weights": "sigmoid", "block_size": 8},
+]
+
+
+@pytest.mark.parametrize("changes", ABLATIONS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_ablations_decode_as_they_train(changes):
+    model = tiny_model("chunked", **changes)
+    ids = torch.randint(0, 1024, (2, 45), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full = model(ids)
+        for chunks in ([21], [7, 30]):
+            got, _ = prefill_then_decode(model, ids, chunks)
+            assert relative_error(got, full) < 1e-4, chunks
+
+
+def softmax_kv_of_full_forward(model, ids):
+    """Per NAtS-L layer: (keep [B, NB, H], ks [B, T, heads, Dk], vs) of a full forward."""
+    inputs = {}
+    hooks = [layer.register_forward_hook(lambda mod, args, out, i=i: inputs.__setitem__(i, args[0]))
+             for i, layer in model.natsl_layers().items()]
+    model(ids)
+    for h in hooks:
+        h.remove()
+    out = {}
+    for i, layer in model.natsl_layers().items():
+        q, k, v, *_ = layer.proj(inputs[i])
+        _, ks, vs = layer.softmax_views(q, k, v)
+        out[i] = (layer.last_keep, ks, vs)
+    return out
+
+
+@pytest.mark.parametrize("chunks", [[70], [21], [16, 40]])
+def test_committed_kv_holds_exactly_the_kept_blocks(chunks):
+    model = tiny_model("chunked", **LAYOUTS["natsl"])
+    ids = torch.randint(0, 1024, (2, 70), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = softmax_kv_of_full_forward(model, ids)
+        _, cache = prefill_then_decode(model, ids, chunks)
+    R = model.config.softmax_heads_per_group
+    complete, rest = divmod(70, BLOCK)
+    checked_kept = checked_dropped = 0
+    for (i, (keep, ks, vs)), layer_cache in zip(expected.items(), cache.natsl_caches()):
+        for b in range(2):
+            for group in range(keep.shape[2]):
+                kept_blocks = [n for n in range(complete) if keep[b, n, group] > 0.5]
+                checked_kept += len(kept_blocks)
+                checked_dropped += complete - len(kept_blocks)
+                assert int(layer_cache.kept_len[b, group]) == BLOCK * len(kept_blocks)
+                tokens = [t for n in kept_blocks for t in range(n * BLOCK, (n + 1) * BLOCK)]
+                tokens += list(range(complete * BLOCK, 70))  # the unfinished block follows the kept ones
+                heads = slice(group * R, (group + 1) * R)
+                stored_k = layer_cache.k_mem[b, heads, :len(tokens)].transpose(0, 1)
+                stored_v = layer_cache.v_mem[b, heads, :len(tokens)].transpose(0, 1)
+                torch.testing.assert_close(stored_k, ks[b, tokens, heads], rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(stored_v, vs[b, tokens, heads], rtol=1e-5, atol=1e-5)
+    assert checked_kept > 0 and checked_dropped > 0
+
+
+def test_prompts_of_different_lengths_share_a_batch():
+    """Slot prefill (no padding) then batched decode, each sequence at its own position and block."""
+    model = tiny_model("chunked", **LAYOUTS["natsl"])
+    gen = torch.Generator().manual_seed(5)
+    lengths, new = [5, 23, 40], 14
+    sequences = [torch.randint(0, 1024, (n + new,), generator=gen) for n in lengths]
+    with torch.no_grad():
+        cache = model.new_cache(3, max_len=max(lengths) + new)
+        firsts = [model(s[None, :n], cache=cache.slot(i))[0] for i, (s, n) in enumerate(zip(sequences, lengths))]
+        runner = DecodeRunner(model, cache)
+        steps = [runner.step(torch.stack([s[n + t] for s, n in zip(sequences, lengths)])) for t in range(new - 4)]
+        # A multi-token call while positions differ is fed token by token.
+        tail = model(torch.stack([s[n + new - 4:n + new] for s, n in zip(sequences, lengths)]), cache=cache)
+        assert cache.positions.lengths.tolist() == [n + new for n in lengths]
+        for i, (s, n) in enumerate(zip(sequences, lengths)):
+            full = model(s[None])[0]
+            got = torch.cat([firsts[i], torch.stack([step[i] for step in steps]), tail[i]], dim=0)
+            assert relative_error(got, full) < 1e-4, i
+
+
+def test_forced_keep_fraction_is_reproducible_and_holds_its_fraction():
+    model = tiny_model("chunked", **LAYOUTS["natsl_hybrid"])
+    ids = torch.randint(0, 1024, (1, 200), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        for fraction in (0.0, 0.5, 1.0):
+            force_keep_fraction(model, fraction, seed=3)
+            one, cache_one = prefill_then_decode(model, ids, [200])
+            two, cache_two = prefill_then_decode(model, ids, [37, 100])
+            assert relative_error(two, one) < 1e-4
+            kept = [c.kept_len for c in cache_one.natsl_caches()]
+            assert all(torch.equal(a, b.kept_len) for a, b in zip(kept, cache_two.natsl_caches()))
+            measured = cache_one.kept_fraction()
+            if fraction in (0.0, 1.0):
+                assert measured == fraction
+            else:
+                assert 0.2 < measured < 0.8
+        force_keep_fraction(model, None)
+        assert all(layer.route_override is None for layer in model.natsl_layers().values())
+
+
+@pytest.mark.parametrize("layout", ["natsl_hybrid", "gdn_hybrid"])
+def test_decode_step_never_reads_the_device_on_the_host(layout):
+    """What a CUDA graph needs: on meta tensors any .item() / int() / bool() of a tensor would raise."""
+    config = dataclasses.replace(natsl.load_recipe(RECIPES / "tiny_hybrid.yaml").model, block_size=BLOCK,
+                                 **LAYOUTS[layout])
+    model = natsl.build_model(config, device="meta")
+    cache = model.new_cache(2, max_len=64)
+    cache.positions.attn_read = cache.positions.natsl_read = 64  # what prepare_decode sets, on the host
+    for override in (None, 0.5):
+        force_keep_fraction(model, override)
+        logits = model.decode_step(torch.zeros(2, 1, dtype=torch.long, device="meta"), cache)
+        assert logits.shape == (2, 1, config.vocab_size)
+
+
+def test_cache_bookkeeping():
+    model = tiny_model("chunked")
+    cache = model.new_cache(2, max_len=40)
+    ids = torch.randint(0, 1024, (2, 30))
+    with torch.no_grad():
+        first = model(ids, cache=cache)
+        assert cache.live_bytes() < cache.allocated_bytes()
+        with pytest.raises(NatslError, match="holds 40 tokens"):
+            model(torch.zeros(2, 11, dtype=torch.long), cache=cache)
+        cache.reset()  # in place: the same tensors, empty again
+        assert cache.positions.lengths.tolist() == [0, 0]
+        assert torch.equal(model(ids, cache=cache), first)
+    assert read_length(1, 1000) == 64 and read_length(1025, 10**6) == 1152 and read_length(5000, 4100) == 4100
+    assert all(read_length(n, 10**9) >= n for n in range(1, 5000, 37))
+
+
+def test_sampling_filters():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
+    assert torch.isinf(filter_logits(logits, top_k=2)).tolist() == [[True, False, True, False]]
+    probs = torch.softmax(logits, -1)[0]  # 0.03, 0.64, 0.09, 0.24
+    kept = ~torch.isinf(filter_logits(logits, top_p=0.7))
+    assert kept.tolist() == [[False, True, False, True]] and probs[1] < 0.7
+    assert (~torch.isinf(filter_logits(logits, top_p=0.5))).sum() == 1
+
+
+class CharTokenizer:
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+
+def test_text_stream_holds_back_a_possible_stop_string():
+    stream = TextStream(CharTokenizer(), ["END"])
+    shown = [stream.add(ord(c)) for c in "abEcE"]
+    assert "".join(s for s, _ in shown) == "abEc" and not any(stop for _, stop in shown)
+    assert stream.add(ord("N")) == ("", False)
+    assert stream.add(ord("D")) == ("", True)
+    assert stream.text == "abEc"
+
+
+# -- on the GPU (the H200, through the device tool: pytest -m gpu tests/test_inference.py) ----------
+
+def gpu_model(layout, dtype=torch.float32, **changes):
+    """The fast kernels take block_size 64 or 128 only."""
+    return tiny_model("fast", dtype, **{**LAYOUTS[layout], "block_size": 64, **changes}).cuda()
+
+
+@pytest.mark.parametrize("layout", ["natsl_hybrid", "natsl", "transformer", "gdn"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_fast_prefill_and_decode_equal_the_full_forward(layout):
+    model = gpu_model(layout)
+    ids = torch.randint(0, 1024, (2, 300), generator=torch.Generator().manual_seed(7)).cuda()
+    with torch.no_grad():
+        full = model(ids)
+        for chunks in ([37], [128], [64, 200], [250]):
+            got, _ = prefill_then_decode(model, ids, chunks)
+            assert relative_error(got, full) < 1e-2, chunks
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_cuda_graph_decode_equals_eager_decode():
+    model = gpu_model("natsl_hybrid", torch.bfloat16)
+    force_keep_fraction(model, 0.5, seed=1)
+    gen = torch.Generator().manual_seed(8)
+    lengths, new = [300, 77], 150
+    sequences = [torch.randint(0, 1024, (n + new,), generator=gen).cuda() for n in lengths]
+    logits = {}
+    with torch.no_grad():
+        for graphs in (False, True):
+            cache = model.new_cache(2, max_len=max(lengths) + new)
+            for i, (s, n) in enumerate(zip(sequences, lengths)):
+                model(s[None, :n], cache=cache.slot(i))
+            runner = DecodeRunner(model, cache, cuda_graphs=graphs)
+            logits[graphs] = torch.stack([runner.step(torch.stack([s[n + t] for s, n in zip(sequences, lengths)]))
+                                          for t in range(new)])
+            assert runner.cuda_graphs == graphs and (runner.captures >= 1) == graphs
+            kept = [c.kept_len.clone() for c in cache.natsl_caches()]
+            logits[graphs, "kept"] = kept
+    torch.testing.assert_close(logits[True].float(), logits[False].float(), rtol=0, atol=1e-2)
+    assert all(torch.equal(a, b) for a, b in zip(logits[True, "kept"], logits[False, "kept"]))
