@@ -13,6 +13,12 @@ from natsl.cli.app import app
 from natsl.cli import info  # noqa: F401,E402
 from natsl.cli import generate  # noqa: F401,E402
 from natsl.cli import bench_latency  # noqa: F401,E402
+from natsl.cli import tokenize  # noqa: F401,E402
+from natsl.cli import train  # noqa: F401,E402
+from natsl.cli import eval_ppl  # noqa: F401,E402
+from natsl.cli import eval_ruler  # noqa: F401,E402
+from natsl.cli import inspect_routing  # noqa: F401,E402
+from natsl.cli import convert  # noqa: F401,E402
 
 
 def _print_version(value: bool) -> None:

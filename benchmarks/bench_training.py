@@ -1,0 +1,182 @@
+"""Training throughput (tokens/s, MFU, peak memory) of recipes, through the real `natsl train` loop.
+
+    python benchmarks/bench_training.py                      # the five 800M systems, 4096 context, 30 steps
+    python benchmarks/bench_training.py --recipes 800m_hybrid --max-steps 40 --compile
+    python benchmarks/bench_training.py --nproc 8            # each recipe under torchrun on 8 GPUs
+
+Each recipe runs in its own process (a fresh CUDA context; an out-of-memory failure is retried with
+half the micro-batch, down to 1) on the embedded corpus at the model's vocabulary (built once in
+the cache), with `--max-steps` steps of one micro-batch per rank each (set --tokens-per-step for
+gradient accumulation), no checkpoint and a one-window evaluation. The first `--warmup-steps`
+steps (allocation, autotuning, compilation) are left out of the averages. MFU uses
+natsl.training.flops (6 N per token plus attention/GDN terms, measured keep fraction) over the
+bf16 peak of the GPU (989 TFLOP/s for H100/H200). Results: OUT/bench_training.json, .png, and a
+table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SYSTEMS_800M = ["800m_hybrid", "800m_gdn_hybrid", "800m_transformer", "800m_gdn", "800m_natsl"]
+
+
+def worker(args) -> None:
+    """One recipe, in this process (or in each torchrun rank); rank 0 writes the result JSON."""
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    from natsl.config import apply_overrides, load_recipe
+    from natsl.training import TrainOptions, train
+    from natsl.training.flops import flops_per_token, peak_flops
+
+    recipe = load_recipe(args.worker)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    tokens_per_step = args.tokens_per_step or args.micro_batch_size * args.seq_len * world
+    overrides = [f"train.seq_len={args.seq_len}", f"train.tokens_per_step={tokens_per_step}",
+                 f"train.micro_batch_size={args.micro_batch_size}", "train.save_every=1000000000",
+                 "train.eval_every=1000000000", f"train.eval_tokens={args.seq_len}", "train.log_every=1",
+                 f"train.activation_checkpointing={str(args.activation_checkpointing).lower()}",
+                 f"train.total_tokens={max(recipe.train.total_tokens, tokens_per_step * (args.max_steps + 1))}",
+                 "data.path=builtin"]
+    recipe = apply_overrides(recipe, overrides)
+    rank = int(os.environ.get("RANK", "0"))
+    result = {"recipe": args.worker, "micro_batch_size": args.micro_batch_size, "seq_len": args.seq_len,
+              "tokens_per_step": tokens_per_step, "world_size": world, "compile": args.compile,
+              "activation_checkpointing": args.activation_checkpointing}
+    with tempfile.TemporaryDirectory(prefix="natsl-bench-") as out:
+        try:
+            run = train(recipe, TrainOptions(out_dir=out, resume="never", device=args.device, backend=args.backend,
+                                             compile=args.compile, max_steps=args.max_steps, save_final=False,
+                                             progress=False, log=lambda *_: None))
+        except torch.cuda.OutOfMemoryError as err:
+            result.update(status="oom", error=str(err).splitlines()[0])
+        else:
+            steps = [r for r in run.history[args.warmup_steps:] if not r["skipped"]]
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() \
+                else torch.device("cpu")
+            seconds = sum(r["time_s"] for r in steps)
+            tps = len(steps) * tokens_per_step / seconds if seconds else float("nan")
+            keeps = [v for r in steps for v in r["keep"].values()]
+            keep = sum(keeps) / len(keeps) if keeps else 1.0
+            fpt = flops_per_token(recipe.model, args.seq_len, keep)
+            peak = peak_flops(device)
+            result.update(status="ok", steps_timed=len(steps), tokens_per_s=tps,
+                          tokens_per_s_per_gpu=tps / world, mfu=(tps * fpt / (peak * world)) if peak else None,
+                          flops_per_token=fpt, keep_fraction=keep, final_loss=run.loss,
+                          step_ms=1000 * seconds / max(len(steps), 1),
+                          peak_memory_gib=(torch.cuda.max_memory_allocated(device) / 2**30
+                                           if device.type == "cuda" else None),
+                          device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                          params=None)
+            from natsl.models import build_model
+
+            result["params"] = build_model(recipe, device="meta").num_parameters()
+    if rank == 0:
+        Path(args.result).write_text(json.dumps(result, indent=2))
+
+
+def run_one(recipe: str, mbs: int, args, result_path: Path) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", recipe, "--result", str(result_path),
+           "--micro-batch-size", str(mbs), "--seq-len", str(args.seq_len), "--max-steps", str(args.max_steps),
+           "--warmup-steps", str(args.warmup_steps)]
+    for flag in ("device", "backend", "tokens_per_step"):
+        if getattr(args, flag) is not None:
+            cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    cmd += ["--compile"] if args.compile else []
+    cmd += ["--activation-checkpointing"] if args.activation_checkpointing else []
+    if args.nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
+               *cmd[1:]]
+    result_path.unlink(missing_ok=True)
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if result_path.is_file():
+        return json.loads(result_path.read_text())
+    return {"recipe": recipe, "micro_batch_size": mbs, "status": "failed", "error": f"exit code {proc.returncode}"}
+
+
+def plot(results: list[dict], png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in results if r.get("status") == "ok"]
+    if not ok:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), dpi=100)
+    names = [r["recipe"] for r in ok]
+    axes[0].bar(names, [r["tokens_per_s"] / 1e3 for r in ok])
+    axes[0].set_ylabel("thousand tokens / s")
+    axes[1].bar(names, [100 * (r["mfu"] or 0) for r in ok])
+    axes[1].set_ylabel("MFU (%)")
+    for ax in axes:
+        ax.tick_params(axis="x", rotation=30)
+        ax.grid(axis="y", alpha=0.3)
+    first = ok[0]
+    fig.suptitle(f"training throughput, {first['seq_len']} context, {first['world_size']} x {first.get('device')}")
+    fig.tight_layout()
+    fig.savefig(png)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipes", nargs="+", default=SYSTEMS_800M)
+    parser.add_argument("--max-steps", type=int, default=30)
+    parser.add_argument("--warmup-steps", type=int, default=5)
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--micro-batch-size", type=int, default=8)
+    parser.add_argument("--tokens-per-step", type=int, default=None,
+                        help="default: one micro-batch per rank (no accumulation)")
+    parser.add_argument("--nproc", type=int, default=1, help="GPUs per recipe (torchrun)")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--backend", default=None)
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--out", default="runs/bench_training")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    if args.warmup_steps >= args.max_steps:
+        parser.error("--warmup-steps must be below --max-steps")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for recipe in args.recipes:
+        mbs = args.micro_batch_size
+        while True:
+            print(f"== {recipe}: micro-batch {mbs} x {args.seq_len}, {args.max_steps} steps", flush=True)
+            result = run_one(recipe, mbs, args, out / f".{Path(recipe).stem}.json")
+            if result.get("status") != "oom" or mbs == 1:
+                break
+            mbs //= 2
+            print(f"   out of memory; retrying with micro-batch {mbs}", flush=True)
+        results.append(result)
+        (out / "bench_training.json").write_text(json.dumps(results, indent=2))
+    plot(results, out / "bench_training.png")
+    print(f"\n{'recipe':<20} {'params':>8} {'mbs':>4} {'tok/s':>10} {'tok/s/GPU':>10} {'MFU':>7} {'keep':>5} "
+          f"{'step ms':>8} {'mem GiB':>8}")
+    for r in results:
+        if r.get("status") != "ok":
+            print(f"{r['recipe']:<20} {r.get('status')}: {r.get('error', '')}")
+            continue
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
+        mem = f"{r['peak_memory_gib']:.1f}" if r["peak_memory_gib"] is not None else "n/a"
+        print(f"{r['recipe']:<20} {r['params'] / 1e6:>7.1f}M {r['micro_batch_size']:>4} {r['tokens_per_s']:>10,.0f} "
+              f"{r['tokens_per_s_per_gpu']:>10,.0f} {mfu:>7} {r['keep_fraction']:>5.2f} {r['step_ms']:>8.0f} {mem:>8}")
+    print(f"\nwrote {out / 'bench_training.json'} and {out / 'bench_training.png'}")
+
+
+if __name__ == "__main__":
+    main()

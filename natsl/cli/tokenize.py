@@ -1,0 +1,41 @@
+"""`natsl tokenize INPUT... --out DIR`: text -> token shards + meta.json + tokenizer for `natsl train`."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import typer
+
+from natsl.cli.app import command
+
+
+@command("tokenize")
+def tokenize(
+    inputs: List[str] = typer.Argument(..., help="Local .txt/.jsonl/.parquet files or folders, or one Hugging Face "
+                                                 "dataset name (streamed)."),
+    out: str = typer.Option(..., "--out", help="Output folder (created; rerunning the same command resumes or "
+                                               "does nothing)."),
+    tokenizer: Optional[str] = typer.Option(None, help="tokenizer.json, a folder holding one, or a Hub tokenizer name."),
+    train_tokenizer: bool = typer.Option(False, "--train-tokenizer", help="Train a byte-level BPE on the input."),
+    vocab_size: int = typer.Option(32000, help="Vocabulary size of the trained BPE."),
+    tokenizer_train_docs: Optional[int] = typer.Option(None, help="Train the BPE on the first N documents only."),
+    eos_token: Optional[str] = typer.Option(None, help="End-of-document token (default: <|endoftext|>, </s>, ...)."),
+    text_field: str = typer.Option("text", help="Field (.jsonl, Hub) or column (.parquet) holding the text."),
+    txt_docs: str = typer.Option("file", help="What a document is in a .txt file: file, paragraph or line."),
+    val_fraction: float = typer.Option(0.01, help="Fraction of documents held out for validation."),
+    shard_tokens: int = typer.Option(1 << 28, help="Tokens per shard file."),
+    max_documents: Optional[int] = typer.Option(None, help="Stop after this many documents."),
+    hf_config: Optional[str] = typer.Option(None, help="Hub dataset configuration (subset) name."),
+    hf_split: str = typer.Option("train", help="Hub dataset split to stream."),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Show the progress bar."),
+) -> None:
+    """Tokenize text into uint16/uint32 shards with EOS between documents and a train/validation split."""
+    from natsl.data.sources import open_source
+    from natsl.data.tokenize import TokenizeSettings, tokenize_corpus
+
+    settings = TokenizeSettings(tokenizer=tokenizer, train_tokenizer=train_tokenizer, vocab_size=vocab_size,
+                                tokenizer_train_docs=tokenizer_train_docs, eos_token=eos_token,
+                                val_fraction=val_fraction, shard_tokens=shard_tokens, max_documents=max_documents)
+    settings.validate()
+    source = open_source(inputs, text_field=text_field, txt_docs=txt_docs, hub_config=hf_config, hub_split=hf_split)
+    tokenize_corpus(source, out, settings, progress=progress)

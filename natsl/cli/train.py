@@ -1,0 +1,70 @@
+"""`natsl train RECIPE`: train (or continue training) the model a recipe describes.
+
+Runs on one device, or on several under torchrun (`torchrun --nproc_per_node 8 -m natsl.cli.main
+train RECIPE`). Checkpoints go to OUT/checkpoints/step_NNNNNN, metrics to OUT/metrics.jsonl and
+OUT/metrics.png; see docs/training.md.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import List, Optional
+
+import typer
+
+from natsl.cli.app import command
+
+
+@command("train")
+def train(
+    recipe: str = typer.Argument(..., help="Recipe YAML (e.g. recipes/tiny_hybrid.yaml) or a recipe name."),
+    more: Optional[List[str]] = typer.Argument(None, metavar="[KEY=VALUE]...",
+                                               help="More overrides, so that `--set a=1 b=2` works."),
+    set_: Optional[List[str]] = typer.Option(None, "--set", metavar="SECTION.KEY=VALUE",
+                                             help="Override a recipe value, e.g. --set optim.lr=1e-3 (repeatable)."),
+    max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Stop at this (absolute) step."),
+    resume: str = typer.Option("auto", "--resume",
+                               help="auto: continue from the newest complete checkpoint in OUT; never: start "
+                                    "fresh (refused if OUT has checkpoints); or a step folder to continue from."),
+    out: Optional[str] = typer.Option(None, "--out", help="Output folder (default: train.out_dir, runs/{name})."),
+    device: Optional[str] = typer.Option(None, help="cpu, cuda or cuda:N (default: cuda if there is one)."),
+    backend: Optional[str] = typer.Option(None, help="reference, chunked or fast (default: fast on CUDA, chunked on CPU)."),
+    compile_: Optional[bool] = typer.Option(None, "--compile/--no-compile", help="torch.compile the model "
+                                            "(default: train.compile)."),
+    threads: Optional[int] = typer.Option(None, help="CPU threads (default: OMP_NUM_THREADS, else 1: tiny models "
+                                                     "gain nothing from more, and they fight on shared machines)."),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Show the progress bar."),
+) -> None:
+    """Train from a recipe: AdamW, warmup + cosine, checkpoints you can resume, metrics.jsonl + metrics.png."""
+    from natsl.cli.common import pick_backend, pick_device
+    from natsl.config import apply_overrides, load_recipe
+    from natsl.errors import NatslError
+    from natsl.training import TrainOptions, train as run_training
+    from natsl.training.distributed import launched_by_torchrun
+
+    overrides = list(set_ or [])
+    for item in more or []:
+        if "=" not in item:
+            raise NatslError(f"unexpected argument {item!r}: overrides look like section.key=value")
+        overrides.append(item)
+    given: dict[str, str] = {}
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if given.setdefault(key.strip(), value) != value:
+            raise NatslError(f"override '{key.strip()}' is given twice with different values; give it once")
+    rec = load_recipe(recipe)
+    if overrides:
+        rec = apply_overrides(rec, overrides)
+    pick_backend(backend, pick_device(device))  # reject a bad --device / --backend before any work
+    if resume not in ("auto", "never") and not resume.strip():
+        raise NatslError("--resume takes auto, never or a checkpoint folder")
+    result = run_training(rec, TrainOptions(out_dir=out, resume=resume, device=device, backend=backend,
+                                            compile=compile_, max_steps=max_steps, threads=threads,
+                                            progress=progress))
+    if launched_by_torchrun() and int(os.environ.get("RANK", "0")) != 0:
+        return  # rank 0 reports
+    loss = f"{result.loss:.4f}" if result.loss is not None else "n/a"
+    val = f", validation loss {result.val_loss:.4f}" if result.val_loss is not None else ""
+    skipped = f", {result.skipped_steps} skipped step(s)" if result.skipped_steps else ""
+    print(f"done: step {result.step}/{result.end_step}, loss {loss}{val}{skipped}; checkpoint "
+          f"{result.checkpoint}; metrics {result.out_dir / 'metrics.jsonl'}")

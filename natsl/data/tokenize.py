@@ -1,0 +1,366 @@
+"""Tokenize documents into a folder of token shards that `natsl train` reads.
+
+Output folder:
+
+    meta.json              written last: format, dtype, EOS id, tokenizer sha256, split sizes, source
+    tokenizer.json         the tokenizer the ids belong to
+    train_00000.bin ...    token ids (numpy dtype from meta.json, uint16 when the vocabulary fits),
+    validation_00000.bin   every document followed by the EOS id
+
+Documents go to the validation split at an even rate of `val_fraction` (document i is held out
+when floor((i+1) f) > floor(i f)), so the split is deterministic and needs no shuffle buffer.
+
+Idempotent and resumable: the output grows in committed chunks; after each chunk the shard
+lengths and the number of source items consumed are written to `.progress.json` (atomically).
+A rerun with the same inputs and settings (the fingerprint) finds `meta.json` and does nothing, or
+finds `.progress.json`, cuts every shard back to its committed length and continues from there.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from fractions import Fraction
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+
+from natsl.errors import NatslError
+from natsl.tokenizer import Tokenizer, train_bpe
+from natsl.training.faults import fault_point
+
+FORMAT = "natsl-tokens"
+FORMAT_VERSION = 1
+SPLITS = ("train", "validation")
+META = "meta.json"
+PROGRESS = ".progress.json"
+
+
+@dataclass
+class TokenizeSettings:
+    tokenizer: Optional[str] = None  # tokenizer.json, a folder holding one, or a Hub name
+    train_tokenizer: bool = False  # train a byte-level BPE on the input instead
+    vocab_size: int = 32000
+    tokenizer_train_docs: Optional[int] = None  # train the BPE on the first N documents (None: all)
+    eos_token: Optional[str] = None  # default: the first of <|endoftext|>, </s>, <eos>, <|end_of_text|>
+    val_fraction: float = 0.01
+    shard_tokens: int = 1 << 28
+    max_documents: Optional[int] = None
+    commit_tokens: int = 1 << 24
+    batch_docs: int = 512
+
+    def validate(self) -> None:
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise NatslError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
+        if self.train_tokenizer and self.tokenizer:
+            raise NatslError("pass either --tokenizer or --train-tokenizer, not both")
+        if not self.train_tokenizer and not self.tokenizer:
+            raise NatslError("no tokenizer: pass --tokenizer PATH_OR_NAME, or --train-tokenizer --vocab-size N")
+        if self.train_tokenizer and not 258 <= self.vocab_size <= 1 << 32:
+            raise NatslError(f"--vocab-size must be at least 258 (256 bytes + EOS + 1), got {self.vocab_size}")
+        for name in ("shard_tokens", "commit_tokens", "batch_docs"):
+            if getattr(self, name) < 1:
+                raise NatslError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_documents is not None and self.max_documents < 1:
+            raise NatslError(f"--max-documents must be at least 1, got {self.max_documents}")
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+
+
+def resolve_tokenizer(spec: str) -> Tokenizer:
+    """A local tokenizer.json / folder, else a Hugging Face Hub tokenizer name."""
+    from natsl.data.sources import hub_unreachable_reason, looks_like_local_path
+
+    if Path(spec).exists():
+        return Tokenizer.from_file(spec)
+    if looks_like_local_path(spec):
+        raise NatslError(f"tokenizer {spec!r} does not exist; pass a tokenizer.json file, a folder holding one, "
+                         "or --train-tokenizer")
+    reason = hub_unreachable_reason()
+    if reason:
+        raise NatslError(f"tokenizer {spec!r} is not a local file and fetching it from the Hugging Face Hub is not "
+                         f"possible here: {reason}; pass a local tokenizer.json or --train-tokenizer")
+    from tokenizers import Tokenizer as HFTokenizer
+
+    try:
+        return Tokenizer(HFTokenizer.from_pretrained(spec))
+    except Exception as err:  # the tokenizers library raises plain Exceptions
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise NatslError(f"could not fetch tokenizer {spec!r} from the Hugging Face Hub ({first}); check the name") from None
+
+
+def set_eos(tok: Tokenizer, eos_token: str | None) -> Tokenizer:
+    if eos_token is not None:
+        eos_id = tok.inner.token_to_id(eos_token)
+        if eos_id is None:
+            raise NatslError(f"--eos-token {eos_token!r} is not in the tokenizer's vocabulary")
+        tok.eos_id = eos_id
+    if tok.eos_id is None:
+        raise NatslError("the tokenizer has no end-of-text token (looked for <|endoftext|>, </s>, <eos>, "
+                         "<|end_of_text|>); name one with --eos-token")
+    return tok
+
+
+def _write_json_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(data, fh, indent=2)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def read_meta(folder: Path) -> dict | None:
+    path = Path(folder) / META
+    if not path.is_file():
+        return None
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise NatslError(f"{str(path)!r} is corrupt (not JSON); delete the folder and tokenize again") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise NatslError(f"{str(folder)!r} is not a folder written by `natsl tokenize` (meta.json has another format)")
+    return meta
+
+
+class ShardWriter:
+    """Appends token ids to `{split}_{k:05d}.bin` files of at most `shard_tokens` ids each."""
+
+    def __init__(self, folder: Path, dtype: np.dtype, shard_tokens: int, splits: dict):
+        self.folder, self.dtype, self.shard_tokens = folder, dtype, shard_tokens
+        self.splits = splits  # name -> {"tokens", "documents", "shards": [{"file", "tokens"}]}
+
+    def restore(self) -> None:
+        """Cut every shard back to its committed length; remove shards that were never committed."""
+        keep = set()
+        for info in self.splits.values():
+            for shard in info["shards"]:
+                path = self.folder / shard["file"]
+                want = shard["tokens"] * self.dtype.itemsize
+                if not path.is_file() or path.stat().st_size < want:
+                    raise NatslError(f"the unfinished output in {str(self.folder)!r} is damaged ({shard['file']} is "
+                                     "shorter than recorded); delete the folder and run again")
+                os.truncate(path, want)
+                keep.add(shard["file"])
+        for path in self.folder.glob("*.bin"):
+            if path.name not in keep:
+                path.unlink()
+
+    def append(self, split: str, ids: np.ndarray) -> list[Path]:
+        info = self.splits[split]
+        touched = []
+        pos = 0
+        while pos < len(ids):
+            if not info["shards"] or info["shards"][-1]["tokens"] >= self.shard_tokens:
+                info["shards"].append({"file": f"{split}_{len(info['shards']):05d}.bin", "tokens": 0})
+            shard = info["shards"][-1]
+            take = min(len(ids) - pos, self.shard_tokens - shard["tokens"])
+            path = self.folder / shard["file"]
+            with open(path, "ab") as fh:
+                fh.write(ids[pos:pos + take].astype(self.dtype, copy=False).tobytes())
+                fh.flush()
+                os.fsync(fh.fileno())
+            shard["tokens"] += take
+            info["tokens"] += take
+            pos += take
+            touched.append(path)
+        return touched
+
+
+def _fingerprint(source_info: dict, tokenizer_info: dict, settings: TokenizeSettings) -> str:
+    data = {"format_version": FORMAT_VERSION, "source": source_info, "tokenizer": tokenizer_info,
+            "eos_token": settings.eos_token, "val_fraction": settings.val_fraction,
+            "shard_tokens": settings.shard_tokens, "max_documents": settings.max_documents}
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode("utf-8")).hexdigest()
+
+
+def _tokenizer_info(settings: TokenizeSettings) -> tuple[dict, Tokenizer | None]:
+    """What identifies the tokenizer before any work is done (and the tokenizer itself when local)."""
+    if settings.train_tokenizer:
+        return {"train_bpe": settings.vocab_size, "train_docs": settings.tokenizer_train_docs}, None
+    if Path(settings.tokenizer).exists():
+        tok = Tokenizer.from_file(settings.tokenizer)
+        return {"sha256": tok.sha256()}, tok
+    return {"hub": settings.tokenizer}, None
+
+
+def is_validation(index: int, fraction: Fraction) -> bool:
+    return (index + 1) * fraction.numerator // fraction.denominator > index * fraction.numerator // fraction.denominator
+
+
+def tokenize_corpus(source, out: str | Path, settings: TokenizeSettings, progress: bool = True,
+                    log: Callable[[str], None] = print) -> dict:
+    """Tokenize `source` into `out` (see the module doc); returns the meta.json contents.
+
+    Bad input (NatslError) removes the folder if this call created it, so a rejected input leaves
+    nothing behind; an interrupted run keeps its committed work for the next call.
+    """
+    out = Path(out)
+    created = not out.exists()
+    try:
+        return _tokenize(source, out, settings, progress, log)
+    except NatslError:
+        if created and out.is_dir():
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def _tokenize(source, out: Path, settings: TokenizeSettings, progress: bool, log) -> dict:
+    from tqdm import tqdm
+
+    settings.validate()
+    source_info = source.describe()
+    tok_info, tok = _tokenizer_info(settings)
+    fingerprint = _fingerprint(source_info, tok_info, settings)
+
+    meta = read_meta(out) if out.is_dir() else None
+    if meta is not None:
+        if meta.get("fingerprint") == fingerprint:
+            log(f"{out} already holds these inputs tokenized ({meta['total_tokens']:,} tokens); nothing to do")
+            return meta
+        raise NatslError(f"{str(out)!r} already holds tokenized data of other inputs or settings; choose another "
+                         "--out or delete that folder")
+    progress_path = out / PROGRESS
+    state = None
+    if progress_path.is_file():
+        try:
+            state = json.loads(progress_path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise NatslError(f"{str(progress_path)!r} is corrupt; delete {str(out)!r} and run again") from None
+        if state.get("fingerprint") != fingerprint:
+            raise NatslError(f"{str(out)!r} holds an unfinished run of other inputs or settings; delete it or "
+                             "choose another --out")
+    elif out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise NatslError(f"{str(out)!r} exists and is not a natsl tokenize folder; choose another --out")
+
+    if hasattr(source, "check"):
+        source.check()  # fail fast (one line) when the Hub cannot be reached
+    out.mkdir(parents=True, exist_ok=True)
+    if state is not None:
+        tok = set_eos(Tokenizer.from_file(out / "tokenizer.json"), settings.eos_token)
+        if tok.sha256() != state["tokenizer_sha256"]:
+            raise NatslError(f"the tokenizer in the unfinished run {str(out)!r} was changed; delete the folder and run again")
+        log(f"resuming the interrupted run in {out}: {state['items']:,} source items "
+            f"({sum(s['tokens'] for s in state['splits'].values()):,} tokens) already done")
+    else:
+        if settings.train_tokenizer:
+            tok = _train_tokenizer(source, settings, progress, log)
+        elif tok is None:
+            tok = resolve_tokenizer(settings.tokenizer)
+        set_eos(tok, settings.eos_token)
+        tok.save(out)
+        state = {"fingerprint": fingerprint, "tokenizer_sha256": tok.sha256(), "items": 0, "commits": 0,
+                 "splits": {name: {"tokens": 0, "documents": 0, "shards": []} for name in SPLITS}}
+        _write_json_atomic(progress_path, state)
+
+    dtype = token_dtype(tok.vocab_size)
+    writer = ShardWriter(out, dtype, settings.shard_tokens, state["splits"])
+    writer.restore()
+    fraction = Fraction(settings.val_fraction).limit_denominator(1_000_000)
+    eos = np.array([tok.eos_id], dtype=np.int64)
+    skip = state["items"]
+    documents = sum(s["documents"] for s in state["splits"].values())
+    pending: list[str] = []
+    buffers: dict[str, list[np.ndarray]] = {name: [] for name in SPLITS}
+    buffered = 0
+    items = 0
+
+    def encode_pending() -> int:
+        nonlocal documents
+        count = 0
+        for ids in tok.encode_batch(pending):
+            split = "validation" if is_validation(documents, fraction) else "train"
+            buffers[split].append(np.asarray(ids, dtype=np.int64))
+            buffers[split].append(eos)
+            state["splits"][split]["documents"] += 1
+            documents += 1
+            count += len(ids) + 1
+        pending.clear()
+        return count
+
+    def commit() -> None:
+        nonlocal buffered
+        for name in SPLITS:
+            if buffers[name]:
+                writer.append(name, np.concatenate(buffers[name]))
+                buffers[name].clear()
+        buffered = 0
+        state["items"] = items
+        state["commits"] += 1
+        _write_json_atomic(progress_path, state)
+        fault_point("kill_after_commit", state["commits"])
+
+    bar = tqdm(total=source.total, unit=source.unit, unit_scale=True, desc="tokenize", disable=not progress,
+               dynamic_ncols=True, mininterval=1.0)
+    try:
+        for text, moved in source.documents():
+            bar.update(moved)
+            if items < skip:
+                items += 1
+                continue
+            if settings.max_documents is not None and documents + len(pending) >= settings.max_documents:
+                break
+            items += 1
+            if text:
+                pending.append(text)
+            if len(pending) >= settings.batch_docs:
+                buffered += encode_pending()
+                bar.set_postfix_str(f"{documents:,} docs", refresh=False)
+                if buffered >= settings.commit_tokens:
+                    commit()
+        buffered += encode_pending()
+        commit()
+    finally:
+        bar.close()
+
+    splits = state["splits"]
+    total = sum(s["tokens"] for s in splits.values())
+    if splits["train"]["tokens"] == 0:
+        raise NatslError(f"the input produced no training tokens (documents: {documents}); check the input files "
+                         f"(and --text-field)")
+    meta = {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "dtype": dtype.name,
+        "eos_id": tok.eos_id, "eos_token": tok.eos_token, "vocab_size": tok.vocab_size,
+        "tokenizer_file": "tokenizer.json", "tokenizer_sha256": tok.sha256(),
+        "total_tokens": total, "documents": documents, "val_fraction": settings.val_fraction,
+        "splits": splits, "source": source_info, "settings": asdict(settings), "fingerprint": fingerprint,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    _write_json_atomic(out / META, meta)
+    progress_path.unlink()
+    log(f"tokenized {documents:,} documents into {total:,} tokens ({dtype.name}): train "
+        f"{splits['train']['tokens']:,} tokens in {len(splits['train']['shards'])} shard(s), validation "
+        f"{splits['validation']['tokens']:,}; wrote {out}")
+    return meta
+
+
+def _train_tokenizer(source, settings: TokenizeSettings, progress: bool, log) -> Tokenizer:
+    from tqdm import tqdm
+
+    limit = settings.tokenizer_train_docs
+
+    def texts():
+        bar = tqdm(total=source.total, unit=source.unit, unit_scale=True, desc="train BPE", disable=not progress,
+                   dynamic_ncols=True, mininterval=1.0)
+        count = 0
+        try:
+            for text, moved in source.documents():
+                bar.update(moved)
+                if text:
+                    yield text
+                    count += 1
+                    if limit is not None and count >= limit:
+                        break
+        finally:
+            bar.close()
+
+    tok = train_bpe(texts(), settings.vocab_size)
+    log(f"trained a byte-level BPE tokenizer with {tok.vocab_size:,} tokens on the input")
+    return tok

@@ -1,0 +1,497 @@
+"""The training loop behind `natsl train`: one process or N torchrun ranks, resumable step for step.
+
+Per optimizer step: `accum` micro-batches of `micro_batch_size x seq_len` tokens on each of `world`
+ranks make `tokens_per_step`; the loss is the mean token cross-entropy (fp32), bf16 autocast on
+GPUs; gradients are clipped; the learning rate follows `optim.lr_at(tokens seen)`. A step whose
+loss or gradient norm is not finite is skipped (counted); `max_bad_steps` of them in a row stop
+the run. On the CPU with a fixed seed the run is deterministic, and a run resumed from a
+checkpoint reproduces the uninterrupted run's losses exactly (the data position is one integer,
+see natsl.data.dataset).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import yaml
+
+from natsl import __version__
+from natsl.config import Recipe
+from natsl.errors import NatslError
+from natsl.training import distributed as D
+from natsl.training import state as S
+from natsl.training.faults import fault_point
+from natsl.training.flops import flops_per_token, peak_flops
+from natsl.training.metrics import MetricsLog
+from natsl.training.optim import build_optimizer, lr_at, set_lr
+
+
+@dataclass
+class TrainOptions:
+    out_dir: Optional[str] = None  # default: recipe.train.out_dir with {name}
+    resume: str = "auto"  # auto | never | a step folder
+    device: Optional[str] = None  # default: cuda if there is one
+    backend: Optional[str] = None  # default: fast on CUDA, chunked on the CPU
+    compile: Optional[bool] = None  # default: recipe.train.compile
+    max_steps: Optional[int] = None  # default: recipe.train.max_steps; an absolute step number
+    threads: Optional[int] = None  # CPU threads (default: OMP_NUM_THREADS, else 1; see cpu_threads)
+    save_final: bool = True  # write a checkpoint at the last step (benchmarks turn it off)
+    progress: bool = True
+    log: Callable[[str], None] = print
+
+
+@dataclass
+class TrainResult:
+    out_dir: Path
+    step: int
+    end_step: int
+    loss: Optional[float]
+    val_loss: Optional[float]
+    checkpoint: Optional[Path]
+    tokens_per_s: Optional[float]
+    resumed_from: Optional[Path] = None
+    skipped_steps: int = 0
+    history: list = field(default_factory=list)
+
+
+def train(recipe: Recipe, options: TrainOptions) -> TrainResult:
+    """Run (or continue) the training a recipe describes; see the module doc."""
+    from natsl.cli.common import pick_device
+
+    info = D.setup(pick_device(options.device))
+    if info.device.type == "cpu":
+        torch.set_num_threads(cpu_threads(options.threads))
+    try:
+        return Trainer(recipe, options, info).run()
+    finally:
+        D.teardown()
+
+
+def cpu_threads(requested: Optional[int]) -> int:
+    """Threads for CPU training: --threads, else OMP_NUM_THREADS, else 1.
+
+    CPU training is for smoke runs of tiny models, whose ops are too small to gain from threads;
+    on a shared machine OpenMP threads that wait for each other can make a step many times slower.
+    """
+    if requested is not None:
+        if requested < 1:
+            raise NatslError(f"--threads must be at least 1, got {requested}")
+        return requested
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    return int(env) if env.isdigit() and int(env) > 0 else 1
+
+
+def _out_dir(recipe: Recipe, options: TrainOptions) -> Path:
+    if options.out_dir:
+        return Path(options.out_dir)
+    try:
+        return Path(recipe.train.out_dir.format(name=recipe.name))
+    except (KeyError, IndexError, ValueError):
+        raise NatslError(f"recipe key 'train.out_dir' = {recipe.train.out_dir!r} may only use the placeholder "
+                         "{name}") from None
+
+
+@contextlib.contextmanager
+def stop_signals(enabled: bool):
+    """Ctrl-C / SIGTERM (e.g. a scheduler's preemption) end the run after the current step, with a checkpoint.
+
+    Yields {"signal": None or its name}; the loop checks it between steps, so the saved state is
+    always that of a whole step. A second signal interrupts at once. Only for one-process runs
+    (ranks of a torchrun job would see the signal at different steps).
+    """
+    flag = {"signal": None}
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield flag
+        return
+
+    def handler(signum, frame):
+        if flag["signal"] is not None:
+            raise KeyboardInterrupt
+        flag["signal"] = signal.Signals(signum).name
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield flag
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+@contextlib.contextmanager
+def run_lock(out: Path, enabled: bool):
+    """One `natsl train` per output folder (an advisory lock; released when the process dies)."""
+    if not enabled:
+        yield
+        return
+    import fcntl
+
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / ".train.lock", "a+") as fh:
+        try:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise NatslError(f"another `natsl train` is writing to {str(out)!r}; wait for it or pass another --out") from None
+        yield
+
+
+class Trainer:
+    def __init__(self, recipe: Recipe, options: TrainOptions, info: D.DistInfo):
+        self.recipe, self.options, self.info = recipe, options, info
+        self.log = options.log if info.is_main else (lambda *_: None)
+        self.device = info.device
+
+    # ------------------------------------------------------------------------- setup
+
+    def plan(self) -> None:
+        tc = self.recipe.train
+        world = self.info.world_size
+        micro_tokens = tc.micro_batch_size * tc.seq_len
+        if tc.tokens_per_step % (micro_tokens * world):
+            raise NatslError(f"train.tokens_per_step = {tc.tokens_per_step} is not a multiple of micro_batch_size x "
+                             f"seq_len x ranks = {tc.micro_batch_size} x {tc.seq_len} x {world}; change one of them")
+        self.accum = tc.tokens_per_step // (micro_tokens * world)
+        self.samples_per_step = tc.tokens_per_step // tc.seq_len
+        self.total_steps = tc.total_tokens // tc.tokens_per_step
+        if self.total_steps < 1:
+            raise NatslError(f"train.total_tokens = {tc.total_tokens} is less than one step of "
+                             f"train.tokens_per_step = {tc.tokens_per_step}")
+        max_steps = self.options.max_steps if self.options.max_steps is not None else tc.max_steps
+        if max_steps is not None and max_steps < 1:
+            raise NatslError(f"--max-steps must be at least 1, got {max_steps}")
+        self.end_step = min(self.total_steps, max_steps) if max_steps is not None else self.total_steps
+        for key in ("log_every", "eval_every", "save_every", "max_bad_steps"):
+            if getattr(tc, key) < 1:
+                raise NatslError(f"recipe key 'train.{key}' must be at least 1, got {getattr(tc, key)}")
+
+    def choose_checkpoint(self) -> Optional[S.LoadedCheckpoint]:
+        """Rank 0 picks (and loads) the checkpoint to continue from; the other ranks load the same one."""
+        resume, out = self.options.resume, self.out
+        chosen, error = None, None
+        if self.info.is_main:
+            try:
+                S.remove_partial_writes(out, self.log)
+                existing = S.list_checkpoints(out)
+                if resume == "never":
+                    if existing:
+                        raise NatslError(f"{str(out)!r} already holds checkpoints (newest: {existing[-1][1].name}); "
+                                         "continue with --resume auto, or pass another --out")
+                elif resume == "auto":
+                    for _, path in reversed(existing):
+                        try:
+                            chosen = S.load_training_checkpoint(path)
+                            break
+                        except NatslError as err:
+                            self.log(f"skipping checkpoint {path.name}: {err}")
+                else:
+                    given = Path(resume)
+                    inside = S.list_checkpoints(given.parent if given.name == S.CHECKPOINTS else given)
+                    if not (given / S.MANIFEST_FILE).exists() and inside:
+                        chosen = S.load_training_checkpoint(inside[-1][1])  # a run folder: its newest step
+                    else:
+                        chosen = S.load_training_checkpoint(given)
+            except NatslError as err:
+                error = str(err)
+        path, error = D.broadcast_object((str(chosen.folder) if chosen else None, error), self.info)
+        if error:
+            raise NatslError(error)
+        if path and chosen is None:
+            chosen = S.load_training_checkpoint(Path(path))
+        return chosen
+
+    def check_compatible(self, ckpt: S.LoadedCheckpoint) -> None:
+        old, new = ckpt.recipe, self.recipe
+        if old.model != new.model:
+            diff = [k for k in vars(new.model) if getattr(old.model, k) != getattr(new.model, k)]
+            raise NatslError(f"checkpoint {ckpt.folder.name} was trained with another model (model.{diff[0]} differs); "
+                             "resume with the same recipe, or pass another --out / --resume never")
+        if ckpt.trainer_state.get("seq_len", new.train.seq_len) != new.train.seq_len:
+            raise NatslError(f"train.seq_len changed from {ckpt.trainer_state['seq_len']} to {new.train.seq_len} since "
+                             f"checkpoint {ckpt.folder.name}; the data position would not carry over")
+
+    def open_data(self) -> None:
+        from natsl.data.builtin import builtin_data
+        from natsl.data.dataset import TokenData, WindowSampler, eval_windows
+
+        r = self.recipe
+        if r.data.path == "builtin":
+            if self.info.is_main:
+                folder = builtin_data(r.model.vocab_size, r.data.tokenizer, self.options.progress, self.log)
+            D.barrier(self.info)
+            if not self.info.is_main:
+                folder = builtin_data(r.model.vocab_size, r.data.tokenizer, False, lambda *_: None)
+        else:
+            folder = Path(r.data.path)
+        data = TokenData(folder)
+        if data.vocab_size > r.model.vocab_size:
+            raise NatslError(f"the data's tokenizer has {data.vocab_size} tokens but model.vocab_size is "
+                             f"{r.model.vocab_size}; set model.vocab_size to at least {data.vocab_size}")
+        self.tokenizer = data.tokenizer()
+        if r.data.tokenizer and r.data.path != "builtin":
+            from natsl.tokenizer import Tokenizer
+
+            if Tokenizer.from_file(r.data.tokenizer).sha256() != data.meta["tokenizer_sha256"]:
+                raise NatslError(f"data.tokenizer {r.data.tokenizer!r} is not the tokenizer {str(folder)!r} was "
+                                 "tokenized with; drop data.tokenizer or tokenize again")
+        self.data = data
+        self.sampler = WindowSampler(data.split("train"), r.train.seq_len, r.train.seed)
+        self.val_stream = data.split("validation")
+        self.val_windows = eval_windows(self.val_stream, r.train.seq_len, r.train.eval_tokens)
+
+    def build(self, ckpt: Optional[S.LoadedCheckpoint]) -> None:
+        from natsl.cli.common import pick_backend
+        from natsl.models import build_model
+
+        r = self.recipe
+        torch.manual_seed(r.train.seed)
+        model = build_model(r, device=self.device)
+        self.backend = pick_backend(self.options.backend, self.device)
+        model.set_backend(self.backend)
+        model.activation_checkpointing = r.train.activation_checkpointing
+        model.train()
+        self.model = model
+        self.optimizer = build_optimizer(model, r.optim, self.device)
+        self.names = {id(p): n for n, p in model.named_parameters()}
+        self.state = {"step": 0, "tokens_seen": 0, "samples_seen": 0, "bad_steps": 0, "bad_in_row": 0,
+                      "elapsed_s": 0.0}
+        if ckpt is not None:
+            missing, unexpected = model.load_state_dict(ckpt.model_state, strict=False)
+            missing = [m for m in missing if not (r.model.tie_embeddings and m == "lm_head.weight")]
+            if missing or unexpected:
+                raise NatslError(f"checkpoint {ckpt.folder.name} does not match the model (missing {missing[:2]}, "
+                                 f"unexpected {unexpected[:2]})")
+            S.optimizer_from_tensors(self.optimizer, self.names, ckpt.optimizer_tensors,
+                                     ckpt.trainer_state["optimizer_groups"], ckpt.folder.name)
+            S.restore_rng(ckpt.rng, self.info.rank, self.device)
+            for key in self.state:
+                self.state[key] = ckpt.trainer_state.get(key, self.state[key])
+        compile_ = self.options.compile if self.options.compile is not None else r.train.compile
+        core = torch.compile(model) if compile_ else model
+        self.core = core
+        self.train_model = D.wrap(core, self.info)
+        self.use_bf16 = self.device.type == "cuda" and r.train.dtype == "bf16"
+        self.natsl_layers = list(model.natsl_layers().items())
+        self.n_params = model.num_parameters()
+        self.peak = peak_flops(self.device)
+
+    def autocast(self):
+        if self.use_bf16:
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    # ------------------------------------------------------------------------- steps
+
+    def train_step(self, step_samples: list[list[int]]) -> tuple[float, float, list[float]]:
+        """Forward/backward every micro-batch, all-reduce; returns (loss, grad norm, keep fractions)."""
+        vocab = self.recipe.model.vocab_size
+        stats = torch.zeros(1 + len(self.natsl_layers), dtype=torch.float64, device=self.device)
+        for m, indices in enumerate(step_samples):
+            batch = self.sampler.batch(indices).to(self.device, non_blocking=True)
+            inputs, targets = batch[:, :-1], batch[:, 1:]
+            with D.no_sync(self.train_model, m < self.accum - 1):
+                with self.autocast():
+                    logits = self.train_model(inputs)
+                loss = F.cross_entropy(logits.float().reshape(-1, vocab), targets.reshape(-1))
+                (loss / self.accum).backward()
+            stats[0] += loss.detach().double()
+            for j, (_, layer) in enumerate(self.natsl_layers):
+                if layer.last_keep is not None:
+                    stats[1 + j] += layer.last_keep.double().mean()
+        D.all_reduce_sum(stats, self.info)
+        stats /= self.accum * self.info.world_size
+        clip = self.recipe.optim.grad_clip
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
+        values = stats.tolist()
+        return values[0], float(grad_norm), values[1:]
+
+    def optimizer_step(self, samples: list[list[int]]) -> dict:
+        """One optimizer step on these samples (skipped if not finite); advances the state; its metrics record."""
+        r, tc = self.recipe, self.recipe.train
+        t0 = time.perf_counter()
+        lr = lr_at(self.state["tokens_seen"], r.optim, tc.total_tokens)
+        set_lr(self.optimizer, lr)
+        loss, grad_norm, keep = self.train_step(samples)
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        if finite:
+            self.optimizer.step()
+            self.state["bad_in_row"] = 0
+        else:
+            self.state["bad_steps"] += 1
+            self.state["bad_in_row"] += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dt = time.perf_counter() - t0
+        self.state["step"] += 1
+        self.state["samples_seen"] += self.samples_per_step
+        self.state["tokens_seen"] += tc.tokens_per_step
+        self.state["elapsed_s"] += dt
+        self.state["last_loss"] = loss if finite else None
+        tokens_per_s = tc.tokens_per_step / dt
+        fpt = flops_per_token(r.model, tc.seq_len, sum(keep) / len(keep) if keep else 1.0, self.n_params)
+        return {"step": self.state["step"], "tokens": self.state["tokens_seen"], "loss": loss, "lr": lr,
+                "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
+                "mfu": tokens_per_s * fpt / (self.peak * self.info.world_size) if self.peak else None,
+                "keep": {str(i): k for (i, _), k in zip(self.natsl_layers, keep)}, "skipped": not finite,
+                "bad_steps": self.state["bad_steps"], "time_s": dt, "flops_per_token": fpt}
+
+    @torch.no_grad()
+    def evaluate(self) -> Optional[float]:
+        if self.val_windows == 0:
+            return None
+        seq, mbs, vocab = self.recipe.train.seq_len, self.recipe.train.micro_batch_size, self.recipe.model.vocab_size
+        mine = list(range(self.info.rank, self.val_windows, self.info.world_size))
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        self.core.eval()
+        try:
+            for start in range(0, len(mine), mbs):
+                rows = [self.val_stream.read(w * seq, seq + 1) for w in mine[start:start + mbs]]
+                batch = torch.from_numpy(np.stack(rows)).to(self.device)
+                with self.autocast():
+                    logits = self.core(batch[:, :-1])
+                totals[0] += F.cross_entropy(logits.float().reshape(-1, vocab), batch[:, 1:].reshape(-1),
+                                             reduction="sum").double()
+                totals[1] += batch[:, 1:].numel()
+        finally:
+            self.core.train()
+        D.all_reduce_sum(totals, self.info)
+        return (totals[0] / totals[1]).item()
+
+    def save(self, step: int) -> Path:
+        rng = D.gather_objects(S.capture_rng(self.device), self.info)
+        path = None
+        if self.info.is_main:
+            tc = self.recipe.train
+            trainer_state = {**self.state, "seq_len": tc.seq_len, "tokens_per_step": tc.tokens_per_step,
+                             "micro_batch_size": tc.micro_batch_size, "world_size": self.info.world_size,
+                             "seed": tc.seed, "data": str(self.data.folder),
+                             "data_fingerprint": self.data.meta.get("fingerprint"), "natsl_version": __version__}
+            path = S.save_checkpoint(self.out, step, self.model, self.optimizer, self.recipe, self.tokenizer,
+                                     trainer_state, S.rng_tensors(rng), tc.keep_last)
+            self.metrics.plot(self.out / "metrics.png", title=f"{self.recipe.name} ({self.out})")
+        D.barrier(self.info)
+        return path
+
+    # ------------------------------------------------------------------------- the loop
+
+    def run(self) -> TrainResult:
+        self.plan()
+        self.out = _out_dir(self.recipe, self.options)
+        with run_lock(self.out, self.info.is_main):
+            return self._run()
+
+    def _run(self) -> TrainResult:
+        from tqdm import tqdm
+
+        from natsl.data.dataset import step_sample_indices
+
+        r, tc, info = self.recipe, self.recipe.train, self.info
+        ckpt = self.choose_checkpoint()
+        if ckpt is not None:
+            self.check_compatible(ckpt)
+        self.open_data()
+        self.build(ckpt)
+        self.metrics = MetricsLog(self.out / "metrics.jsonl")
+        start = self.state["step"]
+        if info.is_main:
+            self.metrics.truncate(start)
+            (self.out / "recipe.yaml").write_text(yaml.safe_dump(r.to_dict(), sort_keys=False),
+                                                  encoding="utf-8")
+        if ckpt is not None:
+            self.log(f"resuming from {ckpt.folder} (step {start}, {self.state['tokens_seen']:,} tokens seen)")
+        if self.device.type == "cpu" and tc.dtype == "bf16":
+            self.log("note: train.dtype bf16 means bf16 autocast on GPUs; the CPU trains in fp32")
+        world = info.world_size
+        self.log(f"{r.name}: {self.n_params / 1e6:.2f}M parameters; steps {start} -> {self.end_step} of "
+                 f"{self.total_steps}, {tc.tokens_per_step:,} tokens each ({tc.micro_batch_size} x {tc.seq_len} x "
+                 f"{self.accum} accum x {world} rank{'s' if world > 1 else ''}); {self.device.type}, backend "
+                 f"{self.backend}; data {self.data.folder} ({self.sampler.stream.n_tokens:,} train tokens); out {self.out}")
+        debug_dir = os.environ.get("NATSL_DEBUG_DIR")
+        seen_samples: list[int] = []
+        result = TrainResult(self.out, start, self.end_step, None, None, ckpt.folder if ckpt else None, None,
+                             resumed_from=ckpt.folder if ckpt else None, skipped_steps=self.state["bad_steps"])
+        if start >= self.end_step:
+            self.log(f"already at step {start} (the end is {self.end_step}); nothing to train")
+            result.loss = ckpt.trainer_state.get("last_loss") if ckpt else None
+            return result
+
+        bar = tqdm(total=self.end_step, initial=start, unit="step", desc="train", dynamic_ncols=True,
+                   disable=not (self.options.progress and info.is_main), mininterval=1.0)
+        say = bar.write if not bar.disable else self.log  # lines that do not break the bar
+        step = start
+        window_tokens, window_time = 0, 0.0
+        last_saved = start if ckpt is not None else None
+        tokens_per_s = None
+        with stop_signals(world == 1) as stop:
+            try:
+                while step < self.end_step:
+                    samples = step_sample_indices(self.state["samples_seen"], tc.micro_batch_size, self.accum,
+                                                  info.rank, world)
+                    if debug_dir:
+                        seen_samples.extend(i for mb in samples for i in mb)
+                    record = self.optimizer_step(samples)
+                    step = record["step"]
+                    result.history.append(record)
+                    if info.is_main:
+                        self.metrics.write(record)
+                    if not record["skipped"]:
+                        result.loss = record["loss"]
+                    elif self.state["bad_in_row"] >= tc.max_bad_steps:
+                        good = S.list_checkpoints(self.out)
+                        where = f"; the newest checkpoint is {good[-1][1]}" if good else ""
+                        raise NatslError(f"stopped at step {step}: {self.state['bad_in_row']} steps in a row had a "
+                                         f"non-finite loss or gradient{where}; lower optim.lr or check the data")
+                    fault_point("kill_after_step", step)
+
+                    window_tokens += tc.tokens_per_step
+                    window_time += record["time_s"]
+                    if step % tc.log_every == 0 or step == self.end_step or step == start + 1:
+                        tokens_per_s = window_tokens / window_time
+                        mfu = f"{tokens_per_s * record['flops_per_token'] / (self.peak * world):.1%}" \
+                            if self.peak else "n/a"
+                        bar.set_postfix_str(f"loss {record['loss']:.4f}, {tokens_per_s:,.0f} tok/s, MFU {mfu}",
+                                            refresh=False)
+                        window_tokens, window_time = 0, 0.0
+                    bar.update(1)
+                    if step % tc.eval_every == 0 or step == self.end_step:
+                        val_loss = self.evaluate()
+                        if val_loss is not None:
+                            if info.is_main:
+                                self.metrics.write({"step": step, "val_loss": val_loss})
+                            say(f"step {step}: validation loss {val_loss:.4f}")
+                            result.val_loss = val_loss
+                    if step % tc.save_every == 0 or (step == self.end_step and self.options.save_final):
+                        result.checkpoint = self.save(step)
+                        last_saved = step
+                    if stop["signal"]:
+                        if last_saved != step:
+                            result.checkpoint = self.save(step)
+                        say(f"{stop['signal']}: stopped after step {step} with a checkpoint; "
+                            "continue with --resume auto")
+                        raise KeyboardInterrupt
+            finally:
+                bar.close()
+                self.metrics.close()
+        result.step = step
+        result.tokens_per_s = tokens_per_s
+        result.skipped_steps = self.state["bad_steps"]
+        if debug_dir:
+            digest = hashlib.sha256()
+            for _, p in sorted(self.model.state_dict().items()):
+                digest.update(p.detach().float().cpu().numpy().tobytes())
+            Path(debug_dir).mkdir(parents=True, exist_ok=True)
+            (Path(debug_dir) / f"rank{info.rank}.json").write_text(json.dumps(
+                {"rank": info.rank, "world_size": world, "samples": seen_samples, "weights_sha256": digest.hexdigest()}))
+        return result

@@ -1,0 +1,256 @@
+"""`natsl train` through the real CLI: the loss falls, killed runs resume to the same losses step for
+step, bad input is one line with exit code 2 and loses no checkpoint; plus the schedule and the
+optimizer groups in-process."""
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import natsl
+from natsl.config import OptimConfig
+from natsl.data.dataset import step_sample_indices
+from natsl.training.optim import lr_at, param_groups
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = [str(ROOT / "recipes" / "tiny_hybrid.yaml"), "--set", "train.seq_len=128", "train.micro_batch_size=4",
+        "train.tokens_per_step=512", "--device", "cpu", "--backend", "chunked", "--no-progress"]
+
+
+@pytest.fixture(scope="session")
+def cache_env(tmp_path_factory):
+    """A private cache for the embedded corpus, shared by every test of the session."""
+    return {"NATSL_CACHE_DIR": str(tmp_path_factory.getbasetemp() / "natsl-cache"), "OMP_NUM_THREADS": "1"}
+
+
+def natsl_cli(args, env, fault=None, timeout=300):
+    """The real CLI in a subprocess (for the SIGKILL tests)."""
+    full_env = {**os.environ, **env}
+    full_env.pop("NATSL_FAULT", None)
+    if fault:
+        full_env["NATSL_FAULT"] = fault
+    return subprocess.run([sys.executable, "-m", "natsl.cli.main", *args], capture_output=True, text=True,
+                          env=full_env, timeout=timeout)
+
+
+def natsl_inproc(args, env):
+    """The same CLI in this process (no interpreter start-up): exit_code, stdout, stderr."""
+    from typer.testing import CliRunner
+
+    from natsl.cli.main import app
+
+    return CliRunner().invoke(app, args, env={**env, "NATSL_FAULT": None})
+
+
+def train_records(out: Path) -> tuple[list[dict], list[dict]]:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if "loss" in r], [r for r in records if "val_loss" in r]
+
+
+def folder_digest(folder: Path) -> dict:
+    return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file() and "checkpoints" in p.parts}
+
+
+# 50 steps of 1024 tokens: the loss falls well below ln(1024) = 6.93 in about ten CPU seconds.
+BASE = [TINY[0], "--set", "train.seq_len=128", "train.micro_batch_size=8", "train.tokens_per_step=1024",
+        "optim.warmup_tokens=4096", "train.keep_last=3", *TINY[5:]]
+
+
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory, cache_env):
+    out = tmp_path_factory.mktemp("base") / "run"
+    result = natsl_inproc(["train", *BASE, "train.eval_every=25", "train.save_every=25", "--max-steps", "50",
+                           "--out", str(out)], cache_env)
+    assert result.exit_code == 0, result.stderr
+    return out, result.stdout
+
+
+@pytest.fixture
+def run_copy(base_run, tmp_path):
+    shutil.copytree(base_run[0], tmp_path / "run")
+    return tmp_path / "run"
+
+
+def test_quick_start_loss_falls(base_run):
+    out, stdout = base_run
+    last = stdout.strip().splitlines()[-1]
+    assert last.startswith("done: step 50/") and str(out / "checkpoints" / "step_000050") in last
+    steps, evals = train_records(out)
+    assert [r["step"] for r in steps] == list(range(1, 51))
+    first = sum(r["loss"] for r in steps[:3]) / 3
+    final = sum(r["loss"] for r in steps[-3:]) / 3
+    assert first > 6.5 and final < first - 1.0, (first, final)
+    assert [e["step"] for e in evals] == [25, 50] and evals[-1]["val_loss"] < first - 1.0
+    assert set(steps[0]["keep"]) == {"1", "3"} and all(0.0 <= v <= 1.0 for v in steps[0]["keep"].values())
+    assert all(r["lr"] > 0 and r["grad_norm"] > 0 and r["tokens_per_s"] > 0 and r["mfu"] is None for r in steps)
+    assert (out / "metrics.png").stat().st_size > 1000
+    model, tok = natsl.load_checkpoint(out)  # the step folder is a model folder too
+    model.set_backend("chunked")
+    with torch.no_grad():
+        logits = model(torch.tensor([tok.encode("def main():")]))
+    assert torch.isfinite(logits).all()
+
+
+def test_killed_runs_resume_to_the_same_losses(base_run, tmp_path, cache_env):
+    """SIGKILL mid-training and during a checkpoint write; resume auto reproduces the uninterrupted run."""
+    broken = tmp_path / "broken"
+    args = ["train", *BASE, "train.save_every=2", "train.eval_every=4", "--max-steps", "8", "--out", str(broken)]
+    proc = natsl_cli(args, cache_env, fault="kill_after_step:5")
+    assert proc.returncode == -9, proc.stderr
+    assert sorted(p.name for p in (broken / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
+    proc = natsl_cli(args, cache_env, fault="kill_in_checkpoint:6")
+    assert proc.returncode == -9, proc.stderr
+    assert "resuming from" in proc.stdout and "step_000004" in proc.stdout
+    leftovers = [p.name for p in (broken / "checkpoints").iterdir() if p.name.startswith(".step_000006.tmp-")]
+    assert leftovers and not (broken / "checkpoints" / "step_000006").exists()
+    proc = natsl_cli(args, cache_env)
+    assert proc.returncode == 0, proc.stderr
+    assert "unfinished checkpoint write" in proc.stdout and "resuming from" in proc.stdout
+    assert not any(p.name.startswith(".") for p in (broken / "checkpoints").iterdir())
+    assert sorted(p.name for p in (broken / "checkpoints").iterdir()) == ["step_000004", "step_000006", "step_000008"]
+
+    # The uninterrupted run (same seed and batches; checkpoint and eval steps do not change training).
+    steps_full, _ = train_records(base_run[0])
+    steps_broken, evals_broken = train_records(broken)
+    keys = ("step", "tokens", "loss", "lr", "grad_norm", "keep")
+    assert [{k: r[k] for k in keys} for r in steps_broken] == [{k: r[k] for k in keys} for r in steps_full[:8]]
+    assert [e["step"] for e in evals_broken] == [4, 8]  # nothing logged twice after the resumes
+
+
+def test_sigterm_stops_after_the_step_with_a_checkpoint(tmp_path, cache_env):
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    env = {**os.environ, **cache_env}
+    env.pop("NATSL_FAULT", None)
+    proc = subprocess.Popen([sys.executable, "-m", "natsl.cli.main", "train", *BASE, "--max-steps", "1000",
+                             "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    steps, _ = train_records(out)
+    last = steps[-1]["step"]
+    assert f"SIGTERM: stopped after step {last} with a checkpoint" in stdout
+    assert (out / "checkpoints" / f"step_{last:06d}" / "manifest.json").is_file()
+
+
+BAD = {
+    "unknown key": (["--set", "train.sequence_len=5"], "unknown recipe key 'train.sequence_len'"),
+    "wrong type": (["--set", "train.eval_every=often"], "'train.eval_every' must be an integer"),
+    "missing recipe": (["recipes/no_such_recipe.yaml"], "does not exist"),
+    "missing data": (["--set", "data.path=/no/such/folder"], "does not exist"),
+    "missing resume folder": (["--resume", "/no/such/step_000010"], "does not exist"),
+    "resume never onto checkpoints": (["--resume", "never"], "already holds checkpoints"),
+    "conflicting overrides": (["--set", "train.micro_batch_size=3"], "given twice"),
+}
+
+
+def test_bad_input_is_one_line_and_loses_no_checkpoint(run_copy, cache_env):
+    before = folder_digest(run_copy)
+    for name, (extra, needle) in BAD.items():
+        if extra[0].startswith("recipes/"):
+            args = ["train", extra[0], "--out", str(run_copy), *extra[1:]]
+        else:
+            args = ["train", *BASE, "--max-steps", "60", "--out", str(run_copy), *extra]
+        result = natsl_inproc(args, cache_env)
+        assert result.exit_code == 2, (name, result.stdout, result.stderr)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], (name, result.stderr)
+        assert folder_digest(run_copy) == before, name
+    result = natsl_inproc(["train", TINY[0], "--set", "train.seq_len=128", "train.tokens_per_step=1024",
+                           "train.micro_batch_size=3", "--out", str(run_copy)], cache_env)
+    assert result.exit_code == 2 and "not a multiple of micro_batch_size" in result.stderr
+    assert folder_digest(run_copy) == before
+    # and once through a real interpreter: no traceback, exit code 2
+    proc = natsl_cli(["train", *BASE, "--set", "model.num_layers=two", "--out", str(run_copy)], cache_env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == ["error: recipe key 'model.num_layers' must be an integer, got str 'two'"]
+
+
+def test_corrupt_checkpoint_is_reported_and_skipped(run_copy, cache_env):
+    newest = run_copy / "checkpoints" / "step_000050"
+    weights = newest / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    result = natsl_inproc(["train", *BASE, "--max-steps", "51", "--out", str(run_copy), "--resume", str(newest)],
+                          cache_env)
+    assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "model.safetensors" in result.stderr and "damaged" in result.stderr
+    assert newest.is_dir()
+    result = natsl_inproc(["train", *BASE, "--max-steps", "26", "--out", str(run_copy)], cache_env)
+    assert result.exit_code == 0, result.stderr
+    skipped = [line for line in result.stdout.splitlines() if line.startswith("skipping checkpoint step_000050")]
+    assert len(skipped) == 1 and "damaged" in skipped[0]
+    assert "resuming from" in result.stdout and "step_000025" in result.stdout
+    assert (run_copy / "checkpoints" / "step_000026" / "manifest.json").is_file()
+    steps, _ = train_records(run_copy)
+    assert [r["step"] for r in steps] == list(range(1, 27))  # the records of steps 27..50 went with the resume
+
+
+def test_non_finite_steps_are_skipped_then_stop(tmp_path, cache_env):
+    out = tmp_path / "nan"
+    result = natsl_inproc(["train", *TINY, "optim.lr=1e30", "optim.min_lr=1e30", "train.max_bad_steps=3",
+                           "--max-steps", "20", "--out", str(out)], cache_env)
+    assert result.exit_code == 2, result.stderr
+    assert "3 steps in a row had a non-finite loss or gradient" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    steps, _ = train_records(out)
+    assert [r["skipped"] for r in steps[-3:]] == [True] * 3 and steps[-1]["bad_steps"] >= 3
+    assert not steps[0]["skipped"]
+
+
+def test_trains_on_a_tokenized_folder(tmp_path, cache_env):
+    from natsl.data.builtin import generated_documents
+
+    (tmp_path / "docs.txt").write_text("\n".join(generated_documents(300)), encoding="utf-8")
+    result = natsl_inproc(["tokenize", str(tmp_path / "docs.txt"), "--out", str(tmp_path / "tok"), "--txt-docs",
+                           "line", "--train-tokenizer", "--vocab-size", "400", "--val-fraction", "0.1",
+                           "--no-progress"], cache_env)
+    assert result.exit_code == 0, result.stderr
+    args = ["train", *TINY, f"data.path={tmp_path / 'tok'}", "train.eval_every=2", "--max-steps", "2",
+            "--out", str(tmp_path / "run")]
+    result = natsl_inproc(args, cache_env)
+    assert result.exit_code == 0, result.stderr
+    assert str(tmp_path / "tok") in result.stdout and "validation loss" in result.stdout
+    _, tok = natsl.load_checkpoint(tmp_path / "run")
+    assert tok.vocab_size == 400  # the data's tokenizer travels with the checkpoint
+    result = natsl_inproc(["train", *TINY, f"data.path={tmp_path / 'tok'}", "model.vocab_size=300",
+                           "--out", str(tmp_path / "run2")], cache_env)
+    assert result.exit_code == 2 and "set model.vocab_size to at least 400" in result.stderr
+
+
+def test_schedule_and_weight_decay_groups():
+    cfg = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_tokens=100)
+    assert lr_at(0, cfg, 1000) == pytest.approx(1e-4)
+    assert lr_at(50, cfg, 1000) == pytest.approx(5.5e-4)
+    assert lr_at(100, cfg, 1000) == pytest.approx(1e-3)
+    assert lr_at(550, cfg, 1000) == pytest.approx(5.5e-4)
+    assert lr_at(1000, cfg, 1000) == pytest.approx(1e-4) and lr_at(5000, cfg, 1000) == pytest.approx(1e-4)
+    model = natsl.build_model(natsl.load_recipe("tiny_hybrid"), device="meta")
+    decay, plain = param_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    plain_names = {names[id(p)] for p in plain["params"]}
+    assert decay["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
+    assert {"layers.0.mixer.proj.A_log", "layers.0.mixer.proj.dt_bias", "norm.weight",
+            "layers.1.mixer_norm.weight"} <= plain_names
+    assert all(n.endswith(("norm.weight", "A_log", "dt_bias", "bias")) for n in plain_names)
+    assert "embed.weight" in {names[id(p)] for p in decay["params"]}
+    assert len(decay["params"]) + len(plain["params"]) == len(list(model.parameters()))
+
+
+def test_ranks_take_disjoint_samples_and_the_step_does_not_depend_on_world_size():
+    one = [i for mb in step_sample_indices(32, 4, 4, 0, 1) for i in mb]
+    two = [[i for mb in step_sample_indices(32, 4, 2, r, 2) for i in mb] for r in range(2)]
+    assert sorted(one) == list(range(32, 48))
+    assert not set(two[0]) & set(two[1]) and sorted(two[0] + two[1]) == sorted(one)
