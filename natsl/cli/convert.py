@@ -1,0 +1,58 @@
+"""`natsl convert SRC OUT`: training checkpoint -> inference folder; `--from-hf`: import the authors' release."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from natsl.cli.app import command
+
+
+@command("convert")
+def convert(
+    src: str = typer.Argument(..., help="A training checkpoint or run folder; with --from-hf, the authors' HF folder."),
+    out: str = typer.Argument(..., help="Folder to write (weights, config.json, tokenizer.json)."),
+    from_hf: bool = typer.Option(False, "--from-hf", help="SRC is a Hugging Face checkpoint of model type "
+                                                          "neural_attention_search_linear_attn_gdn (safetensors)."),
+    dtype: Optional[str] = typer.Option(None, help="Store the weights as fp32, bf16 or fp16 (default: as in SRC)."),
+    tokenizer: Optional[str] = typer.Option(None, help="With --from-hf: tokenizer.json to bundle (default: SRC/tokenizer.json)."),
+    force: bool = typer.Option(False, help="Replace OUT if it exists."),
+    verify: bool = typer.Option(True, help="Load the written folder back and check every tensor."),
+) -> None:
+    """Write a clean inference folder that `natsl.load_checkpoint`, generation and every eval command read."""
+    from pathlib import Path
+
+    import torch
+
+    from natsl.cli.common import DTYPES
+    from natsl.errors import NatslError
+    from natsl.eval.convert import convert_checkpoint, import_hf
+
+    target = Path(out)
+    if target.exists() and not force:
+        raise NatslError(f"{out!r} exists; pass --force to replace it or choose another folder")
+    if dtype is not None and dtype not in DTYPES:
+        raise NatslError(f"unknown dtype {dtype!r}: use one of fp32, bf16, fp16")
+    chosen = DTYPES[dtype] if dtype else None
+    if from_hf:
+        written = import_hf(src, target, chosen, tokenizer)
+    else:
+        if tokenizer is not None:
+            raise NatslError("--tokenizer is only for --from-hf; a natsl checkpoint keeps its own tokenizer")
+        written = convert_checkpoint(src, target, chosen)
+    if verify:
+        from safetensors.torch import load_file
+
+        import natsl
+
+        model, tok = natsl.load_checkpoint(written)
+        stored = load_file(str(written / "model.safetensors"))
+        state = model.state_dict()
+        bad = [k for k, v in stored.items() if not torch.equal(state[k].to(v.dtype), v)]
+        if bad:
+            raise NatslError(f"verification failed: {bad[:3]} changed on reload")
+        params = model.num_parameters()
+        print(f"verified: {len(stored)} tensors, {params / 1e6:.1f}M parameters"
+              + ("" if tok is not None else "; no tokenizer bundled (text commands will need one)"))
+    print(f"wrote {written}")

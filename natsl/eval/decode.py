@@ -1,0 +1,73 @@
+"""Greedy decoding for the evaluations.
+
+With the incremental cache of contract section 5 (`model.new_cache`, `model(ids, cache=cache)`)
+the prompt is prefilled once and each new token costs one cached step. A model without it
+recomputes the full forward over prompt + generated tokens at every step; the contract makes both
+compute the same function, so both give the same tokens (up to exact ties in the logits).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from natsl.eval.common import final_hidden_states
+
+
+def has_cache(model) -> bool:
+    return callable(getattr(model, "new_cache", None))
+
+
+def new_cache_for(model, length: int):
+    """A cache for one sequence of up to `length` tokens (natsl's `new_cache` allocates its whole
+    capacity up front, so asking for only what is needed keeps long-context decoding in memory)."""
+    try:
+        return model.new_cache(1, max_len=length)
+    except TypeError:  # a cache without a capacity argument (contract: `new_cache(batch_size)`)
+        return model.new_cache(1)
+
+
+@torch.inference_mode()
+def last_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """ids [1, T] -> logits of the last position [1, vocab] (fp32), without the full [T, vocab]."""
+    with final_hidden_states(model) as head:
+        hidden = model(ids)
+    return head(hidden[:, -1]).float()
+
+
+@torch.inference_mode()
+def greedy_generate(model, prompt: Sequence[int], max_new_tokens: int, eos_id: int | None = None,
+                    use_cache: bool | None = None, device=None) -> list[int]:
+    """Greedy continuation of `prompt` (token ids): up to `max_new_tokens` ids, stopping after EOS.
+
+    `use_cache=None` uses the incremental cache when the model has one; False always recomputes.
+    """
+    if max_new_tokens <= 0:
+        return []
+    if device is None:
+        device = next(model.parameters()).device
+    ids = torch.as_tensor(list(prompt), dtype=torch.long, device=device)[None]
+    if use_cache is None:
+        use_cache = has_cache(model)
+    out: list[int] = []
+    if use_cache:
+        cache = new_cache_for(model, ids.shape[1] + max_new_tokens)
+        if callable(getattr(model, "forward_cached", None)):
+            logits = model.forward_cached(ids, cache, last_only=True)[:, -1].float()
+        else:
+            logits = model(ids, cache=cache)[:, -1].float()
+        while True:
+            token = int(logits.argmax(dim=-1).item())
+            out.append(token)
+            if token == eos_id or len(out) >= max_new_tokens:
+                return out
+            step = torch.tensor([[token]], dtype=torch.long, device=device)
+            logits = model(step, cache=cache)[:, -1].float()
+    seq = ids
+    while True:
+        token = int(last_logits(model, seq).argmax(dim=-1).item())
+        out.append(token)
+        if token == eos_id or len(out) >= max_new_tokens:
+            return out
+        seq = torch.cat([seq, torch.tensor([[token]], dtype=torch.long, device=device)], dim=1)

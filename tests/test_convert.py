@@ -1,0 +1,181 @@
+"""`natsl convert`: training checkpoint -> inference folder, and the import of the authors' HF format."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+import natsl
+from natsl.checkpoint import save_model_folder
+from natsl.cli import convert, eval_ppl, eval_ruler, inspect_routing  # noqa: F401  (register the commands)
+from natsl.cli.app import app
+from natsl.config import apply_overrides
+from natsl.eval.haystack import essay_text
+from natsl.tokenizer import train_bpe
+
+
+def run(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def logits(model, ids):
+    model.set_backend("chunked")
+    with torch.no_grad():
+        return model(ids)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return train_bpe([essay_text(100)], vocab_size=300)
+
+
+def test_training_checkpoint_round_trip(tmp_path, tok):
+    recipe = natsl.load_recipe("tiny_hybrid")
+    torch.manual_seed(0)
+    model = natsl.build_model(recipe)
+    step = save_model_folder(tmp_path / "run" / "checkpoints" / "step_20", model, recipe, tok)
+    save_file({"exp_avg": torch.zeros(3)}, str(step / "optimizer.safetensors"))  # training state stays behind
+    (step / "trainer_state.json").write_text("{}")
+    result = run("convert", tmp_path / "run", tmp_path / "inference")
+    assert result.exit_code == 0, result.output
+    out = tmp_path / "inference"
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "recipe.yaml", "tokenizer.json"]
+    assert json.loads((out / "config.json").read_text())["converted_from"].endswith("step_20")
+    loaded, tok2 = natsl.load_checkpoint(out)
+    ids = torch.randint(0, 1024, (2, 150))
+    assert torch.equal(logits(model, ids), logits(loaded, ids))
+    assert tok2.sha256() == tok.sha256()
+    # bf16 copy: stored as bf16, and loading it in bf16 computes what the bf16 model computes.
+    assert run("convert", step, tmp_path / "bf16", "--dtype", "bf16").exit_code == 0
+    assert all(t.dtype == torch.bfloat16 for t in load_file(str(tmp_path / "bf16" / "model.safetensors")).values())
+    half, _ = natsl.load_checkpoint(tmp_path / "bf16", dtype=torch.bfloat16)
+    assert torch.equal(logits(model.to(torch.bfloat16), ids), logits(half, ids))
+    # An existing target is not replaced silently.
+    again = run("convert", step, tmp_path / "bf16")
+    assert again.exit_code == 2 and "--force" in again.stderr
+
+
+# ---------------------------------------------------------------------------- the authors' layout
+
+def authors_config(recipe):
+    m = recipe.model
+    return {
+        "model_type": "neural_attention_search_linear_attn_gdn", "architectures": ["NeuralAttentionSearchLinearAttnGDNForCausalLM"],
+        "attn_mode": "chunk", "hidden_size": m.hidden_size, "expand_v": m.head_v_dim / m.head_k_dim, "use_gate": True,
+        "use_short_conv": True, "allow_neg_eigval": False, "conv_size": 4, "conv_bias": False, "head_dim": m.head_k_dim,
+        "num_heads": m.num_heads, "num_attn_heads": m.num_heads * m.softmax_heads_per_group, "num_v_heads": None,
+        "n_ops": 2, "num_nats_head": None, "nats_block_size": m.block_size, "nats_block_agg_type": "mean",
+        "nats_sample_strategy": "argmax", "ops_for_incomplete_chunks": "all", "hidden_ratio": 4,
+        "intermediate_size": m.intermediate_size, "hidden_act": "swish", "outputs_are_wighted": True,
+        "attn_qk_norm": True, "attn_with_short_conv": True, "decay_for_non_gdn_blocks": True,
+        "attn_apply_pos_encoding": m.natsl_rope, "attn_rope_theta": m.rope_theta, "num_hidden_layers": m.num_layers,
+        "norm_eps": m.norm_eps, "tie_word_embeddings": False, "initializer_range": 0.02, "vocab_size": m.vocab_size,
+        "gdn_layers": [i for i, t in enumerate(m.layer_types()) if t == "gdn"],
+    }
+
+
+def authors_tensors(model):
+    """The natsl model's weights under the authors' names (written out by hand, independently of the
+    converter): flash-linear-attention's GatedDeltaNet for GDN layers, their NAtS-L layer otherwise."""
+    out = {"model.embeddings.weight": model.embed.weight, "model.norm.weight": model.norm.weight,
+           "lm_head.weight": model.lm_head.weight}
+    for i, block in enumerate(model.layers):
+        p, mx = f"model.layers.{i}.", block.mixer
+        out[p + "attn_norm.weight"] = block.mixer_norm.weight
+        out[p + "mlp_norm.weight"] = block.mlp_norm.weight
+        out[p + "mlp.gate_proj.weight"] = block.mlp.gate_proj.weight
+        out[p + "mlp.up_proj.weight"] = block.mlp.up_proj.weight
+        out[p + "mlp.down_proj.weight"] = block.mlp.down_proj.weight
+        a = p + "attn."
+        out[a + "q_proj.weight"] = mx.proj.q_proj.weight
+        out[a + "k_proj.weight"] = mx.proj.k_proj.weight
+        out[a + "v_proj.weight"] = mx.proj.v_proj.weight
+        out[a + "a_proj.weight"] = mx.proj.a_proj.weight
+        out[a + "b_proj.weight"] = mx.proj.b_proj.weight
+        out[a + "q_conv1d.weight"] = mx.proj.q_conv.weight
+        out[a + "k_conv1d.weight"] = mx.proj.k_conv.weight
+        out[a + "v_conv1d.weight"] = mx.proj.v_conv.weight
+        out[a + "A_log"] = mx.proj.A_log
+        out[a + "dt_bias"] = mx.proj.dt_bias
+        out[a + "g_proj.weight"] = mx.g_proj.weight
+        out[a + "o_proj.weight"] = mx.o_proj.weight
+        if block.layer_type == "gdn":
+            out[a + "o_norm.weight"] = mx.o_norm.weight
+            continue
+        out[a + "nats_layer.weight"] = mx.router.weight  # rows (head, option): option 0 softmax, 1 GDN
+        out[a + "q_norm.weight"] = mx.q_norm.weight
+        out[a + "k_norm.weight"] = mx.k_norm.weight
+        out[a + "o_norm.weight1"] = mx.la_norm.weight  # their x1 is the GDN output
+        out[a + "o_norm.weight2"] = mx.nla_norm.weight
+        # Their mixing rows are (softmax head, [GDN weight, softmax weight]); natsl's are [softmax, GDN].
+        w = mx.mix_proj.weight
+        out[a + "nats_out_weights_layer.weight"] = torch.stack([w[1::2], w[0::2]], dim=1).reshape(w.shape)
+        if model.config.natsl_rope:
+            out[a + "rotary.inv_freq"] = torch.ones(model.config.softmax_k_dim // 2)
+    return {k: v.detach().clone().contiguous() for k, v in out.items()}
+
+
+@pytest.fixture(scope="module")
+def authors_checkpoint(tmp_path_factory, tok):
+    root = tmp_path_factory.mktemp("hf")
+    recipe = apply_overrides(natsl.load_recipe("tiny_hybrid"), ["model.natsl_rope=true"])
+    torch.manual_seed(5)
+    model = natsl.build_model(recipe)
+    with torch.no_grad():  # move every weight off its init, so any swapped or dropped tensor shows in the logits
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    folder = root / "NAtS-L-tiny"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(authors_config(recipe)))
+    save_file(authors_tensors(model), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    tok.save(folder)
+    return model, folder
+
+
+def test_hf_import_maps_every_tensor(authors_checkpoint, tmp_path):
+    model, folder = authors_checkpoint
+    result = run("convert", folder, tmp_path / "natsl", "--from-hf")
+    assert result.exit_code == 0, result.output
+    imported, tok = natsl.load_checkpoint(tmp_path / "natsl")
+    assert tok is not None
+    assert imported.config.layer_types() == model.config.layer_types()
+    assert imported.config.natsl_rope and imported.config.decay_skipped_blocks
+    ids = torch.randint(0, 1024, (2, 200))  # four blocks: routing, decay and both memories all matter
+    assert torch.equal(logits(model, ids), logits(imported, ids))
+    # The imported folder is an ordinary natsl checkpoint for the evaluation commands.
+    text = tmp_path / "t.txt"
+    text.write_text(essay_text(20, seed=3))
+    ppl = run("eval-ppl", tmp_path / "natsl", "--data", text, "--max-len", 128, "--windows", 1, "--out", tmp_path / "p")
+    assert ppl.exit_code == 0, ppl.output
+
+
+def test_hf_import_refusals(authors_checkpoint, tmp_path):
+    model, folder = authors_checkpoint
+    config = json.loads((folder / "config.json").read_text())
+    tensors = load_file(str(folder / "model.safetensors"))
+
+    def variant(name, cfg=config, ts=tensors, pickled=False):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(cfg))
+        if pickled:
+            (d / "pytorch_model.bin").write_bytes(b"not read")
+        else:
+            save_file(ts, str(d / "model.safetensors"))
+        r = run("convert", d, tmp_path / f"{name}-out", "--from-hf")
+        assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+        assert len(r.stderr.strip().splitlines()) == 1
+        return r.stderr
+
+    assert "never unpickles" in variant("pickled", pickled=True)
+    assert "model type 'llama'" in variant("llama", cfg={**config, "model_type": "llama"})
+    assert "no place in natsl" in variant("extra", ts={**tensors, "model.layers.1.attn.mystery": torch.zeros(2)})
+    partial = dict(tensors)
+    partial.pop("model.layers.3.attn.nats_layer.weight")
+    assert "lacks 1 tensor" in variant("partial", ts=partial)
+    assert "num_v_heads" in variant("gva", cfg={**config, "num_v_heads": 4})
+    assert "attn_with_short_conv" in variant("noconv", cfg={**config, "attn_with_short_conv": False})
+    missing = run("convert", tmp_path / "absent", tmp_path / "o")
+    assert missing.exit_code == 2 and "does not exist" in missing.stderr
