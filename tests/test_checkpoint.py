@@ -35,7 +35,7 @@ def test_bad_folders_are_refused(tmp_path):
     other = tmp_path / "hf"
     other.mkdir()
     (other / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    with pytest.raises(NatslError, match="another model type \(model type 'llama'"):
+    with pytest.raises(NatslError, match=r"another model type \(model type 'llama'"):
         natsl.load_checkpoint(other)
     recipe = natsl.load_recipe("tiny_hybrid")
     save_model_folder(tmp_path / "m", natsl.build_model(recipe), recipe)

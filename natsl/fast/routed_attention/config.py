@@ -1,0 +1,61 @@
+"""Tile shapes and launch settings of the routed-attention kernels.
+
+Tiles are decoupled from the routing block C (all powers of two):
+  forward and dq: a query tile of BLOCK_M rows walks key tiles of BLOCK_N rows, first over the
+    kept blocks before the tile (read through the compacted list as one virtual sequence of
+    kept keys, so BLOCK_N may be smaller or larger than C), then over its own blocks;
+  dk/dv: a key tile of BLOCK_N <= C rows (inside one routing block, so it has one keep flag)
+    walks query tiles of BLOCK_M <= BLOCK_N rows.
+The 16-bit settings were picked on the H200 (docs/notes/fast_routed_attention.md has the sweep);
+32-bit inputs get small tiles and one stage, since their fp32-accurate products ("tf32x3") need
+three times the shared memory; head dims over 128 get smaller tiles to stay in registers.
+benchmarks/device_routed_attention.py overrides these dicts to compare settings.
+"""
+
+from __future__ import annotations
+
+# 16-bit inputs, Dv = 128 (the 800M layer: Dk 64, Dv 128).
+FORWARD = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}
+# 16-bit inputs, Dv <= 64 (plain 64-dim heads).
+FORWARD_SMALL_DV = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+BACKWARD_DQ = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+BACKWARD_DKDV = {"BLOCK_N": 64, "BLOCK_M": 64, "num_warps": 4, "num_stages": 3}
+
+# Head dims over 128 (16-bit).
+FORWARD_LARGE_DIM = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+BACKWARD_DQ_LARGE_DIM = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+BACKWARD_DKDV_LARGE_DIM = {"BLOCK_N": 64, "BLOCK_M": 32, "num_warps": 4, "num_stages": 2}
+
+# 32-bit inputs.
+FORWARD_32BIT = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+BACKWARD_DQ_32BIT = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+BACKWARD_DKDV_32BIT = {"BLOCK_N": 32, "BLOCK_M": 32, "num_warps": 4, "num_stages": 1}
+
+
+def _pick(element_size: int, dk: int, dv: int, normal: dict, large: dict, wide: dict, small_dv=None) -> dict:
+    if element_size >= 4:
+        return wide
+    if max(dk, dv) > 128:
+        return large
+    if small_dv is not None and dv <= 64:
+        return small_dv
+    return normal
+
+
+def forward_config(element_size: int, dk: int, dv: int) -> dict:
+    return _pick(element_size, dk, dv, FORWARD, FORWARD_LARGE_DIM, FORWARD_32BIT, FORWARD_SMALL_DV)
+
+
+def dq_config(element_size: int, dk: int, dv: int) -> dict:
+    return _pick(element_size, dk, dv, BACKWARD_DQ, BACKWARD_DQ_LARGE_DIM, BACKWARD_DQ_32BIT)
+
+
+def dkdv_config(element_size: int, dk: int, dv: int) -> dict:
+    return _pick(element_size, dk, dv, BACKWARD_DKDV, BACKWARD_DKDV_LARGE_DIM, BACKWARD_DKDV_32BIT)
+
+
+def dkdv_tiles(cfg: dict, block_size: int) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_M) with BLOCK_M <= BLOCK_N <= C, so that a key tile has one keep flag and
+    the causal and later-query ranges split into whole query tiles."""
+    block_n = min(cfg["BLOCK_N"], block_size)
+    return block_n, min(cfg["BLOCK_M"], block_n)

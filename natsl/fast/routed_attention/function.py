@@ -1,0 +1,116 @@
+"""The autograd Function and the public entry point with the reference's exact signature."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from natsl.errors import NatslError
+from natsl.fast.routed_attention.backward import attention_backward
+from natsl.fast.routed_attention.blocks import BlockLists, build_block_lists
+from natsl.fast.routed_attention.forward import _forward_kernel, attention_forward, next_pow2
+from natsl.reference.route_grad import check_block_size, check_route_grad, expect_floating, expect_shape
+
+MIN_DIM = 16  # tl.dot needs at least 16 along every dimension
+
+
+class RoutedAttentionFunction(torch.autograd.Function):
+    """o = routed_attention(q, k, v, keep); gradients for q, k, v and keep (binary keep)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, keep, scale: float, block_size: int, route_grad: str):
+        B, T, H, _ = q.shape
+        n_groups = 1 if keep is None else keep.shape[2]
+        lists = build_block_lists(keep, B, math.ceil(T / block_size), n_groups, q.device)
+        o, lse = attention_forward(q, k, v, lists, scale, block_size, n_groups)
+        ctx.save_for_backward(q, k, v, o, lse, *lists)
+        ctx.meta = (scale, block_size, n_groups, route_grad, None if keep is None else keep.dtype)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, *lists = ctx.saved_tensors
+        scale, block_size, n_groups, route_grad, keep_dtype = ctx.meta
+        want_keep = keep_dtype is not None and ctx.needs_input_grad[3]
+        # "full" costs extra visits of dropped blocks: pay them only when dkeep is wanted.
+        full = want_keep and route_grad == "full"
+        dq, dk, dv, dkeep_heads = attention_backward(
+            q, k, v, o, lse, do, BlockLists(*lists), scale, block_size, n_groups, full
+        )
+        dkeep = None
+        if want_keep:
+            B, H, NB = dkeep_heads.shape
+            dkeep = dkeep_heads.view(B, n_groups, H // n_groups, NB).sum(2).transpose(1, 2).to(keep_dtype)
+        return dq, dk, dv, dkeep, None, None, None
+
+
+def _validate(q, k, v, keep, block_size: int) -> None:
+    """The reference's layout checks (contract section 5), plus the fast path's own limits."""
+    check_block_size(block_size)
+    if q.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k must be [B, T, Hs, Dk] and v [B, T, Hs, Dv], got {tuple(q.shape)}, {tuple(v.shape)}")
+    B, T, Hs, Dk = q.shape
+    expect_shape("k", k, (B, T, Hs, Dk), "[B, T, Hs, Dk] (as q)")
+    expect_shape("v", v, (B, T, Hs, v.shape[-1]), "[B, T, Hs, Dv]")
+    for name, t in (("q", q), ("k", k), ("v", v), ("keep", keep)):
+        if t is not None:
+            expect_floating(name, t)
+    if keep is not None:
+        NB = math.ceil(T / block_size)
+        if keep.dim() != 3 or keep.shape[:2] != (B, NB):
+            raise ValueError(f"keep must be [B, NB, G] = ({B}, {NB}, G), got shape {tuple(keep.shape)}")
+        if keep.shape[2] < 1 or Hs % keep.shape[2]:
+            raise ValueError(f"keep has {keep.shape[2]} routing groups, which must divide the {Hs} softmax heads")
+    if block_size < MIN_DIM or block_size & (block_size - 1) or block_size > 256:
+        raise NatslError(
+            f"the fast routed_attention needs block_size a power of two in [16, 256], got {block_size}; "
+            "use backend='reference'"
+        )
+    if q.device.type != "cuda" and not _interpreting():
+        raise NatslError(
+            "fast routed_attention on a CPU tensor needs TRITON_INTERPRET=1 set before natsl.fast is imported"
+        )
+
+
+def _interpreting() -> bool:
+    return type(_forward_kernel).__name__ == "InterpretedFunction"
+
+
+def _pad_dim(x: torch.Tensor) -> torch.Tensor:
+    """Zero-pad the head dim to a power of two >= 16 (zeros change no dot product)."""
+    d = x.shape[-1]
+    target = max(MIN_DIM, next_pow2(d))
+    x = F.pad(x, (0, target - d)) if target != d else x
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def routed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keep: torch.Tensor | None,
+    *,
+    scale: float | None = None,
+    block_size: int = 64,
+    route_grad: str = "active",
+) -> torch.Tensor:
+    """Causal softmax attention in which earlier blocks are visible only where `keep` is 1.
+
+    q, k [B,T,Hs,Dk]; v [B,T,Hs,Dv]; keep [B,NB,G] with Hs % G == 0 (None = all kept); softmax
+    head j is in routing group j // (Hs // G). Returns o [B,T,Hs,Dv] in q's dtype.
+    The fast path reads keep as binary: block c is visible iff keep_c > 0.5 (routes are exactly
+    0/1 in the model). dkeep is the contract's continuous-mask gradient at that binary mask;
+    "active" leaves it zero on dropped blocks, "full" also visits them for it.
+    """
+    check_route_grad(route_grad)
+    _validate(q, k, v, keep, block_size)
+    B, T, Hs, Dk = q.shape
+    Dv = v.shape[-1]
+    scale = Dk**-0.5 if scale is None else float(scale)
+    if T == 0:
+        return q.new_zeros(B, 0, Hs, Dv)
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    o = RoutedAttentionFunction.apply(_pad_dim(q), _pad_dim(k), _pad_dim(v), keep, scale, block_size, route_grad)
+    return o[..., :Dv] if o.shape[-1] != Dv else o
