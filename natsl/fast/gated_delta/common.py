@@ -1,0 +1,125 @@
+"""Shared pieces of the gated-delta kernels: the dot wrapper, masked tile loads/stores, tile sizes.
+
+Layouts: token-major tensors are [B, T, H, D] (contiguous), so inside one (batch, head) the rows of a
+[T, D] matrix lie H * D elements apart; per-chunk states are [B, NB, H, K, V].
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Triton's interpreter multiplies bf16 dot operands as their raw uint16 bits (seen with 3.9), so under
+# TRITON_INTERPRET the operands are upcast first. bf16 x bf16 products are exact in fp32, so this is
+# what the GPU's fp32-accumulating dot computes.
+INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+MIN_TILE = 16  # tl.dot needs at least 16 along every dimension
+MAX_K = 256  # the sequential kernels hold the state as at most four 64-row tiles
+
+
+@triton.jit
+def _round_tf32(x):
+    """x rounded to tf32 (10 mantissa bits), as the tensor cores read fp32 operands."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x1000) & -8192  # -8192 = 0xFFFFE000: round half away, drop 13 low bits
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def mm(a, b, PREC: tl.constexpr):
+    """a @ b with an fp32 accumulator; PREC picks tf32 or ieee for fp32 operands."""
+    tl.static_assert(a.dtype == b.dtype, "dot operands must share a dtype (the GPU needs it)")
+    if INTERPRET:
+        # Emulate tf32 operand rounding so CPU runs see the GPU's precision.
+        if PREC == "tf32" and a.dtype == tl.float32:
+            a = _round_tf32(a)
+        if PREC == "tf32" and b.dtype == tl.float32:
+            b = _round_tf32(b)
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    else:
+        return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
+def load_tile(base, r0, c0, n_rows, row_stride, N_COLS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """Rows r0.., columns c0.. of a [n_rows, N_COLS] matrix with rows `row_stride` apart; zero outside."""
+    rr = r0 + tl.arange(0, BR)
+    rc = c0 + tl.arange(0, BC)
+    ptrs = base + rr[:, None].to(tl.int64) * row_stride + rc[None, :]
+    return tl.load(ptrs, mask=(rr < n_rows)[:, None] & (rc < N_COLS)[None, :], other=0.0)
+
+
+@triton.jit
+def load_tile_t(base, r0, c0, n_rows, row_stride, N_COLS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """The transpose [BC, BR] of load_tile's tile, read straight from memory (no register transpose)."""
+    rr = r0 + tl.arange(0, BR)
+    rc = c0 + tl.arange(0, BC)
+    ptrs = base + rr[None, :].to(tl.int64) * row_stride + rc[:, None]
+    return tl.load(ptrs, mask=(rr < n_rows)[None, :] & (rc < N_COLS)[:, None], other=0.0)
+
+
+@triton.jit
+def store_tile(base, value, r0, c0, n_rows, row_stride, N_COLS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    rr = r0 + tl.arange(0, BR)
+    rc = c0 + tl.arange(0, BC)
+    ptrs = base + rr[:, None].to(tl.int64) * row_stride + rc[None, :]
+    tl.store(ptrs, value.to(base.dtype.element_ty), mask=(rr < n_rows)[:, None] & (rc < N_COLS)[None, :])
+
+
+@triton.jit
+def load_vec(base, r0, n_rows, stride, BR: tl.constexpr):
+    """fp32 vector of rows r0.. of a [n_rows] column `stride` apart; zero outside."""
+    rr = r0 + tl.arange(0, BR)
+    return tl.load(base + rr.to(tl.int64) * stride, mask=rr < n_rows, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def store_vec(base, value, r0, n_rows, stride, BR: tl.constexpr):
+    rr = r0 + tl.arange(0, BR)
+    tl.store(base + rr.to(tl.int64) * stride, value.to(base.dtype.element_ty), mask=rr < n_rows)
+
+
+@triton.jit
+def reverse_cumsum(x):
+    """y_s = sum_{t >= s} x_t along the only axis."""
+    return tl.sum(x, 0) - tl.cumsum(x, 0) + x
+
+
+def dim_tile(d: int, cap: int = 64) -> int:
+    """Tile width for a head dim: a power of two in [16, cap]; the last tile is masked."""
+    return min(cap, max(MIN_TILE, triton.next_power_of_2(d)))
+
+
+def fp32_precision(dtype) -> str:
+    """Dot precision for fp32 operands: exact fp32 when the inputs are fp32, tf32 otherwise."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def chunk_decay(gc_ptr, write_ptr, t0, n, T, H, C: tl.constexpr, DECAY_SKIPPED: tl.constexpr):
+    """A chunk's decay terms: (gc over its rows, exp(G_last - gc), write, a).
+
+    G_last is gc at the chunk's last real token, so Gamma = exp(G_last); the commit is
+    S_start(n+1) = a S_start(n) + write * K_dec^T R with K_dec = diag(exp(G_last - gc)) K and
+    a = Gamma (decay across skipped blocks) or 1 - write + write * Gamma (the ablation).
+    gc_ptr points at (b, t=0, h) of [B, T, H]; write_ptr at (b, chunk 0, h) of [B, NB, H].
+    """
+    last = tl.minimum(t0 + C, T) - 1
+    g_last = tl.load(gc_ptr + last.to(tl.int64) * H)
+    gc = load_vec(gc_ptr, t0, T, H, C)
+    wt = tl.load(write_ptr + n * H).to(tl.float32)
+    gamma = tl.exp(g_last)
+    if DECAY_SKIPPED:
+        a = gamma
+    else:
+        a = 1.0 - wt + wt * gamma
+    return gc, tl.exp(g_last - gc), wt, a
+
+
+def launch_options(cfg: dict, block_size: int) -> dict:
+    """num_warps / num_stages of a launch; 128-token chunks take one stage (shared memory)."""
+    return {"num_warps": cfg["num_warps"], "num_stages": 1 if block_size > 64 else cfg["num_stages"]}

@@ -1,0 +1,28 @@
+"""Launch settings of the gated-delta kernels (Hopper defaults).
+
+BV is the width of the V slice one program owns. The two sequential kernels (state_fwd,
+state_bwd) get B * H * V / BV programs, so BV trades parallelism against per-step work.
+benchmarks/device_gated_delta.py overrides these dicts in place to compare settings in one call.
+"""
+
+from __future__ import annotations
+
+# dtype of the chunk intermediates W, U, R, dR_local, dR (the per-chunk state h is always in the
+# inputs' dtype; fp32 inputs keep everything fp32):
+#   "input" (default): the inputs' dtype, as flash-linear-attention does. On the H200 at the 800M
+#       shapes (bf16, T=4096): output 2.9e-3, gradients <= 3.7e-3 relative RMS against an fp32
+#       oracle; forward 6.4 ms and forward+backward 19.3 ms at T=128K.
+#   "fp32": fp32 intermediates and tf32 products. R = U - W S is a small difference (the delta
+#       rule's prediction error), so this is 1.4x more precise at the 800M shapes (2.0e-3) and 3x
+#       on a saturated small-K case (3.5e-3 vs 1.1e-2), but costs 1.3x in the forward and 2x in
+#       forward+backward (8.4 ms / 39.1 ms at T=128K).
+INTERMEDIATE = "input"
+
+PREPARE = {"num_warps": 2, "num_stages": 2}
+STATE_FWD = {"BV": 32, "num_warps": 4, "num_stages": 2}
+OUTPUT = {"BV": 64, "num_warps": 4, "num_stages": 2}
+LOCAL_DR = {"BV": 64, "num_warps": 4, "num_stages": 2}
+STATE_BWD = {"BV": 32, "num_warps": 4, "num_stages": 2}
+GRAD_QK = {"BV": 32, "num_warps": 4, "num_stages": 2}
+GRAD_WY = {"num_warps": 4, "num_stages": 2}
+DECODE = {"BV": 32, "num_warps": 4}

@@ -1,0 +1,161 @@
+"""The autograd Function and the public entry point, with the reference's exact signature.
+
+Forward: prepare (gc, T, W, U per chunk) -> state recurrence (h, R, final state) -> output.
+Backward: local dR -> reverse state pass (dh, dR, d initial state) -> grad_qk -> grad_wy; the route
+gradient dL/dwrite_b = <dL/dS_start(b+1), S_end(b) - c S_start(b)> is p1 + (Gamma_b - c) p2.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from natsl.errors import NatslError
+from natsl.fast.gated_delta import config
+from natsl.fast.gated_delta.common import MAX_K, fp32_precision
+from natsl.fast.gated_delta.grad_qk import grad_qk
+from natsl.fast.gated_delta.grad_wy import grad_wy
+from natsl.fast.gated_delta.output import chunk_output, local_dr
+from natsl.fast.gated_delta.prepare import _prepare_kernel, prepare_chunks
+from natsl.fast.gated_delta.state import state_backward, state_forward
+from natsl.reference.route_grad import chosen, check_block_size, check_route_grad, expect_floating, expect_shape
+
+BLOCK_SIZES = (64, 128)  # four sub-blocks of 16 or 32 rows each: tl.dot needs >= 16
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _chunk_gamma(gc: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Gamma_b = exp(sum of g over block b) [B, NB, H], read off the in-chunk cumulative decay."""
+    T = gc.shape[1]
+    last = torch.arange(block_size - 1, T + block_size - 1, block_size, device=gc.device).clamp_(max=T - 1)
+    return gc[:, last].exp()
+
+
+class GatedDeltaFunction(torch.autograd.Function):
+    """(o, final state or None) = gated_delta_rule(q, k, v, g, beta, write, initial_state)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, write, initial_state, scale, output_final_state, block_size,
+                decay_skipped_blocks, route_grad):
+        B, T, H, _ = q.shape
+        NB = triton.cdiv(T, block_size)
+        prec = fp32_precision(q.dtype)
+        wdt = torch.float32 if config.INTERMEDIATE == "fp32" else q.dtype  # see config.INTERMEDIATE
+        w32 = q.new_ones(B, NB, H, dtype=torch.float32) if write is None else write.float().contiguous()
+        h0 = None if initial_state is None else initial_state.float().contiguous()
+        gc, ai, w, u = prepare_chunks(k, v, g, beta, block_size, config.PREPARE, wdt)
+        h, r, final = state_forward(w, u, k, gc, w32, h0, output_final_state, block_size, decay_skipped_blocks,
+                                    prec, config.STATE_FWD)
+        o = chunk_output(q, k, gc, h, r, scale, block_size, prec, config.OUTPUT)
+        ctx.save_for_backward(q, k, v, beta, w32, gc, ai, w, h, r)
+        ctx.meta = (scale, block_size, decay_skipped_blocks, route_grad, g.dtype,
+                    None if write is None else write.dtype,
+                    None if initial_state is None else initial_state.dtype)
+        return o, final
+
+    @staticmethod
+    def backward(ctx, do, d_final):
+        q, k, v, beta, w32, gc, ai, w, h, r = ctx.saved_tensors
+        scale, C, decay_skipped_blocks, route_grad, g_dtype, write_dtype, h0_dtype = ctx.meta
+        prec = fp32_precision(q.dtype)
+        do = do.to(q.dtype).contiguous()
+        d_final = None if d_final is None else d_final.float().contiguous()
+        want_dh0 = h0_dtype is not None and ctx.needs_input_grad[6]
+
+        drl = local_dr(q, k, gc, do, scale, C, prec, config.LOCAL_DR, w.dtype)
+        dh, dr, dh0 = state_backward(q, k, w, gc, w32, do, drl, d_final, want_dh0, scale, C, decay_skipped_blocks,
+                                     prec, config.STATE_BWD)
+        dq, dkp, dw, dgp, p1, p2 = grad_qk(q, k, gc, w32, h, dh, r, dr, do, scale, C, prec, config.GRAD_QK)
+        p1, p2 = p1.sum(0), p2.sum(0)
+        gamma = _chunk_gamma(gc, C)
+        # G_last enters through the commit's a = Gamma (or 1 - write + write Gamma): da/dG_last.
+        dg_last = gamma * p2 if decay_skipped_blocks else gamma * p2 * w32
+        dk, dv, dbeta, dg = grad_wy(k, v, beta, gc, ai, dr, dw, dkp, dgp, dg_last.contiguous(), C, prec,
+                                    config.GRAD_WY)
+
+        dwrite = None
+        if write_dtype is not None and ctx.needs_input_grad[5]:
+            dwrite = p1 if decay_skipped_blocks else p1 + (gamma - 1.0) * p2
+            if route_grad == "active":
+                dwrite = dwrite * chosen(w32).to(dwrite.dtype)
+            dwrite = dwrite.to(write_dtype)
+        if dh0 is not None:
+            dh0 = dh0.to(h0_dtype)
+        return dq, dk, dv, dg.to(g_dtype), dbeta.to(beta.dtype), dwrite, dh0, None, None, None, None, None
+
+
+def _validate(q, k, v, g, beta, write, initial_state, block_size: int) -> None:
+    """The reference's layout checks (contract section 5), plus the fast path's own limits."""
+    check_block_size(block_size)
+    if q.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k must be [B, T, H, K] and v [B, T, H, V], got {tuple(q.shape)}, {tuple(v.shape)}")
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    expect_shape("k", k, (B, T, H, K), "[B, T, H, K] (as q)")
+    expect_shape("v", v, (B, T, H, V), "[B, T, H, V]")
+    expect_shape("g", g, (B, T, H), "[B, T, H]")
+    expect_shape("beta", beta, (B, T, H), "[B, T, H]")
+    if write is not None:
+        expect_shape("write", write, (B, triton.cdiv(T, block_size), H), "[B, NB, H]")
+    if initial_state is not None:
+        expect_shape("initial_state", initial_state, (B, H, K, V), "[B, H, K, V]")
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("write", write),
+                    ("initial_state", initial_state)):
+        if t is not None:
+            expect_floating(name, t)
+    if block_size not in BLOCK_SIZES:
+        raise NatslError(f"the fast gated_delta_rule supports block_size 64 or 128, got {block_size}; "
+                         "use backend='reference'")
+    if K > MAX_K:
+        raise NatslError(f"the fast gated_delta_rule supports K <= {MAX_K}, got {K}; use backend='reference'")
+    if q.dtype not in DTYPES:
+        raise NatslError(f"the fast gated_delta_rule supports fp32, bf16 and fp16 inputs, got {q.dtype}; "
+                         "use backend='reference'")
+    if block_size > 64 and q.device.type == "cuda" and torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, g, beta, write, initial_state)
+    ):
+        # The backward's [C, C] products need 384 KB of shared memory at C = 128 (227 KB on Hopper).
+        raise NatslError("the fast gated_delta_rule backward supports block_size 64 on the GPU (128 runs "
+                         "forward only, e.g. under torch.no_grad()); use backend='reference' to train with 128")
+    if q.device.type != "cuda" and type(_prepare_kernel).__name__ != "InterpretedFunction":
+        raise NatslError("the fast gated_delta_rule on a CPU tensor needs TRITON_INTERPRET=1 set before "
+                         "natsl.fast is imported")
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    write: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    block_size: int = 64,
+    decay_skipped_blocks: bool = True,
+    route_grad: str = "active",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gated DeltaNet whose block content writes are committed only where `write` is 1 (Triton).
+
+    q, k [B,T,H,K] (already normalised); v [B,T,H,V]; g (log decay), beta [B,T,H] (any float
+    dtype); write [B,NB,H] (None = all ones), any float values; initial_state [B,H,K,V].
+    Returns o [B,T,H,V] in q's dtype (k, v compute in q's dtype) and, if `output_final_state`,
+    S_start(NB) [B,H,K,V] in fp32. Chunk size = block_size (64 or 128).
+    """
+    check_route_grad(route_grad)
+    _validate(q, k, v, g, beta, write, initial_state, block_size)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    scale = K**-0.5 if scale is None else float(scale)
+    if T == 0:  # nothing to read; the state passes through untouched
+        final = None
+        if output_final_state:
+            final = q.new_zeros(B, H, K, V, dtype=torch.float32) if initial_state is None else initial_state.float()
+        return q.new_zeros(B, 0, H, V), final
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    o, final = GatedDeltaFunction.apply(q, k, v, g, beta, write, initial_state, scale, output_final_state,
+                                        block_size, decay_skipped_blocks, route_grad)
+    return o, (final if output_final_state else None)

@@ -1,0 +1,137 @@
+"""Backward, chunk-parallel part 2: through W = T diag(beta e) K, U = T diag(beta) V and T = (I+A)^-1.
+
+One program per (chunk, batch * head). With dU = dR and dW from grad_qk (e = exp(gc)):
+    dV = diag(beta) T^T dR,   dT = dR (diag(beta) V)^T + dW (diag(beta e) K)^T,
+    dA = -T^T dT T^T (strictly lower),   A = diag(beta) (K K^T) * exp(gc_i - gc_j),
+    dK = dK_part + diag(beta e) T^T dW + (dB + dB^T) K with dB = dA * beta_i exp(gc_i - gc_j),
+and dbeta, dg. The transposed products (dT^T, dA^T, T^T) are built from loads and their own dots:
+a dot result is never transposed in registers (flash-linear-attention issue 640).
+dg sums this kernel's in-chunk terms (reverse cumsum), grad_qk's parts, and the chunk's G_last term.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from natsl.fast.gated_delta.common import (
+    dim_tile,
+    launch_options,
+    load_tile,
+    load_tile_t,
+    load_vec,
+    mm,
+    reverse_cumsum,
+    store_tile,
+    store_vec,
+)
+
+
+@triton.jit(do_not_specialize=["B", "T", "NB"])  # one compile for every sequence length
+def _grad_wy_kernel(
+    k_ptr, v_ptr, beta_ptr, gc_ptr, ai_ptr, dr_ptr, dw_ptr, dkp_ptr, dgp_ptr, dgl_ptr,
+    dk_ptr, dv_ptr, dbeta_ptr, dg_ptr,
+    B, T, H, NB,
+    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NKP: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    n = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    t0 = n * C
+    row0 = b.to(tl.int64) * T * H + h
+    k_ptr += row0 * K
+    dk_ptr += row0 * K
+    dkp_ptr += row0 * K
+    dw_ptr += row0 * K
+    v_ptr += row0 * V
+    dv_ptr += row0 * V
+    dr_ptr += row0 * V
+    ai_ptr += row0 * C
+    beta_ptr += row0
+    gc_ptr += row0
+    dbeta_ptr += row0
+    dg_ptr += row0
+
+    tm = load_tile(ai_ptr, t0, 0, T, H * C, C, C, C)  # T
+    tmt = load_tile_t(ai_ptr, t0, 0, T, H * C, C, C, C)  # T^T
+    beta = load_vec(beta_ptr, t0, T, H, C)
+    gc = load_vec(gc_ptr, t0, T, H, C)
+    be = beta * tl.exp(gc)
+
+    dtm = tl.zeros([C, C], dtype=tl.float32)  # dT
+    dtmt = tl.zeros([C, C], dtype=tl.float32)  # dT^T
+    kk = tl.zeros([C, C], dtype=tl.float32)  # K K^T
+    dbeta = tl.zeros([C], dtype=tl.float32)
+    dgc = tl.zeros([C], dtype=tl.float32)
+    # Products run in the intermediates' dtype wd (config.INTERMEDIATE: bf16, or fp32 -> tf32); sums fp32.
+    wd = dr_ptr.dtype.element_ty
+    tmtw = tmt.to(wd)
+    for v0 in range(0, V, BV):
+        dr = load_tile(dr_ptr, t0, v0, T, H * V, V, C, BV)
+        vv = load_tile(v_ptr, t0, v0, T, H * V, V, C, BV).to(tl.float32)
+        vb = (beta[:, None] * vv).to(wd)
+        du = mm(tmtw, dr, PREC)  # T^T dU
+        store_tile(dv_ptr, beta[:, None] * du, t0, v0, T, H * V, V, C, BV)
+        dbeta += tl.sum(vv * du, 1)
+        dtm += mm(dr, tl.trans(vb), PREC)
+        dtmt += mm(vb, tl.trans(dr), PREC)
+    for k0 in range(0, K, BK):
+        dw = load_tile(dw_ptr, t0, k0, T, H * K, K, C, BK).to(wd)
+        kx = load_tile(k_ptr, t0, k0, T, H * K, K, C, BK)
+        ek = tl.exp(gc)[:, None] * kx.to(tl.float32)
+        x = beta[:, None] * ek  # diag(beta e) K
+        xw = x.to(wd)
+        dx = mm(tmtw, dw, PREC)  # T^T dW
+        dtm += mm(dw, tl.trans(xw), PREC)
+        dtmt += mm(xw, tl.trans(dw), PREC)
+        dbeta += tl.sum(ek * dx, 1)
+        dgc += tl.sum(x * dx, 1)
+        kk += mm(kx, tl.trans(kx), PREC)
+
+    rows = tl.arange(0, C)
+    lower = rows[:, None] > rows[None, :]
+    upper = rows[:, None] < rows[None, :]
+    da = tl.where(lower, -mm(mm(tmt, dtm, PREC), tmt, PREC), 0.0)
+    dat = tl.where(upper, -mm(mm(tm, dtmt, PREC), tm, PREC), 0.0)
+    decay = tl.where(lower, tl.exp(gc[:, None] - gc[None, :]), 0.0)
+    decay_t = tl.where(upper, tl.exp(gc[None, :] - gc[:, None]), 0.0)
+    dak = da * decay * kk
+    dbeta += tl.sum(dak, 1)
+    daa = beta[:, None] * dak  # dA * A
+    dgc += tl.sum(daa, 1) - tl.sum(daa, 0)
+    dbw = (beta[:, None] * da * decay).to(wd)  # dB
+    dbtw = (beta[None, :] * dat * decay_t).to(wd)  # dB^T
+
+    for k0 in range(0, K, BK):
+        dw = load_tile(dw_ptr, t0, k0, T, H * K, K, C, BK).to(wd)
+        kw = load_tile(k_ptr, t0, k0, T, H * K, K, C, BK).to(wd)
+        dk = load_tile(dkp_ptr, t0, k0, T, H * K, K, C, BK)
+        dk += be[:, None] * mm(tmtw, dw, PREC) + mm(dbw, kw, PREC) + mm(dbtw, kw, PREC)
+        store_tile(dk_ptr, dk, t0, k0, T, H * K, K, C, BK)
+
+    dg = reverse_cumsum(dgc) + tl.load(dgl_ptr + (b * NB + n) * H + h)
+    for i in tl.static_range(NKP):
+        dg += load_vec(dgp_ptr + i * B * T * H + row0, t0, T, H, C)
+    store_vec(dg_ptr, dg, t0, T, H, C)
+    store_vec(dbeta_ptr, dbeta, t0, T, H, C)
+
+
+def grad_wy(k, v, beta, gc, ai, dr, dw, dkp, dgp, dg_last, block_size: int, precision: str, cfg: dict):
+    """(dk in k's dtype, dv in v's dtype, dbeta fp32 [B,T,H], dg fp32 [B,T,H])."""
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    NB = triton.cdiv(T, block_size)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    dbeta = torch.empty(B, T, H, device=k.device, dtype=torch.float32)
+    dg = torch.empty(B, T, H, device=k.device, dtype=torch.float32)
+    grid = (NB, B * H)
+    _grad_wy_kernel[grid](
+        k, v, beta, gc, ai, dr, dw, dkp, dgp, dg_last, dk, dv, dbeta, dg, B, T, H, NB,
+        K=K, V=V, C=block_size, BK=dim_tile(K), BV=dim_tile(V), NKP=dgp.shape[0], PREC=precision,
+        **launch_options(cfg, block_size),
+    )
+    return dk, dv, dbeta, dg

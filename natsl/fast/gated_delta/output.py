@@ -1,0 +1,116 @@
+"""Chunk-parallel output kernel and its transpose (the intra-chunk part of dL/dR).
+
+With S = S_start(n), R the chunk's pseudo values and gc its cumulative log decay:
+    O = scale * ( diag(exp(gc)) Q S + (Q K^T * exp(gc_i - gc_j) * [j <= i]) R )
+The transposed intra-chunk product dR_local = scale * (...)^T dO is built from K Q^T directly, so
+no dot result is transposed in registers.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from natsl.fast.gated_delta.common import dim_tile, launch_options, load_tile, load_vec, mm, store_tile
+
+
+@triton.jit(do_not_specialize=["T", "NB"])  # one compile for every sequence length
+def _output_kernel(
+    q_ptr, k_ptr, gc_ptr, h_ptr, r_ptr, o_ptr,
+    scale, T, H, NB,
+    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    iv = tl.program_id(0)
+    n = tl.program_id(1)
+    bh = tl.program_id(2)
+    b = bh // H
+    h = bh % H
+    v0 = iv * BV
+    t0 = n * C
+    row0 = b.to(tl.int64) * T * H + h
+    q_ptr += row0 * K
+    k_ptr += row0 * K
+    r_ptr += row0 * V
+    o_ptr += row0 * V
+    gc_ptr += row0
+    h_ptr += ((b * NB + n) * H + h).to(tl.int64) * K * V
+
+    qs = tl.zeros([C, BV], dtype=tl.float32)
+    qk = tl.zeros([C, C], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        q = load_tile(q_ptr, t0, k0, T, H * K, K, C, BK)
+        k = load_tile(k_ptr, t0, k0, T, H * K, K, C, BK)
+        s = load_tile(h_ptr, k0, v0, K, V, V, BK, BV)
+        qs += mm(q, s, PREC)
+        qk += mm(q, tl.trans(k), PREC)
+    gc = load_vec(gc_ptr, t0, T, H, C)
+    rows = tl.arange(0, C)
+    p = tl.where(rows[:, None] >= rows[None, :], qk * tl.exp(gc[:, None] - gc[None, :]), 0.0)
+    r = load_tile(r_ptr, t0, v0, T, H * V, V, C, BV)
+    o = scale * (tl.exp(gc)[:, None] * qs + mm(p.to(r.dtype), r, PREC))
+    store_tile(o_ptr, o, t0, v0, T, H * V, V, C, BV)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _local_dr_kernel(
+    q_ptr, k_ptr, gc_ptr, do_ptr, drl_ptr,
+    scale, T, H,
+    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    n = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    t0 = n * C
+    row0 = b.to(tl.int64) * T * H + h
+    q_ptr += row0 * K
+    k_ptr += row0 * K
+    do_ptr += row0 * V
+    drl_ptr += row0 * V
+    gc_ptr += row0
+
+    kq = tl.zeros([C, C], dtype=tl.float32)  # kq[j, i] = k_j . q_i
+    for k0 in range(0, K, BK):
+        q = load_tile(q_ptr, t0, k0, T, H * K, K, C, BK)
+        k = load_tile(k_ptr, t0, k0, T, H * K, K, C, BK)
+        kq += mm(k, tl.trans(q), PREC)
+    gc = load_vec(gc_ptr, t0, T, H, C)
+    rows = tl.arange(0, C)
+    pt = tl.where(rows[:, None] <= rows[None, :], scale * kq * tl.exp(gc[None, :] - gc[:, None]), 0.0)
+    wd = drl_ptr.dtype.element_ty
+    pt = pt.to(wd)
+    for v0 in range(0, V, BV):
+        do = load_tile(do_ptr, t0, v0, T, H * V, V, C, BV).to(wd)
+        store_tile(drl_ptr, mm(pt, do, PREC), t0, v0, T, H * V, V, C, BV)
+
+
+def chunk_output(q, k, gc, h, r, scale: float, block_size: int, precision: str, cfg: dict) -> torch.Tensor:
+    B, T, H, K = q.shape
+    V = r.shape[-1]
+    NB = triton.cdiv(T, block_size)
+    BV = min(cfg["BV"], dim_tile(V))
+    o = torch.empty(B, T, H, V, device=q.device, dtype=q.dtype)
+    grid = (triton.cdiv(V, BV), NB, B * H)
+    _output_kernel[grid](
+        q, k, gc, h, r, o, scale, T, H, NB,
+        K=K, V=V, C=block_size, BK=dim_tile(K), BV=BV, PREC=precision,
+        **launch_options(cfg, block_size),
+    )
+    return o
+
+
+def local_dr(q, k, gc, do, scale: float, block_size: int, precision: str, cfg: dict, work_dtype) -> torch.Tensor:
+    """dR_local [B,T,H,V] in work_dtype: the intra-chunk part of dL/dR."""
+    B, T, H, K = q.shape
+    V = do.shape[-1]
+    drl = torch.empty(B, T, H, V, device=q.device, dtype=work_dtype)
+    grid = (triton.cdiv(T, block_size), B * H)
+    _local_dr_kernel[grid](
+        q, k, gc, do, drl, scale, T, H,
+        K=K, V=V, C=block_size, BK=dim_tile(K), BV=min(cfg["BV"], dim_tile(V)), PREC=precision,
+        **launch_options(cfg, block_size),
+    )
+    return drl

@@ -1,0 +1,260 @@
+"""The two sequential kernels: the chunk-state recurrence forward and its reverse (dL/dS) pass.
+
+One program owns a BV-wide column slice of the [K, V] state of one (batch, head): every operation
+on the state acts on its columns independently, so the V slices never talk. The K rows are held as
+up to four BK-row register tiles (K = 192 is three tiles of 64; a tile past K is never generated).
+
+Forward, chunk n (S = S_start(n), stored as h[n] for the output and backward kernels):
+    R = U - W S                               (pseudo values, stored)
+    S <- a S + write * K_dec^T R              (the route commit; a, K_dec: common.chunk_decay)
+Backward, chunk n from last to first (D = dL/dS_start(n+1), stored as dh[n]):
+    dR = dR_local + write * K_dec D           (stored)
+    D  <- a D + scale (diag(exp(gc)) Q)^T dO - W^T dR
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from natsl.fast.gated_delta.common import chunk_decay, dim_tile, launch_options, load_tile, load_tile_t, mm, store_tile
+
+
+@triton.jit
+def _ws_tile(w_ptr, s, t0, k0, T, H, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    """W[:, k0:k0+BK] S[k0:k0+BK, :] for one K tile, in W's dtype."""
+    w = load_tile(w_ptr, t0, k0, T, H * K, K, C, BK)
+    return mm(w, s.to(w.dtype), PREC)
+
+
+@triton.jit
+def _commit_tile(s, a, k_ptr, rd, t0, k0, T, H, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+                 PREC: tl.constexpr):
+    """a S + K^T rd for one K tile; K^T is read transposed straight from memory."""
+    kt = load_tile_t(k_ptr, t0, k0, T, H * K, K, C, BK).to(rd.dtype)
+    return a * s + mm(kt, rd, PREC)
+
+
+@triton.jit(do_not_specialize=["T", "NB"])  # one compile for every sequence length
+def _state_fwd_kernel(
+    w_ptr, u_ptr, k_ptr, gc_ptr, write_ptr, h0_ptr, h_ptr, r_ptr, ht_ptr,
+    T, H, NB,
+    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr,
+    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, DECAY_SKIPPED: tl.constexpr, PREC: tl.constexpr,
+):
+    iv = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    v0 = iv * BV
+    row0 = b.to(tl.int64) * T * H + h
+    w_ptr += row0 * K
+    k_ptr += row0 * K
+    u_ptr += row0 * V
+    r_ptr += row0 * V
+    gc_ptr += row0
+    write_ptr += b.to(tl.int64) * NB * H + h
+    wd = w_ptr.dtype.element_ty  # the intermediates' dtype: operands of both products
+
+    s0 = tl.zeros([BK, BV], dtype=tl.float32)
+    s1 = tl.zeros([BK, BV], dtype=tl.float32)
+    s2 = tl.zeros([BK, BV], dtype=tl.float32)
+    s3 = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_H0:
+        h0_ptr += bh.to(tl.int64) * K * V
+        s0 = load_tile(h0_ptr, 0, v0, K, V, V, BK, BV).to(tl.float32)
+        if NK > 1:
+            s1 = load_tile(h0_ptr, BK, v0, K, V, V, BK, BV).to(tl.float32)
+        if NK > 2:
+            s2 = load_tile(h0_ptr, 2 * BK, v0, K, V, V, BK, BV).to(tl.float32)
+        if NK > 3:
+            s3 = load_tile(h0_ptr, 3 * BK, v0, K, V, V, BK, BV).to(tl.float32)
+
+    for n in range(NB):
+        t0 = n * C
+        hb = h_ptr + ((b * NB + n) * H + h).to(tl.int64) * K * V
+        store_tile(hb, s0, 0, v0, K, V, V, BK, BV)
+        if NK > 1:
+            store_tile(hb, s1, BK, v0, K, V, V, BK, BV)
+        if NK > 2:
+            store_tile(hb, s2, 2 * BK, v0, K, V, V, BK, BV)
+        if NK > 3:
+            store_tile(hb, s3, 3 * BK, v0, K, V, V, BK, BV)
+
+        # R = U - W S (R is a small difference: the delta rule's prediction error).
+        ws = _ws_tile(w_ptr, s0, t0, 0, T, H, K, C, BK, PREC)
+        if NK > 1:
+            ws += _ws_tile(w_ptr, s1, t0, BK, T, H, K, C, BK, PREC)
+        if NK > 2:
+            ws += _ws_tile(w_ptr, s2, t0, 2 * BK, T, H, K, C, BK, PREC)
+        if NK > 3:
+            ws += _ws_tile(w_ptr, s3, t0, 3 * BK, T, H, K, C, BK, PREC)
+        r = load_tile(u_ptr, t0, v0, T, H * V, V, C, BV).to(tl.float32) - ws
+        store_tile(r_ptr, r, t0, v0, T, H * V, V, C, BV)
+
+        # Commit: S <- a S + K^T (write * exp(G_last - gc) * R); the decay scales R's C rows, not K.
+        gc, dec, wt, a = chunk_decay(gc_ptr, write_ptr, t0, n, T, H, C, DECAY_SKIPPED)
+        rd = ((wt * dec)[:, None] * r).to(wd)
+        s0 = _commit_tile(s0, a, k_ptr, rd, t0, 0, T, H, K, C, BK, PREC)
+        if NK > 1:
+            s1 = _commit_tile(s1, a, k_ptr, rd, t0, BK, T, H, K, C, BK, PREC)
+        if NK > 2:
+            s2 = _commit_tile(s2, a, k_ptr, rd, t0, 2 * BK, T, H, K, C, BK, PREC)
+        if NK > 3:
+            s3 = _commit_tile(s3, a, k_ptr, rd, t0, 3 * BK, T, H, K, C, BK, PREC)
+
+    if STORE_HT:
+        ht_ptr += bh.to(tl.int64) * K * V
+        store_tile(ht_ptr, s0, 0, v0, K, V, V, BK, BV)
+        if NK > 1:
+            store_tile(ht_ptr, s1, BK, v0, K, V, V, BK, BV)
+        if NK > 2:
+            store_tile(ht_ptr, s2, 2 * BK, v0, K, V, V, BK, BV)
+        if NK > 3:
+            store_tile(ht_ptr, s3, 3 * BK, v0, K, V, V, BK, BV)
+
+
+@triton.jit
+def _kd_tile(k_ptr, d, t0, k0, T, H, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+             wd: tl.constexpr):
+    """K[:, k0:k0+BK] D[k0:k0+BK, :] for one K tile."""
+    k = load_tile(k_ptr, t0, k0, T, H * K, K, C, BK).to(wd)
+    return mm(k, d.to(wd), PREC)
+
+
+@triton.jit
+def _state_bwd_tile(d, a, q_ptr, w_ptr, dos, drw, t0, k0, T, H, K: tl.constexpr, C: tl.constexpr,
+                    BK: tl.constexpr, PREC: tl.constexpr):
+    """a D + Q^T dos - W^T dR for one K tile; Q^T and W^T are read transposed from memory."""
+    qt = load_tile_t(q_ptr, t0, k0, T, H * K, K, C, BK).to(dos.dtype)
+    wt = load_tile_t(w_ptr, t0, k0, T, H * K, K, C, BK).to(dos.dtype)
+    return a * d + mm(qt, dos, PREC) - mm(wt, drw, PREC)
+
+
+@triton.jit(do_not_specialize=["T", "NB"])
+def _state_bwd_kernel(
+    q_ptr, k_ptr, w_ptr, gc_ptr, write_ptr, do_ptr, drl_ptr, dht_ptr, dh_ptr, dr_ptr, dh0_ptr,
+    scale, T, H, NB,
+    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr,
+    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, DECAY_SKIPPED: tl.constexpr, PREC: tl.constexpr,
+):
+    iv = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    v0 = iv * BV
+    row0 = b.to(tl.int64) * T * H + h
+    q_ptr += row0 * K
+    k_ptr += row0 * K
+    w_ptr += row0 * K
+    do_ptr += row0 * V
+    drl_ptr += row0 * V
+    dr_ptr += row0 * V
+    gc_ptr += row0
+    write_ptr += b.to(tl.int64) * NB * H + h
+    wd: tl.constexpr = w_ptr.dtype.element_ty
+
+    d0 = tl.zeros([BK, BV], dtype=tl.float32)
+    d1 = tl.zeros([BK, BV], dtype=tl.float32)
+    d2 = tl.zeros([BK, BV], dtype=tl.float32)
+    d3 = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_DHT:
+        dht_ptr += bh.to(tl.int64) * K * V
+        d0 = load_tile(dht_ptr, 0, v0, K, V, V, BK, BV).to(tl.float32)
+        if NK > 1:
+            d1 = load_tile(dht_ptr, BK, v0, K, V, V, BK, BV).to(tl.float32)
+        if NK > 2:
+            d2 = load_tile(dht_ptr, 2 * BK, v0, K, V, V, BK, BV).to(tl.float32)
+        if NK > 3:
+            d3 = load_tile(dht_ptr, 3 * BK, v0, K, V, V, BK, BV).to(tl.float32)
+
+    for m in range(NB):
+        n = NB - 1 - m
+        t0 = n * C
+        hb = dh_ptr + ((b * NB + n) * H + h).to(tl.int64) * K * V
+        store_tile(hb, d0, 0, v0, K, V, V, BK, BV)
+        if NK > 1:
+            store_tile(hb, d1, BK, v0, K, V, V, BK, BV)
+        if NK > 2:
+            store_tile(hb, d2, 2 * BK, v0, K, V, V, BK, BV)
+        if NK > 3:
+            store_tile(hb, d3, 3 * BK, v0, K, V, V, BK, BV)
+
+        # dR = dR_local + write * diag(exp(G_last - gc)) K D
+        gc, dec, wt, a = chunk_decay(gc_ptr, write_ptr, t0, n, T, H, C, DECAY_SKIPPED)
+        kd = _kd_tile(k_ptr, d0, t0, 0, T, H, K, C, BK, PREC, wd)
+        if NK > 1:
+            kd += _kd_tile(k_ptr, d1, t0, BK, T, H, K, C, BK, PREC, wd)
+        if NK > 2:
+            kd += _kd_tile(k_ptr, d2, t0, 2 * BK, T, H, K, C, BK, PREC, wd)
+        if NK > 3:
+            kd += _kd_tile(k_ptr, d3, t0, 3 * BK, T, H, K, C, BK, PREC, wd)
+        dr = load_tile(drl_ptr, t0, v0, T, H * V, V, C, BV).to(tl.float32) + (wt * dec)[:, None] * kd
+        store_tile(dr_ptr, dr, t0, v0, T, H * V, V, C, BV)
+
+        # D <- a D + Q^T (scale exp(gc) dO) - W^T dR; the decay scales dO's C rows, not Q.
+        dos = (load_tile(do_ptr, t0, v0, T, H * V, V, C, BV).to(tl.float32) * (scale * tl.exp(gc))[:, None]).to(wd)
+        drw = dr.to(wd)
+        d0 = _state_bwd_tile(d0, a, q_ptr, w_ptr, dos, drw, t0, 0, T, H, K, C, BK, PREC)
+        if NK > 1:
+            d1 = _state_bwd_tile(d1, a, q_ptr, w_ptr, dos, drw, t0, BK, T, H, K, C, BK, PREC)
+        if NK > 2:
+            d2 = _state_bwd_tile(d2, a, q_ptr, w_ptr, dos, drw, t0, 2 * BK, T, H, K, C, BK, PREC)
+        if NK > 3:
+            d3 = _state_bwd_tile(d3, a, q_ptr, w_ptr, dos, drw, t0, 3 * BK, T, H, K, C, BK, PREC)
+
+    if STORE_DH0:
+        dh0_ptr += bh.to(tl.int64) * K * V
+        store_tile(dh0_ptr, d0, 0, v0, K, V, V, BK, BV)
+        if NK > 1:
+            store_tile(dh0_ptr, d1, BK, v0, K, V, V, BK, BV)
+        if NK > 2:
+            store_tile(dh0_ptr, d2, 2 * BK, v0, K, V, V, BK, BV)
+        if NK > 3:
+            store_tile(dh0_ptr, d3, 3 * BK, v0, K, V, V, BK, BV)
+
+
+def _state_tiles(K: int, V: int, cfg: dict) -> tuple[int, int, int]:
+    BK = dim_tile(K)
+    return BK, triton.cdiv(K, BK), min(cfg["BV"], dim_tile(V))
+
+
+def state_forward(w, u, k, gc, write, initial_state, output_final_state: bool, block_size: int,
+                  decay_skipped_blocks: bool, precision: str, cfg: dict):
+    """(h [B,NB,H,K,V] in k's dtype, R [B,T,H,V] in u's dtype, final state [B,H,K,V] fp32 or None)."""
+    B, T, H, K = k.shape
+    V = u.shape[-1]
+    NB = triton.cdiv(T, block_size)
+    BK, NK, BV = _state_tiles(K, V, cfg)
+    h = torch.empty(B, NB, H, K, V, device=k.device, dtype=k.dtype)
+    r = torch.empty(B, T, H, V, device=k.device, dtype=u.dtype)
+    final = torch.empty(B, H, K, V, device=k.device, dtype=torch.float32) if output_final_state else None
+    grid = (triton.cdiv(V, BV), B * H)
+    _state_fwd_kernel[grid](
+        w, u, k, gc, write, initial_state, h, r, final, T, H, NB,
+        K=K, V=V, C=block_size, BK=BK, BV=BV, NK=NK,
+        HAS_H0=initial_state is not None, STORE_HT=output_final_state, DECAY_SKIPPED=decay_skipped_blocks,
+        PREC=precision, **launch_options(cfg, block_size),
+    )
+    return h, r, final
+
+
+def state_backward(q, k, w, gc, write, do, dr_local, d_final, want_dh0: bool, scale: float, block_size: int,
+                   decay_skipped_blocks: bool, precision: str, cfg: dict):
+    """(dh [B,NB,H,K,V] = dL/dS_start(n+1) per chunk, dR [B,T,H,V], dL/dS_start(0) fp32 or None)."""
+    B, T, H, K = k.shape
+    V = do.shape[-1]
+    NB = triton.cdiv(T, block_size)
+    BK, NK, BV = _state_tiles(K, V, cfg)
+    dh = torch.empty(B, NB, H, K, V, device=k.device, dtype=k.dtype)
+    dr = torch.empty(B, T, H, V, device=k.device, dtype=dr_local.dtype)
+    dh0 = torch.empty(B, H, K, V, device=k.device, dtype=torch.float32) if want_dh0 else None
+    grid = (triton.cdiv(V, BV), B * H)
+    _state_bwd_kernel[grid](
+        q, k, w, gc, write, do, dr_local, d_final, dh, dr, dh0, scale, T, H, NB,
+        K=K, V=V, C=block_size, BK=BK, BV=BV, NK=NK,
+        HAS_DHT=d_final is not None, STORE_DH0=want_dh0, DECAY_SKIPPED=decay_skipped_blocks,
+        PREC=precision, **launch_options(cfg, block_size),
+    )
+    return dh, dr, dh0
