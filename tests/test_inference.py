@@ -285,3 +285,23 @@ def test_gpu_cuda_graph_decode_equals_eager_decode():
             logits[graphs, "kept"] = kept
     torch.testing.assert_close(logits[True].float(), logits[False].float(), rtol=0, atol=1e-2)
     assert all(torch.equal(a, b) for a, b in zip(logits[True, "kept"], logits[False, "kept"]))
+
+
+# -- the fused Triton kernels of the cached paths (natsl.inference.kernels), in Triton's interpreter -----
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_fused_inference_kernels_equal_the_full_forward(layout, monkeypatch):
+    import os
+
+    from natsl.inference import kernels
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs CUDA or the Triton interpreter")
+    model = tiny_model(**LAYOUTS[layout])
+    torch.manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (2, 40))
+    with torch.no_grad():
+        full = model(ids)
+        monkeypatch.setattr(kernels, "FORCE", True)
+        got, _ = prefill_then_decode(model, ids, [21])
+    assert relative_error(got, full) < 1e-4

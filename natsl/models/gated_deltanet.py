@@ -16,6 +16,7 @@ from natsl import ops
 from natsl.config import ModelConfig
 from natsl.models.conv import ShortConv
 from natsl.models.norms import RMSNorm, rms_norm
+from natsl.inference import kernels
 from natsl.inference.functional import gdn_token_step, use_fast
 
 
@@ -61,16 +62,28 @@ class GatedDeltaProjections(nn.Module):
         q, q_tail = self.q_conv(self.q_proj(x), tails[0])
         k, k_tail = self.k_conv(self.k_proj(x), tails[1])
         v, v_tail = self.v_conv(self.v_proj(x), tails[2])
-        g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
-        beta = torch.sigmoid(self.b_proj(x).float()).to(x.dtype)
+        g, beta = self.gates(x)
         return q, k, v, g, beta, (q_tail, k_tail, v_tail)
 
-    def split_heads(self, q, k, v):
+    def gates(self, x: torch.Tensor):
+        """x [B, T, d] -> log decay g [B,T,H] (fp32) and write strength beta [B,T,H] (x's dtype)."""
+        g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
+        beta = torch.sigmoid(self.b_proj(x).float()).to(x.dtype)
+        return g, beta
+
+    def decode_conv(self, x: torch.Tensor, conv_tails):
+        """One token [B, 1, d] of the q, k, v projections + conv + SiLU with the fused kernel; the
+        cached tails are shifted in place (cached paths only, see natsl.inference.kernels)."""
+        return (kernels.conv_step(self.q_proj(x), conv_tails[0], self.q_conv.weight),
+                kernels.conv_step(self.k_proj(x), conv_tails[1], self.k_conv.weight),
+                kernels.conv_step(self.v_proj(x), conv_tails[2], self.v_conv.weight))
+
+    def split_heads(self, q, k, v, fused: bool = False):
         """Flat projections -> per-head q, k (L2-normalised) [B,T,H,K] and v [B,T,H,V]."""
         b, t = q.shape[:2]
         h = self.num_heads
-        return (l2_normalize(q.view(b, t, h, self.k_dim)), l2_normalize(k.view(b, t, h, self.k_dim)),
-                v.view(b, t, h, self.v_dim))
+        norm = kernels.l2_normalize if fused else l2_normalize
+        return (norm(q.view(b, t, h, self.k_dim)), norm(k.view(b, t, h, self.k_dim)), v.view(b, t, h, self.v_dim))
 
 
 class GatedDeltaNet(nn.Module):
@@ -95,9 +108,18 @@ class GatedDeltaNet(nn.Module):
 
     def forward_cached(self, x: torch.Tensor, cache) -> torch.Tensor:
         """Tokens that follow those in `cache` (a GDNCache): one token steps the state, many run the op from it."""
+        fused = kernels.enabled(self.backend, x.device) and cache.state.dtype == torch.float32
+        if fused and x.shape[1] == 1:
+            # One kernel each for the three convs (tails shifted in place) and for L2 norms + g + beta
+            # + the delta-rule step (state updated in place); then norm * gate in one kernel.
+            p = self.proj
+            q, k, v = p.decode_conv(x, cache.conv)
+            o, _ = kernels.gdn_decode_step(q[:, 0], k[:, 0], v[:, 0], p.a_proj(x)[:, 0], p.b_proj(x)[:, 0],
+                                           p.A_log, p.dt_bias, cache.state)
+            return self.output(o[:, None], x, fused=True)
         q, k, v, g, beta, tails = self.proj(x, cache.conv)
         cache.store_conv(tails)
-        q, k, v = self.proj.split_heads(q, k, v)
+        q, k, v = self.proj.split_heads(q, k, v, fused=fused)
         if x.shape[1] == 1:
             o, state = gdn_token_step(cache.state, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
                                       fast=use_fast(self.backend, x.device))
@@ -106,11 +128,15 @@ class GatedDeltaNet(nn.Module):
             o, state = ops.gated_delta_rule(q, k, v, g, beta, initial_state=cache.state, output_final_state=True,
                                             backend=self.backend)
         cache.state.copy_(state)
-        return self.output(o, x)
+        return self.output(o, x, fused=fused)
 
-    def output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """o [B,T,H,V] -> W_o(RMSNorm(o) * silu(W_g x))."""
+    def output(self, o: torch.Tensor, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        """o [B,T,H,V] -> W_o(RMSNorm(o) * silu(W_g x)) (`fused`: norm and gate in one kernel)."""
         b, t = x.shape[:2]
+        if fused:
+            gate = self.g_proj(x).view(b, t, self.config.num_heads, self.config.head_v_dim)
+            o = kernels.rms_norm(o, self.o_norm.weight, self.o_norm.eps, gate=gate)
+            return self.o_proj(o.reshape(b, t, -1))
         gate = F.silu(self.g_proj(x)).view(b, t, self.config.num_heads, self.config.head_v_dim)
         o = rms_norm(o, self.o_norm.weight, self.o_norm.eps) * gate
         return self.o_proj(o.reshape(b, t, -1))

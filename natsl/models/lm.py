@@ -7,6 +7,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from natsl.config import ModelConfig
+from natsl.inference import kernels
 from natsl.models.attention import SoftmaxAttention
 from natsl.models.gated_deltanet import GatedDeltaNet
 from natsl.models.mlp import SwiGLU
@@ -26,6 +27,10 @@ class Block(nn.Module):
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, device=device)
 
     def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
+        if cache is not None and kernels.enabled(getattr(self.mixer, "backend", None), x.device):
+            # cached paths (prefill, decode): each RMSNorm in one kernel instead of nine
+            x = x + self.mixer(kernels.rms_norm(x, self.mixer_norm.weight, self.mixer_norm.eps), cache=cache)
+            return x + self.mlp(kernels.rms_norm(x, self.mlp_norm.weight, self.mlp_norm.eps))
         x = x + self.mixer(self.mixer_norm(x), cache=cache)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -119,7 +124,7 @@ class CausalLM(nn.Module):
         cache.advance(length)
         if last_only:
             x = x[:, -1:]
-        return self.lm_head(self.norm(x))
+        return self.lm_head(self._final_norm(x))
 
     def decode_step(self, input_ids: torch.Tensor, cache) -> torch.Tensor:
         """One token per sequence [B, 1] -> logits [B, 1, vocab], each sequence at its own position.
@@ -132,7 +137,14 @@ class CausalLM(nn.Module):
         for block, layer_cache in zip(self.layers, cache.layers):
             x = block(x, layer_cache)
         cache.positions.pos.add_(1)
-        return self.lm_head(self.norm(x))
+        return self.lm_head(self._final_norm(x))
+
+    def _final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The final norm on the cached paths: the fused kernel where the layers use it."""
+        backend = next((getattr(b.mixer, "backend", None) for b in self.layers if hasattr(b.mixer, "backend")), None)
+        if kernels.enabled(backend, x.device):
+            return kernels.rms_norm(x, self.norm.weight, self.norm.eps)
+        return self.norm(x)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())

@@ -26,6 +26,7 @@ from torch import nn
 
 from natsl import ops
 from natsl.config import ModelConfig
+from natsl.inference import kernels
 from natsl.inference.functional import (attend_one, commit_state, gdn_token_step, masked_attention, read_state,
                                         use_fast, write_token)
 from natsl.models.gated_deltanet import GatedDeltaProjections
@@ -76,13 +77,18 @@ class NAtSL(nn.Module):
     # -- pieces shared by the full-sequence forward and incremental inference ------------------
 
     def softmax_views(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int = 0,
-                      positions: torch.Tensor | None = None):
+                      positions: torch.Tensor | None = None, fused: bool = False):
         """Flat post-conv q, k, v -> softmax-branch heads [B, T, H*R, K/R or V/R] (normed, RoPE at
         positions start..start+T-1, or at `positions` [B, T], one row per sequence)."""
         b, t = q.shape[:2]
         c = self.config
-        qs = self.q_norm(q.view(b, t, self.softmax_heads, c.softmax_k_dim))
-        ks = self.k_norm(k.view(b, t, self.softmax_heads, c.softmax_k_dim))
+        qv = q.view(b, t, self.softmax_heads, c.softmax_k_dim)
+        kv = k.view(b, t, self.softmax_heads, c.softmax_k_dim)
+        if fused:
+            qs = kernels.rms_norm(qv, self.q_norm.weight, self.q_norm.eps)
+            ks = kernels.rms_norm(kv, self.k_norm.weight, self.k_norm.eps)
+        else:
+            qs, ks = self.q_norm(qv), self.k_norm(kv)
         vs = v.view(b, t, self.softmax_heads, c.softmax_v_dim)
         if c.natsl_rope:
             if positions is None:
@@ -149,15 +155,20 @@ class NAtSL(nn.Module):
 
     def forward_cached(self, x: torch.Tensor, cache) -> torch.Tensor:
         """Tokens that follow those in `cache` (a NAtSLCache): decode when positions.start is None."""
-        q, k, v, g, beta, tails = self.proj(x, cache.conv)
-        cache.store_conv(tails)
-        if cache.positions.start is None:
-            o_la, o_nla = self._decode(x, q, k, v, g, beta, cache)
+        fused = kernels.enabled(self.backend, x.device) and cache.state_run.dtype == torch.float32
+        if fused and cache.positions.start is None:
+            q, k, v = self.proj.decode_conv(x, cache.conv)  # tails shifted in place
+            g, beta = self.proj.gates(x)
         else:
-            o_la, o_nla = self._prefill(x, q, k, v, g, beta, cache, cache.positions.start)
+            q, k, v, g, beta, tails = self.proj(x, cache.conv)
+            cache.store_conv(tails)
+        if cache.positions.start is None:
+            o_la, o_nla = self._decode(x, q, k, v, g, beta, cache, fused)
+        else:
+            o_la, o_nla = self._prefill(x, q, k, v, g, beta, cache, cache.positions.start, fused)
         return self.mix(o_la, o_nla, q, x)
 
-    def _decode(self, x, q, k, v, g, beta, cache):
+    def _decode(self, x, q, k, v, g, beta, cache, fused: bool = False):
         """One token per sequence, each at its own position; no host reads (CUDA-graph safe)."""
         c = self.config
         C = c.block_size
@@ -166,7 +177,7 @@ class NAtSL(nn.Module):
         fast = use_fast(self.backend, x.device)
 
         # GDN branch: step the running state; without intra-block output read the committed one.
-        ql, kl, vl = self.proj.split_heads(q, k, v)
+        ql, kl, vl = self.proj.split_heads(q, k, v, fused=fused)
         o_run, run = gdn_token_step(cache.state_run, ql[:, 0], kl[:, 0], vl[:, 0], g[:, 0], beta[:, 0], fast=fast)
         cache.state_run.copy_(run)
         cache.decay_sum.add_(g[:, 0])
@@ -176,7 +187,7 @@ class NAtSL(nn.Module):
             o_la = (cache.decay_sum.exp()[:, None, :, None] * read_state(cache.state_start, ql)).to(x.dtype)
 
         # Softmax branch: the token's K/V go after its group's kept blocks and its block's earlier tokens.
-        qs, ks, vs = self.softmax_views(q, k, v, positions=pos[:, None])
+        qs, ks, vs = self.softmax_views(q, k, v, positions=pos[:, None], fused=fused)
         kept = cache.kept_len.repeat_interleave(self.groups, dim=1)  # [B, heads]
         slots = kept + offset[:, None]
         write_token(cache.k_mem, slots, ks[:, 0])
@@ -200,7 +211,7 @@ class NAtSL(nn.Module):
         cache.x_sum.masked_fill_(done[:, None], 0)
         return o_la, o_nla
 
-    def _prefill(self, x, q, k, v, g, beta, cache, start: int):
+    def _prefill(self, x, q, k, v, g, beta, cache, start: int, fused: bool = False):
         """T tokens for sequences that all stand at `start`, in up to three block-aligned pieces:
         `head` finishes the block in progress, `full` whole blocks, `tail` starts the next one."""
         c = self.config
@@ -227,7 +238,7 @@ class NAtSL(nn.Module):
             keep, write = self.decide_routes(torch.cat(sums, 1), C, index)
 
         # GDN branch.
-        ql, kl, vl = self.proj.split_heads(q, k, v)
+        ql, kl, vl = self.proj.split_heads(q, k, v, fused=fused)
         intra = c.intra_block_output != "softmax"
         rule = dict(block_size=C, decay_skipped_blocks=c.decay_skipped_blocks, backend=self.backend,
                     output_final_state=True)
@@ -261,7 +272,7 @@ class NAtSL(nn.Module):
         o_la = torch.cat(outs, dim=1)
 
         # Softmax branch: attention first (it reads the cached block), then the KV goes into the memory.
-        qs, ks, vs = self.softmax_views(q, k, v, start=start)
+        qs, ks, vs = self.softmax_views(q, k, v, start=start, fused=fused)
         if start == 0:
             nb = -(-T // C)
             keep_all = torch.ones(B, nb, self.num_heads, dtype=x.dtype, device=x.device)

@@ -1,0 +1,212 @@
+"""Fused Triton kernels for the cached paths (prefill and decode) of incremental inference.
+
+At batch 1 a decode step of the 800M models was ~100 tiny kernels per layer (~2000 per token:
+RMSNorm alone is 9 kernels in bf16 -- upcast, pow, mean, add, rsqrt, mul, weight upcast, mul,
+downcast -- and each short conv is cat + conv1d + silu + a tail copy), so a CUDA-graph replay cost
+~4 ms in launch gaps while the weights take ~0.4 ms to read. In prefill the same fp32 chains make
+~10 full passes over every [T, d] activation. These kernels do each of those chains in one pass:
+
+- `rms_norm(x, weight, eps, gate=None)`: RMSNorm in fp32 (optionally times silu(gate)), one kernel;
+  `l2_normalize(x, eps)` the same kernel without weight and with the sum instead of the mean.
+- `conv_step(x, tail, weight)`: one token of the causal short conv + SiLU, the tail shifted in place.
+- `gdn_decode_step(...)`: L2-norm of q, k, the decay g and beta from the raw projections, and the
+  delta-rule step on the cached state, updated in place (no new state, no copy).
+
+They compute the same formulas as the modules (fp32 math, the same intermediate roundings to the
+activation dtype) with a different reduction order, so results agree to rounding, not bitwise. The
+full-sequence forward (training) never uses them. `enabled(backend, device)` says whether the cached
+paths use them: CUDA with the fast backend (or the Triton interpreter with backend fast on the CPU),
+unless NATSL_FUSED_INFERENCE=0.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+# Tests set this to True / False to force the choice; None = decide by device and backend.
+FORCE: bool | None = None
+
+
+@functools.lru_cache(maxsize=None)
+def _triton():
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def enabled(backend: str | None, device: torch.device) -> bool:
+    """Whether the cached paths of a layer on `backend` use the fused kernels on `device`."""
+    if FORCE is not None:
+        return FORCE and _triton()
+    if os.environ.get("NATSL_FUSED_INFERENCE", "1") == "0" or not _triton():
+        return False
+    from natsl.ops import resolve_backend
+
+    if device.type == "cuda":
+        return resolve_backend(backend, device) == "fast"
+    return backend == "fast" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def rms_kernel(x_ptr, w_ptr, gate_ptr, y_ptr, D, eps,
+                   HAS_W: tl.constexpr, HAS_GATE: tl.constexpr, MEAN: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < D
+        x = tl.load(x_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+        ss = tl.sum(x * x, 0)
+        if MEAN:
+            ss = ss / D
+        y = x * (1.0 / tl.sqrt(ss + eps))
+        if HAS_W:
+            y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_GATE:
+            # as the module: the normed value rounded to the activation dtype, times silu(gate) rounded
+            y = y.to(y_ptr.dtype.element_ty).to(tl.float32)
+            gt = tl.load(gate_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+            s = (gt / (1.0 + tl.exp(-gt))).to(y_ptr.dtype.element_ty).to(tl.float32)
+            y = y * s
+        tl.store(y_ptr + row * D + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def conv_step_kernel(x_ptr, tail_ptr, w_ptr, y_ptr, C, stride_xb, stride_tb, stride_tw, stride_yb,
+                         W: tl.constexpr, BLOCK: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < C
+        x = tl.load(x_ptr + b * stride_xb + cols, mask=mask, other=0.0)
+        acc = x.to(tl.float32) * tl.load(w_ptr + cols * (W + 1) + W, mask=mask, other=0.0).to(tl.float32)
+        prev = tl.load(tail_ptr + b * stride_tb + cols, mask=mask, other=0.0)
+        acc += prev.to(tl.float32) * tl.load(w_ptr + cols * (W + 1), mask=mask, other=0.0).to(tl.float32)
+        for j in tl.static_range(1, W):
+            cur = tl.load(tail_ptr + b * stride_tb + j * stride_tw + cols, mask=mask, other=0.0)
+            acc += cur.to(tl.float32) * tl.load(w_ptr + cols * (W + 1) + j, mask=mask, other=0.0).to(tl.float32)
+            tl.store(tail_ptr + b * stride_tb + (j - 1) * stride_tw + cols, cur, mask=mask)
+        tl.store(tail_ptr + b * stride_tb + (W - 1) * stride_tw + cols, x.to(tail_ptr.dtype.element_ty), mask=mask)
+        acc = acc.to(y_ptr.dtype.element_ty).to(tl.float32)  # the conv output in the activation dtype
+        tl.store(y_ptr + b * stride_yb + cols, (acc / (1.0 + tl.exp(-acc))).to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def gdn_step_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, s_ptr, o_ptr, g_ptr,
+                        H, stride_qb, stride_kb, stride_vb, stride_ab, stride_bb, stride_sb, scale,
+                        K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+        iv = tl.program_id(0)
+        bh = tl.program_id(1).to(tl.int64)
+        b = bh // H
+        h = bh % H
+        rk = tl.arange(0, BK)
+        rv = iv * BV + tl.arange(0, BV)
+        mk = rk < K
+        mv = rv < V
+        q = tl.load(q_ptr + b * stride_qb + h * K + rk, mask=mk, other=0.0)
+        k = tl.load(k_ptr + b * stride_kb + h * K + rk, mask=mk, other=0.0)
+        qf = q.to(tl.float32)
+        kf = k.to(tl.float32)
+        # l2_normalize: x / sqrt(|x|^2 + 1e-6) in fp32, rounded to the activation dtype
+        qf = (qf * (1.0 / tl.sqrt(tl.sum(qf * qf, 0) + 1e-6))).to(q.dtype).to(tl.float32)
+        kf = (kf * (1.0 / tl.sqrt(tl.sum(kf * kf, 0) + 1e-6))).to(k.dtype).to(tl.float32)
+        v = tl.load(v_ptr + b * stride_vb + h * V + rv, mask=mv, other=0.0).to(tl.float32)
+        # g = -exp(A_log) * softplus(a + dt_bias) (fp32; softplus threshold 20 as torch's)
+        a = tl.load(a_ptr + b * stride_ab + h).to(tl.float32) + tl.load(dtb_ptr + h).to(tl.float32)
+        sp = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))
+        g = -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * sp
+        bt = tl.load(b_ptr + b * stride_bb + h).to(tl.float32)
+        beta = (1.0 / (1.0 + tl.exp(-bt))).to(q.dtype).to(tl.float32)
+        alpha = tl.exp(g)
+        offs = b * stride_sb + h * K * V + rk[:, None] * V + rv[None, :]
+        mask = mk[:, None] & mv[None, :]
+        s = tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        r = beta * (v - alpha * tl.sum(kf[:, None] * s, 0))
+        s = alpha * s + kf[:, None] * r[None, :]
+        tl.store(s_ptr + offs, s.to(s_ptr.dtype.element_ty), mask=mask)
+        o = scale * tl.sum(qf[:, None] * s, 0)
+        tl.store(o_ptr + bh * V + rv, o.to(o_ptr.dtype.element_ty), mask=mv)
+        if iv == 0:
+            tl.store(g_ptr + bh, g)
+
+    return rms_kernel, conv_step_kernel, gdn_step_kernel
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(-1, x.shape[-1])
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, gate: torch.Tensor | None = None,
+             *, mean: bool = True) -> torch.Tensor:
+    """RMSNorm of the last dim in fp32 (as `natsl.models.norms.rms_norm`), optionally times silu(gate)
+    (gate: same shape as x); one kernel. `mean=False` divides by the sum (L2 normalisation)."""
+    D = x.shape[-1]
+    xr = _rows(x)
+    y = torch.empty_like(xr)
+    if xr.shape[0] == 0:
+        return y.view(x.shape)
+    g = _rows(gate.reshape(x.shape)) if gate is not None else xr
+    block = max(16, _next_pow2(D))
+    _kernels()[0][(xr.shape[0],)](xr, weight if weight is not None else xr, g, y, D, float(eps),
+                                  HAS_W=weight is not None, HAS_GATE=gate is not None, MEAN=mean, BLOCK=block,
+                                  num_warps=4 if block <= 2048 else 8)
+    return y.view(x.shape)
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(|x|^2 + eps) over the last dim in fp32, in x's dtype; one kernel."""
+    return rms_norm(x, None, eps, mean=False)
+
+
+def conv_step(x: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """One token of `ShortConv` + SiLU: x [B, 1, C], tail [B, W, C] (updated in place: shifted by
+    one, x appended), weight [C, 1, W+1] -> y [B, 1, C] in x's dtype."""
+    B, _, C = x.shape
+    W = tail.shape[1]
+    x2 = x[:, 0]
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = torch.empty(B, 1, C, dtype=x.dtype, device=x.device)
+    w = weight.reshape(C, W + 1)
+    if w.dtype != x.dtype:
+        w = w.to(x.dtype)  # as the module, which convolves with the weight in x's dtype
+    w = w.contiguous()
+    assert tail.stride(-1) == 1
+    block = 1024
+    _kernels()[1][(B, -(-C // block))](x2, tail, w, y, C, x2.stride(0), tail.stride(0), tail.stride(1), y.stride(0),
+                                       W=W, BLOCK=block, num_warps=4)
+    return y
+
+
+def gdn_decode_step(q, k, v, a, b, A_log, dt_bias, state, *, scale=None):
+    """One GDN token from the raw post-conv projections, the state updated in place.
+
+    q, k [B, H*K]; v [B, H*V] (post conv + SiLU, before L2 norm); a, b [B, H] (a_proj, b_proj
+    outputs); state [B, H, K, V] (fp32, updated in place). Returns (o [B, H, V] in q's dtype,
+    g [B, H] fp32: the token's log decay).
+    """
+    B, H, K, V = state.shape
+    scale = K ** -0.5 if scale is None else float(scale)
+    assert state.stride(-1) == 1 and state.stride(-2) == V and state.stride(1) == K * V
+    tensors = []
+    for t in (q, k, v, a, b):
+        tensors.append(t if t.stride(-1) == 1 else t.contiguous())
+    q, k, v, a, b = tensors
+    o = torch.empty(B, H, V, dtype=q.dtype, device=q.device)
+    g = torch.empty(B, H, dtype=torch.float32, device=q.device)
+    BK = max(16, _next_pow2(K))
+    BV = min(64, max(16, _next_pow2(V)))
+    grid = (-(-V // BV), B * H)
+    _kernels()[2][grid](q, k, v, a, b, A_log, dt_bias, state, o, g, H, q.stride(0), k.stride(0), v.stride(0),
+                        a.stride(0), b.stride(0), state.stride(0), scale, K=K, V=V, BK=BK, BV=BV, num_warps=4)
+    return o, g
