@@ -74,13 +74,21 @@ class CausalLM(nn.Module):
         """
         if cache is not None:
             return self.forward_cached(input_ids, cache)
+        return self.lm_head(self.hidden_states(input_ids))
+
+    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [B, T] -> the final-normed hidden states [B, T, d]: `forward` without the head.
+
+        `lm_head(hidden_states(ids))` is `forward(ids)`; training feeds these states and
+        `lm_head.weight` to `natsl.training.loss.linear_cross_entropy`, which never holds the full logits.
+        """
         x = self.embed(input_ids)
         for block in self.layers:
             if self.activation_checkpointing and self.training:
                 x = checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)
-        return self.lm_head(self.norm(x))
+        return self.norm(x)
 
     # -- incremental inference (contract section 4; natsl/inference, docs/inference.md) -------
 

@@ -2,11 +2,12 @@
 
 Per optimizer step: `accum` micro-batches of `micro_batch_size x seq_len` tokens on each of `world`
 ranks make `tokens_per_step`; the loss is the mean token cross-entropy (fp32), bf16 autocast on
-GPUs; gradients are clipped; the learning rate follows `optim.lr_at(tokens seen)`. A step whose
-loss or gradient norm is not finite is skipped (counted); `max_bad_steps` of them in a row stop
-the run. On the CPU with a fixed seed the run is deterministic, and a run resumed from a
-checkpoint reproduces the uninterrupted run's losses exactly (the data position is one integer,
-see natsl.data.dataset).
+GPUs, computed from the final hidden states by chunks of tokens (natsl.training.loss: the full
+[tokens, vocab] logits never exist); gradients are clipped; the learning rate follows
+`optim.lr_at(tokens seen)`. A step whose loss or gradient norm is not finite is skipped
+(counted); `max_bad_steps` of them in a row stop the run. On the CPU with a fixed seed the run is
+deterministic, and a run resumed from a checkpoint reproduces the uninterrupted run's losses
+exactly (the data position is one integer, see natsl.data.dataset).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from typing import Callable, Optional
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 import yaml
 
 from natsl import __version__
@@ -35,6 +35,7 @@ from natsl.training import distributed as D
 from natsl.training import state as S
 from natsl.training.faults import fault_point
 from natsl.training.flops import flops_per_token, peak_flops
+from natsl.training.loss import DEFAULT_CHUNK, linear_cross_entropy
 from natsl.training.metrics import MetricsLog
 from natsl.training.optim import build_optimizer, lr_at, set_lr
 
@@ -49,6 +50,7 @@ class TrainOptions:
     max_steps: Optional[int] = None  # default: recipe.train.max_steps; an absolute step number
     threads: Optional[int] = None  # CPU threads (default: OMP_NUM_THREADS, else 1; see cpu_threads)
     save_final: bool = True  # write a checkpoint at the last step (benchmarks turn it off)
+    loss_chunk: int = DEFAULT_CHUNK  # tokens per chunk of logits in the loss; 0: the full logits (for checks)
     progress: bool = True
     log: Callable[[str], None] = print
 
@@ -145,6 +147,18 @@ def run_lock(out: Path, enabled: bool):
         except BlockingIOError:
             raise NatslError(f"another `natsl train` is writing to {str(out)!r}; wait for it or pass another --out") from None
         yield
+
+
+class HiddenStates(torch.nn.Module):
+    """`model.hidden_states` as a module's forward, so that DDP and torch.compile wrap it; the loss
+    then applies the head (`model.lm_head.weight`) by chunks. Its parameters are the model's."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.hidden_states(input_ids)
 
 
 class Trainer:
@@ -278,10 +292,13 @@ class Trainer:
             for key in self.state:
                 self.state[key] = ckpt.trainer_state.get(key, self.state[key])
         compile_ = self.options.compile if self.options.compile is not None else r.train.compile
-        core = torch.compile(model) if compile_ else model
+        body = HiddenStates(model)
+        core = torch.compile(body) if compile_ else body
         self.core = core
         self.train_model = D.wrap(core, self.info)
         self.use_bf16 = self.device.type == "cuda" and r.train.dtype == "bf16"
+        if self.options.loss_chunk < 0:
+            raise NatslError(f"loss_chunk must be at least 0, got {self.options.loss_chunk}")
         self.natsl_layers = list(model.natsl_layers().items())
         self.n_params = model.num_parameters()
         self.peak = peak_flops(self.device)
@@ -293,17 +310,23 @@ class Trainer:
 
     # ------------------------------------------------------------------------- steps
 
+    def loss(self, hidden: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        """Token cross-entropy of the head over `hidden` [B, T, d]: `cross_entropy(model(ids).float(), targets)`
+        (the head's matmul in bf16 under bf16 autocast), without the full logits."""
+        return linear_cross_entropy(hidden, self.model.lm_head.weight, targets, chunk_size=self.options.loss_chunk,
+                                    reduction=reduction, compute_dtype=torch.bfloat16 if self.use_bf16 else None)
+
     def train_step(self, step_samples: list[list[int]]) -> tuple[float, float, list[float]]:
         """Forward/backward every micro-batch, all-reduce; returns (loss, grad norm, keep fractions)."""
-        vocab = self.recipe.model.vocab_size
         stats = torch.zeros(1 + len(self.natsl_layers), dtype=torch.float64, device=self.device)
         for m, indices in enumerate(step_samples):
             batch = self.sampler.batch(indices).to(self.device, non_blocking=True)
             inputs, targets = batch[:, :-1], batch[:, 1:]
             with D.no_sync(self.train_model, m < self.accum - 1):
                 with self.autocast():
-                    logits = self.train_model(inputs)
-                loss = F.cross_entropy(logits.float().reshape(-1, vocab), targets.reshape(-1))
+                    hidden = self.train_model(inputs)
+                loss = self.loss(hidden, targets)
+                del hidden
                 (loss / self.accum).backward()
             stats[0] += loss.detach().double()
             for j, (_, layer) in enumerate(self.natsl_layers):
@@ -351,7 +374,7 @@ class Trainer:
     def evaluate(self) -> Optional[float]:
         if self.val_windows == 0:
             return None
-        seq, mbs, vocab = self.recipe.train.seq_len, self.recipe.train.micro_batch_size, self.recipe.model.vocab_size
+        seq, mbs = self.recipe.train.seq_len, self.recipe.train.micro_batch_size
         mine = list(range(self.info.rank, self.val_windows, self.info.world_size))
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         self.core.eval()
@@ -360,9 +383,8 @@ class Trainer:
                 rows = [self.val_stream.read(w * seq, seq + 1) for w in mine[start:start + mbs]]
                 batch = torch.from_numpy(np.stack(rows)).to(self.device)
                 with self.autocast():
-                    logits = self.core(batch[:, :-1])
-                totals[0] += F.cross_entropy(logits.float().reshape(-1, vocab), batch[:, 1:].reshape(-1),
-                                             reduction="sum").double()
+                    hidden = self.core(batch[:, :-1])
+                totals[0] += self.loss(hidden, batch[:, 1:], reduction="sum").double()
                 totals[1] += batch[:, 1:].numel()
         finally:
             self.core.train()

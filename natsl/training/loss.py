@@ -1,0 +1,134 @@
+"""The LM loss without the full logits: cross-entropy of `hidden @ weight.T` computed by chunks of rows.
+
+`linear_cross_entropy(hidden, weight, targets)` equals
+`F.cross_entropy(F.linear(hidden, weight).float().flatten(0, 1), targets.flatten())` (the head's
+matmul in `compute_dtype`, as under bf16 autocast; log-sum-exp and softmax in fp32, or fp64 for
+fp64 inputs), but it never holds the [N, vocab] logits nor their gradient: the forward pass takes
+`chunk_size` rows at a time, and, when a gradient is wanted, turns each chunk's logits into its
+gradient at once (softmax minus one-hot, scaled) and folds it into the gradients of `hidden` and
+`weight`, which are kept for the backward pass (which only scales them by the incoming gradient).
+Per chunk it holds one fp32 [chunk, vocab] buffer (log-sum-exp and softmax in place) plus, for a
+lower `compute_dtype`, one [chunk, vocab] copy in it; beyond that only grad(hidden) [N, d] and grad(weight) [vocab, d] (fp32).
+No logits are recomputed, so the head costs the same FLOPs as the plain formula.
+
+Not twice differentiable. `chunk_size` 0 (or None) runs the plain formula instead (for checks).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+DEFAULT_CHUNK = 4096
+
+
+def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor, compute_dtype: Optional[torch.dtype]) -> torch.dtype:
+    if compute_dtype is not None:
+        return compute_dtype
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return torch.promote_types(hidden.dtype, weight.dtype)
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                         chunk_size: Optional[int] = DEFAULT_CHUNK, ignore_index: int = -100,
+                         reduction: str = "mean", compute_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Cross-entropy of the logits `hidden @ weight.T` against `targets`, by chunks of `chunk_size` rows.
+
+    hidden [..., d] (the final-normed hidden states), weight [vocab, d] (the head), targets [...]
+    (token ids; `ignore_index` rows count for nothing). `reduction`: "mean" over the counted rows
+    (NaN when there are none, as in `F.cross_entropy`) or "sum". `compute_dtype`: the dtype of the
+    head's matmul (default: the autocast dtype inside autocast, else that of the inputs); the loss
+    is in fp32 (fp64 for fp64 inputs). Returns a scalar.
+    """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    d = hidden.shape[-1]
+    if weight.dim() != 2 or weight.shape[1] != d:
+        raise ValueError(f"weight {tuple(weight.shape)} does not match hidden size {d}")
+    if targets.shape != hidden.shape[:-1]:
+        raise ValueError(f"targets {tuple(targets.shape)} do not match hidden {tuple(hidden.shape)}")
+    cdtype = _compute_dtype(hidden, weight, compute_dtype)
+    h, t = hidden.reshape(-1, d), targets.reshape(-1)
+    if not chunk_size:
+        with torch.autocast(h.device.type, enabled=False):
+            logits = F.linear(h.to(cdtype), weight.to(cdtype))
+            return F.cross_entropy(logits.to(_acc_dtype(cdtype)), t, ignore_index=ignore_index, reduction=reduction)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive (or 0 for the plain formula), got {chunk_size}")
+    args = (int(chunk_size), int(ignore_index), reduction == "sum", cdtype)
+    if not (torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)):
+        return _chunked(h, weight, t, *args, need_h=False, need_w=False)[0]  # no gradient work (evaluation)
+    return _ChunkedLinearCrossEntropy.apply(h, weight, t, *args)
+
+
+def _acc_dtype(cdtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(cdtype, torch.float32)
+
+
+def _chunked(h, weight, targets, chunk, ignore_index, summed, cdtype, *, need_h, need_w):
+    """(loss, grad of loss w.r.t. h or None, w.r.t. weight or None), `chunk` rows of logits at a time."""
+    n = h.shape[0]
+    acc = _acc_dtype(cdtype)
+    with torch.autocast(h.device.type, enabled=False):
+        w = weight.to(cdtype)
+        valid = targets != ignore_index
+        safe = torch.where(valid, targets, 0)
+        count = valid.sum()
+        # d(loss)/d(logits) = (softmax - onehot) * scale on counted rows, 0 on ignored ones
+        scale = torch.ones((), dtype=acc, device=h.device) if summed else 1.0 / count.clamp(min=1).to(acc)
+        total = torch.zeros((), dtype=acc, device=h.device)
+        grad_h = torch.empty_like(h) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, acc), device=weight.device) \
+            if need_w else None
+        for start in range(0, n, chunk):
+            end = min(start + chunk, n)
+            hc = h[start:end].to(cdtype)
+            tc, vc = safe[start:end, None], valid[start:end]
+            logits = hc @ w.t()
+            if logits.dtype != acc:
+                logits = logits.to(acc)
+            # log-sum-exp in place (no second [chunk, vocab] buffer): logits -> exp(logits - max)
+            picked = logits.gather(1, tc).squeeze(1)
+            top = logits.amax(dim=-1, keepdim=True)
+            exp = logits.sub_(top).exp_()
+            sums = exp.sum(dim=-1, keepdim=True)
+            lse = (top + sums.log()).squeeze(1)
+            total += torch.where(vc, lse - picked, 0).sum()
+            if not (need_h or need_w):
+                continue
+            grad = exp.div_(sums)  # the softmax
+            rows = vc.to(acc)
+            grad.scatter_add_(1, tc, -rows[:, None])
+            grad.mul_((rows * scale)[:, None])
+            if grad.dtype != cdtype:
+                grad = grad.to(cdtype)
+            if need_h:
+                grad_h[start:end] = grad @ w
+            if need_w:
+                grad_w += grad.t() @ hc
+            del logits, exp, grad
+        loss = total if summed else total / count.to(acc)
+    return loss, grad_h, grad_w
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, targets, chunk, ignore_index, summed, cdtype):
+        loss, grad_h, grad_w = _chunked(h, weight, targets, chunk, ignore_index, summed, cdtype,
+                                        need_h=ctx.needs_input_grad[0], need_w=ctx.needs_input_grad[1])
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.weight_dtype = weight.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_h, grad_w = ctx.saved_tensors
+        if grad_h is not None:
+            grad_h = grad_h * grad_loss.to(grad_h.dtype)
+        if grad_w is not None:
+            grad_w = (grad_w * grad_loss.to(grad_w.dtype)).to(ctx.weight_dtype)
+        return grad_h, grad_w, None, None, None, None, None
