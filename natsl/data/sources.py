@@ -57,28 +57,33 @@ def _not_utf8(path: Path, line: int, err: UnicodeDecodeError) -> NatslError:
                       f"{err.object[err.start:err.start + 1]!r}); convert it, e.g. `iconv -f latin1 -t utf-8`")
 
 
+def _utf8_lines(path: Path) -> Iterator[tuple[int, bytes, str]]:
+    """(line number, raw bytes, decoded text) of each line; a non-UTF-8 line is a one-line error."""
+    with open(path, "rb") as fh:
+        for number, raw in enumerate(fh, start=1):
+            try:
+                yield number, raw, raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise _not_utf8(path, number, err) from None
+
+
 def _read_txt(path: Path, mode: str) -> Iterator[tuple[str, int]]:
     """`file`: the whole file is one document; `paragraph`: blank lines separate documents; `line`: one per line."""
     pending: list[str] = []
     pending_bytes = 0
-    with open(path, "rb") as fh:
-        for number, raw in enumerate(fh, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise _not_utf8(path, number, err) from None
-            pending_bytes += len(raw)
-            if mode == "line":
-                text = line.rstrip("\r\n")
-                if text.strip():
-                    yield text, pending_bytes
-                    pending_bytes = 0
-            elif mode == "paragraph" and not line.strip():
-                if pending:
-                    yield "".join(pending).rstrip("\r\n"), pending_bytes
-                    pending, pending_bytes = [], 0
-            else:
-                pending.append(line)
+    for _, raw, line in _utf8_lines(path):
+        pending_bytes += len(raw)
+        if mode == "line":
+            text = line.rstrip("\r\n")
+            if text.strip():
+                yield text, pending_bytes
+                pending_bytes = 0
+        elif mode == "paragraph" and not line.strip():
+            if pending:
+                yield "".join(pending).rstrip("\r\n"), pending_bytes
+                pending, pending_bytes = [], 0
+        else:
+            pending.append(line)
     text = "".join(pending)
     if mode == "paragraph":
         text = text.rstrip("\r\n")
@@ -95,23 +100,18 @@ def _text_of(value, where: str, field: str):
 
 
 def _read_jsonl(path: Path, field: str) -> Iterator[tuple[str, int]]:
-    with open(path, "rb") as fh:
-        for number, raw in enumerate(fh, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise _not_utf8(path, number, err) from None
-            if not line.strip():
-                yield "", len(raw)
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise NatslError(f"{str(path)!r} line {number} is not valid JSON ({err.msg}); "
-                                 "a .jsonl file holds one JSON object per line") from None
-            if not isinstance(record, dict):
-                raise NatslError(f"{str(path)!r} line {number} is not a JSON object; expected {{\"{field}\": \"...\"}}")
-            yield _text_of(record.get(field), f"{str(path)!r} line {number}", field), len(raw)
+    for number, raw, line in _utf8_lines(path):
+        if not line.strip():
+            yield "", len(raw)
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise NatslError(f"{str(path)!r} line {number} is not valid JSON ({err.msg}); "
+                             "a .jsonl file holds one JSON object per line") from None
+        if not isinstance(record, dict):
+            raise NatslError(f"{str(path)!r} line {number} is not a JSON object; expected {{\"{field}\": \"...\"}}")
+        yield _text_of(record.get(field), f"{str(path)!r} line {number}", field), len(raw)
 
 
 def _read_parquet(path: Path, field: str) -> Iterator[tuple[str, int]]:
