@@ -25,7 +25,7 @@ from natsl.reference.route_grad import (
 )
 
 
-def _validate(q, k, v, g, beta, write, initial_state, block_size) -> tuple[int, int, int, int, int]:
+def validate_layouts(q, k, v, g, beta, write, initial_state, block_size) -> tuple[int, int, int, int, int]:
     """Check every layout of contract section 5; return (B, T, H, K, V)."""
     check_block_size(block_size)
     if q.dim() != 4:
@@ -109,7 +109,7 @@ def gated_delta_rule(
     S_start(NB) [B,H,K,V] in fp32 (float64 for float64 inputs); otherwise None.
     """
     check_route_grad(route_grad)
-    B, T, H, K, V = _validate(q, k, v, g, beta, write, initial_state, block_size)
+    B, T, H, K, V = validate_layouts(q, k, v, g, beta, write, initial_state, block_size)
     dt = compute_dtype(q, k, v, g, beta, write, initial_state)
     scale = K**-0.5 if scale is None else scale
     NB = num_blocks(T, block_size)

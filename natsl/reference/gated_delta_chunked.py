@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from natsl.reference.gated_delta import _validate
+from natsl.reference.gated_delta import validate_layouts
 from natsl.reference.route_grad import apply_route_grad_policy, check_route_grad, compute_dtype, num_blocks
 
 
@@ -34,7 +34,7 @@ def gated_delta_rule(
 ):
     """Same arguments and results as `natsl.reference.gated_delta.gated_delta_rule`."""
     check_route_grad(route_grad)
-    B, T, H, K, V = _validate(q, k, v, g, beta, write, initial_state, block_size)
+    B, T, H, K, V = validate_layouts(q, k, v, g, beta, write, initial_state, block_size)
     dt = compute_dtype(q, k, v, g, beta, write, initial_state)
     scale = K**-0.5 if scale is None else scale
     C, NB = block_size, num_blocks(T, block_size)

@@ -23,7 +23,7 @@ from natsl.reference.route_grad import (
 )
 
 
-def _validate(q, k, v, keep, block_size) -> tuple[int, int, int, int]:
+def validate_layouts(q, k, v, keep, block_size) -> tuple[int, int, int, int]:
     """Check the layouts of contract section 5; return (B, T, Hs, G)."""
     check_block_size(block_size)
     if q.dim() != 4:
@@ -87,7 +87,7 @@ def routed_attention(
     sees nothing outputs zeros. Returns o [B,T,Hs,Dv] in q's dtype.
     """
     check_route_grad(route_grad)
-    B, T, Hs, G = _validate(q, k, v, keep, block_size)
+    B, T, Hs, G = validate_layouts(q, k, v, keep, block_size)
     dt = compute_dtype(q, k, v, keep)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if keep is None:

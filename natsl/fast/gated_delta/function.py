@@ -18,7 +18,8 @@ from natsl.fast.gated_delta.grad_wy import grad_wy
 from natsl.fast.gated_delta.output import chunk_output, local_dr
 from natsl.fast.gated_delta.prepare import _prepare_kernel, prepare_chunks
 from natsl.fast.gated_delta.state import state_backward, state_forward
-from natsl.reference.route_grad import chosen, check_block_size, check_route_grad, expect_floating, expect_shape
+from natsl.reference.gated_delta import validate_layouts
+from natsl.reference.route_grad import chosen, check_route_grad
 
 BLOCK_SIZES = (64, 128)  # four sub-blocks of 16 or 32 rows each: tl.dot needs >= 16
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -86,23 +87,7 @@ class GatedDeltaFunction(torch.autograd.Function):
 
 def _validate(q, k, v, g, beta, write, initial_state, block_size: int) -> None:
     """The reference's layout checks (contract section 5), plus the fast path's own limits."""
-    check_block_size(block_size)
-    if q.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, k must be [B, T, H, K] and v [B, T, H, V], got {tuple(q.shape)}, {tuple(v.shape)}")
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    expect_shape("k", k, (B, T, H, K), "[B, T, H, K] (as q)")
-    expect_shape("v", v, (B, T, H, V), "[B, T, H, V]")
-    expect_shape("g", g, (B, T, H), "[B, T, H]")
-    expect_shape("beta", beta, (B, T, H), "[B, T, H]")
-    if write is not None:
-        expect_shape("write", write, (B, triton.cdiv(T, block_size), H), "[B, NB, H]")
-    if initial_state is not None:
-        expect_shape("initial_state", initial_state, (B, H, K, V), "[B, H, K, V]")
-    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("write", write),
-                    ("initial_state", initial_state)):
-        if t is not None:
-            expect_floating(name, t)
+    _, _, _, K, _ = validate_layouts(q, k, v, g, beta, write, initial_state, block_size)
     if block_size not in BLOCK_SIZES:
         raise NatslError(f"the fast gated_delta_rule supports block_size 64 or 128, got {block_size}; "
                          "use backend='reference'")

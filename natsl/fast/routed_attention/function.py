@@ -11,7 +11,8 @@ from natsl.errors import NatslError
 from natsl.fast.routed_attention.backward import attention_backward
 from natsl.fast.routed_attention.blocks import BlockLists, build_block_lists
 from natsl.fast.routed_attention.forward import _forward_kernel, attention_forward, next_pow2
-from natsl.reference.route_grad import check_block_size, check_route_grad, expect_floating, expect_shape
+from natsl.reference.route_grad import check_route_grad
+from natsl.reference.routed_attention import validate_layouts
 
 MIN_DIM = 16  # tl.dot needs at least 16 along every dimension
 
@@ -48,21 +49,7 @@ class RoutedAttentionFunction(torch.autograd.Function):
 
 def _validate(q, k, v, keep, block_size: int) -> None:
     """The reference's layout checks (contract section 5), plus the fast path's own limits."""
-    check_block_size(block_size)
-    if q.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, k must be [B, T, Hs, Dk] and v [B, T, Hs, Dv], got {tuple(q.shape)}, {tuple(v.shape)}")
-    B, T, Hs, Dk = q.shape
-    expect_shape("k", k, (B, T, Hs, Dk), "[B, T, Hs, Dk] (as q)")
-    expect_shape("v", v, (B, T, Hs, v.shape[-1]), "[B, T, Hs, Dv]")
-    for name, t in (("q", q), ("k", k), ("v", v), ("keep", keep)):
-        if t is not None:
-            expect_floating(name, t)
-    if keep is not None:
-        NB = math.ceil(T / block_size)
-        if keep.dim() != 3 or keep.shape[:2] != (B, NB):
-            raise ValueError(f"keep must be [B, NB, G] = ({B}, {NB}, G), got shape {tuple(keep.shape)}")
-        if keep.shape[2] < 1 or Hs % keep.shape[2]:
-            raise ValueError(f"keep has {keep.shape[2]} routing groups, which must divide the {Hs} softmax heads")
+    validate_layouts(q, k, v, keep, block_size)
     if block_size < MIN_DIM or block_size & (block_size - 1) or block_size > 256:
         raise NatslError(
             f"the fast routed_attention needs block_size a power of two in [16, 256], got {block_size}; "
