@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 import natsl
 from natsl.cli import convert, eval_ppl, eval_ruler, inspect_routing  # noqa: F401  (register the commands)
 from natsl.cli.app import app
-from natsl.eval.decode import greedy_generate, has_cache
+from natsl.eval.decode import greedy_generate
 from natsl.eval.haystack import essay_text
 from natsl.eval.ruler import NOISE, TASKS, make_sample, postprocess, string_match_all
 from natsl.eval.smoke import save_tiny_checkpoint
@@ -76,8 +76,7 @@ def test_greedy_decoding_matches_a_plain_argmax_loop():
             seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
     assert got == seq[len(prompt):]
     assert greedy_generate(model, prompt, 5, eos_id=got[1], use_cache=False) == got[:2]  # stops after EOS
-    if has_cache(model):
-        assert greedy_generate(model, prompt, 5, use_cache=True) == got
+    assert greedy_generate(model, prompt, 5, use_cache=True) == got
 
 
 def test_eval_ruler_end_to_end(tmp_path):

@@ -1,9 +1,10 @@
 """Greedy decoding for the evaluations.
 
 With the incremental cache of contract section 5 (`model.new_cache`, `model(ids, cache=cache)`)
-the prompt is prefilled once and each new token costs one cached step. A model without it
-recomputes the full forward over prompt + generated tokens at every step; the contract makes both
-compute the same function, so both give the same tokens (up to exact ties in the logits).
+the prompt is prefilled once and each new token costs one cached step. `use_cache=False`
+recomputes the full forward over prompt + generated tokens at every step instead; the contract
+makes both compute the same function, so both give the same tokens (up to exact ties in the
+logits), which the tests check.
 """
 
 from __future__ import annotations
@@ -13,19 +14,6 @@ from typing import Sequence
 import torch
 
 from natsl.eval.common import final_hidden_states
-
-
-def has_cache(model) -> bool:
-    return callable(getattr(model, "new_cache", None))
-
-
-def new_cache_for(model, length: int):
-    """A cache for one sequence of up to `length` tokens (natsl's `new_cache` allocates its whole
-    capacity up front, so asking for only what is needed keeps long-context decoding in memory)."""
-    try:
-        return model.new_cache(1, max_len=length)
-    except TypeError:  # a cache without a capacity argument (contract: `new_cache(batch_size)`)
-        return model.new_cache(1)
 
 
 @torch.inference_mode()
@@ -38,25 +26,21 @@ def last_logits(model, ids: torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 def greedy_generate(model, prompt: Sequence[int], max_new_tokens: int, eos_id: int | None = None,
-                    use_cache: bool | None = None, device=None) -> list[int]:
+                    use_cache: bool = True, device=None) -> list[int]:
     """Greedy continuation of `prompt` (token ids): up to `max_new_tokens` ids, stopping after EOS.
 
-    `use_cache=None` uses the incremental cache when the model has one; False always recomputes.
+    `use_cache` decodes through the incremental cache; False recomputes the full forward.
     """
     if max_new_tokens <= 0:
         return []
     if device is None:
         device = next(model.parameters()).device
     ids = torch.as_tensor(list(prompt), dtype=torch.long, device=device)[None]
-    if use_cache is None:
-        use_cache = has_cache(model)
     out: list[int] = []
     if use_cache:
-        cache = new_cache_for(model, ids.shape[1] + max_new_tokens)
-        if callable(getattr(model, "forward_cached", None)):
-            logits = model.forward_cached(ids, cache, last_only=True)[:, -1].float()
-        else:
-            logits = model(ids, cache=cache)[:, -1].float()
+        # Allocate only what this sequence needs: the cache takes its whole capacity up front.
+        cache = model.new_cache(1, max_len=ids.shape[1] + max_new_tokens)
+        logits = model.forward_cached(ids, cache, last_only=True)[:, -1].float()
         while True:
             token = int(logits.argmax(dim=-1).item())
             out.append(token)

@@ -264,7 +264,7 @@ def string_match_all(prediction: str, answers: list[str]) -> float:
 
 def run_ruler(em, tasks: list[str], lengths: list[int], samples: int, *, seed: int = 0,
               max_new_tokens: int = TOKENS_TO_GENERATE, essay: EssaySentences | None = None,
-              use_cache: bool | None = None, progress: bool = True) -> tuple[dict, list[dict]]:
+              use_cache: bool = True, progress: bool = True) -> tuple[dict, list[dict]]:
     """Generate, decode greedily and score every (length, task, sample). Returns (summary, rows)."""
     from tqdm import tqdm
 
