@@ -183,6 +183,11 @@ def first_tensors(out):
 
 SWEEP_STATE = [dict(BV=32, num_warps=8, num_stages=2), dict(BV=64, num_warps=4, num_stages=2),
                dict(BV=16, num_warps=4, num_stages=2)]
+# Forward-only settings for the default (bf16 intermediates) mode: the sequential state kernel's
+# software pipelining depth and width, and the two parallel forward stages around it.
+SWEEP_STATE_FWD = [dict(BV=32, num_warps=4, num_stages=s) for s in (1, 3, 4)] + [
+    dict(BV=32, num_warps=2, num_stages=2), dict(BV=32, num_warps=2, num_stages=3),
+    dict(BV=64, num_warps=8, num_stages=2), dict(BV=64, num_warps=4, num_stages=3)]
 SWEEP = {
     "fp32": {
         "STATE_FWD": SWEEP_STATE,
@@ -191,7 +196,17 @@ SWEEP = {
         "GRAD_QK": [dict(BV=32, num_warps=8, num_stages=2)],
         "GRAD_WY": [dict(num_warps=8, num_stages=2)],
     },
-    "input": {"STATE_FWD": SWEEP_STATE, "STATE_BWD": SWEEP_STATE},
+    "input": {
+        "STATE_FWD": SWEEP_STATE_FWD,
+        "PREPARE": [dict(num_warps=2, num_stages=s) for s in (1, 3)] + [dict(num_warps=4, num_stages=2)],
+        "OUTPUT": [dict(BV=32, num_warps=4, num_stages=2), dict(BV=64, num_warps=4, num_stages=3),
+                   dict(BV=64, num_warps=8, num_stages=2), dict(BV=128, num_warps=8, num_stages=2)],
+        "LOCAL_DR": [dict(BV=64, num_warps=4, num_stages=3)],
+        "STATE_BWD": [dict(BV=32, num_warps=4, num_stages=s) for s in (1, 3, 4)] + [
+            dict(BV=32, num_warps=2, num_stages=3)],
+        "GRAD_QK": [dict(BV=32, num_warps=4, num_stages=3)],
+        "GRAD_WY": [dict(num_warps=4, num_stages=3)],
+    },
 }
 
 
@@ -245,7 +260,7 @@ def load_fla():
         return None
 
 
-def timings(results, fla, best):
+def timings(results, fla, best, modes=MODES):
     scale = K**-0.5
     defaults = {name: copy.deepcopy(getattr(config, name)) for name in STAGES}
     for T in LENGTHS:
@@ -258,7 +273,7 @@ def timings(results, fla, best):
             o, _ = gated_delta_rule(*xs, write, route_grad="full")
             o.backward(do)
 
-        for mode in MODES:
+        for mode in modes:
             config.INTERMEDIATE = mode
             for name, cfg in best.get(mode, {}).items():
                 set_config(name, cfg)
@@ -299,11 +314,13 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--skip", default="", help="comma list of steps to skip: check,sweep,time")
     ap.add_argument("--sweep-budget", type=float, default=130.0, help="stop sweeping after this many seconds")
+    ap.add_argument("--modes", default=",".join(MODES), help="intermediate dtypes to sweep and time: fp32,input")
     args = ap.parse_args()
+    modes = tuple(filter(None, args.modes.split(",")))
     skip = set(filter(None, args.skip.split(",")))
     props = torch.cuda.get_device_properties(0)
     results = dict(
-        date="2026-11-29", device=props.name, sms=props.multi_processor_count, torch=torch.__version__,
+        date=time.strftime("%Y-%m-%d"), device=props.name, sms=props.multi_processor_count, torch=torch.__version__,
         triton=triton.__version__, config={n: copy.deepcopy(getattr(config, n)) for n in dir(config) if n.isupper()},
         checks=[], sweep=[], timings=[], best={},
     )
@@ -311,10 +328,10 @@ def main():
     fla = load_fla()
     best = results["best"]
     steps = [("check", lambda: correctness(results))]
-    for mode in MODES:
+    for mode in modes:
         steps.append(("sweep", lambda mode=mode: best.__setitem__(
             mode, sweep(results, LENGTHS[-1], mode, args.sweep_budget))))
-    steps.append(("time", lambda: timings(results, fla, best)))
+    steps.append(("time", lambda: timings(results, fla, best, modes)))
     for step, fn in steps:
         if step in skip:
             continue

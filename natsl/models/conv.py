@@ -7,8 +7,9 @@ token-by-token decoding compute exactly what the full-sequence forward computes.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from natsl.models.pointwise import conv_silu
 
 
 class ShortConv(nn.Module):
@@ -25,10 +26,6 @@ class ShortConv(nn.Module):
 
     def forward(self, x: torch.Tensor, tail: torch.Tensor | None = None):
         """x [B, T, C], tail [B, kernel-1, C] or None (zeros) -> (SiLU(conv(x)) [B, T, C], new tail)."""
-        batch, length, channels = x.shape
         if tail is None:
-            tail = x.new_zeros(batch, self.kernel_size - 1, channels)
-        full = torch.cat([tail.to(x.dtype), x], dim=1)
-        y = F.conv1d(full.transpose(1, 2), self.weight.to(x.dtype), groups=channels)
-        new_tail = full[:, full.shape[1] - (self.kernel_size - 1):]
-        return F.silu(y.transpose(1, 2)), new_tail
+            tail = x.new_zeros(x.shape[0], self.kernel_size - 1, x.shape[2])
+        return conv_silu(x, tail, self.weight)

@@ -9,21 +9,15 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from natsl import ops
 from natsl.config import ModelConfig
 from natsl.models.conv import ShortConv
-from natsl.models.norms import RMSNorm, rms_norm
+from natsl.models.norms import RMSNorm
+from natsl.models.pointwise import gated_rms_norm, gdn_gates, l2_normalize
 from natsl.inference import kernels
 from natsl.inference.functional import gdn_token_step, use_fast
-
-
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """Normalise the last dim to unit length (as flash-linear-attention's l2norm: x / sqrt(|x|^2 + eps))."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).sum(dim=-1, keepdim=True) + eps)).to(x.dtype)
 
 
 class GatedDeltaProjections(nn.Module):
@@ -67,9 +61,7 @@ class GatedDeltaProjections(nn.Module):
 
     def gates(self, x: torch.Tensor):
         """x [B, T, d] -> log decay g [B,T,H] (fp32) and write strength beta [B,T,H] (x's dtype)."""
-        g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
-        beta = torch.sigmoid(self.b_proj(x).float()).to(x.dtype)
-        return g, beta
+        return gdn_gates(self.a_proj(x), self.b_proj(x), self.A_log, self.dt_bias)
 
     def decode_conv(self, x: torch.Tensor, conv_tails):
         """One token [B, 1, d] of the q, k, v projections + conv + SiLU with the fused kernel; the
@@ -137,6 +129,6 @@ class GatedDeltaNet(nn.Module):
             gate = self.g_proj(x).view(b, t, self.config.num_heads, self.config.head_v_dim)
             o = kernels.rms_norm(o, self.o_norm.weight, self.o_norm.eps, gate=gate)
             return self.o_proj(o.reshape(b, t, -1))
-        gate = F.silu(self.g_proj(x)).view(b, t, self.config.num_heads, self.config.head_v_dim)
-        o = rms_norm(o, self.o_norm.weight, self.o_norm.eps) * gate
+        gate = self.g_proj(x).view(b, t, self.config.num_heads, self.config.head_v_dim)
+        o = gated_rms_norm(o, self.o_norm.weight, self.o_norm.eps, gate)
         return self.o_proj(o.reshape(b, t, -1))

@@ -31,19 +31,9 @@ from natsl.inference.functional import (attend_one, commit_state, gdn_token_step
                                         use_fast, write_token)
 from natsl.models.gated_deltanet import GatedDeltaProjections
 from natsl.models.norms import RMSNorm
+from natsl.models.pointwise import mix_branches
 from natsl.models.rope import apply_rope
 from natsl.reference.router import route_blocks, straight_through_route
-
-
-def mixing_weights(logits: torch.Tensor, kind: str) -> torch.Tensor:
-    """logits [..., 2] (index 0: softmax memory, 1: GDN state) -> the two read weights."""
-    if kind == "softmax":
-        return torch.softmax(logits.float(), dim=-1).to(logits.dtype)
-    if kind == "sigmoid":
-        return torch.sigmoid(logits)
-    if kind == "linear":
-        return logits
-    raise ValueError(f"no mixing weights for kind {kind!r}")
 
 
 class NAtSL(nn.Module):
@@ -102,18 +92,14 @@ class NAtSL(nn.Module):
         c = self.config
         b, t = x.shape[:2]
         o_la = o_la.reshape(b, t, self.softmax_heads, c.softmax_v_dim)
-        if c.mix_weights == "none":
-            w_nla = w_la = 1.0
-        else:
+        logits = None
+        if c.mix_weights != "none":
             logits = self.mix_proj(q if c.mix_input == "q" else x).view(b, t, self.softmax_heads, 2)
-            w = mixing_weights(logits, c.mix_weights)
-            w_nla, w_la = w[..., 0:1], w[..., 1:2]
         if c.branch_norm == "separate":
-            o = w_la * self.la_norm(o_la) + w_nla * self.nla_norm(o_nla)
+            norms = (self.la_norm.weight, self.nla_norm.weight, None, self.la_norm.eps)
         else:
-            o = self.out_norm(w_la * o_la + w_nla * o_nla)
-        o = o.reshape(b, t, -1) * F.silu(self.g_proj(x))
-        return self.o_proj(o)
+            norms = (None, None, self.out_norm.weight, self.out_norm.eps)
+        return self.o_proj(mix_branches(o_la, o_nla, logits, c.mix_weights, self.g_proj(x), *norms))
 
     def route(self, x: torch.Tensor):
         """x [B,T,d] -> keep, write [B, NB, H] (0/1 values, straight-through gradients)."""

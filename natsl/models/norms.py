@@ -1,17 +1,11 @@
-"""RMSNorm over the last dimension, computed in fp32."""
+"""RMSNorm over the last dimension, computed in fp32 (the formula: natsl.models.pointwise.rms_norm)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
-    if weight is not None:
-        y = y * weight.float()
-    return y.to(x.dtype)
+from natsl.models.pointwise import rms_norm
 
 
 class RMSNorm(nn.Module):

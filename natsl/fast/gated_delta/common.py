@@ -120,6 +120,13 @@ def chunk_decay(gc_ptr, write_ptr, t0, n, T, H, C: tl.constexpr, DECAY_SKIPPED: 
     return gc, tl.exp(g_last - gc), wt, a
 
 
-def launch_options(cfg: dict, block_size: int) -> dict:
-    """num_warps / num_stages of a launch; 128-token chunks take one stage (shared memory)."""
-    return {"num_warps": cfg["num_warps"], "num_stages": 1 if block_size > 64 else cfg["num_stages"]}
+def launch_options(cfg: dict, block_size: int, work_dtype) -> dict:
+    """num_warps / num_stages of a launch. 128-token chunks take one stage, and 32-bit chunk
+    intermediates (`work_dtype`) at most two: their tiles are twice as wide, and a third stage
+    needs more shared memory than the H200 has (242 KB of 227 KB for prepare)."""
+    stages = cfg["num_stages"]
+    if block_size > 64:
+        stages = 1
+    elif work_dtype.itemsize >= 4:
+        stages = min(stages, 2)
+    return {"num_warps": cfg["num_warps"], "num_stages": stages}

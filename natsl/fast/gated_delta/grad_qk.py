@@ -129,6 +129,6 @@ def grad_qk(q, k, gc, write, h, dh, r, dr, do, scale: float, block_size: int, pr
     _grad_qk_kernel[grid](
         q, k, gc, write, h, dh, r, dr, do, dq, dkp, dw, dgp, p1, p2, scale, B, T, H, NB,
         K=K, V=V, C=block_size, BK=BK, BV=min(cfg["BV"], dim_tile(V)), PREC=precision,
-        **launch_options(cfg, block_size),
+        **launch_options(cfg, block_size, dr.dtype),
     )
     return dq, dkp, dw, dgp, p1, p2

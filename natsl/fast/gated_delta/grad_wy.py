@@ -132,6 +132,6 @@ def grad_wy(k, v, beta, gc, ai, dr, dw, dkp, dgp, dg_last, block_size: int, prec
     _grad_wy_kernel[grid](
         k, v, beta, gc, ai, dr, dw, dkp, dgp, dg_last, dk, dv, dbeta, dg, B, T, H, NB,
         K=K, V=V, C=block_size, BK=dim_tile(K), BV=dim_tile(V), NKP=dgp.shape[0], PREC=precision,
-        **launch_options(cfg, block_size),
+        **launch_options(cfg, block_size, dr.dtype),
     )
     return dk, dv, dbeta, dg

@@ -97,7 +97,7 @@ def chunk_output(q, k, gc, h, r, scale: float, block_size: int, precision: str, 
     _output_kernel[grid](
         q, k, gc, h, r, o, scale, T, H, NB,
         K=K, V=V, C=block_size, BK=dim_tile(K), BV=BV, PREC=precision,
-        **launch_options(cfg, block_size),
+        **launch_options(cfg, block_size, r.dtype),
     )
     return o
 
@@ -111,6 +111,6 @@ def local_dr(q, k, gc, do, scale: float, block_size: int, precision: str, cfg: d
     _local_dr_kernel[grid](
         q, k, gc, do, drl, scale, T, H,
         K=K, V=V, C=block_size, BK=dim_tile(K), BV=min(cfg["BV"], dim_tile(V)), PREC=precision,
-        **launch_options(cfg, block_size),
+        **launch_options(cfg, block_size, work_dtype),
     )
     return drl

@@ -200,6 +200,6 @@ def prepare_chunks(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torc
     _prepare_kernel[grid](
         k, v, g, beta, gc, ai, w, u, T, H,
         K=K, V=V, C=C, BK=dim_tile(K), BV=dim_tile(V), PREC=fp32_precision(k.dtype),
-        **launch_options(cfg, block_size),
+        **launch_options(cfg, block_size, work_dtype),
     )
     return gc, ai, w, u

@@ -235,7 +235,7 @@ def state_forward(w, u, k, gc, write, initial_state, output_final_state: bool, b
         w, u, k, gc, write, initial_state, h, r, final, T, H, NB,
         K=K, V=V, C=block_size, BK=BK, BV=BV, NK=NK,
         HAS_H0=initial_state is not None, STORE_HT=output_final_state, DECAY_SKIPPED=decay_skipped_blocks,
-        PREC=precision, **launch_options(cfg, block_size),
+        PREC=precision, **launch_options(cfg, block_size, u.dtype),
     )
     return h, r, final
 
@@ -255,6 +255,6 @@ def state_backward(q, k, w, gc, write, do, dr_local, d_final, want_dh0: bool, sc
         q, k, w, gc, write, do, dr_local, d_final, dh, dr, dh0, scale, T, H, NB,
         K=K, V=V, C=block_size, BK=BK, BV=BV, NK=NK,
         HAS_DHT=d_final is not None, STORE_DH0=want_dh0, DECAY_SKIPPED=decay_skipped_blocks,
-        PREC=precision, **launch_options(cfg, block_size),
+        PREC=precision, **launch_options(cfg, block_size, dr_local.dtype),
     )
     return dh, dr, dh0

@@ -1,0 +1,90 @@
+"""Where a training step's GPU time goes: torch.profiler over forward + backward of a recipe's model.
+
+    python benchmarks/profile_training_step.py --recipe 800m_hybrid --batch 4 --seq-len 4096
+
+bf16 autocast and the chunked LM loss as in `natsl train` (no optimizer step). Prints the step's
+median time over a few repeats and the kernels that take the most GPU time, grouped by name; with
+--out, writes the table as JSON. The layers' pointwise pieces are compiled unless
+NATSL_COMPILE_POINTWISE=0 (natsl.models.pointwise), so running both shows what compiling buys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from natsl.config import load_recipe  # noqa: E402
+from natsl.models import build_model  # noqa: E402
+from natsl.training.loss import linear_cross_entropy  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipe", default="800m_hybrid")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--device", default="cuda", help="cuda (the point), or cpu for a smoke run")
+    args = parser.parse_args()
+
+    recipe = load_recipe(args.recipe)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    model = build_model(recipe, device=device)
+    model.set_backend("fast" if cuda else "chunked")
+    ids = torch.randint(0, recipe.model.vocab_size, (args.batch, args.seq_len + 1), device=device)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def step():
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            hidden = model.hidden_states(ids[:, :-1])
+            loss = linear_cross_entropy(hidden, model.lm_head.weight, ids[:, 1:])
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    step()  # compile, autotune, allocate
+    times = []
+    for _ in range(args.repeats):
+        sync()
+        start = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - start)
+    step_ms = 1000 * statistics.median(times)
+    tokens = args.batch * args.seq_len
+    print(f"{args.recipe} B={args.batch} T={args.seq_len} compile_pointwise="
+          f"{os.environ.get('NATSL_COMPILE_POINTWISE', '1')}: fwd+bwd {step_ms:.1f} ms, {tokens / step_ms * 1e3:,.0f} tok/s")
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA if cuda
+                                                else torch.profiler.ProfilerActivity.CPU]) as prof:
+        step()
+        sync()
+    rows = []
+    for event in prof.key_averages():
+        device_us = event.device_time_total if cuda else event.self_cpu_time_total
+        if device_us > 0:
+            rows.append({"kernel": event.key[:90], "calls": event.count, "ms": device_us / 1e3})
+    rows.sort(key=lambda r: -r["ms"])
+    total = sum(r["ms"] for r in rows)
+    print(f"GPU kernel time in the profiled step: {total:.1f} ms")
+    for r in rows[:args.top]:
+        print(f"{r['ms']:8.2f} ms {100 * r['ms'] / total:5.1f}% {r['calls']:6d}x  {r['kernel']}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"recipe": args.recipe, "batch": args.batch, "seq_len": args.seq_len,
+                                              "step_ms": step_ms, "kernel_ms_total": total, "kernels": rows},
+                                             indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""The elementwise pieces of the layers, as pure functions that torch.compile fuses on the GPU.
+
+Eager PyTorch runs an fp32 RMSNorm as about nine kernels, a short conv + SiLU as a copy, two
+transposes, a depthwise convolution and an activation, and their backward passes as many again;
+at the 800M shapes these memory passes cost more than the GDN op of the layer they sit in. Each
+function here is written so that Inductor turns it into one or two kernels forward and backward.
+
+`pointwise(fn)` keeps fn's eager behaviour on the CPU (tests, the quick start: compiling needs a
+C++ toolchain there and buys little) and calls `torch.compile(fn)` on CUDA tensors. The compiled
+and eager forms compute the same formula (fp32 inside, one rounding to the activation dtype at the
+end); tests/test_pointwise.py holds the formulas against plain PyTorch on the CPU and the compiled
+forms against the eager ones on the GPU. `NATSL_COMPILE_POINTWISE=0` turns compilation off.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+
+
+def compile_enabled() -> bool:
+    return os.environ.get("NATSL_COMPILE_POINTWISE", "1") != "0"
+
+
+RECOMPILE_LIMIT = 64
+
+
+def _allow_recompiles() -> None:
+    """Each function here is traced once per input rank, dtype, grad mode and None-ness of its
+    optional arguments (sizes are symbolic: dynamic=True), which can pass dynamo's default limit of
+    8 graphs per function in one process (tests, prefill + decode); past the limit dynamo would run
+    the function eagerly. Raise the limit, never lower it."""
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
+
+
+def pointwise(fn):
+    """fn, compiled with torch.compile the first time it sees a CUDA tensor as its first argument."""
+    compiled = None
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        nonlocal compiled
+        # Inside a model that is itself being compiled, dynamo inlines the plain function.
+        if args[0].is_cuda and compile_enabled() and not torch.compiler.is_compiling():
+            if compiled is None:
+                _allow_recompiles()
+                compiled = torch.compile(fn, dynamic=True)
+            return compiled(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    run.eager = fn
+    return run
+
+
+def _up(t: torch.Tensor) -> torch.Tensor:
+    """16-bit tensors to fp32 for the arithmetic; fp32 and fp64 stay as they are."""
+    return t.float() if t.element_size() < 4 else t
+
+
+def _normalize(xf: torch.Tensor, eps: float, mean: bool) -> torch.Tensor:
+    square = xf.pow(2)
+    total = square.mean(dim=-1, keepdim=True) if mean else square.sum(dim=-1, keepdim=True)
+    return xf * torch.rsqrt(total + eps)
+
+
+@pointwise
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim in fp32, times `weight` when given, in x's dtype."""
+    y = _normalize(_up(x), eps, mean=True)
+    if weight is not None:
+        y = y * _up(weight)
+    return y.to(x.dtype)
+
+
+@pointwise
+def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor) -> torch.Tensor:
+    """RMSNorm(x) * weight * silu(gate), all in fp32, one rounding to x's dtype (gate broadcasts as x)."""
+    y = _normalize(_up(x), eps, mean=True) * _up(weight)
+    return (y * F.silu(_up(gate))).to(x.dtype)
+
+
+@pointwise
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(|x|^2 + eps) over the last dim (flash-linear-attention's l2norm), in x's dtype."""
+    return _normalize(_up(x), eps, mean=False).to(x.dtype)
+
+
+@pointwise
+def conv_silu(x: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor):
+    """Causal depthwise conv + SiLU: x [B, T, C], tail [B, W-1, C] (the inputs before x), weight
+    [C, 1, W] -> (SiLU(conv) [B, T, C] in x's dtype, the new tail [B, W-1, C]).
+
+    Written as W shifted multiply-adds in fp32 (what F.conv1d computes: y_t = sum_j w_j x_{t-W+1+j})
+    so that the whole of it, and its backward, is a single fused kernel.
+    """
+    width = weight.shape[-1]
+    length = x.shape[1]
+    full = torch.cat([tail.to(x.dtype), x], dim=1)
+    w = _up(weight[:, 0, :])
+    y = _up(full[:, 0:length]) * w[:, 0]
+    for j in range(1, width):
+        y = y + _up(full[:, j:j + length]) * w[:, j]
+    return F.silu(y).to(x.dtype), full[:, full.shape[1] - (width - 1):]
+
+
+@pointwise
+def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
+    """Gated DeltaNet's gates from the a and b projections [B, T, H]: log decay
+    g = -exp(A_log) softplus(a + dt_bias) in fp32, and write strength beta = sigmoid(b) in b's dtype."""
+    g = -_up(A_log).exp() * F.softplus(_up(a) + _up(dt_bias))
+    return g, torch.sigmoid(_up(b)).to(b.dtype)
+
+
+@pointwise
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def mix_weights(logits: torch.Tensor, kind: str) -> torch.Tensor:
+    """Mixing logits [..., 2] (index 0: the softmax memory, 1: the GDN state) -> the two read weights, fp32."""
+    if kind == "softmax":
+        return torch.softmax(_up(logits), dim=-1)
+    if kind == "sigmoid":
+        return torch.sigmoid(_up(logits))
+    if kind == "linear":
+        return _up(logits)
+    raise ValueError(f"no mixing weights for kind {kind!r}")
+
+
+@pointwise
+def mix_branches(o_la: torch.Tensor, o_nla: torch.Tensor, logits, kind: str, gate: torch.Tensor,
+                 la_weight, nla_weight, out_weight, eps: float) -> torch.Tensor:
+    """The NAtS-L read (contract section 2, step 6) of the branch outputs o_la, o_nla [B, T, heads, Dv]:
+    w_la RMSNorm_1(o_la) + w_nla RMSNorm_2(o_nla) with separate norms (la_weight, nla_weight; out_weight
+    None), or RMSNorm(w_la o_la + w_nla o_nla) with one (out_weight); w from `logits` [B, T, heads, 2]
+    by `kind` (mix_weights), or 1 when logits is None; times silu(gate) [B, T, heads * Dv]. fp32
+    inside, rounded once to o_nla's dtype."""
+    la, nla = _up(o_la), _up(o_nla)
+    if logits is None:
+        w_nla = w_la = 1.0
+    else:
+        w = mix_weights(logits, kind)
+        w_nla, w_la = w[..., 0:1], w[..., 1:2]
+    if out_weight is None:
+        o = (w_la * (_normalize(la, eps, True) * _up(la_weight))
+             + w_nla * (_normalize(nla, eps, True) * _up(nla_weight)))
+    else:
+        o = _normalize(w_la * la + w_nla * nla, eps, True) * _up(out_weight)
+    o = o.reshape(gate.shape) * F.silu(_up(gate))
+    return o.to(o_nla.dtype)

@@ -1,0 +1,122 @@
+"""natsl.models.pointwise: each formula against plain PyTorch (CPU), and the torch.compile'd forms
+against the eager ones, forward and every gradient (GPU)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from natsl.models import pointwise as pw
+
+torch.manual_seed(0)
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def plain_rms(x, w, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+@pytest.mark.parametrize("length", [1, 3, 37])
+def test_conv_silu_is_the_depthwise_conv(length):
+    x = torch.randn(2, length, 5, dtype=torch.float64, requires_grad=True)
+    tail = torch.randn(2, 3, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(5, 1, 4, dtype=torch.float64, requires_grad=True)
+    y, new_tail = pw.conv_silu(x, tail, w)
+    full = torch.cat([tail, x], 1)
+    want = F.silu(F.conv1d(full.transpose(1, 2), w, groups=5).transpose(1, 2))
+    assert rel(y, want) < 1e-12
+    assert torch.equal(new_tail, full[:, -3:])
+    dy = torch.randn_like(y)
+    got = torch.autograd.grad(y, (x, tail, w), dy)
+    ref = torch.autograd.grad(want, (x, tail, w), dy)
+    for g, r in zip(got, ref):
+        assert rel(g, r) < 1e-12
+
+
+def test_norms_and_gates_are_their_formulas():
+    x = torch.randn(3, 7, 16, dtype=torch.float64)
+    w = torch.randn(16, dtype=torch.float64)
+    gate = torch.randn(3, 7, 16, dtype=torch.float64)
+    assert rel(pw.rms_norm(x, w, 1e-6), plain_rms(x, w, 1e-6)) < 1e-14
+    assert rel(pw.gated_rms_norm(x, w, 1e-6, gate), plain_rms(x, w, 1e-6) * F.silu(gate)) < 1e-14
+    assert rel(pw.l2_normalize(x), x / torch.sqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)) < 1e-14
+    a, b = torch.randn(3, 7, 4, dtype=torch.float64), torch.randn(3, 7, 4, dtype=torch.float64)
+    A_log, dt_bias = torch.randn(4, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
+    g, beta = pw.gdn_gates(a, b, A_log, dt_bias)
+    assert rel(g, -A_log.exp() * torch.log1p((a + dt_bias).exp())) < 1e-12
+    assert rel(beta, 1 / (1 + (-b).exp())) < 1e-14
+    assert rel(pw.swiglu(a, b), a * torch.sigmoid(a) * b) < 1e-14
+
+
+@pytest.mark.parametrize("kind", ["softmax", "sigmoid", "linear", "none"])
+@pytest.mark.parametrize("separate", [True, False])
+def test_mix_branches_is_the_contract_read(kind, separate):
+    B, T, Hs, D = 2, 5, 6, 8
+    o_la, o_nla = torch.randn(B, T, Hs, D, dtype=torch.float64), torch.randn(B, T, Hs, D, dtype=torch.float64)
+    logits = None if kind == "none" else torch.randn(B, T, Hs, 2, dtype=torch.float64)
+    gate = torch.randn(B, T, Hs * D, dtype=torch.float64)
+    w1, w2 = torch.randn(D, dtype=torch.float64), torch.randn(D, dtype=torch.float64)
+    if logits is None:
+        wn = wl = 1.0
+    else:
+        mix = {"softmax": lambda s: s.softmax(-1), "sigmoid": torch.sigmoid, "linear": lambda s: s}[kind](logits)
+        wn, wl = mix[..., :1], mix[..., 1:]
+    if separate:
+        want = wl * plain_rms(o_la, w1, 1e-6) + wn * plain_rms(o_nla, w2, 1e-6)
+        got = pw.mix_branches(o_la, o_nla, logits, kind, gate, w1, w2, None, 1e-6)
+    else:
+        want = plain_rms(wl * o_la + wn * o_nla, w1, 1e-6)
+        got = pw.mix_branches(o_la, o_nla, logits, kind, gate, None, None, w1, 1e-6)
+    assert rel(got, want.reshape(B, T, -1) * F.silu(gate)) < 1e-14
+
+
+def test_cpu_tensors_never_compile(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch.compile called for a CPU tensor")
+
+    monkeypatch.setattr(torch, "compile", refuse)
+    x = torch.randn(2, 3, 8)
+    assert torch.equal(pw.rms_norm(x, None, 1e-6), pw.rms_norm.eager(x, None, 1e-6))
+
+
+# ----------------------------------------------------------------------------- GPU: compiled vs eager
+def _cases(device, dtype, T):
+    B, C, H, D = 2, 96, 6, 16
+    mk = lambda *s, dt=dtype: torch.randn(*s, device=device, dtype=dt)  # noqa: E731
+    return {
+        "rms_norm": (pw.rms_norm, (mk(B, T, C), mk(C), 1e-6)),
+        "gated_rms_norm": (pw.gated_rms_norm, (mk(B, T, H, D), mk(D), 1e-6, mk(B, T, H, D))),
+        "l2_normalize": (pw.l2_normalize, (mk(B, T, H, D), 1e-6)),
+        "conv_silu": (pw.conv_silu, (mk(B, T, C), mk(B, 3, C), mk(C, 1, 4, dt=torch.float32))),
+        "gdn_gates": (pw.gdn_gates, (mk(B, T, H), mk(B, T, H), mk(H, dt=torch.float32), mk(H, dt=torch.float32))),
+        "swiglu": (pw.swiglu, (mk(B, T, C), mk(B, T, C))),
+        "mix_separate": (pw.mix_branches, (mk(B, T, H, D), mk(B, T, H, D), mk(B, T, H, 2), "softmax",
+                                          mk(B, T, H * D), mk(D), mk(D), None, 1e-6)),
+        "mix_shared": (pw.mix_branches, (mk(B, T, H, D), mk(B, T, H, D), mk(B, T, H, 2), "sigmoid",
+                                        mk(B, T, H * D), None, None, mk(D), 1e-6)),
+    }
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_equals_eager_on_gpu(dtype):
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for T in (64, 37, 1):  # a new length re-traces with dynamic shapes: check those too
+        for name, (fn, args) in _cases("cuda", dtype, T).items():
+            leaves = [a.requires_grad_() if isinstance(a, torch.Tensor) else a for a in args]
+            outs = [fn(*leaves), fn.eager(*leaves)]
+            outs = [o if isinstance(o, tuple) else (o,) for o in outs]
+            tensors = [a for a in leaves if isinstance(a, torch.Tensor)]
+            cotangents = [torch.randn_like(o) for o in outs[0] if o.requires_grad]
+            grads = []
+            for out in outs:
+                diff = [o for o in out if o.requires_grad]
+                grads.append(torch.autograd.grad(diff, tensors, cotangents, allow_unused=True))
+            for got, want in zip(outs[0], outs[1]):
+                assert rel(got, want) < tol, (name, T, "forward", rel(got, want))
+            for got, want in zip(*grads):
+                if want is not None:
+                    assert rel(got, want) < tol, (name, T, "gradient", rel(got, want))
