@@ -45,7 +45,7 @@ def bench(fn) -> float:
 
 
 def time_routed(B, T, H, G, Dk, Dv, frac, dtype=torch.bfloat16, block_size=64, backward=False):
-    from natsl.fast.routed_attention import routed_attention
+    from natsl.fast.block_sparse import routed_attention
 
     q, k, v, do = attention_inputs(B, T, H, Dk, Dv, dtype, "cuda", requires_grad=backward)
     keep = random_keep(B, math.ceil(T / block_size), G, frac, "cuda").requires_grad_(backward)

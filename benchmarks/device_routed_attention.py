@@ -38,10 +38,10 @@ except Exception as exc:  # pragma: no cover - device-run guard
     _pkg.__path__ = [os.path.join(natsl.__path__[0], "fast")]
     sys.modules["natsl.fast"] = _pkg
 
-from natsl.fast.routed_attention import config  # noqa: E402
-from natsl.fast.routed_attention.backward import attention_backward  # noqa: E402
-from natsl.fast.routed_attention.blocks import build_block_lists  # noqa: E402
-from natsl.fast.routed_attention.forward import attention_forward  # noqa: E402
+from natsl.fast.block_sparse import config  # noqa: E402
+from natsl.fast.block_sparse.backward import attention_backward  # noqa: E402
+from natsl.fast.block_sparse.blocks import build_block_lists  # noqa: E402
+from natsl.fast.block_sparse.forward import attention_forward  # noqa: E402
 
 OUT = os.environ.get("OUT", "/tmp/routed_attention_out")
 os.makedirs(OUT, exist_ok=True)
@@ -169,7 +169,7 @@ def sdpa_backends(Ts=(16384, 131072)):
 
 def launch_overhead(T=4096):
     """Host time per call (enqueue only) beside the GPU time, eager and replayed from a CUDA graph."""
-    from natsl.fast.routed_attention import routed_attention
+    from natsl.fast.block_sparse import routed_attention
 
     out = RESULTS.setdefault("overhead_T4K_800M", [])
     for frac in (1.0, 0.25):

@@ -18,7 +18,7 @@ import math  # noqa: E402
 import pytest  # noqa: E402
 
 from natsl.errors import NatslError  # noqa: E402
-from natsl.fast.routed_attention import config, routed_attention  # noqa: E402
+from natsl.fast.block_sparse import config, routed_attention  # noqa: E402
 from natsl.reference.route_grad import routed_attention_keep_grad  # noqa: E402
 from natsl.reference.routed_attention import routed_attention as reference  # noqa: E402
 

@@ -1,9 +1,12 @@
 """Triton implementations of the NAtS-L ops, with exactly the reference's signatures.
 
 On a CPU tensor the kernels run under TRITON_INTERPRET=1 (set it before Triton is imported).
+Subpackages: `gated_delta` (chunked Gated DeltaNet with the write mask, and the decode step) and
+`block_sparse` (routed attention over the kept blocks); each op's package name differs from the
+op's so that `natsl.fast.<op>` is always the function.
 """
 
 from natsl.fast.gated_delta import gated_delta_rule
-from natsl.fast.routed_attention import routed_attention
+from natsl.fast.block_sparse import routed_attention
 
 __all__ = ["gated_delta_rule", "routed_attention"]

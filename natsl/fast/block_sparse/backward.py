@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from natsl.fast.routed_attention import config
-from natsl.fast.routed_attention.forward import LOG2E, ceil_div, cast_to, dot_precision, kept_key_rows, mm, mma
+from natsl.fast.block_sparse import config
+from natsl.fast.block_sparse.forward import LOG2E, ceil_div, cast_to, dot_precision, kept_key_rows, mm, mma
 
 
 @triton.jit

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from natsl.fast.routed_attention import config
+from natsl.fast.block_sparse import config
 
 
 # Triton's interpreter multiplies bf16 operands of tl.dot as raw uint16 bits (Triton 3.9), so on

@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from natsl.errors import NatslError
-from natsl.fast.routed_attention.backward import attention_backward
-from natsl.fast.routed_attention.blocks import BlockLists, build_block_lists
-from natsl.fast.routed_attention.forward import _forward_kernel, attention_forward, next_pow2
+from natsl.fast.block_sparse.backward import attention_backward
+from natsl.fast.block_sparse.blocks import BlockLists, build_block_lists
+from natsl.fast.block_sparse.forward import _forward_kernel, attention_forward, next_pow2
 from natsl.reference.route_grad import check_route_grad
 from natsl.reference.routed_attention import validate_layouts
 

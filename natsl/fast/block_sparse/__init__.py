@@ -5,6 +5,6 @@ kernel), `backward` (dq, dk/dv/dkeep kernels), `function` (autograd Function and
 `config` (tile shapes).
 """
 
-from natsl.fast.routed_attention.function import RoutedAttentionFunction, routed_attention
+from natsl.fast.block_sparse.function import RoutedAttentionFunction, routed_attention
 
 __all__ = ["RoutedAttentionFunction", "routed_attention"]
