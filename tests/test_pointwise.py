@@ -120,3 +120,23 @@ def test_compiled_equals_eager_on_gpu(dtype):
             for got, want in zip(*grads):
                 if want is not None:
                     assert rel(got, want) < tol, (name, T, "gradient", rel(got, want))
+
+
+def test_autocast_norm_rounds_once_to_the_same_values(monkeypatch):
+    """Under bf16 autocast RMSNorm returns bf16 (one cast for all the Linears it feeds); the logits
+    are exactly those of letting every Linear cast the fp32 norm output itself."""
+    import natsl
+    from natsl.models import norms
+
+    recipe = natsl.load_recipe("tiny_hybrid")
+    torch.manual_seed(0)
+    model = natsl.build_model(recipe)
+    model.set_backend("chunked")
+    ids = torch.randint(0, recipe.model.vocab_size, (2, 128))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model.norm(model.embed(ids)).dtype == torch.bfloat16
+        once = model(ids)
+        monkeypatch.setattr(norms, "autocast_dtype", lambda x: None)
+        assert model.norm(model.embed(ids)).dtype == torch.float32
+        per_linear = model(ids)
+    assert torch.equal(once, per_linear)

@@ -8,6 +8,19 @@ from torch import nn
 from natsl.models.pointwise import rms_norm
 
 
+def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast gives x's device (None when autocast is off or would not lower x).
+
+    Under bf16 autocast the residual stream stays fp32 and every Linear casts its input to bf16: a
+    norm that feeds six projections would be cast six times, forward and backward. Rounding the
+    norm's output once gives those Linears the very same bf16 values for one cast."""
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return None
+    dtype = torch.get_autocast_dtype(device)
+    return dtype if dtype.itemsize < x.dtype.itemsize else None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6, device=None):
         super().__init__()
@@ -16,7 +29,7 @@ class RMSNorm(nn.Module):
         self.weight._no_weight_decay = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, autocast_dtype(x))
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)

@@ -68,12 +68,12 @@ def _normalize(xf: torch.Tensor, eps: float, mean: bool) -> torch.Tensor:
 
 
 @pointwise
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim in fp32, times `weight` when given, in x's dtype."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, out_dtype: torch.dtype | None = None):
+    """RMSNorm over the last dim in fp32, times `weight` when given, in `out_dtype` (default x's dtype)."""
     y = _normalize(_up(x), eps, mean=True)
     if weight is not None:
         y = y * _up(weight)
-    return y.to(x.dtype)
+    return y.to(out_dtype or x.dtype)
 
 
 @pointwise
