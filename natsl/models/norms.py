@@ -15,7 +15,7 @@ def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
     norm that feeds six projections would be cast six times, forward and backward. Rounding the
     norm's output once gives those Linears the very same bf16 values for one cast."""
     device = x.device.type
-    if not torch.is_autocast_enabled(device):
+    if device not in ("cuda", "cpu") or not torch.is_autocast_enabled(device):  # ("meta": shape runs)
         return None
     dtype = torch.get_autocast_dtype(device)
     return dtype if dtype.itemsize < x.dtype.itemsize else None

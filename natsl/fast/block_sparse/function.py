@@ -1,8 +1,8 @@
-"""The autograd Function and the public entry point with the reference's exact signature."""
+"""The op's custom-op pair with its autograd formula, and the public entry point with the reference's exact signature."""
 
 from __future__ import annotations
 
-import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -17,34 +17,80 @@ from natsl.reference.routed_attention import validate_layouts
 MIN_DIM = 16  # tl.dot needs at least 16 along every dimension
 
 
-class RoutedAttentionFunction(torch.autograd.Function):
-    """o = routed_attention(q, k, v, keep); gradients for q, k, v and keep (binary keep)."""
+# A pair of torch.library custom ops (forward, backward) joined by register_autograd rather than a
+# bare autograd.Function: torch.compile sees each as one opaque node (shapes from the fake
+# implementations) and compiles a whole model around it instead of tracing into Triton's launcher.
 
-    @staticmethod
-    def forward(ctx, q, k, v, keep, scale: float, block_size: int, route_grad: str):
-        B, T, H, _ = q.shape
-        n_groups = 1 if keep is None else keep.shape[2]
-        lists = build_block_lists(keep, B, math.ceil(T / block_size), n_groups, q.device)
-        o, lse = attention_forward(q, k, v, lists, scale, block_size, n_groups)
-        ctx.save_for_backward(q, k, v, o, lse, *lists)
-        ctx.meta = (scale, block_size, n_groups, route_grad, None if keep is None else keep.dtype)
-        return o
 
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, o, lse, *lists = ctx.saved_tensors
-        scale, block_size, n_groups, route_grad, keep_dtype = ctx.meta
-        want_keep = keep_dtype is not None and ctx.needs_input_grad[3]
-        # "full" costs extra visits of dropped blocks: pay them only when dkeep is wanted.
-        full = want_keep and route_grad == "full"
-        dq, dk, dv, dkeep_heads = attention_backward(
-            q, k, v, o, lse, do, BlockLists(*lists), scale, block_size, n_groups, full
-        )
-        dkeep = None
-        if want_keep:
-            B, H, NB = dkeep_heads.shape
-            dkeep = dkeep_heads.view(B, n_groups, H // n_groups, NB).sum(2).transpose(1, 2).to(keep_dtype)
-        return dq, dk, dv, dkeep, None, None, None
+def _num_blocks(T, block_size: int):
+    return (T + block_size - 1) // block_size
+
+
+@torch.library.custom_op("natsl::routed_attention_forward", mutates_args=())
+def routed_attention_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: Optional[torch.Tensor], scale: float, block_size: int,
+    route_grad: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(o, log-sum-exp [B,H,T] fp32, and the kept-block lists flags, before, blocks [B*G, NB] int32)."""
+    B, T, H, _ = q.shape
+    n_groups = 1 if keep is None else keep.shape[2]
+    lists = build_block_lists(keep, B, _num_blocks(T, block_size), n_groups, q.device)
+    o, lse = attention_forward(q, k, v, lists, scale, block_size, n_groups)
+    return (o, lse, *lists)
+
+
+@routed_attention_forward.register_fake
+def _(q, k, v, keep, scale, block_size, route_grad):
+    B, T, H, _ = q.shape
+    n_groups = 1 if keep is None else keep.shape[2]
+    lists = [q.new_empty(B * n_groups, _num_blocks(T, block_size), dtype=torch.int32) for _ in range(3)]
+    return (q.new_empty(B, T, H, v.shape[-1]), q.new_empty(B, H, T, dtype=torch.float32), *lists)
+
+
+@torch.library.custom_op("natsl::routed_attention_backward", mutates_args=())
+def routed_attention_backward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, flags: torch.Tensor,
+    before: torch.Tensor, blocks: torch.Tensor, do: torch.Tensor, scale: float, block_size: int, n_groups: int,
+    full: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dkeep per head [B, H, NB] fp32); `full` also visits dropped blocks for dkeep."""
+    do = do.to(q.dtype).contiguous()
+    return attention_backward(q, k, v, o, lse, do, BlockLists(flags, before, blocks), scale, block_size, n_groups,
+                              full)
+
+
+@routed_attention_backward.register_fake
+def _(q, k, v, o, lse, flags, before, blocks, do, scale, block_size, n_groups, full):
+    B, T, H, _ = q.shape
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            q.new_empty(B, H, _num_blocks(T, block_size), dtype=torch.float32))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, keep, scale, block_size, route_grad = inputs
+    o, lse, *lists = output
+    ctx.save_for_backward(q, k, v, o, lse, *lists)
+    ctx.mark_non_differentiable(lse, *lists)
+    n_groups = 1 if keep is None else keep.shape[2]
+    ctx.meta = (scale, block_size, n_groups, route_grad, None if keep is None else keep.dtype)
+
+
+def _backward(ctx, do, *_):
+    q, k, v, o, lse, *lists = ctx.saved_tensors
+    scale, block_size, n_groups, route_grad, keep_dtype = ctx.meta
+    want_keep = keep_dtype is not None and ctx.needs_input_grad[3]
+    # "full" costs extra visits of dropped blocks: pay them only when dkeep is wanted.
+    full = want_keep and route_grad == "full"
+    dq, dk, dv, dkeep_heads = routed_attention_backward(q, k, v, o, lse, *lists, do, scale, block_size, n_groups,
+                                                        full)
+    dkeep = None
+    if want_keep:
+        B, H, NB = dkeep_heads.shape
+        dkeep = dkeep_heads.view(B, n_groups, H // n_groups, NB).sum(2).transpose(1, 2).to(keep_dtype)
+    return dq, dk, dv, dkeep, None, None, None
+
+
+routed_attention_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _validate(q, k, v, keep, block_size: int) -> None:
@@ -99,5 +145,5 @@ def routed_attention(
     if T == 0:
         return q.new_zeros(B, 0, Hs, Dv)
     k, v = k.to(q.dtype), v.to(q.dtype)
-    o = RoutedAttentionFunction.apply(_pad_dim(q), _pad_dim(k), _pad_dim(v), keep, scale, block_size, route_grad)
+    o = routed_attention_forward(_pad_dim(q), _pad_dim(k), _pad_dim(v), keep, scale, block_size, route_grad)[0]
     return o[..., :Dv] if o.shape[-1] != Dv else o

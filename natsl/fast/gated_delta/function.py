@@ -1,4 +1,4 @@
-"""The autograd Function and the public entry point, with the reference's exact signature.
+"""The op's custom-op pair with its autograd formula, and the public entry point with the reference's exact signature.
 
 Forward: prepare (gc, T, W, U per chunk) -> state recurrence (h, R, final state) -> output.
 Backward: local dR -> reverse state pass (dh, dR, d initial state) -> grad_qk -> grad_wy; the route
@@ -7,8 +7,9 @@ gradient dL/dwrite_b = <dL/dS_start(b+1), S_end(b) - c S_start(b)> is p1 + (Gamm
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
-import triton
 
 from natsl.errors import NatslError
 from natsl.fast.gated_delta import config
@@ -32,57 +33,120 @@ def _chunk_gamma(gc: torch.Tensor, block_size: int) -> torch.Tensor:
     return gc[:, last].exp()
 
 
-class GatedDeltaFunction(torch.autograd.Function):
-    """(o, final state or None) = gated_delta_rule(q, k, v, g, beta, write, initial_state)."""
+# The op is a pair of torch.library custom ops (forward, backward) joined by register_autograd, not a
+# bare autograd.Function: torch.compile then sees each as one opaque node (with shapes from the fake
+# implementations) instead of tracing into Triton's launcher, so a whole model compiles around it.
+# A custom op cannot return None, so an absent output is an empty tensor.
+_EMPTY = (0,)
 
-    @staticmethod
-    def forward(ctx, q, k, v, g, beta, write, initial_state, scale, output_final_state, block_size,
-                decay_skipped_blocks, route_grad):
-        B, T, H, _ = q.shape
-        NB = triton.cdiv(T, block_size)
-        prec = fp32_precision(q.dtype)
-        wdt = torch.float32 if config.INTERMEDIATE == "fp32" else q.dtype  # see config.INTERMEDIATE
-        w32 = q.new_ones(B, NB, H, dtype=torch.float32) if write is None else write.float().contiguous()
-        h0 = None if initial_state is None else initial_state.float().contiguous()
-        gc, ai, w, u = prepare_chunks(k, v, g, beta, block_size, config.PREPARE, wdt)
-        h, r, final = state_forward(w, u, k, gc, w32, h0, output_final_state, block_size, decay_skipped_blocks,
-                                    prec, config.STATE_FWD)
-        o = chunk_output(q, k, gc, h, r, scale, block_size, prec, config.OUTPUT)
-        ctx.save_for_backward(q, k, v, beta, w32, gc, ai, w, h, r)
-        ctx.meta = (scale, block_size, decay_skipped_blocks, route_grad, g.dtype,
-                    None if write is None else write.dtype,
-                    None if initial_state is None else initial_state.dtype)
-        return o, final
 
-    @staticmethod
-    def backward(ctx, do, d_final):
-        q, k, v, beta, w32, gc, ai, w, h, r = ctx.saved_tensors
-        scale, C, decay_skipped_blocks, route_grad, g_dtype, write_dtype, h0_dtype = ctx.meta
-        prec = fp32_precision(q.dtype)
-        do = do.to(q.dtype).contiguous()
-        d_final = None if d_final is None else d_final.float().contiguous()
-        want_dh0 = h0_dtype is not None and ctx.needs_input_grad[6]
+def _num_blocks(T, block_size: int):
+    return (T + block_size - 1) // block_size
 
-        drl = local_dr(q, k, gc, do, scale, C, prec, config.LOCAL_DR, w.dtype)
-        dh, dr, dh0 = state_backward(q, k, w, gc, w32, do, drl, d_final, want_dh0, scale, C, decay_skipped_blocks,
-                                     prec, config.STATE_BWD)
-        dq, dkp, dw, dgp, p1, p2 = grad_qk(q, k, gc, w32, h, dh, r, dr, do, scale, C, prec, config.GRAD_QK)
-        p1, p2 = p1.sum(0), p2.sum(0)
-        gamma = _chunk_gamma(gc, C)
-        # G_last enters through the commit's a = Gamma (or 1 - write + write Gamma): da/dG_last.
-        dg_last = gamma * p2 if decay_skipped_blocks else gamma * p2 * w32
-        dk, dv, dbeta, dg = grad_wy(k, v, beta, gc, ai, dr, dw, dkp, dgp, dg_last.contiguous(), C, prec,
-                                    config.GRAD_WY)
 
-        dwrite = None
-        if write_dtype is not None and ctx.needs_input_grad[5]:
-            dwrite = p1 if decay_skipped_blocks else p1 + (gamma - 1.0) * p2
-            if route_grad == "active":
-                dwrite = dwrite * chosen(w32).to(dwrite.dtype)
-            dwrite = dwrite.to(write_dtype)
-        if dh0 is not None:
-            dh0 = dh0.to(h0_dtype)
-        return dq, dk, dv, dg.to(g_dtype), dbeta.to(beta.dtype), dwrite, dh0, None, None, None, None, None
+@torch.library.custom_op("natsl::gated_delta_forward", mutates_args=())
+def gated_delta_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    write: Optional[torch.Tensor], initial_state: Optional[torch.Tensor], scale: float, output_final_state: bool,
+    block_size: int, decay_skipped_blocks: bool, route_grad: str, fp32_intermediates: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor]:
+    """(o, final state or empty, and what the backward reads: write as fp32, gc, T rows, W, h, R)."""
+    B, T, H, _ = q.shape
+    NB = _num_blocks(T, block_size)
+    prec = fp32_precision(q.dtype)
+    wdt = torch.float32 if fp32_intermediates else q.dtype  # see config.INTERMEDIATE
+    # a copy even when write is fp32 already: a custom op may not return (an alias of) its input
+    w32 = q.new_ones(B, NB, H, dtype=torch.float32) if write is None else write.to(torch.float32, copy=True)
+    h0 = None if initial_state is None else initial_state.float().contiguous()
+    gc, ai, w, u = prepare_chunks(k, v, g, beta, block_size, config.PREPARE, wdt)
+    h, r, final = state_forward(w, u, k, gc, w32, h0, output_final_state, block_size, decay_skipped_blocks,
+                                prec, config.STATE_FWD)
+    o = chunk_output(q, k, gc, h, r, scale, block_size, prec, config.OUTPUT)
+    return o, (final if final is not None else q.new_empty(_EMPTY, dtype=torch.float32)), w32, gc, ai, w, h, r
+
+
+@gated_delta_forward.register_fake
+def _(q, k, v, g, beta, write, initial_state, scale, output_final_state, block_size, decay_skipped_blocks,
+      route_grad, fp32_intermediates):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    NB = _num_blocks(T, block_size)
+    wdt = torch.float32 if fp32_intermediates else q.dtype
+    f32 = dict(dtype=torch.float32)
+    return (q.new_empty(B, T, H, V), q.new_empty((B, H, K, V) if output_final_state else _EMPTY, **f32),
+            q.new_empty(B, NB, H, **f32), q.new_empty(B, T, H, **f32), q.new_empty(B, T, H, block_size, **f32),
+            q.new_empty(B, T, H, K, dtype=wdt), q.new_empty(B, NB, H, K, V, dtype=k.dtype),
+            q.new_empty(B, T, H, V, dtype=wdt))
+
+
+@torch.library.custom_op("natsl::gated_delta_backward", mutates_args=())
+def gated_delta_backward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, w32: torch.Tensor, gc: torch.Tensor,
+    ai: torch.Tensor, w: torch.Tensor, h: torch.Tensor, r: torch.Tensor, do: torch.Tensor,
+    d_final: Optional[torch.Tensor], scale: float, block_size: int, decay_skipped_blocks: bool, route_grad: str,
+    want_dh0: bool, want_dwrite: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dg fp32, dbeta fp32, dwrite fp32 or empty, d initial state fp32 or empty)."""
+    C = block_size
+    prec = fp32_precision(q.dtype)
+    do = do.to(q.dtype).contiguous()
+    d_final = None if d_final is None else d_final.float().contiguous()
+    drl = local_dr(q, k, gc, do, scale, C, prec, config.LOCAL_DR, w.dtype)
+    dh, dr, dh0 = state_backward(q, k, w, gc, w32, do, drl, d_final, want_dh0, scale, C, decay_skipped_blocks,
+                                 prec, config.STATE_BWD)
+    dq, dkp, dw, dgp, p1, p2 = grad_qk(q, k, gc, w32, h, dh, r, dr, do, scale, C, prec, config.GRAD_QK)
+    p1, p2 = p1.sum(0), p2.sum(0)
+    gamma = _chunk_gamma(gc, C)
+    # G_last enters through the commit's a = Gamma (or 1 - write + write Gamma): da/dG_last.
+    dg_last = gamma * p2 if decay_skipped_blocks else gamma * p2 * w32
+    dk, dv, dbeta, dg = grad_wy(k, v, beta, gc, ai, dr, dw, dkp, dgp, dg_last.contiguous(), C, prec, config.GRAD_WY)
+    dwrite = q.new_empty(_EMPTY, dtype=torch.float32)  # (returns may not alias one another)
+    if want_dwrite:
+        dwrite = p1 if decay_skipped_blocks else p1 + (gamma - 1.0) * p2
+        if route_grad == "active":
+            dwrite = dwrite * chosen(w32).to(dwrite.dtype)
+    return dq, dk, dv, dg, dbeta, dwrite, (dh0 if dh0 is not None else q.new_empty(_EMPTY, dtype=torch.float32))
+
+
+@gated_delta_backward.register_fake
+def _(q, k, v, beta, w32, gc, ai, w, h, r, do, d_final, scale, block_size, decay_skipped_blocks, route_grad,
+      want_dh0, want_dwrite):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    f32 = dict(dtype=torch.float32)
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), q.new_empty(B, T, H, **f32),
+            q.new_empty(B, T, H, **f32), q.new_empty(w32.shape if want_dwrite else _EMPTY, **f32),
+            q.new_empty((B, H, K, V) if want_dh0 else _EMPTY, **f32))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, g, beta, write, initial_state, scale, _, block_size, decay_skipped_blocks, route_grad, _ = inputs
+    _, _, w32, gc, ai, w, h, r = output
+    ctx.save_for_backward(q, k, v, beta, w32, gc, ai, w, h, r)
+    ctx.mark_non_differentiable(w32, gc, ai, w, h, r)
+    ctx.set_materialize_grads(False)  # no zero gradient for an unused final state
+    ctx.meta = (scale, block_size, decay_skipped_blocks, route_grad, g.dtype, beta.dtype,
+                None if write is None else write.dtype, None if initial_state is None else initial_state.dtype)
+
+
+def _backward(ctx, do, d_final, *_):
+    q, k, v, beta, w32, gc, ai, w, h, r = ctx.saved_tensors
+    scale, C, decay_skipped_blocks, route_grad, g_dtype, beta_dtype, write_dtype, h0_dtype = ctx.meta
+    want_dwrite = write_dtype is not None and ctx.needs_input_grad[5]
+    want_dh0 = h0_dtype is not None and ctx.needs_input_grad[6]
+    if do is None:
+        do = torch.zeros_like(v)
+    if d_final is not None and d_final.numel() == 0:
+        d_final = None
+    dq, dk, dv, dg, dbeta, dwrite, dh0 = gated_delta_backward(
+        q, k, v, beta, w32, gc, ai, w, h, r, do, d_final, scale, C, decay_skipped_blocks, route_grad, want_dh0,
+        want_dwrite)
+    return (dq, dk, dv, dg.to(g_dtype), dbeta.to(beta_dtype), dwrite.to(write_dtype) if want_dwrite else None,
+            dh0.to(h0_dtype) if want_dh0 else None, None, None, None, None, None, None)
+
+
+gated_delta_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _validate(q, k, v, g, beta, write, initial_state, block_size: int) -> None:
@@ -141,6 +205,6 @@ def gated_delta_rule(
         return q.new_zeros(B, 0, H, V), final
     k, v = k.to(q.dtype), v.to(q.dtype)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    o, final = GatedDeltaFunction.apply(q, k, v, g, beta, write, initial_state, scale, output_final_state,
-                                        block_size, decay_skipped_blocks, route_grad)
+    o, final, *_ = gated_delta_forward(q, k, v, g, beta, write, initial_state, scale, output_final_state,
+                                       block_size, decay_skipped_blocks, route_grad, config.INTERMEDIATE == "fp32")
     return o, (final if output_final_state else None)

@@ -1,0 +1,57 @@
+"""The fast ops are torch.library custom ops: their schemas, fake (shape) implementations and
+autograd registrations pass torch.library.opcheck, and a whole model with them compiles with
+torch.compile(fullgraph=True) and gives the eager loss and gradients (CPU: Triton's interpreter)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import natsl
+from natsl.fast.block_sparse.function import routed_attention_forward
+from natsl.fast.gated_delta.function import gated_delta_forward
+
+
+@pytest.mark.parametrize("with_write", [True, False])
+def test_gated_delta_custom_op_passes_opcheck(with_write):
+    gen = torch.Generator().manual_seed(3)
+    B, T, H, K, V = 1, 70, 2, 16, 16
+    q = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1).requires_grad_()
+    k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1).requires_grad_()
+    v = torch.randn(B, T, H, V, generator=gen).requires_grad_()
+    g = (-torch.rand(B, T, H, generator=gen) * 0.1).requires_grad_()
+    beta = torch.rand(B, T, H, generator=gen).requires_grad_()
+    write = torch.randint(0, 2, (B, 2, H), generator=gen).float().requires_grad_() if with_write else None
+    h0 = torch.randn(B, H, K, V, generator=gen).requires_grad_()
+    torch.library.opcheck(gated_delta_forward, (q, k, v, g, beta, write, h0, K**-0.5, True, 64, True, "full", True))
+
+
+def test_routed_attention_custom_op_passes_opcheck():
+    gen = torch.Generator().manual_seed(4)
+    B, T, H, D = 1, 70, 4, 16
+    q, k, v = (torch.randn(B, T, H, D, generator=gen).requires_grad_() for _ in range(3))
+    keep = torch.randint(0, 2, (B, 2, 2), generator=gen).float().requires_grad_()
+    torch.library.opcheck(routed_attention_forward, (q, k, v, keep, D**-0.5, 64, "full"))
+
+
+@pytest.mark.slow
+def test_whole_model_compiles_around_the_fast_ops():
+    recipe = natsl.load_recipe("tiny_hybrid")
+    torch.manual_seed(0)
+    model = natsl.build_model(recipe)
+    model.set_backend("fast")
+    ids = torch.randint(0, recipe.model.vocab_size, (1, 71))
+
+    def loss_and_grads(run):
+        model.zero_grad()
+        logits = run(ids[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    eager_loss, eager_grads = loss_and_grads(model)
+    compiled_loss, compiled_grads = loss_and_grads(torch.compile(model, fullgraph=True))
+    assert torch.allclose(compiled_loss, eager_loss, rtol=1e-5)
+    assert compiled_grads.keys() == eager_grads.keys()
+    for name, grad in eager_grads.items():
+        err = ((compiled_grads[name] - grad).norm() / grad.norm().clamp_min(1e-12)).item()
+        assert err < 1e-4, (name, err)
