@@ -4,7 +4,8 @@
 #   2. latency of the three 800M systems from 32K to 128K at keep 0.5 (side by side, 2 repeats),
 #      and the hybrid at keep 0.25;
 #   3. the layer at 64K and 128K (forward) with the compiled pieces;
-#   4. training throughput of the two recipes not yet measured (800m_gdn, 800m_natsl).
+#   4. training throughput of the two recipes not yet measured (800m_gdn, 800m_natsl);
+#   then, as a second call, benchmarks/device_train_compile.sh.
 #   bash benchmarks/device_next.sh        (results in $OUT)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/natsl_out}; mkdir -p "$OUT"

@@ -18,9 +18,14 @@ import sys
 
 import torch
 
+from natsl.models.merged import merge_
+
 
 class DecodeRunner:
     def __init__(self, model, cache, *, cuda_graphs: bool | None = None):
+        # A decode step reads every weight for one token: projections of the same input run as one
+        # product (their weights re-pointed into one buffer, values and names unchanged).
+        merge_(model)
         self.model = model
         self.cache = cache
         device = model.embed.weight.device

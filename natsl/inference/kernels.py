@@ -94,7 +94,7 @@ def _kernels():
             acc += cur.to(tl.float32) * tl.load(w_ptr + cols * (W + 1) + j, mask=mask, other=0.0).to(tl.float32)
             tl.store(tail_ptr + b * stride_tb + (j - 1) * stride_tw + cols, cur, mask=mask)
         tl.store(tail_ptr + b * stride_tb + (W - 1) * stride_tw + cols, x.to(tail_ptr.dtype.element_ty), mask=mask)
-        acc = acc.to(y_ptr.dtype.element_ty).to(tl.float32)  # the conv output in the activation dtype
+        # SiLU of the fp32 sum, one rounding (as natsl.models.pointwise.conv_silu)
         tl.store(y_ptr + b * stride_yb + cols, (acc / (1.0 + tl.exp(-acc))).to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -177,10 +177,7 @@ def conv_step(x: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor) -> torc
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     y = torch.empty(B, 1, C, dtype=x.dtype, device=x.device)
-    w = weight.reshape(C, W + 1)
-    if w.dtype != x.dtype:
-        w = w.to(x.dtype)  # as the module, which convolves with the weight in x's dtype
-    w = w.contiguous()
+    w = weight.reshape(C, W + 1).contiguous()  # any float dtype: the kernel multiplies in fp32
     assert tail.stride(-1) == 1
     block = 1024
     _kernels()[1][(B, -(-C // block))](x2, tail, w, y, C, x2.stride(0), tail.stride(0), tail.stride(1), y.stride(0),

@@ -8,6 +8,7 @@ from torch import nn
 
 from natsl.config import ModelConfig
 from natsl.inference.functional import attend_one, write_token
+from natsl.models.merged import shared_linear
 from natsl.models.rope import apply_rope
 
 
@@ -22,13 +23,16 @@ class SoftmaxAttention(nn.Module):
         self.v_proj = nn.Linear(d, nh * hd, bias=False, device=device)
         self.o_proj = nn.Linear(nh * hd, d, bias=False, device=device)
 
+    def merge_groups(self) -> dict:
+        """The projections of x that `natsl.models.merged.merge_` may run as one product."""
+        return {"qkv": [self.q_proj, self.k_proj, self.v_proj]}
+
     def project(self, x: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None):
         """x [B,T,d] -> q, k, v [B,T,heads,head_dim], RoPE applied at positions start..start+T-1
         (or at `positions` [B, T], one row per sequence)."""
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.num_heads, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.num_heads, self.head_dim)
+        q, k, v = (y.view(b, t, self.num_heads, self.head_dim)
+                   for y in shared_linear(self, "qkv", x, self.merge_groups()["qkv"]))
         if self.config.attn_rope:
             if positions is None:
                 positions = torch.arange(start, start + t, device=x.device)

@@ -14,6 +14,7 @@ from torch import nn
 from natsl import ops
 from natsl.config import ModelConfig
 from natsl.models.conv import ShortConv
+from natsl.models.merged import shared_linear
 from natsl.models.norms import RMSNorm
 from natsl.models.pointwise import gated_rms_norm, gdn_gates, l2_normalize
 from natsl.inference import kernels
@@ -53,22 +54,33 @@ class GatedDeltaProjections(nn.Module):
     def forward(self, x: torch.Tensor, conv_tails=None):
         """x [B, T, d] -> (q [B,T,H*K], k [B,T,H*K], v [B,T,H*V] post-conv, g [B,T,H] fp32, beta [B,T,H], tails)."""
         tails = conv_tails or (None, None, None)
-        q, q_tail = self.q_conv(self.q_proj(x), tails[0])
-        k, k_tail = self.k_conv(self.k_proj(x), tails[1])
-        v, v_tail = self.v_conv(self.v_proj(x), tails[2])
-        g, beta = self.gates(x)
+        q, k, v, a, b = self.linear(x)
+        q, q_tail = self.q_conv(q, tails[0])
+        k, k_tail = self.k_conv(k, tails[1])
+        v, v_tail = self.v_conv(v, tails[2])
+        g, beta = self.gates(a, b)
         return q, k, v, g, beta, (q_tail, k_tail, v_tail)
 
-    def gates(self, x: torch.Tensor):
-        """x [B, T, d] -> log decay g [B,T,H] (fp32) and write strength beta [B,T,H] (x's dtype)."""
-        return gdn_gates(self.a_proj(x), self.b_proj(x), self.A_log, self.dt_bias)
+    def merge_groups(self) -> dict:
+        """The projections of x that `natsl.models.merged.merge_` may run as one product."""
+        return {"qkvab": [self.q_proj, self.k_proj, self.v_proj, self.a_proj, self.b_proj]}
+
+    def linear(self, x: torch.Tensor):
+        """x [B, T, d] -> the raw projections q, k, v (before the conv), a and b."""
+        return shared_linear(self, "qkvab", x, self.merge_groups()["qkvab"])
+
+    def gates(self, a: torch.Tensor, b: torch.Tensor):
+        """The a, b projections -> log decay g [B,T,H] (fp32) and write strength beta [B,T,H] (b's dtype)."""
+        return gdn_gates(a, b, self.A_log, self.dt_bias)
 
     def decode_conv(self, x: torch.Tensor, conv_tails):
-        """One token [B, 1, d] of the q, k, v projections + conv + SiLU with the fused kernel; the
-        cached tails are shifted in place (cached paths only, see natsl.inference.kernels)."""
-        return (kernels.conv_step(self.q_proj(x), conv_tails[0], self.q_conv.weight),
-                kernels.conv_step(self.k_proj(x), conv_tails[1], self.k_conv.weight),
-                kernels.conv_step(self.v_proj(x), conv_tails[2], self.v_conv.weight))
+        """One token [B, 1, d] -> q, k, v (projection + conv + SiLU with the fused kernel; the cached
+        tails are shifted in place) and the raw a, b projections (cached paths only, see
+        natsl.inference.kernels)."""
+        q, k, v, a, b = self.linear(x)
+        return (kernels.conv_step(q, conv_tails[0], self.q_conv.weight),
+                kernels.conv_step(k, conv_tails[1], self.k_conv.weight),
+                kernels.conv_step(v, conv_tails[2], self.v_conv.weight), a, b)
 
     def split_heads(self, q, k, v, fused: bool = False):
         """Flat projections -> per-head q, k (L2-normalised) [B,T,H,K] and v [B,T,H,V]."""
@@ -105,8 +117,8 @@ class GatedDeltaNet(nn.Module):
             # One kernel each for the three convs (tails shifted in place) and for L2 norms + g + beta
             # + the delta-rule step (state updated in place); then norm * gate in one kernel.
             p = self.proj
-            q, k, v = p.decode_conv(x, cache.conv)
-            o, _ = kernels.gdn_decode_step(q[:, 0], k[:, 0], v[:, 0], p.a_proj(x)[:, 0], p.b_proj(x)[:, 0],
+            q, k, v, a, b = p.decode_conv(x, cache.conv)
+            o, _ = kernels.gdn_decode_step(q[:, 0], k[:, 0], v[:, 0], a[:, 0], b[:, 0],
                                            p.A_log, p.dt_bias, cache.state)
             return self.output(o[:, None], x, fused=True)
         q, k, v, g, beta, tails = self.proj(x, cache.conv)

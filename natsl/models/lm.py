@@ -21,9 +21,10 @@ class Block(nn.Module):
     def __init__(self, config: ModelConfig, layer_type: str, device=None):
         super().__init__()
         self.layer_type = layer_type
-        self.mixer_norm = RMSNorm(config.hidden_size, config.norm_eps, device=device)
+        # The pre-norms feed only Linears: under autocast they hand them bf16 once (norms.autocast_dtype).
+        self.mixer_norm = RMSNorm(config.hidden_size, config.norm_eps, device=device, autocast_output=True)
         self.mixer = MIXERS[layer_type](config, device=device)
-        self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps, device=device)
+        self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps, device=device, autocast_output=True)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, device=device)
 
     def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:

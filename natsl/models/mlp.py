@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from natsl.models.merged import shared_linear
 from natsl.models.pointwise import swiglu
 
 
@@ -15,5 +16,10 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, device=device)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, device=device)
 
+    def merge_groups(self) -> dict:
+        """The projections of x that `natsl.models.merged.merge_` may run as one product."""
+        return {"gate_up": [self.gate_proj, self.up_proj]}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+        gate, up = shared_linear(self, "gate_up", x, self.merge_groups()["gate_up"])
+        return self.down_proj(swiglu(gate, up))

@@ -143,8 +143,8 @@ class NAtSL(nn.Module):
         """Tokens that follow those in `cache` (a NAtSLCache): decode when positions.start is None."""
         fused = kernels.enabled(self.backend, x.device) and cache.state_run.dtype == torch.float32
         if fused and cache.positions.start is None:
-            q, k, v = self.proj.decode_conv(x, cache.conv)  # tails shifted in place
-            g, beta = self.proj.gates(x)
+            q, k, v, a, b = self.proj.decode_conv(x, cache.conv)  # tails shifted in place
+            g, beta = self.proj.gates(a, b)
         else:
             q, k, v, g, beta, tails = self.proj(x, cache.conv)
             cache.store_conv(tails)

@@ -13,7 +13,8 @@ def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
 
     Under bf16 autocast the residual stream stays fp32 and every Linear casts its input to bf16: a
     norm that feeds six projections would be cast six times, forward and backward. Rounding the
-    norm's output once gives those Linears the very same bf16 values for one cast."""
+    norm's output once gives those Linears the very same bf16 values for one cast. (Not for the
+    final norm: the chunked LM loss keeps its input's gradient in fp32.)"""
     device = x.device.type
     if device not in ("cuda", "cpu") or not torch.is_autocast_enabled(device):  # ("meta": shape runs)
         return None
@@ -22,14 +23,18 @@ def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6, device=None):
+    """`autocast_output`: under autocast return the autocast dtype (for the pre-norms, whose output
+    only feeds Linears; see autocast_dtype)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, device=None, autocast_output: bool = False):
         super().__init__()
         self.eps = eps
+        self.autocast_output = autocast_output
         self.weight = nn.Parameter(torch.ones(dim, device=device))
         self.weight._no_weight_decay = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, autocast_dtype(x))
+        return rms_norm(x, self.weight, self.eps, autocast_dtype(x) if self.autocast_output else None)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
