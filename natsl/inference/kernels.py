@@ -72,11 +72,9 @@ def _kernels():
         if HAS_W:
             y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_GATE:
-            # as the module: the normed value rounded to the activation dtype, times silu(gate) rounded
-            y = y.to(y_ptr.dtype.element_ty).to(tl.float32)
+            # as natsl.models.pointwise.gated_rms_norm: all in fp32, one rounding at the store
             gt = tl.load(gate_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-            s = (gt / (1.0 + tl.exp(-gt))).to(y_ptr.dtype.element_ty).to(tl.float32)
-            y = y * s
+            y = y * (gt / (1.0 + tl.exp(-gt)))
         tl.store(y_ptr + row * D + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
