@@ -17,6 +17,7 @@ import json
 import torch
 
 import natsl
+from natsl.provenance import provenance
 from natsl.models.attention import SoftmaxAttention
 from natsl.models.gated_deltanet import GatedDeltaNet
 from natsl.models.natsl_layer import NAtSL
@@ -94,7 +95,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     if args.out:
         with open(args.out, "w") as fh:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, fh, indent=2)
+            json.dump({"device": torch.cuda.get_device_name(), "provenance": provenance(), "rows": rows}, fh, indent=2)
     keys = [k for k in rows[0] if k != "T"]
     print("\n| T | " + " | ".join(keys) + " |")
     for row in rows:

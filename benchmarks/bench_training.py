@@ -48,7 +48,10 @@ def worker(args) -> None:
                  "data.path=builtin"]
     recipe = apply_overrides(recipe, overrides)
     rank = int(os.environ.get("RANK", "0"))
-    result = {"recipe": args.worker, "micro_batch_size": args.micro_batch_size, "seq_len": args.seq_len,
+    from natsl.provenance import provenance
+
+    result = {"recipe": args.worker, "provenance": provenance(), "micro_batch_size": args.micro_batch_size,
+              "seq_len": args.seq_len,
               "tokens_per_step": tokens_per_step, "world_size": world, "compile": args.compile,
               "activation_checkpointing": args.activation_checkpointing}
     with tempfile.TemporaryDirectory(prefix="natsl-bench-") as out:

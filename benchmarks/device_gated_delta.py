@@ -45,6 +45,7 @@ from natsl.fast.gated_delta.grad_wy import grad_wy  # noqa: E402
 from natsl.fast.gated_delta.output import chunk_output, local_dr  # noqa: E402
 from natsl.fast.gated_delta.prepare import prepare_chunks  # noqa: E402
 from natsl.fast.gated_delta.state import state_backward, state_forward  # noqa: E402
+from natsl.provenance import provenance  # noqa: E402
 
 H, K, V, C = 6, 192, 384, 64
 DT = torch.bfloat16
@@ -320,7 +321,7 @@ def main():
     skip = set(filter(None, args.skip.split(",")))
     props = torch.cuda.get_device_properties(0)
     results = dict(
-        date=time.strftime("%Y-%m-%d"), device=props.name, sms=props.multi_processor_count, torch=torch.__version__,
+        date=time.strftime("%Y-%m-%d"), provenance=provenance(), device=props.name, sms=props.multi_processor_count, torch=torch.__version__,
         triton=triton.__version__, config={n: copy.deepcopy(getattr(config, n)) for n in dir(config) if n.isupper()},
         checks=[], sweep=[], timings=[], best={},
     )

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from natsl.config import load_recipe  # noqa: E402
 from natsl.models import build_model  # noqa: E402
+from natsl.provenance import provenance  # noqa: E402
 from natsl.training.loss import linear_cross_entropy  # noqa: E402
 
 
@@ -81,7 +82,8 @@ def main() -> None:
     for r in rows[:args.top]:
         print(f"{r['ms']:8.2f} ms {100 * r['ms'] / total:5.1f}% {r['calls']:6d}x  {r['kernel']}")
     if args.out:
-        Path(args.out).write_text(json.dumps({"recipe": args.recipe, "batch": args.batch, "seq_len": args.seq_len,
+        Path(args.out).write_text(json.dumps({"recipe": args.recipe, "provenance": provenance(), "batch": args.batch,
+                                              "seq_len": args.seq_len,
                                               "step_ms": step_ms, "kernel_ms_total": total, "kernels": rows},
                                              indent=1))
 

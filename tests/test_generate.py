@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,8 @@ from natsl.checkpoint import save_model_folder
 from natsl.cli.main import app
 from natsl.tokenizer import train_bpe
 
-RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+ROOT = Path(__file__).resolve().parent.parent
+RECIPES = ROOT / "recipes"
 MAX_SEQ_LEN = 96
 
 WORDS = "the a cat dog sat on mat ran far and then slept under warm sun while birds sang songs".split()
@@ -124,6 +126,9 @@ def test_bench_latency_runs_on_the_cpu_and_writes_json_and_png(tmp_path):
         assert point["prefill_floor_s"] > 0 and point["decode_floor_ms"] > 0
         assert 0 < point["cache_bytes"] <= point["cache_allocated_bytes"]
     assert data["rates"]["matmul_flops_per_s"] > 0 and data["rates"]["copy_bytes_per_s"] > 0
+    assert data["provenance"]["natsl"] == natsl.__version__ and data["provenance"]["torch"] == torch.__version__
+    if (ROOT / ".git").exists():  # a source checkout names its commit
+        assert re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", data["provenance"]["git"])
     assert (tmp_path / "latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "tiny_hybrid" in result.stdout and "decode ms" in result.stdout
 

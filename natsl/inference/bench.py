@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from natsl.provenance import provenance
+
 from natsl.inference.decode import DecodeRunner
 from natsl.inference.routing import force_keep_fraction
 
@@ -247,7 +249,7 @@ def run_benchmark(specs: list[BenchModel], lengths: list[int], *, device: torch.
     result = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": str(dtype).replace("torch.", ""), "backend": backend, "batch": batch,
-        "decode_tokens": decode_tokens, "repeats": repeats, "torch": torch.__version__,
+        "decode_tokens": decode_tokens, "repeats": repeats, "torch": torch.__version__, "provenance": provenance(),
         "started": time.strftime("%Y-%m-%d %H:%M:%S"), "rates": rates, "models": [],
     }
     bar = tqdm(total=len(specs) * len(lengths), desc="bench-latency", unit="point", disable=not progress)
