@@ -9,7 +9,8 @@ function here is written so that Inductor turns it into one or two kernels forwa
 C++ toolchain there and buys little) and calls `torch.compile(fn)` on CUDA tensors. The compiled
 and eager forms compute the same formula (fp32 inside, one rounding to the activation dtype at the
 end); tests/test_pointwise.py holds the formulas against plain PyTorch on the CPU and the compiled
-forms against the eager ones on the GPU. `NATSL_COMPILE_POINTWISE=0` turns compilation off.
+forms against the eager ones (on the GPU, and on the CPU with NATSL_COMPILE_POINTWISE=all).
+`NATSL_COMPILE_POINTWISE=0` turns compilation off.
 """
 
 from __future__ import annotations
@@ -21,8 +22,11 @@ import torch
 import torch.nn.functional as F
 
 
-def compile_enabled() -> bool:
-    return os.environ.get("NATSL_COMPILE_POINTWISE", "1") != "0"
+def compile_for(x: torch.Tensor) -> bool:
+    """NATSL_COMPILE_POINTWISE: "1" (default) compiles for CUDA tensors, "0" never, "all" on every
+    device (the CPU tests use it to check the compiled forms without a GPU)."""
+    mode = os.environ.get("NATSL_COMPILE_POINTWISE", "1")
+    return mode == "all" or (mode != "0" and x.is_cuda)
 
 
 RECOMPILE_LIMIT = 64
@@ -45,7 +49,7 @@ def pointwise(fn):
     def run(*args, **kwargs):
         nonlocal compiled
         # Inside a model that is itself being compiled, dynamo inlines the plain function.
-        if args[0].is_cuda and compile_enabled() and not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling() and compile_for(args[0]):
             if compiled is None:
                 _allow_recompiles()
                 compiled = torch.compile(fn, dynamic=True)
