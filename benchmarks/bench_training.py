@@ -2,7 +2,8 @@
 
     python benchmarks/bench_training.py                      # the five 800M systems, 4096 context, 30 steps
     python benchmarks/bench_training.py --recipes 800m_hybrid --max-steps 40 --compile
-    python benchmarks/bench_training.py --nproc 8            # each recipe under torchrun on 8 GPUs
+    python benchmarks/bench_training.py --nproc 8            # each recipe under torchrun on 8 GPUs (DDP)
+    python benchmarks/bench_training.py --nproc 8 --parallel fsdp
 
 Each recipe runs in its own process (a fresh CUDA context; an out-of-memory failure is retried with
 half the micro-batch, down to 1) on the embedded corpus at the model's vocabulary (built once in
@@ -44,6 +45,7 @@ def worker(args) -> None:
                  f"train.micro_batch_size={args.micro_batch_size}", "train.save_every=1000000000",
                  "train.eval_every=1000000000", f"train.eval_tokens={args.seq_len}", "train.log_every=1",
                  f"train.activation_checkpointing={str(args.activation_checkpointing).lower()}",
+                 f"train.parallel={args.parallel}",
                  f"train.total_tokens={max(recipe.train.total_tokens, tokens_per_step * (args.max_steps + 1))}",
                  "data.path=builtin"]
     recipe = apply_overrides(recipe, overrides)
@@ -53,6 +55,7 @@ def worker(args) -> None:
     result = {"recipe": args.worker, "provenance": provenance(), "micro_batch_size": args.micro_batch_size,
               "seq_len": args.seq_len,
               "tokens_per_step": tokens_per_step, "world_size": world, "compile": args.compile,
+              "parallel": args.parallel,
               "activation_checkpointing": args.activation_checkpointing}
     with tempfile.TemporaryDirectory(prefix="natsl-bench-") as out:
         try:
@@ -94,6 +97,7 @@ def run_one(recipe: str, mbs: int, args, result_path: Path) -> dict:
         if getattr(args, flag) is not None:
             cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     cmd += ["--compile"] if args.compile else []
+    cmd += ["--parallel", args.parallel]
     cmd += ["--activation-checkpointing"] if args.activation_checkpointing else []
     if args.nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
@@ -143,6 +147,7 @@ def main() -> None:
     parser.add_argument("--device", default=None)
     parser.add_argument("--backend", default=None)
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--parallel", choices=["ddp", "fsdp"], default="ddp", help="with --nproc > 1")
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--out", default="runs/bench_training")
     parser.add_argument("--worker", help=argparse.SUPPRESS)

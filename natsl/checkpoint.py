@@ -63,10 +63,12 @@ def atomic_folder(target: Path, fill) -> Path:
     return target
 
 
-def state_dict_for_saving(model: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Contiguous CPU tensors, tied weights stored once (safetensors refuses shared storage)."""
+def state_dict_for_saving(model, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Contiguous CPU tensors of a module's (or a given full) state dict, tied weights stored once
+    (safetensors refuses shared storage)."""
+    state = model if isinstance(model, dict) else model.state_dict()
     out, seen = {}, {}
-    for name, tensor in model.state_dict().items():
+    for name, tensor in state.items():
         key = tensor.data_ptr()
         if key in seen and tensor.numel() > 0:
             continue  # a tied weight (lm_head = embed): rebuilt from the config on load

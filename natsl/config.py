@@ -132,6 +132,9 @@ class TrainConfig:
     dtype: Literal["bf16", "fp32"] = "bf16"
     compile: bool = False
     activation_checkpointing: bool = False
+    # Several ranks (torchrun): "ddp" replicates the model; "fsdp" shards parameters, gradients and
+    # optimizer state with PyTorch's FSDP2 (fully_shard per block).
+    parallel: Literal["ddp", "fsdp"] = "ddp"
     log_every: int = 10
     eval_every: int = 500
     eval_tokens: int = 1_048_576

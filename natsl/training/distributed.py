@@ -1,10 +1,14 @@
-"""Data parallelism, kept apart from the model: process group, DDP wrapping, collectives.
+"""Data parallelism, kept apart from the model: process group, DDP or FSDP2 wrapping, collectives.
 
 `natsl train` runs as one process, or as N processes under `torchrun` (which sets RANK,
-WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT). Each rank holds a full replica wrapped in
-PyTorch DDP (gradients all-reduced, averaged); NCCL on GPUs (rank r uses cuda:LOCAL_RANK), gloo on
-the CPU. Rank 0 alone writes checkpoints and logs; a DDP replica's weights and optimizer state are
-the same on every rank, so rank 0's copy is already the consolidated checkpoint.
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); NCCL on GPUs (rank r uses cuda:LOCAL_RANK), gloo
+on the CPU. `train.parallel: ddp` (default): each rank holds a full replica wrapped in PyTorch DDP
+(gradients all-reduced, averaged), so rank 0's copy is already the consolidated checkpoint.
+`train.parallel: fsdp`: PyTorch's FSDP2, `fully_shard` on every block and on the root, so each rank
+holds 1/N of the parameters, gradients and AdamW state; a checkpoint gathers the full tensors
+(`full_tensors`, a collective) and rank 0 writes them in the same format as DDP, and loading shards
+full tensors again (`shard_like`), so a run may resume under either scheme and any rank count.
+Rank 0 alone writes checkpoints and logs.
 """
 
 from __future__ import annotations
@@ -63,9 +67,20 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
-def wrap(model: torch.nn.Module, info: DistInfo) -> torch.nn.Module:
-    """DDP around the model when there are several ranks (broadcasts rank 0's weights)."""
+def wrap(model: torch.nn.Module, info: DistInfo, parallel: str = "ddp", blocks=()) -> torch.nn.Module:
+    """The module to train when there are several ranks: DDP around `model` (rank 0's weights
+    broadcast), or, for "fsdp", `model` itself after fully_shard on each of `blocks` and on it (every
+    rank must hold the same initial weights: the same seed or the same checkpoint)."""
     if not info.enabled:
+        return model
+    if parallel == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(info.device.type, (info.world_size,))
+        for block in blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         return model
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -73,20 +88,40 @@ def wrap(model: torch.nn.Module, info: DistInfo) -> torch.nn.Module:
     return DDP(model, device_ids=ids, broadcast_buffers=False, gradient_as_bucket_view=True)
 
 
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The plain model inside DDP and/or torch.compile wrappers."""
-    while True:
-        if hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
-            model = model.module
-        elif hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        else:
-            return model
+def _dtensor_type():
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without distributed tensors: nothing is ever sharded
+        return ()
+    return DTensor
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A sharded (FSDP) tensor gathered whole; a plain tensor as it is. Collective for sharded ones:
+    every rank must call it in the same order."""
+    return t.full_tensor() if isinstance(t, _dtensor_type()) else t
+
+
+def full_tensors(tensors: dict) -> dict:
+    return {name: full_tensor(t) if torch.is_tensor(t) else t for name, t in tensors.items()}
+
+
+def shard_like(reference: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """`full` laid out as `reference`: this rank's shard when reference is sharded, else full itself."""
+    if isinstance(reference, _dtensor_type()):
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(full.to(reference.device, reference.dtype), reference.device_mesh,
+                                 reference.placements)
+    return full
 
 
 def no_sync(model: torch.nn.Module, skip: bool):
-    """Skip DDP's gradient all-reduce on all but the last micro-batch of an accumulation."""
-    if skip and hasattr(model, "no_sync"):
+    """Skip the gradient all-reduce (DDP) or reduce-scatter (FSDP2) on all but the last micro-batch
+    of an accumulation."""
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: a switch, set for every micro-batch
+        model.set_requires_gradient_sync(not skip)
+    elif skip and hasattr(model, "no_sync"):
         return model.no_sync()
     return contextlib.nullcontext()
 

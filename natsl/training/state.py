@@ -78,15 +78,17 @@ def _param_names(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> lis
     return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
 
 
-def optimizer_to_tensors(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> tuple[dict, list[dict]]:
-    """AdamW state -> ({"<param>::<key>": tensor}, per-group hyper-parameters with their param names)."""
+def optimizer_to_tensors(optimizer: torch.optim.Optimizer, names: dict[int, str],
+                         gather=lambda t: t) -> tuple[dict, list[dict]]:
+    """AdamW state -> ({"<param>::<key>": tensor}, per-group hyper-parameters with their param names);
+    `gather` makes each state tensor whole (FSDP: a collective, so every rank calls this)."""
     state = optimizer.state_dict()
     group_names = _param_names(optimizer, names)
     flat = [n for group in group_names for n in group]
     tensors = {}
     for index, entry in state["state"].items():
         for key, value in entry.items():
-            value = value if torch.is_tensor(value) else torch.tensor(value)
+            value = gather(value) if torch.is_tensor(value) else torch.tensor(value)
             tensors[f"{flat[index]}::{key}"] = value.detach().to("cpu").contiguous()
     groups = []
     for group, pnames in zip(state["param_groups"], group_names):
@@ -96,7 +98,9 @@ def optimizer_to_tensors(optimizer: torch.optim.Optimizer, names: dict[int, str]
 
 
 def optimizer_from_tensors(optimizer: torch.optim.Optimizer, names: dict[int, str], tensors: dict,
-                           groups: list[dict], where: str) -> None:
+                           groups: list[dict], where: str, place=lambda name, t: t) -> None:
+    """Restore the AdamW state; `place(param_name, full_tensor)` lays each out as its parameter (FSDP: the
+    rank's shard)."""
     group_names = _param_names(optimizer, names)
     if [g.get("param_names") for g in groups] != group_names:
         raise NatslError(f"the optimizer state in {where} does not match this model's parameters; "
@@ -108,7 +112,7 @@ def optimizer_from_tensors(optimizer: torch.optim.Optimizer, names: dict[int, st
         pname, _, skey = key.rpartition("::")
         if pname not in index_of:
             raise NatslError(f"the optimizer state in {where} names an unknown parameter {pname!r}")
-        state.setdefault(index_of[pname], {})[skey] = value
+        state.setdefault(index_of[pname], {})[skey] = place(pname, value)
     # Hyper-parameters come from the current recipe (lr is set every step anyway); only the state is restored.
     param_groups = optimizer.state_dict()["param_groups"]
     optimizer.load_state_dict({"state": state, "param_groups": param_groups})
@@ -116,21 +120,20 @@ def optimizer_from_tensors(optimizer: torch.optim.Optimizer, names: dict[int, st
 
 # ----------------------------------------------------------------------------- save / load
 
-def save_checkpoint(out: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+def save_checkpoint(out: Path, step: int, model_state: dict, optimizer_state: tuple[dict, list[dict]],
                     recipe, tokenizer, trainer_state: dict, rng: dict[str, torch.Tensor], keep_last: int) -> Path:
-    """Write OUT/checkpoints/step_NNNNNN atomically, then prune to the newest `keep_last`."""
+    """Write OUT/checkpoints/step_NNNNNN atomically, then prune to the newest `keep_last`.
+    `model_state`: the full state dict; `optimizer_state`: `optimizer_to_tensors(...)`."""
     from safetensors.torch import save_file
 
-    names = {id(p): n for n, p in model.named_parameters()}
-
     def fill(tmp: Path) -> None:
-        tensors, groups = optimizer_to_tensors(optimizer, names)
+        tensors, groups = optimizer_state
         save_file(tensors, str(tmp / OPTIMIZER_FILE), metadata={"format": "pt"})
         fault_point("kill_in_checkpoint", step)  # the crash test: the temporary folder is half written
         save_file(rng, str(tmp / RNG_FILE), metadata={"format": "pt"})
         state = {**trainer_state, "optimizer_groups": groups}
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=2), encoding="utf-8")
-        write_model_files(tmp, model, recipe, tokenizer,
+        write_model_files(tmp, model_state, recipe, tokenizer,
                           extra_config={"training": {k: trainer_state[k] for k in ("step", "tokens_seen")}})
         sizes = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
         (tmp / MANIFEST_FILE).write_text(json.dumps({"files": sizes}, indent=2), encoding="utf-8")

@@ -37,7 +37,7 @@ from natsl.training.faults import fault_point
 from natsl.training.flops import flops_per_token, peak_flops
 from natsl.training.loss import DEFAULT_CHUNK, linear_cross_entropy
 from natsl.training.metrics import MetricsLog
-from natsl.training.optim import build_optimizer, lr_at, set_lr
+from natsl.training.optim import build_optimizer, lr_at, no_decay_names, set_lr
 
 
 @dataclass
@@ -150,8 +150,7 @@ def run_lock(out: Path, enabled: bool):
 
 
 class HiddenStates(torch.nn.Module):
-    """`model.hidden_states` as a module's forward, so that DDP and torch.compile wrap it; the loss
-    then applies the head (`model.lm_head.weight`) by chunks. Its parameters are the model's."""
+    """`model.hidden_states` as a module's forward, so that torch.compile wraps it."""
 
     def __init__(self, model: torch.nn.Module):
         super().__init__()
@@ -159,6 +158,27 @@ class HiddenStates(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.hidden_states(input_ids)
+
+
+class LanguageModelLoss(torch.nn.Module):
+    """The token cross-entropy of a batch as one module's forward, which DDP or FSDP2 wraps: the
+    hidden states (under bf16 autocast when `bf16`; `body` may be their compiled form) and the head
+    by chunks of rows (natsl.training.loss, no full logits; the head's matmul in bf16 under bf16).
+    The head runs inside the forward because FSDP2 gathers the root's sharded weights (embeddings,
+    final norm, head) only there. Its parameters are the model's."""
+
+    def __init__(self, model: torch.nn.Module, body, bf16: bool, chunk_size: int):
+        super().__init__()
+        self.model = model
+        self.__dict__["body"] = body  # not a submodule: its parameters are already the model's
+        self.bf16, self.chunk_size = bf16, chunk_size
+
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
+        with autocast:
+            hidden = self.body(input_ids)
+        return linear_cross_entropy(hidden, self.model.lm_head.weight, targets, chunk_size=self.chunk_size,
+                                    reduction=reduction, compute_dtype=torch.bfloat16 if self.bf16 else None)
 
 
 class Trainer:
@@ -276,45 +296,39 @@ class Trainer:
         model.activation_checkpointing = r.train.activation_checkpointing
         model.train()
         self.model = model
-        self.optimizer = build_optimizer(model, r.optim, self.device)
-        self.names = {id(p): n for n, p in model.named_parameters()}
         self.state = {"step": 0, "tokens_seen": 0, "samples_seen": 0, "bad_steps": 0, "bad_in_row": 0,
                       "elapsed_s": 0.0}
-        if ckpt is not None:
+        if ckpt is not None:  # full tensors, before any sharding
             missing, unexpected = model.load_state_dict(ckpt.model_state, strict=False)
             missing = [m for m in missing if not (r.model.tie_embeddings and m == "lm_head.weight")]
             if missing or unexpected:
                 raise NatslError(f"checkpoint {ckpt.folder.name} does not match the model (missing {missing[:2]}, "
                                  f"unexpected {unexpected[:2]})")
+        if self.options.loss_chunk < 0:
+            raise NatslError(f"loss_chunk must be at least 0, got {self.options.loss_chunk}")
+        self.use_bf16 = self.device.type == "cuda" and r.train.dtype == "bf16"
+        compile_ = self.options.compile if self.options.compile is not None else r.train.compile
+        body = HiddenStates(model)
+        self.loss_module = LanguageModelLoss(model, torch.compile(body) if compile_ else body, self.use_bf16,
+                                             self.options.loss_chunk)
+        plain = no_decay_names(model)  # FSDP's sharded parameters lose the no-decay mark
+        self.train_model = D.wrap(self.loss_module, self.info, r.train.parallel, blocks=model.layers)
+        sharded = self.info.enabled and r.train.parallel == "fsdp"
+        self.optimizer = build_optimizer(model, r.optim, self.device, plain, sharded)  # on the parameters as wrapped
+        self.names = {id(p): n for n, p in model.named_parameters()}
+        if ckpt is not None:
+            params = dict(model.named_parameters())
             S.optimizer_from_tensors(self.optimizer, self.names, ckpt.optimizer_tensors,
-                                     ckpt.trainer_state["optimizer_groups"], ckpt.folder.name)
+                                     ckpt.trainer_state["optimizer_groups"], ckpt.folder.name,
+                                     place=lambda name, t: D.shard_like(params[name], t) if t.dim() else t)
             S.restore_rng(ckpt.rng, self.info.rank, self.device)
             for key in self.state:
                 self.state[key] = ckpt.trainer_state.get(key, self.state[key])
-        compile_ = self.options.compile if self.options.compile is not None else r.train.compile
-        body = HiddenStates(model)
-        core = torch.compile(body) if compile_ else body
-        self.core = core
-        self.train_model = D.wrap(core, self.info)
-        self.use_bf16 = self.device.type == "cuda" and r.train.dtype == "bf16"
-        if self.options.loss_chunk < 0:
-            raise NatslError(f"loss_chunk must be at least 0, got {self.options.loss_chunk}")
         self.natsl_layers = list(model.natsl_layers().items())
         self.n_params = model.num_parameters()
         self.peak = peak_flops(self.device)
 
-    def autocast(self):
-        if self.use_bf16:
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
     # ------------------------------------------------------------------------- steps
-
-    def loss(self, hidden: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-        """Token cross-entropy of the head over `hidden` [B, T, d]: `cross_entropy(model(ids).float(), targets)`
-        (the head's matmul in bf16 under bf16 autocast), without the full logits."""
-        return linear_cross_entropy(hidden, self.model.lm_head.weight, targets, chunk_size=self.options.loss_chunk,
-                                    reduction=reduction, compute_dtype=torch.bfloat16 if self.use_bf16 else None)
 
     def train_step(self, step_samples: list[list[int]]) -> tuple[float, float, list[float]]:
         """Forward/backward every micro-batch, all-reduce; returns (loss, grad norm, keep fractions)."""
@@ -323,10 +337,7 @@ class Trainer:
             batch = self.sampler.batch(indices).to(self.device, non_blocking=True)
             inputs, targets = batch[:, :-1], batch[:, 1:]
             with D.no_sync(self.train_model, m < self.accum - 1):
-                with self.autocast():
-                    hidden = self.train_model(inputs)
-                loss = self.loss(hidden, targets)
-                del hidden
+                loss = self.train_model(inputs, targets)
                 (loss / self.accum).backward()
             stats[0] += loss.detach().double()
             for j, (_, layer) in enumerate(self.natsl_layers):
@@ -336,6 +347,7 @@ class Trainer:
         stats /= self.accum * self.info.world_size
         clip = self.recipe.optim.grad_clip
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
+        grad_norm = D.full_tensor(grad_norm)  # FSDP: a sharded norm
         values = stats.tolist()
         return values[0], float(grad_norm), values[1:]
 
@@ -377,30 +389,33 @@ class Trainer:
         seq, mbs = self.recipe.train.seq_len, self.recipe.train.micro_batch_size
         mine = list(range(self.info.rank, self.val_windows, self.info.world_size))
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
-        self.core.eval()
+        self.loss_module.eval()
         try:
             for start in range(0, len(mine), mbs):
                 rows = [self.val_stream.read(w * seq, seq + 1) for w in mine[start:start + mbs]]
                 batch = torch.from_numpy(np.stack(rows)).to(self.device)
-                with self.autocast():
-                    hidden = self.core(batch[:, :-1])
-                totals[0] += self.loss(hidden, batch[:, 1:], reduction="sum").double()
+                totals[0] += self.train_model(batch[:, :-1], batch[:, 1:], reduction="sum").double()
                 totals[1] += batch[:, 1:].numel()
         finally:
-            self.core.train()
+            self.loss_module.train()
         D.all_reduce_sum(totals, self.info)
         return (totals[0] / totals[1]).item()
 
     def save(self, step: int) -> Path:
         rng = D.gather_objects(S.capture_rng(self.device), self.info)
         path = None
+        # FSDP: every rank takes part in gathering the full tensors; DDP: rank 0's replica is whole.
+        sharded = self.info.enabled and self.recipe.train.parallel == "fsdp"
+        if sharded or self.info.is_main:
+            model_state = D.full_tensors(self.model.state_dict())
+            optimizer_state = S.optimizer_to_tensors(self.optimizer, self.names, gather=D.full_tensor)
         if self.info.is_main:
             tc = self.recipe.train
             trainer_state = {**self.state, "seq_len": tc.seq_len, "tokens_per_step": tc.tokens_per_step,
                              "micro_batch_size": tc.micro_batch_size, "world_size": self.info.world_size,
                              "seed": tc.seed, "data": str(self.data.folder),
                              "data_fingerprint": self.data.meta.get("fingerprint"), "natsl_version": __version__}
-            path = S.save_checkpoint(self.out, step, self.model, self.optimizer, self.recipe, self.tokenizer,
+            path = S.save_checkpoint(self.out, step, model_state, optimizer_state, self.recipe, self.tokenizer,
                                      trainer_state, S.rng_tensors(rng), tc.keep_last)
             self.metrics.plot(self.out / "metrics.png", title=f"{self.recipe.name} ({self.out})")
         D.barrier(self.info)
@@ -438,7 +453,8 @@ class Trainer:
         world = info.world_size
         self.log(f"{r.name}: {self.n_params / 1e6:.2f}M parameters; steps {start} -> {self.end_step} of "
                  f"{self.total_steps}, {tc.tokens_per_step:,} tokens each ({tc.micro_batch_size} x {tc.seq_len} x "
-                 f"{self.accum} accum x {world} rank{'s' if world > 1 else ''}); {self.device.type}, backend "
+                 f"{self.accum} accum x {world} rank{'s' if world > 1 else ''}"
+                 f"{', ' + tc.parallel if world > 1 else ''}); {self.device.type}, backend "
                  f"{self.backend}; data {self.data.folder} ({self.sampler.stream.n_tokens:,} train tokens); out {self.out}")
         debug_dir = os.environ.get("NATSL_DEBUG_DIR")
         seen_samples: list[int] = []
@@ -511,7 +527,7 @@ class Trainer:
         result.skipped_steps = self.state["bad_steps"]
         if debug_dir:
             digest = hashlib.sha256()
-            for _, p in sorted(self.model.state_dict().items()):
+            for _, p in sorted(D.full_tensors(self.model.state_dict()).items()):  # FSDP: gathered whole
                 digest.update(p.detach().float().cpu().numpy().tobytes())
             Path(debug_dir).mkdir(parents=True, exist_ok=True)
             (Path(debug_dir) / f"rank{info.rank}.json").write_text(json.dumps(
