@@ -337,3 +337,22 @@ def test_merged_projections_change_no_value(layout):
     model(ids).float().sum().backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0
                for n, p in model.named_parameters() if n.endswith(("q_proj.weight", "gate_proj.weight")))
+
+
+@pytest.mark.slow
+def test_compiled_pointwise_pieces_through_prefill_and_decode(monkeypatch):
+    """What a GPU runs (NATSL_COMPILE_POINTWISE=all compiles on the CPU too): the compiled pieces
+    through a full forward, prefills of odd lengths and token-by-token decoding, against eager."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_model("chunked", **LAYOUTS["natsl_hybrid"])
+    ids = torch.randint(0, 1024, (2, 50), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        eager = model(ids)
+        monkeypatch.setenv("NATSL_COMPILE_POINTWISE", "all")
+        graphs = counters["stats"]["unique_graphs"]
+        full = model(ids)
+        got, _ = prefill_then_decode(model, ids, [21, 37])
+    assert counters["stats"]["unique_graphs"] > graphs  # the pieces were compiled, not run eagerly
+    assert relative_error(full, eager) < 1e-5
+    assert relative_error(got, eager) < 1e-5
