@@ -55,3 +55,23 @@ def test_whole_model_compiles_around_the_fast_ops():
     for name, grad in eager_grads.items():
         err = ((compiled_grads[name] - grad).norm() / grad.norm().clamp_min(1e-12)).item()
         assert err < 1e-4, (name, err)
+
+
+@pytest.mark.slow
+def test_trainer_with_compile_gives_the_eager_losses(tmp_path):
+    """`natsl train --compile` end to end: the loss module with the compiled hidden states and the
+    fast ops as custom ops trains to the losses of the eager run (CPU, Triton's interpreter)."""
+    from natsl.config import apply_overrides
+    from natsl.training import TrainOptions, train
+
+    recipe = apply_overrides(natsl.load_recipe("tiny_hybrid"), [
+        "train.seq_len=128", "train.micro_batch_size=2", "train.tokens_per_step=256", "train.eval_every=1000",
+        "train.eval_tokens=128", "train.save_every=1000"])
+    runs = {}
+    for compiled in (False, True):
+        runs[compiled] = train(recipe, TrainOptions(
+            out_dir=str(tmp_path / str(compiled)), resume="never", device="cpu", backend="fast", compile=compiled,
+            max_steps=2, save_final=False, progress=False, log=lambda *_: None))
+    eager, compiled = ([h["loss"] for h in runs[c].history] for c in (False, True))
+    assert len(eager) == 2 and compiled == pytest.approx(eager, rel=1e-5)
+    assert runs[True].val_loss == pytest.approx(runs[False].val_loss, rel=1e-5)
