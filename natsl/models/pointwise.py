@@ -42,7 +42,7 @@ def _allow_recompiles() -> None:
 
 
 def pointwise(fn):
-    """fn, compiled with torch.compile the first time it sees a CUDA tensor as its first argument."""
+    """fn, run through torch.compile when `compile_for` its first argument (CUDA, by default)."""
     compiled = None
 
     @functools.wraps(fn)
