@@ -42,7 +42,7 @@ def _allow_recompiles() -> None:
 
 
 def pointwise(fn):
-    """fn, run through torch.compile when `compile_for` its first argument (CUDA, by default)."""
+    """fn, run through torch.compile where `compile_for(first argument)` says so (CUDA, by default)."""
     compiled = None
 
     @functools.wraps(fn)
