@@ -23,16 +23,14 @@ class SoftmaxAttention(nn.Module):
         self.v_proj = nn.Linear(d, nh * hd, bias=False, device=device)
         self.o_proj = nn.Linear(nh * hd, d, bias=False, device=device)
 
-    def merge_groups(self) -> dict:
-        """The projections of x that `natsl.models.merged.merge_` may run as one product."""
-        return {"qkv": [self.q_proj, self.k_proj, self.v_proj]}
+    merge_groups = {"qkv": ("q_proj", "k_proj", "v_proj")}  # run as one product by natsl.models.merged
 
     def project(self, x: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None):
         """x [B,T,d] -> q, k, v [B,T,heads,head_dim], RoPE applied at positions start..start+T-1
         (or at `positions` [B, T], one row per sequence)."""
         b, t, _ = x.shape
         q, k, v = (y.view(b, t, self.num_heads, self.head_dim)
-                   for y in shared_linear(self, "qkv", x, self.merge_groups()["qkv"]))
+                   for y in shared_linear(self, "qkv", x))
         if self.config.attn_rope:
             if positions is None:
                 positions = torch.arange(start, start + t, device=x.device)

@@ -61,13 +61,11 @@ class GatedDeltaProjections(nn.Module):
         g, beta = self.gates(a, b)
         return q, k, v, g, beta, (q_tail, k_tail, v_tail)
 
-    def merge_groups(self) -> dict:
-        """The projections of x that `natsl.models.merged.merge_` may run as one product."""
-        return {"qkvab": [self.q_proj, self.k_proj, self.v_proj, self.a_proj, self.b_proj]}
+    merge_groups = {"qkvab": ("q_proj", "k_proj", "v_proj", "a_proj", "b_proj")}  # see natsl.models.merged
 
     def linear(self, x: torch.Tensor):
         """x [B, T, d] -> the raw projections q, k, v (before the conv), a and b."""
-        return shared_linear(self, "qkvab", x, self.merge_groups()["qkvab"])
+        return shared_linear(self, "qkvab", x)
 
     def gates(self, a: torch.Tensor, b: torch.Tensor):
         """The a, b projections -> log decay g [B,T,H] (fp32) and write strength beta [B,T,H] (b's dtype)."""

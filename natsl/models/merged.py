@@ -3,7 +3,8 @@
 Decoding one token multiplies a vector by every weight matrix: each projection is a separate
 matrix-vector product of a few MB, too small to keep the GPU's memory system busy (the 2026-11-29
 profile of an 800M GDN decode step spent 1.13 ms in products whose weights read in 0.38 ms at full
-bandwidth). `merge_(module)` re-points the weights of each group a module names (q, k, v, a, b of a
+bandwidth). `merge_(module)` re-points the weights of each group a module names in its `merge_groups`
+attribute (q, k, v, a, b of a
 GDN layer; q, k, v of attention; gate and up of SwiGLU) into one contiguous buffer, as views, so the
 parameters, their names and the checkpoint layout stay as they are; `shared_linear` then runs a
 group as one product and splits the result. The merged product is used only without autograd (the
@@ -32,16 +33,22 @@ class _Group:
         return [lin.weight.data_ptr() for lin in linears] == self.pointers
 
 
+def _linears(owner: nn.Module, name: str) -> list[nn.Linear]:
+    return [getattr(owner, attr) for attr in owner.merge_groups[name]]
+
+
 def merge_(module: nn.Module) -> int:
-    """Merge the groups of every submodule with a `merge_groups()` -> {name: [nn.Linear]} method
-    (linears without bias, same input size, dtype and device). Returns how many groups it merged."""
+    """Merge the groups of every submodule with a `merge_groups` attribute, {name: (attribute names of
+    nn.Linear, ...)} (linears without bias, same input size, dtype and device). Returns how many
+    groups it merged."""
     merged = 0
     for sub in module.modules():
         groups = getattr(sub, "merge_groups", None)
         if groups is None:
             continue
         store = sub.__dict__.setdefault("_merged_linears", {})
-        for name, linears in groups().items():
+        for name in groups:
+            linears = _linears(sub, name)
             if name in store and store[name].holds(linears):
                 continue
             if any(lin.bias is not None for lin in linears) or len({
@@ -52,9 +59,10 @@ def merge_(module: nn.Module) -> int:
     return merged
 
 
-def shared_linear(owner: nn.Module, name: str, x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
-    """The outputs of `linears` on x: one product over the merged buffer where `merge_` merged
-    them and no gradient is wanted, else one product each."""
+def shared_linear(owner: nn.Module, name: str, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The outputs on x of the linears of `owner.merge_groups[name]`: one product over the merged
+    buffer where `merge_` merged them and no gradient is wanted, else one product each."""
+    linears = _linears(owner, name)
     group = owner.__dict__.get("_merged_linears", {}).get(name)
     if group is not None and not torch.is_grad_enabled() and group.holds(linears):
         return F.linear(x, group.buffer).split(group.sizes, dim=-1)

@@ -16,10 +16,8 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, device=device)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, device=device)
 
-    def merge_groups(self) -> dict:
-        """The projections of x that `natsl.models.merged.merge_` may run as one product."""
-        return {"gate_up": [self.gate_proj, self.up_proj]}
+    merge_groups = {"gate_up": ("gate_proj", "up_proj")}  # run as one product by natsl.models.merged
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = shared_linear(self, "gate_up", x, self.merge_groups()["gate_up"])
+        gate, up = shared_linear(self, "gate_up", x)
         return self.down_proj(swiglu(gate, up))

@@ -313,8 +313,8 @@ class Trainer:
                                              self.options.loss_chunk)
         plain = no_decay_names(model)  # FSDP's sharded parameters lose the no-decay mark
         self.train_model = D.wrap(self.loss_module, self.info, r.train.parallel, blocks=model.layers)
-        sharded = self.info.enabled and r.train.parallel == "fsdp"
-        self.optimizer = build_optimizer(model, r.optim, self.device, plain, sharded)  # on the parameters as wrapped
+        self.sharded = self.info.enabled and r.train.parallel == "fsdp"
+        self.optimizer = build_optimizer(model, r.optim, self.device, plain, self.sharded)  # on the parameters as wrapped
         self.names = {id(p): n for n, p in model.named_parameters()}
         if ckpt is not None:
             params = dict(model.named_parameters())
@@ -405,8 +405,7 @@ class Trainer:
         rng = D.gather_objects(S.capture_rng(self.device), self.info)
         path = None
         # FSDP: every rank takes part in gathering the full tensors; DDP: rank 0's replica is whole.
-        sharded = self.info.enabled and self.recipe.train.parallel == "fsdp"
-        if sharded or self.info.is_main:
+        if self.sharded or self.info.is_main:
             model_state = D.full_tensors(self.model.state_dict())
             optimizer_state = S.optimizer_to_tensors(self.optimizer, self.names, gather=D.full_tensor)
         if self.info.is_main:

@@ -6,6 +6,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from natsl.errors import NatslError
 from natsl.fast.block_sparse.backward import attention_backward
@@ -22,10 +23,6 @@ MIN_DIM = 16  # tl.dot needs at least 16 along every dimension
 # implementations) and compiles a whole model around it instead of tracing into Triton's launcher.
 
 
-def _num_blocks(T, block_size: int):
-    return (T + block_size - 1) // block_size
-
-
 @torch.library.custom_op("natsl::routed_attention_forward", mutates_args=())
 def routed_attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: Optional[torch.Tensor], scale: float, block_size: int,
@@ -34,7 +31,7 @@ def routed_attention_forward(
     """(o, log-sum-exp [B,H,T] fp32, and the kept-block lists flags, before, blocks [B*G, NB] int32)."""
     B, T, H, _ = q.shape
     n_groups = 1 if keep is None else keep.shape[2]
-    lists = build_block_lists(keep, B, _num_blocks(T, block_size), n_groups, q.device)
+    lists = build_block_lists(keep, B, triton.cdiv(T, block_size), n_groups, q.device)
     o, lse = attention_forward(q, k, v, lists, scale, block_size, n_groups)
     return (o, lse, *lists)
 
@@ -43,7 +40,7 @@ def routed_attention_forward(
 def _(q, k, v, keep, scale, block_size, route_grad):
     B, T, H, _ = q.shape
     n_groups = 1 if keep is None else keep.shape[2]
-    lists = [q.new_empty(B * n_groups, _num_blocks(T, block_size), dtype=torch.int32) for _ in range(3)]
+    lists = [q.new_empty(B * n_groups, triton.cdiv(T, block_size), dtype=torch.int32) for _ in range(3)]
     return (q.new_empty(B, T, H, v.shape[-1]), q.new_empty(B, H, T, dtype=torch.float32), *lists)
 
 
@@ -63,7 +60,7 @@ def routed_attention_backward(
 def _(q, k, v, o, lse, flags, before, blocks, do, scale, block_size, n_groups, full):
     B, T, H, _ = q.shape
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-            q.new_empty(B, H, _num_blocks(T, block_size), dtype=torch.float32))
+            q.new_empty(B, H, triton.cdiv(T, block_size), dtype=torch.float32))
 
 
 def _setup_context(ctx, inputs, output):

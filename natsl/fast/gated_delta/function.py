@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import triton
 
 from natsl.errors import NatslError
 from natsl.fast.gated_delta import config
@@ -40,10 +41,6 @@ def _chunk_gamma(gc: torch.Tensor, block_size: int) -> torch.Tensor:
 _EMPTY = (0,)
 
 
-def _num_blocks(T, block_size: int):
-    return (T + block_size - 1) // block_size
-
-
 @torch.library.custom_op("natsl::gated_delta_forward", mutates_args=())
 def gated_delta_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -53,7 +50,7 @@ def gated_delta_forward(
            torch.Tensor]:
     """(o, final state or empty, and what the backward reads: write as fp32, gc, T rows, W, h, R)."""
     B, T, H, _ = q.shape
-    NB = _num_blocks(T, block_size)
+    NB = triton.cdiv(T, block_size)
     prec = fp32_precision(q.dtype)
     wdt = torch.float32 if fp32_intermediates else q.dtype  # see config.INTERMEDIATE
     # a copy even when write is fp32 already: a custom op may not return (an alias of) its input
@@ -71,7 +68,7 @@ def _(q, k, v, g, beta, write, initial_state, scale, output_final_state, block_s
       route_grad, fp32_intermediates):
     B, T, H, K = q.shape
     V = v.shape[-1]
-    NB = _num_blocks(T, block_size)
+    NB = triton.cdiv(T, block_size)
     wdt = torch.float32 if fp32_intermediates else q.dtype
     f32 = dict(dtype=torch.float32)
     return (q.new_empty(B, T, H, V), q.new_empty((B, H, K, V) if output_final_state else _EMPTY, **f32),
