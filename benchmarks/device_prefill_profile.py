@@ -4,7 +4,8 @@
 
 For each model (random weights, bf16, fast backend, NAtS-L routes forced to keep 0.5): the best of
 two prefills with separate projection weights, then the same after `merge_` (the decode runner's
-merged q/k/v... buffers, which the benchmark's later prefills inherit), then one profiled prefill:
+merged q/k/v... buffers, forced on for the prefill too), then one profiled prefill (default: merged only
+for decode-sized inputs):
 CUDA time per kernel, summed by kind (matmul, GDN kernels, attention kernels, compiled pointwise,
 other). Tables in $OUT/prefill_profile.txt, figures in $OUT/prefill_profile.json.
 """
@@ -44,10 +45,12 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from natsl.inference import bench
+    from natsl.models import merged
     from natsl.models.merged import merge_
     from natsl.provenance import provenance
 
     os.makedirs(OUT, exist_ok=True)
+    default_rows = merged.MERGE_MAX_ROWS
     device, L = torch.device("cuda"), args.length
     result = {"provenance": provenance(), "length": L, "models": {}}
     tables = open(os.path.join(OUT, "prefill_profile.txt"), "w")
@@ -59,11 +62,14 @@ def main() -> None:
         entry = {}
         with torch.no_grad():
             for tag in ("separate", "merged"):
-                if tag == "merged":
+                if tag == "merged":  # the merged products also for the prefill (decode-only by default)
+                    merged.MERGE_MAX_ROWS = 1 << 40
                     merge_(model)
+                cache.reset()
                 model.forward_cached(ids[:, :4096 + 37], cache, last_only=True)  # compile / autotune warm-up
                 entry[f"prefill_s_{tag}"] = bench.time_prefill(model, ids, cache, 2, device)
                 print(f"{name} prefill {L} {tag}: {entry[f'prefill_s_{tag}']:.4f} s", flush=True)
+            merged.MERGE_MAX_ROWS = default_rows
             cache.reset()
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -95,6 +95,16 @@ def attend_one(q, keys, values, visible, *, scale=None):
     return out.transpose(1, 2).to(q.dtype)
 
 
+def attend_cached(q, keys, values, visible, *, backend=None):
+    """`attend_one` for a decode step: on the split-K Triton kernel (natsl.inference.decode_attention)
+    where the fused inference kernels are on (CUDA + fast backend), else `attend_one` itself."""
+    from natsl.inference import decode_attention
+
+    if decode_attention.enabled(backend, q.device):
+        return decode_attention.decode_attention(q, keys, values, visible)
+    return attend_one(q, keys, values, visible)
+
+
 def masked_attention(q, keys, values, mask, *, scale=None):
     """q [B,T,heads,Dk] over keys [B,heads,L,Dk] where `mask` [B|1, heads|1, T, L] (bool) allows.
 

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from natsl.config import ModelConfig
-from natsl.inference.functional import attend_one, write_token
+from natsl.inference.functional import attend_cached, write_token
 from natsl.models.merged import shared_linear
 from natsl.models.rope import apply_rope
 
@@ -18,6 +18,7 @@ class SoftmaxAttention(nn.Module):
         self.config = config
         d, nh, hd = config.hidden_size, config.attn_num_heads, config.attn_head_dim
         self.num_heads, self.head_dim = nh, hd
+        self.backend = config.backend  # picks the decode-attention kernel (set_backend changes it)
         self.q_proj = nn.Linear(d, nh * hd, bias=False, device=device)
         self.k_proj = nn.Linear(d, nh * hd, bias=False, device=device)
         self.v_proj = nn.Linear(d, nh * hd, bias=False, device=device)
@@ -57,7 +58,7 @@ class SoftmaxAttention(nn.Module):
             write_token(cache.k, slots, k[:, 0])
             write_token(cache.v, slots, v[:, 0])
             n = cache.positions.attn_read
-            o = attend_one(q, cache.k[:, :, :n], cache.v[:, :, :n], slots + 1)
+            o = attend_cached(q, cache.k[:, :, :n], cache.v[:, :, :n], slots + 1, backend=self.backend)
         else:  # prefill: every sequence starts at `start`
             q, k, v = self.project(x, start)
             cache.k[:, :, start:start + t].copy_(k.transpose(1, 2))

@@ -8,8 +8,11 @@ attribute (q, k, v, a, b of a
 GDN layer; q, k, v of attention; gate and up of SwiGLU) into one contiguous buffer, as views, so the
 parameters, their names and the checkpoint layout stay as they are; `shared_linear` then runs a
 group as one product and splits the result. The merged product is used only without autograd (the
-buffer is not a parameter); with gradients, or when a weight no longer lies in the buffer (the
-model was moved or cast after merging), each linear runs on its own.
+buffer is not a parameter) and only for inputs of at most `MERGE_MAX_ROWS` rows (decode steps):
+a 128K prefill keeps one product per weight, as cuBLAS runs the separate, 128-aligned widths
+(1152, 2304, ...) faster than one 6924-wide product followed by strided splits
+(benchmarks/device_prefill_profile.py measures both). With gradients, or when a weight no longer
+lies in the buffer (the model was moved or cast after merging), each linear runs on its own.
 """
 
 from __future__ import annotations
@@ -17,6 +20,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+# Inputs with more rows than this (batch x tokens) run one product per weight.
+MERGE_MAX_ROWS = 64
 
 
 class _Group:
@@ -64,6 +71,7 @@ def shared_linear(owner: nn.Module, name: str, x: torch.Tensor) -> tuple[torch.T
     buffer where `merge_` merged them and no gradient is wanted, else one product each."""
     linears = _linears(owner, name)
     group = owner.__dict__.get("_merged_linears", {}).get(name)
-    if group is not None and not torch.is_grad_enabled() and group.holds(linears):
+    rows = x.numel() // max(x.shape[-1], 1)
+    if group is not None and rows <= MERGE_MAX_ROWS and not torch.is_grad_enabled() and group.holds(linears):
         return F.linear(x, group.buffer).split(group.sizes, dim=-1)
     return tuple(lin(x) for lin in linears)

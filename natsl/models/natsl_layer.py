@@ -27,7 +27,7 @@ from torch import nn
 from natsl import ops
 from natsl.config import ModelConfig
 from natsl.inference import kernels
-from natsl.inference.functional import (attend_one, commit_state, gdn_token_step, masked_attention, read_state,
+from natsl.inference.functional import (attend_cached, commit_state, gdn_token_step, masked_attention, read_state,
                                         use_fast, write_token)
 from natsl.models.gated_deltanet import GatedDeltaProjections
 from natsl.models.norms import RMSNorm
@@ -180,7 +180,7 @@ class NAtSL(nn.Module):
         write_token(cache.v_mem, slots, vs[:, 0])
         visible = slots + 1 if c.intra_block_output != "gdn" else kept  # "gdn": the own block is GDN-only
         n = cache.positions.natsl_read
-        o_nla = attend_one(qs, cache.k_mem[:, :, :n], cache.v_mem[:, :, :n], visible)
+        o_nla = attend_cached(qs, cache.k_mem[:, :, :n], cache.v_mem[:, :, :n], visible, backend=self.backend)
 
         # Block end (where offset == C-1): route on the block mean, commit the state, keep or drop the KV.
         cache.x_sum.add_(x[:, 0].to(cache.x_sum.dtype))

@@ -1,0 +1,180 @@
+"""Split-K ("flash-decoding") Triton attention for one query token per sequence: the twin of
+`natsl.inference.functional.attend_one` for the decode step.
+
+At decode time a row (b, h) has one query and up to L cached keys, so one program per row leaves
+most of the GPU idle (24 heads at batch 1 fill 24 of 132 SMs) and serialises the whole key range.
+Here each row's visible keys are cut into NUM_SPLITS chunks, one program per (row, chunk):
+
+- kernel 1 runs an online softmax (fp32, exp2 with log2(e) folded into the scale) over its chunk
+  and writes the chunk's max, sum and unnormalised accumulator to fp32 scratch;
+- kernel 2 merges the chunks of a row with the log-sum-exp rescaling and normalises.
+
+With one split kernel 1 normalises and writes the output itself. The chunks are cut from the row's
+`visible` inside the kernel, so the work follows visible, not the static read length L, and no
+device value is read on the host: a decode step using this can be captured in a CUDA graph.
+Callers keep `attend_one` for the CPU and as the reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+
+from natsl.inference import kernels
+
+# Tests set this to True / False to force the choice; None = as `kernels.enabled`.
+FORCE: bool | None = None
+
+MIN_SPLIT_KEYS = 256  # the host never cuts L into chunks shorter than this
+MAX_SPLITS = 64  # bounds the combine kernel's [splits, Dv] tile
+PROGRAMS_PER_SM = 3
+
+
+def enabled(backend: str | None, device: torch.device) -> bool:
+    """Whether the decode step of a layer on `backend` uses this kernel on `device`: as the other fused
+    inference kernels, unless NATSL_DECODE_ATTENTION=0."""
+    if FORCE is not None:
+        return FORCE and kernels._triton()
+    if os.environ.get("NATSL_DECODE_ATTENTION", "1") == "0":
+        return False
+    return kernels.enabled(backend, device)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def split_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, o_ptr, m_ptr, l_ptr, acc_ptr, H, L, qk_scale,
+                     stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
+                     stride_vb, stride_vh, stride_vl, stride_vd, stride_visb, stride_vish,
+                     DK: tl.constexpr, DV: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr,
+                     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
+        bh = tl.program_id(0).to(tl.int64)
+        split = tl.program_id(1)
+        b = bh // H
+        h = bh % H
+        dk = tl.arange(0, DK_P)
+        dv = tl.arange(0, DV_P)
+        mask_dk = dk < DK
+        mask_dv = dv < DV
+        vis = tl.load(vis_ptr + b * stride_visb + h * stride_vish)
+        vis = tl.minimum(tl.maximum(vis, 0), L)
+        # Chunks are cut from this row's visible (not L), so every split gets a share of the real work.
+        chunk = tl.cdiv(tl.cdiv(vis, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, vis)
+
+        q = tl.load(q_ptr + b * stride_qb + h * stride_qh + dk * stride_qd, mask=mask_dk, other=0.0)
+        q = q.to(tl.float32) * qk_scale  # scores come out in log2 units
+        k_row = k_ptr + b * stride_kb + h * stride_kh
+        v_row = v_ptr + b * stride_vb + h * stride_vh
+        m_i = -float("inf")
+        l_i = 0.0
+        acc = tl.zeros([DV_P], dtype=tl.float32)
+        for start in range(lo, hi, BLOCK_N):  # empty where this split starts past visible
+            n = start + tl.arange(0, BLOCK_N)
+            mask_n = n < hi
+            k = tl.load(k_row + n[:, None] * stride_kl + dk[None, :] * stride_kd,
+                        mask=mask_n[:, None] & mask_dk[None, :], other=0.0)
+            # one query row: a multiply-sum, as tl.dot needs at least 16 rows
+            s = tl.sum(q[None, :] * k.to(tl.float32), axis=1)
+            s = tl.where(mask_n, s, -float("inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=0))  # finite: the tile has a visible key
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new)
+            v = tl.load(v_row + n[:, None] * stride_vl + dv[None, :] * stride_vd,
+                        mask=mask_n[:, None] & mask_dv[None, :], other=0.0)
+            acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            m_i = m_new
+
+        if NUM_SPLITS == 1:
+            # l_i == 0 only where nothing is visible, and then acc is 0: zeros out
+            out = acc / tl.where(l_i > 0, l_i, 1.0)
+            tl.store(o_ptr + bh * DV + dv, out.to(o_ptr.dtype.element_ty), mask=mask_dv)
+        else:
+            part = bh * NUM_SPLITS + split
+            tl.store(m_ptr + part, m_i)
+            tl.store(l_ptr + part, l_i)
+            tl.store(acc_ptr + part * DV + dv, acc, mask=mask_dv)
+
+    @triton.jit
+    def combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, DV: tl.constexpr, DV_P: tl.constexpr,
+                       NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr):
+        bh = tl.program_id(0).to(tl.int64)
+        sp = tl.arange(0, SPLITS_P)
+        dv = tl.arange(0, DV_P)
+        mask_s = sp < NUM_SPLITS
+        mask_dv = dv < DV
+        part = bh * NUM_SPLITS + sp
+        m = tl.load(m_ptr + part, mask=mask_s, other=-float("inf"))
+        sums = tl.load(l_ptr + part, mask=mask_s, other=0.0)
+        m_max = tl.max(m, axis=0)
+        # empty splits (m = -inf) weigh exp2(-inf) = 0; a row that sees nothing subtracts 0, not -inf (nan)
+        w = tl.exp2(m - tl.where(m_max > -float("inf"), m_max, 0.0))
+        den = tl.sum(w * sums, axis=0)
+        acc = tl.load(acc_ptr + part[:, None] * DV + dv[None, :], mask=mask_s[:, None] & mask_dv[None, :], other=0.0)
+        out = tl.sum(w[:, None] * acc, axis=0) / tl.where(den > 0, den, 1.0)
+        tl.store(o_ptr + bh * DV + dv, out.to(o_ptr.dtype.element_ty), mask=mask_dv)
+
+    return split_kernel, combine_kernel
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter: a nominal few, so small shapes still take the split path
+
+
+def choose_splits(L: int, rows: int, sm_count: int) -> int:
+    """Chunks per row: enough programs for ~PROGRAMS_PER_SM per SM when B*heads is small, but no
+    chunk of L shorter than MIN_SPLIT_KEYS and at most MAX_SPLITS; at least 1."""
+    want = -(-PROGRAMS_PER_SM * sm_count // max(rows, 1))
+    return max(1, min(want, -(-L // MIN_SPLIT_KEYS), MAX_SPLITS))
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def decode_attention(q, keys, values, visible, *, scale=None, num_splits: int | None = None):
+    """One query per sequence over cached keys, each row seeing its first `visible` slots.
+
+    q [B,1,heads,Dk]; keys [B,heads,L,Dk]; values [B,heads,L,Dv] (any strides, e.g. views of a larger
+    cache); visible [B,heads] (int64, on the device). Returns [B,1,heads,Dv] in q's dtype; a row that
+    sees nothing gives zeros. As `attend_one`, in fp32 throughout. `num_splits` overrides the chunk
+    count (tests).
+    """
+    B, T, H, Dk = q.shape
+    L, Dv = keys.shape[2], values.shape[-1]
+    assert T == 1 and keys.shape == (B, H, L, Dk) and values.shape == (B, H, L, Dv), (q.shape, keys.shape, values.shape)
+    assert visible.shape == (B, H) and Dk <= 256 and Dv <= 256
+    scale = Dk ** -0.5 if scale is None else float(scale)
+    out = torch.empty(B, 1, H, Dv, dtype=q.dtype, device=q.device)
+    rows = B * H
+    if rows == 0:
+        return out
+    splits = choose_splits(L, rows, _sm_count(q.device)) if num_splits is None else max(1, int(num_splits))
+    DK_P, DV_P = max(16, _next_pow2(Dk)), max(16, _next_pow2(Dv))
+    block_n = max(16, min(128, 8192 // max(DK_P, DV_P)))  # the [BLOCK_N, D] fp32 tiles stay ~64 registers/thread
+    if splits > 1:
+        maxes = torch.empty(rows, splits, dtype=torch.float32, device=q.device)
+        sums = torch.empty_like(maxes)
+        accs = torch.empty(rows, splits, Dv, dtype=torch.float32, device=q.device)
+    else:
+        maxes = sums = accs = out  # unused
+    split_kernel, combine_kernel = _kernels()
+    split_kernel[(rows, splits)](
+        q, keys, values, visible, out, maxes, sums, accs, H, L, scale * math.log2(math.e),
+        q.stride(0), q.stride(2), q.stride(3), *keys.stride(), *values.stride(), *visible.stride(),
+        DK=Dk, DV=Dv, DK_P=DK_P, DV_P=DV_P, BLOCK_N=block_n, NUM_SPLITS=splits, num_warps=4)
+    if splits > 1:
+        combine_kernel[(rows,)](maxes, sums, accs, out, DV=Dv, DV_P=DV_P, NUM_SPLITS=splits,
+                                SPLITS_P=_next_pow2(splits), num_warps=4)
+    return out
