@@ -133,6 +133,28 @@ def test_bench_latency_runs_on_the_cpu_and_writes_json_and_png(tmp_path):
     assert "tiny_hybrid" in result.stdout and "decode ms" in result.stdout
 
 
+def test_bench_latency_time_budget_gives_each_model_a_first_point(monkeypatch):
+    """A model whose warm-up (loading, compiling) ate its share of the budget still gets its first
+    point while the whole budget lasts; once the whole budget is spent, points are skipped."""
+    from natsl.inference import bench
+
+    clock = [0.0]
+    monkeypatch.setattr(bench.time, "monotonic", lambda: clock[0])
+    load = bench.load_model
+
+    def slow_load(*args, **kwargs):  # each model's warm-up takes 60 of the 100 budgeted seconds
+        clock[0] += 60.0
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "load_model", slow_load)
+    spec = bench.BenchModel("recipe", str(RECIPES / "tiny_hybrid.yaml"), 0.5)
+    result = bench.run_benchmark([spec, spec], [64, 128], device=torch.device("cpu"), dtype=torch.float32,
+                                 backend="chunked", decode_tokens=2, repeats=1, progress=False, time_budget_s=100.0)
+    first, second = ([p.get("error") for p in entry["points"]] for entry in result["models"])
+    assert first == [None, "skipped: time budget spent"]  # past its share (50 s) at 60 s: one point
+    assert second == ["skipped: time budget spent"] * 2  # 120 s: the whole budget is spent
+
+
 def test_bench_latency_rejects_a_length_beyond_the_model(tmp_path):
     assert_one_line_error(run("bench-latency", "--recipe", RECIPES / "tiny_hybrid.yaml", "--max-len", "1000000",
                               "--device", "cpu", "--out", tmp_path), "max_seq_len")

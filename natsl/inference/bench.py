@@ -241,7 +241,9 @@ def run_benchmark(specs: list[BenchModel], lengths: list[int], *, device: torch.
     """Measure every spec at every length; `on_update(result)` is called after each point (to save it).
 
     With `time_budget_s`, model i of n may run until i+1 n-ths of the budget have passed (time a
-    model leaves unused goes to the next); the points after that are recorded as skipped.
+    model leaves unused goes to the next); the points after that are recorded as skipped. A model's
+    first point runs as long as the whole budget is not spent, so a model whose warm-up (compiling)
+    ate its share still gets one point rather than none.
     """
     from tqdm import tqdm
 
@@ -272,7 +274,7 @@ def run_benchmark(specs: list[BenchModel], lengths: list[int], *, device: torch.
         failed = None
         for length in lengths:
             bar.set_postfix_str(f"{name} @ {length}")
-            if deadline is not None and time.monotonic() > deadline:
+            if deadline is not None and time.monotonic() > (deadline if entry["points"] else began + time_budget_s):
                 failed = failed or "time budget spent"
             if failed is not None:
                 entry["points"].append({"context": length, "error": f"skipped: {failed}"})
