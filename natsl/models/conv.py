@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from natsl.models.pointwise import conv_silu
+from natsl.models.pointwise import conv_silu, conv_tail
 
 
 class ShortConv(nn.Module):
@@ -25,7 +25,8 @@ class ShortConv(nn.Module):
         nn.init.uniform_(self.weight, -bound, bound)
 
     def forward(self, x: torch.Tensor, tail: torch.Tensor | None = None):
-        """x [B, T, C], tail [B, kernel-1, C] or None (zeros) -> (SiLU(conv(x)) [B, T, C], new tail)."""
+        """x [B, T, C], tail [B, kernel-1, C] or None (zeros) -> (SiLU(conv(x)) [B, T, C], new tail).
+        The new tail is None where no tail was given (the full-sequence forward keeps none)."""
         if tail is None:
-            tail = x.new_zeros(x.shape[0], self.kernel_size - 1, x.shape[2])
-        return conv_silu(x, tail, self.weight)
+            return conv_silu(x, x.new_zeros(x.shape[0], self.kernel_size - 1, x.shape[2]), self.weight), None
+        return conv_silu(x, tail, self.weight), conv_tail(x, tail)

@@ -94,21 +94,37 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 @pointwise
-def conv_silu(x: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor):
+def conv_silu(x: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Causal depthwise conv + SiLU: x [B, T, C], tail [B, W-1, C] (the inputs before x), weight
-    [C, 1, W] -> (SiLU(conv) [B, T, C] in x's dtype, the new tail [B, W-1, C]).
+    [C, 1, W] -> SiLU(conv) [B, T, C] in x's dtype.
 
     Written as W shifted multiply-adds in fp32 (what F.conv1d computes: y_t = sum_j w_j x_{t-W+1+j})
-    so that the whole of it, and its backward, is a single fused kernel.
+    so that the whole of it, and its backward, is a single fused kernel. Input t-W+1+j of output t
+    comes from x where t-W+1+j >= 0 and from the tail before that; each shift is a pair of pads
+    (masked loads) rather than slices of one concatenation, which Inductor would write to memory in
+    full ([B, T+W-1, C]: a copy kernel beside the conv in the 2026-11-30 prefill profile). The new
+    tail is not an output either (`conv_tail` makes it): a slice would also force that buffer.
     """
     width = weight.shape[-1]
     length = x.shape[1]
-    full = torch.cat([tail.to(x.dtype), x], dim=1)
+    tail = tail.to(x.dtype)
     w = _up(weight[:, 0, :])
-    y = _up(full[:, 0:length]) * w[:, 0]
-    for j in range(1, width):
-        y = y + _up(full[:, j:j + length]) * w[:, j]
-    return F.silu(y).to(x.dtype), full[:, full.shape[1] - (width - 1):]
+    y = None
+    for j in range(width):
+        back = width - 1 - j  # how far output t reaches back for this tap
+        from_x = F.pad(x, (0, 0, back, 0))[:, :length]  # x[t - back], zero for t < back
+        from_tail = F.pad(tail[:, j:], (0, 0, 0, length - back))  # tail[t + j] for t < back, then zeros
+        term = (_up(from_x) + _up(from_tail)) * w[:, j]
+        y = term if y is None else y + term
+    return F.silu(y).to(x.dtype)
+
+
+def conv_tail(x: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
+    """The last W-1 inputs after x: the tail [B, W-1, C] that the conv of the next tokens needs.
+    Eager and small: only the last W-1 rows of x are read."""
+    width = tail.shape[1] + 1
+    recent = torch.cat([tail.to(x.dtype), x[:, max(x.shape[1] - (width - 1), 0):]], dim=1)
+    return recent[:, recent.shape[1] - (width - 1):]
 
 
 @pointwise
