@@ -5,6 +5,7 @@ forward logits. Tiny models with block_size 16, so a few dozen tokens cross seve
 """
 
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
@@ -291,8 +292,6 @@ def test_gpu_cuda_graph_decode_equals_eager_decode():
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_fused_inference_kernels_equal_the_full_forward(layout, monkeypatch):
-    import os
-
     from natsl.inference import kernels
 
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
@@ -356,3 +355,27 @@ def test_compiled_pointwise_pieces_through_prefill_and_decode(monkeypatch):
     assert counters["stats"]["unique_graphs"] > graphs  # the pieces were compiled, not run eagerly
     assert relative_error(full, eager) < 1e-5
     assert relative_error(got, eager) < 1e-5
+
+
+@pytest.mark.parametrize("width", [64, 100, 192, 1536])
+def test_fused_norm_kernel_matches_the_formulas(width):
+    """natsl.inference.kernels.rms_norm (several rows per program for narrow rows) against the
+    pointwise formulas: RMSNorm with weight, with weight x silu(gate), and L2 normalisation, for row
+    counts that leave the last program's tile part-full."""
+    from natsl.inference import kernels
+    from natsl.models import pointwise as pw
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs CUDA or the Triton interpreter")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(width)
+    for rows in (1, 5, 37):
+        x = torch.randn(rows, width, generator=gen).to(device) * 3
+        gate = torch.randn(rows, width, generator=gen).to(device)
+        weight = torch.rand(width, generator=gen).to(device) + 0.5
+        pairs = [(kernels.rms_norm(x, weight, 1e-6), pw.rms_norm.__wrapped__(x, weight, 1e-6)),
+                 (kernels.rms_norm(x, weight, 1e-6, gate), pw.gated_rms_norm.__wrapped__(x, weight, 1e-6, gate)),
+                 (kernels.l2_normalize(x.view(rows, 1, width)), pw.l2_normalize.__wrapped__(x.view(rows, 1, width)))]
+        for got, want in pairs:
+            assert got.shape == want.shape
+            assert relative_error(got, want) < 1e-6, (rows, width)

@@ -59,23 +59,27 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def rms_kernel(x_ptr, w_ptr, gate_ptr, y_ptr, D, eps,
-                   HAS_W: tl.constexpr, HAS_GATE: tl.constexpr, MEAN: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
+    def rms_kernel(x_ptr, w_ptr, gate_ptr, y_ptr, N, D, eps,
+                   HAS_W: tl.constexpr, HAS_GATE: tl.constexpr, MEAN: tl.constexpr, BLOCK: tl.constexpr,
+                   ROWS: tl.constexpr):
+        # ROWS rows per program: per-head L2 norms have rows of 64-256 values, too little work for
+        # a program each (a 128K prefill has 786K such rows per projection).
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK)
-        mask = cols < D
-        x = tl.load(x_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-        ss = tl.sum(x * x, 0)
+        mask = (rows < N)[:, None] & (cols < D)[None, :]
+        offs = rows[:, None] * D + cols[None, :]
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        ss = tl.sum(x * x, 1)
         if MEAN:
             ss = ss / D
-        y = x * (1.0 / tl.sqrt(ss + eps))
+        y = x * (1.0 / tl.sqrt(ss + eps))[:, None]
         if HAS_W:
-            y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            y = y * tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
         if HAS_GATE:
             # as natsl.models.pointwise.gated_rms_norm: all in fp32, one rounding at the store
-            gt = tl.load(gate_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+            gt = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             y = y * (gt / (1.0 + tl.exp(-gt)))
-        tl.store(y_ptr + row * D + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def conv_step_kernel(x_ptr, tail_ptr, w_ptr, y_ptr, C, stride_xb, stride_tb, stride_tw, stride_yb,
@@ -155,9 +159,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, gate: tor
         return y.view(x.shape)
     g = _rows(gate.reshape(x.shape)) if gate is not None else xr
     block = max(16, _next_pow2(D))
-    _kernels()[0][(xr.shape[0],)](xr, weight if weight is not None else xr, g, y, D, float(eps),
-                                  HAS_W=weight is not None, HAS_GATE=gate is not None, MEAN=mean, BLOCK=block,
-                                  num_warps=4 if block <= 2048 else 8)
+    rows_per_program = max(1, min(16, 2048 // block))  # tiles of about 2048 values
+    n = xr.shape[0]
+    _kernels()[0][(-(-n // rows_per_program),)](
+        xr, weight if weight is not None else xr, g, y, n, D, float(eps), HAS_W=weight is not None,
+        HAS_GATE=gate is not None, MEAN=mean, BLOCK=block, ROWS=rows_per_program,
+        num_warps=4 if block <= 2048 else 8)
     return y.view(x.shape)
 
 
