@@ -57,9 +57,9 @@ def make_inputs(B, H, L, Dk, Dv, *, seed, dtype=torch.float32, device=DEVICE, vi
     return (q, k_buf[:, :, :L], v_buf[:, :, :L], visible), (q.float(), clean_k, clean_v, visible)
 
 
-def compare(B, H, L, Dk, Dv, *, seed, dtype=torch.float32, num_splits=None, scale=None, **kw):
+def compare(B, H, L, Dk, Dv, *, seed, dtype=torch.float32, num_splits=None, scale=None, launch=None, **kw):
     fast_in, ref_in = make_inputs(B, H, L, Dk, Dv, seed=seed, dtype=dtype, **kw)
-    out = decode_attention(*fast_in, scale=scale, num_splits=num_splits)
+    out = decode_attention(*fast_in, scale=scale, num_splits=num_splits, **(launch or {}))
     ref = attend_one(*ref_in, scale=scale)
     assert out.shape == (B, 1, H, Dv) and out.dtype == dtype
     return row_error(out, ref, fast_in[3])
@@ -96,11 +96,23 @@ def test_forced_splits(L, num_splits):
     assert compare(2, 3, L, 64, 64, seed=num_splits, num_splits=num_splits) <= TOL[torch.float32]
 
 
+@pytest.mark.parametrize("launch", [dict(slot_stats=True), dict(slot_stats=True, block_n=32),
+                                    dict(block_n=256, num_warps=8, num_stages=2), dict(programs_per_sm=16)])
+@pytest.mark.parametrize("L,splits", [(37, 1), (300, 5), (1000, None)])
+def test_launch_settings(L, splits, launch):
+    """The settings benchmarks/device_decode_sweep.py tries (the per-slot-statistics loop, tile sizes,
+    more programs) compute the same thing, one split or several, fp32 and bf16."""
+    assert compare(2, 3, L, 64, 128, seed=L, num_splits=splits, launch=launch) <= TOL[torch.float32]
+    assert compare(1, 2, L, 64, 64, seed=L + 1, num_splits=splits, launch=launch,
+                   dtype=torch.bfloat16) <= TOL[torch.bfloat16]
+
+
 def test_scale_and_nothing_visible():
     assert compare(1, 2, 300, 128, 64, seed=3, scale=0.3, num_splits=3) <= TOL[torch.float32]
     fast_in, _ = make_inputs(2, 2, 300, 64, 64, seed=4, visible=[[0, 0], [0, 0]])
     for splits in (1, 4):
-        assert (decode_attention(*fast_in, num_splits=splits) == 0).all()
+        for slot_stats in (False, True):
+            assert (decode_attention(*fast_in, num_splits=splits, slot_stats=slot_stats) == 0).all()
 
 
 def test_choose_splits():

@@ -53,7 +53,7 @@ def _kernels():
                      stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
                      stride_vb, stride_vh, stride_vl, stride_vd, stride_visb, stride_vish,
                      DK: tl.constexpr, DV: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr,
-                     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SLOT_STATS: tl.constexpr):
         bh = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
         b = bh // H
@@ -73,25 +73,52 @@ def _kernels():
         q = q.to(tl.float32) * qk_scale  # scores come out in log2 units
         k_row = k_ptr + b * stride_kb + h * stride_kh
         v_row = v_ptr + b * stride_vb + h * stride_vh
-        m_i = -float("inf")
-        l_i = 0.0
-        acc = tl.zeros([DV_P], dtype=tl.float32)
-        for start in range(lo, hi, BLOCK_N):  # empty where this split starts past visible
-            n = start + tl.arange(0, BLOCK_N)
-            mask_n = n < hi
-            k = tl.load(k_row + n[:, None] * stride_kl + dk[None, :] * stride_kd,
-                        mask=mask_n[:, None] & mask_dk[None, :], other=0.0)
-            # one query row: a multiply-sum, as tl.dot needs at least 16 rows
-            s = tl.sum(q[None, :] * k.to(tl.float32), axis=1)
-            s = tl.where(mask_n, s, -float("inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=0))  # finite: the tile has a visible key
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new)
-            v = tl.load(v_row + n[:, None] * stride_vl + dv[None, :] * stride_vd,
-                        mask=mask_n[:, None] & mask_dv[None, :], other=0.0)
-            acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
-            l_i = l_i * alpha + tl.sum(p, axis=0)
-            m_i = m_new
+        if SLOT_STATS:
+            # Running max, sum and accumulator per key slot of the tile: the loop then has no
+            # reduction across the tile (the other variant's per-tile max and sum over BLOCK_N
+            # synchronise the warps every iteration); the slots are merged once at the end.
+            m_n = tl.full([BLOCK_N], -float("inf"), dtype=tl.float32)
+            l_n = tl.zeros([BLOCK_N], dtype=tl.float32)
+            acc_n = tl.zeros([BLOCK_N, DV_P], dtype=tl.float32)
+            for start in range(lo, hi, BLOCK_N):
+                n = start + tl.arange(0, BLOCK_N)
+                mask_n = n < hi
+                k = tl.load(k_row + n[:, None] * stride_kl + dk[None, :] * stride_kd,
+                            mask=mask_n[:, None] & mask_dk[None, :], other=0.0)
+                s = tl.where(mask_n, tl.sum(q[None, :] * k.to(tl.float32), axis=1), -float("inf"))
+                m_new = tl.maximum(m_n, s)
+                m_ref = tl.where(m_new > -float("inf"), m_new, 0.0)  # a slot that has seen nothing: no nan
+                alpha = tl.exp2(m_n - m_ref)
+                p = tl.exp2(s - m_ref)
+                v = tl.load(v_row + n[:, None] * stride_vl + dv[None, :] * stride_vd,
+                            mask=mask_n[:, None] & mask_dv[None, :], other=0.0)
+                acc_n = acc_n * alpha[:, None] + p[:, None] * v.to(tl.float32)
+                l_n = l_n * alpha + p
+                m_n = m_new
+            m_i = tl.max(m_n, axis=0)
+            weight = tl.exp2(m_n - tl.where(m_i > -float("inf"), m_i, 0.0))
+            l_i = tl.sum(l_n * weight, axis=0)
+            acc = tl.sum(acc_n * weight[:, None], axis=0)
+        else:
+            m_i = -float("inf")
+            l_i = 0.0
+            acc = tl.zeros([DV_P], dtype=tl.float32)
+            for start in range(lo, hi, BLOCK_N):  # empty where this split starts past visible
+                n = start + tl.arange(0, BLOCK_N)
+                mask_n = n < hi
+                k = tl.load(k_row + n[:, None] * stride_kl + dk[None, :] * stride_kd,
+                            mask=mask_n[:, None] & mask_dk[None, :], other=0.0)
+                # one query row: a multiply-sum, as tl.dot needs at least 16 rows
+                s = tl.sum(q[None, :] * k.to(tl.float32), axis=1)
+                s = tl.where(mask_n, s, -float("inf"))
+                m_new = tl.maximum(m_i, tl.max(s, axis=0))  # finite: the tile has a visible key
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(s - m_new)
+                v = tl.load(v_row + n[:, None] * stride_vl + dv[None, :] * stride_vd,
+                            mask=mask_n[:, None] & mask_dv[None, :], other=0.0)
+                acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
+                l_i = l_i * alpha + tl.sum(p, axis=0)
+                m_i = m_new
 
         if NUM_SPLITS == 1:
             # l_i == 0 only where nothing is visible, and then acc is 0: zeros out
@@ -132,10 +159,10 @@ def _sm_count(device: torch.device) -> int:
     return 4  # the interpreter: a nominal few, so small shapes still take the split path
 
 
-def choose_splits(L: int, rows: int, sm_count: int) -> int:
-    """Chunks per row: enough programs for ~PROGRAMS_PER_SM per SM when B*heads is small, but no
+def choose_splits(L: int, rows: int, sm_count: int, programs_per_sm: int = PROGRAMS_PER_SM) -> int:
+    """Chunks per row: enough programs for ~programs_per_sm per SM when B*heads is small, but no
     chunk of L shorter than MIN_SPLIT_KEYS and at most MAX_SPLITS; at least 1."""
-    want = -(-PROGRAMS_PER_SM * sm_count // max(rows, 1))
+    want = -(-programs_per_sm * sm_count // max(rows, 1))
     return max(1, min(want, -(-L // MIN_SPLIT_KEYS), MAX_SPLITS))
 
 
@@ -143,13 +170,17 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def decode_attention(q, keys, values, visible, *, scale=None, num_splits: int | None = None):
+def decode_attention(q, keys, values, visible, *, scale=None, num_splits: int | None = None,
+                     block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
+                     slot_stats: bool = False, programs_per_sm: int = PROGRAMS_PER_SM):
     """One query per sequence over cached keys, each row seeing its first `visible` slots.
 
     q [B,1,heads,Dk]; keys [B,heads,L,Dk]; values [B,heads,L,Dv] (any strides, e.g. views of a larger
     cache); visible [B,heads] (int64, on the device). Returns [B,1,heads,Dv] in q's dtype; a row that
     sees nothing gives zeros. As `attend_one`, in fp32 throughout. `num_splits` overrides the chunk
-    count (tests).
+    count (tests); `block_n`, `num_warps`, `num_stages`, `slot_stats` (per-slot softmax statistics,
+    the kernel's second loop variant) and `programs_per_sm` are launch settings for
+    benchmarks/device_decode_sweep.py, the defaults those measured on 2026-11-30.
     """
     B, T, H, Dk = q.shape
     L, Dv = keys.shape[2], values.shape[-1]
@@ -160,9 +191,11 @@ def decode_attention(q, keys, values, visible, *, scale=None, num_splits: int | 
     rows = B * H
     if rows == 0:
         return out
-    splits = choose_splits(L, rows, _sm_count(q.device)) if num_splits is None else max(1, int(num_splits))
+    splits = (choose_splits(L, rows, _sm_count(q.device), programs_per_sm) if num_splits is None
+              else max(1, int(num_splits)))
     DK_P, DV_P = max(16, _next_pow2(Dk)), max(16, _next_pow2(Dv))
-    block_n = max(16, min(128, 8192 // max(DK_P, DV_P)))  # the [BLOCK_N, D] fp32 tiles stay ~64 registers/thread
+    if block_n is None:
+        block_n = max(16, min(128, 8192 // max(DK_P, DV_P)))  # the [BLOCK_N, D] fp32 tiles stay ~64 registers/thread
     if splits > 1:
         maxes = torch.empty(rows, splits, dtype=torch.float32, device=q.device)
         sums = torch.empty_like(maxes)
@@ -173,7 +206,8 @@ def decode_attention(q, keys, values, visible, *, scale=None, num_splits: int | 
     split_kernel[(rows, splits)](
         q, keys, values, visible, out, maxes, sums, accs, H, L, scale * math.log2(math.e),
         q.stride(0), q.stride(2), q.stride(3), *keys.stride(), *values.stride(), *visible.stride(),
-        DK=Dk, DV=Dv, DK_P=DK_P, DV_P=DV_P, BLOCK_N=block_n, NUM_SPLITS=splits, num_warps=4)
+        DK=Dk, DV=Dv, DK_P=DK_P, DV_P=DV_P, BLOCK_N=block_n, NUM_SPLITS=splits, SLOT_STATS=slot_stats,
+        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}))
     if splits > 1:
         combine_kernel[(rows,)](maxes, sums, accs, out, DV=Dv, DV_P=DV_P, NUM_SPLITS=splits,
                                 SPLITS_P=_next_pow2(splits), num_warps=4)
