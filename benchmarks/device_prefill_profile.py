@@ -24,7 +24,8 @@ OUT = os.environ.get("OUT", "/tmp/prefill_profile_out")
 
 KINDS = (("matmul", ("gemm", "nvjet", "cutlass", "sm90_xmma", "matmul")),
          ("gdn kernels", ("_state", "_prepare", "_output", "_wy", "gated_delta", "_chunk")),
-         ("attention kernels", ("_attn", "routed", "flash", "attention", "block_sparse")),
+         ("attention kernels", ("_attn", "routed", "flash", "attention", "block_sparse", "_forward_kernel")),
+         ("fused-inference norms", ("rms_kernel", "conv_step", "gdn_step")),
          ("compiled pointwise", ("triton_",)),)
 
 
