@@ -307,10 +307,12 @@ def test_fused_inference_kernels_equal_the_full_forward(layout, monkeypatch):
 
 
 @pytest.mark.parametrize("layout", ["natsl_hybrid", "gdn_hybrid"])
-def test_merged_projections_change_no_value(layout):
+def test_merged_projections_change_no_value(layout, monkeypatch):
     """natsl.models.merged: after merge_ the parameters hold the same values under the same names,
-    grad-free calls run one product per group and give the logits of separate products, and
+    grad-free calls of at most MERGE_MAX_ROWS rows (decode steps, short prompts) run one product per
+    group and give the logits of separate products, longer inputs keep separate products, and
     gradients still reach every projection."""
+    from natsl.models import merged as merged_module
     from natsl.models.merged import merge_
 
     config = dataclasses.replace(natsl.load_recipe(RECIPES / "tiny_hybrid.yaml").model, block_size=BLOCK,
@@ -322,12 +324,26 @@ def test_merged_projections_change_no_value(layout):
     before = {name: t.clone() for name, t in model.state_dict().items()}
     with torch.no_grad():
         separate = model(ids)
+        short_separate = model(ids[:1, :30])  # 30 rows: within MERGE_MAX_ROWS
     assert merge_(model) > 0 and merge_(model) == 0  # a second call finds everything merged
     assert all(torch.equal(before[name], t) for name, t in model.state_dict().items())
     mlp = model.layers[0].mlp
     assert mlp.gate_proj.weight.data_ptr() == mlp.__dict__["_merged_linears"]["gate_up"].buffer.data_ptr()
+    buffers = {id(group.buffer) for mod in model.modules()  # (a group's first weight shares its address)
+               for group in mod.__dict__.get("_merged_linears", {}).values()}
+    calls = []  # for every F.linear: was its weight a merged buffer?
+    real_linear = merged_module.F.linear
+    monkeypatch.setattr(merged_module.F, "linear",
+                        lambda x, w, *a: calls.append(id(w) in buffers) or real_linear(x, w, *a))
     with torch.no_grad():
+        short_merged = model(ids[:1, :30])
+        merged_sizes, calls[:] = list(calls), []
         merged = model(ids)
+        long_sizes = list(calls)
+    monkeypatch.undo()
+    assert relative_error(short_merged, short_separate) < 1e-6
+    assert any(merged_sizes) and not any(long_sizes)  # 30 rows: merged products; 80 rows: separate ones
+    with torch.no_grad():
         cache = model.new_cache(2, max_len=41)
         model(ids[:, :39], cache=cache)
         step = DecodeRunner(model, cache).step(ids[:, 39])
