@@ -26,6 +26,10 @@ def losses(out: Path) -> list[float]:
     return [r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
 
 
+def val_losses(out: Path) -> list[float]:
+    return [r["val_loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "val_loss" in r]
+
+
 def cli(args: list, env: dict):
     from typer.testing import CliRunner
 
@@ -70,11 +74,14 @@ def test_fsdp_two_ranks_match_one_process_and_write_a_whole_checkpoint(tmp_path,
     format, and a one-process run resumes from that checkpoint."""
     from safetensors.torch import load_file
 
-    stdout, ranks = one_then_two_ranks(tmp_path, cache_env, "train.parallel=fsdp")
+    # 5 validation windows of 128 tokens: rank 0 holds 3 (two micro-batches), rank 1 two (one); with
+    # FSDP both must run two forwards (a forward gathers weights), else the ranks wait on each other.
+    stdout, ranks = one_then_two_ranks(tmp_path, cache_env, "train.parallel=fsdp", "train.eval_tokens=640")
     assert "(2 x 128 x 1 accum x 2 ranks, fsdp)" in stdout
     assert not set(ranks[0]["samples"]) & set(ranks[1]["samples"])
     assert ranks[0]["weights_sha256"] == ranks[1]["weights_sha256"]
     assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=1e-4)
+    assert val_losses(tmp_path / "two") == pytest.approx(val_losses(tmp_path / "one"), rel=1e-4)
     one = load_file(str(tmp_path / "one" / "checkpoints" / "step_000003" / "model.safetensors"))
     two = load_file(str(tmp_path / "two" / "checkpoints" / "step_000003" / "model.safetensors"))
     assert one.keys() == two.keys()

@@ -386,16 +386,22 @@ class Trainer:
     def evaluate(self) -> Optional[float]:
         if self.val_windows == 0:
             return None
-        seq, mbs = self.recipe.train.seq_len, self.recipe.train.micro_batch_size
-        mine = list(range(self.info.rank, self.val_windows, self.info.world_size))
+        seq, mbs, world = self.recipe.train.seq_len, self.recipe.train.micro_batch_size, self.info.world_size
+        mine = list(range(self.info.rank, self.val_windows, world))
+        # FSDP gathers each block's weights inside the forward, a collective: every rank must run as
+        # many forwards as the busiest one. A rank out of windows runs window 0 again, uncounted.
+        per_rank = -(-self.val_windows // world) if self.sharded else len(mine)
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         self.loss_module.eval()
         try:
-            for start in range(0, len(mine), mbs):
-                rows = [self.val_stream.read(w * seq, seq + 1) for w in mine[start:start + mbs]]
+            for start in range(0, per_rank, mbs):
+                windows = mine[start:start + mbs]
+                rows = [self.val_stream.read(w * seq, seq + 1) for w in windows or [0]]
                 batch = torch.from_numpy(np.stack(rows)).to(self.device)
-                totals[0] += self.train_model(batch[:, :-1], batch[:, 1:], reduction="sum").double()
-                totals[1] += batch[:, 1:].numel()
+                loss = self.train_model(batch[:, :-1], batch[:, 1:], reduction="sum").double()
+                if windows:
+                    totals[0] += loss
+                    totals[1] += batch[:, 1:].numel()
         finally:
             self.loss_module.train()
         D.all_reduce_sum(totals, self.info)
