@@ -290,13 +290,16 @@ def test_gpu_cuda_graph_decode_equals_eager_decode():
 
 # -- the fused Triton kernels of the cached paths (natsl.inference.kernels), in Triton's interpreter -----
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [*LAYOUTS, "natsl_hybrid-intra-softmax", "natsl_hybrid-intra-gdn"])
 def test_fused_inference_kernels_equal_the_full_forward(layout, monkeypatch):
+    """The fused decode kernels through prefill + decode, for every layout and for the NAtS-L
+    intra-block variants (with "softmax" the GDN step cannot be the one-kernel GDN decode step)."""
     from natsl.inference import kernels
 
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs CUDA or the Triton interpreter")
-    model = tiny_model(**LAYOUTS[layout])
+    name, _, intra = layout.partition("-intra-")
+    model = tiny_model(**LAYOUTS[name], **({"intra_block_output": intra} if intra else {}))
     torch.manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (2, 40))
     with torch.no_grad():

@@ -144,18 +144,19 @@ class NAtSL(nn.Module):
         fused = kernels.enabled(self.backend, x.device) and cache.state_run.dtype == torch.float32
         if fused and cache.positions.start is None:
             q, k, v, a, b = self.proj.decode_conv(x, cache.conv)  # tails shifted in place
-            g, beta = self.proj.gates(a, b)
-        else:
-            q, k, v, g, beta, tails = self.proj(x, cache.conv)
-            cache.store_conv(tails)
+            o_la, o_nla = self._decode(x, q, k, v, cache, raw_gates=(a, b), fused=True)
+            return self.mix(o_la, o_nla, q, x)
+        q, k, v, g, beta, tails = self.proj(x, cache.conv)
+        cache.store_conv(tails)
         if cache.positions.start is None:
-            o_la, o_nla = self._decode(x, q, k, v, g, beta, cache, fused)
+            o_la, o_nla = self._decode(x, q, k, v, cache, gates=(g, beta), fused=fused)
         else:
             o_la, o_nla = self._prefill(x, q, k, v, g, beta, cache, cache.positions.start, fused)
         return self.mix(o_la, o_nla, q, x)
 
-    def _decode(self, x, q, k, v, g, beta, cache, fused: bool = False):
-        """One token per sequence, each at its own position; no host reads (CUDA-graph safe)."""
+    def _decode(self, x, q, k, v, cache, gates=None, raw_gates=None, fused: bool = False):
+        """One token per sequence, each at its own position; no host reads (CUDA-graph safe).
+        `gates` = (g, beta), or `raw_gates` = the a, b projections (fused kernels only)."""
         c = self.config
         C = c.block_size
         pos = cache.positions.pos  # [B]: this token's position
@@ -163,14 +164,24 @@ class NAtSL(nn.Module):
         fast = use_fast(self.backend, x.device)
 
         # GDN branch: step the running state; without intra-block output read the committed one.
-        ql, kl, vl = self.proj.split_heads(q, k, v, fused=fused)
-        o_run, run = gdn_token_step(cache.state_run, ql[:, 0], kl[:, 0], vl[:, 0], g[:, 0], beta[:, 0], fast=fast)
-        cache.state_run.copy_(run)
-        cache.decay_sum.add_(g[:, 0])
-        if c.intra_block_output != "softmax":
+        if raw_gates is not None and c.intra_block_output != "softmax":
+            # As a GDN layer's decode: L2 norms, g, beta and the step in one kernel, state in place.
+            a, b = raw_gates
+            o_run, g_token = kernels.gdn_decode_step(q[:, 0], k[:, 0], v[:, 0], a[:, 0], b[:, 0], self.proj.A_log,
+                                                     self.proj.dt_bias, cache.state_run)
+            cache.decay_sum.add_(g_token)
             o_la = o_run[:, None]
         else:
-            o_la = (cache.decay_sum.exp()[:, None, :, None] * read_state(cache.state_start, ql)).to(x.dtype)
+            g, beta = gates if gates is not None else self.proj.gates(*raw_gates)
+            ql, kl, vl = self.proj.split_heads(q, k, v, fused=fused)
+            o_run, run = gdn_token_step(cache.state_run, ql[:, 0], kl[:, 0], vl[:, 0], g[:, 0], beta[:, 0],
+                                        fast=fast)
+            cache.state_run.copy_(run)
+            cache.decay_sum.add_(g[:, 0])
+            if c.intra_block_output != "softmax":
+                o_la = o_run[:, None]
+            else:
+                o_la = (cache.decay_sum.exp()[:, None, :, None] * read_state(cache.state_start, ql)).to(x.dtype)
 
         # Softmax branch: the token's K/V go after its group's kept blocks and its block's earlier tokens.
         qs, ks, vs = self.softmax_views(q, k, v, positions=pos[:, None], fused=fused)
