@@ -166,10 +166,6 @@ def choose_splits(L: int, rows: int, sm_count: int, programs_per_sm: int = PROGR
     return max(1, min(want, -(-L // MIN_SPLIT_KEYS), MAX_SPLITS))
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def decode_attention(q, keys, values, visible, *, scale=None, num_splits: int | None = None,
                      block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
                      slot_stats: bool = False, programs_per_sm: int = PROGRAMS_PER_SM):
@@ -193,7 +189,7 @@ def decode_attention(q, keys, values, visible, *, scale=None, num_splits: int | 
         return out
     splits = (choose_splits(L, rows, _sm_count(q.device), programs_per_sm) if num_splits is None
               else max(1, int(num_splits)))
-    DK_P, DV_P = max(16, _next_pow2(Dk)), max(16, _next_pow2(Dv))
+    DK_P, DV_P = max(16, kernels.next_pow2(Dk)), max(16, kernels.next_pow2(Dv))
     if block_n is None:
         block_n = max(16, min(128, 8192 // max(DK_P, DV_P)))  # the [BLOCK_N, D] fp32 tiles stay ~64 registers/thread
     if splits > 1:
@@ -210,5 +206,5 @@ def decode_attention(q, keys, values, visible, *, scale=None, num_splits: int | 
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}))
     if splits > 1:
         combine_kernel[(rows,)](maxes, sums, accs, out, DV=Dv, DV_P=DV_P, NUM_SPLITS=splits,
-                                SPLITS_P=_next_pow2(splits), num_warps=4)
+                                SPLITS_P=kernels.next_pow2(splits), num_warps=4)
     return out

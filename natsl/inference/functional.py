@@ -14,6 +14,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from natsl.inference import decode_attention
 from natsl.ops import resolve_backend
 
 
@@ -98,8 +99,6 @@ def attend_one(q, keys, values, visible, *, scale=None):
 def attend_cached(q, keys, values, visible, *, backend=None):
     """`attend_one` for a decode step: on the split-K Triton kernel (natsl.inference.decode_attention)
     where the fused inference kernels are on (CUDA + fast backend), else `attend_one` itself."""
-    from natsl.inference import decode_attention
-
     if decode_attention.enabled(backend, q.device):
         return decode_attention.decode_attention(q, keys, values, visible)
     return attend_one(q, keys, values, visible)

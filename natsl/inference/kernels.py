@@ -140,7 +140,9 @@ def _kernels():
     return rms_kernel, conv_step_kernel, gdn_step_kernel
 
 
-def _next_pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
+    """As triton.next_power_of_2 for n >= 1, as a plain function (Triton's is a constexpr function,
+    ~1.7 us a call on the host: too slow for a decode step's launches)."""
     return 1 << max(0, (n - 1).bit_length())
 
 
@@ -158,7 +160,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, gate: tor
     if xr.shape[0] == 0:
         return y.view(x.shape)
     g = _rows(gate.reshape(x.shape)) if gate is not None else xr
-    block = max(16, _next_pow2(D))
+    block = max(16, next_pow2(D))
     rows_per_program = max(1, min(16, 2048 // block))  # tiles of about 2048 values
     n = xr.shape[0]
     _kernels()[0][(-(-n // rows_per_program),)](
@@ -206,8 +208,8 @@ def gdn_decode_step(q, k, v, a, b, A_log, dt_bias, state, *, scale=None):
     q, k, v, a, b = tensors
     o = torch.empty(B, H, V, dtype=q.dtype, device=q.device)
     g = torch.empty(B, H, dtype=torch.float32, device=q.device)
-    BK = max(16, _next_pow2(K))
-    BV = min(64, max(16, _next_pow2(V)))
+    BK = max(16, next_pow2(K))
+    BV = min(64, max(16, next_pow2(V)))
     grid = (-(-V // BV), B * H)
     _kernels()[2][grid](q, k, v, a, b, A_log, dt_bias, state, o, g, H, q.stride(0), k.stride(0), v.stride(0),
                         a.stride(0), b.stride(0), state.stride(0), scale, K=K, V=V, BK=BK, BV=BV, num_warps=4)

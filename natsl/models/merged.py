@@ -4,9 +4,8 @@ Decoding one token multiplies a vector by every weight matrix: each projection i
 matrix-vector product of a few MB, too small to keep the GPU's memory system busy (the 2026-11-29
 profile of an 800M GDN decode step spent 1.13 ms in products whose weights read in 0.38 ms at full
 bandwidth). `merge_(module)` re-points the weights of each group a module names in its `merge_groups`
-attribute (q, k, v, a, b of a
-GDN layer; q, k, v of attention; gate and up of SwiGLU) into one contiguous buffer, as views, so the
-parameters, their names and the checkpoint layout stay as they are; `shared_linear` then runs a
+attribute (q, k, v, a, b of a GDN layer; q, k, v of attention; gate and up of SwiGLU) into one
+contiguous buffer, as views, so the parameters, their names and the checkpoint layout stay as they are; `shared_linear` then runs a
 group as one product and splits the result. The merged product is used only without autograd (the
 buffer is not a parameter) and only for inputs of at most `MERGE_MAX_ROWS` rows (decode steps):
 a 128K prefill keeps one product per weight, as cuBLAS runs the separate, 128-aligned widths
