@@ -3,7 +3,7 @@
 #   GPU 0: the @gpu tests touched since commit 47a339f (short conv as pads, multi-row norm kernel,
 #          decode-attention launch settings), then the decode-attention launch sweep;
 #   GPU 1: latency of the three 800M models at 128K (the hybrid at keep 0.5 and 0.25) with the
-#          split-K decode attention, then the 128K prefill profile.
+#          split-K decode attention, then the 128K prefill profile and the decode-step profile.
 #   bash benchmarks/device_next.sh        (results: $OUT/results.tar and one log per GPU)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -19,6 +19,7 @@ OUT=$WORK TAIL_LINES=60 bash benchmarks/device_pair.sh '
       --max-len 131072 --repeats 2 --recipes 800m_hybrid,800m_transformer,800m_gdn 2>&1 | tail -6
   OUT=$OUT/keep025 timeout 60 python3 benchmarks/device_latency.py --skip-tests --budget 55 --min-len 131072 \
       --max-len 131072 --repeats 2 --recipes 800m_hybrid --keep-fraction 0.25 2>&1 | tail -3
-  timeout 120 python3 benchmarks/device_prefill_profile.py 2>&1 | tail -36'
+  timeout 120 python3 benchmarks/device_prefill_profile.py 2>&1 | tail -36
+  PROFILE_BUDGET_S=100 timeout 110 python3 benchmarks/device_profile_inference.py 2>&1 | tail -30'
 cp $WORK/gpu0.log $WORK/gpu1.log "$FINAL/" 2>/dev/null
 (cd $WORK && find . -type f \( -name "*.json" -o -name "*.txt" -o -name "*.png" \) | tar cf "$FINAL/results.tar" -T -)
