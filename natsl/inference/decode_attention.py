@@ -30,7 +30,12 @@ FORCE: bool | None = None
 
 MIN_SPLIT_KEYS = 256  # the host never cuts L into chunks shorter than this
 MAX_SPLITS = 64  # bounds the combine kernel's [splits, Dv] tile
-PROGRAMS_PER_SM = 3
+# Launch defaults from benchmarks/device_decode_sweep.py on the H200 (2026-11-30, 128K keys, batch 1,
+# docs/results/2026-11-30c): the per-slot statistics loop won for both shapes; 24x64 heads were fastest
+# with 128-key tiles and ~16 programs per SM (0.194 ms vs SDPA 0.182), 18x(64,128) with 64-key tiles and
+# 3 programs per SM (0.213 ms vs SDPA 0.231).
+PROGRAMS_PER_SM_NARROW = 16  # head dims <= 64
+PROGRAMS_PER_SM = 3  # wider heads
 
 
 def enabled(backend: str | None, device: torch.device) -> bool:
@@ -168,7 +173,7 @@ def choose_splits(L: int, rows: int, sm_count: int, programs_per_sm: int = PROGR
 
 def decode_attention(q, keys, values, visible, *, scale=None, num_splits: int | None = None,
                      block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
-                     slot_stats: bool = False, programs_per_sm: int = PROGRAMS_PER_SM):
+                     slot_stats: bool = True, programs_per_sm: int | None = None):
     """One query per sequence over cached keys, each row seeing its first `visible` slots.
 
     q [B,1,heads,Dk]; keys [B,heads,L,Dk]; values [B,heads,L,Dv] (any strides, e.g. views of a larger
@@ -176,7 +181,7 @@ def decode_attention(q, keys, values, visible, *, scale=None, num_splits: int | 
     sees nothing gives zeros. As `attend_one`, in fp32 throughout. `num_splits` overrides the chunk
     count (tests); `block_n`, `num_warps`, `num_stages`, `slot_stats` (per-slot softmax statistics,
     the kernel's second loop variant) and `programs_per_sm` are launch settings for
-    benchmarks/device_decode_sweep.py, the defaults those measured on 2026-11-30.
+    benchmarks/device_decode_sweep.py, the defaults the fastest it measured on the H200 (2026-11-30).
     """
     B, T, H, Dk = q.shape
     L, Dv = keys.shape[2], values.shape[-1]
@@ -187,9 +192,11 @@ def decode_attention(q, keys, values, visible, *, scale=None, num_splits: int | 
     rows = B * H
     if rows == 0:
         return out
+    DK_P, DV_P = max(16, kernels.next_pow2(Dk)), max(16, kernels.next_pow2(Dv))
+    if programs_per_sm is None:
+        programs_per_sm = PROGRAMS_PER_SM_NARROW if max(DK_P, DV_P) <= 64 else PROGRAMS_PER_SM
     splits = (choose_splits(L, rows, _sm_count(q.device), programs_per_sm) if num_splits is None
               else max(1, int(num_splits)))
-    DK_P, DV_P = max(16, kernels.next_pow2(Dk)), max(16, kernels.next_pow2(Dv))
     if block_n is None:
         block_n = max(16, min(128, 8192 // max(DK_P, DV_P)))  # the [BLOCK_N, D] fp32 tiles stay ~64 registers/thread
     if splits > 1:
