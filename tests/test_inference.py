@@ -376,6 +376,32 @@ def test_compiled_pointwise_pieces_through_prefill_and_decode(monkeypatch):
     assert relative_error(got, eager) < 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_conv_chunk_kernel_matches_the_formula(dtype):
+    """natsl.inference.kernels.conv_chunk (prefill's short conv + SiLU) against the pointwise formula,
+    with a random tail, for chunks shorter than the tail (T = 1, 2), odd T and C, and tiles cut at
+    both edges; the tail is left as it was."""
+    from natsl.inference import kernels
+    from natsl.models import pointwise as pw
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs CUDA or the Triton interpreter")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(7)
+    for T, C in ((1, 7), (2, 130), (3, 64), (37, 130), (70, 5)):
+        x = torch.randn(2, T, C, generator=gen).to(device, dtype)
+        tail = torch.randn(2, 3, C, generator=gen).to(device, dtype)
+        weight = torch.randn(C, 1, 4, generator=gen).to(device)
+        before = tail.clone()
+        got = kernels.conv_chunk(x, tail, weight)
+        want = pw.conv_silu.__wrapped__(x.float(), tail.float(), weight)  # fp32 math on the same inputs
+        assert got.shape == want.shape and got.dtype == dtype
+        # bf16: only the final rounding differs, at most one ulp (< 2^-7 of the largest value; Triton's
+        # interpreter truncates where the GPU rounds to nearest)
+        assert relative_error(got.float(), want) < (1e-6 if dtype == torch.float32 else 2 ** -7), (T, C)
+        assert torch.equal(tail, before)
+
+
 @pytest.mark.parametrize("width", [64, 100, 192, 1536])
 def test_fused_norm_kernel_matches_the_formulas(width):
     """natsl.inference.kernels.rms_norm (several rows per program for narrow rows) against the

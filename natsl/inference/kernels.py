@@ -8,7 +8,8 @@ downcast -- and each short conv is cat + conv1d + silu + a tail copy), so a CUDA
 
 - `rms_norm(x, weight, eps, gate=None)`: RMSNorm in fp32 (optionally times silu(gate)), one kernel;
   `l2_normalize(x, eps)` the same kernel without weight and with the sum instead of the mean.
-- `conv_step(x, tail, weight)`: one token of the causal short conv + SiLU, the tail shifted in place.
+- `conv_step(x, tail, weight)`: one token of the causal short conv + SiLU, the tail shifted in place;
+  `conv_chunk(x, tail, weight)` the same over many tokens (prefill), in 2-D tiles.
 - `gdn_decode_step(...)`: L2-norm of q, k, the decay g and beta from the raw projections, and the
   delta-rule step on the cached state, updated in place (no new state, no copy).
 
@@ -100,6 +101,29 @@ def _kernels():
         tl.store(y_ptr + b * stride_yb + cols, (acc / (1.0 + tl.exp(-acc))).to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def conv_chunk_kernel(x_ptr, tail_ptr, w_ptr, y_ptr, T, C, stride_xb, stride_xt, stride_tb, stride_tw,
+                          stride_yb, stride_yt, W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+        # 2-D [time, channel] tiles: no index divisions, and the W shifted reads of x hit the cache.
+        b = tl.program_id(0).to(tl.int64)
+        t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+        cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+        cmask = cols < C
+        acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+        for j in tl.static_range(0, W + 1):
+            # tap j reads input t - (W - j): from x where that is >= 0, else from tail slot t + j
+            s = t - (W - j)
+            from_x = tl.load(x_ptr + b * stride_xb + s.to(tl.int64)[:, None] * stride_xt + cols[None, :],
+                             mask=((s >= 0) & (s < T))[:, None] & cmask[None, :], other=0.0)
+            slot = t + j
+            from_tail = tl.load(tail_ptr + b * stride_tb + slot[:, None] * stride_tw + cols[None, :],
+                                mask=((s < 0) & (slot < W))[:, None] & cmask[None, :], other=0.0)
+            wj = tl.load(w_ptr + cols * (W + 1) + j, mask=cmask, other=0.0).to(tl.float32)
+            acc += (from_x.to(tl.float32) + from_tail.to(tl.float32)) * wj[None, :]
+        y = acc / (1.0 + tl.exp(-acc))
+        tl.store(y_ptr + b * stride_yb + t.to(tl.int64)[:, None] * stride_yt + cols[None, :],
+                 y.to(y_ptr.dtype.element_ty), mask=(t < T)[:, None] & cmask[None, :])
+
+    @triton.jit
     def gdn_step_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, s_ptr, o_ptr, g_ptr,
                         H, stride_qb, stride_kb, stride_vb, stride_ab, stride_bb, stride_sb, scale,
                         K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
@@ -137,7 +161,7 @@ def _kernels():
         if iv == 0:
             tl.store(g_ptr + bh, g)
 
-    return rms_kernel, conv_step_kernel, gdn_step_kernel
+    return rms_kernel, conv_step_kernel, gdn_step_kernel, conv_chunk_kernel
 
 
 def next_pow2(n: int) -> int:
@@ -189,6 +213,27 @@ def conv_step(x: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor) -> torc
     block = 1024
     _kernels()[1][(B, -(-C // block))](x2, tail, w, y, C, x2.stride(0), tail.stride(0), tail.stride(1), y.stride(0),
                                        W=W, BLOCK=block, num_warps=4)
+    return y
+
+
+def conv_chunk(x: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`ShortConv` + SiLU over many tokens (prefill): x [B, T, C] (channels contiguous), tail [B, W, C]
+    (the W inputs before x, read only), weight [C, 1, W+1] -> y [B, T, C] in x's dtype. The same sum in
+    the same order as `natsl.models.pointwise.conv_silu`, in one pass at memory speed (Inductor's
+    dynamic-shape kernel for it ran at ~1/6 of the copy bandwidth in a 128K prefill on the H200)."""
+    B, T, C = x.shape
+    W = tail.shape[1]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    tail = tail.to(x.dtype).contiguous()
+    y = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
+    if B * T * C == 0:
+        return y
+    w = weight.reshape(C, W + 1).contiguous()
+    block_t, block_c = 32, 128
+    grid = (B, -(-T // block_t), -(-C // block_c))
+    _kernels()[3][grid](x, tail, w, y, T, C, x.stride(0), x.stride(1), tail.stride(0), tail.stride(1),
+                        y.stride(0), y.stride(1), W=W, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=4)
     return y
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from natsl.inference import kernels
 from natsl.models.pointwise import conv_silu, conv_tail
 
 
@@ -24,9 +25,13 @@ class ShortConv(nn.Module):
         bound = 1.0 / self.kernel_size ** 0.5
         nn.init.uniform_(self.weight, -bound, bound)
 
-    def forward(self, x: torch.Tensor, tail: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, tail: torch.Tensor | None = None, fused: bool = False):
         """x [B, T, C], tail [B, kernel-1, C] or None (zeros) -> (SiLU(conv(x)) [B, T, C], new tail).
-        The new tail is None where no tail was given (the full-sequence forward keeps none)."""
+        The new tail is None where no tail was given (the full-sequence forward keeps none).
+        `fused` (cached prefill): the Triton kernel of natsl.inference.kernels, where no gradient is
+        wanted (it has no backward)."""
         if tail is None:
             return conv_silu(x, x.new_zeros(x.shape[0], self.kernel_size - 1, x.shape[2]), self.weight), None
+        if fused and not torch.is_grad_enabled():
+            return kernels.conv_chunk(x, tail, self.weight), conv_tail(x, tail)
         return conv_silu(x, tail, self.weight), conv_tail(x, tail)

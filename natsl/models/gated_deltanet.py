@@ -51,13 +51,14 @@ class GatedDeltaProjections(nn.Module):
             dt = log_dt.exp().clamp(min=1e-4)
             self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
 
-    def forward(self, x: torch.Tensor, conv_tails=None):
-        """x [B, T, d] -> (q [B,T,H*K], k [B,T,H*K], v [B,T,H*V] post-conv, g [B,T,H] fp32, beta [B,T,H], tails)."""
+    def forward(self, x: torch.Tensor, conv_tails=None, fused: bool = False):
+        """x [B, T, d] -> (q [B,T,H*K], k [B,T,H*K], v [B,T,H*V] post-conv, g [B,T,H] fp32, beta [B,T,H], tails).
+        `fused`: the cached path's convs run on the fused inference kernel."""
         tails = conv_tails or (None, None, None)
         q, k, v, a, b = self.linear(x)
-        q, q_tail = self.q_conv(q, tails[0])
-        k, k_tail = self.k_conv(k, tails[1])
-        v, v_tail = self.v_conv(v, tails[2])
+        q, q_tail = self.q_conv(q, tails[0], fused=fused)
+        k, k_tail = self.k_conv(k, tails[1], fused=fused)
+        v, v_tail = self.v_conv(v, tails[2], fused=fused)
         g, beta = self.gates(a, b)
         return q, k, v, g, beta, (q_tail, k_tail, v_tail)
 
@@ -119,7 +120,7 @@ class GatedDeltaNet(nn.Module):
             o, _ = kernels.gdn_decode_step(q[:, 0], k[:, 0], v[:, 0], a[:, 0], b[:, 0],
                                            p.A_log, p.dt_bias, cache.state)
             return self.output(o[:, None], x, fused=True)
-        q, k, v, g, beta, tails = self.proj(x, cache.conv)
+        q, k, v, g, beta, tails = self.proj(x, cache.conv, fused=fused)
         cache.store_conv(tails)
         q, k, v = self.proj.split_heads(q, k, v, fused=fused)
         if x.shape[1] == 1:

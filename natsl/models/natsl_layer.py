@@ -146,7 +146,7 @@ class NAtSL(nn.Module):
             q, k, v, a, b = self.proj.decode_conv(x, cache.conv)  # tails shifted in place
             o_la, o_nla = self._decode(x, q, k, v, cache, raw_gates=(a, b), fused=True)
             return self.mix(o_la, o_nla, q, x)
-        q, k, v, g, beta, tails = self.proj(x, cache.conv)
+        q, k, v, g, beta, tails = self.proj(x, cache.conv, fused=fused)
         cache.store_conv(tails)
         if cache.positions.start is None:
             o_la, o_nla = self._decode(x, q, k, v, cache, gates=(g, beta), fused=fused)
