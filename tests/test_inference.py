@@ -124,12 +124,19 @@ def softmax_kv_of_full_forward(model, ids):
     return out
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("chunks", [[70], [21], [16, 40]])
-def test_committed_kv_holds_exactly_the_kept_blocks(chunks):
+def test_committed_kv_holds_exactly_the_kept_blocks(chunks, fused, monkeypatch):
+    """Also with the fused kernels, whose prefill stores K/V block by block (kernels.store_blocks)."""
+    from natsl.inference import kernels
+
+    if fused and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs CUDA or the Triton interpreter")
     model = tiny_model("chunked", **LAYOUTS["natsl"])
     ids = torch.randint(0, 1024, (2, 70), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         expected = softmax_kv_of_full_forward(model, ids)
+        monkeypatch.setattr(kernels, "FORCE", fused)
         _, cache = prefill_then_decode(model, ids, chunks)
     R = model.config.softmax_heads_per_group
     complete, rest = divmod(70, BLOCK)

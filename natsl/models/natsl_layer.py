@@ -279,7 +279,7 @@ class NAtSL(nn.Module):
                                          intra_block=c.intra_block_output != "gdn")
         else:
             o_nla = self._attend_after_prefix(qs, ks, vs, cache, n, keep)
-        self._store_kv(ks, vs, cache, n, keep)
+        self._store_kv(ks, vs, cache, n, keep, fused)
 
         # Commit the new states and the router's running sum of the unfinished block.
         cache.state_start.copy_(s_start)
@@ -329,7 +329,7 @@ class NAtSL(nn.Module):
             outputs.append(masked_attention(qs[:, t0:t0 + len(t)], keys, values, mask))
         return torch.cat(outputs, dim=1)
 
-    def _store_kv(self, ks, vs, cache, n: int, keep) -> None:
+    def _store_kv(self, ks, vs, cache, n: int, keep, fused: bool = False) -> None:
         """Write the new tokens' K/V into the compacted memory: tokens of kept blocks and of the
         unfinished block, each at its group's kept length + C * (kept blocks before it) + offset."""
         C = self.config.block_size
@@ -337,14 +337,20 @@ class NAtSL(nn.Module):
         device = ks.device
         keep_heads = self._keep_per_head(keep, B, device)  # [B, completed + 1, heads]
         completed = keep_heads.shape[1] - 1
-        position = n + torch.arange(T, device=device)
-        rel, offset = position // C, position % C
         kept_before = torch.cumsum(keep_heads.long(), dim=1) - keep_heads.long()  # exclusive count
         kept0 = cache.kept_len.repeat_interleave(self.groups, dim=1)  # [B, heads]
-        dest = kept0[:, None, :] + C * kept_before[:, rel] + offset[None, :, None]  # [B, T, heads]
-        valid = keep_heads[:, rel] | (rel >= completed)[None, :, None]
-        b, t, h = valid.nonzero(as_tuple=True)
-        cache.k_mem[b, h, dest[b, t, h]] = ks[b, t, h].to(cache.k_mem.dtype)
-        cache.v_mem[b, h, dest[b, t, h]] = vs[b, t, h].to(cache.v_mem.dtype)
+        if fused:  # block by block, one kernel per tensor, no host sync
+            blocks = torch.arange(completed + 1, device=device)
+            valid_blocks = keep_heads | (blocks >= completed)[None, :, None]
+            kernels.store_blocks(ks, cache.k_mem, valid_blocks, kept_before, kept0, n, C)
+            kernels.store_blocks(vs, cache.v_mem, valid_blocks, kept_before, kept0, n, C)
+        else:
+            position = n + torch.arange(T, device=device)
+            rel, offset = position // C, position % C
+            dest = kept0[:, None, :] + C * kept_before[:, rel] + offset[None, :, None]  # [B, T, heads]
+            valid = keep_heads[:, rel] | (rel >= completed)[None, :, None]
+            b, t, h = valid.nonzero(as_tuple=True)
+            cache.k_mem[b, h, dest[b, t, h]] = ks[b, t, h].to(cache.k_mem.dtype)
+            cache.v_mem[b, h, dest[b, t, h]] = vs[b, t, h].to(cache.v_mem.dtype)
         if keep is not None:
             cache.kept_len.add_(C * (keep > 0.5).long().sum(1))
