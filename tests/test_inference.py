@@ -316,6 +316,40 @@ def test_fused_inference_kernels_equal_the_full_forward(layout, monkeypatch):
     assert relative_error(got, full) < 1e-4
 
 
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("fraction", [None, 0.5])
+def test_fused_block_end_equals_the_plain_decode(fraction, compiled, monkeypatch):
+    """natsl.inference.block_end (the fused path's decode bookkeeping: slots, route, state commit,
+    kept lengths) against the plain path, with the router and with a fixed keep fraction; across
+    several block ends (two sequences at different positions); eager and compiled (as on a GPU)."""
+    from natsl.inference import kernels
+    from natsl.inference.routing import force_keep_fraction
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs CUDA or the Triton interpreter")
+    model = tiny_model(**LAYOUTS["natsl"])
+    force_keep_fraction(model, fraction, seed=3)
+    ids = torch.randint(0, 1024, (2, 3 * BLOCK + 5), generator=torch.Generator().manual_seed(2))
+    results = {}
+    with torch.no_grad():
+        for fused in (False, True):
+            monkeypatch.setattr(kernels, "FORCE", fused)
+            if fused and compiled:
+                monkeypatch.setenv("NATSL_COMPILE_POINTWISE", "all")
+            logits, cache = prefill_then_decode(model, ids, [BLOCK - 7])
+            results[fused] = (logits, [(c.kept_len.clone(), c.state_start.clone(), c.x_sum.clone())
+                                       for c in cache.natsl_caches()])
+    (plain, plain_caches), (fast, fast_caches) = results[False], results[True]
+    assert relative_error(fast, plain) < 1e-4
+    kept = [int(c[0].sum()) for c in plain_caches]
+    assert all(k % BLOCK == 0 for k in kept) and sum(kept) > 0
+    for (k1, s1, x1), (k2, s2, x2) in zip(plain_caches, fast_caches):
+        assert torch.equal(k1, k2)
+        assert relative_error(s2, s1) < 1e-4 and relative_error(x2, x1) < 1e-5
+    if fraction is not None:  # some of the 3 closed blocks of each (sequence, group) dropped too
+        assert sum(kept) < sum(c[0].numel() for c in plain_caches) * 3 * BLOCK
+
+
 @pytest.mark.parametrize("layout", ["natsl_hybrid", "gdn_hybrid"])
 def test_merged_projections_change_no_value(layout, monkeypatch):
     """natsl.models.merged: after merge_ the parameters hold the same values under the same names,

@@ -25,16 +25,22 @@ class KeepFraction:
         self.seed = seed & _MASK31
 
     def __call__(self, block_index: torch.Tensor, groups: int) -> torch.Tensor:
-        group = torch.arange(groups, device=block_index.device)
-        h = (block_index[..., None] * 1103515245 + group * 12345 + self.seed * 69069 + 1) & _MASK31
-        for _ in range(3):  # a few rounds of an LCG with xor-shift, all products stay below 2^62
-            h = (h * 1103515245 + 12345) & _MASK31
-            h = h ^ (h >> 13)
-        u = h.double() / float(1 << 31)
-        return (u < self.fraction).float()
+        return keep_hash(block_index, groups, self.seed, self.fraction)
 
     def __repr__(self) -> str:
         return f"KeepFraction({self.fraction}, seed={self.seed})"
+
+
+def keep_hash(block_index: torch.Tensor, groups: int, seed: int, fraction: float) -> torch.Tensor:
+    """KeepFraction's rule as a plain function (the compiled decode step calls it):
+    block_index [B, N] int64 -> keep [B, N, groups] (float 0/1)."""
+    group = torch.arange(groups, device=block_index.device)
+    h = (block_index[..., None] * 1103515245 + group * 12345 + seed * 69069 + 1) & _MASK31
+    for _ in range(3):  # a few rounds of an LCG with xor-shift, all products stay below 2^62
+        h = (h * 1103515245 + 12345) & _MASK31
+        h = h ^ (h >> 13)
+    u = h.double() / float(1 << 31)
+    return (u < fraction).float()
 
 
 def force_keep_fraction(model, fraction: float | None, seed: int = 0) -> None:

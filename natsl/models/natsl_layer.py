@@ -27,6 +27,8 @@ from torch import nn
 from natsl import ops
 from natsl.config import ModelConfig
 from natsl.inference import kernels
+from natsl.inference.block_end import close_block, decode_slots
+from natsl.inference.routing import KeepFraction
 from natsl.inference.functional import (attend_cached, commit_state, gdn_token_step, masked_attention, read_state,
                                         use_fast, write_token)
 from natsl.models.gated_deltanet import GatedDeltaProjections
@@ -185,15 +187,21 @@ class NAtSL(nn.Module):
 
         # Softmax branch: the token's K/V go after its group's kept blocks and its block's earlier tokens.
         qs, ks, vs = self.softmax_views(q, k, v, positions=pos[:, None], fused=fused)
-        kept = cache.kept_len.repeat_interleave(self.groups, dim=1)  # [B, heads]
-        slots = kept + offset[:, None]
+        # "gdn" intra-block output: the own block is GDN-only, the query reads the kept blocks alone
+        slots, visible = decode_slots(cache.kept_len, pos, self.groups, C, c.intra_block_output != "gdn")
         write_token(cache.k_mem, slots, ks[:, 0])
         write_token(cache.v_mem, slots, vs[:, 0])
-        visible = slots + 1 if c.intra_block_output != "gdn" else kept  # "gdn": the own block is GDN-only
         n = cache.positions.natsl_read
         o_nla = attend_cached(qs, cache.k_mem[:, :, :n], cache.v_mem[:, :, :n], visible, backend=self.backend)
 
         # Block end (where offset == C-1): route on the block mean, commit the state, keep or drop the KV.
+        override = self.route_override
+        if fused and (override is None or isinstance(override, KeepFraction)):
+            # The same in a few compiled kernels (natsl.inference.block_end).
+            close_block(cache.x_sum, x[:, 0], pos, self.router.weight, cache.state_start, cache.state_run,
+                        cache.decay_sum, cache.kept_len, C, c.decay_skipped_blocks,
+                        None if override is None else override.fraction, 0 if override is None else override.seed)
+            return o_la, o_nla
         cache.x_sum.add_(x[:, 0].to(cache.x_sum.dtype))
         done = offset == C - 1
         keep, write = self.decide_routes(cache.x_sum[:, None], C, (pos // C)[:, None])

@@ -1,0 +1,62 @@
+"""The NAtS-L decode step's bookkeeping as two compiled functions (few kernels, CUDA-graph safe).
+
+Each decode token of a NAtS-L layer has to (1) find the slots its K/V go to and how many slots its
+query sees, and (2) at a block end, route the block on its mean, commit the GDN state and keep or
+drop the block's KV. In eager PyTorch that is ~40 tiny kernels per layer and token (the route alone
+is a matmul, a softmax, an argmax and a one-hot; a fixed keep fraction's hash is ~15 integer ops),
+each a few microseconds in a CUDA-graph replay while the layer's weights take ~10 us to read.
+The same formulas, wrapped by `natsl.models.pointwise.pointwise`, compile to a handful of kernels
+on CUDA and run eagerly elsewhere; the layer calls them on its fused path (natsl.inference.kernels).
+
+The route is computed exactly as `NAtSLLayer.decide_routes` does (router on the block mean, ties to
+keep, or the layer's KeepFraction hash), and the commit as `natsl.inference.functional.commit_state`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from natsl.inference.routing import keep_hash
+from natsl.models.pointwise import pointwise
+from natsl.reference.router import straight_through_route
+
+
+@pointwise
+def decode_slots(kept_len: torch.Tensor, pos: torch.Tensor, groups: int, block_size: int, own_block: bool):
+    """kept_len [B, G], pos [B] -> (slots [B, heads] this token's K/V go to, visible [B, heads] slots
+    its query reads): after its group's kept blocks and its block's earlier tokens; `own_block`
+    False ("gdn" intra-block output) reads the kept blocks only."""
+    kept = kept_len.repeat_interleave(groups, dim=1)
+    slots = kept + (pos % block_size)[:, None]
+    return slots, (slots + 1 if own_block else kept)
+
+
+@pointwise
+def close_block(x_sum: torch.Tensor, x: torch.Tensor, pos: torch.Tensor, router_weight: torch.Tensor,
+                state_start: torch.Tensor, state_run: torch.Tensor, decay_sum: torch.Tensor,
+                kept_len: torch.Tensor, block_size: int, decay_skipped_blocks: bool,
+                fraction: float | None, seed: int) -> None:
+    """Add the token x [B, d] to the block's running sum; where it ends its block (pos % C == C-1),
+    route the block, commit the state (both states become the committed one), add C to the kept
+    length of kept groups and reset the block's sums. All in place; rows not at a block end keep
+    their states. `fraction` not None: the KeepFraction(fraction, seed) route instead of the router."""
+    C = block_size
+    B, G = kept_len.shape
+    x_sum.add_(x.to(x_sum.dtype))
+    done = (pos % C) == C - 1
+    if fraction is None:
+        xbar = x_sum.to(router_weight.dtype) / C
+        scores = F.linear(xbar, router_weight).view(B, G, 2)
+        keep = straight_through_route(scores)[0][..., 0]
+    else:
+        keep = keep_hash((pos // C)[:, None], G, seed, fraction)[:, 0]
+    write = (1 - keep).to(state_start.dtype)
+    base = decay_sum.to(state_start.dtype).exp()[..., None, None] * state_start if decay_skipped_blocks else state_start
+    committed = base + write[..., None, None] * (state_run.to(state_start.dtype) - base)
+    at_end = done[:, None, None, None]
+    state_start.copy_(torch.where(at_end, committed, state_start))
+    state_run.copy_(torch.where(at_end, committed.to(state_run.dtype), state_run))
+    kept_len.add_(C * (keep > 0.5).long() * done[:, None].long())
+    decay_sum.masked_fill_(done[:, None], 0)
+    x_sum.masked_fill_(done[:, None], 0)
