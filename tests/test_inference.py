@@ -327,9 +327,10 @@ def test_fused_block_end_equals_the_plain_decode(fraction, compiled, monkeypatch
 
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs CUDA or the Triton interpreter")
-    model = tiny_model(**LAYOUTS["natsl"])
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU: compiled kernels, fast backend
+    model = tiny_model("fast" if device == "cuda" else "chunked", **LAYOUTS["natsl"]).to(device)
     force_keep_fraction(model, fraction, seed=3)
-    ids = torch.randint(0, 1024, (2, 3 * BLOCK + 5), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(0, 1024, (2, 3 * BLOCK + 5), generator=torch.Generator().manual_seed(2)).to(device)
     results = {}
     with torch.no_grad():
         for fused in (False, True):
