@@ -322,13 +322,14 @@ def test_fused_block_end_equals_the_plain_decode(fraction, compiled, monkeypatch
     """natsl.inference.block_end (the fused path's decode bookkeeping: slots, route, state commit,
     kept lengths) against the plain path, with the router and with a fixed keep fraction; across
     several block ends (two sequences at different positions); eager and compiled (as on a GPU)."""
-    from natsl.inference import kernels
+    from natsl.inference import gemv, kernels
     from natsl.inference.routing import force_keep_fraction
 
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs CUDA or the Triton interpreter")
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU: compiled kernels, fast backend
-    model = tiny_model("fast" if device == "cuda" else "chunked", **LAYOUTS["natsl"]).to(device)
+    monkeypatch.setattr(gemv, "FORCE", False)  # the products are not under test here (slow in the interpreter)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU: the compiled kernels
+    model = tiny_model("chunked", **LAYOUTS["natsl"]).to(device)  # the fast GDN op wants blocks of 64+
     force_keep_fraction(model, fraction, seed=3)
     ids = torch.randint(0, 1024, (2, 3 * BLOCK + 5), generator=torch.Generator().manual_seed(2)).to(device)
     results = {}
@@ -442,6 +443,28 @@ def test_fused_conv_chunk_kernel_matches_the_formula(dtype):
         # interpreter truncates where the GPU rounds to nearest)
         assert relative_error(got.float(), want) < (1e-6 if dtype == torch.float32 else 2 ** -7), (T, C)
         assert torch.equal(tail, before)
+
+
+def test_fused_conv_steps_of_three_widths_in_one_launch():
+    """natsl.inference.kernels.conv_steps (a GDN layer's q, k, v decode convs in one launch, widths
+    1152/1152/2304 scaled down) against the formula; each tail shifted by one with x appended."""
+    from natsl.inference import kernels
+    from natsl.models import pointwise as pw
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs CUDA or the Triton interpreter")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(11)
+    widths = (36, 36, 1100)  # the last spans two column tiles
+    xs = [torch.randn(2, 1, C, generator=gen).to(device) for C in widths]
+    tails = [torch.randn(2, 3, C, generator=gen).to(device) for C in widths]
+    weights = [torch.randn(C, 1, 4, generator=gen).to(device) for C in widths]
+    expected = [pw.conv_silu.__wrapped__(x, t, w) for x, t, w in zip(xs, tails, weights)]
+    expected_tails = [torch.cat([t[:, 1:], x], dim=1) for x, t in zip(xs, tails)]
+    got = kernels.conv_steps(xs, tails, weights)
+    for y, want, tail, want_tail in zip(got, expected, tails, expected_tails):
+        assert y.shape == want.shape and relative_error(y, want) < 1e-6
+        assert torch.equal(tail, want_tail)
 
 
 @pytest.mark.parametrize("width", [64, 100, 192, 1536])

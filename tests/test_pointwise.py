@@ -101,7 +101,7 @@ def _cases(device, dtype, T):
 
 def _check_compiled_against_eager(device, dtype):
     tol = 1e-5 if dtype == torch.float32 else 1e-2
-    for T in (64, 37, 1):  # a new length re-traces with dynamic shapes: check those too
+    for T in (64, 37, 1):  # the first length compiles static, a new one re-traces with a symbolic length
         for name, (fn, args) in _cases(device, dtype, T).items():
             leaves = [a.requires_grad_() if isinstance(a, torch.Tensor) else a for a in args]
             outs = [fn(*leaves), fn.eager(*leaves)]

@@ -8,7 +8,8 @@ downcast -- and each short conv is cat + conv1d + silu + a tail copy), so a CUDA
 
 - `rms_norm(x, weight, eps, gate=None)`: RMSNorm in fp32 (optionally times silu(gate)), one kernel;
   `l2_normalize(x, eps)` the same kernel without weight and with the sum instead of the mean.
-- `conv_step(x, tail, weight)`: one token of the causal short conv + SiLU, the tail shifted in place;
+- `conv_step(x, tail, weight)`: one token of the causal short conv + SiLU, the tail shifted in place
+  (`conv_steps` does a layer's q, k and v in one launch);
   `conv_chunk(x, tail, weight)` the same over many tokens (prefill), in 2-D tiles.
 - `store_blocks(...)`: a prefill chunk's K/V of kept (and unfinished) blocks into a NAtS-L cache's
   compacted memory, one program per (sequence, head, block).
@@ -85,10 +86,21 @@ def _kernels():
         tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def conv_step_kernel(x_ptr, tail_ptr, w_ptr, y_ptr, C, stride_xb, stride_tb, stride_tw, stride_yb,
-                         W: tl.constexpr, BLOCK: tl.constexpr):
+    def conv_step_kernel(x0, t0, w0, y0, C0, sx0, stb0, stw0, sy0,
+                         x1, t1, w1, y1, C1, sx1, stb1, stw1, sy1,
+                         x2, t2, w2, y2, C2, sx2, stb2, stw2, sy2, W: tl.constexpr, BLOCK: tl.constexpr):
+        # Up to three convs (a GDN layer's q, k and v) in one launch: axis 2 picks the tensor.
         b = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        which = tl.program_id(2)
+        x_ptr, tail_ptr, w_ptr, y_ptr, C, stride_xb, stride_tb, stride_tw, stride_yb = \
+            x0, t0, w0, y0, C0, sx0, stb0, stw0, sy0
+        if which == 1:
+            x_ptr, tail_ptr, w_ptr, y_ptr, C, stride_xb, stride_tb, stride_tw, stride_yb = \
+                x1, t1, w1, y1, C1, sx1, stb1, stw1, sy1
+        if which == 2:
+            x_ptr, tail_ptr, w_ptr, y_ptr, C, stride_xb, stride_tb, stride_tw, stride_yb = \
+                x2, t2, w2, y2, C2, sx2, stb2, stw2, sy2
         mask = cols < C
         x = tl.load(x_ptr + b * stride_xb + cols, mask=mask, other=0.0)
         acc = x.to(tl.float32) * tl.load(w_ptr + cols * (W + 1) + W, mask=mask, other=0.0).to(tl.float32)
@@ -228,18 +240,32 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 def conv_step(x: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """One token of `ShortConv` + SiLU: x [B, 1, C], tail [B, W, C] (updated in place: shifted by
     one, x appended), weight [C, 1, W+1] -> y [B, 1, C] in x's dtype."""
-    B, _, C = x.shape
-    W = tail.shape[1]
-    x2 = x[:, 0]
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    y = torch.empty(B, 1, C, dtype=x.dtype, device=x.device)
-    w = weight.reshape(C, W + 1).contiguous()  # any float dtype: the kernel multiplies in fp32
-    assert tail.stride(-1) == 1
+    return conv_steps([x], [tail], [weight])[0]
+
+
+def conv_steps(xs, tails, weights) -> list[torch.Tensor]:
+    """`conv_step` of up to three (x, tail, weight) triples in one launch (a GDN layer's q, k, v)."""
+    assert 1 <= len(xs) <= 3 and len(xs) == len(tails) == len(weights)
+    sets, widest = [], 0
+    for x, tail, weight in zip(xs, tails, weights):
+        B, _, C = x.shape
+        W = tail.shape[1]
+        x2 = x[:, 0]
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        y = torch.empty(B, 1, C, dtype=x.dtype, device=x.device)
+        w = weight.reshape(C, W + 1).contiguous()  # any float dtype: the kernel multiplies in fp32
+        # one kernel body for all three: same dtypes and tail length
+        assert tail.stride(-1) == 1 and tail.shape[1] == tails[0].shape[1]
+        assert (x.dtype, tail.dtype, w.dtype) == (xs[0].dtype, tails[0].dtype, weights[0].dtype)
+        sets.append((x2, tail, w, y, C, x2.stride(0), tail.stride(0), tail.stride(1), y.stride(0)))
+        widest = max(widest, C)
+    args = [a for triple in sets for a in triple]
+    args += list(sets[0]) * (3 - len(sets))  # unused slots (never read: the grid stops before them)
     block = 1024
-    _kernels()[1][(B, -(-C // block))](x2, tail, w, y, C, x2.stride(0), tail.stride(0), tail.stride(1), y.stride(0),
-                                       W=W, BLOCK=block, num_warps=4)
-    return y
+    _kernels()[1][(xs[0].shape[0], -(-widest // block), len(sets))](*args, W=tails[0].shape[1], BLOCK=block,
+                                                                     num_warps=4)
+    return [triple[3] for triple in sets]
 
 
 def conv_chunk(x: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

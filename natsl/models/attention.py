@@ -8,6 +8,7 @@ from torch import nn
 
 from natsl.config import ModelConfig
 from natsl.inference.functional import attend_cached, write_token
+from natsl.models.linear import Linear
 from natsl.models.merged import shared_linear
 from natsl.models.rope import apply_rope
 
@@ -19,10 +20,10 @@ class SoftmaxAttention(nn.Module):
         d, nh, hd = config.hidden_size, config.attn_num_heads, config.attn_head_dim
         self.num_heads, self.head_dim = nh, hd
         self.backend = config.backend  # picks the decode-attention kernel (set_backend changes it)
-        self.q_proj = nn.Linear(d, nh * hd, bias=False, device=device)
-        self.k_proj = nn.Linear(d, nh * hd, bias=False, device=device)
-        self.v_proj = nn.Linear(d, nh * hd, bias=False, device=device)
-        self.o_proj = nn.Linear(nh * hd, d, bias=False, device=device)
+        self.q_proj = Linear(d, nh * hd, bias=False, device=device)
+        self.k_proj = Linear(d, nh * hd, bias=False, device=device)
+        self.v_proj = Linear(d, nh * hd, bias=False, device=device)
+        self.o_proj = Linear(nh * hd, d, bias=False, device=device)
 
     merge_groups = {"qkv": ("q_proj", "k_proj", "v_proj")}  # run as one product by natsl.models.merged
 

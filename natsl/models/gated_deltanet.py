@@ -14,6 +14,7 @@ from torch import nn
 from natsl import ops
 from natsl.config import ModelConfig
 from natsl.models.conv import ShortConv
+from natsl.models.linear import Linear
 from natsl.models.merged import shared_linear
 from natsl.models.norms import RMSNorm
 from natsl.models.pointwise import gated_rms_norm, gdn_gates, l2_normalize
@@ -28,11 +29,11 @@ class GatedDeltaProjections(nn.Module):
         super().__init__()
         d, h = config.hidden_size, config.num_heads
         self.num_heads, self.k_dim, self.v_dim = h, config.head_k_dim, config.head_v_dim
-        self.q_proj = nn.Linear(d, h * self.k_dim, bias=False, device=device)
-        self.k_proj = nn.Linear(d, h * self.k_dim, bias=False, device=device)
-        self.v_proj = nn.Linear(d, h * self.v_dim, bias=False, device=device)
-        self.a_proj = nn.Linear(d, h, bias=False, device=device)
-        self.b_proj = nn.Linear(d, h, bias=False, device=device)
+        self.q_proj = Linear(d, h * self.k_dim, bias=False, device=device)
+        self.k_proj = Linear(d, h * self.k_dim, bias=False, device=device)
+        self.v_proj = Linear(d, h * self.v_dim, bias=False, device=device)
+        self.a_proj = Linear(d, h, bias=False, device=device)
+        self.b_proj = Linear(d, h, bias=False, device=device)
         self.q_conv = ShortConv(h * self.k_dim, config.conv_size, device=device)
         self.k_conv = ShortConv(h * self.k_dim, config.conv_size, device=device)
         self.v_conv = ShortConv(h * self.v_dim, config.conv_size, device=device)
@@ -77,9 +78,9 @@ class GatedDeltaProjections(nn.Module):
         tails are shifted in place) and the raw a, b projections (cached paths only, see
         natsl.inference.kernels)."""
         q, k, v, a, b = self.linear(x)
-        return (kernels.conv_step(q, conv_tails[0], self.q_conv.weight),
-                kernels.conv_step(k, conv_tails[1], self.k_conv.weight),
-                kernels.conv_step(v, conv_tails[2], self.v_conv.weight), a, b)
+        q, k, v = kernels.conv_steps([q, k, v], conv_tails, [self.q_conv.weight, self.k_conv.weight,
+                                                             self.v_conv.weight])
+        return q, k, v, a, b
 
     def split_heads(self, q, k, v, fused: bool = False):
         """Flat projections -> per-head q, k (L2-normalised) [B,T,H,K] and v [B,T,H,V]."""
@@ -96,9 +97,9 @@ class GatedDeltaNet(nn.Module):
         self.backend = config.backend
         d, h, vd = config.hidden_size, config.num_heads, config.head_v_dim
         self.proj = GatedDeltaProjections(config, device=device)
-        self.g_proj = nn.Linear(d, h * vd, bias=False, device=device)
+        self.g_proj = Linear(d, h * vd, bias=False, device=device)
         self.o_norm = RMSNorm(vd, config.norm_eps, device=device)
-        self.o_proj = nn.Linear(h * vd, d, bias=False, device=device)
+        self.o_proj = Linear(h * vd, d, bias=False, device=device)
 
     def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
         if cache is not None:

@@ -10,6 +10,7 @@ from natsl.config import ModelConfig
 from natsl.inference import kernels
 from natsl.models.attention import SoftmaxAttention
 from natsl.models.gated_deltanet import GatedDeltaNet
+from natsl.models.linear import Linear
 from natsl.models.mlp import SwiGLU
 from natsl.models.natsl_layer import NAtSL
 from natsl.models.norms import RMSNorm
@@ -43,7 +44,7 @@ class CausalLM(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size, device=device)
         self.layers = nn.ModuleList(Block(config, t, device=device) for t in config.layer_types())
         self.norm = RMSNorm(config.hidden_size, config.norm_eps, device=device)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=device)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, device=device)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.activation_checkpointing = False

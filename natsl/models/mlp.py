@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from natsl.models.linear import Linear
 from natsl.models.merged import shared_linear
 from natsl.models.pointwise import swiglu
 
@@ -12,9 +13,9 @@ from natsl.models.pointwise import swiglu
 class SwiGLU(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, device=None):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False, device=device)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, device=device)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, device=device)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=False, device=device)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=False, device=device)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False, device=device)
 
     merge_groups = {"gate_up": ("gate_proj", "up_proj")}  # run as one product by natsl.models.merged
 

@@ -32,6 +32,7 @@ from natsl.inference.routing import KeepFraction
 from natsl.inference.functional import (attend_cached, commit_state, gdn_token_step, masked_attention, read_state,
                                         use_fast, write_token)
 from natsl.models.gated_deltanet import GatedDeltaProjections
+from natsl.models.linear import Linear
 from natsl.models.norms import RMSNorm
 from natsl.models.pointwise import mix_branches
 from natsl.models.rope import apply_rope
@@ -47,10 +48,10 @@ class NAtSL(nn.Module):
         self.num_heads, self.groups = h, r
         self.softmax_heads = h * r
         self.proj = GatedDeltaProjections(config, device=device)
-        self.router = nn.Linear(d, 2 * h, bias=False, device=device)
+        self.router = Linear(d, 2 * h, bias=False, device=device)
         if config.mix_weights != "none":
             mix_in = h * config.head_k_dim if config.mix_input == "q" else d
-            self.mix_proj = nn.Linear(mix_in, self.softmax_heads * 2, bias=False, device=device)
+            self.mix_proj = Linear(mix_in, self.softmax_heads * 2, bias=False, device=device)
         self.q_norm = RMSNorm(config.softmax_k_dim, config.norm_eps, device=device)
         self.k_norm = RMSNorm(config.softmax_k_dim, config.norm_eps, device=device)
         if config.branch_norm == "separate":
@@ -58,8 +59,8 @@ class NAtSL(nn.Module):
             self.nla_norm = RMSNorm(config.softmax_v_dim, config.norm_eps, device=device)
         else:
             self.out_norm = RMSNorm(config.softmax_v_dim, config.norm_eps, device=device)
-        self.g_proj = nn.Linear(d, h * config.head_v_dim, bias=False, device=device)
-        self.o_proj = nn.Linear(h * config.head_v_dim, d, bias=False, device=device)
+        self.g_proj = Linear(d, h * config.head_v_dim, bias=False, device=device)
+        self.o_proj = Linear(h * config.head_v_dim, d, bias=False, device=device)
         # Routes of the last forward ([B, NB, H], detached): read by training logs and inspect-routing.
         self.last_keep: torch.Tensor | None = None
         # Incremental inference only: `(block_index [B, N], groups) -> keep [B, N, groups]` replacing

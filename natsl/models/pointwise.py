@@ -34,11 +34,21 @@ RECOMPILE_LIMIT = 64
 
 def _allow_recompiles() -> None:
     """Each function here is traced once per input rank, dtype, grad mode and None-ness of its
-    optional arguments (sizes are symbolic: dynamic=True), which can pass dynamo's default limit of
-    8 graphs per function in one process (tests, prefill + decode); past the limit dynamo would run
-    the function eagerly. Raise the limit, never lower it."""
+    optional arguments, and once more when a size first changes (it becomes symbolic then), which
+    can pass dynamo's default limit of 8 graphs per function in one process (tests, prefill +
+    decode); past the limit dynamo would run the function eagerly. Raise the limit, never lower it."""
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
+
+
+def compile_dynamic() -> bool | None:
+    """NATSL_POINTWISE_DYNAMIC: "auto" (default) lets torch.compile specialise on the first shapes it
+    sees and make a size symbolic only once it has changed (automatic dynamic shapes); "1" makes
+    every size symbolic from the start, "0" never. Symbolic sizes cost speed: a kernel's index
+    arithmetic then divides by runtime values (on the H200 the short conv's kernel ran at ~1/6 of
+    the copy bandwidth with all sizes symbolic)."""
+    mode = os.environ.get("NATSL_POINTWISE_DYNAMIC", "auto")
+    return None if mode == "auto" else mode != "0"
 
 
 def pointwise(fn):
@@ -52,7 +62,7 @@ def pointwise(fn):
         if not torch.compiler.is_compiling() and compile_for(args[0]):
             if compiled is None:
                 _allow_recompiles()
-                compiled = torch.compile(fn, dynamic=True)
+                compiled = torch.compile(fn, dynamic=compile_dynamic())
             return compiled(*args, **kwargs)
         return fn(*args, **kwargs)
 

@@ -1,0 +1,110 @@
+"""Matrix-vector products for decode steps: `linear(x, weight)` for inputs of at most MAX_ROWS rows.
+
+A decode step multiplies one token's vector by every weight matrix, so it is bound by reading the
+weights. cuBLAS picks a different kernel for each shape at one row (gemv, split-K with a separate
+reduction, narrow-tile GEMMs); on the H200 the 2026-11-30 profile of an 800M GDN decode step spent
+0.82 ms in products whose weights read in ~0.38 ms at copy bandwidth. This kernel streams the weight
+once: each program owns BLOCK_N output features, walks K in BLOCK_K chunks, multiplies in fp32 and
+reduces once at the end; BLOCK_N is chosen so that there are at least two programs per SM, and the
+tile holds ~4K weights so that enough bytes are in flight. Results agree with `F.linear` to rounding
+(fp32 sums in a different order, one rounding to the input dtype).
+
+`enabled(x)`: CUDA tensors (or the Triton interpreter when FORCE is set, for tests), unless
+NATSL_DECODE_GEMV=0. `natsl.models.linear.Linear` calls it for grad-free inputs of <= MAX_ROWS rows.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from natsl.inference import kernels
+
+MAX_ROWS = 4
+# Tests set this to True / False to force the choice; None = as natsl.inference.kernels.FORCE where
+# that is set, else CUDA tensors unless NATSL_DECODE_GEMV=0.
+FORCE: bool | None = None
+
+
+def enabled(x: torch.Tensor) -> bool:
+    force = FORCE if FORCE is not None else kernels.FORCE  # the fused-kernel tests force both
+    if force is not None:
+        return force and kernels._triton()
+    return x.is_cuda and os.environ.get("NATSL_DECODE_GEMV", "1") != "0" and kernels._triton()
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym,
+                    M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+        offs_k = tl.arange(0, BLOCK_K)
+        # One [BLOCK_N, BLOCK_K] fp32 accumulator per input row, reduced once after the loop.
+        acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + offs_k
+            k_ok = k < K
+            w = tl.load(rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            acc0 += w * tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            if M > 1:
+                acc1 += w * tl.load(x_ptr + stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            if M > 2:
+                acc2 += w * tl.load(x_ptr + 2 * stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            if M > 3:
+                acc3 += w * tl.load(x_ptr + 3 * stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        out_ty = y_ptr.dtype.element_ty
+        tl.store(y_ptr + offs_n, tl.sum(acc0, 1).to(out_ty), mask=n_ok)
+        if M > 1:
+            tl.store(y_ptr + stride_ym + offs_n, tl.sum(acc1, 1).to(out_ty), mask=n_ok)
+        if M > 2:
+            tl.store(y_ptr + 2 * stride_ym + offs_n, tl.sum(acc2, 1).to(out_ty), mask=n_ok)
+        if M > 3:
+            tl.store(y_ptr + 3 * stride_ym + offs_n, tl.sum(acc3, 1).to(out_ty), mask=n_ok)
+
+    return gemv_kernel
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+@functools.lru_cache(maxsize=None)
+def tiles(N: int, K: int, M: int, sm_count: int) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K): the widest BLOCK_N (<= 64) that still gives >= 2 programs per SM, then
+    BLOCK_K so that a tile holds ~4K weights (~2K with 3-4 rows, for registers)."""
+    block_n = 64
+    while block_n > 1 and -(-N // block_n) < 2 * sm_count:
+        block_n //= 2
+    budget = 4096 if M <= 2 else 2048
+    block_k = max(16, min(budget // block_n, kernels.next_pow2(K), 1024))
+    return block_n, block_k
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., K] with at most MAX_ROWS rows, weight [N, K] -> x @ weight.T [..., N] in x's dtype."""
+    K = x.shape[-1]
+    N = weight.shape[0]
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    assert 1 <= M <= MAX_ROWS and weight.shape[1] == K, (x.shape, weight.shape)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    block_n, block_k = tiles(N, K, M, _sm_count(x.device))
+    _kernel()[(-(-N // block_n),)](x2, weight, y, N, K, x2.stride(0), weight.stride(0), y.stride(0),
+                                   M=M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    return y.view(*x.shape[:-1], N)

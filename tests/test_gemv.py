@@ -1,0 +1,81 @@
+"""natsl.inference.gemv (decode-step matrix-vector products) against F.linear, and when
+natsl.models.linear.Linear uses it."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from natsl.inference import gemv
+from natsl.models.linear import Linear
+
+
+def relative_error(got, want):
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max())
+
+
+def device():
+    if torch.cuda.is_available():
+        return "cuda"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "cpu"
+    pytest.skip("needs CUDA or the Triton interpreter")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_gemv_equals_f_linear(rows, dtype):
+    """Odd N and K, K over several chunks, a strided input row; bf16 within one rounding."""
+    dev = device()
+    gen = torch.Generator().manual_seed(rows)
+    for N, K in ((37, 5), (130, 100), (300, 1030)):
+        weight = torch.randn(N, K, generator=gen).to(dev, dtype)
+        x = torch.randn(rows, 2 * K, generator=gen).to(dev, dtype)[:, ::2]  # rows are strided
+        got = gemv.linear(x, weight)
+        want = F.linear(x.float(), weight.float())  # fp32 products of the same inputs
+        assert got.shape == (rows, N) and got.dtype == dtype
+        # bf16: one rounding of the fp32 sum (< 2^-7 of the largest value; the interpreter truncates)
+        assert relative_error(got, want) < (1e-5 if dtype == torch.float32 else 2 ** -7), (N, K)
+
+
+def test_gemv_keeps_leading_dims():
+    dev = device()
+    weight = torch.randn(24, 40, device=dev)
+    x = torch.randn(2, 1, 40, device=dev)
+    assert gemv.linear(x, weight).shape == (2, 1, 24)
+    assert relative_error(gemv.linear(x, weight), F.linear(x, weight)) < 1e-5
+
+
+def test_linear_uses_gemv_only_for_grad_free_decode_sized_inputs(monkeypatch):
+    dev = device()
+    calls = []
+    real = gemv.linear
+    monkeypatch.setattr(gemv, "FORCE", True)
+    monkeypatch.setattr(gemv, "linear", lambda x, w: calls.append(x.shape) or real(x, w))
+    layer = Linear(40, 24, bias=False, device=dev)
+    small, large = torch.randn(3, 1, 40, device=dev), torch.randn(5, 1, 40, device=dev)
+    with torch.no_grad():
+        out_small, out_large = layer(small), layer(large)
+    assert calls == [small.shape]  # 3 rows: the kernel; 5 rows: F.linear
+    assert relative_error(out_small, F.linear(small, layer.weight)) < 1e-5
+    assert relative_error(out_large, F.linear(large, layer.weight)) < 1e-6
+    layer(small).sum().backward()  # with autograd: F.linear, gradients as nn.Linear's
+    assert len(calls) == 1 and layer.weight.grad is not None
+    monkeypatch.setattr(gemv, "FORCE", False)
+    with torch.no_grad():
+        layer(small)
+    assert len(calls) == 1
+
+
+@pytest.mark.gpu
+def test_gpu_gemv_at_the_800m_shapes():
+    """bf16 at the decode products of the 800M models (merged q/k/v/a/b, gate+up, down, o, lm head)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for N, K in ((6924, 1536), (8192, 1536), (1536, 4096), (1536, 2304), (32000, 1536)):
+        weight = torch.randn(N, K, device="cuda", generator=gen).to(torch.bfloat16) * 0.02
+        for rows in (1, 2, 4):
+            x = torch.randn(rows, K, device="cuda", generator=gen).to(torch.bfloat16)
+            assert relative_error(gemv.linear(x, weight), F.linear(x.float(), weight.float())) < 2 ** -8, (N, K, rows)
