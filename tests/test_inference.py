@@ -489,3 +489,11 @@ def test_fused_norm_kernel_matches_the_formulas(width):
         for got, want in pairs:
             assert got.shape == want.shape
             assert relative_error(got, want) < 1e-6, (rows, width)
+        for dtype in (torch.float32, torch.bfloat16):  # the residual add fused in front of the norm
+            xd, rd = x.to(dtype), gate.to(dtype)
+            total, normed = kernels.add_rms_norm(xd, rd, weight, 1e-6)
+            assert torch.equal(normed, kernels.rms_norm(total, weight, 1e-6))  # normed from the rounded sum
+            if dtype == torch.float32 or device == "cuda":
+                assert torch.equal(total, xd + rd)
+            else:  # Triton's interpreter truncates to bf16 where the GPU rounds to nearest
+                assert relative_error(total.float(), (xd + rd).float()) < 2 ** -7

@@ -7,7 +7,8 @@ downcast -- and each short conv is cat + conv1d + silu + a tail copy), so a CUDA
 ~10 full passes over every [T, d] activation. These kernels do each of those chains in one pass:
 
 - `rms_norm(x, weight, eps, gate=None)`: RMSNorm in fp32 (optionally times silu(gate)), one kernel;
-  `l2_normalize(x, eps)` the same kernel without weight and with the sum instead of the mean.
+  `l2_normalize(x, eps)` the same kernel without weight and with the sum instead of the mean;
+  `add_rms_norm(x, r, weight, eps)` the residual add and the next norm in one pass.
 - `conv_step(x, tail, weight)`: one token of the causal short conv + SiLU, the tail shifted in place
   (`conv_steps` does a layer's q, k and v in one launch);
   `conv_chunk(x, tail, weight)` the same over many tokens (prefill), in 2-D tiles.
@@ -63,16 +64,21 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def rms_kernel(x_ptr, w_ptr, gate_ptr, y_ptr, N, D, eps,
+    def rms_kernel(x_ptr, w_ptr, gate_ptr, y_ptr, res_ptr, sum_ptr, N, D, eps,
                    HAS_W: tl.constexpr, HAS_GATE: tl.constexpr, MEAN: tl.constexpr, BLOCK: tl.constexpr,
-                   ROWS: tl.constexpr):
+                   ROWS: tl.constexpr, HAS_RES: tl.constexpr):
         # ROWS rows per program: per-head L2 norms have rows of 64-256 values, too little work for
         # a program each (a 128K prefill has 786K such rows per projection).
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK)
         mask = (rows < N)[:, None] & (cols < D)[None, :]
         offs = rows[:, None] * D + cols[None, :]
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        if HAS_RES:
+            # the residual add first, rounded to the activation dtype as `x + r` is, and kept
+            x = (x.to(tl.float32) + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+            tl.store(sum_ptr + offs, x, mask=mask)
+        x = x.to(tl.float32)
         ss = tl.sum(x * x, 1)
         if MEAN:
             ss = ss / D
@@ -219,17 +225,34 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, gate: tor
     D = x.shape[-1]
     xr = _rows(x)
     y = torch.empty_like(xr)
-    if xr.shape[0] == 0:
-        return y.view(x.shape)
     g = _rows(gate.reshape(x.shape)) if gate is not None else xr
+    _launch_rms(xr, weight, g, y, None, None, eps, gate is not None, mean)
+    return y.view(x.shape)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(x + residual, RMSNorm(x + residual) * weight) in one kernel: the sum rounded to x's dtype as
+    the plain `x + residual` is, and normalised from that rounded value (so both outputs equal the
+    unfused add then `rms_norm`)."""
+    assert residual.shape == x.shape and residual.dtype == x.dtype
+    xr, rr = _rows(x), _rows(residual)
+    total, y = torch.empty_like(xr), torch.empty_like(xr)
+    if xr.shape[0]:
+        _launch_rms(xr, weight, xr, y, rr, total, eps, False, True)
+    return total.view(x.shape), y.view(x.shape)
+
+
+def _launch_rms(xr, weight, g, y, rr, total, eps, has_gate: bool, mean: bool) -> None:
+    n, D = xr.shape
+    if n == 0:
+        return
     block = max(16, next_pow2(D))
     rows_per_program = max(1, min(16, 2048 // block))  # tiles of about 2048 values
-    n = xr.shape[0]
     _kernels()[0][(-(-n // rows_per_program),)](
-        xr, weight if weight is not None else xr, g, y, n, D, float(eps), HAS_W=weight is not None,
-        HAS_GATE=gate is not None, MEAN=mean, BLOCK=block, ROWS=rows_per_program,
+        xr, weight if weight is not None else xr, g, y, rr if rr is not None else xr,
+        total if total is not None else y, n, D, float(eps), HAS_W=weight is not None,
+        HAS_GATE=has_gate, MEAN=mean, BLOCK=block, ROWS=rows_per_program, HAS_RES=rr is not None,
         num_warps=4 if block <= 2048 else 8)
-    return y.view(x.shape)
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

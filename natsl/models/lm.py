@@ -30,9 +30,15 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
         if cache is not None and kernels.enabled(getattr(self.mixer, "backend", None), x.device):
-            # cached paths (prefill, decode): each RMSNorm in one kernel instead of nine
-            x = x + self.mixer(kernels.rms_norm(x, self.mixer_norm.weight, self.mixer_norm.eps), cache=cache)
-            return x + self.mlp(kernels.rms_norm(x, self.mlp_norm.weight, self.mlp_norm.eps))
+            # cached paths (prefill, decode): each RMSNorm in one kernel instead of nine, the first
+            # residual add in the same kernel as the MLP's norm
+            mixed = self.mixer(kernels.rms_norm(x, self.mixer_norm.weight, self.mixer_norm.eps), cache=cache)
+            if mixed.dtype == x.dtype:
+                x, normed = kernels.add_rms_norm(x, mixed, self.mlp_norm.weight, self.mlp_norm.eps)
+            else:  # the plain sum would promote: keep its dtype
+                x = x + mixed
+                normed = kernels.rms_norm(x, self.mlp_norm.weight, self.mlp_norm.eps)
+            return x + self.mlp(normed)
         x = x + self.mixer(self.mixer_norm(x), cache=cache)
         return x + self.mlp(self.mlp_norm(x))
 

@@ -1,0 +1,79 @@
+"""Decode-step products at the 800M shapes: cuBLAS (F.linear) against natsl's GEMV kernel (GPU).
+
+    PYTHONPATH=. python3 benchmarks/bench_gemv.py [--out bench_gemv.json]
+
+Each product [rows, K] x [N, K]^T in bf16 is captured 50 times in a CUDA graph and replayed (as a
+decode step runs it: no launch overhead); the median of 20 replays over 50 gives us per product.
+GB/s counts the weight bytes read. Shapes: the merged q/k/v/a/b of a GDN layer (6924 x 1536),
+gate+up (8192 x 1536), down (1536 x 4096), o and g (1536 x 2304, 2304 x 1536), the Transformer's
+merged q/k/v (4608 x 1536) and o (1536 x 1536), and the LM head (32000 x 1536).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SHAPES = {"gdn qkvab": (6924, 1536), "gate+up": (8192, 1536), "down": (1536, 4096), "o": (1536, 2304),
+          "g": (2304, 1536), "attn qkv": (4608, 1536), "attn o": (1536, 1536), "lm head": (32000, 1536)}
+
+
+def graph_time_us(fn, calls: int = 50, replays: int = 20) -> float:
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / calls)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="bench_gemv.json")
+    args = parser.parse_args()
+    import torch
+    import torch.nn.functional as F
+
+    from natsl.inference import gemv
+    from natsl.provenance import provenance
+
+    rows_out = []
+    print(f"{'product':10s} {'N x K':>12s} rows {'cuBLAS us':>10s} {'natsl us':>9s} {'cuBLAS GB/s':>11s} {'natsl GB/s':>10s}")
+    for name, (N, K) in SHAPES.items():
+        weight = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+        for rows in (1, 2, 4):
+            x = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16)
+            with torch.no_grad():
+                cublas = graph_time_us(lambda: F.linear(x, weight))
+                ours = graph_time_us(lambda: gemv.linear(x, weight))
+            nbytes = N * K * 2
+            rows_out.append({"product": name, "N": N, "K": K, "rows": rows, "cublas_us": cublas, "natsl_us": ours,
+                             "cublas_GBps": nbytes / cublas / 1e3, "natsl_GBps": nbytes / ours / 1e3})
+            print(f"{name:10s} {f'{N} x {K}':>12s} {rows:4d} {cublas:10.2f} {ours:9.2f} {nbytes / cublas / 1e3:11.0f} "
+                  f"{nbytes / ours / 1e3:10.0f}", flush=True)
+    with open(args.out, "w") as fh:
+        json.dump({"provenance": provenance(), "rows": rows_out}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
