@@ -54,10 +54,11 @@ def test_linear_uses_gemv_only_for_grad_free_decode_sized_inputs(monkeypatch):
     monkeypatch.setattr(gemv, "FORCE", True)
     monkeypatch.setattr(gemv, "linear", lambda x, w: calls.append(x.shape) or real(x, w))
     layer = Linear(40, 24, bias=False, device=dev)
-    small, large = torch.randn(3, 1, 40, device=dev), torch.randn(5, 1, 40, device=dev)
+    small = torch.randn(gemv.MAX_ROWS, 1, 40, device=dev)
+    large = torch.randn(gemv.MAX_ROWS + 1, 1, 40, device=dev)
     with torch.no_grad():
         out_small, out_large = layer(small), layer(large)
-    assert calls == [small.shape]  # 3 rows: the kernel; 5 rows: F.linear
+    assert calls == [small.shape]  # MAX_ROWS rows: the kernel; one more: F.linear
     assert relative_error(out_small, F.linear(small, layer.weight)) < 1e-5
     assert relative_error(out_large, F.linear(large, layer.weight)) < 1e-6
     layer(small).sum().backward()  # with autograd: F.linear, gradients as nn.Linear's

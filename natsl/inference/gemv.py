@@ -6,7 +6,8 @@ reduction, narrow-tile GEMMs); on the H200 the 2026-11-30 profile of an 800M GDN
 0.82 ms in products whose weights read in ~0.38 ms at copy bandwidth. This kernel streams the weight
 once: each program owns BLOCK_N output features, walks K in BLOCK_K chunks, multiplies in fp32 and
 reduces once at the end; BLOCK_N is chosen so that there are at least two programs per SM, and the
-tile holds ~4K weights so that enough bytes are in flight. Results agree with `F.linear` to rounding
+tile holds ~4K weights so that enough bytes are in flight. The kernel takes up to 4 rows; `Linear`
+sends it at most MAX_ROWS. Results agree with `F.linear` to rounding
 (fp32 sums in a different order, one rounding to the input dtype).
 
 `enabled(x)`: CUDA tensors (or the Triton interpreter when FORCE is set, for tests), unless
@@ -22,7 +23,9 @@ import torch
 
 from natsl.inference import kernels
 
-MAX_ROWS = 4
+# One and two rows beat cuBLAS at every 800M decode shape on the H200 (benchmarks/bench_gemv.py,
+# 2026-11-30); at four rows cuBLAS was faster for most, so larger batches keep F.linear.
+MAX_ROWS = 2
 # Tests set this to True / False to force the choice; None = as natsl.inference.kernels.FORCE where
 # that is set, else CUDA tensors unless NATSL_DECODE_GEMV=0.
 FORCE: bool | None = None
@@ -82,23 +85,23 @@ def _sm_count(device: torch.device) -> int:
 
 @functools.lru_cache(maxsize=None)
 def tiles(N: int, K: int, M: int, sm_count: int) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K): the widest BLOCK_N (<= 64) that still gives >= 2 programs per SM, then
-    BLOCK_K so that a tile holds ~4K weights (~2K with 3-4 rows, for registers)."""
-    block_n = 64
+    """(BLOCK_N, BLOCK_K): the widest BLOCK_N (<= 16) that still gives >= 2 programs per SM, then
+    BLOCK_K so that a tile holds ~4K weights. Wider tiles of the 2026-11-30 first version (64 rows x
+    64 columns for the 32000-row LM head) ran slower than cuBLAS."""
+    block_n = 16
     while block_n > 1 and -(-N // block_n) < 2 * sm_count:
         block_n //= 2
-    budget = 4096 if M <= 2 else 2048
-    block_k = max(16, min(budget // block_n, kernels.next_pow2(K), 1024))
+    block_k = max(16, min(4096 // block_n, kernels.next_pow2(K), 1024))
     return block_n, block_k
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., K] with at most MAX_ROWS rows, weight [N, K] -> x @ weight.T [..., N] in x's dtype."""
+    """x [..., K] with at most 4 rows, weight [N, K] -> x @ weight.T [..., N] in x's dtype."""
     K = x.shape[-1]
     N = weight.shape[0]
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
-    assert 1 <= M <= MAX_ROWS and weight.shape[1] == K, (x.shape, weight.shape)
+    assert 1 <= M <= 4 and weight.shape[1] == K, (x.shape, weight.shape)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     if weight.stride(-1) != 1:

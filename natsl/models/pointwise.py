@@ -42,13 +42,22 @@ def _allow_recompiles() -> None:
 
 
 def compile_dynamic() -> bool | None:
-    """NATSL_POINTWISE_DYNAMIC: "auto" (default) lets torch.compile specialise on the first shapes it
-    sees and make a size symbolic only once it has changed (automatic dynamic shapes); "1" makes
-    every size symbolic from the start, "0" never. Symbolic sizes cost speed: a kernel's index
+    """NATSL_POINTWISE_DYNAMIC: "auto" (default) keeps every tensor's last (feature) dim a constant and
+    lets torch.compile make the other sizes symbolic only once they change (automatic dynamic
+    shapes); "1" makes every size symbolic from the start, "0" none. Symbolic sizes cost speed: a kernel's index
     arithmetic then divides by runtime values (on the H200 the short conv's kernel ran at ~1/6 of
     the copy bandwidth with all sizes symbolic)."""
     mode = os.environ.get("NATSL_POINTWISE_DYNAMIC", "auto")
     return None if mode == "auto" else mode != "0"
+
+
+def _mark_feature_dims_static(args) -> None:
+    """The last dim of every tensor argument is a model width: keep it a constant in the kernels,
+    so that only batch and length may become symbolic (the conv's q/k and v widths differ, which
+    would otherwise make the width symbolic on the second call)."""
+    for arg in args:
+        if isinstance(arg, torch.Tensor) and arg.dim() > 0:
+            torch._dynamo.mark_static(arg, arg.dim() - 1)
 
 
 def pointwise(fn):
@@ -63,6 +72,8 @@ def pointwise(fn):
             if compiled is None:
                 _allow_recompiles()
                 compiled = torch.compile(fn, dynamic=compile_dynamic())
+            if compile_dynamic() is None:
+                _mark_feature_dims_static(args)
             return compiled(*args, **kwargs)
         return fn(*args, **kwargs)
 
