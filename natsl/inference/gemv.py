@@ -95,8 +95,10 @@ def tiles(N: int, K: int, M: int, sm_count: int) -> tuple[int, int]:
     return block_n, block_k
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., K] with at most 4 rows, weight [N, K] -> x @ weight.T [..., N] in x's dtype."""
+def linear(x: torch.Tensor, weight: torch.Tensor, *, block_n: int | None = None,
+           block_k: int | None = None) -> torch.Tensor:
+    """x [..., K] with at most 4 rows, weight [N, K] -> x @ weight.T [..., N] in x's dtype.
+    `block_n`, `block_k` override the tiles (benchmarks/bench_gemv.py compares settings)."""
     K = x.shape[-1]
     N = weight.shape[0]
     x2 = x.reshape(-1, K)
@@ -107,7 +109,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    block_n, block_k = tiles(N, K, M, _sm_count(x.device))
+    if block_n is None or block_k is None:
+        block_n, block_k = tiles(N, K, M, _sm_count(x.device))
     _kernel()[(-(-N // block_n),)](x2, weight, y, N, K, x2.stride(0), weight.stride(0), y.stride(0),
                                    M=M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
     return y.view(*x.shape[:-1], N)
