@@ -29,7 +29,7 @@ def test_gemv_equals_f_linear(rows, dtype):
     """Odd N and K, K over several chunks, a strided input row; bf16 within one rounding."""
     dev = device()
     gen = torch.Generator().manual_seed(rows)
-    for N, K in ((37, 5), (130, 100), (300, 1030)):
+    for N, K in ((37, 5), (130, 100), (300, 1030), (20, 5000)):  # one pass, looped, K beyond one tile
         weight = torch.randn(N, K, generator=gen).to(dev, dtype)
         x = torch.randn(rows, 2 * K, generator=gen).to(dev, dtype)[:, ::2]  # rows are strided
         got = gemv.linear(x, weight)

@@ -85,9 +85,15 @@ def _sm_count(device: torch.device) -> int:
 
 @functools.lru_cache(maxsize=None)
 def tiles(N: int, K: int, M: int, sm_count: int) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K): the widest BLOCK_N (<= 16) that still gives >= 2 programs per SM, then
-    BLOCK_K so that a tile holds ~4K weights. Wider tiles of the 2026-11-30 first version (64 rows x
-    64 columns for the 32000-row LM head) ran slower than cuBLAS."""
+    """(BLOCK_N, BLOCK_K). Narrow products (few output rows: o, down) take the whole K in one pass
+    (no loop, all loads in flight at once), 8K weights a tile; the others the widest BLOCK_N (<= 16)
+    that still gives >= 2 programs per SM and ~4K weights a tile. Measured with weights read from
+    memory on the H200 (benchmarks/bench_gemv.py, 2026-11-30): one pass took the 1536 x 4096 down
+    product from 7.7 to 5.3 us, but was slower for wide products and for two rows beyond N = 1536;
+    64 x 64 tiles (the first version's choice for the LM head) were slower than cuBLAS."""
+    if (M == 1 and N <= 4608) or (M == 2 and N <= 1536):
+        block_k = min(kernels.next_pow2(K), 4096)
+        return max(1, 8192 // block_k), block_k
     block_n = 16
     while block_n > 1 and -(-N // block_n) < 2 * sm_count:
         block_n //= 2
