@@ -358,7 +358,6 @@ def test_merged_projections_change_no_value(layout, monkeypatch):
     grad-free calls of at most MERGE_MAX_ROWS rows (decode steps, short prompts) run one product per
     group and give the logits of separate products, longer inputs keep separate products, and
     gradients still reach every projection."""
-    from natsl.models import merged as merged_module
     from natsl.models.merged import merge_
 
     config = dataclasses.replace(natsl.load_recipe(RECIPES / "tiny_hybrid.yaml").model, block_size=BLOCK,
@@ -378,8 +377,8 @@ def test_merged_projections_change_no_value(layout, monkeypatch):
     buffers = {id(group.buffer) for mod in model.modules()  # (a group's first weight shares its address)
                for group in mod.__dict__.get("_merged_linears", {}).values()}
     calls = []  # for every F.linear: was its weight a merged buffer?
-    real_linear = merged_module.F.linear
-    monkeypatch.setattr(merged_module.F, "linear",
+    real_linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear",
                         lambda x, w, *a: calls.append(id(w) in buffers) or real_linear(x, w, *a))
     with torch.no_grad():
         short_merged = model(ids[:1, :30])
@@ -465,6 +464,29 @@ def test_fused_conv_steps_of_three_widths_in_one_launch():
     for y, want, tail, want_tail in zip(got, expected, tails, expected_tails):
         assert y.shape == want.shape and relative_error(y, want) < 1e-6
         assert torch.equal(tail, want_tail)
+
+
+def test_fused_write_kv_equals_two_scatters():
+    """natsl.inference.kernels.write_kv (a decode token's K and V rows into their caches, one launch)
+    against functional.write_token, with strided rows, odd widths and per-row slots."""
+    from natsl.inference import kernels
+    from natsl.inference.functional import write_token
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs CUDA or the Triton interpreter")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(5)
+    B, heads, L, DK, DV = 2, 3, 9, 20, 36
+    k_buf, v_buf = torch.randn(B, heads, L, DK, generator=gen), torch.randn(B, heads, L, DV, generator=gen)
+    k_buf, v_buf = k_buf.to(device), v_buf.to(device)
+    rows = torch.randn(B, heads, DK + DV, generator=gen).to(device)  # k and v as views of one buffer
+    k, v = rows[..., :DK], rows[..., DK:]
+    slots = torch.tensor([[0, 4, 8], [3, 3, 1]], device=device)
+    want_k, want_v = k_buf.clone(), v_buf.clone()
+    write_token(want_k, slots, k)
+    write_token(want_v, slots, v)
+    kernels.write_kv(k_buf, v_buf, slots, k, v)
+    assert torch.equal(k_buf, want_k) and torch.equal(v_buf, want_v)
 
 
 @pytest.mark.parametrize("width", [64, 100, 192, 1536])

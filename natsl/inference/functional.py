@@ -14,7 +14,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from natsl.inference import decode_attention
+from natsl.inference import decode_attention, kernels
 from natsl.ops import resolve_backend
 
 
@@ -78,6 +78,15 @@ def write_token(buffer, slots, values) -> None:
     """buffer [B, heads, L, D]; slots [B, heads] (int64); values [B, heads, D]: buffer[b, h, slots[b, h]] = values[b, h]."""
     index = slots[:, :, None, None].expand(-1, -1, 1, buffer.shape[-1])
     buffer.scatter_(2, index, values[:, :, None, :].to(buffer.dtype))
+
+
+def write_kv(k_buf, v_buf, slots, k, v, *, fused: bool = False) -> None:
+    """`write_token` of a decode token's K and V; `fused`: both in one Triton launch (kernels.write_kv)."""
+    if fused and k.stride(-1) == 1 and v.stride(-1) == 1:
+        kernels.write_kv(k_buf, v_buf, slots, k, v)
+    else:
+        write_token(k_buf, slots, k)
+        write_token(v_buf, slots, v)
 
 
 def attend_one(q, keys, values, visible, *, scale=None):

@@ -12,6 +12,7 @@ downcast -- and each short conv is cat + conv1d + silu + a tail copy), so a CUDA
 - `conv_step(x, tail, weight)`: one token of the causal short conv + SiLU, the tail shifted in place
   (`conv_steps` does a layer's q, k and v in one launch);
   `conv_chunk(x, tail, weight)` the same over many tokens (prefill), in 2-D tiles.
+- `write_kv(...)`: a decode token's K and V rows into their caches in one launch;
 - `store_blocks(...)`: a prefill chunk's K/V of kept (and unfinished) blocks into a NAtS-L cache's
   compacted memory, one program per (sequence, head, block).
 - `gdn_decode_step(...)`: L2-norm of q, k, the decay g and beta from the raw projections, and the
@@ -205,7 +206,23 @@ def _kernels():
             tl.store(mem_ptr + b.to(tl.int64) * m_b + h * m_h + dest[:, None] * m_l + cols[None, :],
                      rows.to(mem_ptr.dtype.element_ty), mask=mask)
 
-    return rms_kernel, conv_step_kernel, gdn_step_kernel, conv_chunk_kernel, store_blocks_kernel
+    @triton.jit
+    def write_kv_kernel(kb_ptr, vb_ptr, slots_ptr, k_ptr, v_ptr, HEADS, DK, DV,
+                        kb_b, kb_h, kb_l, vb_b, vb_h, vb_l, sl_b, sl_h, k_b, k_h, v_b, v_h,
+                        BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+        # One program per (sequence, head): its K row and V row into the slot it was given.
+        bh = tl.program_id(0)
+        b = (bh // HEADS).to(tl.int64)
+        h = bh % HEADS
+        slot = tl.load(slots_ptr + b * sl_b + h * sl_h)
+        ck = tl.arange(0, BLOCK_K)
+        row = tl.load(k_ptr + b * k_b + h * k_h + ck, mask=ck < DK)
+        tl.store(kb_ptr + b * kb_b + h * kb_h + slot * kb_l + ck, row.to(kb_ptr.dtype.element_ty), mask=ck < DK)
+        cv = tl.arange(0, BLOCK_V)
+        row = tl.load(v_ptr + b * v_b + h * v_h + cv, mask=cv < DV)
+        tl.store(vb_ptr + b * vb_b + h * vb_h + slot * vb_l + cv, row.to(vb_ptr.dtype.element_ty), mask=cv < DV)
+
+    return rms_kernel, conv_step_kernel, gdn_step_kernel, conv_chunk_kernel, store_blocks_kernel, write_kv_kernel
 
 
 def next_pow2(n: int) -> int:
@@ -333,6 +350,20 @@ def store_blocks(src: torch.Tensor, mem: torch.Tensor, valid: torch.Tensor, befo
         src, mem, valid, before, kept0, T, n, R, heads, src.stride(0), src.stride(1), src.stride(2),
         mem.stride(0), mem.stride(1), mem.stride(2), D, C=block_size, BLOCK_C=next_pow2(block_size),
         BLOCK_D=max(16, next_pow2(D)), num_warps=4)
+
+
+def write_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """A decode token's K and V into their caches in one launch: k_buf [B, heads, L, Dk], v_buf
+    [B, heads, L, Dv]; slots [B, heads] (int64, on the device); k [B, heads, Dk], v [B, heads, Dv]:
+    buf[b, h, slots[b, h]] = row (as two `functional.write_token` scatters)."""
+    B, heads = slots.shape
+    assert k.stride(-1) == 1 and v.stride(-1) == 1 and k_buf.stride(-1) == 1 and v_buf.stride(-1) == 1
+    DK, DV = k.shape[-1], v.shape[-1]
+    _kernels()[5][(B * heads,)](
+        k_buf, v_buf, slots, k, v, heads, DK, DV, k_buf.stride(0), k_buf.stride(1), k_buf.stride(2),
+        v_buf.stride(0), v_buf.stride(1), v_buf.stride(2), slots.stride(0), slots.stride(1),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        BLOCK_K=max(16, next_pow2(DK)), BLOCK_V=max(16, next_pow2(DV)), num_warps=1)
 
 
 def gdn_decode_step(q, k, v, a, b, A_log, dt_bias, state, *, scale=None):

@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from natsl.config import ModelConfig
-from natsl.inference.functional import attend_cached, write_token
+from natsl.inference import kernels
+from natsl.inference.functional import attend_cached, write_kv
 from natsl.models.linear import Linear
 from natsl.models.merged import shared_linear
 from natsl.models.rope import apply_rope
@@ -56,8 +57,7 @@ class SoftmaxAttention(nn.Module):
             pos = cache.positions.pos
             q, k, v = self.project(x, positions=pos[:, None])
             slots = pos[:, None].expand(b, self.num_heads)
-            write_token(cache.k, slots, k[:, 0])
-            write_token(cache.v, slots, v[:, 0])
+            write_kv(cache.k, cache.v, slots, k[:, 0], v[:, 0], fused=kernels.enabled(self.backend, x.device))
             n = cache.positions.attn_read
             o = attend_cached(q, cache.k[:, :, :n], cache.v[:, :, :n], slots + 1, backend=self.backend)
         else:  # prefill: every sequence starts at `start`

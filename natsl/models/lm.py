@@ -29,18 +29,34 @@ class Block(nn.Module):
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, device=device)
 
     def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
-        if cache is not None and kernels.enabled(getattr(self.mixer, "backend", None), x.device):
-            # cached paths (prefill, decode): each RMSNorm in one kernel instead of nine, the first
-            # residual add in the same kernel as the MLP's norm
-            mixed = self.mixer(kernels.rms_norm(x, self.mixer_norm.weight, self.mixer_norm.eps), cache=cache)
-            if mixed.dtype == x.dtype:
-                x, normed = kernels.add_rms_norm(x, mixed, self.mlp_norm.weight, self.mlp_norm.eps)
-            else:  # the plain sum would promote: keep its dtype
-                x = x + mixed
-                normed = kernels.rms_norm(x, self.mlp_norm.weight, self.mlp_norm.eps)
-            return x + self.mlp(normed)
+        if cache is not None and self.fused(x):
+            x, pending = self.forward_fused(x, None, cache)
+            return x + pending
         x = x + self.mixer(self.mixer_norm(x), cache=cache)
         return x + self.mlp(self.mlp_norm(x))
+
+    def fused(self, x: torch.Tensor) -> bool:
+        """Whether the cached paths of this block run the fused inference kernels."""
+        return kernels.enabled(getattr(self.mixer, "backend", None), x.device)
+
+    def forward_fused(self, x: torch.Tensor, pending, cache):
+        """The cached paths on the fused kernels, with residual adds deferred into the next norm:
+        (x, pending) stands for the residual stream x + pending (pending None: x). Returns the
+        same kind of pair; every RMSNorm is one kernel, and each add runs in the next norm's kernel."""
+        x, normed = add_then_norm(x, pending, self.mixer_norm)
+        x, normed = add_then_norm(x, self.mixer(normed, cache=cache), self.mlp_norm)
+        return x, self.mlp(normed)
+
+
+def add_then_norm(x: torch.Tensor, residual, norm: RMSNorm):
+    """(x + residual, norm(x + residual)) on the fused kernels: one kernel where the sum keeps x's
+    dtype (residual None: the norm alone)."""
+    if residual is None:
+        return x, kernels.rms_norm(x, norm.weight, norm.eps)
+    if residual.dtype == x.dtype:
+        return kernels.add_rms_norm(x, residual, norm.weight, norm.eps)
+    x = x + residual  # the plain sum would promote: keep its dtype
+    return x, kernels.rms_norm(x, norm.weight, norm.eps)
 
 
 class CausalLM(nn.Module):
@@ -131,16 +147,12 @@ class CausalLM(nn.Module):
         positions = cache.positions
         positions.start = int(positions.lengths[0])
         try:
-            x = self.embed(input_ids)
-            for block, layer_cache in zip(self.layers, cache.layers):
-                x = block(x, layer_cache)
+            logits = self._cached_layers(input_ids, cache, last_only)
         finally:
             positions.start = None
         positions.pos.add_(length)
         cache.advance(length)
-        if last_only:
-            x = x[:, -1:]
-        return self.lm_head(self._final_norm(x))
+        return logits
 
     def decode_step(self, input_ids: torch.Tensor, cache) -> torch.Tensor:
         """One token per sequence [B, 1] -> logits [B, 1, vocab], each sequence at its own position.
@@ -149,18 +161,26 @@ class CausalLM(nn.Module):
         CUDA graph: it advances `cache.positions.pos` but not the host-side lengths, and it reads
         as many key slots as `cache.prepare_decode()` set. Callers use `forward` or `DecodeRunner`.
         """
+        logits = self._cached_layers(input_ids, cache)
+        cache.positions.pos.add_(1)
+        return logits
+
+    def _cached_layers(self, input_ids: torch.Tensor, cache, last_only: bool = False) -> torch.Tensor:
+        """Embedding, every layer on its cache, final norm and head. Where the layers run the fused
+        inference kernels, each residual add goes into the next norm's kernel (Block.forward_fused)."""
         x = self.embed(input_ids)
+        if all(block.fused(x) for block in self.layers):
+            pending = None
+            for block, layer_cache in zip(self.layers, cache.layers):
+                x, pending = block.forward_fused(x, pending, layer_cache)
+            if last_only:
+                x, pending = x[:, -1:], (None if pending is None else pending[:, -1:])
+            return self.lm_head(add_then_norm(x, pending, self.norm)[1])
         for block, layer_cache in zip(self.layers, cache.layers):
             x = block(x, layer_cache)
-        cache.positions.pos.add_(1)
-        return self.lm_head(self._final_norm(x))
-
-    def _final_norm(self, x: torch.Tensor) -> torch.Tensor:
-        """The final norm on the cached paths: the fused kernel where the layers use it."""
-        backend = next((getattr(b.mixer, "backend", None) for b in self.layers if hasattr(b.mixer, "backend")), None)
-        if kernels.enabled(backend, x.device):
-            return kernels.rms_norm(x, self.norm.weight, self.norm.eps)
-        return self.norm(x)
+        if last_only:
+            x = x[:, -1:]
+        return self.lm_head(self.norm(x))
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())

@@ -28,9 +28,9 @@ from natsl import ops
 from natsl.config import ModelConfig
 from natsl.inference import kernels
 from natsl.inference.block_end import close_block, decode_slots
-from natsl.inference.routing import KeepFraction
 from natsl.inference.functional import (attend_cached, commit_state, gdn_token_step, masked_attention, read_state,
-                                        use_fast, write_token)
+                                        use_fast, write_kv)
+from natsl.inference.routing import KeepFraction
 from natsl.models.gated_deltanet import GatedDeltaProjections
 from natsl.models.linear import Linear
 from natsl.models.norms import RMSNorm
@@ -190,8 +190,7 @@ class NAtSL(nn.Module):
         qs, ks, vs = self.softmax_views(q, k, v, positions=pos[:, None], fused=fused)
         # "gdn" intra-block output: the own block is GDN-only, the query reads the kept blocks alone
         slots, visible = decode_slots(cache.kept_len, pos, self.groups, C, c.intra_block_output != "gdn")
-        write_token(cache.k_mem, slots, ks[:, 0])
-        write_token(cache.v_mem, slots, vs[:, 0])
+        write_kv(cache.k_mem, cache.v_mem, slots, ks[:, 0], vs[:, 0], fused=fused)
         n = cache.positions.natsl_read
         o_nla = attend_cached(qs, cache.k_mem[:, :, :n], cache.v_mem[:, :, :n], visible, backend=self.backend)
 
