@@ -39,6 +39,24 @@ def test_gemv_equals_f_linear(rows, dtype):
         assert relative_error(got, want) < (1e-5 if dtype == torch.float32 else 2 ** -7), (N, K)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_gemv_equals_swiglu_then_linear(dtype):
+    """`up=`: the input is silu(x) * up, rounded once to the input dtype, as the compiled SwiGLU."""
+    from natsl.models import pointwise as pw
+
+    dev = device()
+    gen = torch.Generator().manual_seed(9)
+    for rows, N, K in ((1, 24, 300), (2, 40, 70)):
+        gate = torch.randn(rows, K, generator=gen).to(dev, dtype)
+        up = torch.randn(rows, K, generator=gen).to(dev, dtype)
+        weight = torch.randn(N, K, generator=gen).to(dev, dtype)
+        hidden = (pw.swiglu.__wrapped__(gate.float(), up.float())).to(dtype)  # one rounding
+        want = F.linear(hidden.float(), weight.float())
+        got = gemv.linear(gate, weight, up=up)
+        # bf16: the rounding of the product (and of the hidden value: the interpreter truncates)
+        assert relative_error(got, want) < (1e-5 if dtype == torch.float32 else 2 ** -6), (rows, N, K)
+
+
 def test_gemv_keeps_leading_dims():
     dev = device()
     weight = torch.randn(24, 40, device=dev)

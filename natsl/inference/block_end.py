@@ -36,14 +36,17 @@ def decode_slots(kept_len: torch.Tensor, pos: torch.Tensor, groups: int, block_s
 def close_block(x_sum: torch.Tensor, x: torch.Tensor, pos: torch.Tensor, router_weight: torch.Tensor,
                 state_start: torch.Tensor, state_run: torch.Tensor, decay_sum: torch.Tensor,
                 kept_len: torch.Tensor, block_size: int, decay_skipped_blocks: bool,
-                fraction: float | None, seed: int) -> None:
-    """Add the token x [B, d] to the block's running sum; where it ends its block (pos % C == C-1),
-    route the block, commit the state (both states become the committed one), add C to the kept
-    length of kept groups and reset the block's sums. All in place; rows not at a block end keep
-    their states. `fraction` not None: the KeepFraction(fraction, seed) route instead of the router."""
+                fraction: float | None, seed: int, g_token: torch.Tensor | None = None) -> None:
+    """Add the token x [B, d] to the block's running sum (and its log decay g_token [B, H], when
+    given, to the block's decay sum); where it ends its block (pos % C == C-1), route the block,
+    commit the state (both states become the committed one), add C to the kept length of kept
+    groups and reset the block's sums. All in place; rows not at a block end keep their states.
+    `fraction` not None: the KeepFraction(fraction, seed) route instead of the router."""
     C = block_size
     B, G = kept_len.shape
     x_sum.add_(x.to(x_sum.dtype))
+    if g_token is not None:
+        decay_sum.add_(g_token.to(decay_sum.dtype))
     done = (pos % C) == C - 1
     if fraction is None:
         xbar = x_sum.to(router_weight.dtype) / C

@@ -38,42 +38,8 @@ def enabled(x: torch.Tensor) -> bool:
     return x.is_cuda and os.environ.get("NATSL_DECODE_GEMV", "1") != "0" and kernels._triton()
 
 
-@functools.lru_cache(maxsize=None)
 def _kernel():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym,
-                    M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N
-        rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-        offs_k = tl.arange(0, BLOCK_K)
-        # One [BLOCK_N, BLOCK_K] fp32 accumulator per input row, reduced once after the loop.
-        acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        acc3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + offs_k
-            k_ok = k < K
-            w = tl.load(rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            acc0 += w * tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-            if M > 1:
-                acc1 += w * tl.load(x_ptr + stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-            if M > 2:
-                acc2 += w * tl.load(x_ptr + 2 * stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-            if M > 3:
-                acc3 += w * tl.load(x_ptr + 3 * stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        out_ty = y_ptr.dtype.element_ty
-        tl.store(y_ptr + offs_n, tl.sum(acc0, 1).to(out_ty), mask=n_ok)
-        if M > 1:
-            tl.store(y_ptr + stride_ym + offs_n, tl.sum(acc1, 1).to(out_ty), mask=n_ok)
-        if M > 2:
-            tl.store(y_ptr + 2 * stride_ym + offs_n, tl.sum(acc2, 1).to(out_ty), mask=n_ok)
-        if M > 3:
-            tl.store(y_ptr + 3 * stride_ym + offs_n, tl.sum(acc3, 1).to(out_ty), mask=n_ok)
+    from natsl.inference.gemv_kernel import gemv_kernel  # imports Triton: only where a kernel runs
 
     return gemv_kernel
 
@@ -101,10 +67,12 @@ def tiles(N: int, K: int, M: int, sm_count: int) -> tuple[int, int]:
     return block_n, block_k
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, *, block_n: int | None = None,
+def linear(x: torch.Tensor, weight: torch.Tensor, *, up: torch.Tensor | None = None, block_n: int | None = None,
            block_k: int | None = None) -> torch.Tensor:
     """x [..., K] with at most 4 rows, weight [N, K] -> x @ weight.T [..., N] in x's dtype.
-    `block_n`, `block_k` override the tiles (benchmarks/bench_gemv.py compares settings)."""
+    `up` (x's shape): the input is SwiGLU's silu(x) * up instead of x, computed on the fly (a decode
+    step's down projection without the SwiGLU kernel). `block_n`, `block_k` override the tiles
+    (benchmarks/bench_gemv.py compares settings)."""
     K = x.shape[-1]
     N = weight.shape[0]
     x2 = x.reshape(-1, K)
@@ -112,11 +80,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, block_n: int | None = None,
     assert 1 <= M <= 4 and weight.shape[1] == K, (x.shape, weight.shape)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
+    u2 = x2
+    if up is not None:
+        assert up.shape == x.shape and up.dtype == x.dtype
+        u2 = up.reshape(-1, K)
+        if u2.stride(-1) != 1:
+            u2 = u2.contiguous()
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if block_n is None or block_k is None:
         block_n, block_k = tiles(N, K, M, _sm_count(x.device))
-    _kernel()[(-(-N // block_n),)](x2, weight, y, N, K, x2.stride(0), weight.stride(0), y.stride(0),
-                                   M=M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    _kernel()[(-(-N // block_n),)](x2, u2, weight, y, N, K, x2.stride(0), u2.stride(0), weight.stride(0), y.stride(0),
+                                   M=M, BLOCK_N=block_n, BLOCK_K=block_k, GATED=up is not None, num_warps=4)
     return y.view(*x.shape[:-1], N)

@@ -13,10 +13,21 @@ from torch import nn
 from natsl.inference import gemv
 
 
+def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether a product of x with weight goes to the GEMV kernel: grad-free, at most gemv.MAX_ROWS
+    rows, no bias, same dtype, and the kernel enabled for x's device."""
+    return (bias is None and not torch.is_grad_enabled() and 0 < x.numel() <= gemv.MAX_ROWS * x.shape[-1]
+            and x.dtype == weight.dtype and gemv.enabled(x))
+
+
+def decode_sized(x: torch.Tensor, layer: nn.Linear) -> bool:
+    """`gemv_applies` for an input of `layer`."""
+    return gemv_applies(x, layer.weight, layer.bias)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, on the GEMV kernel for grad-free inputs of at most gemv.MAX_ROWS rows without bias."""
-    if (bias is None and not torch.is_grad_enabled() and x.numel() <= gemv.MAX_ROWS * x.shape[-1]
-            and x.numel() > 0 and gemv.enabled(x) and x.dtype == weight.dtype):
+    """F.linear, on the GEMV kernel where `gemv_applies`."""
+    if gemv_applies(x, weight, bias):
         return gemv.linear(x, weight)
     return F.linear(x, weight, bias)
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from natsl.models.linear import Linear
+from natsl.inference import gemv
+from natsl.models.linear import Linear, decode_sized
 from natsl.models.merged import shared_linear
 from natsl.models.pointwise import swiglu
 
@@ -21,4 +22,7 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = shared_linear(self, "gate_up", x)
+        if decode_sized(gate, self.down_proj):
+            # a decode step: the down product computes silu(gate) * up as it reads (no SwiGLU kernel)
+            return gemv.linear(gate, self.down_proj.weight, up=up)
         return self.down_proj(swiglu(gate, up))

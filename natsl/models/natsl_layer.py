@@ -163,8 +163,10 @@ class NAtSL(nn.Module):
         c = self.config
         C = c.block_size
         pos = cache.positions.pos  # [B]: this token's position
-        offset = pos % C  # its index inside its block
         fast = use_fast(self.backend, x.device)
+        override = self.route_override
+        # The block-end bookkeeping in a few compiled kernels (natsl.inference.block_end)?
+        compiled_end = fused and (override is None or isinstance(override, KeepFraction))
 
         # GDN branch: step the running state; without intra-block output read the committed one.
         if raw_gates is not None and c.intra_block_output != "softmax":
@@ -172,7 +174,6 @@ class NAtSL(nn.Module):
             a, b = raw_gates
             o_run, g_token = kernels.gdn_decode_step(q[:, 0], k[:, 0], v[:, 0], a[:, 0], b[:, 0], self.proj.A_log,
                                                      self.proj.dt_bias, cache.state_run)
-            cache.decay_sum.add_(g_token)
             o_la = o_run[:, None]
         else:
             g, beta = gates if gates is not None else self.proj.gates(*raw_gates)
@@ -180,10 +181,12 @@ class NAtSL(nn.Module):
             o_run, run = gdn_token_step(cache.state_run, ql[:, 0], kl[:, 0], vl[:, 0], g[:, 0], beta[:, 0],
                                         fast=fast)
             cache.state_run.copy_(run)
-            cache.decay_sum.add_(g[:, 0])
+            g_token = g[:, 0]
             if c.intra_block_output != "softmax":
                 o_la = o_run[:, None]
             else:
+                cache.decay_sum.add_(g_token)  # read now: the committed state decayed to this token
+                g_token = None
                 o_la = (cache.decay_sum.exp()[:, None, :, None] * read_state(cache.state_start, ql)).to(x.dtype)
 
         # Softmax branch: the token's K/V go after its group's kept blocks and its block's earlier tokens.
@@ -194,16 +197,18 @@ class NAtSL(nn.Module):
         n = cache.positions.natsl_read
         o_nla = attend_cached(qs, cache.k_mem[:, :, :n], cache.v_mem[:, :, :n], visible, backend=self.backend)
 
-        # Block end (where offset == C-1): route on the block mean, commit the state, keep or drop the KV.
-        override = self.route_override
-        if fused and (override is None or isinstance(override, KeepFraction)):
-            # The same in a few compiled kernels (natsl.inference.block_end).
+        # Block end (where the token's offset is C-1): route on the block mean, commit the state, keep
+        # or drop the KV; first the token's decay joins its block's sum (unless read above).
+        if compiled_end:
             close_block(cache.x_sum, x[:, 0], pos, self.router.weight, cache.state_start, cache.state_run,
                         cache.decay_sum, cache.kept_len, C, c.decay_skipped_blocks,
-                        None if override is None else override.fraction, 0 if override is None else override.seed)
+                        None if override is None else override.fraction, 0 if override is None else override.seed,
+                        g_token)
             return o_la, o_nla
+        if g_token is not None:
+            cache.decay_sum.add_(g_token)
         cache.x_sum.add_(x[:, 0].to(cache.x_sum.dtype))
-        done = offset == C - 1
+        done = pos % C == C - 1
         keep, write = self.decide_routes(cache.x_sum[:, None], C, (pos // C)[:, None])
         keep, write = keep[:, 0], write[:, 0]
         committed = commit_state(cache.state_start, cache.state_run, cache.decay_sum, write,

@@ -1,0 +1,50 @@
+"""The Triton kernel of `natsl.inference.gemv` (a module of its own so that its helper is a
+module-level jit function; importing it imports Triton)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _row(x_ptr, u_ptr, m, stride_xm, stride_um, k, k_ok, GATED: tl.constexpr):
+    """Input row m at columns k in fp32; GATED: silu(x) * u, rounded to the input dtype once (as
+    the compiled SwiGLU stores it) before the product."""
+    x = tl.load(x_ptr + m * stride_xm + k, mask=k_ok, other=0.0)
+    if GATED:
+        g = x.to(tl.float32)
+        u = tl.load(u_ptr + m * stride_um + k, mask=k_ok, other=0.0).to(tl.float32)
+        x = (g / (1.0 + tl.exp(-g)) * u).to(x.dtype)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def gemv_kernel(x_ptr, u_ptr, w_ptr, y_ptr, N, K, stride_xm, stride_um, stride_wn, stride_ym,
+                M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    offs_k = tl.arange(0, BLOCK_K)
+    # One [BLOCK_N, BLOCK_K] fp32 accumulator per input row, reduced once after the loop.
+    acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        k_ok = k < K
+        w = tl.load(rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        acc0 += w * _row(x_ptr, u_ptr, 0, stride_xm, stride_um, k, k_ok, GATED)[None, :]
+        if M > 1:
+            acc1 += w * _row(x_ptr, u_ptr, 1, stride_xm, stride_um, k, k_ok, GATED)[None, :]
+        if M > 2:
+            acc2 += w * _row(x_ptr, u_ptr, 2, stride_xm, stride_um, k, k_ok, GATED)[None, :]
+        if M > 3:
+            acc3 += w * _row(x_ptr, u_ptr, 3, stride_xm, stride_um, k, k_ok, GATED)[None, :]
+    out_ty = y_ptr.dtype.element_ty
+    tl.store(y_ptr + offs_n, tl.sum(acc0, 1).to(out_ty), mask=n_ok)
+    if M > 1:
+        tl.store(y_ptr + stride_ym + offs_n, tl.sum(acc1, 1).to(out_ty), mask=n_ok)
+    if M > 2:
+        tl.store(y_ptr + 2 * stride_ym + offs_n, tl.sum(acc2, 1).to(out_ty), mask=n_ok)
+    if M > 3:
+        tl.store(y_ptr + 3 * stride_ym + offs_n, tl.sum(acc3, 1).to(out_ty), mask=n_ok)
