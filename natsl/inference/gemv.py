@@ -4,11 +4,11 @@ A decode step multiplies one token's vector by every weight matrix, so it is bou
 weights. cuBLAS picks a different kernel for each shape at one row (gemv, split-K with a separate
 reduction, narrow-tile GEMMs); on the H200 the 2026-11-30 profile of an 800M GDN decode step spent
 0.82 ms in products whose weights read in ~0.38 ms at copy bandwidth. This kernel streams the weight
-once: each program owns BLOCK_N output features, walks K in BLOCK_K chunks, multiplies in fp32 and
-reduces once at the end; BLOCK_N is chosen so that there are at least two programs per SM, and the
-tile holds ~4K weights so that enough bytes are in flight. The kernel takes up to 4 rows; `Linear`
-sends it at most MAX_ROWS. Results agree with `F.linear` to rounding
-(fp32 sums in a different order, one rounding to the input dtype).
+once: each program owns BLOCK_N output features, walks K in BLOCK_K chunks (or takes it in one
+pass), multiplies in fp32 and reduces once at the end; `tiles` picks the shapes from measurements.
+The kernel takes up to 4 rows; `Linear` sends it at most MAX_ROWS. Results agree with `F.linear`
+to rounding (fp32 sums in a different order, one rounding to the input dtype). With `up=` it reads
+SwiGLU's two halves and multiplies by silu(gate) * up instead (the decode step's down product).
 
 `enabled(x)`: CUDA tensors (or the Triton interpreter when FORCE is set, for tests), unless
 NATSL_DECODE_GEMV=0. `natsl.models.linear.Linear` calls it for grad-free inputs of <= MAX_ROWS rows.
