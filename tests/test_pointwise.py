@@ -81,6 +81,24 @@ def test_cpu_tensors_never_compile(monkeypatch):
     assert torch.equal(pw.rms_norm(x, None, 1e-6), pw.rms_norm.eager(x, None, 1e-6))
 
 
+@pytest.mark.parametrize("setting,dynamic", [(None, None), ("auto", None), ("1", True), ("0", False)])
+def test_compile_dynamic_setting(setting, dynamic, monkeypatch):
+    """NATSL_POINTWISE_DYNAMIC picks torch.compile's `dynamic`; in the default ("auto") every tensor
+    argument's feature dim is marked static before the compiled call."""
+    if setting is None:
+        monkeypatch.delenv("NATSL_POINTWISE_DYNAMIC", raising=False)
+    else:
+        monkeypatch.setenv("NATSL_POINTWISE_DYNAMIC", setting)
+    assert pw.compile_dynamic() is dynamic
+    marked = []
+    monkeypatch.setattr(torch._dynamo, "mark_static", lambda t, dim: marked.append((tuple(t.shape), dim)))
+    monkeypatch.setenv("NATSL_COMPILE_POINTWISE", "all")
+    monkeypatch.setattr(torch, "compile", lambda fn, dynamic=None: fn)  # the call path, not Inductor
+    fn = pw.pointwise(lambda x, w, eps: x * w)
+    fn(torch.ones(2, 3, 8), torch.ones(8), 1e-6)
+    assert marked == ([((2, 3, 8), 2), ((8,), 0)] if dynamic is None else [])
+
+
 # ----------------------------------------------------------------------------- GPU: compiled vs eager
 def _cases(device, dtype, T):
     B, C, H, D = 2, 96, 6, 16
