@@ -15,11 +15,11 @@ keep, or the layer's KeepFraction hash), and the commit as `natsl.inference.func
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from natsl.inference.functional import commit_state
 from natsl.inference.routing import keep_hash
 from natsl.models.pointwise import pointwise
-from natsl.reference.router import straight_through_route
+from natsl.reference.router import router_scores, straight_through_route
 
 
 @pointwise
@@ -43,20 +43,16 @@ def close_block(x_sum: torch.Tensor, x: torch.Tensor, pos: torch.Tensor, router_
     groups and reset the block's sums. All in place; rows not at a block end keep their states.
     `fraction` not None: the KeepFraction(fraction, seed) route instead of the router."""
     C = block_size
-    B, G = kept_len.shape
+    G = kept_len.shape[1]
     x_sum.add_(x.to(x_sum.dtype))
     if g_token is not None:
         decay_sum.add_(g_token.to(decay_sum.dtype))
     done = (pos % C) == C - 1
     if fraction is None:
-        xbar = x_sum.to(router_weight.dtype) / C
-        scores = F.linear(xbar, router_weight).view(B, G, 2)
-        keep = straight_through_route(scores)[0][..., 0]
+        keep = straight_through_route(router_scores(x_sum.to(router_weight.dtype) / C, router_weight, G))[0][..., 0]
     else:
         keep = keep_hash((pos // C)[:, None], G, seed, fraction)[:, 0]
-    write = (1 - keep).to(state_start.dtype)
-    base = decay_sum.to(state_start.dtype).exp()[..., None, None] * state_start if decay_skipped_blocks else state_start
-    committed = base + write[..., None, None] * (state_run.to(state_start.dtype) - base)
+    committed = commit_state(state_start, state_run, decay_sum, 1 - keep, decay_skipped_blocks)
     at_end = done[:, None, None, None]
     state_start.copy_(torch.where(at_end, committed, state_start))
     state_run.copy_(torch.where(at_end, committed.to(state_run.dtype), state_run))

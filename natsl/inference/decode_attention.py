@@ -157,13 +157,6 @@ def _kernels():
     return split_kernel, combine_kernel
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the interpreter: a nominal few, so small shapes still take the split path
-
-
 def choose_splits(L: int, rows: int, sm_count: int, programs_per_sm: int = PROGRAMS_PER_SM) -> int:
     """Chunks per row: enough programs for ~programs_per_sm per SM when B*heads is small, but no
     chunk of L shorter than MIN_SPLIT_KEYS and at most MAX_SPLITS; at least 1."""
@@ -195,7 +188,7 @@ def decode_attention(q, keys, values, visible, *, scale=None, num_splits: int | 
     DK_P, DV_P = max(16, kernels.next_pow2(Dk)), max(16, kernels.next_pow2(Dv))
     if programs_per_sm is None:
         programs_per_sm = PROGRAMS_PER_SM_NARROW if max(DK_P, DV_P) <= 64 else PROGRAMS_PER_SM
-    splits = (choose_splits(L, rows, _sm_count(q.device), programs_per_sm) if num_splits is None
+    splits = (choose_splits(L, rows, kernels.sm_count(q.device), programs_per_sm) if num_splits is None
               else max(1, int(num_splits)))
     if block_n is None:
         block_n = max(16, min(128, 8192 // max(DK_P, DV_P)))  # the [BLOCK_N, D] fp32 tiles stay ~64 registers/thread

@@ -45,11 +45,6 @@ def _kernel():
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
-@functools.lru_cache(maxsize=None)
 def tiles(N: int, K: int, M: int, sm_count: int) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_K). Narrow products (few output rows: o, down) take the whole K in one pass
     (no loop, all loads in flight at once), 8K weights a tile; the others the widest BLOCK_N (<= 16)
@@ -90,7 +85,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, up: torch.Tensor | None = N
         weight = weight.contiguous()
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if block_n is None or block_k is None:
-        block_n, block_k = tiles(N, K, M, _sm_count(x.device))
+        block_n, block_k = tiles(N, K, M, kernels.sm_count(x.device))
     _kernel()[(-(-N // block_n),)](x2, u2, weight, y, N, K, x2.stride(0), u2.stride(0), weight.stride(0), y.stride(0),
                                    M=M, BLOCK_N=block_n, BLOCK_K=block_k, GATED=up is not None, num_warps=4)
     return y.view(*x.shape[:-1], N)

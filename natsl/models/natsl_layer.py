@@ -21,7 +21,6 @@ cache as the other would (see natsl/inference/cache.py for the layout, docs/infe
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from natsl import ops
@@ -36,7 +35,7 @@ from natsl.models.linear import Linear
 from natsl.models.norms import RMSNorm
 from natsl.models.pointwise import mix_branches
 from natsl.models.rope import apply_rope
-from natsl.reference.router import route_blocks, straight_through_route
+from natsl.reference.router import route_blocks, router_scores, straight_through_route
 
 
 class NAtSL(nn.Module):
@@ -138,8 +137,8 @@ class NAtSL(nn.Module):
         if self.route_override is not None:
             keep = self.route_override(block_index.expand(xbar.shape[0], -1), self.num_heads).to(xbar.dtype)
         else:
-            scores = F.linear(xbar, self.router.weight).view(*xbar.shape[:2], self.num_heads, 2)
-            keep = straight_through_route(scores)[0][..., 0].to(xbar.dtype)
+            keep = straight_through_route(router_scores(xbar, self.router.weight, self.num_heads))[0][..., 0]
+            keep = keep.to(xbar.dtype)
         return keep, 1 - keep
 
     def forward_cached(self, x: torch.Tensor, cache) -> torch.Tensor:

@@ -62,17 +62,18 @@ def _mark_feature_dims_static(args) -> None:
 
 def pointwise(fn):
     """fn, run through torch.compile where `compile_for(first argument)` says so (CUDA, by default)."""
-    compiled = None
+    compiled = dynamic = None
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        nonlocal compiled
+        nonlocal compiled, dynamic
         # Inside a model that is itself being compiled, dynamo inlines the plain function.
         if not torch.compiler.is_compiling() and compile_for(args[0]):
             if compiled is None:
                 _allow_recompiles()
-                compiled = torch.compile(fn, dynamic=compile_dynamic())
-            if compile_dynamic() is None:
+                dynamic = compile_dynamic()
+                compiled = torch.compile(fn, dynamic=dynamic)
+            if dynamic is None:
                 _mark_feature_dims_static(args)
             return compiled(*args, **kwargs)
         return fn(*args, **kwargs)

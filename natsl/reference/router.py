@@ -33,9 +33,13 @@ def straight_through_route(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return hard + (probs - probs.detach()), probs
 
 
+def router_scores(xbar: torch.Tensor, weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Block means [..., d], weight [2H, d] -> the two scores per head [..., H, 2] (index 0: keep)."""
+    return F.linear(xbar, weight).view(*xbar.shape[:-1], num_heads, 2)
+
+
 def route_blocks(x: torch.Tensor, weight: torch.Tensor, num_heads: int, block_size: int):
     """x [B, T, d], weight [2H, d] -> (keep [B, NB, H], write [B, NB, H], probs [B, NB, H, 2])."""
     xbar = block_mean(x, block_size)
-    scores = F.linear(xbar, weight).view(*xbar.shape[:2], num_heads, 2)
-    m, probs = straight_through_route(scores)
+    m, probs = straight_through_route(router_scores(xbar, weight, num_heads))
     return m[..., 0], m[..., 1], probs
