@@ -58,7 +58,11 @@ def _kernels():
                      stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
                      stride_vb, stride_vh, stride_vl, stride_vd, stride_visb, stride_vish,
                      DK: tl.constexpr, DV: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr,
-                     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SLOT_STATS: tl.constexpr):
+                     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SLOT_STATS: tl.constexpr,
+                     PDL: tl.constexpr):
+        if PDL:  # kernels.pdl: wait for the earlier kernels' writes, then let the next kernel start
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         bh = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
         b = bh // H
@@ -137,7 +141,10 @@ def _kernels():
 
     @triton.jit
     def combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, DV: tl.constexpr, DV_P: tl.constexpr,
-                       NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr):
+                       NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # kernels.pdl: wait for the earlier kernels' writes, then let the next kernel start
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         bh = tl.program_id(0).to(tl.int64)
         sp = tl.arange(0, SPLITS_P)
         dv = tl.arange(0, DV_P)
@@ -199,12 +206,15 @@ def decode_attention(q, keys, values, visible, *, scale=None, num_splits: int | 
     else:
         maxes = sums = accs = out  # unused
     split_kernel, combine_kernel = _kernels()
+    on = kernels.pdl(q.device)
     split_kernel[(rows, splits)](
         q, keys, values, visible, out, maxes, sums, accs, H, L, scale * math.log2(math.e),
         q.stride(0), q.stride(2), q.stride(3), *keys.stride(), *values.stride(), *visible.stride(),
         DK=Dk, DV=Dv, DK_P=DK_P, DV_P=DV_P, BLOCK_N=block_n, NUM_SPLITS=splits, SLOT_STATS=slot_stats,
-        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}))
+        num_warps=num_warps, PDL=on, **kernels.launch_options(on),
+        **({} if num_stages is None else {"num_stages": num_stages}))
     if splits > 1:
         combine_kernel[(rows,)](maxes, sums, accs, out, DV=Dv, DV_P=DV_P, NUM_SPLITS=splits,
-                                SPLITS_P=kernels.next_pow2(splits), num_warps=4)
+                                SPLITS_P=kernels.next_pow2(splits), num_warps=4, PDL=on,
+                                **kernels.launch_options(on))
     return out

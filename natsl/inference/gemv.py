@@ -86,6 +86,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, up: torch.Tensor | None = N
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if block_n is None or block_k is None:
         block_n, block_k = tiles(N, K, M, kernels.sm_count(x.device))
+    on = kernels.pdl(x.device)
     _kernel()[(-(-N // block_n),)](x2, u2, weight, y, N, K, x2.stride(0), u2.stride(0), weight.stride(0), y.stride(0),
-                                   M=M, BLOCK_N=block_n, BLOCK_K=block_k, GATED=up is not None, num_warps=4)
+                                   M=M, BLOCK_N=block_n, BLOCK_K=block_k, GATED=up is not None, num_warps=4,
+                                   PDL=on, **kernels.launch_options(on))
     return y.view(*x.shape[:-1], N)

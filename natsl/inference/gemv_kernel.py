@@ -18,8 +18,24 @@ def _row(x_ptr, u_ptr, m, stride_xm, stride_um, k, k_ok, GATED: tl.constexpr):
 
 
 @triton.jit
+def _accumulate(acc0, acc1, acc2, acc3, w, x_ptr, u_ptr, stride_xm, stride_um, k, k_ok,
+                M: tl.constexpr, GATED: tl.constexpr):
+    """Add one [BLOCK_N, BLOCK_K] weight tile times each input row's columns k to its accumulator."""
+    w = w.to(tl.float32)
+    acc0 += w * _row(x_ptr, u_ptr, 0, stride_xm, stride_um, k, k_ok, GATED)[None, :]
+    if M > 1:
+        acc1 += w * _row(x_ptr, u_ptr, 1, stride_xm, stride_um, k, k_ok, GATED)[None, :]
+    if M > 2:
+        acc2 += w * _row(x_ptr, u_ptr, 2, stride_xm, stride_um, k, k_ok, GATED)[None, :]
+    if M > 3:
+        acc3 += w * _row(x_ptr, u_ptr, 3, stride_xm, stride_um, k, k_ok, GATED)[None, :]
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
 def gemv_kernel(x_ptr, u_ptr, w_ptr, y_ptr, N, K, stride_xm, stride_um, stride_wn, stride_ym,
-                M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr):
+                M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
+                PDL: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
@@ -29,17 +45,23 @@ def gemv_kernel(x_ptr, u_ptr, w_ptr, y_ptr, N, K, stride_xm, stride_um, stride_w
     acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_start = 0
+    if PDL:
+        # The weights are never written by earlier kernels: the first tile (all of it for one-pass
+        # tiles) loads while the previous kernel finishes; the input is read after the wait.
+        k_ok = offs_k < K
+        w = tl.load(rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+        acc0, acc1, acc2, acc3 = _accumulate(acc0, acc1, acc2, acc3, w, x_ptr, u_ptr, stride_xm, stride_um,
+                                             offs_k, k_ok, M, GATED)
+        k_start = BLOCK_K
+    for k0 in range(k_start, K, BLOCK_K):
         k = k0 + offs_k
         k_ok = k < K
-        w = tl.load(rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        acc0 += w * _row(x_ptr, u_ptr, 0, stride_xm, stride_um, k, k_ok, GATED)[None, :]
-        if M > 1:
-            acc1 += w * _row(x_ptr, u_ptr, 1, stride_xm, stride_um, k, k_ok, GATED)[None, :]
-        if M > 2:
-            acc2 += w * _row(x_ptr, u_ptr, 2, stride_xm, stride_um, k, k_ok, GATED)[None, :]
-        if M > 3:
-            acc3 += w * _row(x_ptr, u_ptr, 3, stride_xm, stride_um, k, k_ok, GATED)[None, :]
+        w = tl.load(rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc0, acc1, acc2, acc3 = _accumulate(acc0, acc1, acc2, acc3, w, x_ptr, u_ptr, stride_xm, stride_um,
+                                             k, k_ok, M, GATED)
     out_ty = y_ptr.dtype.element_ty
     tl.store(y_ptr + offs_n, tl.sum(acc0, 1).to(out_ty), mask=n_ok)
     if M > 1:

@@ -67,9 +67,12 @@ def _kernels():
     @triton.jit
     def rms_kernel(x_ptr, w_ptr, gate_ptr, y_ptr, res_ptr, sum_ptr, N, D, eps,
                    HAS_W: tl.constexpr, HAS_GATE: tl.constexpr, MEAN: tl.constexpr, BLOCK: tl.constexpr,
-                   ROWS: tl.constexpr, HAS_RES: tl.constexpr):
+                   ROWS: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):
         # ROWS rows per program: per-head L2 norms have rows of 64-256 values, too little work for
         # a program each (a 128K prefill has 786K such rows per projection).
+        if PDL:  # kernels.pdl: wait for the earlier kernels' writes, then let the next kernel start
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK)
         mask = (rows < N)[:, None] & (cols < D)[None, :]
@@ -95,8 +98,12 @@ def _kernels():
     @triton.jit
     def conv_step_kernel(x0, t0, w0, y0, C0, sx0, stb0, stw0, sy0,
                          x1, t1, w1, y1, C1, sx1, stb1, stw1, sy1,
-                         x2, t2, w2, y2, C2, sx2, stb2, stw2, sy2, W: tl.constexpr, BLOCK: tl.constexpr):
+                         x2, t2, w2, y2, C2, sx2, stb2, stw2, sy2, W: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
         # Up to three convs (a GDN layer's q, k and v) in one launch: axis 2 picks the tensor.
+        if PDL:  # kernels.pdl: wait for the earlier kernels' writes, then let the next kernel start
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         b = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         which = tl.program_id(2)
@@ -147,7 +154,11 @@ def _kernels():
     @triton.jit
     def gdn_step_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, s_ptr, o_ptr, g_ptr,
                         H, stride_qb, stride_kb, stride_vb, stride_ab, stride_bb, stride_sb, scale,
-                        K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+                        K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                        PDL: tl.constexpr):
+        if PDL:  # kernels.pdl: wait for the earlier kernels' writes, then let the next kernel start
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         iv = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
         b = bh // H
@@ -209,8 +220,11 @@ def _kernels():
     @triton.jit
     def write_kv_kernel(kb_ptr, vb_ptr, slots_ptr, k_ptr, v_ptr, HEADS, DK, DV,
                         kb_b, kb_h, kb_l, vb_b, vb_h, vb_l, sl_b, sl_h, k_b, k_h, v_b, v_h,
-                        BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+                        BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
         # One program per (sequence, head): its K row and V row into the slot it was given.
+        if PDL:  # kernels.pdl: wait for the earlier kernels' writes, then let the next kernel start
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         bh = tl.program_id(0)
         b = (bh // HEADS).to(tl.int64)
         h = bh % HEADS
@@ -232,6 +246,36 @@ def sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4
+
+
+# Tests and benchmarks set this to True / False; None = NATSL_DECODE_PDL (default on) on Hopper or newer.
+PDL: bool | None = None
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def pdl(device: torch.device) -> bool:
+    """Whether the inference kernels launch with programmatic dependent launch (PDL) on `device`.
+
+    With PDL a kernel may start while the kernel before it finishes: it runs what does not depend
+    on that kernel (a GEMV's first weight tile) and then waits (`griddepcontrol.wait`) before it
+    reads anything the earlier kernel wrote, and lets the next kernel start once all of its own
+    programs have passed that wait. At batch 1 a decode step is ~300 short kernels whose ramp-up
+    and tail are otherwise serial. CUDA devices of compute capability 9.0 or newer (the interpreter
+    cannot run the instructions); NATSL_DECODE_PDL=0 turns it off."""
+    if device.type != "cuda":
+        return False
+    if PDL is not None:
+        return PDL
+    return _capability(device)[0] >= 9 and os.environ.get("NATSL_DECODE_PDL", "1") != "0"
+
+
+def launch_options(on: bool) -> dict:
+    """Launch keywords for a kernel launched with PDL `on` (none when off: the interpreter takes no such option)."""
+    return {"launch_pdl": True} if on else {}
 
 
 def next_pow2(n: int) -> int:
@@ -271,13 +315,14 @@ def _launch_rms(xr, weight, g, y, rr, total, eps, has_gate: bool, mean: bool) ->
     n, D = xr.shape
     if n == 0:
         return
+    on = pdl(xr.device)
     block = max(16, next_pow2(D))
     rows_per_program = max(1, min(16, 2048 // block))  # tiles of about 2048 values
     _kernels()[0][(-(-n // rows_per_program),)](
         xr, weight if weight is not None else xr, g, y, rr if rr is not None else xr,
         total if total is not None else y, n, D, float(eps), HAS_W=weight is not None,
         HAS_GATE=has_gate, MEAN=mean, BLOCK=block, ROWS=rows_per_program, HAS_RES=rr is not None,
-        num_warps=4 if block <= 2048 else 8)
+        num_warps=4 if block <= 2048 else 8, PDL=on, **launch_options(on))
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -311,8 +356,9 @@ def conv_steps(xs, tails, weights) -> list[torch.Tensor]:
     args = [a for triple in sets for a in triple]
     args += list(sets[0]) * (3 - len(sets))  # unused slots (never read: the grid stops before them)
     block = 1024
+    on = pdl(xs[0].device)
     _kernels()[1][(xs[0].shape[0], -(-widest // block), len(sets))](*args, W=tails[0].shape[1], BLOCK=block,
-                                                                     num_warps=4)
+                                                                     num_warps=4, PDL=on, **launch_options(on))
     return [triple[3] for triple in sets]
 
 
@@ -367,11 +413,13 @@ def write_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor, k: t
     B, heads = slots.shape
     assert k.stride(-1) == 1 and v.stride(-1) == 1 and k_buf.stride(-1) == 1 and v_buf.stride(-1) == 1
     DK, DV = k.shape[-1], v.shape[-1]
+    on = pdl(k.device)
     _kernels()[5][(B * heads,)](
         k_buf, v_buf, slots, k, v, heads, DK, DV, k_buf.stride(0), k_buf.stride(1), k_buf.stride(2),
         v_buf.stride(0), v_buf.stride(1), v_buf.stride(2), slots.stride(0), slots.stride(1),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        BLOCK_K=max(16, next_pow2(DK)), BLOCK_V=max(16, next_pow2(DV)), num_warps=1)
+        BLOCK_K=max(16, next_pow2(DK)), BLOCK_V=max(16, next_pow2(DV)), num_warps=1, PDL=on,
+        **launch_options(on))
 
 
 def gdn_decode_step(q, k, v, a, b, A_log, dt_bias, state, *, scale=None):
@@ -393,6 +441,8 @@ def gdn_decode_step(q, k, v, a, b, A_log, dt_bias, state, *, scale=None):
     BK = max(16, next_pow2(K))
     BV = min(64, max(16, next_pow2(V)))
     grid = (-(-V // BV), B * H)
+    on = pdl(q.device)
     _kernels()[2][grid](q, k, v, a, b, A_log, dt_bias, state, o, g, H, q.stride(0), k.stride(0), v.stride(0),
-                        a.stride(0), b.stride(0), state.stride(0), scale, K=K, V=V, BK=BK, BV=BV, num_warps=4)
+                        a.stride(0), b.stride(0), state.stride(0), scale, K=K, V=V, BK=BK, BV=BV, num_warps=4,
+                        PDL=on, **launch_options(on))
     return o, g

@@ -14,6 +14,10 @@ benchmarks/device_routed_attention.py overrides these dicts to compare settings.
 
 from __future__ import annotations
 
+# Key tiles of the forward read through TMA tensor descriptors where they apply (Hopper, 16-bit,
+# BLOCK_N <= C, packed [B, T, H, D] layouts); forward._descriptors says when.
+USE_DESCRIPTORS = False
+
 # 16-bit inputs, Dv = 128 (the 800M layer: Dk 64, Dv 128).
 FORWARD = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}
 # 16-bit inputs, Dv <= 64 (plain 64-dim heads).

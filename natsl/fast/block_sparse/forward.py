@@ -89,11 +89,11 @@ def kept_key_rows(blocks_ptr, row, start, offs_n, n_rows, C: tl.constexpr, BLOCK
 
 @triton.jit
 def _forward_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, flags_ptr, before_ptr, blocks_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, flags_ptr, before_ptr, blocks_ptr, k_desc, v_desc,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h,
     T, NB, H, R, qk_scale,
     C: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DK: tl.constexpr, DV: tl.constexpr, PREC: tl.constexpr,
+    DK: tl.constexpr, DV: tl.constexpr, PREC: tl.constexpr, USE_DESC: tl.constexpr,
 ):
     # Latest (heaviest) tiles first: fewer stragglers at the end of the grid.
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -124,9 +124,14 @@ def _forward_kernel(
     a0 = m0 // C
     n_rows = tl.load(before_ptr + row + a0) * C
     for it in range(0, n_rows // BLOCK_N):
-        keys = kept_key_rows(blocks_ptr, row, it * BLOCK_N, offs_n, n_rows, C, BLOCK_N, False)
-        k = tl.load(k_ptr + keys[:, None] * sk_t + offs_dk[None, :])
-        v = tl.load(v_ptr + keys[:, None] * sv_t + offs_dv[None, :])
+        if USE_DESC:  # BLOCK_N <= C: the tile is rows key0 .. key0 + BLOCK_N of one kept block (TMA loads)
+            key0 = tl.load(blocks_ptr + row + (it * BLOCK_N) // C) * C + (it * BLOCK_N) % C
+            k = k_desc.load([b * T + key0, h * DK])
+            v = v_desc.load([b * T + key0, h * DV])
+        else:
+            keys = kept_key_rows(blocks_ptr, row, it * BLOCK_N, offs_n, n_rows, C, BLOCK_N, False)
+            k = tl.load(k_ptr + keys[:, None] * sk_t + offs_dk[None, :])
+            v = tl.load(v_ptr + keys[:, None] * sv_t + offs_dv[None, :])
         acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, qk_scale, None, False, PREC)
     if BLOCK_N > C:  # a key tile spans several blocks: the last one may be partly filled
         tail = n_rows % BLOCK_N
@@ -176,6 +181,31 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "tf32x3" if dtype.itemsize >= 4 else "tf32"
 
 
+# Benchmarks set this to True / False; None = config.USE_DESCRIPTORS.
+USE_DESCRIPTORS: bool | None = None
+
+
+def _descriptors(k, v, block_n: int, block_size: int):
+    """TMA tensor descriptors of K and V as [B*T, H*D] matrices with [BLOCK_N, D] tiles, or None where
+    they do not apply: off Hopper, on 32-bit inputs, for key tiles that span several routing blocks,
+    or for layouts that are not [B, T, H, D] with (H, D) packed and 16-byte aligned."""
+    use = config.USE_DESCRIPTORS if USE_DESCRIPTORS is None else USE_DESCRIPTORS
+    if not use or not k.is_cuda or k.element_size() != 2 or block_n > block_size:
+        return None
+    if torch.cuda.get_device_capability(k.device)[0] < 9:
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    descs = []
+    for x in (k, v):
+        B, T, H, D = x.shape
+        packed = x.stride(3) == 1 and x.stride(2) == D and (B == 1 or x.stride(0) == T * x.stride(1))
+        if not packed or (x.stride(1) * 2) % 16 or x.data_ptr() % 16:
+            return None
+        descs.append(TensorDescriptor(x, [B * T, H * D], [x.stride(1), 1], [block_n, D]))
+    return descs
+
+
 def attention_forward(q, k, v, lists, scale: float, block_size: int, n_groups: int):
     """O [B,T,H,Dv] in q's dtype and lse2 [B,H,T] fp32 (log2 of the row normaliser, scaled units)."""
     B, T, H, DK = q.shape
@@ -184,12 +214,13 @@ def attention_forward(q, k, v, lists, scale: float, block_size: int, n_groups: i
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
     cfg = config.forward_config(q.element_size(), DK, DV)
     grid = (ceil_div(T, cfg["BLOCK_M"]), B * H)
+    descs = _descriptors(k, v, cfg["BLOCK_N"], block_size)
     _forward_kernel[grid](
-        q, k, v, o, lse, lists.flags, lists.before, lists.blocks,
+        q, k, v, o, lse, lists.flags, lists.before, lists.blocks, *(descs or (k, v)),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
         T, lists.flags.shape[1], H, H // n_groups, scale * LOG2E,
         C=block_size, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], DK=DK, DV=DV, PREC=dot_precision(q.dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        USE_DESC=descs is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return o, lse

@@ -1,0 +1,98 @@
+"""Routed-attention forward at keep 1: launch settings and TMA key tiles, beside SDPA, one run (H200).
+
+    PYTHONPATH=. python3 benchmarks/device_attention_variants.py [--lengths 4096 16384 65536]
+
+For each length and each shape (24 heads x 64, the anchor's; the 800M layer's 18 heads of 64/128),
+times the forward kernel alone (`attention_forward`, block lists built once) under each variant of
+(BLOCK_M, BLOCK_N, num_warps, num_stages, TMA descriptors on/off), checks each variant's output
+against the current setting's, and times causal SDPA (flash and cuDNN) at 24 x 64 in the same run.
+Medians of triton.testing.do_bench; JSON to $OUT/attention_variants.json, a table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+from triton.testing import do_bench
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+import bench_routed_attention as bench  # noqa: E402
+from natsl.fast.block_sparse import config, forward  # noqa: E402
+from natsl.fast.block_sparse.blocks import build_block_lists  # noqa: E402
+
+SHAPES = {"24x64": (24, 8, 64, 64, "FORWARD_SMALL_DV"), "800M": (18, 6, 64, 128, "FORWARD")}
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, descriptors)
+VARIANTS = {
+    "24x64": [(128, 64, 4, 3, False), (128, 64, 4, 4, False), (128, 64, 8, 3, False), (64, 64, 4, 3, False),
+              (128, 64, 4, 3, True), (128, 64, 4, 4, True), (128, 64, 4, 2, True), (128, 64, 8, 3, True),
+              (64, 64, 4, 3, True)],
+    "800M": [(128, 128, 8, 2, False), (128, 64, 8, 3, False), (128, 64, 4, 3, False),
+             (128, 64, 8, 2, True), (128, 64, 8, 3, True), (128, 64, 4, 3, True), (128, 64, 4, 2, True)],
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 65536])
+    args = ap.parse_args()
+    out_dir = os.environ.get("OUT", "/tmp/natsl_out")
+    os.makedirs(out_dir, exist_ok=True)
+    results = {"gpu": torch.cuda.get_device_name(), "rows": []}
+
+    def save():
+        with open(os.path.join(out_dir, "attention_variants.json"), "w") as f:
+            json.dump(results, f, indent=1)
+
+    for T in args.lengths:
+        rep = 100 if T <= 16384 else 600
+        for backend in ("flash", "cudnn"):
+            ms = bench.time_sdpa(1, T, 24, 64, 64, backend=backend)
+            row = {"T": T, "what": f"sdpa {backend} 24x64", "ms": ms,
+                   "tflops": bench.causal_flops(1, T, 24, 64, 64) / ms / 1e9}
+            results["rows"].append(row)
+            print(row, flush=True)
+        for name, (H, G, DK, DV, cfg_name) in SHAPES.items():
+            q, k, v, _ = bench.attention_inputs(1, T, H, DK, DV, torch.bfloat16, "cuda")
+            lists = build_block_lists(None, 1, -(-T // 64), G, "cuda")
+            cfg = getattr(config, cfg_name)
+            saved = dict(cfg)
+            want = None
+            for bm, bn, warps, stages, desc in VARIANTS[name]:
+                cfg.update(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+                forward.USE_DESCRIPTORS = desc
+                label = f"{name} M{bm} N{bn} w{warps} s{stages}" + (" tma" if desc else "")
+                row = {"T": T, "what": label}
+                try:
+                    o, _ = forward.attention_forward(q, k, v, lists, 0.125, 64, G)
+                    if want is None:
+                        want = o.float()
+                    row["max_rel_diff_vs_first"] = float((o.float() - want).abs().max() / want.abs().max())
+                    ms = do_bench(lambda: forward.attention_forward(q, k, v, lists, 0.125, 64, G),
+                                  warmup=25, rep=rep, return_mode="median")
+                    row.update(ms=ms, tflops=bench.causal_flops(1, T, H, DK, DV) / ms / 1e9)
+                except Exception as e:  # a setting that does not compile or fit is reported, not fatal
+                    row["error"] = repr(e)[:300]
+                results["rows"].append(row)
+                print(row, flush=True)
+                save()
+            cfg.clear()
+            cfg.update(saved)
+            forward.USE_DESCRIPTORS = None
+            del q, k, v
+            torch.cuda.empty_cache()
+    save()
+    print(f"\n| T | variant | ms | TFLOP/s |\n|---|---|---|---|")
+    for r in results["rows"]:
+        if "ms" in r:
+            print(f"| {r['T']} | {r['what']} | {r['ms']:.3f} | {r['tflops']:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
