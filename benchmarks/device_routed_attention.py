@@ -124,7 +124,7 @@ def sweep(T=16384):
     res = {}
     keys = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
     for H, G, Dv, cfg, variants in (
-        (H8, G8, DV8, config.FORWARD, [(128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3)]),
+        (H8, G8, DV8, config.FORWARD, [(128, 64, 4, 3), (128, 128, 8, 2), (128, 64, 4, 4)]),
         (24, 8, 64, config.FORWARD_SMALL_DV,
          [(128, 64, 4, 3), (128, 64, 4, 2), (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3)]),
     ):
