@@ -23,8 +23,9 @@ USE_DESCRIPTORS = True
 # 440-476 TFLOP/s at 16K-64K against 363-387 for the earlier 128 x 128 tiles on 8 warps, whose two
 # warp groups split the rows (benchmarks/device_attention_variants.py, 2026-11-30).
 FORWARD = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
-# 16-bit inputs, Dv <= 64 (plain 64-dim heads).
-FORWARD_SMALL_DV = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+# 16-bit inputs, Dv <= 64 (plain 64-dim heads): 128-key tiles (pointer loads), 372-408 TFLOP/s at
+# 16K-128K against 353-381 for 64-key tiles (same script, 2026-11-30).
+FORWARD_SMALL_DV = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2}
 BACKWARD_DQ = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 BACKWARD_DKDV = {"BLOCK_N": 64, "BLOCK_M": 64, "num_warps": 4, "num_stages": 3}
 

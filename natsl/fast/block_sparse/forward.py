@@ -95,9 +95,11 @@ def _forward_kernel(
     C: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DK: tl.constexpr, DV: tl.constexpr, PREC: tl.constexpr, USE_DESC: tl.constexpr,
 ):
-    # Latest (heaviest) tiles first: fewer stragglers at the end of the grid.
-    tile = tl.num_programs(0) - 1 - tl.program_id(0)
-    bh = tl.program_id(1)
+    # Programs start in the order of their linear id, axis 0 fastest: with heads on axis 0 and
+    # tiles latest (heaviest) first on axis 1, every head's heaviest tiles start first, so the grid
+    # ends on light tiles (longest first across all heads, not per head).
+    bh = tl.program_id(0)
+    tile = tl.num_programs(1) - 1 - tl.program_id(1)
     b = bh // H
     h = bh % H
     row = (b * (H // R) + h // R) * NB  # this head's routing group in the block lists
@@ -213,7 +215,7 @@ def attention_forward(q, k, v, lists, scale: float, block_size: int, n_groups: i
     o = torch.empty(B, T, H, DV, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
     cfg = config.forward_config(q.element_size(), DK, DV)
-    grid = (ceil_div(T, cfg["BLOCK_M"]), B * H)
+    grid = (B * H, ceil_div(T, cfg["BLOCK_M"]))
     descs = _descriptors(k, v, cfg["BLOCK_N"], block_size)
     _forward_kernel[grid](
         q, k, v, o, lse, lists.flags, lists.before, lists.blocks, *(descs or (k, v)),
