@@ -54,10 +54,11 @@ def _dq_kernel(
     C: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DK: tl.constexpr, DV: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Mirror of the forward: a query tile walks the kept blocks before it, then its own blocks.
-    Heads on grid axis 0, tiles latest first on axis 1: heaviest tiles of all heads start first."""
-    bh = tl.program_id(0)
-    tile = tl.num_programs(1) - 1 - tl.program_id(1)
+    """Mirror of the forward: a query tile walks the kept blocks before it, then its own blocks."""
+    # Latest (heaviest) tiles of a head first. (Every head's heaviest tiles first, as the forward
+    # does at short T, made the backward slower at 16K-128K on the H200, 2026-11-30.)
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    bh = tl.program_id(1)
     b = bh // H
     h = bh % H
     row = (b * (H // R) + h // R) * NB
@@ -158,9 +159,8 @@ def _dkdv_kernel(
     FULL: tl.constexpr, PREC: tl.constexpr,
 ):
     """One program per (key tile inside block c, head): its dk, dv and its share of dkeep_c."""
-    # earliest keys (most later queries) first on axis 1, heads on axis 0: heaviest tiles of all heads first
-    bh = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_n = tl.program_id(0)  # earliest keys (most later queries) are scheduled first
+    bh = tl.program_id(1)
     b = bh // H
     h = bh % H
     row = (b * (H // R) + h // R) * NB
@@ -211,7 +211,7 @@ def _dkdv_kernel(
     dv_ptrs = dv_ptr + offs_n[:, None] * sdv_t + offs_dv[None, :]
     tl.store(dk_ptrs, cast_to(dk, dk_ptr.dtype.element_ty), mask=key_ok[:, None])
     tl.store(dv_ptrs, cast_to(dv, dv_ptr.dtype.element_ty), mask=key_ok[:, None])
-    tl.store(dkeep_ptr + bh * tl.num_programs(1) + pid_n, dkeep)
+    tl.store(dkeep_ptr + bh * tl.num_programs(0) + pid_n, dkeep)
 
 
 def attention_backward(q, k, v, o, lse, do, lists, scale: float, block_size: int, n_groups: int, full: bool):
@@ -241,7 +241,7 @@ def attention_backward(q, k, v, o, lse, do, lists, scale: float, block_size: int
     block_n, block_m = config.dkdv_tiles(cfg, block_size)
     tiles_per_block = block_size // block_n
     dkeep = torch.empty(B, H, NB, tiles_per_block, dtype=torch.float32, device=q.device)
-    _dkdv_kernel[(B * H, NB * tiles_per_block)](
+    _dkdv_kernel[(NB * tiles_per_block, B * H)](
         q, k, v, do, dk, dv, dkeep, lse, delta, lists.flags, *strides,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         T, NB, H, R, scale * LOG2E, scale,
@@ -250,7 +250,7 @@ def attention_backward(q, k, v, o, lse, do, lists, scale: float, block_size: int
     )
 
     cfg = config.dq_config(q.element_size(), DK, DV)
-    _dq_kernel[(B * H, ceil_div(T, cfg["BLOCK_M"]))](
+    _dq_kernel[(ceil_div(T, cfg["BLOCK_M"]), B * H)](
         q, k, v, do, dq, lse, delta, lists.flags, lists.before, lists.blocks, *strides,
         dq.stride(0), dq.stride(1), dq.stride(2),
         T, NB, H, R, scale * LOG2E, scale,
