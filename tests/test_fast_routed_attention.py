@@ -112,11 +112,9 @@ def test_tilings_with_many_blocks(monkeypatch, block_m, block_n):
 
 @pytest.mark.parametrize("heads_first", (True, False))
 def test_both_grid_orders(monkeypatch, heads_first):
-    """The forward's two program orders (every head's heaviest tiles first, or a head's tiles
+    """The kernels' two program orders (every head's heaviest tiles first, or a head's tiles
     together) compute the same thing; B = 2 so that both grid axes mix heads and sequences."""
-    from natsl.fast.block_sparse import forward
-
-    monkeypatch.setattr(forward, "HEADS_FIRST", heads_first)
+    monkeypatch.setattr(config, "HEADS_FIRST", heads_first)
     assert_close(compare(2, 300, 4, 2, 32, 48, "random", "full", seed=7), torch.float32)
 
 

@@ -52,13 +52,16 @@ def _dq_kernel(
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sd_b, sd_t, sd_h, sdq_b, sdq_t, sdq_h,
     T, NB, H, R, qk_scale, scale,
     C: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DK: tl.constexpr, DV: tl.constexpr, PREC: tl.constexpr,
+    DK: tl.constexpr, DV: tl.constexpr, PREC: tl.constexpr, HEADS_FIRST: tl.constexpr,
 ):
     """Mirror of the forward: a query tile walks the kept blocks before it, then its own blocks."""
-    # Latest (heaviest) tiles of a head first. (Every head's heaviest tiles first, as the forward
-    # does at short T, made the backward slower at 16K-128K on the H200, 2026-11-30.)
-    tile = tl.num_programs(0) - 1 - tl.program_id(0)
-    bh = tl.program_id(1)
+    # Latest (heaviest) tiles first; HEADS_FIRST: heads on grid axis 0 (config.heads_first).
+    if HEADS_FIRST:
+        bh = tl.program_id(0)
+        tile = tl.num_programs(1) - 1 - tl.program_id(1)
+    else:
+        tile = tl.num_programs(0) - 1 - tl.program_id(0)
+        bh = tl.program_id(1)
     b = bh // H
     h = bh % H
     row = (b * (H // R) + h // R) * NB
@@ -156,11 +159,18 @@ def _dkdv_kernel(
     sdk_b, sdk_t, sdk_h, sdv_b, sdv_t, sdv_h,
     T, NB, H, R, qk_scale, scale,
     C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    FULL: tl.constexpr, PREC: tl.constexpr,
+    FULL: tl.constexpr, PREC: tl.constexpr, HEADS_FIRST: tl.constexpr,
 ):
     """One program per (key tile inside block c, head): its dk, dv and its share of dkeep_c."""
-    pid_n = tl.program_id(0)  # earliest keys (most later queries) are scheduled first
-    bh = tl.program_id(1)
+    # earliest keys (most later queries) are scheduled first; HEADS_FIRST: heads on grid axis 0
+    if HEADS_FIRST:
+        bh = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        n_tiles = tl.num_programs(1)
+    else:
+        pid_n = tl.program_id(0)
+        bh = tl.program_id(1)
+        n_tiles = tl.num_programs(0)
     b = bh // H
     h = bh % H
     row = (b * (H // R) + h // R) * NB
@@ -211,7 +221,7 @@ def _dkdv_kernel(
     dv_ptrs = dv_ptr + offs_n[:, None] * sdv_t + offs_dv[None, :]
     tl.store(dk_ptrs, cast_to(dk, dk_ptr.dtype.element_ty), mask=key_ok[:, None])
     tl.store(dv_ptrs, cast_to(dv, dv_ptr.dtype.element_ty), mask=key_ok[:, None])
-    tl.store(dkeep_ptr + bh * tl.num_programs(0) + pid_n, dkeep)
+    tl.store(dkeep_ptr + bh * n_tiles + pid_n, dkeep)
 
 
 def attention_backward(q, k, v, o, lse, do, lists, scale: float, block_size: int, n_groups: int, full: bool):
@@ -241,20 +251,24 @@ def attention_backward(q, k, v, o, lse, do, lists, scale: float, block_size: int
     block_n, block_m = config.dkdv_tiles(cfg, block_size)
     tiles_per_block = block_size // block_n
     dkeep = torch.empty(B, H, NB, tiles_per_block, dtype=torch.float32, device=q.device)
-    _dkdv_kernel[(NB * tiles_per_block, B * H)](
+    n_tiles = NB * tiles_per_block
+    heads_first = config.heads_first(n_tiles, q.device)
+    _dkdv_kernel[(B * H, n_tiles) if heads_first else (n_tiles, B * H)](
         q, k, v, do, dk, dv, dkeep, lse, delta, lists.flags, *strides,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         T, NB, H, R, scale * LOG2E, scale,
         C=block_size, BLOCK_N=block_n, BLOCK_M=block_m, DK=DK, DV=DV, FULL=full, PREC=prec,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        HEADS_FIRST=heads_first, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
     cfg = config.dq_config(q.element_size(), DK, DV)
-    _dq_kernel[(ceil_div(T, cfg["BLOCK_M"]), B * H)](
+    n_tiles = ceil_div(T, cfg["BLOCK_M"])
+    heads_first = config.heads_first(n_tiles, q.device)
+    _dq_kernel[(B * H, n_tiles) if heads_first else (n_tiles, B * H)](
         q, k, v, do, dq, lse, delta, lists.flags, lists.before, lists.blocks, *strides,
         dq.stride(0), dq.stride(1), dq.stride(2),
         T, NB, H, R, scale * LOG2E, scale,
         C=block_size, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], DK=DK, DV=DV, PREC=prec,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        HEADS_FIRST=heads_first, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return dq, dk, dv, dkeep.sum(-1)

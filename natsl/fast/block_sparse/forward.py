@@ -212,20 +212,6 @@ def _descriptors(k, v, block_n: int, block_size: int):
     return descs
 
 
-# Benchmarks set this to True / False; None = by the rule below.
-HEADS_FIRST: bool | None = None
-
-
-def _heads_first(n_tiles: int, device) -> bool:
-    """Grid order: every head's heaviest tiles first while a head has at most two tiles per SM
-    (H200, 2026-11-30: 4K 0.196 -> 0.159 ms and 16K 2.12 -> 2.09 ms at the 800M shapes); above
-    that a head's tiles together (64K: 31.6 ms against 33.0 the other way, 128K: 128 against 132)."""
-    if HEADS_FIRST is not None:
-        return HEADS_FIRST
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return n_tiles <= 2 * sms
-
-
 def attention_forward(q, k, v, lists, scale: float, block_size: int, n_groups: int):
     """O [B,T,H,Dv] in q's dtype and lse2 [B,H,T] fp32 (log2 of the row normaliser, scaled units)."""
     B, T, H, DK = q.shape
@@ -234,7 +220,7 @@ def attention_forward(q, k, v, lists, scale: float, block_size: int, n_groups: i
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
     cfg = config.forward_config(q.element_size(), DK, DV)
     n_tiles = ceil_div(T, cfg["BLOCK_M"])
-    heads_first = _heads_first(n_tiles, q.device)
+    heads_first = config.heads_first(n_tiles, q.device)
     grid = (B * H, n_tiles) if heads_first else (n_tiles, B * H)
     descs = _descriptors(k, v, cfg["BLOCK_N"], block_size)
     _forward_kernel[grid](
