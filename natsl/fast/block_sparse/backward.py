@@ -252,7 +252,7 @@ def attention_backward(q, k, v, o, lse, do, lists, scale: float, block_size: int
     tiles_per_block = block_size // block_n
     dkeep = torch.empty(B, H, NB, tiles_per_block, dtype=torch.float32, device=q.device)
     n_tiles = NB * tiles_per_block
-    heads_first = config.heads_first(n_tiles, q.device)
+    heads_first = config.heads_first(B * H * n_tiles, q.device)
     _dkdv_kernel[(B * H, n_tiles) if heads_first else (n_tiles, B * H)](
         q, k, v, do, dk, dv, dkeep, lse, delta, lists.flags, *strides,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
@@ -263,7 +263,7 @@ def attention_backward(q, k, v, o, lse, do, lists, scale: float, block_size: int
 
     cfg = config.dq_config(q.element_size(), DK, DV)
     n_tiles = ceil_div(T, cfg["BLOCK_M"])
-    heads_first = config.heads_first(n_tiles, q.device)
+    heads_first = config.heads_first(B * H * n_tiles, q.device)
     _dq_kernel[(B * H, n_tiles) if heads_first else (n_tiles, B * H)](
         q, k, v, do, dq, lse, delta, lists.flags, lists.before, lists.blocks, *strides,
         dq.stride(0), dq.stride(1), dq.stride(2),

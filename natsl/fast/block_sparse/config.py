@@ -44,18 +44,21 @@ BACKWARD_DKDV_32BIT = {"BLOCK_N": 32, "BLOCK_M": 32, "num_warps": 4, "num_stages
 HEADS_FIRST: bool | None = None
 
 
-def heads_first(n_tiles: int, device) -> bool:
-    """Program order of a kernel whose n_tiles tiles per head are scheduled heaviest first: heads on
-    grid axis 0, so that every head's heaviest tiles start first, while a head has at most two tiles
-    per SM; above that a head's tiles together, whose shared keys stay in L2. Measured on the H200
-    (2026-11-30), forward at the 800M shapes: 4K 0.196 -> 0.159 ms, 16K 2.12 -> 2.09 ms heads first;
-    64K 31.6 ms against 33.0 and 128K 128 against 132 for a head's tiles together."""
+def heads_first(n_programs: int, device) -> bool:
+    """Program order of a kernel whose tiles are scheduled heaviest first within each head: heads on
+    grid axis 0, so that every head's heaviest tiles start first, for grids of at most 8 programs
+    per SM (about four waves), where a head's tiles alone would end the grid on one head's heavy
+    tiles; above that a head's tiles together, whose shared keys stay in L2. H200, 2026-11-30, 800M
+    shapes: batch 1 x 4K keep 1 (576 programs) forward 0.196 -> 0.159 ms heads first (calls 2, 3);
+    side by side at keep 0.55 (benchmarks/device_grid_order.py) a head's tiles together were faster
+    at batch 4 x 4K (fwd 0.382 vs 0.400 ms, bwd 1.18 vs 1.22), 16K (1.22 vs 1.23, 3.97 vs 4.06) and
+    64K (bwd 57.2 vs 61.3)."""
     if HEADS_FIRST is not None:
         return HEADS_FIRST
     import torch
 
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return n_tiles <= 2 * sms
+    return n_programs <= 8 * sms
 
 
 def _pick(element_size: int, dk: int, dv: int, normal: dict, large: dict, wide: dict, small_dv=None) -> dict:

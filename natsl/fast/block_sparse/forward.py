@@ -220,7 +220,7 @@ def attention_forward(q, k, v, lists, scale: float, block_size: int, n_groups: i
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
     cfg = config.forward_config(q.element_size(), DK, DV)
     n_tiles = ceil_div(T, cfg["BLOCK_M"])
-    heads_first = config.heads_first(n_tiles, q.device)
+    heads_first = config.heads_first(B * H * n_tiles, q.device)
     grid = (B * H, n_tiles) if heads_first else (n_tiles, B * H)
     descs = _descriptors(k, v, cfg["BLOCK_N"], block_size)
     _forward_kernel[grid](
