@@ -12,7 +12,7 @@ from pathlib import Path
 
 # Environment switches read by natsl (and the two that change how Triton runs).
 SWITCHES = ("NATSL_BACKEND", "NATSL_COMPILE_POINTWISE", "NATSL_POINTWISE_DYNAMIC", "NATSL_FUSED_INFERENCE",
-            "NATSL_DECODE_ATTENTION", "NATSL_DECODE_GEMV", "TRITON_INTERPRET", "TORCH_COMPILE_DISABLE")
+            "NATSL_DECODE_ATTENTION", "NATSL_DECODE_GEMV", "NATSL_DECODE_PDL", "TRITON_INTERPRET", "TORCH_COMPILE_DISABLE")
 
 
 def git_revision(root: Path | None = None) -> str | None:

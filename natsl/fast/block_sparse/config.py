@@ -14,6 +14,8 @@ benchmarks/device_routed_attention.py overrides these dicts to compare settings.
 
 from __future__ import annotations
 
+import functools
+
 # Key tiles of the forward read through TMA tensor descriptors where they apply (Hopper, 16-bit,
 # BLOCK_N <= C, packed [B, T, H, D] layouts); forward._descriptors says when.
 # (2026-11-30 on the H200: ~1% faster than pointer loads of the same tiles at 16K and 64K, equal at 4K.)
@@ -55,10 +57,16 @@ def heads_first(n_programs: int, device) -> bool:
     64K (bwd 57.2 vs 61.3)."""
     if HEADS_FIRST is not None:
         return HEADS_FIRST
+    return n_programs <= 8 * _sm_count(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device) -> int:
+    """SMs of a CUDA device (a nominal 4 for the interpreter); cached: a property query costs
+    microseconds of host time on every launch otherwise."""
     import torch
 
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return n_programs <= 8 * sms
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def _pick(element_size: int, dk: int, dv: int, normal: dict, large: dict, wide: dict, small_dv=None) -> dict:

@@ -11,6 +11,7 @@ Cost is proportional to the kept blocks: dropped blocks are never loaded.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -191,6 +192,11 @@ def dot_precision(dtype: torch.dtype) -> str:
 USE_DESCRIPTORS: bool | None = None
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
 def _descriptors(k, v, block_n: int, block_size: int):
     """TMA tensor descriptors of K and V as [B*T, H*D] matrices with [BLOCK_N, D] tiles, or None where
     they do not apply: off Hopper, on 32-bit inputs, for key tiles that span several routing blocks,
@@ -198,7 +204,7 @@ def _descriptors(k, v, block_n: int, block_size: int):
     use = config.USE_DESCRIPTORS if USE_DESCRIPTORS is None else USE_DESCRIPTORS
     if not use or not k.is_cuda or k.element_size() != 2 or block_n > block_size:
         return None
-    if torch.cuda.get_device_capability(k.device)[0] < 9:
+    if _capability(k.device)[0] < 9:
         return None
     from triton.tools.tensor_descriptor import TensorDescriptor
 

@@ -11,7 +11,7 @@ import triton
 from natsl.errors import NatslError
 from natsl.fast.block_sparse.backward import attention_backward
 from natsl.fast.block_sparse.blocks import BlockLists, build_block_lists
-from natsl.fast.block_sparse.forward import _forward_kernel, attention_forward, next_pow2
+from natsl.fast.block_sparse.forward import _forward_kernel, attention_forward, ceil_div, next_pow2
 from natsl.reference.route_grad import check_route_grad
 from natsl.reference.routed_attention import validate_layouts
 
@@ -31,7 +31,7 @@ def routed_attention_forward(
     """(o, log-sum-exp [B,H,T] fp32, and the kept-block lists flags, before, blocks [B*G, NB] int32)."""
     B, T, H, _ = q.shape
     n_groups = 1 if keep is None else keep.shape[2]
-    lists = build_block_lists(keep, B, triton.cdiv(T, block_size), n_groups, q.device)
+    lists = build_block_lists(keep, B, ceil_div(T, block_size), n_groups, q.device)
     o, lse = attention_forward(q, k, v, lists, scale, block_size, n_groups)
     return (o, lse, *lists)
 
