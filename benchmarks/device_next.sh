@@ -1,26 +1,21 @@
 #!/usr/bin/env bash
-# A short device call (nvidia-h200, about 1.5 minutes), 2026-11-30 fourth session, call 6: the
-# routed-attention GPU tests at the final tree, and the op (routed_attention, as a user calls it)
-# at 4K and 16K beside SDPA flash and cuDNN, after the host-side caching of the launch decisions.
-#   bash benchmarks/device_next.sh        (results: $OUT/op_4k_16k.json, $OUT/tests.txt)
+# The next device call (nvidia-h200-x2, about 8 minutes), left by the 2026-11-30 fourth session,
+# whose device time ran out before its last changes (the program-order rule of the routed-attention
+# kernels at 8 programs per SM, host-side caching of the launch decisions) ran on the GPU:
+#   GPU 0: every @gpu test at this tree;
+#   GPU 1: the routed-attention op at 4K-128K beside SDPA (fwd, fwd+bwd), both program orders side
+#          by side, the 128K latency of the three 800M models.
+#   bash benchmarks/device_next.sh        (results: $OUT/results.tar and one log per GPU)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/natsl_out}; mkdir -p "$OUT"
-timeout 60 python3 -m pytest -q tests/test_fast_routed_attention.py -k "gpu or grid_orders" 2>&1 \
-    | tee "$OUT/tests.txt" | tail -1
-timeout 60 python3 - <<'PY'
-import json, os, sys
-sys.path.insert(0, "benchmarks")
-import bench_routed_attention as b
-rows = []
-for T in (4096, 16384):
-    for name, fn, flops in (
-        ("sdpa flash 24x64", lambda: b.time_sdpa(1, T, 24, 64, 64), b.causal_flops(1, T, 24, 64, 64)),
-        ("sdpa cudnn 24x64", lambda: b.time_sdpa(1, T, 24, 64, 64, backend="cudnn"), b.causal_flops(1, T, 24, 64, 64)),
-        ("routed 24x64 keep 1", lambda: b.time_routed(1, T, 24, 8, 64, 64, 1.0), b.causal_flops(1, T, 24, 64, 64)),
-        ("routed 800M keep 1", lambda: b.time_routed(1, T, 18, 6, 64, 128, 1.0), b.causal_flops(1, T, 18, 64, 128)),
-    ):
-        ms = fn()
-        rows.append({"T": T, "what": name, "fwd_ms": ms, "tflops": flops / ms / 1e9})
-        print(rows[-1], flush=True)
-json.dump(rows, open(os.path.join(os.environ["OUT"], "op_4k_16k.json"), "w"), indent=1)
-PY
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+FINAL=${OUT:-/tmp/natsl_out}; WORK=/tmp/natsl_work; mkdir -p "$WORK" "$FINAL"
+OUT=$WORK TAIL_LINES=60 bash benchmarks/device_pair.sh '
+  TEST_TIMEOUT=420 bash benchmarks/device_gpu_tests.sh' '
+  STEPS=correct,table BUDGET_S=200 timeout 260 python3 benchmarks/device_routed_attention.py 2>&1 \
+      | grep -v "^{" | tail -30
+  timeout 60 python3 benchmarks/device_grid_order.py 2>&1 | grep "^{" | cut -c1-200
+  mkdir -p $OUT/keep050
+  OUT=$OUT/keep050 timeout 100 python3 benchmarks/device_latency.py --skip-tests --budget 95 \
+      --min-len 131072 --max-len 131072 --repeats 2 --recipes 800m_hybrid,800m_transformer,800m_gdn 2>&1 | tail -6'
+cp $WORK/gpu0.log $WORK/gpu1.log "$FINAL/" 2>/dev/null
+(cd $WORK && find . -type f \( -name "*.json" -o -name "*.txt" -o -name "*.png" \) | tar cf "$FINAL/results.tar" -T -)
