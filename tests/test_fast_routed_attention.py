@@ -118,6 +118,20 @@ def test_both_grid_orders(monkeypatch, heads_first):
     assert_close(compare(2, 300, 4, 2, 32, 48, "random", "full", seed=7), torch.float32)
 
 
+def test_program_order_rule(monkeypatch):
+    """Heads first for grids of at most 8 programs per SM, a head's tiles together above; the
+    override wins."""
+    monkeypatch.setattr(config, "HEADS_FIRST", None)
+    monkeypatch.setattr(config, "_sm_count", lambda device: 132)
+    cuda = torch.device("cuda", 0)
+    assert config.heads_first(18 * 32, cuda)  # batch 1 x 4K at the 800M shapes
+    assert config.heads_first(8 * 132, cuda)
+    assert not config.heads_first(8 * 132 + 1, cuda)
+    assert not config.heads_first(4 * 18 * 32, cuda)  # batch 4 x 4K (training)
+    monkeypatch.setattr(config, "HEADS_FIRST", True)
+    assert config.heads_first(10**6, cuda)
+
+
 @pytest.mark.parametrize("T", (37, 200))
 def test_bf16(T):
     errs = compare(2, T, 4, 2, 32, 32, "random", "full", dtype=torch.bfloat16, block_size=16, seed=T)

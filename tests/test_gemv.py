@@ -149,3 +149,23 @@ def test_gpu_pdl_chain_in_a_cuda_graph_equals_plain_launches(monkeypatch):
         torch.cuda.synchronize()
         for a, b in zip(got, want):
             assert torch.equal(a, b), i
+
+
+def test_pdl_switch(monkeypatch):
+    """PDL only on CUDA devices of compute capability >= 9, off with NATSL_DECODE_PDL=0 or on the CPU
+    (where the launch takes no PDL keyword at all); kernels.PDL overrides the rule."""
+    from natsl.inference import kernels
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(kernels, "PDL", None)
+    monkeypatch.delenv("NATSL_DECODE_PDL", raising=False)
+    monkeypatch.setattr(kernels, "_capability", lambda device: (9, 0))
+    assert kernels.pdl(cuda) and kernels.launch_options(True) == {"launch_pdl": True}
+    monkeypatch.setenv("NATSL_DECODE_PDL", "0")
+    assert not kernels.pdl(cuda)
+    monkeypatch.delenv("NATSL_DECODE_PDL")
+    monkeypatch.setattr(kernels, "_capability", lambda device: (8, 0))
+    assert not kernels.pdl(cuda)
+    monkeypatch.setattr(kernels, "PDL", True)
+    assert kernels.pdl(cuda) and not kernels.pdl(torch.device("cpu"))
+    assert kernels.launch_options(False) == {}
