@@ -29,16 +29,9 @@ SHAPES = {"gdn qkvab": (6924, 1536), "gate+up": (8192, 1536), "down": (1536, 409
 def graph_time_us(fn, calls: int = 50, replays: int = 20) -> float:
     import torch
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
+    from natsl.inference.cuda_graph import capture
+
+    graph, _ = capture(fn, warmups=3, calls=calls)
     times = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

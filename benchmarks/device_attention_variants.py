@@ -62,11 +62,11 @@ def main() -> None:
             q, k, v, _ = bench.attention_inputs(1, T, H, DK, DV, torch.bfloat16, "cuda")
             lists = build_block_lists(None, 1, -(-T // 64), G, "cuda")
             cfg = getattr(config, cfg_name)
-            saved = dict(cfg)
+            saved, saved_desc = dict(cfg), config.USE_DESCRIPTORS
             want = None
             for bm, bn, warps, stages, desc in VARIANTS[name]:
                 cfg.update(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
-                forward.USE_DESCRIPTORS = desc
+                config.USE_DESCRIPTORS = desc
                 label = f"{name} M{bm} N{bn} w{warps} s{stages}" + (" tma" if desc else "")
                 row = {"T": T, "what": label}
                 try:
@@ -84,7 +84,7 @@ def main() -> None:
                 save()
             cfg.clear()
             cfg.update(saved)
-            forward.USE_DESCRIPTORS = None
+            config.USE_DESCRIPTORS = saved_desc
             del q, k, v
             torch.cuda.empty_cache()
     save()

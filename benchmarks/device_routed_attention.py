@@ -42,6 +42,7 @@ from natsl.fast.block_sparse import config  # noqa: E402
 from natsl.fast.block_sparse.backward import attention_backward  # noqa: E402
 from natsl.fast.block_sparse.blocks import build_block_lists  # noqa: E402
 from natsl.fast.block_sparse.forward import attention_forward  # noqa: E402
+from natsl.inference.cuda_graph import capture  # noqa: E402
 
 OUT = os.environ.get("OUT", "/tmp/routed_attention_out")
 os.makedirs(OUT, exist_ok=True)
@@ -193,15 +194,7 @@ def launch_overhead(T=4096):
                 torch.cuda.synchronize()
                 row["wall_us_per_call"] = (time.perf_counter() - t) / n * 1e6
                 row["do_bench_ms"] = bench.bench(step)
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    for _ in range(3):
-                        step()
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    step()
+                graph, _ = capture(step, warmups=3)
                 row["graph_ms"] = bench.bench(graph.replay)
             except Exception as e:
                 row["error"] = repr(e)[:300]

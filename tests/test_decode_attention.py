@@ -20,6 +20,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from natsl.inference.cuda_graph import capture  # noqa: E402
 from natsl.inference.decode_attention import choose_splits, decode_attention  # noqa: E402
 from natsl.inference.functional import attend_one  # noqa: E402
 
@@ -145,14 +146,7 @@ def test_gpu_cuda_graph_replay():
     fast_in, _ = make_inputs(B, H, L, 64, 64, seed=5, dtype=torch.bfloat16, visible=torch.full((B, H), L))
     q, keys, values, visible = fast_in
     keys, values = keys.nan_to_num(), values.nan_to_num()  # all visible: nothing is NaN anyway
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        decode_attention(q, keys, values, visible)  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = decode_attention(q, keys, values, visible)
+    graph, out = capture(lambda: decode_attention(q, keys, values, visible))
     for lengths in (torch.randint(0, L + 1, (B, H)), torch.full((B, H), 1), torch.zeros(B, H)):
         visible.copy_(lengths)
         graph.replay()

@@ -122,7 +122,7 @@ def test_program_order_rule(monkeypatch):
     """Heads first for grids of at most 8 programs per SM, a head's tiles together above; the
     override wins."""
     monkeypatch.setattr(config, "HEADS_FIRST", None)
-    monkeypatch.setattr(config, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(config, "sm_count", lambda device: 132)
     cuda = torch.device("cuda", 0)
     assert config.heads_first(18 * 32, cuda)  # batch 1 x 4K at the 800M shapes
     assert config.heads_first(8 * 132, cuda)
@@ -227,7 +227,7 @@ def test_gpu_bf16_batch_and_fused_layout_through_tma_tiles(monkeypatch):
     keep = (torch.rand(B, math.ceil(T / 64), G, device="cuda", generator=gen) < 0.5).float()
     assert forward._descriptors(k, v, config.FORWARD["BLOCK_N"], 64) is not None  # the TMA path is taken
     o = routed_attention(q, k, v, keep)
-    monkeypatch.setattr(forward, "USE_DESCRIPTORS", False)
+    monkeypatch.setattr(config, "USE_DESCRIPTORS", False)
     o_pointers = routed_attention(q, k, v, keep)
     ref = reference(q.float(), k.float(), v.float(), keep)
     assert rel_err(o, o_pointers) < 1e-3

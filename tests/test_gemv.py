@@ -129,16 +129,10 @@ def test_gpu_pdl_chain_in_a_cuda_graph_equals_plain_launches(monkeypatch):
         x.copy_(new_x)
         return [t.clone() for t in chain()]
 
+    from natsl.inference.cuda_graph import capture
+
     monkeypatch.setattr(kernels, "PDL", True)
-    chain()  # compiles the PDL variants outside the capture
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        chain()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = chain()
+    graph, got = capture(chain, warmups=2)
     # A fresh input each replay: a kernel that read a buffer before the kernel writing it had
     # finished would see the previous replay's values, which differ.
     for i in range(4):
@@ -159,12 +153,12 @@ def test_pdl_switch(monkeypatch):
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(kernels, "PDL", None)
     monkeypatch.delenv("NATSL_DECODE_PDL", raising=False)
-    monkeypatch.setattr(kernels, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(kernels, "capability", lambda device: (9, 0))
     assert kernels.pdl(cuda) and kernels.launch_options(True) == {"launch_pdl": True}
     monkeypatch.setenv("NATSL_DECODE_PDL", "0")
     assert not kernels.pdl(cuda)
     monkeypatch.delenv("NATSL_DECODE_PDL")
-    monkeypatch.setattr(kernels, "_capability", lambda device: (8, 0))
+    monkeypatch.setattr(kernels, "capability", lambda device: (8, 0))
     assert not kernels.pdl(cuda)
     monkeypatch.setattr(kernels, "PDL", True)
     assert kernels.pdl(cuda) and not kernels.pdl(torch.device("cpu"))

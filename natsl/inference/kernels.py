@@ -32,6 +32,8 @@ import os
 
 import torch
 
+from natsl.devices import capability, sm_count  # noqa: F401  (sm_count: the launchers' kernels.sm_count)
+
 # Tests set this to True / False to force the choice; None = decide by device and backend.
 FORCE: bool | None = None
 
@@ -239,22 +241,8 @@ def _kernels():
     return rms_kernel, conv_step_kernel, gdn_step_kernel, conv_chunk_kernel, store_blocks_kernel, write_kv_kernel
 
 
-@functools.lru_cache(maxsize=None)
-def sm_count(device: torch.device) -> int:
-    """SMs of a CUDA device; on the CPU (Triton's interpreter) a nominal 4, so that small test shapes
-    still take the multi-program paths that launch settings derive from it."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
-
-
 # Tests and benchmarks set this to True / False; None = NATSL_DECODE_PDL (default on) on Hopper or newer.
 PDL: bool | None = None
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
 
 
 def pdl(device: torch.device) -> bool:
@@ -270,7 +258,7 @@ def pdl(device: torch.device) -> bool:
         return False
     if PDL is not None:
         return PDL
-    return _capability(device)[0] >= 9 and os.environ.get("NATSL_DECODE_PDL", "1") != "0"
+    return capability(device)[0] >= 9 and os.environ.get("NATSL_DECODE_PDL", "1") != "0"
 
 
 def launch_options(on: bool) -> dict:

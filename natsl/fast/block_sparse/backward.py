@@ -16,7 +16,8 @@ import triton
 import triton.language as tl
 
 from natsl.fast.block_sparse import config
-from natsl.fast.block_sparse.forward import LOG2E, ceil_div, cast_to, dot_precision, kept_key_rows, mm, mma
+from natsl.fast.block_sparse.forward import (LOG2E, cast_to, ceil_div, dot_precision, head_and_tile, kept_key_rows,
+                                             mm, mma)
 
 
 @triton.jit
@@ -56,12 +57,8 @@ def _dq_kernel(
 ):
     """Mirror of the forward: a query tile walks the kept blocks before it, then its own blocks."""
     # Latest (heaviest) tiles first; HEADS_FIRST: heads on grid axis 0 (config.heads_first).
-    if HEADS_FIRST:
-        bh = tl.program_id(0)
-        tile = tl.num_programs(1) - 1 - tl.program_id(1)
-    else:
-        tile = tl.num_programs(0) - 1 - tl.program_id(0)
-        bh = tl.program_id(1)
+    bh, tile, n_tiles = head_and_tile(HEADS_FIRST)
+    tile = n_tiles - 1 - tile
     b = bh // H
     h = bh % H
     row = (b * (H // R) + h // R) * NB
@@ -163,14 +160,7 @@ def _dkdv_kernel(
 ):
     """One program per (key tile inside block c, head): its dk, dv and its share of dkeep_c."""
     # earliest keys (most later queries) are scheduled first; HEADS_FIRST: heads on grid axis 0
-    if HEADS_FIRST:
-        bh = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        n_tiles = tl.num_programs(1)
-    else:
-        pid_n = tl.program_id(0)
-        bh = tl.program_id(1)
-        n_tiles = tl.num_programs(0)
+    bh, pid_n, n_tiles = head_and_tile(HEADS_FIRST)
     b = bh // H
     h = bh % H
     row = (b * (H // R) + h // R) * NB
@@ -251,9 +241,8 @@ def attention_backward(q, k, v, o, lse, do, lists, scale: float, block_size: int
     block_n, block_m = config.dkdv_tiles(cfg, block_size)
     tiles_per_block = block_size // block_n
     dkeep = torch.empty(B, H, NB, tiles_per_block, dtype=torch.float32, device=q.device)
-    n_tiles = NB * tiles_per_block
-    heads_first = config.heads_first(B * H * n_tiles, q.device)
-    _dkdv_kernel[(B * H, n_tiles) if heads_first else (n_tiles, B * H)](
+    grid, heads_first = config.program_grid(B * H, NB * tiles_per_block, q.device)
+    _dkdv_kernel[grid](
         q, k, v, do, dk, dv, dkeep, lse, delta, lists.flags, *strides,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         T, NB, H, R, scale * LOG2E, scale,
@@ -262,9 +251,8 @@ def attention_backward(q, k, v, o, lse, do, lists, scale: float, block_size: int
     )
 
     cfg = config.dq_config(q.element_size(), DK, DV)
-    n_tiles = ceil_div(T, cfg["BLOCK_M"])
-    heads_first = config.heads_first(B * H * n_tiles, q.device)
-    _dq_kernel[(B * H, n_tiles) if heads_first else (n_tiles, B * H)](
+    grid, heads_first = config.program_grid(B * H, ceil_div(T, cfg["BLOCK_M"]), q.device)
+    _dq_kernel[grid](
         q, k, v, do, dq, lse, delta, lists.flags, lists.before, lists.blocks, *strides,
         dq.stride(0), dq.stride(1), dq.stride(2),
         T, NB, H, R, scale * LOG2E, scale,

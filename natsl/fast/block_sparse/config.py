@@ -14,10 +14,11 @@ benchmarks/device_routed_attention.py overrides these dicts to compare settings.
 
 from __future__ import annotations
 
-import functools
+from natsl.devices import sm_count
 
 # Key tiles of the forward read through TMA tensor descriptors where they apply (Hopper, 16-bit,
-# BLOCK_N <= C, packed [B, T, H, D] layouts); forward._descriptors says when.
+# BLOCK_N <= C, packed [B, T, H, D] layouts); forward._descriptors says when. Benchmarks and tests
+# set it to False to compare with pointer loads.
 # (2026-11-30 on the H200: ~1% faster than pointer loads of the same tiles at 16K and 64K, equal at 4K.)
 USE_DESCRIPTORS = True
 
@@ -57,16 +58,14 @@ def heads_first(n_programs: int, device) -> bool:
     64K (bwd 57.2 vs 61.3)."""
     if HEADS_FIRST is not None:
         return HEADS_FIRST
-    return n_programs <= 8 * _sm_count(device)
+    return n_programs <= 8 * sm_count(device)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device) -> int:
-    """SMs of a CUDA device (a nominal 4 for the interpreter); cached: a property query costs
-    microseconds of host time on every launch otherwise."""
-    import torch
-
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+def program_grid(rows: int, n_tiles: int, device) -> tuple[tuple[int, int], bool]:
+    """(grid, heads_first) of a kernel with `n_tiles` programs for each of `rows` (batch x heads),
+    in the order `heads_first` picks; the kernel reads its ids with forward.head_and_tile."""
+    first = heads_first(rows * n_tiles, device)
+    return ((rows, n_tiles) if first else (n_tiles, rows)), first
 
 
 def _pick(element_size: int, dk: int, dv: int, normal: dict, large: dict, wide: dict, small_dv=None) -> dict:

@@ -11,13 +11,13 @@ Cost is proportional to the kept blocks: dropped blocks are never loaded.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
+from natsl.devices import capability
 from natsl.fast.block_sparse import config
 
 
@@ -89,6 +89,21 @@ def kept_key_rows(blocks_ptr, row, start, offs_n, n_rows, C: tl.constexpr, BLOCK
 
 
 @triton.jit
+def head_and_tile(HEADS_FIRST: tl.constexpr):
+    """(row bh = b * H + h, tile index, tiles per row) of this program in a grid of
+    config.program_grid: heads on axis 0 when HEADS_FIRST, else tiles on axis 0."""
+    if HEADS_FIRST:
+        bh = tl.program_id(0)
+        tile = tl.program_id(1)
+        n_tiles = tl.num_programs(1)
+    else:
+        bh = tl.program_id(1)
+        tile = tl.program_id(0)
+        n_tiles = tl.num_programs(0)
+    return bh, tile, n_tiles
+
+
+@triton.jit
 def _forward_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, flags_ptr, before_ptr, blocks_ptr, k_desc, v_desc,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h,
@@ -99,12 +114,8 @@ def _forward_kernel(
     # Latest (heaviest) tiles first. Programs start in the order of their linear id, axis 0
     # fastest. HEADS_FIRST (heads on axis 0): every head's heaviest tiles start first, so a grid of
     # few waves ends on light tiles; else a head's tiles run together, whose shared keys stay in L2.
-    if HEADS_FIRST:
-        bh = tl.program_id(0)
-        tile = tl.num_programs(1) - 1 - tl.program_id(1)
-    else:
-        tile = tl.num_programs(0) - 1 - tl.program_id(0)
-        bh = tl.program_id(1)
+    bh, tile, n_tiles = head_and_tile(HEADS_FIRST)
+    tile = n_tiles - 1 - tile
     b = bh // H
     h = bh % H
     row = (b * (H // R) + h // R) * NB  # this head's routing group in the block lists
@@ -188,25 +199,15 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "tf32x3" if dtype.itemsize >= 4 else "tf32"
 
 
-# Benchmarks set this to True / False; None = config.USE_DESCRIPTORS.
-USE_DESCRIPTORS: bool | None = None
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
-
-
 def _descriptors(k, v, block_n: int, block_size: int):
     """TMA tensor descriptors of K and V as [B*T, H*D] matrices with [BLOCK_N, D] tiles, or None where
     they do not apply: off Hopper, on 32-bit inputs, for key tiles that span several routing blocks,
     or for layouts that are not [B, T, H, D] with (H, D) packed and 16-byte aligned."""
-    use = config.USE_DESCRIPTORS if USE_DESCRIPTORS is None else USE_DESCRIPTORS
-    if not use or not k.is_cuda or k.element_size() != 2 or block_n > block_size:
+    if not config.USE_DESCRIPTORS or not k.is_cuda or k.element_size() != 2 or block_n > block_size:
         return None
-    if _capability(k.device)[0] < 9:
+    if capability(k.device)[0] < 9:
         return None
-    from triton.tools.tensor_descriptor import TensorDescriptor
+    from triton.tools.tensor_descriptor import TensorDescriptor  # Triton >= 3.4; only reached on Hopper
 
     descs = []
     for x in (k, v):
@@ -225,9 +226,7 @@ def attention_forward(q, k, v, lists, scale: float, block_size: int, n_groups: i
     o = torch.empty(B, T, H, DV, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
     cfg = config.forward_config(q.element_size(), DK, DV)
-    n_tiles = ceil_div(T, cfg["BLOCK_M"])
-    heads_first = config.heads_first(B * H * n_tiles, q.device)
-    grid = (B * H, n_tiles) if heads_first else (n_tiles, B * H)
+    grid, heads_first = config.program_grid(B * H, ceil_div(T, cfg["BLOCK_M"]), q.device)
     descs = _descriptors(k, v, cfg["BLOCK_N"], block_size)
     _forward_kernel[grid](
         q, k, v, o, lse, lists.flags, lists.before, lists.blocks, *(descs or (k, v)),

@@ -1,0 +1,22 @@
+"""Cached facts about a device for launch decisions (a query per launch costs host time)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    """SMs of a CUDA device; on the CPU (Triton's interpreter) a nominal 4, so that small test shapes
+    still take the multi-program paths that launch settings derive from it."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+@functools.lru_cache(maxsize=None)
+def capability(device: torch.device) -> tuple[int, int]:
+    """Compute capability (major, minor) of a CUDA device."""
+    return torch.cuda.get_device_capability(device)
