@@ -2,7 +2,7 @@
 
     PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/device_prefill_profile.py [--length 131072]
 
-For each model (random weights, bf16, fast backend, NAtS-L routes forced to keep 0.5): the best of
+For each model (random weights, bf16, fast backend, NAtS-L routes forced to --keep-fraction, 0.5): the best of
 two prefills with separate projection weights, then the same after `merge_` (the decode runner's
 merged q/k/v... buffers, forced on for the prefill too), then one profiled prefill (default: merged only
 for decode-sized inputs):
@@ -41,6 +41,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--length", type=int, default=131072)
     parser.add_argument("--models", default="800m_gdn,800m_hybrid")
+    parser.add_argument("--keep-fraction", type=float, default=0.5, help="the NAtS-L layers' forced keep fraction")
     args = parser.parse_args()
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -53,11 +54,11 @@ def main() -> None:
     os.makedirs(OUT, exist_ok=True)
     default_rows = merged.MERGE_MAX_ROWS
     device, L = torch.device("cuda"), args.length
-    result = {"provenance": provenance(), "length": L, "models": {}}
+    result = {"provenance": provenance(), "length": L, "keep_fraction": args.keep_fraction, "models": {}}
     tables = open(os.path.join(OUT, "prefill_profile.txt"), "w")
     for name in args.models.split(","):
         began = time.monotonic()
-        model, _, _ = bench.load_model(bench.BenchModel("recipe", name, 0.5), device, torch.bfloat16, "fast", 0)
+        model, _, _ = bench.load_model(bench.BenchModel("recipe", name, args.keep_fraction), device, torch.bfloat16, "fast", 0)
         ids = torch.randint(0, model.config.vocab_size, (1, L), device=device)
         cache = model.new_cache(1, max_len=L + 8)
         entry = {}

@@ -132,6 +132,35 @@ def test_program_order_rule(monkeypatch):
     assert config.heads_first(10**6, cuda)
 
 
+def test_eager_path_equals_the_custom_op(monkeypatch):
+    """Eager calls skip the custom-op dispatcher (host time) but run the same kernels and autograd
+    formula: output and every gradient bitwise equal to the custom op's, also without autograd."""
+    from natsl.fast.block_sparse import function
+
+    gen = torch.Generator().manual_seed(3)
+    B, T, Hs, G, D = 2, 100, 4, 2, 16
+    q, k, v = (torch.randn(B, T, Hs, D, generator=gen).to(DEVICE) for _ in range(3))
+    keep = (torch.rand(B, 2, G, generator=gen) < 0.5).float().to(DEVICE)
+    do = torch.randn(B, T, Hs, D, generator=gen).to(DEVICE)
+
+    def run(via_custom_op: bool):
+        monkeypatch.setattr(function, "_compiling", lambda: via_custom_op)
+        inputs = [x.clone().requires_grad_() for x in (q, k, v, keep)]
+        o = routed_attention(*inputs, route_grad="full")
+        return (o, *torch.autograd.grad(o, inputs, do))
+
+    eager, custom = run(False), run(True)
+    for a, b in zip(eager, custom):
+        assert torch.equal(a, b)
+    monkeypatch.setattr(function, "_compiling", lambda: False)
+    with torch.no_grad():
+        assert torch.equal(routed_attention(q, k, v, keep), eager[0])
+    called = []
+    monkeypatch.setattr(function, "routed_attention_forward", lambda *a: called.append(1) or function._forward_impl(*a))
+    routed_attention(q.requires_grad_(), k, v, keep)
+    assert not called  # eager autograd calls do not enter the custom op
+
+
 @pytest.mark.parametrize("T", (37, 200))
 def test_bf16(T):
     errs = compare(2, T, 4, 2, 32, 32, "random", "full", dtype=torch.bfloat16, block_size=16, seed=T)

@@ -273,6 +273,48 @@ def test_gpu_fast_prefill_and_decode_equal_the_full_forward(layout):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_prefill_with_branches_on_two_streams_equals_one_stream(monkeypatch):
+    """The GDN branch on a side stream (inference/overlap.py) runs the same kernels in the same order
+    within each branch: logits and every cache tensor bitwise equal to the one-stream prefill, for a
+    prefill from empty and one that continues inside a block, at batch 2."""
+    from natsl.inference import overlap
+
+    model = gpu_model("natsl_hybrid", torch.bfloat16)
+    force_keep_fraction(model, 0.5, seed=2)
+    ids = torch.randint(0, 1024, (2, 700), generator=torch.Generator().manual_seed(9)).cuda()
+    monkeypatch.setattr(overlap, "MIN_TOKENS", 1)
+    results = {}
+    with torch.no_grad():
+        for flag in ("0", "1"):
+            monkeypatch.setenv("NATSL_PREFILL_OVERLAP", flag)
+            cache = model.new_cache(2, max_len=800)
+            first = model(ids[:, :437], cache=cache)
+            second = model(ids[:, 437:], cache=cache)
+            tensors = [t.clone() for c in cache.natsl_caches() for t in vars(c).values()
+                       if isinstance(t, torch.Tensor)]
+            results[flag] = (first, second, tensors)
+    assert overlap.side_stream(ids, 700) is not None  # the second run did take the side stream
+    one, two = results["0"], results["1"]
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+    assert len(one[2]) > 5 and all(torch.equal(a, b) for a, b in zip(one[2], two[2]))
+
+
+def test_prefill_overlap_stays_off_the_cpu_and_short_calls(monkeypatch):
+    from natsl.inference import overlap
+
+    x = torch.zeros(1, 8)
+    assert overlap.side_stream(x, 10**6) is None  # CPU tensors: one stream
+    monkeypatch.setenv("NATSL_PREFILL_OVERLAP", "0")
+    assert not overlap.enabled()
+    monkeypatch.setenv("NATSL_PREFILL_OVERLAP", "1")
+    assert overlap.enabled()
+    with overlap.running_on(None):  # the one-stream path is a no-op context
+        pass
+    overlap.join(None, x.device)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_cuda_graph_decode_equals_eager_decode():
     model = gpu_model("natsl_hybrid", torch.bfloat16)
     force_keep_fraction(model, 0.5, seed=1)

@@ -25,7 +25,7 @@ from torch import nn
 
 from natsl import ops
 from natsl.config import ModelConfig
-from natsl.inference import kernels
+from natsl.inference import kernels, overlap
 from natsl.inference.block_end import close_block, decode_slots
 from natsl.inference.functional import (attend_cached, commit_state, gdn_token_step, masked_attention, read_state,
                                         use_fast, write_kv)
@@ -246,7 +246,43 @@ class NAtSL(nn.Module):
             index = torch.arange(start // C, start // C + completed, device=x.device)[None]
             keep, write = self.decide_routes(torch.cat(sums, 1), C, index)
 
-        # GDN branch.
+        # GDN branch, on a second stream beside the softmax branch for long calls (inference/overlap.py).
+        side = overlap.side_stream(x, T)
+        with overlap.running_on(side):
+            o_la, s_start, s_run, decay = self._prefill_gdn(x, q, k, v, g, beta, cache, head, full, tail,
+                                                            closes_head, write, fast, fused)
+
+        # Softmax branch: attention first (it reads the cached block), then the KV goes into the memory.
+        qs, ks, vs = self.softmax_views(q, k, v, start=start, fused=fused)
+        if start == 0:
+            nb = -(-T // C)
+            keep_all = torch.ones(B, nb, self.num_heads, dtype=x.dtype, device=x.device)
+            if keep is not None:
+                keep_all[:, :completed] = keep
+            o_nla = ops.routed_attention(qs, ks, vs, keep_all, block_size=C, backend=self.backend,
+                                         intra_block=c.intra_block_output != "gdn")
+        else:
+            o_nla = self._attend_after_prefix(qs, ks, vs, cache, n, keep)
+        self._store_kv(ks, vs, cache, n, keep, fused)
+        overlap.join(side, x.device)
+
+        # Commit the new states and the router's running sum of the unfinished block.
+        cache.state_start.copy_(s_start)
+        cache.state_run.copy_(s_run)
+        cache.decay_sum.copy_(decay)
+        if completed == 0:
+            cache.x_sum.add_(x.to(acc).sum(1))
+        else:
+            cache.x_sum.copy_(x[:, T - tail:].to(acc).sum(1))
+        return o_la, o_nla
+
+    def _prefill_gdn(self, x, q, k, v, g, beta, cache, head: int, full: int, tail: int, closes_head: bool, write,
+                     fast: bool, fused: bool):
+        """The GDN branch of `_prefill` over its head / full / tail pieces: (o_la, the committed
+        state, the running state, the running decay sum), the cache itself untouched."""
+        c = self.config
+        C = c.block_size
+        T = x.shape[1]
         ql, kl, vl = self.proj.split_heads(q, k, v, fused=fused)
         intra = c.intra_block_output != "softmax"
         rule = dict(block_size=C, decay_skipped_blocks=c.decay_skipped_blocks, backend=self.backend,
@@ -278,30 +314,7 @@ class NAtSL(nn.Module):
                                             initial_state=s_start, intra_block=intra, **rule)
             decay = decay + g[:, piece].to(decay.dtype).sum(1)
             outs.append(o)
-        o_la = torch.cat(outs, dim=1)
-
-        # Softmax branch: attention first (it reads the cached block), then the KV goes into the memory.
-        qs, ks, vs = self.softmax_views(q, k, v, start=start, fused=fused)
-        if start == 0:
-            nb = -(-T // C)
-            keep_all = torch.ones(B, nb, self.num_heads, dtype=x.dtype, device=x.device)
-            if keep is not None:
-                keep_all[:, :completed] = keep
-            o_nla = ops.routed_attention(qs, ks, vs, keep_all, block_size=C, backend=self.backend,
-                                         intra_block=c.intra_block_output != "gdn")
-        else:
-            o_nla = self._attend_after_prefix(qs, ks, vs, cache, n, keep)
-        self._store_kv(ks, vs, cache, n, keep, fused)
-
-        # Commit the new states and the router's running sum of the unfinished block.
-        cache.state_start.copy_(s_start)
-        cache.state_run.copy_(s_run)
-        cache.decay_sum.copy_(decay)
-        if completed == 0:
-            cache.x_sum.add_(x.to(acc).sum(1))
-        else:
-            cache.x_sum.copy_(x[:, T - tail:].to(acc).sum(1))
-        return o_la, o_nla
+        return torch.cat(outs, dim=1), s_start, s_run, decay
 
     def _keep_per_head(self, keep, B, device):
         """keep [B, completed, H] or None -> bool [B, completed + 1, heads]; the extra last row is
