@@ -18,11 +18,14 @@ table on stdout.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -103,10 +106,41 @@ def run_one(recipe: str, mbs: int, args, result_path: Path) -> dict:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
                *cmd[1:]]
     result_path.unlink(missing_ok=True)
-    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    code = run_child(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     if result_path.is_file():
         return json.loads(result_path.read_text())
-    return {"recipe": recipe, "micro_batch_size": mbs, "status": "failed", "error": f"exit code {proc.returncode}"}
+    return {"recipe": recipe, "micro_batch_size": mbs, "status": "failed", "error": f"exit code {code}"}
+
+
+def run_child(cmd: list[str], **popen_kwargs) -> int:
+    """Run `cmd` (a worker, or torchrun and its ranks) in a process group of its own and wait for it;
+    a SIGTERM or SIGINT to this script ends the whole group first. Without this, `timeout` around
+    the benchmark killed only this script, and the workers kept the GPU and the output pipe open
+    (2026-11-30: a device call hung to its limit that way)."""
+    proc = subprocess.Popen(cmd, start_new_session=True, **popen_kwargs)
+    stopped_by = []
+
+    def kill_group(sig):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+
+    def stop(signum, frame):
+        # Only signal here: the interrupted proc.wait() below holds Popen's wait lock.
+        stopped_by.append(signum)
+        kill_group(signal.SIGTERM)
+        timer = threading.Timer(10.0, kill_group, (signal.SIGKILL,))  # for a worker that ignores SIGTERM
+        timer.daemon = True
+        timer.start()
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        code = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if stopped_by:
+        raise SystemExit(128 + stopped_by[0])
+    return code
 
 
 def plot(results: list[dict], png: Path) -> None:

@@ -4,7 +4,7 @@
 
 For each length and each shape (24 heads x 64, the anchor's; the 800M layer's 18 heads of 64/128),
 times the forward kernel alone (`attention_forward`, block lists built once) under each variant of
-(BLOCK_M, BLOCK_N, num_warps, num_stages, TMA descriptors on/off, warp specialization), checks each variant's output
+(BLOCK_M, BLOCK_N, num_warps, num_stages, TMA descriptors on/off), checks each variant's output
 against the current setting's, and times causal SDPA (flash and cuDNN) at 24 x 64 in the same run.
 Medians of triton.testing.do_bench; JSON to $OUT/attention_variants.json, a table on stdout.
 """
@@ -32,12 +32,13 @@ SHAPES = {"24x64": (24, 8, 64, 64, "FORWARD_SMALL_DV"), "800M": (18, 6, 64, 128,
 # setting. Rounds 1 and 2 (2026-11-30, docs/results/2026-11-30d/call1, call2) compared the earlier
 # settings with 4-warp, 128-key and TMA variants; round 3 re-times the winners after the grid
 # order change (every head's heaviest tiles first).
-# Round 4 (2026-11-30, fifth session): Triton's warp specialization of the kept-block loop
-# ("ws": tl.range(..., warp_specialize=True)), with the current tiles and with 256-row query tiles
-# on 8 warps (two consumer warp groups of 128 rows).
+# Round 4 (2026-11-30, fifth session, docs/results/2026-11-30e/call3, script of commit e9a0deb):
+# Triton's warp specialization of the kept-block loop (tl.range(..., warp_specialize=True)) did not
+# compile for the 800M tiles on Triton 3.6 (MLIR pass failure), gained nothing at 24 x 64 (16K 2.212
+# vs 2.213 ms) and lost with 256-row tiles on 8 warps (16K 2.560 vs 2.047 ms); the switch was removed.
 VARIANTS = {
-    "24x64": [(128, 128, 4, 2, False), (128, 128, 4, 2, False, True)],
-    "800M": [(128, 64, 4, 3, True), (128, 64, 4, 3, True, True), (256, 64, 8, 3, True, True)],
+    "24x64": [(128, 128, 4, 2, False), (128, 64, 4, 3, True)],
+    "800M": [(128, 64, 4, 3, True), (128, 64, 4, 4, True)],
 }
 
 
@@ -67,11 +68,10 @@ def main() -> None:
             cfg = getattr(config, cfg_name)
             saved, saved_desc = dict(cfg), config.USE_DESCRIPTORS
             want = None
-            for bm, bn, warps, stages, desc, *ws in VARIANTS[name]:
-                ws = bool(ws and ws[0])
-                cfg.update(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, warp_specialize=ws)
+            for bm, bn, warps, stages, desc in VARIANTS[name]:
+                cfg.update(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
                 config.USE_DESCRIPTORS = desc
-                label = f"{name} M{bm} N{bn} w{warps} s{stages}" + (" tma" if desc else "") + (" ws" if ws else "")
+                label = f"{name} M{bm} N{bn} w{warps} s{stages}" + (" tma" if desc else "")
                 row = {"T": T, "what": label}
                 try:
                     o, _ = forward.attention_forward(q, k, v, lists, 0.125, 64, G)

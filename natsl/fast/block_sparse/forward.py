@@ -110,7 +110,6 @@ def _forward_kernel(
     T, NB, H, R, qk_scale,
     C: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DK: tl.constexpr, DV: tl.constexpr, PREC: tl.constexpr, USE_DESC: tl.constexpr, HEADS_FIRST: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr = False,
 ):
     # Latest (heaviest) tiles first. Programs start in the order of their linear id, axis 0
     # fastest. HEADS_FIRST (heads on axis 0): every head's heaviest tiles start first, so a grid of
@@ -142,7 +141,7 @@ def _forward_kernel(
     # 1. Kept blocks before the tile's first block a0: visible to every row, no mask.
     a0 = m0 // C
     n_rows = tl.load(before_ptr + row + a0) * C
-    for it in tl.range(0, n_rows // BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+    for it in range(0, n_rows // BLOCK_N):
         if USE_DESC:  # BLOCK_N <= C: the tile is rows key0 .. key0 + BLOCK_N of one kept block (TMA loads)
             key0 = tl.load(blocks_ptr + row + (it * BLOCK_N) // C) * C + (it * BLOCK_N) % C
             k = k_desc.load([b * T + key0, h * DK])
@@ -235,7 +234,6 @@ def attention_forward(q, k, v, lists, scale: float, block_size: int, n_groups: i
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
         T, lists.flags.shape[1], H, H // n_groups, scale * LOG2E,
         C=block_size, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], DK=DK, DV=DV, PREC=dot_precision(q.dtype),
-        USE_DESC=descs is not None, HEADS_FIRST=heads_first, WARP_SPECIALIZE=cfg.get("warp_specialize", False),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        USE_DESC=descs is not None, HEADS_FIRST=heads_first, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return o, lse
