@@ -185,6 +185,34 @@ def test_mixed_gate_dtypes_follow_the_inputs():
     assert rel_rms(o, o_ref) < TOL_SATURATED_BF16[0]  # default bf16 intermediates, small K
 
 
+def test_eager_path_equals_the_custom_op(monkeypatch):
+    """Eager calls skip the custom-op dispatcher (host time) but run the same kernels and autograd
+    formula: outputs and every gradient (write and initial state included) bitwise equal to the
+    custom op's; also the no-autograd path; an unused final state gets no gradient in either."""
+    from natsl.fast.gated_delta import function
+
+    B, T, H, K, V = 1, 100, 2, 16, 16
+    inputs = make_inputs(B, T, H, K, V, seed=5)
+    write = make_write(B, 2, H, "random", seed=6)
+    gen = torch.Generator().manual_seed(7)
+    h0, do, d_final = (torch.randn(*shape, generator=gen).to(DEVICE) for shape in
+                       ((B, H, K, V), (B, T, H, V), (B, H, K, V)))
+    runs = {}
+    for via_custom_op in (False, True):
+        monkeypatch.setattr(function, "_compiling", lambda: via_custom_op)
+        o, final, grads = run_with_grads(gated_delta_rule, inputs, write, h0, do, d_final, route_grad="full")
+        runs[via_custom_op] = [o, final, *grads.values()]
+        _, _, no_final = run_with_grads(gated_delta_rule, inputs, write, h0, do, None)
+        runs[via_custom_op, "no final"] = list(no_final.values())
+    for key in (False, (False, "no final")):
+        other = True if key is False else (True, "no final")
+        assert all(torch.equal(a, b) for a, b in zip(runs[key], runs[other])), key
+    monkeypatch.setattr(function, "_compiling", lambda: False)
+    with torch.no_grad():
+        o, final = gated_delta_rule(*inputs, write, initial_state=h0, output_final_state=True)
+    assert torch.equal(o, runs[False][0]) and torch.equal(final, runs[False][1])
+
+
 def test_unsupported_block_size_is_a_clear_error():
     q, k, v, g, beta = make_inputs(1, 40, 1, 16, 16, seed=31)
     with pytest.raises(NatslError, match="block_size"):

@@ -41,13 +41,8 @@ def _chunk_gamma(gc: torch.Tensor, block_size: int) -> torch.Tensor:
 _EMPTY = (0,)
 
 
-@torch.library.custom_op("natsl::gated_delta_forward", mutates_args=())
-def gated_delta_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    write: Optional[torch.Tensor], initial_state: Optional[torch.Tensor], scale: float, output_final_state: bool,
-    block_size: int, decay_skipped_blocks: bool, route_grad: str, fp32_intermediates: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-           torch.Tensor]:
+def _forward_impl(q, k, v, g, beta, write, initial_state, scale: float, output_final_state: bool, block_size: int,
+                  decay_skipped_blocks: bool, route_grad: str, fp32_intermediates: bool):
     """(o, final state or empty, and what the backward reads: write as fp32, gc, T rows, W, h, R)."""
     B, T, H, _ = q.shape
     NB = triton.cdiv(T, block_size)
@@ -61,6 +56,17 @@ def gated_delta_forward(
                                 prec, config.STATE_FWD)
     o = chunk_output(q, k, gc, h, r, scale, block_size, prec, config.OUTPUT)
     return o, (final if final is not None else q.new_empty(_EMPTY, dtype=torch.float32)), w32, gc, ai, w, h, r
+
+
+@torch.library.custom_op("natsl::gated_delta_forward", mutates_args=())
+def gated_delta_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    write: Optional[torch.Tensor], initial_state: Optional[torch.Tensor], scale: float, output_final_state: bool,
+    block_size: int, decay_skipped_blocks: bool, route_grad: str, fp32_intermediates: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor]:
+    return _forward_impl(q, k, v, g, beta, write, initial_state, scale, output_final_state, block_size,
+                         decay_skipped_blocks, route_grad, fp32_intermediates)
 
 
 @gated_delta_forward.register_fake
@@ -77,13 +83,8 @@ def _(q, k, v, g, beta, write, initial_state, scale, output_final_state, block_s
             q.new_empty(B, T, H, V, dtype=wdt))
 
 
-@torch.library.custom_op("natsl::gated_delta_backward", mutates_args=())
-def gated_delta_backward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, w32: torch.Tensor, gc: torch.Tensor,
-    ai: torch.Tensor, w: torch.Tensor, h: torch.Tensor, r: torch.Tensor, do: torch.Tensor,
-    d_final: Optional[torch.Tensor], scale: float, block_size: int, decay_skipped_blocks: bool, route_grad: str,
-    want_dh0: bool, want_dwrite: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _backward_impl(q, k, v, beta, w32, gc, ai, w, h, r, do, d_final, scale: float, block_size: int,
+                   decay_skipped_blocks: bool, route_grad: str, want_dh0: bool, want_dwrite: bool):
     """(dq, dk, dv, dg fp32, dbeta fp32, dwrite fp32 or empty, d initial state fp32 or empty)."""
     C = block_size
     prec = fp32_precision(q.dtype)
@@ -104,6 +105,17 @@ def gated_delta_backward(
         if route_grad == "active":
             dwrite = dwrite * chosen(w32).to(dwrite.dtype)
     return dq, dk, dv, dg, dbeta, dwrite, (dh0 if dh0 is not None else q.new_empty(_EMPTY, dtype=torch.float32))
+
+
+@torch.library.custom_op("natsl::gated_delta_backward", mutates_args=())
+def gated_delta_backward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, w32: torch.Tensor, gc: torch.Tensor,
+    ai: torch.Tensor, w: torch.Tensor, h: torch.Tensor, r: torch.Tensor, do: torch.Tensor,
+    d_final: Optional[torch.Tensor], scale: float, block_size: int, decay_skipped_blocks: bool, route_grad: str,
+    want_dh0: bool, want_dwrite: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward_impl(q, k, v, beta, w32, gc, ai, w, h, r, do, d_final, scale, block_size, decay_skipped_blocks,
+                          route_grad, want_dh0, want_dwrite)
 
 
 @gated_delta_backward.register_fake
@@ -127,7 +139,7 @@ def _setup_context(ctx, inputs, output):
                 None if write is None else write.dtype, None if initial_state is None else initial_state.dtype)
 
 
-def _backward(ctx, do, d_final, *_):
+def _backward(ctx, do, d_final, *_, backward_op=gated_delta_backward):
     q, k, v, beta, w32, gc, ai, w, h, r = ctx.saved_tensors
     scale, C, decay_skipped_blocks, route_grad, g_dtype, beta_dtype, write_dtype, h0_dtype = ctx.meta
     want_dwrite = write_dtype is not None and ctx.needs_input_grad[5]
@@ -136,7 +148,7 @@ def _backward(ctx, do, d_final, *_):
         do = torch.zeros_like(v)
     if d_final is not None and d_final.numel() == 0:
         d_final = None
-    dq, dk, dv, dg, dbeta, dwrite, dh0 = gated_delta_backward(
+    dq, dk, dv, dg, dbeta, dwrite, dh0 = backward_op(
         q, k, v, beta, w32, gc, ai, w, h, r, do, d_final, scale, C, decay_skipped_blocks, route_grad, want_dh0,
         want_dwrite)
     return (dq, dk, dv, dg.to(g_dtype), dbeta.to(beta_dtype), dwrite.to(write_dtype) if want_dwrite else None,
@@ -144,6 +156,32 @@ def _backward(ctx, do, d_final, *_):
 
 
 gated_delta_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerGatedDelta(torch.autograd.Function):
+    """The same forward, backward and autograd formula without the custom-op dispatch, for eager
+    calls (host time per call, as for routed attention); torch.compile still gets the custom op."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _forward_impl(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, do, d_final, *_):
+        return _backward(ctx, do, d_final, backward_op=_backward_impl)
+
+
+_compiling = torch.compiler.is_compiling  # a module attribute, so that a test can pick the path
+
+
+def _run_forward(*inputs):
+    if _compiling():
+        return gated_delta_forward(*inputs)
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
+        return _EagerGatedDelta.apply(*inputs)
+    return _forward_impl(*inputs)
 
 
 def _validate(q, k, v, g, beta, write, initial_state, block_size: int) -> None:
@@ -202,6 +240,6 @@ def gated_delta_rule(
         return q.new_zeros(B, 0, H, V), final
     k, v = k.to(q.dtype), v.to(q.dtype)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    o, final, *_ = gated_delta_forward(q, k, v, g, beta, write, initial_state, scale, output_final_state,
-                                       block_size, decay_skipped_blocks, route_grad, config.INTERMEDIATE == "fp32")
+    o, final, *_ = _run_forward(q, k, v, g, beta, write, initial_state, scale, output_final_state, block_size,
+                                decay_skipped_blocks, route_grad, config.INTERMEDIATE == "fp32")
     return o, (final if output_final_state else None)
