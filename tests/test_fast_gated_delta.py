@@ -189,7 +189,7 @@ def test_eager_path_equals_the_custom_op(monkeypatch):
     """Eager calls skip the custom-op dispatcher (host time) but run the same kernels and autograd
     formula: outputs and every gradient (write and initial state included) bitwise equal to the
     custom op's; also the no-autograd path; an unused final state gets no gradient in either."""
-    from natsl.fast.gated_delta import function
+    from natsl.fast import eager as eager_lane
 
     B, T, H, K, V = 1, 100, 2, 16, 16
     inputs = make_inputs(B, T, H, K, V, seed=5)
@@ -199,7 +199,7 @@ def test_eager_path_equals_the_custom_op(monkeypatch):
                        ((B, H, K, V), (B, T, H, V), (B, H, K, V)))
     runs = {}
     for via_custom_op in (False, True):
-        monkeypatch.setattr(function, "_compiling", lambda: via_custom_op)
+        monkeypatch.setattr(eager_lane, "_compiling", lambda: via_custom_op)
         o, final, grads = run_with_grads(gated_delta_rule, inputs, write, h0, do, d_final, route_grad="full")
         runs[via_custom_op] = [o, final, *grads.values()]
         _, _, no_final = run_with_grads(gated_delta_rule, inputs, write, h0, do, None)
@@ -207,7 +207,7 @@ def test_eager_path_equals_the_custom_op(monkeypatch):
     for key in (False, (False, "no final")):
         other = True if key is False else (True, "no final")
         assert all(torch.equal(a, b) for a, b in zip(runs[key], runs[other])), key
-    monkeypatch.setattr(function, "_compiling", lambda: False)
+    monkeypatch.setattr(eager_lane, "_compiling", lambda: False)
     with torch.no_grad():
         o, final = gated_delta_rule(*inputs, write, initial_state=h0, output_final_state=True)
     assert torch.equal(o, runs[False][0]) and torch.equal(final, runs[False][1])

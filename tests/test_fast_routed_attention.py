@@ -135,6 +135,7 @@ def test_program_order_rule(monkeypatch):
 def test_eager_path_equals_the_custom_op(monkeypatch):
     """Eager calls skip the custom-op dispatcher (host time) but run the same kernels and autograd
     formula: output and every gradient bitwise equal to the custom op's, also without autograd."""
+    from natsl.fast import eager as eager_lane
     from natsl.fast.block_sparse import function
 
     gen = torch.Generator().manual_seed(3)
@@ -144,7 +145,7 @@ def test_eager_path_equals_the_custom_op(monkeypatch):
     do = torch.randn(B, T, Hs, D, generator=gen).to(DEVICE)
 
     def run(via_custom_op: bool):
-        monkeypatch.setattr(function, "_compiling", lambda: via_custom_op)
+        monkeypatch.setattr(eager_lane, "_compiling", lambda: via_custom_op)
         inputs = [x.clone().requires_grad_() for x in (q, k, v, keep)]
         o = routed_attention(*inputs, route_grad="full")
         return (o, *torch.autograd.grad(o, inputs, do))
@@ -152,7 +153,7 @@ def test_eager_path_equals_the_custom_op(monkeypatch):
     eager, custom = run(False), run(True)
     for a, b in zip(eager, custom):
         assert torch.equal(a, b)
-    monkeypatch.setattr(function, "_compiling", lambda: False)
+    monkeypatch.setattr(eager_lane, "_compiling", lambda: False)
     with torch.no_grad():
         assert torch.equal(routed_attention(q, k, v, keep), eager[0])
     called = []

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import triton
 
 from natsl.errors import NatslError
+from natsl.fast import eager
 from natsl.fast.block_sparse.backward import attention_backward
 from natsl.fast.block_sparse.blocks import BlockLists, build_block_lists
 from natsl.fast.block_sparse.forward import _forward_kernel, attention_forward, ceil_div, next_pow2
@@ -98,31 +99,13 @@ def _backward(ctx, do, *_, backward_op=routed_attention_backward):
 routed_attention_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-class _EagerRoutedAttention(torch.autograd.Function):
-    """The same forward, backward and autograd formula without the custom-op dispatch, for eager
-    calls: the dispatcher's work per call is host time that a batch-1 call at 4K cannot hide
-    (the kernel alone takes ~0.16 ms there). torch.compile still gets the opaque custom op."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, keep, scale, block_size, route_grad):
-        output = _forward_impl(q, k, v, keep, scale, block_size, route_grad)
-        _setup_context(ctx, (q, k, v, keep, scale, block_size, route_grad), output)
-        return output
-
-    @staticmethod
-    def backward(ctx, do, *_):
-        return _backward(ctx, do, backward_op=_backward_impl)
-
-
-_compiling = torch.compiler.is_compiling  # a module attribute, so that a test can pick the path
+# Eager calls skip the dispatcher (natsl/fast/eager.py).
+_EagerRoutedAttention = eager.twin(_forward_impl, _setup_context, _backward, _backward_impl)
 
 
 def _run_forward(q, k, v, keep, scale: float, block_size: int, route_grad: str):
-    if _compiling():
-        return routed_attention_forward(q, k, v, keep, scale, block_size, route_grad)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, keep)):
-        return _EagerRoutedAttention.apply(q, k, v, keep, scale, block_size, route_grad)
-    return _forward_impl(q, k, v, keep, scale, block_size, route_grad)
+    return eager.run(routed_attention_forward, _EagerRoutedAttention, _forward_impl, q, k, v, keep, scale, block_size,
+                     route_grad)
 
 
 def _validate(q, k, v, keep, block_size: int) -> None:

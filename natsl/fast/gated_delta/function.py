@@ -13,6 +13,7 @@ import torch
 import triton
 
 from natsl.errors import NatslError
+from natsl.fast import eager
 from natsl.fast.gated_delta import config
 from natsl.fast.gated_delta.common import MAX_K, fp32_precision
 from natsl.fast.gated_delta.grad_qk import grad_qk
@@ -158,30 +159,12 @@ def _backward(ctx, do, d_final, *_, backward_op=gated_delta_backward):
 gated_delta_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-class _EagerGatedDelta(torch.autograd.Function):
-    """The same forward, backward and autograd formula without the custom-op dispatch, for eager
-    calls (host time per call, as for routed attention); torch.compile still gets the custom op."""
-
-    @staticmethod
-    def forward(ctx, *inputs):
-        output = _forward_impl(*inputs)
-        _setup_context(ctx, inputs, output)
-        return output
-
-    @staticmethod
-    def backward(ctx, do, d_final, *_):
-        return _backward(ctx, do, d_final, backward_op=_backward_impl)
-
-
-_compiling = torch.compiler.is_compiling  # a module attribute, so that a test can pick the path
+# Eager calls skip the dispatcher (natsl/fast/eager.py).
+_EagerGatedDelta = eager.twin(_forward_impl, _setup_context, _backward, _backward_impl)
 
 
 def _run_forward(*inputs):
-    if _compiling():
-        return gated_delta_forward(*inputs)
-    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
-        return _EagerGatedDelta.apply(*inputs)
-    return _forward_impl(*inputs)
+    return eager.run(gated_delta_forward, _EagerGatedDelta, _forward_impl, *inputs)
 
 
 def _validate(q, k, v, g, beta, write, initial_state, block_size: int) -> None:
