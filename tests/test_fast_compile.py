@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import natsl
 from natsl.fast.block_sparse.function import routed_attention_forward
 from natsl.fast.gated_delta.function import gated_delta_forward
+from natsl.fast.short_conv import short_conv_forward
 
 
 @pytest.mark.parametrize("with_write", [True, False])
@@ -31,6 +32,15 @@ def test_routed_attention_custom_op_passes_opcheck():
     q, k, v = (torch.randn(B, T, H, D, generator=gen).requires_grad_() for _ in range(3))
     keep = torch.randint(0, 2, (B, 2, 2), generator=gen).float().requires_grad_()
     torch.library.opcheck(routed_attention_forward, (q, k, v, keep, D**-0.5, 64, "full"))
+
+
+@pytest.mark.parametrize("with_tail", [True, False])
+def test_short_conv_custom_op_passes_opcheck(with_tail):
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 37, 24, generator=gen).requires_grad_()
+    weight = torch.randn(24, 1, 4, generator=gen).requires_grad_()
+    tail = torch.randn(2, 3, 24, generator=gen) if with_tail else None
+    torch.library.opcheck(short_conv_forward, (x, weight, tail))
 
 
 @pytest.mark.slow

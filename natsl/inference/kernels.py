@@ -11,7 +11,8 @@ downcast -- and each short conv is cat + conv1d + silu + a tail copy), so a CUDA
   `add_rms_norm(x, r, weight, eps)` the residual add and the next norm in one pass.
 - `conv_step(x, tail, weight)`: one token of the causal short conv + SiLU, the tail shifted in place
   (`conv_steps` does a layer's q, k and v in one launch);
-  `conv_chunk(x, tail, weight)` the same over many tokens (prefill), in 2-D tiles.
+  `conv_chunk(x, tail, weight)` the same over many tokens (prefill): the forward kernel of
+  natsl.fast.short_conv.
 - `write_kv(...)`: a decode token's K and V rows into their caches in one launch;
 - `store_blocks(...)`: a prefill chunk's K/V of kept (and unfinished) blocks into a NAtS-L cache's
   compacted memory, one program per (sequence, head, block).
@@ -131,29 +132,6 @@ def _kernels():
         tl.store(y_ptr + b * stride_yb + cols, (acc / (1.0 + tl.exp(-acc))).to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def conv_chunk_kernel(x_ptr, tail_ptr, w_ptr, y_ptr, T, C, stride_xb, stride_xt, stride_tb, stride_tw,
-                          stride_yb, stride_yt, W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-        # 2-D [time, channel] tiles: no index divisions, and the W shifted reads of x hit the cache.
-        b = tl.program_id(0).to(tl.int64)
-        t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-        cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
-        cmask = cols < C
-        acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-        for j in tl.static_range(0, W + 1):
-            # tap j reads input t - (W - j): from x where that is >= 0, else from tail slot t + j
-            s = t - (W - j)
-            from_x = tl.load(x_ptr + b * stride_xb + s.to(tl.int64)[:, None] * stride_xt + cols[None, :],
-                             mask=((s >= 0) & (s < T))[:, None] & cmask[None, :], other=0.0)
-            slot = t + j
-            from_tail = tl.load(tail_ptr + b * stride_tb + slot[:, None] * stride_tw + cols[None, :],
-                                mask=((s < 0) & (slot < W))[:, None] & cmask[None, :], other=0.0)
-            wj = tl.load(w_ptr + cols * (W + 1) + j, mask=cmask, other=0.0).to(tl.float32)
-            acc += (from_x.to(tl.float32) + from_tail.to(tl.float32)) * wj[None, :]
-        y = acc / (1.0 + tl.exp(-acc))
-        tl.store(y_ptr + b * stride_yb + t.to(tl.int64)[:, None] * stride_yt + cols[None, :],
-                 y.to(y_ptr.dtype.element_ty), mask=(t < T)[:, None] & cmask[None, :])
-
-    @triton.jit
     def gdn_step_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, s_ptr, o_ptr, g_ptr,
                         H, stride_qb, stride_kb, stride_vb, stride_ab, stride_bb, stride_sb, scale,
                         K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -238,7 +216,7 @@ def _kernels():
         row = tl.load(v_ptr + b * v_b + h * v_h + cv, mask=cv < DV)
         tl.store(vb_ptr + b * vb_b + h * vb_h + slot * vb_l + cv, row.to(vb_ptr.dtype.element_ty), mask=cv < DV)
 
-    return rms_kernel, conv_step_kernel, gdn_step_kernel, conv_chunk_kernel, store_blocks_kernel, write_kv_kernel
+    return rms_kernel, conv_step_kernel, gdn_step_kernel, store_blocks_kernel, write_kv_kernel
 
 
 # Tests and benchmarks set this to True / False; None = NATSL_DECODE_PDL (default on) on Hopper or newer.
@@ -351,24 +329,15 @@ def conv_steps(xs, tails, weights) -> list[torch.Tensor]:
 
 
 def conv_chunk(x: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`ShortConv` + SiLU over many tokens (prefill): x [B, T, C] (channels contiguous), tail [B, W, C]
-    (the W inputs before x, read only), weight [C, 1, W+1] -> y [B, T, C] in x's dtype. The same sum in
-    the same order as `natsl.models.pointwise.conv_silu`, in one pass at memory speed (Inductor's
-    dynamic-shape kernel for it ran at ~1/6 of the copy bandwidth in a 128K prefill on the H200)."""
-    B, T, C = x.shape
-    W = tail.shape[1]
+    """`ShortConv` + SiLU over many tokens (prefill): x [B, T, C], tail [B, W, C] (the W inputs before
+    x, read only), weight [C, 1, W+1] -> y [B, T, C] in x's dtype, in one pass at memory speed
+    (Inductor's dynamic-shape kernel for it ran at ~1/6 of the copy bandwidth in a 128K prefill on
+    the H200). The forward kernel of the training op natsl.fast.short_conv, without autograd."""
+    from natsl.fast.short_conv import forward
+
     if x.stride(-1) != 1:
         x = x.contiguous()
-    tail = tail.to(x.dtype).contiguous()
-    y = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
-    if B * T * C == 0:
-        return y
-    w = weight.reshape(C, W + 1).contiguous()
-    block_t, block_c = 32, 128
-    grid = (B, -(-T // block_t), -(-C // block_c))
-    _kernels()[3][grid](x, tail, w, y, T, C, x.stride(0), x.stride(1), tail.stride(0), tail.stride(1),
-                        y.stride(0), y.stride(1), W=W, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=4)
-    return y
+    return forward(x, weight, tail.to(x.dtype).contiguous())
 
 
 def store_blocks(src: torch.Tensor, mem: torch.Tensor, valid: torch.Tensor, before: torch.Tensor,
@@ -388,7 +357,7 @@ def store_blocks(src: torch.Tensor, mem: torch.Tensor, valid: torch.Tensor, befo
     valid = valid.to(torch.int8).contiguous()
     before = before.contiguous()
     kept0 = kept0.contiguous()
-    _kernels()[4][(B * heads, R)](
+    _kernels()[3][(B * heads, R)](
         src, mem, valid, before, kept0, T, n, R, heads, src.stride(0), src.stride(1), src.stride(2),
         mem.stride(0), mem.stride(1), mem.stride(2), D, C=block_size, BLOCK_C=next_pow2(block_size),
         BLOCK_D=max(16, next_pow2(D)), num_warps=4)
@@ -402,7 +371,7 @@ def write_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor, k: t
     assert k.stride(-1) == 1 and v.stride(-1) == 1 and k_buf.stride(-1) == 1 and v_buf.stride(-1) == 1
     DK, DV = k.shape[-1], v.shape[-1]
     on = pdl(k.device)
-    _kernels()[5][(B * heads,)](
+    _kernels()[4][(B * heads,)](
         k_buf, v_buf, slots, k, v, heads, DK, DV, k_buf.stride(0), k_buf.stride(1), k_buf.stride(2),
         v_buf.stride(0), v_buf.stride(1), v_buf.stride(2), slots.stride(0), slots.stride(1),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),

@@ -1,7 +1,9 @@
 """Causal depthwise short convolution (kernel 4, no bias) followed by SiLU, as in Gated DeltaNet.
 
 The layer takes an optional `tail`, the last `kernel - 1` inputs before `x`, so that prefill and
-token-by-token decoding compute exactly what the full-sequence forward computes.
+token-by-token decoding compute exactly what the full-sequence forward computes. On the fast
+backend the full-sequence forward (training) runs the Triton op natsl.fast.short_conv, forward and
+backward; elsewhere the formula of natsl.models.pointwise.conv_silu (compiled on CUDA).
 """
 
 from __future__ import annotations
@@ -11,12 +13,14 @@ from torch import nn
 
 from natsl.inference import kernels
 from natsl.models.pointwise import conv_silu, conv_tail
+from natsl.ops import resolve_backend
 
 
 class ShortConv(nn.Module):
-    def __init__(self, channels: int, kernel_size: int = 4, device=None):
+    def __init__(self, channels: int, kernel_size: int = 4, device=None, backend: str | None = None):
         super().__init__()
         self.kernel_size = kernel_size
+        self.backend = backend  # the model's set_backend sets it with the layers' ops
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size, device=device))
         self.reset_parameters()
 
@@ -31,6 +35,10 @@ class ShortConv(nn.Module):
         `fused` (cached prefill): the Triton kernel of natsl.inference.kernels, where no gradient is
         wanted (it has no backward)."""
         if tail is None:
+            if resolve_backend(self.backend, x.device) == "fast":
+                from natsl.fast.short_conv import short_conv_silu  # Triton: imported where used
+
+                return short_conv_silu(x, self.weight), None
             return conv_silu(x, x.new_zeros(x.shape[0], self.kernel_size - 1, x.shape[2]), self.weight), None
         if fused and not torch.is_grad_enabled():
             return kernels.conv_chunk(x, tail, self.weight), conv_tail(x, tail)

@@ -34,9 +34,9 @@ class GatedDeltaProjections(nn.Module):
         self.v_proj = Linear(d, h * self.v_dim, bias=False, device=device)
         self.a_proj = Linear(d, h, bias=False, device=device)
         self.b_proj = Linear(d, h, bias=False, device=device)
-        self.q_conv = ShortConv(h * self.k_dim, config.conv_size, device=device)
-        self.k_conv = ShortConv(h * self.k_dim, config.conv_size, device=device)
-        self.v_conv = ShortConv(h * self.v_dim, config.conv_size, device=device)
+        self.q_conv = ShortConv(h * self.k_dim, config.conv_size, device=device, backend=config.backend)
+        self.k_conv = ShortConv(h * self.k_dim, config.conv_size, device=device, backend=config.backend)
+        self.v_conv = ShortConv(h * self.v_dim, config.conv_size, device=device, backend=config.backend)
         self.A_log = nn.Parameter(torch.empty(h, device=device))
         self.dt_bias = nn.Parameter(torch.empty(h, device=device))
         self.A_log._no_weight_decay = True

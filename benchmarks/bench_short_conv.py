@@ -1,0 +1,76 @@
+"""The Triton short conv + SiLU (natsl.fast.short_conv) against its formula compiled by Inductor (GPU).
+
+    PYTHONPATH=. python3 benchmarks/bench_short_conv.py [--out bench_short_conv.json]
+
+Medians of triton.testing.do_bench, bf16, at an 800M training micro-batch [4, 4096, C] for the GDN
+layer's q/k (C = 1152) and v (2304) widths: forward and forward+backward of the op for a few tile
+settings (the fastest is the one to keep in natsl/fast/short_conv.py), and of
+torch.compile(natsl.models.pointwise.conv_silu) as the model ran it before the op. GB/s counts the
+bytes the pass must move: x read and y written forward; forward+backward adds dy, x read and dx
+written (the weight and its gradient are negligible).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+FORWARD_TILES = ((32, 128), (64, 128), (32, 64))
+BACKWARD_TILES = ((64, 64), (32, 128), (64, 128), (128, 64))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="bench_short_conv.json")
+    args = parser.parse_args()
+    import torch
+    from triton.testing import do_bench
+
+    from natsl.fast import short_conv as sc
+    from natsl.models import pointwise as pw
+    from natsl.provenance import provenance
+
+    rows = []
+
+    def record(C, variant, ms, nbytes):
+        rows.append({"C": C, "variant": variant, "ms": ms, "GB/s": nbytes / ms / 1e6})
+        print(f"C={C:5d} {variant:34s} {ms:8.3f} ms {nbytes / ms / 1e6:7.0f} GB/s", flush=True)
+
+    B, T = 4, 4096
+    compiled = torch.compile(pw.conv_silu.eager, dynamic=False)
+    for C in (1152, 2304):
+        x = torch.randn(B, T, C, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        w = (0.5 * torch.randn(C, 1, 4, device="cuda")).requires_grad_()
+        dy = torch.randn(B, T, C, device="cuda", dtype=torch.bfloat16)
+        zeros = torch.zeros(B, 3, C, device="cuda", dtype=torch.bfloat16)
+        fwd_bytes, step_bytes = 2 * x.numel() * 2, 5 * x.numel() * 2
+
+        def fwd_bwd(fn):
+            def run():
+                y = fn()
+                torch.autograd.grad(y, (x, w), dy)
+            return run
+
+        with torch.no_grad():
+            record(C, "compiled formula fwd", do_bench(lambda: compiled(x, zeros, w)), fwd_bytes)
+        record(C, "compiled formula fwd+bwd", do_bench(fwd_bwd(lambda: compiled(x, zeros, w))), step_bytes)
+        for tile in FORWARD_TILES:
+            sc.FORWARD_TILE = tile
+            with torch.no_grad():
+                record(C, f"op fwd tile {tile}", do_bench(lambda: sc.short_conv_silu(x, w)), fwd_bytes)
+        sc.FORWARD_TILE = FORWARD_TILES[0]
+        for tile in BACKWARD_TILES:
+            sc.BACKWARD_TILE = tile
+            record(C, f"op fwd+bwd bwd tile {tile}", do_bench(fwd_bwd(lambda: sc.short_conv_silu(x, w))), step_bytes)
+        sc.BACKWARD_TILE = BACKWARD_TILES[0]
+    with open(args.out, "w") as fh:
+        json.dump({"provenance": provenance(), "B": B, "T": T, "rows": rows}, fh, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

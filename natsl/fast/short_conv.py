@@ -1,0 +1,218 @@
+"""Causal depthwise short convolution + SiLU (Gated DeltaNet's q/k/v conv) in Triton, forward and backward.
+
+    y[t] = silu(sum_j w[j] * x[t - (W-1) + j]),   x[s] = tail[s + W-1] for s < 0 (zeros without a tail)
+
+The reference twin is `natsl.models.pointwise.conv_silu` (the same sum, fp32 inside, one rounding
+to x's dtype). Why a kernel: compiled by Inductor from that formula, the conv and its backward took
+~38 ms of a 248 ms training step of the 800M hybrid on the H200 (2026-11-30, sixth session), about
+six times their memory traffic; the weight gradient in particular is a column reduction over all
+B x T rows.
+
+Forward: one pass over [time, channel] tiles; the W shifted reads of x hit the cache. Backward: one
+pass that recomputes the pre-activation at the W output rows each input row feeds (x is read again
+rather than saving the pre-activation: a second [B, T, C] tensor per conv), accumulates dx in fp32
+and rounds it once, and writes each tile's partial weight gradient; the partials are summed in a
+fixed order afterwards (deterministic, no atomics). The tail is read-only (no gradient): training
+passes none, the cached prefill passes the conv state and wants no gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from natsl.errors import NatslError
+from natsl.fast import eager
+
+FORWARD_TILE = (32, 128)  # (time, channels); 4 warps
+BACKWARD_TILE = (64, 64)  # larger time tiles mean fewer weight-gradient partials to sum
+
+
+@triton.jit
+def _pre_activation(x_base, tail_base, w_ptr, rows, cols, cmask, T, stride_xt, stride_tw,
+                    W: tl.constexpr, HAS_TAIL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """sum_j w[j] * x[rows - (W-1) + j] in fp32 for a [rows, cols] tile (rows past T give garbage
+    that the callers mask out)."""
+    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    for j in tl.static_range(W):
+        s = rows - (W - 1 - j)
+        wj = tl.load(w_ptr + cols * W + j, mask=cmask, other=0.0).to(tl.float32)
+        xv = tl.load(x_base + s.to(tl.int64)[:, None] * stride_xt + cols[None, :],
+                     mask=((s >= 0) & (s < T))[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+        if HAS_TAIL:
+            slot = s + (W - 1)
+            xv += tl.load(tail_base + slot[:, None] * stride_tw + cols[None, :],
+                          mask=((s < 0) & (slot >= 0))[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+        acc += xv * wj[None, :]
+    return acc
+
+
+@triton.jit
+def _conv_fwd_kernel(x_ptr, tail_ptr, w_ptr, y_ptr, T, C, stride_xb, stride_xt, stride_tb, stride_tw,
+                     stride_yb, stride_yt, W: tl.constexpr, HAS_TAIL: tl.constexpr,
+                     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cols < C
+    pre = _pre_activation(x_ptr + b * stride_xb, tail_ptr + b * stride_tb, w_ptr, t, cols, cmask, T,
+                          stride_xt, stride_tw, W, HAS_TAIL, BLOCK_T, BLOCK_C)
+    y = pre / (1.0 + tl.exp(-pre))
+    tl.store(y_ptr + b * stride_yb + t.to(tl.int64)[:, None] * stride_yt + cols[None, :],
+             y.to(y_ptr.dtype.element_ty), mask=(t < T)[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _silu_grad(x_base, tail_base, w_ptr, dy_base, rows, cols, cmask, T, stride_xt, stride_tw, stride_dyt,
+               W: tl.constexpr, HAS_TAIL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """dL/d(pre-activation) at `rows` (zero past T): dy * silu'(pre)."""
+    pre = _pre_activation(x_base, tail_base, w_ptr, rows, cols, cmask, T, stride_xt, stride_tw, W, HAS_TAIL,
+                          BLOCK_T, BLOCK_C)
+    dy = tl.load(dy_base + rows.to(tl.int64)[:, None] * stride_dyt + cols[None, :],
+                 mask=(rows < T)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+    sig = 1.0 / (1.0 + tl.exp(-pre))
+    return dy * sig * (1.0 + pre * (1.0 - sig))
+
+
+@triton.jit
+def _conv_bwd_kernel(x_ptr, tail_ptr, w_ptr, dy_ptr, dx_ptr, dw_part_ptr, T, C, n_tiles,
+                     stride_xb, stride_xt, stride_tb, stride_tw, stride_dyb, stride_dyt, stride_dxb, stride_dxt,
+                     W: tl.constexpr, HAS_TAIL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cols < C
+    x_base = x_ptr + b * stride_xb
+    tail_base = tail_ptr + b * stride_tb
+    dy_base = dy_ptr + b * stride_dyb
+
+    # Output rows t: their pre-activation gradient gives this tile's share of dw and the last tap of dx.
+    dpre = _silu_grad(x_base, tail_base, w_ptr, dy_base, t, cols, cmask, T, stride_xt, stride_tw, stride_dyt,
+                      W, HAS_TAIL, BLOCK_T, BLOCK_C)
+    part = dw_part_ptr + ((b * n_tiles + tile) * W) * C
+    for j in tl.static_range(W):
+        s = t - (W - 1 - j)
+        xv = tl.load(x_base + s.to(tl.int64)[:, None] * stride_xt + cols[None, :],
+                     mask=((s >= 0) & (s < T))[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+        if HAS_TAIL:
+            slot = s + (W - 1)
+            xv += tl.load(tail_base + slot[:, None] * stride_tw + cols[None, :],
+                          mask=((s < 0) & (slot >= 0))[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+        tl.store(part + j * C + cols, tl.sum(dpre * xv, axis=0), mask=cmask)
+    w_last = tl.load(w_ptr + cols * W + (W - 1), mask=cmask, other=0.0).to(tl.float32)
+    dx = dpre * w_last[None, :]
+    # Input row t also feeds output rows t + k through tap W-1-k.
+    for k in tl.static_range(1, W):
+        dpre_k = _silu_grad(x_base, tail_base, w_ptr, dy_base, t + k, cols, cmask, T, stride_xt, stride_tw,
+                            stride_dyt, W, HAS_TAIL, BLOCK_T, BLOCK_C)
+        wk = tl.load(w_ptr + cols * W + (W - 1 - k), mask=cmask, other=0.0).to(tl.float32)
+        dx += dpre_k * wk[None, :]
+    tl.store(dx_ptr + b * stride_dxb + t.to(tl.int64)[:, None] * stride_dxt + cols[None, :],
+             dx.to(dx_ptr.dtype.element_ty), mask=(t < T)[:, None] & cmask[None, :])
+
+
+def _tail_args(x: torch.Tensor, tail: Optional[torch.Tensor]):
+    if tail is None:
+        return x, 0, 0, False  # never read
+    return tail, tail.stride(0), tail.stride(1), True
+
+
+def forward(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """SiLU(conv) [B, T, C] in x's dtype; x [B, T, C] with contiguous channels, weight [C, 1, W],
+    tail [B, W-1, C] (x's dtype, channels contiguous) or None. No autograd (see short_conv_silu)."""
+    B, T, C = x.shape
+    W = weight.shape[-1]
+    y = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
+    if B * T * C == 0:
+        return y
+    w = weight.reshape(C, W).contiguous()
+    tail_t, stride_tb, stride_tw, has_tail = _tail_args(x, tail)
+    block_t, block_c = FORWARD_TILE
+    grid = (B, -(-T // block_t), -(-C // block_c))
+    _conv_fwd_kernel[grid](x, tail_t, w, y, T, C, x.stride(0), x.stride(1), stride_tb, stride_tw,
+                           y.stride(0), y.stride(1), W=W, HAS_TAIL=has_tail, BLOCK_T=block_t, BLOCK_C=block_c,
+                           num_warps=4)
+    return y
+
+
+def backward(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor], dy: torch.Tensor):
+    """(dx [B, T, C] in x's dtype, dw [C, 1, W] in weight's dtype) of the forward above."""
+    B, T, C = x.shape
+    W = weight.shape[-1]
+    dx = torch.empty_like(x)
+    if B * T * C == 0:
+        return dx, torch.zeros_like(weight)
+    w = weight.reshape(C, W).contiguous()
+    tail_t, stride_tb, stride_tw, has_tail = _tail_args(x, tail)
+    block_t, block_c = BACKWARD_TILE
+    n_tiles = -(-T // block_t)
+    parts = torch.empty(B * n_tiles, W, C, dtype=torch.float32, device=x.device)
+    _conv_bwd_kernel[(B, n_tiles, -(-C // block_c))](
+        x, tail_t, w, dy, dx, parts, T, C, n_tiles, x.stride(0), x.stride(1), stride_tb, stride_tw,
+        dy.stride(0), dy.stride(1), dx.stride(0), dx.stride(1), W=W, HAS_TAIL=has_tail,
+        BLOCK_T=block_t, BLOCK_C=block_c, num_warps=4)
+    dw = parts.sum(0).t().contiguous().view(C, 1, W).to(weight.dtype)
+    return dx, dw
+
+
+# The custom-op pair (opaque to torch.compile) and its eager twin, as the other fast ops (eager.py).
+@torch.library.custom_op("natsl::short_conv_forward", mutates_args=())
+def short_conv_forward(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor]) -> torch.Tensor:
+    return forward(x, weight, tail)
+
+
+@short_conv_forward.register_fake
+def _(x, weight, tail):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("natsl::short_conv_backward", mutates_args=())
+def short_conv_backward(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor],
+                        dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return backward(x, weight, tail, dy)
+
+
+@short_conv_backward.register_fake
+def _(x, weight, tail, dy):
+    return torch.empty_like(x), torch.empty_like(weight)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, tail = inputs
+    ctx.save_for_backward(x, weight, tail)
+
+
+def _backward(ctx, dy, backward_op=short_conv_backward):
+    x, weight, tail = ctx.saved_tensors
+    dx, dw = backward_op(x, weight, tail, dy.contiguous())
+    return dx, dw, None
+
+
+short_conv_forward.register_autograd(_backward, setup_context=_setup_context)
+_EagerShortConv = eager.twin(forward, _setup_context, _backward, backward)
+
+
+def short_conv_silu(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """SiLU(causal depthwise conv(x)) [B, T, C] in x's dtype, differentiable in x and weight.
+
+    x [B, T, C]; weight [C, 1, W] (any float dtype; the math is fp32); tail [B, W-1, C], the inputs
+    before x (None: zeros), read-only. Same formula as natsl.models.pointwise.conv_silu."""
+    if x.dim() != 3 or weight.dim() != 3 or weight.shape[0] != x.shape[2] or weight.shape[1] != 1:
+        raise NatslError(f"short_conv_silu wants x [B, T, C] and weight [C, 1, W], got {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")
+    W = weight.shape[-1]
+    if tail is not None:
+        if tail.shape != (x.shape[0], W - 1, x.shape[2]):
+            raise NatslError(f"short_conv_silu: tail {tuple(tail.shape)} should be [B, W-1, C] = "
+                             f"{[x.shape[0], W - 1, x.shape[2]]}")
+        if tail.requires_grad and torch.is_grad_enabled():
+            raise NatslError("short_conv_silu gives no gradient for tail; detach it or use "
+                             "natsl.models.pointwise.conv_silu")
+        tail = tail.to(x.dtype).contiguous()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return eager.run(short_conv_forward, _EagerShortConv, forward, x, weight, tail)
