@@ -20,7 +20,10 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 FORWARD_TILES = ((32, 128), (64, 128), (32, 64))
-BACKWARD_TILES = ((64, 64), (32, 128), (64, 128), (128, 64))
+# (time, channels, warps, two passes)
+BACKWARD_TILES = ((64, 64, 4, False), (64, 64, 8, False), (32, 128, 8, False), (32, 64, 4, False),
+                  (16, 128, 4, False), (64, 128, 8, False), (64, 64, 4, True), (32, 128, 4, True),
+                  (64, 128, 8, True), (128, 64, 8, True))
 
 
 def main() -> None:
@@ -63,10 +66,12 @@ def main() -> None:
             with torch.no_grad():
                 record(C, f"op fwd tile {tile}", do_bench(lambda: sc.short_conv_silu(x, w)), fwd_bytes)
         sc.FORWARD_TILE = FORWARD_TILES[0]
-        for tile in BACKWARD_TILES:
-            sc.BACKWARD_TILE = tile
-            record(C, f"op fwd+bwd bwd tile {tile}", do_bench(fwd_bwd(lambda: sc.short_conv_silu(x, w))), step_bytes)
-        sc.BACKWARD_TILE = BACKWARD_TILES[0]
+        default = sc.BACKWARD_TILE, sc.BACKWARD_TWO_PASS
+        for *tile, two_pass in BACKWARD_TILES:
+            sc.BACKWARD_TILE, sc.BACKWARD_TWO_PASS = tuple(tile), two_pass
+            record(C, f"op fwd+bwd bwd {tuple(tile)}{' 2-pass' if two_pass else ''}",
+                   do_bench(fwd_bwd(lambda: sc.short_conv_silu(x, w))), step_bytes)
+        sc.BACKWARD_TILE, sc.BACKWARD_TWO_PASS = default
     with open(args.out, "w") as fh:
         json.dump({"provenance": provenance(), "B": B, "T": T, "rows": rows}, fh, indent=1)
     print(f"wrote {args.out}")

@@ -28,7 +28,10 @@ from natsl.errors import NatslError
 from natsl.fast import eager
 
 FORWARD_TILE = (32, 128)  # (time, channels); 4 warps
-BACKWARD_TILE = (64, 64)  # larger time tiles mean fewer weight-gradient partials to sum
+BACKWARD_TILE = (64, 64, 4)  # (time, channels, warps); larger time tiles: fewer weight-gradient partials
+# True: the backward stores dL/d(pre-activation) (fp32) and a second kernel forms dx from it, instead
+# of recomputing the pre-activation at W shifted rows in one kernel.
+BACKWARD_TWO_PASS = True
 
 
 @triton.jit
@@ -78,9 +81,10 @@ def _silu_grad(x_base, tail_base, w_ptr, dy_base, rows, cols, cmask, T, stride_x
 
 
 @triton.jit
-def _conv_bwd_kernel(x_ptr, tail_ptr, w_ptr, dy_ptr, dx_ptr, dw_part_ptr, T, C, n_tiles,
+def _conv_bwd_kernel(x_ptr, tail_ptr, w_ptr, dy_ptr, dx_ptr, dw_part_ptr, dpre_ptr, T, C, n_tiles,
                      stride_xb, stride_xt, stride_tb, stride_tw, stride_dyb, stride_dyt, stride_dxb, stride_dxt,
-                     W: tl.constexpr, HAS_TAIL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+                     W: tl.constexpr, HAS_TAIL: tl.constexpr, TWO_PASS: tl.constexpr,
+                     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -103,6 +107,10 @@ def _conv_bwd_kernel(x_ptr, tail_ptr, w_ptr, dy_ptr, dx_ptr, dw_part_ptr, T, C, 
             xv += tl.load(tail_base + slot[:, None] * stride_tw + cols[None, :],
                           mask=((s < 0) & (slot >= 0))[:, None] & cmask[None, :], other=0.0).to(tl.float32)
         tl.store(part + j * C + cols, tl.sum(dpre * xv, axis=0), mask=cmask)
+    if TWO_PASS:  # dx from the stored dpre in _conv_dx_kernel
+        tl.store(dpre_ptr + (b * T + t.to(tl.int64))[:, None] * C + cols[None, :], dpre,
+                 mask=(t < T)[:, None] & cmask[None, :])
+        return
     w_last = tl.load(w_ptr + cols * W + (W - 1), mask=cmask, other=0.0).to(tl.float32)
     dx = dpre * w_last[None, :]
     # Input row t also feeds output rows t + k through tap W-1-k.
@@ -111,6 +119,25 @@ def _conv_bwd_kernel(x_ptr, tail_ptr, w_ptr, dy_ptr, dx_ptr, dw_part_ptr, T, C, 
                             stride_dyt, W, HAS_TAIL, BLOCK_T, BLOCK_C)
         wk = tl.load(w_ptr + cols * W + (W - 1 - k), mask=cmask, other=0.0).to(tl.float32)
         dx += dpre_k * wk[None, :]
+    tl.store(dx_ptr + b * stride_dxb + t.to(tl.int64)[:, None] * stride_dxt + cols[None, :],
+             dx.to(dx_ptr.dtype.element_ty), mask=(t < T)[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _conv_dx_kernel(dpre_ptr, w_ptr, dx_ptr, T, C, stride_dxb, stride_dxt, W: tl.constexpr,
+                    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    # dx[t] = sum_k w[W-1-k] dpre[t+k]: input row t feeds output rows t .. t+W-1.
+    b = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cols < C
+    dx = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    for k in tl.static_range(W):
+        r = t + k
+        dpre = tl.load(dpre_ptr + (b * T + r.to(tl.int64))[:, None] * C + cols[None, :],
+                       mask=(r < T)[:, None] & cmask[None, :], other=0.0)
+        wk = tl.load(w_ptr + cols * W + (W - 1 - k), mask=cmask, other=0.0).to(tl.float32)
+        dx += dpre * wk[None, :]
     tl.store(dx_ptr + b * stride_dxb + t.to(tl.int64)[:, None] * stride_dxt + cols[None, :],
              dx.to(dx_ptr.dtype.element_ty), mask=(t < T)[:, None] & cmask[None, :])
 
@@ -148,13 +175,18 @@ def backward(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor]
         return dx, torch.zeros_like(weight)
     w = weight.reshape(C, W).contiguous()
     tail_t, stride_tb, stride_tw, has_tail = _tail_args(x, tail)
-    block_t, block_c = BACKWARD_TILE
+    block_t, block_c, warps = BACKWARD_TILE
     n_tiles = -(-T // block_t)
     parts = torch.empty(B * n_tiles, W, C, dtype=torch.float32, device=x.device)
+    dpre = torch.empty(B, T, C, dtype=torch.float32, device=x.device) if BACKWARD_TWO_PASS else parts
     _conv_bwd_kernel[(B, n_tiles, -(-C // block_c))](
-        x, tail_t, w, dy, dx, parts, T, C, n_tiles, x.stride(0), x.stride(1), stride_tb, stride_tw,
+        x, tail_t, w, dy, dx, parts, dpre, T, C, n_tiles, x.stride(0), x.stride(1), stride_tb, stride_tw,
         dy.stride(0), dy.stride(1), dx.stride(0), dx.stride(1), W=W, HAS_TAIL=has_tail,
-        BLOCK_T=block_t, BLOCK_C=block_c, num_warps=4)
+        TWO_PASS=BACKWARD_TWO_PASS, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=warps)
+    if BACKWARD_TWO_PASS:
+        bt, bc = FORWARD_TILE
+        _conv_dx_kernel[(B, -(-T // bt), -(-C // bc))](dpre, w, dx, T, C, dx.stride(0), dx.stride(1), W=W,
+                                                        BLOCK_T=bt, BLOCK_C=bc, num_warps=4)
     dw = parts.sum(0).t().contiguous().view(C, 1, W).to(weight.dtype)
     return dx, dw
 
