@@ -3,11 +3,16 @@
     PYTHONPATH=. python3 benchmarks/bench_short_conv.py [--out bench_short_conv.json]
 
 Medians of triton.testing.do_bench, bf16, at an 800M training micro-batch [4, 4096, C] for the GDN
-layer's q/k (C = 1152) and v (2304) widths: forward and forward+backward of the op for a few tile
-settings (the fastest is the one to keep in natsl/fast/short_conv.py), and of
-torch.compile(natsl.models.pointwise.conv_silu) as the model ran it before the op. GB/s counts the
-bytes the pass must move: x read and y written forward; forward+backward adds dy, x read and dx
-written (the weight and its gradient are negligible).
+layer's q/k (C = 1152) and v (2304) widths: the op's forward and its backward launcher
+(natsl.fast.short_conv.backward, called directly: no autograd) for a few tile settings (the fastest
+is the one to keep in natsl/fast/short_conv.py); and torch.compile(natsl.models.pointwise.conv_silu)
+as the model ran it before the op, forward and forward+backward through autograd. GB/s counts the
+bytes a pass must move: forward x read and y written; backward dy and x read, dx written (the
+weight and its gradient are negligible).
+
+The first version (2026-11-30, sixth session) timed the op's forward+backward through
+torch.autograd.grad: at ~0.3-0.6 ms of GPU work that measured autograd's host time as much as the
+kernels, and the same setting moved by up to 2x between runs; the backward is now timed alone.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ def main() -> None:
         w = (0.5 * torch.randn(C, 1, 4, device="cuda")).requires_grad_()
         dy = torch.randn(B, T, C, device="cuda", dtype=torch.bfloat16)
         zeros = torch.zeros(B, 3, C, device="cuda", dtype=torch.bfloat16)
-        fwd_bytes, step_bytes = 2 * x.numel() * 2, 5 * x.numel() * 2
+        fwd_bytes, bwd_bytes, step_bytes = 2 * x.numel() * 2, 3 * x.numel() * 2, 5 * x.numel() * 2
 
         def fwd_bwd(fn):
             def run():
@@ -69,8 +74,8 @@ def main() -> None:
         default = sc.BACKWARD_TILE, sc.BACKWARD_TWO_PASS
         for *tile, two_pass in BACKWARD_TILES:
             sc.BACKWARD_TILE, sc.BACKWARD_TWO_PASS = tuple(tile), two_pass
-            record(C, f"op fwd+bwd bwd {tuple(tile)}{' 2-pass' if two_pass else ''}",
-                   do_bench(fwd_bwd(lambda: sc.short_conv_silu(x, w))), step_bytes)
+            record(C, f"op bwd {tuple(tile)}{' 2-pass' if two_pass else ''}",
+                   do_bench(lambda: sc.backward(x.detach(), w.detach(), None, dy)), bwd_bytes)
         sc.BACKWARD_TILE, sc.BACKWARD_TWO_PASS = default
     with open(args.out, "w") as fh:
         json.dump({"provenance": provenance(), "B": B, "T": T, "rows": rows}, fh, indent=1)
