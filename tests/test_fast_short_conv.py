@@ -75,6 +75,24 @@ def test_forward_and_gradients_match_the_formula(T, C, with_tail, dtype, two_pas
     assert rel_rms(dw, dw_ref) < grad_tol
 
 
+def test_a_strided_input_gives_the_contiguous_input_results():
+    """x as a column slice of a wider projection output (row stride > C), as a merged product's split
+    would hand it over: same output and gradients as the same values laid out contiguously."""
+    gen = torch.Generator().manual_seed(9)
+    wide = torch.randn(2, 45, 100, generator=gen).to(DEVICE)
+    weight = torch.randn(36, 1, 4, generator=gen).to(DEVICE)
+    dy = torch.randn(2, 45, 36, generator=gen).to(DEVICE)
+    leaf = wide.clone().requires_grad_(True)
+    w = weight.clone().requires_grad_(True)
+    strided = leaf[..., 20:56]
+    assert strided.stride(1) == 100
+    y = sc.short_conv_silu(strided, w)
+    y.backward(dy)
+    y_want, dx_want, dw_want = run_fast(wide[..., 20:56].contiguous(), weight, None, dy)
+    assert torch.equal(y, y_want) and torch.equal(w.grad, dw_want)
+    assert torch.equal(leaf.grad[..., 20:56], dx_want) and not leaf.grad[..., :20].any()
+
+
 def test_first_outputs_read_only_the_tail_and_x():
     """A change to x at row t moves outputs t .. t+W-1 only (causal, width W), and the tail moves the
     first W-1 outputs only."""
