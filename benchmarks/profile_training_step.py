@@ -70,11 +70,11 @@ def main() -> None:
     model.set_backend("fast" if cuda else "chunked")
     ids = torch.randint(0, recipe.model.vocab_size, (args.batch, args.seq_len + 1), device=device)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    body = torch.compile(HiddenStates(model)) if args.compile else model.hidden_states
+    body = torch.compile(HiddenStates(model)) if args.compile else HiddenStates(model)
 
     def step():
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-            hidden = body(ids[:, :-1])
+            hidden = body(ids[:, :-1], model.rope_table(args.seq_len, device, precompute=True))  # as natsl train
             loss = linear_cross_entropy(hidden, model.lm_head.weight, ids[:, 1:])
         loss.backward()
         model.zero_grad(set_to_none=True)

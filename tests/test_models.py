@@ -106,3 +106,56 @@ def test_tiny_hybrid_learns_and_the_router_gets_gradients():
         opt.step()
     assert losses[-1] < losses[0] - 1.0, losses
     assert all(g > 0 for g in router_grads)
+
+
+@pytest.mark.parametrize("changes", [{"base_layer": "attention", "natsl_layers": [], "attn_rope": True},
+                                     {"natsl_rope": True, "attention_layers": [0], "attn_rope": True}],
+                         ids=["transformer", "hybrid-with-rope"])
+def test_shared_rope_table_gives_the_per_layer_angles(changes):
+    """hidden_states makes RoPE's angles once and hands them to every rotating layer; the logits and
+    gradients are bitwise those of each layer computing its own angles from positions 0..T-1."""
+    from natsl.models import lm
+
+    torch.manual_seed(0)
+    model = natsl.build_model(tiny_config(**changes))
+    ids = torch.randint(0, 1024, (2, 150))
+    assert model.rope_table(150, ids.device) is not None
+
+    def logits_and_grads():
+        model.zero_grad()
+        logits = model(ids)
+        logits.square().mean().backward()
+        return logits.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    shared = logits_and_grads()
+    original = lm.CausalLM.rope_table
+    lm.CausalLM.rope_table = lambda self, length, device: None  # every layer makes its own angles
+    try:
+        per_layer = logits_and_grads()
+    finally:
+        lm.CausalLM.rope_table = original
+    assert torch.equal(shared[0], per_layer[0])
+    assert len(shared[1]) == len(per_layer[1]) and all(torch.equal(a, b) for a, b in zip(shared[1], per_layer[1]))
+
+
+def test_no_rope_table_without_a_rotating_layer():
+    model = natsl.build_model(tiny_config(), device="meta")
+    assert model.rope_table(64, "cpu") is None
+
+
+@pytest.mark.slow
+def test_compiled_hidden_states_read_a_table_made_outside():
+    """As `natsl train` runs them: the RoPE table made eagerly and passed into the compiled hidden
+    states (fullgraph); same states as eager, and a new table of the same length compiles nothing new."""
+    from natsl.training.trainer import HiddenStates
+
+    torch.manual_seed(0)
+    model = natsl.build_model(tiny_config(base_layer="attention", natsl_layers=[], attn_rope=True, backend=None))
+    ids = torch.randint(0, 1024, (2, 96))
+    eager = model.hidden_states(ids)
+    compiled = torch.compile(HiddenStates(model), fullgraph=True)
+    torch._dynamo.utils.counters.clear()
+    got = compiled(ids, model.rope_table(96, ids.device, precompute=True))
+    again = compiled(ids, model.rope_table(96, ids.device, precompute=True))
+    assert torch.allclose(got, eager, rtol=1e-4, atol=1e-5) and torch.equal(got, again)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1

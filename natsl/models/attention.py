@@ -11,7 +11,7 @@ from natsl.inference import kernels
 from natsl.inference.functional import attend_cached, write_kv
 from natsl.models.linear import Linear
 from natsl.models.merged import shared_linear
-from natsl.models.rope import apply_rope
+from natsl.models.rope import RopeTable, apply_rope
 
 
 class SoftmaxAttention(nn.Module):
@@ -28,24 +28,26 @@ class SoftmaxAttention(nn.Module):
 
     merge_groups = {"qkv": ("q_proj", "k_proj", "v_proj")}  # run as one product by natsl.models.merged
 
-    def project(self, x: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None):
+    def project(self, x: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None,
+                rope: RopeTable | None = None):
         """x [B,T,d] -> q, k, v [B,T,heads,head_dim], RoPE applied at positions start..start+T-1
-        (or at `positions` [B, T], one row per sequence)."""
+        (or at `positions` [B, T], one row per sequence; or from `rope`, positions 0..T-1)."""
         b, t, _ = x.shape
         q, k, v = (y.view(b, t, self.num_heads, self.head_dim)
                    for y in shared_linear(self, "qkv", x))
         if self.config.attn_rope:
-            if positions is None:
+            if positions is None and rope is None:
                 positions = torch.arange(start, start + t, device=x.device)
-            q = apply_rope(q, positions, self.config.rope_theta)
-            k = apply_rope(k, positions, self.config.rope_theta)
+            q = apply_rope(q, positions, self.config.rope_theta, rope)
+            k = apply_rope(k, positions, self.config.rope_theta, rope)
         return q, k, v
 
-    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache=None, rope: RopeTable | None = None) -> torch.Tensor:
+        """`rope`: the forward's shared angle table (natsl.models.rope.RopeTable), full sequences only."""
         if cache is not None:
             return self.forward_cached(x, cache)
         b, t, _ = x.shape
-        q, k, v = self.project(x)
+        q, k, v = self.project(x, rope=rope)
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
         return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
 

@@ -101,7 +101,8 @@ class GatedDeltaNet(nn.Module):
         self.o_norm = RMSNorm(vd, config.norm_eps, device=device)
         self.o_proj = Linear(h * vd, d, bias=False, device=device)
 
-    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache=None, rope=None) -> torch.Tensor:
+        """`rope` (the model's shared RoPE table) is accepted like every mixer's and unused."""
         if cache is not None:
             return self.forward_cached(x, cache)
         b, t, _ = x.shape

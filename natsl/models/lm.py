@@ -14,6 +14,7 @@ from natsl.models.linear import Linear
 from natsl.models.mlp import SwiGLU
 from natsl.models.natsl_layer import NAtSL
 from natsl.models.norms import RMSNorm
+from natsl.models.rope import RopeTable
 
 MIXERS = {"gdn": GatedDeltaNet, "attention": SoftmaxAttention, "natsl": NAtSL}
 
@@ -28,11 +29,12 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps, device=device, autocast_output=True)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, device=device)
 
-    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache=None, rope: RopeTable | None = None) -> torch.Tensor:
+        """`rope`: the forward's shared RoPE table (full sequences; the cached paths use positions)."""
         if cache is not None and self.fused(x):
             x, pending = self.forward_fused(x, None, cache)
             return x + pending
-        x = x + self.mixer(self.mixer_norm(x), cache=cache)
+        x = x + self.mixer(self.mixer_norm(x), cache=cache, rope=rope)
         return x + self.mlp(self.mlp_norm(x))
 
     def fused(self, x: torch.Tensor) -> bool:
@@ -100,19 +102,34 @@ class CausalLM(nn.Module):
             return self.forward_cached(input_ids, cache)
         return self.lm_head(self.hidden_states(input_ids))
 
-    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def hidden_states(self, input_ids: torch.Tensor, rope: RopeTable | None = None) -> torch.Tensor:
         """input_ids [B, T] -> the final-normed hidden states [B, T, d]: `forward` without the head.
 
         `lm_head(hidden_states(ids))` is `forward(ids)`; training feeds these states and
         `lm_head.weight` to `natsl.training.loss.linear_cross_entropy`, which never holds the full logits.
         """
         x = self.embed(input_ids)
+        if rope is None:
+            rope = self.rope_table(input_ids.shape[1], x.device)
         for block in self.layers:
             if self.activation_checkpointing and self.training:
-                x = checkpoint(block, x, use_reentrant=False)
+                x = checkpoint(block, x, rope=rope, use_reentrant=False)
             else:
-                x = block(x)
+                x = block(x, rope=rope)
         return self.norm(x)
+
+    def rope_table(self, length: int, device, precompute: bool = False) -> RopeTable | None:
+        """The RoPE angles every rotating layer of one full-sequence forward shares (None: no layer
+        rotates); `precompute` makes them now, for every rotating head dim (see RopeTable: a
+        compiled model gains only from a table made outside it)."""
+        c = self.config
+        types = c.layer_types()
+        dims = ([c.attn_head_dim] if c.attn_rope and "attention" in types else []) + \
+            ([c.softmax_k_dim] if c.natsl_rope and "natsl" in types else [])
+        if not dims:
+            return None
+        table = RopeTable(length, c.rope_theta, device)
+        return table.precompute(dims) if precompute else table
 
     # -- incremental inference (contract section 4; natsl/inference, docs/inference.md) -------
 

@@ -34,7 +34,7 @@ from natsl.models.gated_deltanet import GatedDeltaProjections
 from natsl.models.linear import Linear
 from natsl.models.norms import RMSNorm
 from natsl.models.pointwise import mix_branches
-from natsl.models.rope import apply_rope
+from natsl.models.rope import RopeTable, apply_rope
 from natsl.reference.router import route_blocks, router_scores, straight_through_route
 
 
@@ -69,9 +69,10 @@ class NAtSL(nn.Module):
     # -- pieces shared by the full-sequence forward and incremental inference ------------------
 
     def softmax_views(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int = 0,
-                      positions: torch.Tensor | None = None, fused: bool = False):
+                      positions: torch.Tensor | None = None, fused: bool = False, rope: RopeTable | None = None):
         """Flat post-conv q, k, v -> softmax-branch heads [B, T, H*R, K/R or V/R] (normed, RoPE at
-        positions start..start+T-1, or at `positions` [B, T], one row per sequence)."""
+        positions start..start+T-1, or at `positions` [B, T], one row per sequence; or from the
+        shared table `rope`, positions 0..T-1)."""
         b, t = q.shape[:2]
         c = self.config
         qv = q.view(b, t, self.softmax_heads, c.softmax_k_dim)
@@ -83,10 +84,10 @@ class NAtSL(nn.Module):
             qs, ks = self.q_norm(qv), self.k_norm(kv)
         vs = v.view(b, t, self.softmax_heads, c.softmax_v_dim)
         if c.natsl_rope:
-            if positions is None:
+            if positions is None and rope is None:
                 positions = torch.arange(start, start + t, device=q.device)
-            qs = apply_rope(qs, positions, c.rope_theta)
-            ks = apply_rope(ks, positions, c.rope_theta)
+            qs = apply_rope(qs, positions, c.rope_theta, rope)
+            ks = apply_rope(ks, positions, c.rope_theta, rope)
         return qs, ks, vs
 
     def mix(self, o_la: torch.Tensor, o_nla: torch.Tensor, q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -110,7 +111,8 @@ class NAtSL(nn.Module):
 
     # -- full-sequence forward -----------------------------------------------------------------
 
-    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache=None, rope: RopeTable | None = None) -> torch.Tensor:
+        """`rope`: the forward's shared angle table (natsl.models.rope.RopeTable), full sequences only."""
         if cache is not None:
             return self.forward_cached(x, cache)
         c = self.config
@@ -122,7 +124,7 @@ class NAtSL(nn.Module):
             ql, kl, vl, g, beta, write, block_size=c.block_size,
             decay_skipped_blocks=c.decay_skipped_blocks, route_grad=c.route_grad, backend=self.backend,
             intra_block=c.intra_block_output != "softmax")
-        qs, ks, vs = self.softmax_views(q, k, v)
+        qs, ks, vs = self.softmax_views(q, k, v, rope=rope)
         o_nla = ops.routed_attention(
             qs, ks, vs, keep, block_size=c.block_size, route_grad=c.route_grad, backend=self.backend,
             intra_block=c.intra_block_output != "gdn")

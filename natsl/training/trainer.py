@@ -156,8 +156,8 @@ class HiddenStates(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.hidden_states(input_ids)
+    def forward(self, input_ids: torch.Tensor, rope=None) -> torch.Tensor:
+        return self.model.hidden_states(input_ids, rope)
 
 
 class LanguageModelLoss(torch.nn.Module):
@@ -175,8 +175,10 @@ class LanguageModelLoss(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
+        # RoPE's angles made here, outside a compiled body (natsl.models.rope.RopeTable says why)
+        rope = self.model.rope_table(input_ids.shape[1], input_ids.device, precompute=True)
         with autocast:
-            hidden = self.body(input_ids)
+            hidden = self.body(input_ids, rope)
         return linear_cross_entropy(hidden, self.model.lm_head.weight, targets, chunk_size=self.chunk_size,
                                     reduction=reduction, compute_dtype=torch.bfloat16 if self.bf16 else None)
 
