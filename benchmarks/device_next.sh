@@ -3,7 +3,8 @@
 #   GPU 0: the short-conv op's backward settings timed without autograd (bench_short_conv.py; the
 #          sixth session's autograd timings were host-bound), then where the compiled hybrid's
 #          training step goes now that the conv is an op (profile_training_step.py --compile);
-#   GPU 1: compiled training throughput of the three main 800M recipes in one run (issue 6's ratios).
+#   GPU 1: compiled training throughput of the three main 800M recipes in one run (issue 6's ratios;
+#          the first figures with RoPE's angles made once per step, natsl.models.rope.RopeTable).
 # Everything is written under $OUT as it runs, so a call cut at its limit still returns its files.
 # After it, the two-GPU FSDP2 figure (issue 6), in a call of its own:
 #   python3 benchmarks/bench_training.py --nproc 2 --parallel fsdp --recipes 800m_hybrid \
