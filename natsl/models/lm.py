@@ -107,6 +107,8 @@ class CausalLM(nn.Module):
 
         `lm_head(hidden_states(ids))` is `forward(ids)`; training feeds these states and
         `lm_head.weight` to `natsl.training.loss.linear_cross_entropy`, which never holds the full logits.
+        `rope`: RoPE's angles for this length (`rope_table(T, device, precompute=True)`), made by the
+        caller outside a compiled model; None makes them here.
         """
         x = self.embed(input_ids)
         if rope is None:
