@@ -9,6 +9,9 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/natsl_out}; mkdir -p "$OUT/gpu0" "$OUT/gpu1"
 nvidia-smi --query-gpu=index,name --format=csv,noheader
+# the code that runs (the copy's .git can be older than its files): match it with
+# python -c "from natsl.provenance import source_hash; print(source_hash())" at a local commit
+python3 -c "from natsl.provenance import source_hash; print('natsl sources', source_hash())"
 start=$(date +%s)
 CUDA_VISIBLE_DEVICES=0 OUT=$OUT/gpu0 bash -c "$1" > "$OUT/gpu0.log" 2>&1 &
 CUDA_VISIBLE_DEVICES=1 OUT=$OUT/gpu1 bash -c "$2" > "$OUT/gpu1.log" 2>&1 &

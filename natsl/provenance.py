@@ -6,6 +6,7 @@ traced to the code and settings that made it.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 from pathlib import Path
@@ -30,6 +31,20 @@ def git_revision(root: Path | None = None) -> str | None:
     return (commit + ("+dirty" if dirty else "")) or None
 
 
+def source_hash(root: Path | None = None) -> str:
+    """sha256 (first 16 hex digits) of the natsl package's Python sources: their paths and bytes.
+
+    Names the code that ran where the git revision cannot: the lent GPU machine receives a copy of
+    the working tree whose .git may be older than the files (2026-11-30: results recorded a commit
+    of hours before). `python -c "from natsl.provenance import source_hash; print(source_hash())"`
+    at a local commit gives the value to match."""
+    package = root or Path(__file__).resolve().parent
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        digest.update(path.relative_to(package).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
 def provenance() -> dict:
     import torch
 
@@ -41,5 +56,6 @@ def provenance() -> dict:
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    return {"natsl": __version__, "git": git_revision(), "torch": torch.__version__, "triton": triton_version,
+    return {"natsl": __version__, "git": git_revision(), "source_sha256": source_hash(), "torch": torch.__version__,
+            "triton": triton_version,
             "switches": {name: os.environ[name] for name in SWITCHES if name in os.environ}}

@@ -129,6 +129,9 @@ def test_bench_latency_runs_on_the_cpu_and_writes_json_and_png(tmp_path):
     assert data["provenance"]["natsl"] == natsl.__version__ and data["provenance"]["torch"] == torch.__version__
     if (ROOT / ".git").exists():  # a source checkout names its commit
         assert re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", data["provenance"]["git"])
+    from natsl.provenance import source_hash
+
+    assert data["provenance"]["source_sha256"] == source_hash()
     assert (tmp_path / "latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "tiny_hybrid" in result.stdout and "decode ms" in result.stdout
 
