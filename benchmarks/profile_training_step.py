@@ -74,7 +74,7 @@ def main() -> None:
 
     def step():
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-            hidden = body(ids[:, :-1], model.rope_table(args.seq_len, device, precompute=True))  # as natsl train
+            hidden = body(ids[:, :-1], model.rope_table(args.seq_len, device))  # as natsl train
             loss = linear_cross_entropy(hidden, model.lm_head.weight, ids[:, 1:])
         loss.backward()
         model.zero_grad(set_to_none=True)
@@ -107,7 +107,8 @@ def main() -> None:
     print(f"GPU kernel time in the profiled step: {total:.1f} ms")
     kinds: dict = {}
     for r in rows:
-        kinds[kernel_kind(r["kernel"])] = kinds.get(kernel_kind(r["kernel"]), 0.0) + r["ms"]
+        kind = kernel_kind(r["kernel"])
+        kinds[kind] = kinds.get(kind, 0.0) + r["ms"]
     for kind, ms in sorted(kinds.items(), key=lambda kv: -kv[1]):
         print(f"{ms:8.2f} ms {100 * ms / total:5.1f}%  {kind}")
     for r in rows[:args.top]:

@@ -111,7 +111,7 @@ def test_tiny_hybrid_learns_and_the_router_gets_gradients():
 @pytest.mark.parametrize("changes", [{"base_layer": "attention", "natsl_layers": [], "attn_rope": True},
                                      {"natsl_rope": True, "attention_layers": [0], "attn_rope": True}],
                          ids=["transformer", "hybrid-with-rope"])
-def test_shared_rope_table_gives_the_per_layer_angles(changes):
+def test_shared_rope_table_gives_the_per_layer_angles(changes, monkeypatch):
     """hidden_states makes RoPE's angles once and hands them to every rotating layer; the logits and
     gradients are bitwise those of each layer computing its own angles from positions 0..T-1."""
     from natsl.models import lm
@@ -128,12 +128,8 @@ def test_shared_rope_table_gives_the_per_layer_angles(changes):
         return logits.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
     shared = logits_and_grads()
-    original = lm.CausalLM.rope_table
-    lm.CausalLM.rope_table = lambda self, length, device: None  # every layer makes its own angles
-    try:
-        per_layer = logits_and_grads()
-    finally:
-        lm.CausalLM.rope_table = original
+    monkeypatch.setattr(lm.CausalLM, "rope_table", lambda self, length, device: None)  # each layer its own angles
+    per_layer = logits_and_grads()
     assert torch.equal(shared[0], per_layer[0])
     assert len(shared[1]) == len(per_layer[1]) and all(torch.equal(a, b) for a, b in zip(shared[1], per_layer[1]))
 
@@ -155,7 +151,7 @@ def test_compiled_hidden_states_read_a_table_made_outside():
     eager = model.hidden_states(ids)
     compiled = torch.compile(HiddenStates(model), fullgraph=True)
     torch._dynamo.utils.counters.clear()
-    got = compiled(ids, model.rope_table(96, ids.device, precompute=True))
-    again = compiled(ids, model.rope_table(96, ids.device, precompute=True))
+    got = compiled(ids, model.rope_table(96, ids.device))
+    again = compiled(ids, model.rope_table(96, ids.device))
     assert torch.allclose(got, eager, rtol=1e-4, atol=1e-5) and torch.equal(got, again)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1

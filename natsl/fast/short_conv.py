@@ -35,20 +35,27 @@ BACKWARD_TWO_PASS = True
 
 
 @triton.jit
+def _conv_input(x_base, tail_base, s, cols, cmask, T, stride_xt, stride_tw, W: tl.constexpr, HAS_TAIL: tl.constexpr):
+    """The conv's input at rows s in fp32: x where 0 <= s < T, the tail's slot s + W-1 where s < 0
+    (with a tail), else zero."""
+    xv = tl.load(x_base + s.to(tl.int64)[:, None] * stride_xt + cols[None, :],
+                 mask=((s >= 0) & (s < T))[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+    if HAS_TAIL:
+        slot = s + (W - 1)
+        xv += tl.load(tail_base + slot[:, None] * stride_tw + cols[None, :],
+                      mask=((s < 0) & (slot >= 0))[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+    return xv
+
+
+@triton.jit
 def _pre_activation(x_base, tail_base, w_ptr, rows, cols, cmask, T, stride_xt, stride_tw,
                     W: tl.constexpr, HAS_TAIL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     """sum_j w[j] * x[rows - (W-1) + j] in fp32 for a [rows, cols] tile (rows past T give garbage
     that the callers mask out)."""
     acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     for j in tl.static_range(W):
-        s = rows - (W - 1 - j)
         wj = tl.load(w_ptr + cols * W + j, mask=cmask, other=0.0).to(tl.float32)
-        xv = tl.load(x_base + s.to(tl.int64)[:, None] * stride_xt + cols[None, :],
-                     mask=((s >= 0) & (s < T))[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-        if HAS_TAIL:
-            slot = s + (W - 1)
-            xv += tl.load(tail_base + slot[:, None] * stride_tw + cols[None, :],
-                          mask=((s < 0) & (slot >= 0))[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+        xv = _conv_input(x_base, tail_base, rows - (W - 1 - j), cols, cmask, T, stride_xt, stride_tw, W, HAS_TAIL)
         acc += xv * wj[None, :]
     return acc
 
@@ -99,13 +106,7 @@ def _conv_bwd_kernel(x_ptr, tail_ptr, w_ptr, dy_ptr, dx_ptr, dw_part_ptr, dpre_p
                       W, HAS_TAIL, BLOCK_T, BLOCK_C)
     part = dw_part_ptr + ((b * n_tiles + tile) * W) * C
     for j in tl.static_range(W):
-        s = t - (W - 1 - j)
-        xv = tl.load(x_base + s.to(tl.int64)[:, None] * stride_xt + cols[None, :],
-                     mask=((s >= 0) & (s < T))[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-        if HAS_TAIL:
-            slot = s + (W - 1)
-            xv += tl.load(tail_base + slot[:, None] * stride_tw + cols[None, :],
-                          mask=((s < 0) & (slot >= 0))[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+        xv = _conv_input(x_base, tail_base, t - (W - 1 - j), cols, cmask, T, stride_xt, stride_tw, W, HAS_TAIL)
         tl.store(part + j * C + cols, tl.sum(dpre * xv, axis=0), mask=cmask)
     if TWO_PASS:  # dx from the stored dpre in _conv_dx_kernel
         tl.store(dpre_ptr + (b * T + t.to(tl.int64))[:, None] * C + cols[None, :], dpre,

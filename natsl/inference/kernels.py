@@ -332,12 +332,11 @@ def conv_chunk(x: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor) -> tor
     """`ShortConv` + SiLU over many tokens (prefill): x [B, T, C], tail [B, W, C] (the W inputs before
     x, read only), weight [C, 1, W+1] -> y [B, T, C] in x's dtype, in one pass at memory speed
     (Inductor's dynamic-shape kernel for it ran at ~1/6 of the copy bandwidth in a 128K prefill on
-    the H200). The forward kernel of the training op natsl.fast.short_conv, without autograd."""
-    from natsl.fast.short_conv import forward
+    the H200). The training op natsl.fast.short_conv; ShortConv calls this without autograd, so only
+    the op's forward kernel runs."""
+    from natsl.fast.short_conv import short_conv_silu
 
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    return forward(x, weight, tail.to(x.dtype).contiguous())
+    return short_conv_silu(x, weight, tail)
 
 
 def store_blocks(src: torch.Tensor, mem: torch.Tensor, valid: torch.Tensor, before: torch.Tensor,

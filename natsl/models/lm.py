@@ -107,7 +107,7 @@ class CausalLM(nn.Module):
 
         `lm_head(hidden_states(ids))` is `forward(ids)`; training feeds these states and
         `lm_head.weight` to `natsl.training.loss.linear_cross_entropy`, which never holds the full logits.
-        `rope`: RoPE's angles for this length (`rope_table(T, device, precompute=True)`), made by the
+        `rope`: RoPE's angles for this length (`rope_table(T, device)`), made by the
         caller outside a compiled model; None makes them here.
         """
         x = self.embed(input_ids)
@@ -120,18 +120,15 @@ class CausalLM(nn.Module):
                 x = block(x, rope=rope)
         return self.norm(x)
 
-    def rope_table(self, length: int, device, precompute: bool = False) -> RopeTable | None:
-        """The RoPE angles every rotating layer of one full-sequence forward shares (None: no layer
-        rotates); `precompute` makes them now, for every rotating head dim (see RopeTable: a
-        compiled model gains only from a table made outside it)."""
+    def rope_table(self, length: int, device) -> RopeTable | None:
+        """The RoPE angles every rotating layer of one full-sequence forward shares, for each rotating
+        head dim (None: no layer rotates). See RopeTable: a compiled model gains only from a table
+        made outside it."""
         c = self.config
         types = c.layer_types()
         dims = ([c.attn_head_dim] if c.attn_rope and "attention" in types else []) + \
             ([c.softmax_k_dim] if c.natsl_rope and "natsl" in types else [])
-        if not dims:
-            return None
-        table = RopeTable(length, c.rope_theta, device)
-        return table.precompute(dims) if precompute else table
+        return RopeTable(length, c.rope_theta, device, dims) if dims else None
 
     # -- incremental inference (contract section 4; natsl/inference, docs/inference.md) -------
 

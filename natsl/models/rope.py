@@ -14,30 +14,23 @@ def rope_angles(positions: torch.Tensor, dim: int, theta: float):
 
 
 class RopeTable:
-    """(cos, sin) of positions 0 .. length-1 for one full-sequence forward, shared by every layer
-    that rotates (one entry per head dim).
+    """(cos, sin) of positions 0 .. length-1 for each given head dim, made once for one
+    full-sequence forward and shared by every layer that rotates.
 
     Why: under torch.compile a layer that computes its own angles gets them recomputed inside its
     rotation kernels, for every head and batch row; on the H200 the 800M Transformer's compiled
     training step spent 12.8 of 196 ms there (2026-11-30). Inductor also inlines a table made
     inside the compiled graph into each consumer, so the table only helps when it is made outside
-    it: `natsl train` (natsl.training.trainer.LanguageModelLoss) makes it eagerly with `precompute`
-    and hands it to the compiled hidden states, whose rotations then only read it."""
+    it: `natsl train` (natsl.training.trainer.LanguageModelLoss) makes it eagerly and hands it to
+    the compiled hidden states, whose rotations then only read it."""
 
-    def __init__(self, length: int, theta: float, device):
-        self.length, self.theta, self.device = length, theta, device
-        self._angles: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    def __init__(self, length: int, theta: float, device, dims):
+        positions = torch.arange(length, device=device)
+        self._angles = {dim: rope_angles(positions, dim, theta) for dim in dims}
 
     def angles(self, dim: int):
         """(cos, sin) [length, dim] fp32."""
-        if dim not in self._angles:
-            self._angles[dim] = rope_angles(torch.arange(self.length, device=self.device), dim, self.theta)
         return self._angles[dim]
-
-    def precompute(self, dims) -> "RopeTable":
-        for dim in dims:
-            self.angles(dim)
-        return self
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor | None, theta: float,

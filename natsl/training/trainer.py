@@ -176,7 +176,7 @@ class LanguageModelLoss(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
         # RoPE's angles made here, outside a compiled body (natsl.models.rope.RopeTable says why)
-        rope = self.model.rope_table(input_ids.shape[1], input_ids.device, precompute=True)
+        rope = self.model.rope_table(input_ids.shape[1], input_ids.device)
         with autocast:
             hidden = self.body(input_ids, rope)
         return linear_cross_entropy(hidden, self.model.lm_head.weight, targets, chunk_size=self.chunk_size,
