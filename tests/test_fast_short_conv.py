@@ -43,6 +43,17 @@ def oracle(x, weight, tail, dy):
     return y.detach(), x64.grad, w64.grad
 
 
+# (two passes, fp32 dL/d pre-activation) of the backward forms natsl.fast.short_conv offers.
+BACKWARD_FORMS = {"one kernel": (False, True), "two passes": (True, True),
+                  "two passes, dpre in x's dtype": (True, False)}
+
+
+def use_backward_form(monkeypatch, form):
+    two_pass, dpre_fp32 = BACKWARD_FORMS[form]
+    monkeypatch.setattr(sc, "BACKWARD_TWO_PASS", two_pass)
+    monkeypatch.setattr(sc, "BACKWARD_DPRE_FP32", dpre_fp32)
+
+
 def run_fast(x, weight, tail, dy):
     x = x.detach().clone().requires_grad_(True)
     weight = weight.detach().clone().requires_grad_(True)
@@ -54,11 +65,11 @@ def run_fast(x, weight, tail, dy):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_tail", [False, True])
 @pytest.mark.parametrize("T, C", [(1, 7), (3, 40), (37, 130), (64, 64), (100, 72)])
-@pytest.mark.parametrize("two_pass", [False, True])
-def test_forward_and_gradients_match_the_formula(T, C, with_tail, dtype, two_pass, monkeypatch):
+@pytest.mark.parametrize("form", BACKWARD_FORMS)
+def test_forward_and_gradients_match_the_formula(T, C, with_tail, dtype, form, monkeypatch):
     """Odd lengths (T = 1 and T < W - 1 read the tail only), widths that cut the channel tiles and
-    lengths that cut the time tiles (forward 32, backward 64 rows); both backward forms."""
-    monkeypatch.setattr(sc, "BACKWARD_TWO_PASS", two_pass)
+    lengths that cut the time tiles (forward 32, backward 64 rows); every backward form."""
+    use_backward_form(monkeypatch, form)
     gen = torch.Generator().manual_seed(T * 1000 + C)
     B, W = 2, 4
     x = torch.randn(B, T, C, generator=gen).to(DEVICE, dtype)
@@ -139,10 +150,10 @@ def test_bad_shapes_and_a_tail_that_wants_a_gradient_are_refused():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("C", [1152, 2304])
-@pytest.mark.parametrize("two_pass", [False, True])
-def test_gpu_800m_widths_bf16(C, two_pass, monkeypatch):
-    """The 800M GDN layer's q/k (1152) and v (2304) widths at batch 4 x 4096 in bf16, both backward forms."""
-    monkeypatch.setattr(sc, "BACKWARD_TWO_PASS", two_pass)
+@pytest.mark.parametrize("form", BACKWARD_FORMS)
+def test_gpu_800m_widths_bf16(C, form, monkeypatch):
+    """The 800M GDN layer's q/k (1152) and v (2304) widths at batch 4 x 4096 in bf16, every backward form."""
+    use_backward_form(monkeypatch, form)
     gen = torch.Generator().manual_seed(C)
     x = torch.randn(4, 4096, C, generator=gen).cuda().bfloat16()
     weight = (0.5 * torch.randn(C, 1, 4, generator=gen)).cuda()

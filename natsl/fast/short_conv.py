@@ -29,9 +29,13 @@ from natsl.fast import eager
 
 FORWARD_TILE = (32, 128)  # (time, channels); 4 warps
 BACKWARD_TILE = (64, 64, 4)  # (time, channels, warps); larger time tiles: fewer weight-gradient partials
-# True: the backward stores dL/d(pre-activation) (fp32) and a second kernel forms dx from it, instead
-# of recomputing the pre-activation at W shifted rows in one kernel.
+# True: the backward stores dL/d(pre-activation) and a second kernel forms dx from it, instead of
+# recomputing the pre-activation at W shifted rows in one kernel.
 BACKWARD_TWO_PASS = True
+# The stored dL/d(pre-activation) in fp32 (True) or in x's dtype (False: a third less memory traffic
+# for bf16; dx is a W-term sum of it, rounded to x's dtype anyway, and dw is summed from the fp32 values
+# before the store).
+BACKWARD_DPRE_FP32 = True
 
 
 @triton.jit
@@ -90,7 +94,7 @@ def _silu_grad(x_base, tail_base, w_ptr, dy_base, rows, cols, cmask, T, stride_x
 @triton.jit
 def _conv_bwd_kernel(x_ptr, tail_ptr, w_ptr, dy_ptr, dx_ptr, dw_part_ptr, dpre_ptr, T, C, n_tiles,
                      stride_xb, stride_xt, stride_tb, stride_tw, stride_dyb, stride_dyt, stride_dxb, stride_dxt,
-                     W: tl.constexpr, HAS_TAIL: tl.constexpr, TWO_PASS: tl.constexpr,
+                     W: tl.constexpr, W_POW2: tl.constexpr, HAS_TAIL: tl.constexpr, TWO_PASS: tl.constexpr,
                      BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
@@ -104,13 +108,17 @@ def _conv_bwd_kernel(x_ptr, tail_ptr, w_ptr, dy_ptr, dx_ptr, dw_part_ptr, dpre_p
     # Output rows t: their pre-activation gradient gives this tile's share of dw and the last tap of dx.
     dpre = _silu_grad(x_base, tail_base, w_ptr, dy_base, t, cols, cmask, T, stride_xt, stride_tw, stride_dyt,
                       W, HAS_TAIL, BLOCK_T, BLOCK_C)
-    part = dw_part_ptr + ((b * n_tiles + tile) * W) * C
+    # This tile's dw partial as one [W, C] tile (taps padded to a power of two), stored once.
+    taps = tl.arange(0, W_POW2)
+    dw = tl.zeros([W_POW2, BLOCK_C], dtype=tl.float32)
     for j in tl.static_range(W):
         xv = _conv_input(x_base, tail_base, t - (W - 1 - j), cols, cmask, T, stride_xt, stride_tw, W, HAS_TAIL)
-        tl.store(part + j * C + cols, tl.sum(dpre * xv, axis=0), mask=cmask)
+        dw = tl.where(taps[:, None] == j, tl.sum(dpre * xv, axis=0)[None, :], dw)
+    tl.store(dw_part_ptr + ((b * n_tiles + tile) * W + taps)[:, None] * C + cols[None, :], dw,
+             mask=(taps < W)[:, None] & cmask[None, :])
     if TWO_PASS:  # dx from the stored dpre in _conv_dx_kernel
-        tl.store(dpre_ptr + (b * T + t.to(tl.int64))[:, None] * C + cols[None, :], dpre,
-                 mask=(t < T)[:, None] & cmask[None, :])
+        tl.store(dpre_ptr + (b * T + t.to(tl.int64))[:, None] * C + cols[None, :],
+                 dpre.to(dpre_ptr.dtype.element_ty), mask=(t < T)[:, None] & cmask[None, :])
         return
     w_last = tl.load(w_ptr + cols * W + (W - 1), mask=cmask, other=0.0).to(tl.float32)
     dx = dpre * w_last[None, :]
@@ -136,7 +144,7 @@ def _conv_dx_kernel(dpre_ptr, w_ptr, dx_ptr, T, C, stride_dxb, stride_dxt, W: tl
     for k in tl.static_range(W):
         r = t + k
         dpre = tl.load(dpre_ptr + (b * T + r.to(tl.int64))[:, None] * C + cols[None, :],
-                       mask=(r < T)[:, None] & cmask[None, :], other=0.0)
+                       mask=(r < T)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
         wk = tl.load(w_ptr + cols * W + (W - 1 - k), mask=cmask, other=0.0).to(tl.float32)
         dx += dpre * wk[None, :]
     tl.store(dx_ptr + b * stride_dxb + t.to(tl.int64)[:, None] * stride_dxt + cols[None, :],
@@ -179,11 +187,12 @@ def backward(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor]
     block_t, block_c, warps = BACKWARD_TILE
     n_tiles = -(-T // block_t)
     parts = torch.empty(B * n_tiles, W, C, dtype=torch.float32, device=x.device)
-    dpre = torch.empty(B, T, C, dtype=torch.float32, device=x.device) if BACKWARD_TWO_PASS else parts
+    dpre_dtype = torch.float32 if BACKWARD_DPRE_FP32 else x.dtype
+    dpre = torch.empty(B, T, C, dtype=dpre_dtype, device=x.device) if BACKWARD_TWO_PASS else parts
     _conv_bwd_kernel[(B, n_tiles, -(-C // block_c))](
         x, tail_t, w, dy, dx, parts, dpre, T, C, n_tiles, x.stride(0), x.stride(1), stride_tb, stride_tw,
-        dy.stride(0), dy.stride(1), dx.stride(0), dx.stride(1), W=W, HAS_TAIL=has_tail,
-        TWO_PASS=BACKWARD_TWO_PASS, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=warps)
+        dy.stride(0), dy.stride(1), dx.stride(0), dx.stride(1), W=W, W_POW2=triton.next_power_of_2(W),
+        HAS_TAIL=has_tail, TWO_PASS=BACKWARD_TWO_PASS, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=warps)
     if BACKWARD_TWO_PASS:
         bt, bc = FORWARD_TILE
         _conv_dx_kernel[(B, -(-T // bt), -(-C // bc))](dpre, w, dx, T, C, dx.stride(0), dx.stride(1), W=W,
