@@ -43,14 +43,14 @@ def oracle(x, weight, tail, dy):
     return y.detach(), x64.grad, w64.grad
 
 
-# (two passes, fp32 dL/d pre-activation) of the backward forms natsl.fast.short_conv offers.
-BACKWARD_FORMS = {"one kernel": (False, True), "two passes": (True, True),
-                  "two passes, dpre in x's dtype": (True, False)}
+# (natsl.fast.short_conv.BACKWARD_FORM, dL/d pre-activation stored in fp32) for every backward form.
+BACKWARD_FORMS = {"two passes": ("two_pass", True), "two passes, dpre in x's dtype": ("two_pass", False),
+                  "recompute": ("recompute", True), "held": ("held", True)}
 
 
 def use_backward_form(monkeypatch, form):
-    two_pass, dpre_fp32 = BACKWARD_FORMS[form]
-    monkeypatch.setattr(sc, "BACKWARD_TWO_PASS", two_pass)
+    name, dpre_fp32 = BACKWARD_FORMS[form]
+    monkeypatch.setattr(sc, "BACKWARD_FORM", name)
     monkeypatch.setattr(sc, "BACKWARD_DPRE_FP32", dpre_fp32)
 
 
@@ -84,6 +84,20 @@ def test_forward_and_gradients_match_the_formula(T, C, with_tail, dtype, form, m
     assert rel_rms(y, y_ref) < fwd_tol
     assert rel_rms(dx, dx_ref) < grad_tol
     assert rel_rms(dw, dw_ref) < grad_tol
+
+
+@pytest.mark.parametrize("W", [2, 3, 5])
+@pytest.mark.parametrize("form", BACKWARD_FORMS)
+def test_other_conv_widths(W, form, monkeypatch):
+    """Widths other than the GDN's 4 (the "held" form falls back to two passes there), with a tail."""
+    use_backward_form(monkeypatch, form)
+    gen = torch.Generator().manual_seed(W)
+    x = torch.randn(2, 37, 40, generator=gen).to(DEVICE)
+    weight = (0.5 * torch.randn(40, 1, W, generator=gen)).to(DEVICE)
+    tail = torch.randn(2, W - 1, 40, generator=gen).to(DEVICE)
+    dy = torch.randn(2, 37, 40, generator=gen).to(DEVICE)
+    for got, want in zip(run_fast(x, weight, tail, dy), oracle(x, weight, tail, dy)):
+        assert rel_rms(got, want) < TOL[torch.float32][1]
 
 
 def test_a_strided_input_gives_the_contiguous_input_results():
@@ -134,6 +148,14 @@ def test_eager_path_equals_the_custom_op(monkeypatch):
     op = run_fast(x, weight, None, dy)
     for a, b in zip(twin, op):
         assert torch.equal(a, b)
+
+
+def test_an_unknown_backward_form_is_named(monkeypatch):
+    monkeypatch.setattr(sc, "BACKWARD_FORM", "fastest")
+    x = torch.randn(1, 5, 8, device=DEVICE, requires_grad=True)
+    y = sc.short_conv_silu(x, torch.randn(8, 1, 4, device=DEVICE))
+    with pytest.raises(NatslError, match="'fastest'.*NATSL_SHORT_CONV_BACKWARD.*two_pass, recompute, held"):
+        y.sum().backward()
 
 
 def test_bad_shapes_and_a_tail_that_wants_a_gradient_are_refused():

@@ -8,16 +8,19 @@ to x's dtype). Why a kernel: compiled by Inductor from that formula, the conv an
 six times their memory traffic; the weight gradient in particular is a column reduction over all
 B x T rows.
 
-Forward: one pass over [time, channel] tiles; the W shifted reads of x hit the cache. Backward: one
-pass that recomputes the pre-activation at the W output rows each input row feeds (x is read again
-rather than saving the pre-activation: a second [B, T, C] tensor per conv), accumulates dx in fp32
-and rounds it once, and writes each tile's partial weight gradient; the partials are summed in a
-fixed order afterwards (deterministic, no atomics). The tail is read-only (no gradient): training
-passes none, the cached prefill passes the conv state and wants no gradient.
+Forward: one pass over [time, channel] tiles; the W shifted reads of x hit the cache. Backward
+(`BACKWARD_FORM`): dL/d(pre-activation) needs the pre-activation, which is recomputed from x rather
+than saved (a second [B, T, C] tensor per conv); dx[t] needs it at the W output rows t .. t+W-1.
+"two_pass" stores it and a second kernel sums dx; "recompute" forms it at the W shifted rows in one
+kernel; "held" (W = 4) loads the 2W-1 shifted input tiles once and forms all four in registers. Each
+accumulates dx in fp32 and rounds it once, and writes each time tile's partial weight gradient; the
+partials are summed in a fixed order afterwards (deterministic, no atomics). The tail is read-only
+(no gradient): training passes none, the cached prefill passes the conv state and wants no gradient.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -29,12 +32,17 @@ from natsl.fast import eager
 
 FORWARD_TILE = (32, 128)  # (time, channels); 4 warps
 BACKWARD_TILE = (64, 64, 4)  # (time, channels, warps); larger time tiles: fewer weight-gradient partials
-# True: the backward stores dL/d(pre-activation) and a second kernel forms dx from it, instead of
-# recomputing the pre-activation at W shifted rows in one kernel.
-BACKWARD_TWO_PASS = True
-# The stored dL/d(pre-activation) in fp32 (True) or in x's dtype (False: a third less memory traffic
-# for bf16; dx is a W-term sum of it, rounded to x's dtype anyway, and dw is summed from the fp32 values
-# before the store).
+# How the backward forms dx (each input row feeds the W output rows after it):
+#   "two_pass":  the first kernel stores dL/d(pre-activation), a second kernel sums dx from it;
+#   "recompute": one kernel recomputes the pre-activation at the W output rows of each input row;
+#   "held":      one kernel for W = 4 that loads the 2W-1 shifted input tiles once and holds them in
+#                registers (other widths fall back to "two_pass").
+# NATSL_SHORT_CONV_BACKWARD picks one for a whole run (benchmarks compare them end to end).
+BACKWARD_FORMS = ("two_pass", "recompute", "held")
+BACKWARD_FORM = os.environ.get("NATSL_SHORT_CONV_BACKWARD", "two_pass")
+# "two_pass" stores dL/d(pre-activation) in fp32 (True) or in x's dtype (False: a third less memory
+# traffic for bf16; dx, a W-term sum of it, doubled its error in bf16 on the CPU, 3.3e-3 -> 6.2e-3
+# relative RMS; dw is summed from the fp32 values before the store).
 BACKWARD_DPRE_FP32 = True
 
 
@@ -87,8 +95,26 @@ def _silu_grad(x_base, tail_base, w_ptr, dy_base, rows, cols, cmask, T, stride_x
                           BLOCK_T, BLOCK_C)
     dy = tl.load(dy_base + rows.to(tl.int64)[:, None] * stride_dyt + cols[None, :],
                  mask=(rows < T)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+    return _dsilu(dy, pre)
+
+
+@triton.jit
+def _dsilu(dy, pre):
+    """dy * silu'(pre)."""
     sig = 1.0 / (1.0 + tl.exp(-pre))
     return dy * sig * (1.0 + pre * (1.0 - sig))
+
+
+@triton.jit
+def _backward_program(x_ptr, tail_ptr, dy_ptr, C, stride_xb, stride_tb, stride_dyb,
+                      BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """A backward program's (batch row, time tile, rows, columns, column mask, and its batch row's x,
+    tail and dy bases)."""
+    b = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    return b, tile, t, cols, cols < C, x_ptr + b * stride_xb, tail_ptr + b * stride_tb, dy_ptr + b * stride_dyb
 
 
 @triton.jit
@@ -96,14 +122,8 @@ def _conv_bwd_kernel(x_ptr, tail_ptr, w_ptr, dy_ptr, dx_ptr, dw_part_ptr, dpre_p
                      stride_xb, stride_xt, stride_tb, stride_tw, stride_dyb, stride_dyt, stride_dxb, stride_dxt,
                      W: tl.constexpr, W_POW2: tl.constexpr, HAS_TAIL: tl.constexpr, TWO_PASS: tl.constexpr,
                      BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
-    tile = tl.program_id(1)
-    t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
-    cmask = cols < C
-    x_base = x_ptr + b * stride_xb
-    tail_base = tail_ptr + b * stride_tb
-    dy_base = dy_ptr + b * stride_dyb
+    b, tile, t, cols, cmask, x_base, tail_base, dy_base = _backward_program(
+        x_ptr, tail_ptr, dy_ptr, C, stride_xb, stride_tb, stride_dyb, BLOCK_T, BLOCK_C)
 
     # Output rows t: their pre-activation gradient gives this tile's share of dw and the last tap of dx.
     dpre = _silu_grad(x_base, tail_base, w_ptr, dy_base, t, cols, cmask, T, stride_xt, stride_tw, stride_dyt,
@@ -151,6 +171,45 @@ def _conv_dx_kernel(dpre_ptr, w_ptr, dx_ptr, T, C, stride_dxb, stride_dxt, W: tl
              dx.to(dx_ptr.dtype.element_ty), mask=(t < T)[:, None] & cmask[None, :])
 
 
+@triton.jit
+def _conv_bwd_held_kernel(x_ptr, tail_ptr, w_ptr, dy_ptr, dx_ptr, dw_part_ptr, T, C, n_tiles,
+                          stride_xb, stride_xt, stride_tb, stride_tw, stride_dyb, stride_dyt, stride_dxb,
+                          stride_dxt, HAS_TAIL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    # W = 4 written out: input rows t-3 .. t+3 are loaded once each (x_m3 .. x_p3), the pre-activation
+    # formed at output rows t .. t+3 (pre0 .. pre3), and dx[t] = sum_k w[3-k] dpre[t+k].
+    b, tile, t, cols, cmask, x_base, tail_base, dy_base = _backward_program(
+        x_ptr, tail_ptr, dy_ptr, C, stride_xb, stride_tb, stride_dyb, BLOCK_T, BLOCK_C)
+    w0 = tl.load(w_ptr + cols * 4 + 0, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    w1 = tl.load(w_ptr + cols * 4 + 1, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(w_ptr + cols * 4 + 2, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    w3 = tl.load(w_ptr + cols * 4 + 3, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    x_m3 = _conv_input(x_base, tail_base, t - 3, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
+    x_m2 = _conv_input(x_base, tail_base, t - 2, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
+    x_m1 = _conv_input(x_base, tail_base, t - 1, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
+    x_0 = _conv_input(x_base, tail_base, t, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
+    x_p1 = _conv_input(x_base, tail_base, t + 1, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
+    x_p2 = _conv_input(x_base, tail_base, t + 2, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
+    x_p3 = _conv_input(x_base, tail_base, t + 3, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
+    dy_ptrs = dy_base + t.to(tl.int64)[:, None] * stride_dyt + cols[None, :]
+    dy0 = tl.load(dy_ptrs, mask=(t < T)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+    dy1 = tl.load(dy_ptrs + stride_dyt, mask=(t + 1 < T)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+    dy2 = tl.load(dy_ptrs + 2 * stride_dyt, mask=(t + 2 < T)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+    dy3 = tl.load(dy_ptrs + 3 * stride_dyt, mask=(t + 3 < T)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+    dpre0 = _dsilu(dy0, w0 * x_m3 + w1 * x_m2 + w2 * x_m1 + w3 * x_0)
+    dpre1 = _dsilu(dy1, w0 * x_m2 + w1 * x_m1 + w2 * x_0 + w3 * x_p1)
+    dpre2 = _dsilu(dy2, w0 * x_m1 + w1 * x_0 + w2 * x_p1 + w3 * x_p2)
+    dpre3 = _dsilu(dy3, w0 * x_0 + w1 * x_p1 + w2 * x_p2 + w3 * x_p3)
+    dx = w3 * dpre0 + w2 * dpre1 + w1 * dpre2 + w0 * dpre3
+    tl.store(dx_ptr + b * stride_dxb + t.to(tl.int64)[:, None] * stride_dxt + cols[None, :],
+             dx.to(dx_ptr.dtype.element_ty), mask=(t < T)[:, None] & cmask[None, :])
+    taps = tl.arange(0, 4)[:, None]
+    dw = tl.where(taps == 0, tl.sum(dpre0 * x_m3, axis=0)[None, :], 0.0)
+    dw = tl.where(taps == 1, tl.sum(dpre0 * x_m2, axis=0)[None, :], dw)
+    dw = tl.where(taps == 2, tl.sum(dpre0 * x_m1, axis=0)[None, :], dw)
+    dw = tl.where(taps == 3, tl.sum(dpre0 * x_0, axis=0)[None, :], dw)
+    tl.store(dw_part_ptr + ((b * n_tiles + tile) * 4 + taps) * C + cols[None, :], dw, mask=cmask[None, :])
+
+
 def _tail_args(x: torch.Tensor, tail: Optional[torch.Tensor]):
     if tail is None:
         return x, 0, 0, False  # never read
@@ -184,19 +243,30 @@ def backward(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor]
         return dx, torch.zeros_like(weight)
     w = weight.reshape(C, W).contiguous()
     tail_t, stride_tb, stride_tw, has_tail = _tail_args(x, tail)
+    if BACKWARD_FORM not in BACKWARD_FORMS:
+        raise NatslError(f"short conv backward form {BACKWARD_FORM!r} (NATSL_SHORT_CONV_BACKWARD) is not one of "
+                         f"{', '.join(BACKWARD_FORMS)}")
     block_t, block_c, warps = BACKWARD_TILE
     n_tiles = -(-T // block_t)
     parts = torch.empty(B * n_tiles, W, C, dtype=torch.float32, device=x.device)
-    dpre_dtype = torch.float32 if BACKWARD_DPRE_FP32 else x.dtype
-    dpre = torch.empty(B, T, C, dtype=dpre_dtype, device=x.device) if BACKWARD_TWO_PASS else parts
-    _conv_bwd_kernel[(B, n_tiles, -(-C // block_c))](
-        x, tail_t, w, dy, dx, parts, dpre, T, C, n_tiles, x.stride(0), x.stride(1), stride_tb, stride_tw,
-        dy.stride(0), dy.stride(1), dx.stride(0), dx.stride(1), W=W, W_POW2=triton.next_power_of_2(W),
-        HAS_TAIL=has_tail, TWO_PASS=BACKWARD_TWO_PASS, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=warps)
-    if BACKWARD_TWO_PASS:
-        bt, bc = FORWARD_TILE
-        _conv_dx_kernel[(B, -(-T // bt), -(-C // bc))](dpre, w, dx, T, C, dx.stride(0), dx.stride(1), W=W,
-                                                        BLOCK_T=bt, BLOCK_C=bc, num_warps=4)
+    grid = (B, n_tiles, -(-C // block_c))
+    form = BACKWARD_FORM if BACKWARD_FORM != "held" or W == 4 else "two_pass"
+    if form == "held":
+        _conv_bwd_held_kernel[grid](x, tail_t, w, dy, dx, parts, T, C, n_tiles, x.stride(0), x.stride(1), stride_tb,
+                                    stride_tw, dy.stride(0), dy.stride(1), dx.stride(0), dx.stride(1),
+                                    HAS_TAIL=has_tail, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=warps)
+    else:
+        two_pass = form == "two_pass"
+        dpre_dtype = torch.float32 if BACKWARD_DPRE_FP32 else x.dtype
+        dpre = torch.empty(B, T, C, dtype=dpre_dtype, device=x.device) if two_pass else parts
+        _conv_bwd_kernel[grid](
+            x, tail_t, w, dy, dx, parts, dpre, T, C, n_tiles, x.stride(0), x.stride(1), stride_tb, stride_tw,
+            dy.stride(0), dy.stride(1), dx.stride(0), dx.stride(1), W=W, W_POW2=triton.next_power_of_2(W),
+            HAS_TAIL=has_tail, TWO_PASS=two_pass, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=warps)
+        if two_pass:
+            bt, bc = FORWARD_TILE
+            _conv_dx_kernel[(B, -(-T // bt), -(-C // bc))](dpre, w, dx, T, C, dx.stride(0), dx.stride(1), W=W,
+                                                            BLOCK_T=bt, BLOCK_C=bc, num_warps=4)
     dw = parts.sum(0).t().contiguous().view(C, 1, W).to(weight.dtype)
     return dx, dw
 
