@@ -27,9 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FORWARD_TILES = ((32, 128), (64, 128), (32, 64))
 # (time, channels, warps, BACKWARD_FORM, dL/d pre-activation stored in fp32 by "two_pass")
 BACKWARD_TILES = ((64, 64, 4, "two_pass", True), (64, 64, 4, "two_pass", False), (64, 64, 4, "recompute", True),
-                  (32, 64, 4, "held", True), (32, 64, 8, "held", True), (64, 64, 8, "held", True),
-                  (16, 64, 4, "held", True), (16, 128, 4, "held", True), (32, 128, 8, "held", True),
-                  (64, 32, 4, "held", True))
+                  (64, 16, 2, "held", True), (32, 32, 2, "held", True), (128, 16, 4, "held", True),
+                  (64, 32, 4, "held", True), (32, 64, 4, "held", True))
 
 
 def main() -> None:
@@ -72,13 +71,13 @@ def main() -> None:
             with torch.no_grad():
                 record(C, f"op fwd tile {tile}", do_bench(lambda: sc.short_conv_silu(x, w)), fwd_bytes)
         sc.FORWARD_TILE = FORWARD_TILES[0]
-        default = sc.BACKWARD_TILE, sc.BACKWARD_FORM, sc.BACKWARD_DPRE_FP32
+        default = dict(sc.BACKWARD_TILES), sc.BACKWARD_FORM, sc.BACKWARD_DPRE_FP32
         for *tile, form, dpre_fp32 in BACKWARD_TILES:
-            sc.BACKWARD_TILE, sc.BACKWARD_FORM, sc.BACKWARD_DPRE_FP32 = tuple(tile), form, dpre_fp32
+            sc.BACKWARD_TILES[form], sc.BACKWARD_FORM, sc.BACKWARD_DPRE_FP32 = tuple(tile), form, dpre_fp32
             label = form + ((" fp32" if dpre_fp32 else " bf16") if form == "two_pass" else "")
             record(C, f"op bwd {tuple(tile)} {label}",
                    do_bench(lambda: sc.backward(x.detach(), w.detach(), None, dy)), bwd_bytes)
-        sc.BACKWARD_TILE, sc.BACKWARD_FORM, sc.BACKWARD_DPRE_FP32 = default
+        sc.BACKWARD_TILES, sc.BACKWARD_FORM, sc.BACKWARD_DPRE_FP32 = default
     with open(args.out, "w") as fh:
         json.dump({"provenance": provenance(), "B": B, "T": T, "rows": rows}, fh, indent=1)
     print(f"wrote {args.out}")

@@ -31,7 +31,9 @@ from natsl.errors import NatslError
 from natsl.fast import eager
 
 FORWARD_TILE = (32, 128)  # (time, channels); 4 warps
-BACKWARD_TILE = (64, 64, 4)  # (time, channels, warps); larger time tiles: fewer weight-gradient partials
+# (time, channels, warps) per backward form, the fastest of each at the 800M widths on the H200
+# (2026-11-30, seventh session): "held" keeps 11 fp32 tiles live, so it wants small ones.
+BACKWARD_TILES = {"two_pass": (64, 64, 4), "recompute": (64, 64, 4), "held": (64, 16, 2)}
 # How the backward forms dx (each input row feeds the W output rows after it):
 #   "two_pass":  the first kernel stores dL/d(pre-activation), a second kernel sums dx from it;
 #   "recompute": one kernel recomputes the pre-activation at the W output rows of each input row;
@@ -39,7 +41,7 @@ BACKWARD_TILE = (64, 64, 4)  # (time, channels, warps); larger time tiles: fewer
 #                registers (other widths fall back to "two_pass").
 # NATSL_SHORT_CONV_BACKWARD picks one for a whole run (benchmarks compare them end to end).
 BACKWARD_FORMS = ("two_pass", "recompute", "held")
-BACKWARD_FORM = os.environ.get("NATSL_SHORT_CONV_BACKWARD", "two_pass")
+BACKWARD_FORM = os.environ.get("NATSL_SHORT_CONV_BACKWARD", "held")
 # "two_pass" stores dL/d(pre-activation) in fp32 (True) or in x's dtype (False: a third less memory
 # traffic for bf16; dx, a W-term sum of it, doubled its error in bf16 on the CPU, 3.3e-3 -> 6.2e-3
 # relative RMS; dw is summed from the fp32 values before the store).
@@ -246,11 +248,11 @@ def backward(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor]
     if BACKWARD_FORM not in BACKWARD_FORMS:
         raise NatslError(f"short conv backward form {BACKWARD_FORM!r} (NATSL_SHORT_CONV_BACKWARD) is not one of "
                          f"{', '.join(BACKWARD_FORMS)}")
-    block_t, block_c, warps = BACKWARD_TILE
+    form = BACKWARD_FORM if BACKWARD_FORM != "held" or W == 4 else "two_pass"
+    block_t, block_c, warps = BACKWARD_TILES[form]
     n_tiles = -(-T // block_t)
     parts = torch.empty(B * n_tiles, W, C, dtype=torch.float32, device=x.device)
     grid = (B, n_tiles, -(-C // block_c))
-    form = BACKWARD_FORM if BACKWARD_FORM != "held" or W == 4 else "two_pass"
     if form == "held":
         _conv_bwd_held_kernel[grid](x, tail_t, w, dy, dx, parts, T, C, n_tiles, x.stride(0), x.stride(1), stride_tb,
                                     stride_tw, dy.stride(0), dy.stride(1), dx.stride(0), dx.stride(1),
