@@ -33,6 +33,7 @@ from natsl.training.trainer import HiddenStates  # noqa: E402
 GDN_KERNELS = ("_prepare_kernel", "_state_fwd_kernel", "_output_kernel", "_local_dr_kernel", "_state_bwd_kernel",
                "_grad_qk_kernel", "_grad_wy_kernel")
 ROUTED_KERNELS = ("_forward_kernel", "_dq_kernel", "_dkdv_kernel", "_row_delta_kernel", "_block_lists_kernel")
+SHORT_CONV_KERNELS = ("_conv_fwd_kernel", "_conv_bwd_kernel", "_conv_dx_kernel", "_conv_bwd_held_kernel")
 
 
 def kernel_kind(name: str) -> str:
@@ -41,6 +42,8 @@ def kernel_kind(name: str) -> str:
         return "GDN kernels"
     if any(k in name for k in ROUTED_KERNELS):
         return "routed attention kernels"
+    if any(k in name for k in SHORT_CONV_KERNELS):
+        return "short conv kernels"
     lowered = name.lower()
     if any(k in lowered for k in ("flash", "fmha", "cudnn", "attention")):
         return "SDPA attention"
