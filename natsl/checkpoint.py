@@ -7,6 +7,7 @@ names the format so that a folder of another model type is refused with a clear 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -17,12 +18,16 @@ import torch
 import yaml
 
 from natsl import __version__
-from natsl.config import Recipe, recipe_from_dict
+from natsl.config import ModelConfig, Recipe, from_dict
 from natsl.errors import NatslError
 
 FORMAT = "natsl"
 FORMAT_VERSION = 1
 COMPLETE_MARKER = "config.json"  # written last inside the temporary folder
+# Every file a checkpoint folder holds: the model files (write_model_files) and a training step's
+# state (natsl/training/state.py). A folder with anything else is not ours to replace.
+CHECKPOINT_FILES = frozenset({"config.json", "model.safetensors", "tokenizer.json", "recipe.yaml",
+                              "optimizer.safetensors", "rng.safetensors", "trainer_state.json", "manifest.json"})
 
 
 def fsync_tree(folder: Path) -> None:
@@ -44,6 +49,7 @@ def atomic_folder(target: Path, fill) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         fill(tmp)
+        usual_permissions(tmp)
         fsync_tree(tmp)
         if target.exists():
             old = target.with_name(f".{target.name}.old-{os.getpid()}")
@@ -61,6 +67,46 @@ def atomic_folder(target: Path, fill) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
+
+
+def usual_permissions(folder: Path) -> None:
+    """mkdtemp makes the folder 0700 (and safetensors some files 0600); publish with the umask's modes."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(folder, 0o777 & ~mask)
+    for path in folder.iterdir():
+        if path.is_file() and not path.is_symlink():
+            os.chmod(path, 0o666 & ~mask)
+
+
+def check_replaceable(target) -> None:
+    """Refuse to replace `target` unless it is absent, an empty folder or a natsl checkpoint folder:
+    `--force` must never wipe the user's other data."""
+    target = Path(target)
+    if not target.exists() and not target.is_symlink():
+        return
+
+    def refuse(why: str) -> NatslError:
+        return NatslError(f"{str(target)!r} exists and is not a natsl checkpoint folder ({why}); only a checkpoint "
+                          "folder or an empty one is replaced: choose another output folder or remove it yourself")
+
+    if target.is_symlink() or not target.is_dir():
+        raise refuse("it is a file or a link")
+    entries = list(target.iterdir())
+    if not entries:
+        return
+    other = sorted(p.name for p in entries if p.name not in CHECKPOINT_FILES or p.is_symlink() or not p.is_file())
+    if other:
+        raise refuse(f"it holds {other[0]!r}")
+    names = {p.name for p in entries}
+    if not {"config.json", "model.safetensors"} <= names:
+        raise refuse(f"it has no {'config.json' if 'config.json' not in names else 'model.safetensors'}")
+    try:
+        fmt = json.loads((target / "config.json").read_text(encoding="utf-8")).get("format")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        fmt = None
+    if fmt != FORMAT:
+        raise refuse("its config.json is not a natsl config")
 
 
 def state_dict_for_saving(model, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -113,7 +159,50 @@ def read_config(folder: Path) -> dict:
         hint = (f" (model type {kind!r}: import it with `natsl convert --from-hf`)" if kind else "")
         raise NatslError(f"{str(folder)!r} holds a checkpoint of another model type{hint}; natsl reads folders "
                          "written by `natsl train` or `natsl convert`")
+    checkpoint_recipe(folder, config)  # every reader (bench-latency, resume) gets a one-line error
     return config
+
+
+def checkpoint_recipe(folder: Path, config: dict) -> Recipe:
+    """The recipe in a checkpoint's config. Its model section must name every model field: a default
+    filled in for a missing key would silently build another model than the one trained."""
+    path = str(folder / COMPLETE_MARKER)
+    recipe = config.get("recipe")
+    model = recipe.get("model") if isinstance(recipe, dict) else None
+    if not isinstance(model, dict):
+        raise NatslError(f"{path!r} has no recipe with a model section: this is not a complete natsl checkpoint "
+                         "config; use a folder written by `natsl train` or `natsl convert`, or fix the file")
+    missing = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in model]
+    if missing:
+        raise NatslError(f"{path!r}: the model section lacks {', '.join(missing)}; this is not a complete natsl "
+                         "checkpoint config: restore the keys from the recipe it was trained with, or use another "
+                         "checkpoint")
+    try:
+        # Only the model's rules: the train and optim sections do not change the model, and a rule added
+        # to them later must not make a saved model unloadable (resuming checks them in full).
+        loaded = from_dict(Recipe, recipe)
+        loaded.model.validate()
+        return loaded
+    except NatslError as err:
+        raise NatslError(f"{path!r}: {err}") from None
+
+
+def check_state_dict(weights: Path, state: dict, expected: dict, tied: bool) -> None:
+    """Compare stored tensors with the shapes the config's model needs, naming the first mismatch
+    (load_state_dict would print every mismatch in a long RuntimeError)."""
+    problems = []
+    for name, shape in expected.items():
+        if name not in state:
+            if not (tied and name == "lm_head.weight"):  # a tied head is rebuilt from the embedding
+                problems.append(f"lacks tensor {name} (the config needs shape {shape})")
+        elif tuple(state[name].shape) != shape:
+            problems.append(f"tensor {name} has shape {tuple(state[name].shape)}, the config needs {shape}")
+    problems += [f"has tensor {name} that the config's model does not have" for name in state
+                 if name not in expected]
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise NatslError(f"{str(weights)!r} does not match its config.json: {problems[0]}{more}; the weights and "
+                         "config come from different models: use a matching pair or another checkpoint")
 
 
 def resolve_checkpoint_folder(path) -> Path:
@@ -140,8 +229,7 @@ def load_checkpoint(path, device=None, dtype: torch.dtype | None = None):
     from natsl.tokenizer import Tokenizer
 
     folder = resolve_checkpoint_folder(path)
-    config = read_config(folder)
-    recipe = recipe_from_dict(config["recipe"])
+    recipe = checkpoint_recipe(folder, read_config(folder))
     weights = folder / "model.safetensors"
     if not weights.is_file():
         raise NatslError(f"{str(folder)!r} has no model.safetensors; the checkpoint is incomplete, use another one")
@@ -150,12 +238,10 @@ def load_checkpoint(path, device=None, dtype: torch.dtype | None = None):
     except (SafetensorError, OSError) as err:
         raise NatslError(f"{str(weights)!r} is corrupt ({err}); use another checkpoint") from None
     model = build_model(recipe, device="meta")
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    check_state_dict(weights, state, expected, recipe.model.tie_embeddings)
     model = model.to_empty(device=device or "cpu")
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=False)
-    missing = [m for m in missing if not (recipe.model.tie_embeddings and m == "lm_head.weight")]
-    if missing or unexpected:
-        raise NatslError(f"{str(weights)!r} does not match its config (missing {missing[:3]}, unexpected "
-                         f"{unexpected[:3]}); the checkpoint is corrupt or of another natsl version")
+    model.load_state_dict(state, strict=False, assign=False)
     if recipe.model.tie_embeddings:
         model.lm_head.weight = model.embed.weight
     if dtype is not None:

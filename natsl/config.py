@@ -120,6 +120,21 @@ class OptimConfig:
     grad_clip: float = 1.0
     warmup_tokens: int = 1_000_000_000
 
+    def validate(self, prefix: str = "optim") -> None:
+        _require(math.isfinite(self.lr) and self.lr > 0, f"{prefix}.lr", self.lr, "a finite number > 0")
+        _require(math.isfinite(self.min_lr) and 0 <= self.min_lr <= self.lr, f"{prefix}.min_lr", self.min_lr,
+                 f"a finite number from 0 to {prefix}.lr = {self.lr}")
+        # nan and inf fail the range test too
+        _require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), f"{prefix}.betas", self.betas,
+                 "two numbers [beta1, beta2], each in [0, 1)")
+        _require(math.isfinite(self.eps) and self.eps > 0, f"{prefix}.eps", self.eps, "a finite number > 0")
+        _require(math.isfinite(self.weight_decay) and self.weight_decay >= 0, f"{prefix}.weight_decay",
+                 self.weight_decay, "a finite number >= 0")
+        # The trainer clips at grad_clip when it is > 0; 0 turns clipping off.
+        _require(math.isfinite(self.grad_clip) and self.grad_clip >= 0, f"{prefix}.grad_clip", self.grad_clip,
+                 "a finite number >= 0 (0 turns clipping off)")
+        _require(self.warmup_tokens >= 0, f"{prefix}.warmup_tokens", self.warmup_tokens, "at least 0")
+
 
 @dataclass
 class TrainConfig:
@@ -143,6 +158,21 @@ class TrainConfig:
     max_bad_steps: int = 20
     out_dir: str = "runs/{name}"
 
+    def validate(self, prefix: str = "train") -> None:
+        # Sizes and intervals; the trainer reads none of them as 0 = 'never'.
+        for key in ("seq_len", "tokens_per_step", "micro_batch_size", "total_tokens", "log_every",
+                    "eval_every", "eval_tokens", "save_every", "max_bad_steps"):
+            _require(getattr(self, key) >= 1, f"{prefix}.{key}", getattr(self, key), "at least 1")
+        _require(self.max_steps is None or self.max_steps >= 1, f"{prefix}.max_steps", self.max_steps,
+                 "at least 1 (null: no limit)")
+        # The seed feeds numpy's and torch's generators, which take 0 to 2**64 - 1.
+        _require(0 <= self.seed < 2**64, f"{prefix}.seed", self.seed, "an integer from 0 to 2**64 - 1")
+        # Checkpoint pruning keeps every step folder when keep_last is 0.
+        _require(self.keep_last >= 0, f"{prefix}.keep_last", self.keep_last, "at least 0 (0 keeps every checkpoint)")
+        if self.tokens_per_step % self.seq_len:
+            raise NatslError(f"recipe key '{prefix}.tokens_per_step' = {self.tokens_per_step} must be a multiple "
+                             f"of {prefix}.seq_len = {self.seq_len}")
+
 
 @dataclass
 class DataConfig:
@@ -161,6 +191,11 @@ class Recipe:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise NatslError(f"recipe key '{key}' must be {allowed}, got {value!r}")
 
 
 # ----------------------------------------------------------------------------- parsing
@@ -264,9 +299,8 @@ def from_dict(cls: type, data: Any, prefix: str = ""):
 def recipe_from_dict(data: Any) -> Recipe:
     recipe = from_dict(Recipe, data)
     recipe.model.validate()
-    if recipe.train.tokens_per_step % (recipe.train.seq_len) != 0:
-        raise NatslError(f"recipe key 'train.tokens_per_step' = {recipe.train.tokens_per_step} must be a multiple "
-                         f"of train.seq_len = {recipe.train.seq_len}")
+    recipe.optim.validate()
+    recipe.train.validate()
     return recipe
 
 
@@ -283,6 +317,9 @@ def load_recipe(path: str | Path) -> Recipe:
     except (yaml.YAMLError, UnicodeDecodeError) as err:
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise NatslError(f"recipe file {str(path)!r} is not valid YAML ({first}); fix the file") from None
+    if data is None:  # from_dict would read it as {}: silently the 800M defaults
+        raise NatslError(f"recipe file {str(path)!r} is empty; a recipe needs at least a model section "
+                         "(see recipes/tiny_hybrid.yaml)")
     recipe = recipe_from_dict(data)
     if recipe.name == "unnamed":
         recipe.name = path.stem

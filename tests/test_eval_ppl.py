@@ -15,18 +15,11 @@ from natsl.cli.app import app
 from natsl.eval.haystack import essay_text
 from natsl.eval.smoke import save_tiny_checkpoint
 
+from cli_checks import assert_one_line_error
+
 
 def run(*args):
     return CliRunner().invoke(app, [str(a) for a in args])
-
-
-def assert_one_line_error(result, *fragments):
-    assert result.exit_code == 2, result.output
-    assert "Traceback" not in result.output
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,8 @@ from natsl.checkpoint import save_model_folder
 from natsl.cli.main import app
 from natsl.tokenizer import train_bpe
 
+from cli_checks import assert_one_line_error
+
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = ROOT / "recipes"
 MAX_SEQ_LEN = 96
@@ -80,15 +82,6 @@ def test_jsonl_prompts_decode_in_a_batch_as_they_would_alone(checkpoint, tmp_pat
         assert row["completion"] == alone
 
 
-def assert_one_line_error(result, *fragments):
-    assert result.exit_code == 2, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
-    assert "Traceback" not in result.output + result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-
-
 def test_generate_rejects_bad_input_in_one_line(checkpoint, tmp_path):
     assert_one_line_error(run("generate", tmp_path / "nowhere", "--prompt", "hi", "--device", "cpu"), "does not exist")
     empty = tmp_path / "empty.txt"
@@ -103,6 +96,12 @@ def test_generate_rejects_bad_input_in_one_line(checkpoint, tmp_path):
     assert_one_line_error(run("generate", checkpoint, "--prompt-file", bad, "--device", "cpu"), "bad.jsonl:2")
     assert_one_line_error(run("generate", checkpoint, "--device", "cpu"), "exactly one of")
     assert_one_line_error(run("generate", checkpoint, "--prompt", "x", "--top-p", "0", "--device", "cpu"), "--top-p")
+    assert_one_line_error(run("generate", checkpoint, "--prompt", "x", "--temperature", "nan", "--device", "cpu"),
+                          "--temperature")
+    assert_one_line_error(run("generate", checkpoint, "--prompt", "x", "--output", tmp_path, "--device", "cpu"),
+                          "is a folder")
+    assert_one_line_error(run("generate", checkpoint, "--prompt", "x", "--output", empty / "out.jsonl",
+                              "--device", "cpu"), "is a file, not a folder")
 
 
 def test_console_script_error_has_no_traceback(tmp_path):
@@ -161,3 +160,35 @@ def test_bench_latency_time_budget_gives_each_model_a_first_point(monkeypatch):
 def test_bench_latency_rejects_a_length_beyond_the_model(tmp_path):
     assert_one_line_error(run("bench-latency", "--recipe", RECIPES / "tiny_hybrid.yaml", "--max-len", "1000000",
                               "--device", "cpu", "--out", tmp_path), "max_seq_len")
+    assert_one_line_error(run("bench-latency", "--recipe", RECIPES / "tiny_hybrid.yaml", "--min-len", "64",
+                              "--max-len", "128", "--time-budget", "-1", "--device", "cpu", "--out", tmp_path), "--time-budget")
+
+
+CPU_OOM = ("DefaultCPUAllocator: can't allocate memory: you tried to allocate 68705321689 bytes. Error code 12 "
+           "(Cannot allocate memory)")
+
+
+def test_running_out_of_memory_is_one_line(checkpoint, monkeypatch):
+    """Out of memory anywhere in a command (here: while picking the device) is a one-line error, exit 2;
+    any other RuntimeError stays a bug with its traceback."""
+    import natsl.cli.common
+
+    def out_of_memory(name):
+        raise RuntimeError(CPU_OOM)
+
+    monkeypatch.setattr(natsl.cli.common, "pick_device", out_of_memory)
+    assert_one_line_error(run("generate", checkpoint, "--prompt", "hi"), "out of memory", "lower the length")
+    monkeypatch.setattr(natsl.cli.common, "pick_device", lambda name: (_ for _ in ()).throw(RuntimeError("a bug")))
+    result = run("generate", checkpoint, "--prompt", "hi")
+    assert result.exit_code == 1 and isinstance(result.exception, RuntimeError)
+
+
+def test_a_prompt_prefilled_in_pieces_continues_as_in_one_call(checkpoint, monkeypatch):
+    """On the CPU long prompts are prefilled CPU_PREFILL_CHUNK tokens at a time (memory); greedy text
+    is the same as from one prefill call."""
+    import natsl.inference.generate as gen
+
+    args = ("--prompt", " ".join(WORDS), "--max-new-tokens", "12", "--temperature", "0", "--ignore-eos")
+    whole = generate(checkpoint, *args)
+    monkeypatch.setattr(gen, "CPU_PREFILL_CHUNK", 7)
+    assert generate(checkpoint, *args) == whole

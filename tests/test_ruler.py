@@ -101,3 +101,9 @@ def test_eval_ruler_end_to_end(tmp_path):
     assert bad.exit_code == 2 and "unknown RULER task" in bad.stderr and "Traceback" not in bad.output
     short = CliRunner().invoke(app, ["eval-ruler", str(ckpt), "--lengths", "100", "--out", str(out)])
     assert short.exit_code == 2 and "too short" in short.stderr
+    long = CliRunner().invoke(app, ["eval-ruler", str(ckpt), "--lengths", "256k", "--out", str(out)])
+    assert long.exit_code == 2 and "beyond the model's max_seq_len" in long.stderr, long.output
+    latin1 = tmp_path / "essays.txt"
+    latin1.write_bytes("caf\u00e9 cr\u00e8me. Une autre phrase ici.\n".encode("latin-1"))
+    essays = CliRunner().invoke(app, ["eval-ruler", str(ckpt), "--essay-file", str(latin1), "--out", str(out)])
+    assert essays.exit_code == 2 and "not UTF-8" in essays.stderr, essays.output

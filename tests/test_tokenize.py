@@ -176,7 +176,13 @@ def test_cli_errors_are_one_line(tmp_path):
     assert_one_line_error(code, err, "nope.txt", "does not exist")
     code, _, err = run_inproc("tokenize", str(tmp_path / "latin1.txt"), "--out", str(tmp_path / "o4"))
     assert_one_line_error(code, err, "no tokenizer")
-    assert not any((tmp_path / f"o{i}").exists() for i in (1, 2, 3, 4))  # a rejected input leaves no folder
+    code, _, err = run_inproc("tokenize", str(tmp_path / "latin1.txt"), "--out", str(tmp_path / "o5"),
+                              "--train-tokenizer", "--tokenizer-train-docs", "0")
+    assert_one_line_error(code, err, "--tokenizer-train-docs", "at least 1")
+    code, _, err = run_inproc("tokenize", str(tmp_path / "latin1.txt"), "--out", str(tmp_path / "latin1.txt" / "o6"),
+                              "--train-tokenizer", "--vocab-size", "300", "--no-progress")
+    assert_one_line_error(code, err, "latin1.txt")  # an --out under a file: the OS error, in one line
+    assert not any((tmp_path / f"o{i}").exists() for i in (1, 2, 3, 4, 5))  # a rejected input leaves no folder
 
 
 def test_cli_killed_before_meta_is_finished_by_a_rerun(tmp_path):

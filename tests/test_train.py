@@ -154,6 +154,7 @@ BAD = {
     "missing resume folder": (["--resume", "/no/such/step_000010"], "does not exist"),
     "resume never onto checkpoints": (["--resume", "never"], "already holds checkpoints"),
     "conflicting overrides": (["--set", "train.micro_batch_size=3"], "given twice"),
+    "windows beyond max_seq_len": (["--set", "model.max_seq_len=64"], "more than model.max_seq_len = 64"),
 }
 
 
@@ -196,6 +197,42 @@ def test_corrupt_checkpoint_is_reported_and_skipped(run_copy, cache_env):
     assert (run_copy / "checkpoints" / "step_000026" / "manifest.json").is_file()
     steps, _ = train_records(run_copy)
     assert [r["step"] for r in steps] == list(range(1, 27))  # the records of steps 27..50 went with the resume
+
+
+def test_a_same_size_corruption_is_caught_by_the_manifest_hash(run_copy):
+    from natsl.errors import NatslError
+    from natsl.training import state as S
+
+    newest = run_copy / "checkpoints" / "step_000050"
+    S.load_training_checkpoint(newest)  # intact: loads
+    weights = newest / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1000:] = b"\xff" * 1000  # tensor bytes, not the header: safetensors itself would load them
+    weights.write_bytes(bytes(data))
+    with pytest.raises(NatslError, match="model.safetensors.*SHA-256"):
+        S.load_training_checkpoint(newest)
+
+
+def test_non_finite_weights_are_never_written(tmp_path):
+    from natsl.errors import NatslError
+    from natsl.training import state as S
+
+    state = {"a.weight": torch.ones(3), "b.weight": torch.tensor([1.0, float("nan")])}
+    with pytest.raises(NatslError, match="step 7: weight b.weight holds a non-finite value"):
+        S.save_checkpoint(tmp_path, 7, state, ({}, []), None, None, {}, {}, keep_last=1)
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_run_whose_every_checkpoint_is_damaged_is_refused_not_restarted(run_copy, cache_env):
+    for step in sorted((run_copy / "checkpoints").iterdir()):
+        weights = step / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    before = folder_digest(run_copy)
+    result = natsl_inproc(["train", *BASE, "--max-steps", "26", "--out", str(run_copy)], cache_env)
+    assert result.exit_code == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "every checkpoint" in lines[0] and "damaged" in lines[0], result.stderr
+    assert folder_digest(run_copy) == before
 
 
 def test_non_finite_steps_are_skipped_then_stop(tmp_path, cache_env):

@@ -24,8 +24,14 @@ def fail(message: str) -> None:
     raise typer.Exit(code=2)
 
 
+def _out_of_memory(err: RuntimeError) -> bool:
+    """torch's CUDA out-of-memory error, or its CPU allocator's (a plain RuntimeError)."""
+    return type(err).__name__ == "OutOfMemoryError" or "can't allocate memory" in str(err)
+
+
 def command(*args, **kwargs):
-    """`app.command` that reports NatslError (and missing files) as one line with exit code 2."""
+    """`app.command` that reports NatslError, operating-system errors (a missing file, a path that
+    cannot be written) and running out of memory as one line with exit code 2."""
 
     def register(fn):
         @functools.wraps(fn)
@@ -36,6 +42,14 @@ def command(*args, **kwargs):
                 fail(str(err))
             except FileNotFoundError as err:
                 fail(f"{err.filename or err}: no such file; check the path")
+            except OSError as err:  # permissions, a file where a folder should be, a full disk, ...
+                where = f"{err.filename}: " if err.filename else ""
+                fail(f"{where}{err.strerror or err}; check the path and its permissions")
+            except RuntimeError as err:
+                if not _out_of_memory(err):
+                    raise
+                fail(f"out of memory ({str(err).splitlines()[0][:120]}); lower the length, the batch or the "
+                     "number of samples")
             except KeyboardInterrupt:
                 print("interrupted", file=sys.stderr)
                 raise typer.Exit(code=130) from None

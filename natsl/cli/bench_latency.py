@@ -47,6 +47,8 @@ def bench_latency(
     for name, value in (("--batch-size", batch_size), ("--decode-tokens", decode_tokens), ("--repeats", repeats)):
         if value < 1:
             raise NatslError(f"{name} must be at least 1, got {value}")
+    if time_budget is not None and not 0 < time_budget < float("inf"):
+        raise NatslError(f"--time-budget must be a positive number of seconds, got {time_budget}")
     torch_device = pick_device(device)
     torch_dtype = pick_dtype(dtype, torch_device)
     chosen_backend = pick_backend(backend, torch_device)

@@ -17,7 +17,7 @@ def convert(
                                                           "neural_attention_search_linear_attn_gdn (safetensors)."),
     dtype: Optional[str] = typer.Option(None, help="Store the weights as fp32, bf16 or fp16 (default: as in SRC)."),
     tokenizer: Optional[str] = typer.Option(None, help="With --from-hf: tokenizer.json to bundle (default: SRC/tokenizer.json)."),
-    force: bool = typer.Option(False, help="Replace OUT if it exists."),
+    force: bool = typer.Option(False, help="Replace OUT if it is a natsl checkpoint folder or empty."),
     verify: bool = typer.Option(True, help="Load the written folder back and check every tensor."),
 ) -> None:
     """Write a clean inference folder that `natsl.load_checkpoint`, generation and every eval command read."""
@@ -25,6 +25,7 @@ def convert(
 
     import torch
 
+    from natsl.checkpoint import check_replaceable
     from natsl.cli.common import DTYPES
     from natsl.errors import NatslError
     from natsl.eval.convert import convert_checkpoint, import_hf
@@ -32,6 +33,7 @@ def convert(
     target = Path(out)
     if target.exists() and not force:
         raise NatslError(f"{out!r} exists; pass --force to replace it or choose another folder")
+    check_replaceable(target)  # even with --force: only a checkpoint folder or an empty one, before any work
     if dtype is not None and dtype not in DTYPES:
         raise NatslError(f"unknown dtype {dtype!r}: use one of fp32, bf16, fp16")
     chosen = DTYPES[dtype] if dtype else None

@@ -25,6 +25,7 @@ def eval_ppl(
     device: Optional[str] = typer.Option(None, help="cpu, cuda or cuda:N (default: cuda when available)."),
     dtype: Optional[str] = typer.Option(None, help="fp32, bf16 or fp16 (default: bf16 on CUDA, fp32 on the CPU)."),
     backend: Optional[str] = typer.Option(None, help="reference, chunked or fast (default: fast on CUDA, chunked on the CPU)."),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Show the progress bar."),
 ) -> None:
     """Per-token loss over full-length windows, bucketed by position; perplexity and bits per byte."""
     from natsl.errors import NatslError
@@ -53,7 +54,7 @@ def eval_ppl(
         wins = make_windows(token_data, max_len, limit, concat=concat, eos_id=eos)
         if not wins:
             raise NatslError(f"data {data!r} has no window of at least 2 tokens")
-        summary = evaluate_windows(em, wins, bucket)
+        summary = evaluate_windows(em, wins, bucket, progress=progress)
         summary.update(name=em.name, path=str(em.folder), train_seq_len=em.recipe.train.seq_len)
         train_lens.add(em.recipe.train.seq_len)
         results.append(summary)

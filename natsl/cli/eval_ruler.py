@@ -68,12 +68,20 @@ def eval_ruler(
         path = Path(essay_file)
         if not path.is_file():
             raise NatslError(f"--essay-file {essay_file!r} does not exist")
-        sentences = split_sentences(path.read_text(encoding="utf-8", errors="replace"))
+        try:
+            sentences = split_sentences(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as err:
+            raise NatslError(f"--essay-file {essay_file!r} is not UTF-8 text (byte {err.start}); convert it "
+                             "to UTF-8") from None
         if not sentences:
             raise NatslError(f"--essay-file {essay_file!r} holds no sentences")
         essay = EssaySentences(sentences=sentences)
     out_dir = prepare_out_dir(out)
     em = load_eval_model(checkpoint, device, dtype, backend)
+    limit = em.model.config.max_seq_len
+    too_long = [n for n in length_list if n > limit]
+    if too_long:
+        raise NatslError(f"--lengths: {too_long[0]} is beyond the model's max_seq_len {limit}; drop the longer lengths")
     summary, rows = run_ruler(em, task_list, length_list, samples, seed=seed, max_new_tokens=max_new_tokens, essay=essay)
     report = {"checkpoint": str(em.folder), "name": em.name, "seed": seed, "samples": samples,
               "max_new_tokens": max_new_tokens, "haystack_essay": essay_file or "generated",

@@ -91,6 +91,13 @@ def generate(
     config.validate()
     if batch_size < 1:
         raise NatslError(f"--batch-size must be at least 1, got {batch_size}")
+    if output:  # refused before generating, not after
+        out_path = Path(output)
+        if out_path.is_dir():
+            raise NatslError(f"--output {output} is a folder; give a file path")
+        blocker = next((p for p in out_path.parents if p.exists()), None)
+        if blocker is not None and not blocker.is_dir():
+            raise NatslError(f"--output {output}: {blocker} is a file, not a folder; give another path")
     torch_device = pick_device(device)
     torch_dtype = pick_dtype(dtype, torch_device)
     chosen_backend = pick_backend(backend, torch_device)

@@ -66,8 +66,9 @@ class TokenizeSettings:
         for name in ("shard_tokens", "commit_tokens", "batch_docs"):
             if getattr(self, name) < 1:
                 raise NatslError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.max_documents is not None and self.max_documents < 1:
-            raise NatslError(f"--max-documents must be at least 1, got {self.max_documents}")
+        for flag, value in (("--max-documents", self.max_documents), ("--tokenizer-train-docs", self.tokenizer_train_docs)):
+            if value is not None and value < 1:
+                raise NatslError(f"{flag} must be at least 1, got {value}")
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

@@ -53,8 +53,11 @@ def convert_checkpoint(src, out, dtype: torch.dtype | None = None) -> Path:
 
 
 def _check_target(out: Path, src: Path) -> None:
+    from natsl.checkpoint import check_replaceable
+
     if out.resolve() == Path(src).resolve():
         raise NatslError("the output folder is the source folder; pass another --out folder")
+    check_replaceable(out)  # writing replaces what is at `out`: never the user's other data
 
 
 # ----------------------------------------------------------------------------- Hugging Face import
@@ -114,6 +117,33 @@ def _get(config: dict, *names, default=None):
     return default
 
 
+def _bad(key: str, allowed: str, value) -> NatslError:
+    return NatslError(f"config.json key {key!r} must be {allowed}, got {value!r}; fix the checkpoint's config.json")
+
+
+# Checked readers of config values: a wrong value is named instead of a ValueError or ZeroDivisionError.
+def _int(key: str, value, minimum: int = 1) -> int:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # 6.0 from some JSON writers
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise _bad(key, f"an integer >= {minimum}", value)
+    return value
+
+
+def _number(key: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise _bad(key, "a finite number > 0", value)
+    return float(value)
+
+
+def _flag(key: str, value) -> bool:
+    if value is None:
+        return False  # the authors' code tests these for truth: null is false
+    if not isinstance(value, bool):  # bool("false") would be True
+        raise _bad(key, "true or false", value)
+    return value
+
+
 def hf_recipe(config: dict, tensors: dict[str, torch.Tensor], name: str):
     """The natsl Recipe that reproduces an authors' checkpoint, or a NatslError naming the setting
     natsl cannot represent."""
@@ -122,24 +152,26 @@ def hf_recipe(config: dict, tensors: dict[str, torch.Tensor], name: str):
     def refuse(what: str):
         raise NatslError(f"cannot import this checkpoint: {what}; natsl has no equivalent")
 
-    num_heads = int(config.get("num_heads", 6))
-    head_dim = int(config.get("head_dim", 256))
-    expand_v = float(config.get("expand_v", 2.0))
+    num_heads = _int("num_heads", config.get("num_heads", 6))
+    head_dim = _int("head_dim", config.get("head_dim", 256))
+    expand_v = _number("expand_v", config.get("expand_v", 2.0))
     head_v = int(round(head_dim * expand_v))
-    attn_heads = int(config.get("num_attn_heads", 12))
-    layers = int(_get(config, "num_hidden_layers", default=21))
-    gdn_layers = [int(i) for i in (config.get("gdn_layers") or [])]
+    attn_heads = _int("num_attn_heads", config.get("num_attn_heads", 12))
+    layers = _int("num_hidden_layers", _get(config, "num_hidden_layers", default=21))
+    gdn_layers = config.get("gdn_layers") or []
+    if not isinstance(gdn_layers, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in gdn_layers):
+        raise _bad("gdn_layers", "a list of layer indices", gdn_layers)
     if _get(config, "num_v_heads") not in (None, num_heads):
         refuse(f"num_v_heads = {config['num_v_heads']} differs from num_heads = {num_heads} (grouped value heads)")
-    if config.get("allow_neg_eigval", False):
+    if _flag("allow_neg_eigval", config.get("allow_neg_eigval", False)):
         refuse("allow_neg_eigval = true (beta in (0, 2))")
-    if not config.get("use_short_conv", True):
+    if not _flag("use_short_conv", config.get("use_short_conv", True)):
         refuse("use_short_conv = false")
-    if config.get("conv_bias", False):
+    if _flag("conv_bias", config.get("conv_bias", False)):
         refuse("conv_bias = true")
-    if not config.get("use_gate", True):
+    if not _flag("use_gate", config.get("use_gate", True)):
         refuse("use_gate = false (no output gate)")
-    if int(config.get("n_ops", 2)) != 2:
+    if _int("n_ops", config.get("n_ops", 2)) != 2:
         refuse(f"n_ops = {config['n_ops']} (natsl routes between exactly two memories)")
     if _get(config, "num_nats_head") not in (None, num_heads):
         refuse(f"num_nats_head = {config['num_nats_head']} differs from num_heads = {num_heads}")
@@ -153,37 +185,46 @@ def hf_recipe(config: dict, tensors: dict[str, torch.Tensor], name: str):
     if natsl_indices:
         first = f"model.layers.{natsl_indices[0]}.attn."
         has_qk_norm = f"{first}q_norm.weight" in tensors
-        if not has_qk_norm or not config.get("attn_qk_norm", has_qk_norm):
+        if not has_qk_norm or not _flag("attn_qk_norm", config.get("attn_qk_norm", has_qk_norm)):
             refuse("attn_qk_norm = false (the softmax branch without RMSNorm on q and k)")
-        if not config.get("attn_with_short_conv", False):
+        if not _flag("attn_with_short_conv", config.get("attn_with_short_conv", False)):
             refuse("attn_with_short_conv = false (the softmax branch reads the projections before the conv)")
     mlp = tensors.get("model.layers.0.mlp.gate_proj.weight")
-    intermediate = int(mlp.shape[0]) if mlp is not None else _get(config, "intermediate_size")
-    if intermediate is None:
+    if mlp is not None:
+        intermediate = int(mlp.shape[0])
+    elif _get(config, "intermediate_size") is not None:
+        intermediate = _int("intermediate_size", config["intermediate_size"])
+    else:
         raise NatslError("cannot tell the MLP width: no model.layers.0.mlp.gate_proj.weight and no intermediate_size")
     incomplete = config.get("ops_for_incomplete_chunks", "all")
-    intra = {"all": "both", "attn": "softmax", "gated_delta_net": "gdn"}.get(incomplete)
+    intra_of = {"all": "both", "attn": "softmax", "gated_delta_net": "gdn"}
+    intra = intra_of.get(incomplete) if isinstance(incomplete, str) else None  # a list is unhashable
     if intra is None:
         refuse(f"ops_for_incomplete_chunks = {incomplete!r}")
-    weighted = _get(config, "outputs_are_weighted", "outputs_are_wighted", default=True)
-    vocab = int(config.get("vocab_size", 32000))
+    weighted_key = "outputs_are_weighted" if _get(config, "outputs_are_weighted") is not None else "outputs_are_wighted"
+    weighted = _flag(weighted_key, config.get(weighted_key, True))  # the authors' configs misspell it
+    vocab = _int("vocab_size", config.get("vocab_size", 32000))
     emb = tensors.get("model.embeddings.weight")
     if emb is not None and emb.shape[0] != vocab:
         vocab = int(emb.shape[0])
     model = ModelConfig(
-        vocab_size=vocab, hidden_size=int(config.get("hidden_size", 2048)), intermediate_size=intermediate,
+        vocab_size=vocab, hidden_size=_int("hidden_size", config.get("hidden_size", 2048)),
+        intermediate_size=intermediate,
         num_layers=layers, base_layer="natsl", gdn_layers=gdn_layers, num_heads=num_heads, head_k_dim=head_dim,
-        head_v_dim=head_v, conv_size=int(config.get("conv_size", 4)), attn_num_heads=attn_heads,
+        head_v_dim=head_v, conv_size=_int("conv_size", config.get("conv_size", 4)), attn_num_heads=attn_heads,
         attn_head_dim=max(head_dim // (attn_heads // num_heads), 1),
-        rope_theta=float(_get(config, "attn_rope_theta", default=10000.0)),
-        softmax_heads_per_group=attn_heads // num_heads, block_size=int(config.get("nats_block_size", 64)),
-        natsl_rope=bool(config.get("attn_apply_pos_encoding", False)), intra_block_output=intra,
+        rope_theta=_number("attn_rope_theta", _get(config, "attn_rope_theta", default=10000.0)),
+        softmax_heads_per_group=attn_heads // num_heads,
+        block_size=_int("nats_block_size", config.get("nats_block_size", 64)),
+        natsl_rope=_flag("attn_apply_pos_encoding", config.get("attn_apply_pos_encoding", False)),
+        intra_block_output=intra,
         # The authors' layer defaults to decaying across skipped blocks; their newest model code does not
         # forward this key to the layer, their released configs set it true (docs/evaluation.md).
-        decay_skipped_blocks=bool(config.get("decay_for_non_gdn_blocks", True)),
+        decay_skipped_blocks=_flag("decay_for_non_gdn_blocks", config.get("decay_for_non_gdn_blocks", True)),
         branch_norm="separate", mix_input="q", mix_weights="softmax" if weighted else "none",
-        norm_eps=float(config.get("norm_eps", 1e-6)), init_std=float(config.get("initializer_range", 0.02)),
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)))
+        norm_eps=_number("norm_eps", config.get("norm_eps", 1e-6)),
+        init_std=_number("initializer_range", config.get("initializer_range", 0.02)),
+        tie_embeddings=_flag("tie_word_embeddings", config.get("tie_word_embeddings", False)))
     try:
         model.validate()
     except NatslError as err:

@@ -19,6 +19,9 @@ from natsl.errors import NatslError
 from natsl.inference.decode import DecodeRunner
 from natsl.inference.sampling import SamplingConfig, sample
 
+# Prompt tokens per prefill call on the CPU (see generate).
+CPU_PREFILL_CHUNK = 2048
+
 
 @dataclass
 class Completion:
@@ -100,9 +103,14 @@ def generate(model, tokenizer, prompts: list[list[int]], config: SamplingConfig,
 
     started = time.perf_counter()
     last = []
+    # On the CPU the PyTorch backends' prefill memory grows with the square of its length (a 20K-token
+    # prompt took the 23 GB machine down), so long prompts go in pieces; the cache makes that exact.
+    piece = CPU_PREFILL_CHUNK if device.type == "cpu" else max_seq_len
     for i, ids in enumerate(prompts):
         tokens = torch.tensor([ids], dtype=torch.long, device=device)
-        last.append(model.forward_cached(tokens, cache.slot(i), last_only=True)[:, -1])
+        for start in range(0, len(ids), piece):
+            out = model.forward_cached(tokens[:, start:start + piece], cache.slot(i), last_only=True)
+        last.append(out[:, -1])
     logits = torch.cat(last, dim=0)
     prefilled = time.perf_counter()
 

@@ -6,6 +6,7 @@ any device (the logits of one step are a few hundred kilobytes).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -26,8 +27,8 @@ class SamplingConfig:
     def validate(self) -> None:
         if self.max_new_tokens < 1:
             raise NatslError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise NatslError(f"--temperature must be 0 (greedy) or more, got {self.temperature}")
+        if not 0.0 <= self.temperature < math.inf:  # also refuses nan
+            raise NatslError(f"--temperature must be a finite number, 0 (greedy) or more, got {self.temperature}")
         if self.top_k < 0:
             raise NatslError(f"--top-k must be 0 (off) or more, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:

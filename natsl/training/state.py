@@ -7,18 +7,20 @@
         rng.safetensors         torch RNG states of every rank (uint8)
         trainer_state.json      step, tokens and samples seen (the data position), counters, optimizer
                                 hyper-parameters per group
-        manifest.json           written last: the size of every file above
+        manifest.json           written last: the size and SHA-256 of every file above
 
 Nothing is pickled. The folder is filled in a hidden temporary sibling and renamed into place
 (`natsl.checkpoint.atomic_folder`), so a crash leaves either the whole checkpoint or a
 `.step_*.tmp-*` folder that the next run reports and removes. On resume every file is checked
-against the manifest and loaded; a damaged checkpoint is reported in one line and skipped.
+against the manifest (size, then SHA-256: a same-size corruption too) and loaded; a damaged
+checkpoint is reported in one line and skipped. Weights holding a non-finite value are never written,
+so a diverged run cannot push its last good checkpoints out of keep-last-k.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-import os
 import re
 import shutil
 from dataclasses import dataclass
@@ -126,6 +128,11 @@ def save_checkpoint(out: Path, step: int, model_state: dict, optimizer_state: tu
     `model_state`: the full state dict; `optimizer_state`: `optimizer_to_tensors(...)`."""
     from safetensors.torch import save_file
 
+    bad = next((name for name, t in model_state.items() if t.is_floating_point() and not torch.isfinite(t).all()), None)
+    if bad is not None:
+        raise NatslError(f"step {step}: weight {bad} holds a non-finite value, so no checkpoint was written (the "
+                         "earlier ones are kept); lower optim.lr or resume from the last good checkpoint")
+
     def fill(tmp: Path) -> None:
         tensors, groups = optimizer_state
         save_file(tensors, str(tmp / OPTIMIZER_FILE), metadata={"format": "pt"})
@@ -135,23 +142,21 @@ def save_checkpoint(out: Path, step: int, model_state: dict, optimizer_state: tu
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=2), encoding="utf-8")
         write_model_files(tmp, model_state, recipe, tokenizer,
                           extra_config={"training": {k: trainer_state[k] for k in ("step", "tokens_seen")}})
-        sizes = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
-        (tmp / MANIFEST_FILE).write_text(json.dumps({"files": sizes}, indent=2), encoding="utf-8")
-        _usual_permissions(tmp)
+        files = [p for p in sorted(tmp.iterdir()) if p.is_file()]
+        manifest = {"files": {p.name: p.stat().st_size for p in files}, "sha256": {p.name: _sha256(p) for p in files}}
+        (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
 
     target = atomic_folder(step_folder(out, step), fill)
     prune(out, keep_last)
     return target
 
 
-def _usual_permissions(folder: Path) -> None:
-    """The temporary folder is private (mkdtemp: 0700) and so are some files; publish with the umask's modes."""
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(folder, 0o777 & ~mask)
-    for path in folder.iterdir():
-        if path.is_file():
-            os.chmod(path, 0o666 & ~mask)
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 24), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 @dataclass
@@ -179,7 +184,8 @@ def load_training_checkpoint(folder: Path) -> LoadedCheckpoint:
     try:
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
         sizes = manifest["files"]
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+        hashes = manifest.get("sha256", {})  # manifests before 2026-11-30 hold sizes only
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
         raise NatslError(f"{str(manifest_path)!r} is corrupt") from None
     for name, size in sizes.items():
         path = folder / name
@@ -187,6 +193,8 @@ def load_training_checkpoint(folder: Path) -> LoadedCheckpoint:
             raise NatslError(f"{str(folder)!r} is incomplete: {name} is missing")
         if path.stat().st_size != size:
             raise NatslError(f"{str(path)!r} is damaged: {path.stat().st_size} bytes, the manifest says {size}")
+        if name in hashes and _sha256(path) != hashes[name]:
+            raise NatslError(f"{str(path)!r} is damaged: its SHA-256 differs from the manifest's")
     for name in (OPTIMIZER_FILE, RNG_FILE, STATE_FILE, "model.safetensors"):
         if name not in sizes:
             raise NatslError(f"{str(folder)!r} is incomplete: the manifest lists no {name}")

@@ -211,6 +211,11 @@ class Trainer:
         for key in ("log_every", "eval_every", "save_every", "max_bad_steps"):
             if getattr(tc, key) < 1:
                 raise NatslError(f"recipe key 'train.{key}' must be at least 1, got {getattr(tc, key)}")
+        # Generation and the decode cache stop at max_seq_len: do not train a model on longer windows.
+        # (Checked here, not when a recipe loads: an inference checkpoint may carry a longer train section.)
+        if tc.seq_len > self.recipe.model.max_seq_len:
+            raise NatslError(f"recipe key 'train.seq_len' = {tc.seq_len} is more than model.max_seq_len = "
+                             f"{self.recipe.model.max_seq_len}; lower train.seq_len or raise model.max_seq_len")
 
     def choose_checkpoint(self) -> Optional[S.LoadedCheckpoint]:
         """Rank 0 picks (and loads) the checkpoint to continue from; the other ranks load the same one."""
@@ -231,6 +236,9 @@ class Trainer:
                             break
                         except NatslError as err:
                             self.log(f"skipping checkpoint {path.name}: {err}")
+                    if existing and chosen is None:  # starting over would prune them: refuse, lose nothing
+                        raise NatslError(f"every checkpoint in {str(out)!r} is damaged (newest: "
+                                         f"{existing[-1][1].name}); repair or remove them, or pass another --out")
                 else:
                     given = Path(resume)
                     inside = S.list_checkpoints(given.parent if given.name == S.CHECKPOINTS else given)
@@ -416,15 +424,23 @@ class Trainer:
         if self.sharded or self.info.is_main:
             model_state = D.full_tensors(self.model.state_dict())
             optimizer_state = S.optimizer_to_tensors(self.optimizer, self.names, gather=D.full_tensor)
+        error = None
         if self.info.is_main:
             tc = self.recipe.train
             trainer_state = {**self.state, "seq_len": tc.seq_len, "tokens_per_step": tc.tokens_per_step,
                              "micro_batch_size": tc.micro_batch_size, "world_size": self.info.world_size,
                              "seed": tc.seed, "data": str(self.data.folder),
                              "data_fingerprint": self.data.meta.get("fingerprint"), "natsl_version": __version__}
-            path = S.save_checkpoint(self.out, step, model_state, optimizer_state, self.recipe, self.tokenizer,
-                                     trainer_state, S.rng_tensors(rng), tc.keep_last)
-            self.metrics.plot(self.out / "metrics.png", title=f"{self.recipe.name} ({self.out})")
+            try:
+                path = S.save_checkpoint(self.out, step, model_state, optimizer_state, self.recipe, self.tokenizer,
+                                         trainer_state, S.rng_tensors(rng), tc.keep_last)
+            except NatslError as err:  # e.g. non-finite weights: every rank stops with the same message
+                error = str(err)
+            else:
+                self.metrics.plot(self.out / "metrics.png", title=f"{self.recipe.name} ({self.out})")
+        error = D.broadcast_object(error, self.info)
+        if error:
+            raise NatslError(error)
         D.barrier(self.info)
         return path
 

@@ -1,0 +1,179 @@
+"""Damaged or foreign checkpoints and bad Hugging Face configs give one-line errors (exit 2, no
+traceback); `natsl convert --force` never deletes what is not a natsl checkpoint; converted folders
+get the usual permissions."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+import natsl
+from natsl.checkpoint import save_model_folder
+from natsl.cli.main import app
+from natsl.errors import NatslError
+from natsl.eval.convert import HF_MODEL_TYPE, hf_recipe
+
+from cli_checks import assert_one_line_error
+
+
+def run(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """A tiny NAtS-L Hybrid model folder as natsl writes it (random weights, no tokenizer)."""
+    recipe = natsl.load_recipe("tiny_hybrid")
+    torch.manual_seed(0)
+    return save_model_folder(tmp_path_factory.mktemp("ckpt") / "tiny", natsl.build_model(recipe), recipe)
+
+
+def variant(ckpt, folder, config=None, tensors=None):
+    """A copy of `ckpt` with `config(dict)` / `tensors(dict)` applied in place."""
+    shutil.copytree(ckpt, folder)
+    if config:
+        data = json.loads((folder / "config.json").read_text())
+        config(data)
+        (folder / "config.json").write_text(json.dumps(data))
+    if tensors:
+        state = load_file(str(folder / "model.safetensors"))
+        tensors(state)
+        save_file(state, str(folder / "model.safetensors"))
+    return folder
+
+
+# ----------------------------------------------------------------------------- config.json without a full recipe
+
+@pytest.mark.parametrize("edit", [lambda d: d.pop("recipe"), lambda d: d.update(recipe=None),
+                                  lambda d: d["recipe"].pop("model")], ids=["absent", "null", "no-model"])
+def test_config_without_recipe(ckpt, tmp_path, edit):
+    bad = variant(ckpt, tmp_path / "bad", config=edit)
+    with pytest.raises(NatslError, match="no recipe with a model section"):
+        natsl.load_checkpoint(bad)
+    assert_one_line_error(run("convert", bad, tmp_path / "out"), "no recipe")
+    assert_one_line_error(run("bench-latency", "--checkpoint", bad, "--device", "cpu", "--out", tmp_path / "b"),
+                          "no recipe")
+    assert_one_line_error(run("eval-ruler", bad, "--device", "cpu", "--out", tmp_path / "r"), "no recipe")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("keys", [["hidden_size"], ["natsl_rope"], ["block_size", "natsl_rope"]])
+def test_incomplete_model_section(ckpt, tmp_path, keys):
+    """A missing shape key would end in a size mismatch; a missing non-shape key (natsl_rope) would
+    load silently with its default: another model."""
+    bad = variant(ckpt, tmp_path / "bad", config=lambda d: [d["recipe"]["model"].pop(k) for k in keys])
+    assert_one_line_error(run("convert", bad, tmp_path / "out"), f"lacks {', '.join(keys)}", "config.json")
+
+
+# ----------------------------------------------------------------------------- weights that do not fit the config
+
+def test_wrong_shaped_weights(ckpt, tmp_path):
+    name = "layers.1.mixer.proj.q_proj.weight"
+
+    def widen(state):
+        state[name] = torch.zeros(state[name].shape[0] + 2, state[name].shape[1])
+
+    bad = variant(ckpt, tmp_path / "bad", tensors=widen)
+    assert_one_line_error(run("convert", bad, tmp_path / "out"), name, "shape (66, 64)", "needs (64, 64)")
+
+
+def test_missing_and_unexpected_tensors(ckpt, tmp_path):
+    gone = variant(ckpt, tmp_path / "gone", tensors=lambda s: s.pop("norm.weight"))
+    with pytest.raises(NatslError, match=r"lacks tensor norm.weight \(the config needs shape \(64,\)\)"):
+        natsl.load_checkpoint(gone)
+    extra = variant(ckpt, tmp_path / "extra", tensors=lambda s: s.update(mystery=torch.zeros(3)))
+    with pytest.raises(NatslError, match="has tensor mystery that the config's model does not have"):
+        natsl.load_checkpoint(extra)
+
+
+def test_vocab_size_not_matching_the_weights(ckpt, tmp_path):
+    bad = variant(ckpt, tmp_path / "bad", config=lambda d: d["recipe"]["model"].update(vocab_size=1000))
+    assert_one_line_error(run("convert", bad, tmp_path / "out"), "embed.weight", "(1024, 64)", "(1000, 64)")
+
+
+# ----------------------------------------------------------------------------- --from-hf with bad config values
+
+HF_BASE = {"model_type": HF_MODEL_TYPE, "num_heads": 2, "head_dim": 32, "expand_v": 2.0, "num_attn_heads": 4,
+           "num_hidden_layers": 4, "gdn_layers": [0, 2], "attn_qk_norm": True, "attn_with_short_conv": True,
+           "hidden_size": 64, "vocab_size": 1024, "nats_block_size": 64}
+HF_TENSORS = {"model.layers.1.attn.q_norm.weight": torch.zeros(16),
+              "model.layers.0.mlp.gate_proj.weight": torch.zeros(192, 64)}
+
+
+def test_hf_base_config_is_accepted():
+    assert hf_recipe(HF_BASE, HF_TENSORS, "base").model.num_heads == 2  # the cases below change one key each
+
+
+@pytest.mark.parametrize("key, value", [("num_heads", "abc"), ("num_heads", 0), ("gdn_layers", ["x"]),
+                                        ("gdn_layers", "0"), ("hidden_size", "64x"), ("num_hidden_layers", 2.5),
+                                        ("expand_v", 0), ("norm_eps", "tiny"), ("use_gate", "false"),
+                                        ("ops_for_incomplete_chunks", ["all"])])
+def test_hf_config_bad_values(key, value):
+    with pytest.raises(NatslError, match=key) as err:
+        hf_recipe({**HF_BASE, key: value}, HF_TENSORS, "bad")
+    assert "\n" not in str(err.value)
+
+
+def test_hf_config_bad_value_through_the_cli(tmp_path):
+    src = tmp_path / "hf"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({**HF_BASE, "num_heads": "abc"}))
+    save_file(HF_TENSORS, str(src / "model.safetensors"))
+    assert_one_line_error(run("convert", src, tmp_path / "out", "--from-hf"), "'num_heads'", "'abc'")
+    (src / "config.json").write_text(json.dumps({**HF_BASE, "num_heads": 0}))
+    assert_one_line_error(run("convert", src, tmp_path / "out", "--from-hf"), "'num_heads'")
+
+
+# ----------------------------------------------------------------------------- --force and permissions
+
+def test_force_refuses_what_is_not_a_checkpoint(ckpt, tmp_path):
+    unrelated = tmp_path / "notes"
+    unrelated.mkdir()
+    (unrelated / "notes.txt").write_text("keep me")
+    assert_one_line_error(run("convert", ckpt, unrelated, "--force"), "not a natsl checkpoint folder", "notes.txt")
+    assert (unrelated / "notes.txt").read_text() == "keep me"
+
+    plain = tmp_path / "plain.txt"
+    plain.write_text("keep me too")
+    assert_one_line_error(run("convert", ckpt, plain, "--force"), "not a natsl checkpoint folder")
+    assert plain.read_text() == "keep me too"
+
+    # A checkpoint folder with one extra file of the user's, and a Hugging Face folder, are not ours either.
+    mixed = variant(ckpt, tmp_path / "mixed")
+    (mixed / "notes.txt").write_text("mine")
+    assert_one_line_error(run("convert", ckpt, mixed, "--force"), "notes.txt")
+    assert (mixed / "notes.txt").exists()
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    save_file({"x": torch.zeros(1)}, str(hf / "model.safetensors"))
+    assert_one_line_error(run("convert", ckpt, hf, "--force"), "not a natsl config")
+    assert json.loads((hf / "config.json").read_text()) == {"model_type": "llama"}
+
+
+def test_force_replaces_a_previous_convert_output_or_an_empty_folder(ckpt, tmp_path):
+    out = tmp_path / "out"
+    assert run("convert", ckpt, out).exit_code == 0
+    result = run("convert", ckpt, out, "--force", "--dtype", "bf16")
+    assert result.exit_code == 0, result.output
+    assert all(t.dtype == torch.bfloat16 for t in load_file(str(out / "model.safetensors")).values())
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert run("convert", ckpt, empty, "--force").exit_code == 0
+    assert (empty / "model.safetensors").is_file()
+
+
+def test_converted_folder_has_the_usual_permissions(ckpt, tmp_path):
+    old = os.umask(0o022)
+    try:
+        assert run("convert", ckpt, tmp_path / "out").exit_code == 0
+    finally:
+        os.umask(old)
+    out = tmp_path / "out"
+    assert out.stat().st_mode & 0o777 == 0o755
+    for path in out.iterdir():
+        assert path.stat().st_mode & 0o777 == 0o644, path.name
