@@ -258,10 +258,15 @@ def gpu_model(layout, dtype=torch.float32, **changes):
     return tiny_model("fast", dtype, **{**LAYOUTS[layout], "block_size": 64, **changes}).cuda()
 
 
-@pytest.mark.parametrize("layout", ["natsl_hybrid", "natsl", "transformer", "gdn"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_fast_prefill_and_decode_equal_the_full_forward(layout):
+    """Every system on the fast backend in float32. The bound is 1e-2, not the CPU tests' 1e-4: the
+    fast GDN kernels multiply fp32 operands on the tensor cores in TF32 (10 mantissa bits;
+    natsl/fast/gated_delta), so the prefill's chunked products and the decode's steps round
+    differently. The 1e-4 contract is held by the PyTorch backends and the fused decode kernels in
+    the interpreter (test_prefill_and_decode_equal_the_full_forward, test_fused_inference_kernels_*)."""
     model = gpu_model(layout)
     ids = torch.randint(0, 1024, (2, 300), generator=torch.Generator().manual_seed(7)).cuda()
     with torch.no_grad():
