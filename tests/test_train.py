@@ -265,6 +265,16 @@ def test_trains_on_a_tokenized_folder(tmp_path, cache_env):
     result = natsl_inproc(["train", *TINY, f"data.path={tmp_path / 'tok'}", "model.vocab_size=300",
                            "--out", str(tmp_path / "run2")], cache_env)
     assert result.exit_code == 2 and "set model.vocab_size to at least 400" in result.stderr
+    result = natsl_inproc(["tokenize", str(tmp_path / "docs.txt"), "--out", str(tmp_path / "tok0"), "--txt-docs",
+                           "line", "--tokenizer", str(tmp_path / "tok"), "--val-fraction", "0", "--no-progress"],
+                          cache_env)
+    assert result.exit_code == 0, result.stderr
+    result = natsl_inproc(["train", *TINY, f"data.path={tmp_path / 'tok0'}", "model.vocab_size=400",
+                           "train.eval_every=1", "--max-steps", "2", "--out", str(tmp_path / "run3")], cache_env)
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.count("no validation: the validation split") == 1 and "validation loss" not in result.stdout
+    result = natsl_inproc(["train", *TINY, "model.vocab_size=10", "--out", str(tmp_path / "run4")], cache_env)
+    assert result.exit_code == 2 and "'model.vocab_size' = 10 is too small for the embedded corpus" in result.stderr
 
 
 def test_schedule_and_weight_decay_groups():

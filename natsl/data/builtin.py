@@ -27,6 +27,7 @@ from pathlib import Path
 
 from natsl.data.sources import MemorySource
 from natsl.data.tokenize import META, TokenizeSettings, tokenize_corpus
+from natsl.errors import NatslError
 
 CORPUS_VERSION = 1
 MAX_BYTES = 4_000_000
@@ -126,6 +127,9 @@ def file_lock(path: Path):
 
 def builtin_data(vocab_size: int, tokenizer: str | None = None, progress: bool = True, log=print) -> Path:
     """The cached, tokenized embedded corpus for a model of `vocab_size` (built on first use)."""
+    if tokenizer is None and vocab_size < 258:  # the BPE needs 256 bytes + EOS + 1
+        raise NatslError(f"recipe key 'model.vocab_size' = {vocab_size} is too small for the embedded corpus's "
+                         "BPE tokenizer; use at least 258")
     docs, info = builtin_documents()
     key_data = {"corpus": info["sha256"], "vocab_size": vocab_size, "val_fraction": VAL_FRACTION}
     if tokenizer is not None:

@@ -293,6 +293,9 @@ class Trainer:
         self.sampler = WindowSampler(data.split("train"), r.train.seq_len, r.train.seed)
         self.val_stream = data.split("validation")
         self.val_windows = eval_windows(self.val_stream, r.train.seq_len, r.train.eval_tokens)
+        if self.val_windows == 0:  # said once, not silently skipped at every eval_every
+            self.log(f"no validation: the validation split of {str(data.folder)!r} holds fewer than train.seq_len + 1 "
+                     f"= {r.train.seq_len + 1} tokens (tokenize with a larger --val-fraction to get one)")
 
     def build(self, ckpt: Optional[S.LoadedCheckpoint]) -> None:
         from natsl.cli.common import pick_backend
