@@ -155,6 +155,9 @@ def read_config(folder: Path) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise NatslError(f"{str(path)!r} is corrupt (not JSON); use another checkpoint") from None
     if not isinstance(config, dict) or config.get("format") != FORMAT:
+        if isinstance(config, dict) and "recipe" in config:  # ours, with its format field damaged
+            raise NatslError(f"{str(path)!r} has format {config.get('format')!r}, not {FORMAT!r}: the file is "
+                             "damaged; use another checkpoint")
         kind = config.get("model_type") if isinstance(config, dict) else None
         hint = (f" (model type {kind!r}: import it with `natsl convert --from-hf`)" if kind else "")
         raise NatslError(f"{str(folder)!r} holds a checkpoint of another model type{hint}; natsl reads folders "

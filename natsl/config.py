@@ -309,6 +309,9 @@ def load_recipe(path: str | Path) -> Recipe:
     path = Path(path)
     if not path.is_file() and path.suffix == "" and (RECIPES_DIR / f"{path}.yaml").is_file():
         path = RECIPES_DIR / f"{path}.yaml"  # a bare name such as `800m_hybrid`
+    if path.is_dir():
+        raise NatslError(f"recipe {str(path)!r} is a folder; pass a recipe file such as recipes/tiny_hybrid.yaml "
+                         "(to continue a run, pass its recipe and --out FOLDER)")
     if not path.is_file():
         raise NatslError(f"recipe file {str(path)!r} does not exist; pass a path such as recipes/tiny_hybrid.yaml "
                          f"or a name from {RECIPES_DIR}")

@@ -42,3 +42,8 @@ def test_bad_folders_are_refused(tmp_path):
     (tmp_path / "m" / "model.safetensors").write_bytes(b"garbage")
     with pytest.raises(NatslError, match="corrupt"):
         natsl.load_checkpoint(tmp_path / "m")
+    config_path = tmp_path / "m" / "config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "format": "natsk"}))  # ours, one field damaged
+    with pytest.raises(NatslError, match="has format 'natsk', not 'natsl': the file is damaged"):
+        natsl.load_checkpoint(tmp_path / "m")

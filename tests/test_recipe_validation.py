@@ -103,6 +103,11 @@ def test_an_empty_recipe_file_is_refused(tmp_path, text):
         natsl.load_recipe(path)
 
 
+def test_a_folder_given_as_the_recipe_is_named_as_a_folder(tmp_path):
+    with pytest.raises(NatslError, match="is a folder; pass a recipe file"):
+        natsl.load_recipe(tmp_path)
+
+
 def test_train_on_an_empty_recipe_exits_2_without_a_traceback(tmp_path):
     path = tmp_path / "empty.yaml"
     path.write_text("")
