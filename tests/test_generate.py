@@ -192,3 +192,12 @@ def test_a_prompt_prefilled_in_pieces_continues_as_in_one_call(checkpoint, monke
     whole = generate(checkpoint, *args)
     monkeypatch.setattr(gen, "CPU_PREFILL_CHUNK", 7)
     assert generate(checkpoint, *args) == whole
+
+
+def test_bench_latency_below_1024_needs_no_min_len(tmp_path):
+    """--min-len defaults to 1024, or to --max-len when that is shorter (a CPU smoke run)."""
+    result = run("bench-latency", "--recipe", RECIPES / "tiny_hybrid.yaml", "--max-len", "64", "--device", "cpu",
+                 "--decode-tokens", "2", "--repeats", "1", "--out", tmp_path, "--no-progress")
+    assert result.exit_code == 0, result.output + result.stderr
+    (model,) = json.loads((tmp_path / "latency.json").read_text())["models"]
+    assert [p["context"] for p in model["points"]] == [64]

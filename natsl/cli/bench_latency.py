@@ -15,7 +15,8 @@ from natsl.errors import NatslError
 def bench_latency(
     recipe: Optional[List[str]] = typer.Option(None, help="Recipe to measure with random weights (repeatable)."),
     checkpoint: Optional[List[str]] = typer.Option(None, help="Checkpoint folder to measure, trained router (repeatable)."),
-    min_len: int = typer.Option(1024, help="Shortest context; the lengths double from here."),
+    min_len: Optional[int] = typer.Option(None, help="Shortest context; the lengths double from here "
+                                                     "(default: 1024, or --max-len when that is shorter)."),
     max_len: int = typer.Option(131072, help="Longest context (the paper goes to 131072)."),
     keep_fraction: float = typer.Option(0.5, help="Fraction of blocks kept by the NAtS-L layers of recipe models "
                                                   "(their router is untrained; forced by a seeded random mask)."),
@@ -40,6 +41,8 @@ def bench_latency(
     from natsl.config import recipe_from_dict
     from natsl.inference import bench
 
+    if min_len is None:
+        min_len = min(1024, max_len)
     if min_len < 1 or max_len < min_len:
         raise NatslError(f"need 1 <= --min-len <= --max-len, got {min_len} and {max_len}")
     if not 0.0 <= keep_fraction <= 1.0:
