@@ -275,6 +275,9 @@ def test_trains_on_a_tokenized_folder(tmp_path, cache_env):
     assert result.stdout.count("no validation: the validation split") == 1 and "validation loss" not in result.stdout
     result = natsl_inproc(["train", *TINY, "model.vocab_size=10", "--out", str(tmp_path / "run4")], cache_env)
     assert result.exit_code == 2 and "'model.vocab_size' = 10 is too small for the embedded corpus" in result.stderr
+    result = natsl_inproc(["train", *TINY, "data.path=/no/such/folder", "--out", str(tmp_path / "run5")], cache_env)
+    assert result.exit_code == 2 and "does not exist" in result.stderr
+    assert not (tmp_path / "run4").exists() and not (tmp_path / "run5").exists()  # bad input leaves no folder
 
 
 def test_schedule_and_weight_decay_groups():

@@ -140,13 +140,24 @@ def run_lock(out: Path, enabled: bool):
         return
     import fcntl
 
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / ".train.lock", "a+") as fh:
-        try:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise NatslError(f"another `natsl train` is writing to {str(out)!r}; wait for it or pass another --out") from None
-        yield
+    lock = out / ".train.lock"
+    try:
+        with open(lock, "a+") as fh:
+            try:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise NatslError(f"another `natsl train` is writing to {str(out)!r}; wait for it or pass another "
+                                 "--out") from None
+            yield
+    except NatslError:
+        # Bad input found after the lock (the data, a --resume checkpoint): leave no trace of a folder
+        # this run made and wrote nothing else into.
+        if created and [p.name for p in out.iterdir()] == [lock.name]:
+            lock.unlink()
+            out.rmdir()
+        raise
 
 
 class HiddenStates(torch.nn.Module):
