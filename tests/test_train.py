@@ -91,6 +91,11 @@ def test_quick_start_loss_falls(base_run):
     assert set(steps[0]["keep"]) == {"1", "3"} and all(0.0 <= v <= 1.0 for v in steps[0]["keep"].values())
     assert all(r["lr"] > 0 and r["grad_norm"] > 0 and r["tokens_per_s"] > 0 and r["mfu"] is None for r in steps)
     assert (out / "metrics.png").stat().st_size > 1000
+    umask = os.umask(0)
+    os.umask(umask)
+    step = out / "checkpoints" / "step_000050"  # published with the umask's modes, not mkdtemp's 0700
+    assert step.stat().st_mode & 0o777 == 0o777 & ~umask
+    assert all(p.stat().st_mode & 0o777 == 0o666 & ~umask for p in step.iterdir())
     model, tok = natsl.load_checkpoint(out)  # the step folder is a model folder too
     model.set_backend("chunked")
     with torch.no_grad():
