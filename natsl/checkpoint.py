@@ -162,7 +162,6 @@ def read_config(folder: Path) -> dict:
         hint = (f" (model type {kind!r}: import it with `natsl convert --from-hf`)" if kind else "")
         raise NatslError(f"{str(folder)!r} holds a checkpoint of another model type{hint}; natsl reads folders "
                          "written by `natsl train` or `natsl convert`")
-    checkpoint_recipe(folder, config)  # every reader (bench-latency, resume) gets a one-line error
     return config
 
 

@@ -36,9 +36,8 @@ def bench_latency(
 ) -> None:
     """Measure latency for recipes (default: the 800M NAtS-L Hybrid, Transformer and GDN) or checkpoints."""
     import natsl
-    from natsl.checkpoint import read_config, resolve_checkpoint_folder
+    from natsl.checkpoint import checkpoint_recipe, read_config, resolve_checkpoint_folder
     from natsl.cli.common import pick_backend, pick_device, pick_dtype
-    from natsl.config import recipe_from_dict
     from natsl.inference import bench
 
     if min_len is None:
@@ -64,7 +63,8 @@ def bench_latency(
         limits.append((path, natsl.load_recipe(path).model.max_seq_len))  # validates the recipe now
         specs.append(bench.BenchModel("recipe", path, keep_fraction))
     for path in checkpoint or []:
-        config = recipe_from_dict(read_config(resolve_checkpoint_folder(path))["recipe"])
+        folder = resolve_checkpoint_folder(path)
+        config = checkpoint_recipe(folder, read_config(folder))
         limits.append((path, config.model.max_seq_len))
         specs.append(bench.BenchModel("checkpoint", path, keep_fraction if force_keep else None))
     for path, limit in limits:

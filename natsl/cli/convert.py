@@ -25,7 +25,6 @@ def convert(
 
     import torch
 
-    from natsl.checkpoint import check_replaceable
     from natsl.cli.common import DTYPES
     from natsl.errors import NatslError
     from natsl.eval.convert import convert_checkpoint, import_hf
@@ -33,7 +32,6 @@ def convert(
     target = Path(out)
     if target.exists() and not force:
         raise NatslError(f"{out!r} exists; pass --force to replace it or choose another folder")
-    check_replaceable(target)  # even with --force: only a checkpoint folder or an empty one, before any work
     if dtype is not None and dtype not in DTYPES:
         raise NatslError(f"unknown dtype {dtype!r}: use one of fp32, bf16, fp16")
     chosen = DTYPES[dtype] if dtype else None

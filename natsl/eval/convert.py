@@ -41,6 +41,7 @@ def convert_checkpoint(src, out, dtype: torch.dtype | None = None) -> Path:
     from natsl.checkpoint import atomic_folder, load_checkpoint, read_config, resolve_checkpoint_folder, write_model_files
 
     folder = resolve_checkpoint_folder(src)
+    _check_target(Path(out), folder)  # before any loading
     model, tokenizer = load_checkpoint(folder)
     dtype = dtype or stored_dtype(folder) or torch.float32
     recipe = model.recipe
@@ -48,7 +49,6 @@ def convert_checkpoint(src, out, dtype: torch.dtype | None = None) -> Path:
     training = read_config(folder).get("training")
     if training is not None:  # step and tokens seen of a `natsl train` checkpoint
         extra["training"] = training
-    _check_target(Path(out), folder)
     return atomic_folder(Path(out), lambda tmp: write_model_files(tmp, model, recipe, tokenizer, dtype, extra_config=extra))
 
 
@@ -316,6 +316,7 @@ def import_hf(src, out, dtype: torch.dtype | None = None, tokenizer_path=None) -
     folder = Path(src)
     if not folder.is_dir():
         raise NatslError(f"{str(folder)!r} is not a folder; pass the folder of a Hugging Face checkpoint")
+    _check_target(Path(out), folder)  # before any loading
     config = read_hf_config(folder)
     tensors = read_hf_tensors(folder)
     recipe = hf_recipe(config, tensors, name=f"hf-{folder.resolve().name}")
@@ -331,5 +332,4 @@ def import_hf(src, out, dtype: torch.dtype | None = None, tokenizer_path=None) -
     tokenizer = Tokenizer.from_file(tok_file) if (tokenizer_path or tok_file.is_file()) else None
     extra = {"converted_from": str(folder.resolve()), "source_model_type": HF_MODEL_TYPE,
              "dtype": DTYPE_NAMES.get(dtype, str(dtype))}
-    _check_target(Path(out), folder)
     return atomic_folder(Path(out), lambda tmp: write_model_files(tmp, model, recipe, tokenizer, dtype, extra_config=extra))

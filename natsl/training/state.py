@@ -28,8 +28,7 @@ from pathlib import Path
 
 import torch
 
-from natsl.checkpoint import atomic_folder, read_config, write_model_files
-from natsl.config import recipe_from_dict
+from natsl.checkpoint import atomic_folder, checkpoint_recipe, read_config, write_model_files
 from natsl.errors import NatslError
 from natsl.training.faults import fault_point
 
@@ -198,11 +197,7 @@ def load_training_checkpoint(folder: Path) -> LoadedCheckpoint:
     for name in (OPTIMIZER_FILE, RNG_FILE, STATE_FILE, "model.safetensors"):
         if name not in sizes:
             raise NatslError(f"{str(folder)!r} is incomplete: the manifest lists no {name}")
-    config = read_config(folder)
-    try:
-        recipe = recipe_from_dict(config["recipe"])
-    except (NatslError, KeyError) as err:
-        raise NatslError(f"{str(folder / 'config.json')!r} holds no valid recipe ({err})") from None
+    recipe = checkpoint_recipe(folder, read_config(folder))  # resuming compares its model with the new recipe's
     try:
         state = json.loads((folder / STATE_FILE).read_text(encoding="utf-8"))
         for key in ("step", "tokens_seen", "samples_seen", "optimizer_groups"):

@@ -204,6 +204,9 @@ class Trainer:
 
     def plan(self) -> None:
         tc = self.recipe.train
+        # A recipe built in Python (dataclasses.replace) has not met the loader's rules.
+        tc.validate()
+        self.recipe.optim.validate()
         world = self.info.world_size
         micro_tokens = tc.micro_batch_size * tc.seq_len
         if tc.tokens_per_step % (micro_tokens * world):
@@ -219,9 +222,6 @@ class Trainer:
         if max_steps is not None and max_steps < 1:
             raise NatslError(f"--max-steps must be at least 1, got {max_steps}")
         self.end_step = min(self.total_steps, max_steps) if max_steps is not None else self.total_steps
-        for key in ("log_every", "eval_every", "save_every", "max_bad_steps"):
-            if getattr(tc, key) < 1:
-                raise NatslError(f"recipe key 'train.{key}' must be at least 1, got {getattr(tc, key)}")
         # Generation and the decode cache stop at max_seq_len: do not train a model on longer windows.
         # (Checked here, not when a recipe loads: an inference checkpoint may carry a longer train section.)
         if tc.seq_len > self.recipe.model.max_seq_len:
