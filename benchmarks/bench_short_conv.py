@@ -5,8 +5,10 @@
 Medians of triton.testing.do_bench, bf16, at an 800M training micro-batch [4, 4096, C] for the GDN
 layer's q/k (C = 1152) and v (2304) widths: the op's forward and its backward launcher
 (natsl.fast.short_conv.backward, called directly: no autograd) for a few tile settings (the fastest
-is the one to keep in natsl/fast/short_conv.py); and torch.compile(natsl.models.pointwise.conv_silu)
-as the model ran it before the op, forward and forward+backward through autograd. GB/s counts the
+is the one to keep in natsl/fast/short_conv.py), the "held" form over tiles, spans and program
+orders with x contiguous and as a column slice of a wider tensor (as the model hands it over); and,
+with --with-compiled, torch.compile(natsl.models.pointwise.conv_silu) as the model ran it before the
+op, forward and forward+backward through autograd. GB/s counts the
 bytes a pass must move: forward x read and y written; backward dy and x read, dx written (the
 weight and its gradient are negligible).
 
@@ -26,14 +28,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 FORWARD_TILES = ((32, 128), (64, 128), (32, 64))
 # (time, channels, warps, BACKWARD_FORM, dL/d pre-activation stored in fp32 by "two_pass")
-BACKWARD_TILES = ((64, 64, 4, "two_pass", True), (64, 64, 4, "two_pass", False), (64, 64, 4, "recompute", True),
-                  (64, 16, 2, "held", True), (32, 32, 2, "held", True), (128, 16, 4, "held", True),
-                  (64, 32, 4, "held", True), (32, 64, 4, "held", True))
+BACKWARD_TILES = ((64, 64, 4, "two_pass", True), (64, 64, 4, "two_pass", False), (64, 64, 4, "recompute", True))
+# "held": (time, channels, warps, HELD_SPAN_TILES, HELD_CHANNELS_FASTEST); the first is the seventh
+# session's default (one tile per program, batch row fastest).
+HELD_SETTINGS = ((64, 16, 2, 1, False), (64, 16, 2, 1, True), (32, 32, 2, 1, True), (16, 64, 2, 1, True),
+                 (32, 64, 4, 1, True), (16, 128, 4, 1, True), (64, 16, 2, 8, True), (32, 32, 2, 8, True),
+                 (16, 64, 2, 8, True), (16, 128, 4, 8, True), (8, 128, 2, 16, True), (16, 64, 2, 32, True))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="bench_short_conv.json")
+    parser.add_argument("--with-compiled", action="store_true",
+                        help="also time the formula compiled by Inductor (a minute of compiling)")
     args = parser.parse_args()
     import torch
     from triton.testing import do_bench
@@ -49,7 +56,7 @@ def main() -> None:
         print(f"C={C:5d} {variant:34s} {ms:8.3f} ms {nbytes / ms / 1e6:7.0f} GB/s", flush=True)
 
     B, T = 4, 4096
-    compiled = torch.compile(pw.conv_silu.eager, dynamic=False)
+    compiled = torch.compile(pw.conv_silu.eager, dynamic=False) if args.with_compiled else None
     for C in (1152, 2304):
         x = torch.randn(B, T, C, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         w = (0.5 * torch.randn(C, 1, 4, device="cuda")).requires_grad_()
@@ -63,21 +70,33 @@ def main() -> None:
                 torch.autograd.grad(y, (x, w), dy)
             return run
 
-        with torch.no_grad():
-            record(C, "compiled formula fwd", do_bench(lambda: compiled(x, zeros, w)), fwd_bytes)
-        record(C, "compiled formula fwd+bwd", do_bench(fwd_bwd(lambda: compiled(x, zeros, w))), step_bytes)
+        if compiled is not None:
+            with torch.no_grad():
+                record(C, "compiled formula fwd", do_bench(lambda: compiled(x, zeros, w)), fwd_bytes)
+            record(C, "compiled formula fwd+bwd", do_bench(fwd_bwd(lambda: compiled(x, zeros, w))), step_bytes)
         for tile in FORWARD_TILES:
             sc.FORWARD_TILE = tile
             with torch.no_grad():
                 record(C, f"op fwd tile {tile}", do_bench(lambda: sc.short_conv_silu(x, w)), fwd_bytes)
         sc.FORWARD_TILE = FORWARD_TILES[0]
         default = dict(sc.BACKWARD_TILES), sc.BACKWARD_FORM, sc.BACKWARD_DPRE_FP32
+        held_default = sc.HELD_SPAN_TILES, sc.HELD_CHANNELS_FASTEST
         for *tile, form, dpre_fp32 in BACKWARD_TILES:
             sc.BACKWARD_TILES[form], sc.BACKWARD_FORM, sc.BACKWARD_DPRE_FP32 = tuple(tile), form, dpre_fp32
             label = form + ((" fp32" if dpre_fp32 else " bf16") if form == "two_pass" else "")
             record(C, f"op bwd {tuple(tile)} {label}",
                    do_bench(lambda: sc.backward(x.detach(), w.detach(), None, dy)), bwd_bytes)
+        # x as the model hands it over too: a column slice of a wider projection output.
+        wide = torch.randn(B, T, 2 * C, device="cuda", dtype=torch.bfloat16)
+        for layout, xin in (("", x.detach()), (" strided x", wide[..., :C])):
+            for bt, bc, warps, span, channels_fastest in HELD_SETTINGS:
+                sc.BACKWARD_TILES["held"], sc.BACKWARD_FORM = (bt, bc, warps), "held"
+                sc.HELD_SPAN_TILES, sc.HELD_CHANNELS_FASTEST = span, channels_fastest
+                label = f"held {(bt, bc, warps)} span {span} {'c-first' if channels_fastest else 'b-first'}"
+                record(C, f"op bwd {label}{layout}", do_bench(lambda: sc.backward(xin, w.detach(), None, dy)),
+                       bwd_bytes)
         sc.BACKWARD_TILES, sc.BACKWARD_FORM, sc.BACKWARD_DPRE_FP32 = default
+        sc.HELD_SPAN_TILES, sc.HELD_CHANNELS_FASTEST = held_default
     with open(args.out, "w") as fh:
         json.dump({"provenance": provenance(), "B": B, "T": T, "rows": rows}, fh, indent=1)
     print(f"wrote {args.out}")

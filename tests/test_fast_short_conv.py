@@ -43,15 +43,19 @@ def oracle(x, weight, tail, dy):
     return y.detach(), x64.grad, w64.grad
 
 
-# (natsl.fast.short_conv.BACKWARD_FORM, dL/d pre-activation stored in fp32) for every backward form.
-BACKWARD_FORMS = {"two passes": ("two_pass", True), "two passes, dpre in x's dtype": ("two_pass", False),
-                  "recompute": ("recompute", True), "held": ("held", True)}
+# (natsl.fast.short_conv.BACKWARD_FORM, dL/d pre-activation stored in fp32, HELD_SPAN_TILES,
+# HELD_CHANNELS_FASTEST) for every backward form and both "held" program layouts.
+BACKWARD_FORMS = {"two passes": ("two_pass", True, 1, True), "two passes, dpre in x's dtype": ("two_pass", False, 1, True),
+                  "recompute": ("recompute", True, 1, True), "held": ("held", True, 1, True),
+                  "held, 3-tile spans, batch row fastest": ("held", True, 3, False)}
 
 
 def use_backward_form(monkeypatch, form):
-    name, dpre_fp32 = BACKWARD_FORMS[form]
+    name, dpre_fp32, span_tiles, channels_fastest = BACKWARD_FORMS[form]
     monkeypatch.setattr(sc, "BACKWARD_FORM", name)
     monkeypatch.setattr(sc, "BACKWARD_DPRE_FP32", dpre_fp32)
+    monkeypatch.setattr(sc, "HELD_SPAN_TILES", span_tiles)
+    monkeypatch.setattr(sc, "HELD_CHANNELS_FASTEST", channels_fastest)
 
 
 def run_fast(x, weight, tail, dy):
@@ -96,6 +100,25 @@ def test_other_conv_widths(W, form, monkeypatch):
     weight = (0.5 * torch.randn(40, 1, W, generator=gen)).to(DEVICE)
     tail = torch.randn(2, W - 1, 40, generator=gen).to(DEVICE)
     dy = torch.randn(2, 37, 40, generator=gen).to(DEVICE)
+    for got, want in zip(run_fast(x, weight, tail, dy), oracle(x, weight, tail, dy)):
+        assert rel_rms(got, want) < TOL[torch.float32][1]
+
+
+@pytest.mark.parametrize("span_tiles", [1, 2, 3, 8])
+@pytest.mark.parametrize("channels_fastest", [True, False])
+@pytest.mark.parametrize("T", [37, 100])
+def test_held_program_layouts(T, span_tiles, channels_fastest, monkeypatch):
+    """"held" with small tiles (16 x 16) so that spans of several time tiles, a last span cut short
+    (T = 100: 7 tiles), spans longer than the sequence, and both program orders all occur."""
+    monkeypatch.setattr(sc, "BACKWARD_FORM", "held")
+    monkeypatch.setitem(sc.BACKWARD_TILES, "held", (16, 16, 2))
+    monkeypatch.setattr(sc, "HELD_SPAN_TILES", span_tiles)
+    monkeypatch.setattr(sc, "HELD_CHANNELS_FASTEST", channels_fastest)
+    gen = torch.Generator().manual_seed(T + span_tiles)
+    x = torch.randn(3, T, 40, generator=gen).to(DEVICE)
+    weight = (0.5 * torch.randn(40, 1, 4, generator=gen)).to(DEVICE)
+    tail = torch.randn(3, 3, 40, generator=gen).to(DEVICE)
+    dy = torch.randn(3, T, 40, generator=gen).to(DEVICE)
     for got, want in zip(run_fast(x, weight, tail, dy), oracle(x, weight, tail, dy)):
         assert rel_rms(got, want) < TOL[torch.float32][1]
 

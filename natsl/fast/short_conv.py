@@ -46,6 +46,11 @@ BACKWARD_FORM = os.environ.get("NATSL_SHORT_CONV_BACKWARD", "held")
 # traffic for bf16; dx, a W-term sum of it, doubled its error in bf16 on the CPU, 3.3e-3 -> 6.2e-3
 # relative RMS; dw is summed from the fp32 values before the store).
 BACKWARD_DPRE_FP32 = True
+# "held": how many time tiles one program walks (its weight-gradient sums stay in registers, one
+# partial per span), and whether the channel tile is the fastest-varying program index (the programs
+# reading one row's cache lines then run together) or the batch row (the first kernels' order).
+HELD_SPAN_TILES = 1
+HELD_CHANNELS_FASTEST = True
 
 
 @triton.jit
@@ -174,42 +179,82 @@ def _conv_dx_kernel(dpre_ptr, w_ptr, dx_ptr, T, C, stride_dxb, stride_dxt, W: tl
 
 
 @triton.jit
-def _conv_bwd_held_kernel(x_ptr, tail_ptr, w_ptr, dy_ptr, dx_ptr, dw_part_ptr, T, C, n_tiles,
+def _conv_bwd_held_kernel(x_ptr, tail_ptr, w_ptr, dy_ptr, dx_ptr, dw_part_ptr, T, C, n_spans, n_ctiles,
                           stride_xb, stride_xt, stride_tb, stride_tw, stride_dyb, stride_dyt, stride_dxb,
-                          stride_dxt, HAS_TAIL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+                          stride_dxt, HAS_TAIL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+                          SPAN_TILES: tl.constexpr, CHANNELS_FASTEST: tl.constexpr):
     # W = 4 written out: input rows t-3 .. t+3 are loaded once each (x_m3 .. x_p3), the pre-activation
-    # formed at output rows t .. t+3 (pre0 .. pre3), and dx[t] = sum_k w[3-k] dpre[t+k].
-    b, tile, t, cols, cmask, x_base, tail_base, dy_base = _backward_program(
-        x_ptr, tail_ptr, dy_ptr, C, stride_xb, stride_tb, stride_dyb, BLOCK_T, BLOCK_C)
+    # formed at output rows t .. t+3 (pre0 .. pre3), and dx[t] = sum_k w[3-k] dpre[t+k]. A program
+    # walks SPAN_TILES time tiles of one channel tile and keeps its weight-gradient sums in registers,
+    # so it stores one [4, BLOCK_C] partial per span instead of one per tile.
+    pid = tl.program_id(0)
+    if CHANNELS_FASTEST:  # the programs sharing a row's cache lines run side by side
+        ctile = pid % n_ctiles
+        span = (pid // n_ctiles) % n_spans
+        b = (pid // (n_ctiles * n_spans)).to(tl.int64)
+    else:  # the first kernels' order: batch row fastest, channel tile slowest
+        n_b = tl.num_programs(0) // (n_spans * n_ctiles)
+        b = (pid % n_b).to(tl.int64)
+        span = (pid // n_b) % n_spans
+        ctile = pid // (n_b * n_spans)
+    cols = ctile * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cols < C
+    x_base = x_ptr + b * stride_xb
+    tail_base = tail_ptr + b * stride_tb
+    dy_base = dy_ptr + b * stride_dyb
     w0 = tl.load(w_ptr + cols * 4 + 0, mask=cmask, other=0.0).to(tl.float32)[None, :]
     w1 = tl.load(w_ptr + cols * 4 + 1, mask=cmask, other=0.0).to(tl.float32)[None, :]
     w2 = tl.load(w_ptr + cols * 4 + 2, mask=cmask, other=0.0).to(tl.float32)[None, :]
     w3 = tl.load(w_ptr + cols * 4 + 3, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    x_m3 = _conv_input(x_base, tail_base, t - 3, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
-    x_m2 = _conv_input(x_base, tail_base, t - 2, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
-    x_m1 = _conv_input(x_base, tail_base, t - 1, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
-    x_0 = _conv_input(x_base, tail_base, t, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
-    x_p1 = _conv_input(x_base, tail_base, t + 1, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
-    x_p2 = _conv_input(x_base, tail_base, t + 2, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
-    x_p3 = _conv_input(x_base, tail_base, t + 3, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
-    dy_ptrs = dy_base + t.to(tl.int64)[:, None] * stride_dyt + cols[None, :]
-    dy0 = tl.load(dy_ptrs, mask=(t < T)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-    dy1 = tl.load(dy_ptrs + stride_dyt, mask=(t + 1 < T)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-    dy2 = tl.load(dy_ptrs + 2 * stride_dyt, mask=(t + 2 < T)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-    dy3 = tl.load(dy_ptrs + 3 * stride_dyt, mask=(t + 3 < T)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-    dpre0 = _dsilu(dy0, w0 * x_m3 + w1 * x_m2 + w2 * x_m1 + w3 * x_0)
-    dpre1 = _dsilu(dy1, w0 * x_m2 + w1 * x_m1 + w2 * x_0 + w3 * x_p1)
-    dpre2 = _dsilu(dy2, w0 * x_m1 + w1 * x_0 + w2 * x_p1 + w3 * x_p2)
-    dpre3 = _dsilu(dy3, w0 * x_0 + w1 * x_p1 + w2 * x_p2 + w3 * x_p3)
-    dx = w3 * dpre0 + w2 * dpre1 + w1 * dpre2 + w0 * dpre3
-    tl.store(dx_ptr + b * stride_dxb + t.to(tl.int64)[:, None] * stride_dxt + cols[None, :],
-             dx.to(dx_ptr.dtype.element_ty), mask=(t < T)[:, None] & cmask[None, :])
+    dw0 = tl.zeros([BLOCK_C], dtype=tl.float32)
+    dw1 = tl.zeros([BLOCK_C], dtype=tl.float32)
+    dw2 = tl.zeros([BLOCK_C], dtype=tl.float32)
+    dw3 = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for i in range(SPAN_TILES):
+        t = (span * SPAN_TILES + i) * BLOCK_T + tl.arange(0, BLOCK_T)
+        x_m3 = _conv_input(x_base, tail_base, t - 3, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
+        x_m2 = _conv_input(x_base, tail_base, t - 2, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
+        x_m1 = _conv_input(x_base, tail_base, t - 1, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
+        x_0 = _conv_input(x_base, tail_base, t, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
+        x_p1 = _conv_input(x_base, tail_base, t + 1, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
+        x_p2 = _conv_input(x_base, tail_base, t + 2, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
+        x_p3 = _conv_input(x_base, tail_base, t + 3, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
+        dy_ptrs = dy_base + t.to(tl.int64)[:, None] * stride_dyt + cols[None, :]
+        dy0 = tl.load(dy_ptrs, mask=(t < T)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+        dy1 = tl.load(dy_ptrs + stride_dyt, mask=(t + 1 < T)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+        dy2 = tl.load(dy_ptrs + 2 * stride_dyt, mask=(t + 2 < T)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+        dy3 = tl.load(dy_ptrs + 3 * stride_dyt, mask=(t + 3 < T)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+        dpre0 = _dsilu(dy0, w0 * x_m3 + w1 * x_m2 + w2 * x_m1 + w3 * x_0)
+        dw0 += tl.sum(dpre0 * x_m3, axis=0)
+        dw1 += tl.sum(dpre0 * x_m2, axis=0)
+        dw2 += tl.sum(dpre0 * x_m1, axis=0)
+        dw3 += tl.sum(dpre0 * x_0, axis=0)
+        dpre1 = _dsilu(dy1, w0 * x_m2 + w1 * x_m1 + w2 * x_0 + w3 * x_p1)
+        dpre2 = _dsilu(dy2, w0 * x_m1 + w1 * x_0 + w2 * x_p1 + w3 * x_p2)
+        dpre3 = _dsilu(dy3, w0 * x_0 + w1 * x_p1 + w2 * x_p2 + w3 * x_p3)
+        dx = w3 * dpre0 + w2 * dpre1 + w1 * dpre2 + w0 * dpre3
+        tl.store(dx_ptr + b * stride_dxb + t.to(tl.int64)[:, None] * stride_dxt + cols[None, :],
+                 dx.to(dx_ptr.dtype.element_ty), mask=(t < T)[:, None] & cmask[None, :])
     taps = tl.arange(0, 4)[:, None]
-    dw = tl.where(taps == 0, tl.sum(dpre0 * x_m3, axis=0)[None, :], 0.0)
-    dw = tl.where(taps == 1, tl.sum(dpre0 * x_m2, axis=0)[None, :], dw)
-    dw = tl.where(taps == 2, tl.sum(dpre0 * x_m1, axis=0)[None, :], dw)
-    dw = tl.where(taps == 3, tl.sum(dpre0 * x_0, axis=0)[None, :], dw)
-    tl.store(dw_part_ptr + ((b * n_tiles + tile) * 4 + taps) * C + cols[None, :], dw, mask=cmask[None, :])
+    dw = tl.where(taps == 0, dw0[None, :], 0.0)
+    dw = tl.where(taps == 1, dw1[None, :], dw)
+    dw = tl.where(taps == 2, dw2[None, :], dw)
+    dw = tl.where(taps == 3, dw3[None, :], dw)
+    tl.store(dw_part_ptr + ((b * n_spans + span) * 4 + taps) * C + cols[None, :], dw, mask=cmask[None, :])
+
+
+@triton.jit
+def _dw_sum_kernel(part_ptr, dw_ptr, n_parts, C, W: tl.constexpr, W_POW2: tl.constexpr, BLOCK_C: tl.constexpr):
+    # dw[c, j] = sum_p part[p, j, c], the partials summed in order (deterministic), stored [C, W]
+    # in the weight's dtype: one launch in place of sum + transpose + copy + cast.
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    taps = tl.arange(0, W_POW2)
+    mask = (taps < W)[:, None] & (cols < C)[None, :]
+    offs = taps[:, None] * C + cols[None, :]
+    acc = tl.zeros([W_POW2, BLOCK_C], dtype=tl.float32)
+    for p in range(n_parts):
+        acc += tl.load(part_ptr + p * W * C + offs, mask=mask, other=0.0)
+    tl.store(dw_ptr + cols[None, :] * W + taps[:, None], acc.to(dw_ptr.dtype.element_ty), mask=mask)
 
 
 def _tail_args(x: torch.Tensor, tail: Optional[torch.Tensor]):
@@ -250,18 +295,21 @@ def backward(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor]
                          f"{', '.join(BACKWARD_FORMS)}")
     form = BACKWARD_FORM if BACKWARD_FORM != "held" or W == 4 else "two_pass"
     block_t, block_c, warps = BACKWARD_TILES[form]
-    n_tiles = -(-T // block_t)
-    parts = torch.empty(B * n_tiles, W, C, dtype=torch.float32, device=x.device)
-    grid = (B, n_tiles, -(-C // block_c))
+    n_tiles, n_ctiles = -(-T // block_t), -(-C // block_c)
     if form == "held":
-        _conv_bwd_held_kernel[grid](x, tail_t, w, dy, dx, parts, T, C, n_tiles, x.stride(0), x.stride(1), stride_tb,
-                                    stride_tw, dy.stride(0), dy.stride(1), dx.stride(0), dx.stride(1),
-                                    HAS_TAIL=has_tail, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=warps)
+        span_tiles = max(1, min(HELD_SPAN_TILES, n_tiles))
+        n_spans = -(-n_tiles // span_tiles)
+        parts = torch.empty(B * n_spans, W, C, dtype=torch.float32, device=x.device)
+        _conv_bwd_held_kernel[(B * n_spans * n_ctiles,)](
+            x, tail_t, w, dy, dx, parts, T, C, n_spans, n_ctiles, x.stride(0), x.stride(1), stride_tb, stride_tw,
+            dy.stride(0), dy.stride(1), dx.stride(0), dx.stride(1), HAS_TAIL=has_tail, BLOCK_T=block_t,
+            BLOCK_C=block_c, SPAN_TILES=span_tiles, CHANNELS_FASTEST=HELD_CHANNELS_FASTEST, num_warps=warps)
     else:
+        parts = torch.empty(B * n_tiles, W, C, dtype=torch.float32, device=x.device)
         two_pass = form == "two_pass"
         dpre_dtype = torch.float32 if BACKWARD_DPRE_FP32 else x.dtype
         dpre = torch.empty(B, T, C, dtype=dpre_dtype, device=x.device) if two_pass else parts
-        _conv_bwd_kernel[grid](
+        _conv_bwd_kernel[(B, n_tiles, n_ctiles)](
             x, tail_t, w, dy, dx, parts, dpre, T, C, n_tiles, x.stride(0), x.stride(1), stride_tb, stride_tw,
             dy.stride(0), dy.stride(1), dx.stride(0), dx.stride(1), W=W, W_POW2=triton.next_power_of_2(W),
             HAS_TAIL=has_tail, TWO_PASS=two_pass, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=warps)
@@ -269,8 +317,10 @@ def backward(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor]
             bt, bc = FORWARD_TILE
             _conv_dx_kernel[(B, -(-T // bt), -(-C // bc))](dpre, w, dx, T, C, dx.stride(0), dx.stride(1), W=W,
                                                             BLOCK_T=bt, BLOCK_C=bc, num_warps=4)
-    dw = parts.sum(0).t().contiguous().view(C, 1, W).to(weight.dtype)
-    return dx, dw
+    dw = torch.empty(C, W, dtype=weight.dtype, device=x.device)
+    _dw_sum_kernel[(-(-C // 128),)](parts, dw, parts.shape[0], C, W=W, W_POW2=triton.next_power_of_2(W),
+                                    BLOCK_C=128, num_warps=4)
+    return dx, dw.view(C, 1, W)
 
 
 # The custom-op pair (opaque to torch.compile) and its eager twin, as the other fast ops (eager.py).
