@@ -47,7 +47,8 @@ def oracle(x, weight, tail, dy):
 # HELD_CHANNELS_FASTEST) for every backward form and both "held" program layouts.
 BACKWARD_FORMS = {"two passes": ("two_pass", True, 1, True), "two passes, dpre in x's dtype": ("two_pass", False, 1, True),
                   "recompute": ("recompute", True, 1, True), "held": ("held", True, 1, True),
-                  "held, 3-tile spans, batch row fastest": ("held", True, 3, False)}
+                  "held, 3-tile spans, batch row fastest": ("held", True, 3, False),
+                  "scratch": ("scratch", True, 1, True)}
 
 
 def use_backward_form(monkeypatch, form):
@@ -123,6 +124,25 @@ def test_held_program_layouts(T, span_tiles, channels_fastest, monkeypatch):
         assert rel_rms(got, want) < TOL[torch.float32][1]
 
 
+@pytest.mark.parametrize("programs_per_sm", [1, 3])
+@pytest.mark.parametrize("T", [1, 37, 100])
+def test_scratch_programs_walking_many_tiles(T, programs_per_sm, monkeypatch):
+    """"scratch" with 16 x 16 tiles and 4 or 12 persistent programs (the interpreter counts 4 SMs),
+    so each program takes several tiles in turn and reuses its scratch slot; T = 100 cuts the last
+    tile, T = 1 reads the tail only."""
+    monkeypatch.setattr(sc, "BACKWARD_FORM", "scratch")
+    monkeypatch.setitem(sc.BACKWARD_TILES, "scratch", (16, 16, 2))
+    monkeypatch.setattr(sc, "SCRATCH_PROGRAMS_PER_SM", programs_per_sm)
+    monkeypatch.setattr(sc, "_sm_count", lambda device: 4)
+    gen = torch.Generator().manual_seed(T + programs_per_sm)
+    x = torch.randn(3, T, 40, generator=gen).to(DEVICE)
+    weight = (0.5 * torch.randn(40, 1, 4, generator=gen)).to(DEVICE)
+    tail = torch.randn(3, 3, 40, generator=gen).to(DEVICE)
+    dy = torch.randn(3, T, 40, generator=gen).to(DEVICE)
+    for got, want in zip(run_fast(x, weight, tail, dy), oracle(x, weight, tail, dy)):
+        assert rel_rms(got, want) < TOL[torch.float32][1]
+
+
 def test_a_strided_input_gives_the_contiguous_input_results():
     """x as a column slice of a wider projection output (row stride > C), as a merged product's split
     would hand it over: same output and gradients as the same values laid out contiguously."""
@@ -177,7 +197,7 @@ def test_an_unknown_backward_form_is_named(monkeypatch):
     monkeypatch.setattr(sc, "BACKWARD_FORM", "fastest")
     x = torch.randn(1, 5, 8, device=DEVICE, requires_grad=True)
     y = sc.short_conv_silu(x, torch.randn(8, 1, 4, device=DEVICE))
-    with pytest.raises(NatslError, match="'fastest'.*NATSL_SHORT_CONV_BACKWARD.*two_pass, recompute, held"):
+    with pytest.raises(NatslError, match="'fastest'.*NATSL_SHORT_CONV_BACKWARD.*two_pass, recompute, held, scratch"):
         y.sum().backward()
 
 

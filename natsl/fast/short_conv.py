@@ -33,14 +33,14 @@ from natsl.fast import eager
 FORWARD_TILE = (32, 128)  # (time, channels); 4 warps
 # (time, channels, warps) per backward form, the fastest of each at the 800M widths on the H200
 # (2026-11-30, seventh session): "held" keeps 11 fp32 tiles live, so it wants small ones.
-BACKWARD_TILES = {"two_pass": (64, 64, 4), "recompute": (64, 64, 4), "held": (64, 16, 2)}
+BACKWARD_TILES = {"two_pass": (64, 64, 4), "recompute": (64, 64, 4), "held": (64, 16, 2), "scratch": (64, 32, 4)}
 # How the backward forms dx (each input row feeds the W output rows after it):
 #   "two_pass":  the first kernel stores dL/d(pre-activation), a second kernel sums dx from it;
 #   "recompute": one kernel recomputes the pre-activation at the W output rows of each input row;
 #   "held":      one kernel for W = 4 that loads the 2W-1 shifted input tiles once and holds them in
 #                registers (other widths fall back to "two_pass").
 # NATSL_SHORT_CONV_BACKWARD picks one for a whole run (benchmarks compare them end to end).
-BACKWARD_FORMS = ("two_pass", "recompute", "held")
+BACKWARD_FORMS = ("two_pass", "recompute", "held", "scratch")
 BACKWARD_FORM = os.environ.get("NATSL_SHORT_CONV_BACKWARD", "held")
 # "two_pass" stores dL/d(pre-activation) in fp32 (True) or in x's dtype (False: a third less memory
 # traffic for bf16; dx, a W-term sum of it, doubled its error in bf16 on the CPU, 3.3e-3 -> 6.2e-3
@@ -51,6 +51,15 @@ BACKWARD_DPRE_FP32 = True
 # reading one row's cache lines then run together) or the batch row (the first kernels' order).
 HELD_SPAN_TILES = 1
 HELD_CHANNELS_FASTEST = True
+# "scratch": persistent programs per SM (each owns a [BLOCK_T + 4, BLOCK_C] fp32 scratch slot).
+SCRATCH_PROGRAMS_PER_SM = 8
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 4 elsewhere (the interpreter runs programs in turn)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @triton.jit
@@ -244,17 +253,83 @@ def _conv_bwd_held_kernel(x_ptr, tail_ptr, w_ptr, dy_ptr, dx_ptr, dw_part_ptr, T
 
 
 @triton.jit
-def _dw_sum_kernel(part_ptr, dw_ptr, n_parts, C, W: tl.constexpr, W_POW2: tl.constexpr, BLOCK_C: tl.constexpr):
-    # dw[c, j] = sum_p part[p, j, c], the partials summed in order (deterministic), stored [C, W]
-    # in the weight's dtype: one launch in place of sum + transpose + copy + cast.
-    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    taps = tl.arange(0, W_POW2)
-    mask = (taps < W)[:, None] & (cols < C)[None, :]
-    offs = taps[:, None] * C + cols[None, :]
-    acc = tl.zeros([W_POW2, BLOCK_C], dtype=tl.float32)
-    for p in range(n_parts):
-        acc += tl.load(part_ptr + p * W * C + offs, mask=mask, other=0.0)
-    tl.store(dw_ptr + cols[None, :] * W + taps[:, None], acc.to(dw_ptr.dtype.element_ty), mask=mask)
+def _conv_bwd_scratch_kernel(x_ptr, tail_ptr, w_ptr, dy_ptr, dx_ptr, dw_part_ptr, scratch_ptr, T, C, n_tiles,
+                             n_ctiles, n_total, stride_xb, stride_xt, stride_tb, stride_tw, stride_dyb, stride_dyt,
+                             stride_dxb, stride_dxt, HAS_TAIL: tl.constexpr, BLOCK_T: tl.constexpr,
+                             BLOCK_C: tl.constexpr):
+    # W = 4. dL/d pre-activation g is formed once per row: for a tile's rows and for the 4 rows after
+    # it (the halo, recomputed by the next tile too). dx[t] = sum_k w[3-k] g[t+k] wants g shifted by
+    # 1..3 rows, which registers cannot do: the program writes g to its own scratch slot (a few KB,
+    # reused by every tile it takes, so it stays in L2) and reads it back shifted. Persistent: the
+    # grid is a few programs per SM, each walking tiles (channel tile fastest).
+    pid = tl.program_id(0)
+    lc = tl.arange(0, BLOCK_C)
+    rows = tl.arange(0, BLOCK_T)
+    halo = tl.arange(0, 4)
+    taps = tl.arange(0, 4)[:, None]
+    slot = scratch_ptr + pid.to(tl.int64) * ((BLOCK_T + 4) * BLOCK_C)
+    main_ptrs = slot + rows[:, None] * BLOCK_C + lc[None, :]
+    halo_ptrs = slot + (BLOCK_T + halo)[:, None] * BLOCK_C + lc[None, :]
+    for tile_id in tl.range(pid, n_total, tl.num_programs(0)):
+        ctile = tile_id % n_ctiles
+        tt = (tile_id // n_ctiles) % n_tiles
+        b = (tile_id // (n_ctiles * n_tiles)).to(tl.int64)
+        cols = ctile * BLOCK_C + lc
+        cmask = cols < C
+        x_base = x_ptr + b * stride_xb
+        tail_base = tail_ptr + b * stride_tb
+        dy_base = dy_ptr + b * stride_dyb
+        w0 = tl.load(w_ptr + cols * 4 + 0, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        w1 = tl.load(w_ptr + cols * 4 + 1, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + cols * 4 + 2, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        w3 = tl.load(w_ptr + cols * 4 + 3, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        t = tt * BLOCK_T + rows
+        x_m3 = _conv_input(x_base, tail_base, t - 3, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
+        x_m2 = _conv_input(x_base, tail_base, t - 2, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
+        x_m1 = _conv_input(x_base, tail_base, t - 1, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
+        x_0 = _conv_input(x_base, tail_base, t, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
+        dy = tl.load(dy_base + t.to(tl.int64)[:, None] * stride_dyt + cols[None, :],
+                     mask=(t < T)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+        g = _dsilu(dy, w0 * x_m3 + w1 * x_m2 + w2 * x_m1 + w3 * x_0)
+        dw = tl.where(taps == 0, tl.sum(g * x_m3, axis=0)[None, :], 0.0)
+        dw = tl.where(taps == 1, tl.sum(g * x_m2, axis=0)[None, :], dw)
+        dw = tl.where(taps == 2, tl.sum(g * x_m1, axis=0)[None, :], dw)
+        dw = tl.where(taps == 3, tl.sum(g * x_0, axis=0)[None, :], dw)
+        tl.store(dw_part_ptr + ((b * n_tiles + tt) * 4 + taps) * C + cols[None, :], dw, mask=cmask[None, :])
+        th = tt * BLOCK_T + BLOCK_T + halo
+        h_m3 = _conv_input(x_base, tail_base, th - 3, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
+        h_m2 = _conv_input(x_base, tail_base, th - 2, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
+        h_m1 = _conv_input(x_base, tail_base, th - 1, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
+        h_0 = _conv_input(x_base, tail_base, th, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
+        dy_h = tl.load(dy_base + th.to(tl.int64)[:, None] * stride_dyt + cols[None, :],
+                       mask=(th < T)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+        g_h = _dsilu(dy_h, w0 * h_m3 + w1 * h_m2 + w2 * h_m1 + w3 * h_0)
+        tl.debug_barrier()  # the previous tile's shifted reads of the slot are done
+        tl.store(main_ptrs, g)
+        tl.store(halo_ptrs, g_h)
+        tl.debug_barrier()  # the slot holds this tile's g (the .cg reads below skip L1)
+        g1 = tl.load(main_ptrs + BLOCK_C, cache_modifier=".cg")
+        g2 = tl.load(main_ptrs + 2 * BLOCK_C, cache_modifier=".cg")
+        g3 = tl.load(main_ptrs + 3 * BLOCK_C, cache_modifier=".cg")
+        dx = w3 * g + w2 * g1 + w1 * g2 + w0 * g3
+        tl.store(dx_ptr + b * stride_dxb + t.to(tl.int64)[:, None] * stride_dxt + cols[None, :],
+                 dx.to(dx_ptr.dtype.element_ty), mask=(t < T)[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _dw_sum_kernel(part_ptr, dw_ptr, n_parts, C, W: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_F: tl.constexpr):
+    # dw[c, j] = sum_p part[p, j, c] in a fixed order (deterministic), stored [C, W] in the weight's
+    # dtype: one launch in place of sum + transpose + copy + cast. A program sums BLOCK_F of the
+    # W * C flat (tap, channel) entries over all partials, BLOCK_P partials per step.
+    f = tl.program_id(0) * BLOCK_F + tl.arange(0, BLOCK_F)
+    fmask = f < W * C
+    p = tl.arange(0, BLOCK_P)
+    acc = tl.zeros([BLOCK_P, BLOCK_F], dtype=tl.float32)
+    for p0 in range(0, n_parts, BLOCK_P):
+        acc += tl.load(part_ptr + (p0 + p).to(tl.int64)[:, None] * (W * C) + f[None, :],
+                       mask=(p0 + p < n_parts)[:, None] & fmask[None, :], other=0.0)
+    tap, chan = f // C, f % C
+    tl.store(dw_ptr + chan * W + tap, tl.sum(acc, axis=0).to(dw_ptr.dtype.element_ty), mask=fmask)
 
 
 def _tail_args(x: torch.Tensor, tail: Optional[torch.Tensor]):
@@ -293,7 +368,7 @@ def backward(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor]
     if BACKWARD_FORM not in BACKWARD_FORMS:
         raise NatslError(f"short conv backward form {BACKWARD_FORM!r} (NATSL_SHORT_CONV_BACKWARD) is not one of "
                          f"{', '.join(BACKWARD_FORMS)}")
-    form = BACKWARD_FORM if BACKWARD_FORM != "held" or W == 4 else "two_pass"
+    form = BACKWARD_FORM if BACKWARD_FORM not in ("held", "scratch") or W == 4 else "two_pass"
     block_t, block_c, warps = BACKWARD_TILES[form]
     n_tiles, n_ctiles = -(-T // block_t), -(-C // block_c)
     if form == "held":
@@ -304,6 +379,15 @@ def backward(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor]
             x, tail_t, w, dy, dx, parts, T, C, n_spans, n_ctiles, x.stride(0), x.stride(1), stride_tb, stride_tw,
             dy.stride(0), dy.stride(1), dx.stride(0), dx.stride(1), HAS_TAIL=has_tail, BLOCK_T=block_t,
             BLOCK_C=block_c, SPAN_TILES=span_tiles, CHANNELS_FASTEST=HELD_CHANNELS_FASTEST, num_warps=warps)
+    elif form == "scratch":
+        parts = torch.empty(B * n_tiles, W, C, dtype=torch.float32, device=x.device)
+        n_total = B * n_tiles * n_ctiles
+        n_programs = min(n_total, SCRATCH_PROGRAMS_PER_SM * _sm_count(x.device))
+        scratch = torch.empty(n_programs, block_t + 4, block_c, dtype=torch.float32, device=x.device)
+        _conv_bwd_scratch_kernel[(n_programs,)](
+            x, tail_t, w, dy, dx, parts, scratch, T, C, n_tiles, n_ctiles, n_total, x.stride(0), x.stride(1),
+            stride_tb, stride_tw, dy.stride(0), dy.stride(1), dx.stride(0), dx.stride(1), HAS_TAIL=has_tail,
+            BLOCK_T=block_t, BLOCK_C=block_c, num_warps=warps)
     else:
         parts = torch.empty(B * n_tiles, W, C, dtype=torch.float32, device=x.device)
         two_pass = form == "two_pass"
@@ -318,8 +402,7 @@ def backward(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor]
             _conv_dx_kernel[(B, -(-T // bt), -(-C // bc))](dpre, w, dx, T, C, dx.stride(0), dx.stride(1), W=W,
                                                             BLOCK_T=bt, BLOCK_C=bc, num_warps=4)
     dw = torch.empty(C, W, dtype=weight.dtype, device=x.device)
-    _dw_sum_kernel[(-(-C // 128),)](parts, dw, parts.shape[0], C, W=W, W_POW2=triton.next_power_of_2(W),
-                                    BLOCK_C=128, num_warps=4)
+    _dw_sum_kernel[(-(-W * C // 128),)](parts, dw, parts.shape[0], C, W=W, BLOCK_P=32, BLOCK_F=128, num_warps=4)
     return dx, dw.view(C, 1, W)
 
 
