@@ -51,6 +51,9 @@ BACKWARD_DPRE_FP32 = True
 # reading one row's cache lines then run together) or the batch row (the first kernels' order).
 HELD_SPAN_TILES = 1
 HELD_CHANNELS_FASTEST = True
+# Software-pipelining stages of the "held" and "scratch" kernels' time loops (Triton stages the
+# loop's loads through shared memory when > 1).
+LOOP_STAGES = 1
 # "scratch": persistent programs per SM (each owns a [BLOCK_T + 4, BLOCK_C] fp32 scratch slot).
 SCRATCH_PROGRAMS_PER_SM = 8
 
@@ -378,7 +381,8 @@ def backward(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor]
         _conv_bwd_held_kernel[(B * n_spans * n_ctiles,)](
             x, tail_t, w, dy, dx, parts, T, C, n_spans, n_ctiles, x.stride(0), x.stride(1), stride_tb, stride_tw,
             dy.stride(0), dy.stride(1), dx.stride(0), dx.stride(1), HAS_TAIL=has_tail, BLOCK_T=block_t,
-            BLOCK_C=block_c, SPAN_TILES=span_tiles, CHANNELS_FASTEST=HELD_CHANNELS_FASTEST, num_warps=warps)
+            BLOCK_C=block_c, SPAN_TILES=span_tiles, CHANNELS_FASTEST=HELD_CHANNELS_FASTEST, num_warps=warps,
+            num_stages=LOOP_STAGES)
     elif form == "scratch":
         parts = torch.empty(B * n_tiles, W, C, dtype=torch.float32, device=x.device)
         n_total = B * n_tiles * n_ctiles
@@ -387,7 +391,7 @@ def backward(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor]
         _conv_bwd_scratch_kernel[(n_programs,)](
             x, tail_t, w, dy, dx, parts, scratch, T, C, n_tiles, n_ctiles, n_total, x.stride(0), x.stride(1),
             stride_tb, stride_tw, dy.stride(0), dy.stride(1), dx.stride(0), dx.stride(1), HAS_TAIL=has_tail,
-            BLOCK_T=block_t, BLOCK_C=block_c, num_warps=warps)
+            BLOCK_T=block_t, BLOCK_C=block_c, num_warps=warps, num_stages=LOOP_STAGES)
     else:
         parts = torch.empty(B * n_tiles, W, C, dtype=torch.float32, device=x.device)
         two_pass = form == "two_pass"
