@@ -5,8 +5,8 @@
 Medians of triton.testing.do_bench, bf16, at an 800M training micro-batch [4, 4096, C] for the GDN
 layer's q/k (C = 1152) and v (2304) widths: the op's forward and its backward launcher
 (natsl.fast.short_conv.backward, called directly: no autograd) for a few tile settings (the fastest
-is the one to keep in natsl/fast/short_conv.py), the "held" form over tiles, spans and program
-orders and the "scratch" form over tiles and programs per SM, with x contiguous and as a column slice of a wider tensor (as the model hands it over); and,
+is the one to keep in natsl/fast/short_conv.py), the "scratch" form over tiles and spans, with x
+contiguous and as a column slice of a wider tensor (as the model hands it over); and,
 with --with-compiled, torch.compile(natsl.models.pointwise.conv_silu) as the model ran it before the
 op, forward and forward+backward through autograd. GB/s counts the
 bytes a pass must move: forward x read and y written; backward dy and x read, dx written (the
@@ -28,14 +28,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 FORWARD_TILES = ((32, 128), (64, 128), (32, 64))
 # (time, channels, warps, BACKWARD_FORM, dL/d pre-activation stored in fp32 by "two_pass")
-BACKWARD_TILES = ((64, 64, 4, "two_pass", True), (64, 64, 4, "two_pass", False), (64, 64, 4, "recompute", True))
-# "held": (time, channels, warps, HELD_SPAN_TILES, HELD_CHANNELS_FASTEST); the first is the seventh
-# session's default (one tile per program, batch row fastest).
-HELD_SETTINGS = ((64, 16, 2, 1, False), (64, 16, 2, 1, True), (32, 32, 2, 8, True), (16, 64, 2, 8, True),
-                 (32, 64, 4, 4, True))
-# "scratch": (time, channels, warps, SCRATCH_PROGRAMS_PER_SM)
-SCRATCH_SETTINGS = ((128, 32, 4, 4), (64, 32, 4, 8), (64, 64, 4, 4), (64, 64, 4, 8), (128, 64, 4, 4),
-                    (128, 32, 4, 8), (32, 32, 2, 16), (64, 16, 2, 16), (128, 64, 8, 4))
+BACKWARD_TILES = ((64, 64, 4, "two_pass", True), (64, 64, 4, "two_pass", False), (64, 64, 4, "recompute", True),
+                  (64, 16, 2, "held", True))
+# "scratch": (time, channels, warps, SCRATCH_SPAN_TILES)
+SCRATCH_SETTINGS = ((64, 32, 4, 8), (64, 32, 4, 4), (64, 32, 4, 16), (32, 32, 2, 8), (32, 32, 2, 16),
+                    (32, 64, 4, 16), (128, 32, 4, 1))
 
 
 def main() -> None:
@@ -82,28 +79,20 @@ def main() -> None:
                 record(C, f"op fwd tile {tile}", do_bench(lambda: sc.short_conv_silu(x, w)), fwd_bytes)
         sc.FORWARD_TILE = FORWARD_TILES[0]
         default = dict(sc.BACKWARD_TILES), sc.BACKWARD_FORM, sc.BACKWARD_DPRE_FP32
-        held_default = sc.HELD_SPAN_TILES, sc.HELD_CHANNELS_FASTEST, sc.SCRATCH_PROGRAMS_PER_SM, sc.LOOP_STAGES
+        span_default = sc.SCRATCH_SPAN_TILES
         for *tile, form, dpre_fp32 in BACKWARD_TILES:
             sc.BACKWARD_TILES[form], sc.BACKWARD_FORM, sc.BACKWARD_DPRE_FP32 = tuple(tile), form, dpre_fp32
             label = form + ((" fp32" if dpre_fp32 else " bf16") if form == "two_pass" else "")
             record(C, f"op bwd {tuple(tile)} {label}",
                    do_bench(lambda: sc.backward(x.detach(), w.detach(), None, dy)), bwd_bytes)
-        # x as the model hands it over too (a column slice of a wider projection output): the first
-        # setting of each form only (the seventh session's held settings timed alike both ways).
+        # x as the model hands it over too (a column slice of a wider projection output): the default
+        # setting only (the seventh session's held settings timed alike both ways).
         wide = torch.randn(B, T, 2 * C, device="cuda", dtype=torch.bfloat16)
-        for layout, xin, n, stages in (("", x.detach(), None, 1), (" stages 3", x.detach(), None, 3),
-                                       (" strided x", wide[..., :C], 1, 1)):
-            sc.LOOP_STAGES = stages
-            for bt, bc, warps, span, channels_fastest in HELD_SETTINGS[:n]:
-                sc.BACKWARD_TILES["held"], sc.BACKWARD_FORM = (bt, bc, warps), "held"
-                sc.HELD_SPAN_TILES, sc.HELD_CHANNELS_FASTEST = span, channels_fastest
-                label = f"held {(bt, bc, warps)} span {span} {'c-first' if channels_fastest else 'b-first'}"
-                record(C, f"op bwd {label}{layout}", do_bench(lambda: sc.backward(xin, w.detach(), None, dy)),
-                       bwd_bytes)
-            for bt, bc, warps, per_sm in SCRATCH_SETTINGS[:n]:
+        for layout, xin, n in (("", x.detach(), None), (" strided x", wide[..., :C], 1)):
+            for bt, bc, warps, span in SCRATCH_SETTINGS[:n]:
                 sc.BACKWARD_TILES["scratch"], sc.BACKWARD_FORM = (bt, bc, warps), "scratch"
-                sc.SCRATCH_PROGRAMS_PER_SM = per_sm
-                record(C, f"op bwd scratch {(bt, bc, warps)} {per_sm}/SM{layout}",
+                sc.SCRATCH_SPAN_TILES = span
+                record(C, f"op bwd scratch {(bt, bc, warps)} span {span}{layout}",
                        do_bench(lambda: sc.backward(xin, w.detach(), None, dy)), bwd_bytes)
         # the weight-gradient partials' sum alone (256 partials: 64-row tiles of 4 x 4096 rows)
         parts = torch.randn(256, 4, C, device="cuda")
@@ -111,7 +100,7 @@ def main() -> None:
         record(C, "dw sum of 256 partials", do_bench(lambda: sc._dw_sum_kernel[(-(-4 * C // 128),)](
             parts, dw, 256, C, W=4, BLOCK_P=32, BLOCK_F=128, num_warps=4)), parts.numel() * 4)
         sc.BACKWARD_TILES, sc.BACKWARD_FORM, sc.BACKWARD_DPRE_FP32 = default
-        sc.HELD_SPAN_TILES, sc.HELD_CHANNELS_FASTEST, sc.SCRATCH_PROGRAMS_PER_SM, sc.LOOP_STAGES = held_default
+        sc.SCRATCH_SPAN_TILES = span_default
     with open(args.out, "w") as fh:
         json.dump({"provenance": provenance(), "B": B, "T": T, "rows": rows}, fh, indent=1)
     print(f"wrote {args.out}")

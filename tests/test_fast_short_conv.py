@@ -43,20 +43,15 @@ def oracle(x, weight, tail, dy):
     return y.detach(), x64.grad, w64.grad
 
 
-# (natsl.fast.short_conv.BACKWARD_FORM, dL/d pre-activation stored in fp32, HELD_SPAN_TILES,
-# HELD_CHANNELS_FASTEST) for every backward form and both "held" program layouts.
-BACKWARD_FORMS = {"two passes": ("two_pass", True, 1, True), "two passes, dpre in x's dtype": ("two_pass", False, 1, True),
-                  "recompute": ("recompute", True, 1, True), "held": ("held", True, 1, True),
-                  "held, 3-tile spans, batch row fastest": ("held", True, 3, False),
-                  "scratch": ("scratch", True, 1, True)}
+# (natsl.fast.short_conv.BACKWARD_FORM, dL/d pre-activation stored in fp32) for every backward form.
+BACKWARD_FORMS = {"two passes": ("two_pass", True), "two passes, dpre in x's dtype": ("two_pass", False),
+                  "recompute": ("recompute", True), "held": ("held", True), "scratch": ("scratch", True)}
 
 
 def use_backward_form(monkeypatch, form):
-    name, dpre_fp32, span_tiles, channels_fastest = BACKWARD_FORMS[form]
+    name, dpre_fp32 = BACKWARD_FORMS[form]
     monkeypatch.setattr(sc, "BACKWARD_FORM", name)
     monkeypatch.setattr(sc, "BACKWARD_DPRE_FP32", dpre_fp32)
-    monkeypatch.setattr(sc, "HELD_SPAN_TILES", span_tiles)
-    monkeypatch.setattr(sc, "HELD_CHANNELS_FASTEST", channels_fastest)
 
 
 def run_fast(x, weight, tail, dy):
@@ -94,7 +89,7 @@ def test_forward_and_gradients_match_the_formula(T, C, with_tail, dtype, form, m
 @pytest.mark.parametrize("W", [2, 3, 5])
 @pytest.mark.parametrize("form", BACKWARD_FORMS)
 def test_other_conv_widths(W, form, monkeypatch):
-    """Widths other than the GDN's 4 (the "held" form falls back to two passes there), with a tail."""
+    """Widths other than the GDN's 4 (the "held" and "scratch" forms fall back to two passes there), with a tail."""
     use_backward_form(monkeypatch, form)
     gen = torch.Generator().manual_seed(W)
     x = torch.randn(2, 37, 40, generator=gen).to(DEVICE)
@@ -105,36 +100,16 @@ def test_other_conv_widths(W, form, monkeypatch):
         assert rel_rms(got, want) < TOL[torch.float32][1]
 
 
-@pytest.mark.parametrize("span_tiles", [1, 2, 3, 8])
-@pytest.mark.parametrize("channels_fastest", [True, False])
-@pytest.mark.parametrize("T", [37, 100])
-def test_held_program_layouts(T, span_tiles, channels_fastest, monkeypatch):
-    """"held" with small tiles (16 x 16) so that spans of several time tiles, a last span cut short
-    (T = 100: 7 tiles), spans longer than the sequence, and both program orders all occur."""
-    monkeypatch.setattr(sc, "BACKWARD_FORM", "held")
-    monkeypatch.setitem(sc.BACKWARD_TILES, "held", (16, 16, 2))
-    monkeypatch.setattr(sc, "HELD_SPAN_TILES", span_tiles)
-    monkeypatch.setattr(sc, "HELD_CHANNELS_FASTEST", channels_fastest)
-    gen = torch.Generator().manual_seed(T + span_tiles)
-    x = torch.randn(3, T, 40, generator=gen).to(DEVICE)
-    weight = (0.5 * torch.randn(40, 1, 4, generator=gen)).to(DEVICE)
-    tail = torch.randn(3, 3, 40, generator=gen).to(DEVICE)
-    dy = torch.randn(3, T, 40, generator=gen).to(DEVICE)
-    for got, want in zip(run_fast(x, weight, tail, dy), oracle(x, weight, tail, dy)):
-        assert rel_rms(got, want) < TOL[torch.float32][1]
-
-
-@pytest.mark.parametrize("programs_per_sm", [1, 3])
+@pytest.mark.parametrize("span_tiles", [1, 3, 8])
 @pytest.mark.parametrize("T", [1, 37, 100])
-def test_scratch_programs_walking_many_tiles(T, programs_per_sm, monkeypatch):
-    """"scratch" with 16 x 16 tiles and 4 or 12 persistent programs (the interpreter counts 4 SMs),
-    so each program takes several tiles in turn and reuses its scratch slot; T = 100 cuts the last
-    tile, T = 1 reads the tail only."""
+def test_scratch_spans_of_many_tiles(T, span_tiles, monkeypatch):
+    """"scratch" with 16 x 16 tiles, so that a program walks several time tiles reusing its scratch
+    slot, a last span is cut short (T = 100: 7 tiles in spans of 3), a span is longer than the
+    sequence, and T = 1 reads the tail only."""
     monkeypatch.setattr(sc, "BACKWARD_FORM", "scratch")
     monkeypatch.setitem(sc.BACKWARD_TILES, "scratch", (16, 16, 2))
-    monkeypatch.setattr(sc, "SCRATCH_PROGRAMS_PER_SM", programs_per_sm)
-    monkeypatch.setattr(sc, "_sm_count", lambda device: 4)
-    gen = torch.Generator().manual_seed(T + programs_per_sm)
+    monkeypatch.setattr(sc, "SCRATCH_SPAN_TILES", span_tiles)
+    gen = torch.Generator().manual_seed(T + span_tiles)
     x = torch.randn(3, T, 40, generator=gen).to(DEVICE)
     weight = (0.5 * torch.randn(40, 1, 4, generator=gen)).to(DEVICE)
     tail = torch.randn(3, 3, 40, generator=gen).to(DEVICE)

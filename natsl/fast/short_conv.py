@@ -12,9 +12,11 @@ Forward: one pass over [time, channel] tiles; the W shifted reads of x hit the c
 (`BACKWARD_FORM`): dL/d(pre-activation) needs the pre-activation, which is recomputed from x rather
 than saved (a second [B, T, C] tensor per conv); dx[t] needs it at the W output rows t .. t+W-1.
 "two_pass" stores it and a second kernel sums dx; "recompute" forms it at the W shifted rows in one
-kernel; "held" (W = 4) loads the 2W-1 shifted input tiles once and forms all four in registers. Each
-accumulates dx in fp32 and rounds it once, and writes each time tile's partial weight gradient; the
-partials are summed in a fixed order afterwards (deterministic, no atomics). The tail is read-only
+kernel; "held" (W = 4) loads the 2W-1 shifted input tiles once and forms all four in registers;
+"scratch" (W = 4, the default) forms it once per row and reads it back shifted from a small
+per-program scratch slot. Each accumulates dx in fp32 and rounds it once, and writes a partial weight
+gradient per time tile (or span of tiles); one kernel sums the partials in a fixed order
+(deterministic, no atomics) into the weight's layout and dtype. The tail is read-only
 (no gradient): training passes none, the cached prefill passes the conv state and wants no gradient.
 """
 
@@ -32,37 +34,25 @@ from natsl.fast import eager
 
 FORWARD_TILE = (32, 128)  # (time, channels); 4 warps
 # (time, channels, warps) per backward form, the fastest of each at the 800M widths on the H200
-# (2026-11-30, seventh session): "held" keeps 11 fp32 tiles live, so it wants small ones.
+# (2026-11-30, seventh and eighth sessions): "held" keeps 11 fp32 tiles live, so it wants small ones.
 BACKWARD_TILES = {"two_pass": (64, 64, 4), "recompute": (64, 64, 4), "held": (64, 16, 2), "scratch": (64, 32, 4)}
 # How the backward forms dx (each input row feeds the W output rows after it):
 #   "two_pass":  the first kernel stores dL/d(pre-activation), a second kernel sums dx from it;
 #   "recompute": one kernel recomputes the pre-activation at the W output rows of each input row;
 #   "held":      one kernel for W = 4 that loads the 2W-1 shifted input tiles once and holds them in
-#                registers (other widths fall back to "two_pass").
+#                registers (other widths fall back to "two_pass");
+#   "scratch":   one kernel for W = 4 that forms dL/d(pre-activation) once per row and reads it back
+#                shifted from a per-program scratch slot in L2 (other widths fall back to "two_pass").
 # NATSL_SHORT_CONV_BACKWARD picks one for a whole run (benchmarks compare them end to end).
 BACKWARD_FORMS = ("two_pass", "recompute", "held", "scratch")
-BACKWARD_FORM = os.environ.get("NATSL_SHORT_CONV_BACKWARD", "held")
+BACKWARD_FORM = os.environ.get("NATSL_SHORT_CONV_BACKWARD", "scratch")
 # "two_pass" stores dL/d(pre-activation) in fp32 (True) or in x's dtype (False: a third less memory
 # traffic for bf16; dx, a W-term sum of it, doubled its error in bf16 on the CPU, 3.3e-3 -> 6.2e-3
 # relative RMS; dw is summed from the fp32 values before the store).
 BACKWARD_DPRE_FP32 = True
-# "held": how many time tiles one program walks (its weight-gradient sums stay in registers, one
-# partial per span), and whether the channel tile is the fastest-varying program index (the programs
-# reading one row's cache lines then run together) or the batch row (the first kernels' order).
-HELD_SPAN_TILES = 1
-HELD_CHANNELS_FASTEST = True
-# Software-pipelining stages of the "held" and "scratch" kernels' time loops (Triton stages the
-# loop's loads through shared memory when > 1).
-LOOP_STAGES = 1
-# "scratch": persistent programs per SM (each owns a [BLOCK_T + 4, BLOCK_C] fp32 scratch slot).
-SCRATCH_PROGRAMS_PER_SM = 8
-
-
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device; 4 elsewhere (the interpreter runs programs in turn)."""
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
+# "scratch": how many time tiles one program walks (its weight-gradient products summed in registers,
+# one partial per span; its scratch slot reused by each tile).
+SCRATCH_SPAN_TILES = 8
 
 
 @triton.jit
@@ -191,25 +181,66 @@ def _conv_dx_kernel(dpre_ptr, w_ptr, dx_ptr, T, C, stride_dxb, stride_dxt, W: tl
 
 
 @triton.jit
-def _conv_bwd_held_kernel(x_ptr, tail_ptr, w_ptr, dy_ptr, dx_ptr, dw_part_ptr, T, C, n_spans, n_ctiles,
+def _conv_bwd_held_kernel(x_ptr, tail_ptr, w_ptr, dy_ptr, dx_ptr, dw_part_ptr, T, C, n_tiles,
                           stride_xb, stride_xt, stride_tb, stride_tw, stride_dyb, stride_dyt, stride_dxb,
-                          stride_dxt, HAS_TAIL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-                          SPAN_TILES: tl.constexpr, CHANNELS_FASTEST: tl.constexpr):
+                          stride_dxt, HAS_TAIL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     # W = 4 written out: input rows t-3 .. t+3 are loaded once each (x_m3 .. x_p3), the pre-activation
-    # formed at output rows t .. t+3 (pre0 .. pre3), and dx[t] = sum_k w[3-k] dpre[t+k]. A program
-    # walks SPAN_TILES time tiles of one channel tile and keeps its weight-gradient sums in registers,
-    # so it stores one [4, BLOCK_C] partial per span instead of one per tile.
+    # formed at output rows t .. t+3 (pre0 .. pre3), and dx[t] = sum_k w[3-k] dpre[t+k].
+    b, tile, t, cols, cmask, x_base, tail_base, dy_base = _backward_program(
+        x_ptr, tail_ptr, dy_ptr, C, stride_xb, stride_tb, stride_dyb, BLOCK_T, BLOCK_C)
+    w0 = tl.load(w_ptr + cols * 4 + 0, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    w1 = tl.load(w_ptr + cols * 4 + 1, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(w_ptr + cols * 4 + 2, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    w3 = tl.load(w_ptr + cols * 4 + 3, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    x_m3 = _conv_input(x_base, tail_base, t - 3, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
+    x_m2 = _conv_input(x_base, tail_base, t - 2, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
+    x_m1 = _conv_input(x_base, tail_base, t - 1, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
+    x_0 = _conv_input(x_base, tail_base, t, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
+    x_p1 = _conv_input(x_base, tail_base, t + 1, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
+    x_p2 = _conv_input(x_base, tail_base, t + 2, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
+    x_p3 = _conv_input(x_base, tail_base, t + 3, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
+    dy_ptrs = dy_base + t.to(tl.int64)[:, None] * stride_dyt + cols[None, :]
+    dy0 = tl.load(dy_ptrs, mask=(t < T)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+    dy1 = tl.load(dy_ptrs + stride_dyt, mask=(t + 1 < T)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+    dy2 = tl.load(dy_ptrs + 2 * stride_dyt, mask=(t + 2 < T)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+    dy3 = tl.load(dy_ptrs + 3 * stride_dyt, mask=(t + 3 < T)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+    dpre0 = _dsilu(dy0, w0 * x_m3 + w1 * x_m2 + w2 * x_m1 + w3 * x_0)
+    dpre1 = _dsilu(dy1, w0 * x_m2 + w1 * x_m1 + w2 * x_0 + w3 * x_p1)
+    dpre2 = _dsilu(dy2, w0 * x_m1 + w1 * x_0 + w2 * x_p1 + w3 * x_p2)
+    dpre3 = _dsilu(dy3, w0 * x_0 + w1 * x_p1 + w2 * x_p2 + w3 * x_p3)
+    dx = w3 * dpre0 + w2 * dpre1 + w1 * dpre2 + w0 * dpre3
+    tl.store(dx_ptr + b * stride_dxb + t.to(tl.int64)[:, None] * stride_dxt + cols[None, :],
+             dx.to(dx_ptr.dtype.element_ty), mask=(t < T)[:, None] & cmask[None, :])
+    taps = tl.arange(0, 4)[:, None]
+    dw = tl.where(taps == 0, tl.sum(dpre0 * x_m3, axis=0)[None, :], 0.0)
+    dw = tl.where(taps == 1, tl.sum(dpre0 * x_m2, axis=0)[None, :], dw)
+    dw = tl.where(taps == 2, tl.sum(dpre0 * x_m1, axis=0)[None, :], dw)
+    dw = tl.where(taps == 3, tl.sum(dpre0 * x_0, axis=0)[None, :], dw)
+    tl.store(dw_part_ptr + ((b * n_tiles + tile) * 4 + taps) * C + cols[None, :], dw, mask=cmask[None, :])
+
+
+@triton.jit
+def _conv_bwd_scratch_kernel(x_ptr, tail_ptr, w_ptr, dy_ptr, dx_ptr, dw_part_ptr, scratch_ptr, T, C, n_spans,
+                             n_ctiles, stride_xb, stride_xt, stride_tb, stride_tw, stride_dyb, stride_dyt,
+                             stride_dxb, stride_dxt, HAS_TAIL: tl.constexpr, BLOCK_T: tl.constexpr,
+                             BLOCK_C: tl.constexpr, SPAN_TILES: tl.constexpr):
+    # W = 4. dL/d pre-activation g is formed once per row: for a tile's rows and for the 4 rows after
+    # it (the halo, formed again by the next tile). dx[t] = sum_k w[3-k] g[t+k] wants g shifted by
+    # 1..3 rows, which registers cannot do: the program writes g to its own scratch slot (a few KB,
+    # reused by each of its tiles, so it stays in L2) and reads it back shifted. A program walks
+    # SPAN_TILES time tiles of one channel tile and sums the weight-gradient products elementwise,
+    # reducing across rows once at the end (four cross-warp reductions per tile cost ~30%).
     pid = tl.program_id(0)
-    if CHANNELS_FASTEST:  # the programs sharing a row's cache lines run side by side
-        ctile = pid % n_ctiles
-        span = (pid // n_ctiles) % n_spans
-        b = (pid // (n_ctiles * n_spans)).to(tl.int64)
-    else:  # the first kernels' order: batch row fastest, channel tile slowest
-        n_b = tl.num_programs(0) // (n_spans * n_ctiles)
-        b = (pid % n_b).to(tl.int64)
-        span = (pid // n_b) % n_spans
-        ctile = pid // (n_b * n_spans)
-    cols = ctile * BLOCK_C + tl.arange(0, BLOCK_C)
+    ctile = pid % n_ctiles  # channel tile fastest: the programs sharing a row's cache lines run together
+    span = (pid // n_ctiles) % n_spans
+    b = (pid // (n_ctiles * n_spans)).to(tl.int64)
+    lc = tl.arange(0, BLOCK_C)
+    rows = tl.arange(0, BLOCK_T)
+    halo = tl.arange(0, 4)
+    slot = scratch_ptr + pid.to(tl.int64) * ((BLOCK_T + 4) * BLOCK_C)
+    main_ptrs = slot + rows[:, None] * BLOCK_C + lc[None, :]
+    halo_ptrs = slot + (BLOCK_T + halo)[:, None] * BLOCK_C + lc[None, :]
+    cols = ctile * BLOCK_C + lc
     cmask = cols < C
     x_base = x_ptr + b * stride_xb
     tail_base = tail_ptr + b * stride_tb
@@ -218,88 +249,25 @@ def _conv_bwd_held_kernel(x_ptr, tail_ptr, w_ptr, dy_ptr, dx_ptr, dw_part_ptr, T
     w1 = tl.load(w_ptr + cols * 4 + 1, mask=cmask, other=0.0).to(tl.float32)[None, :]
     w2 = tl.load(w_ptr + cols * 4 + 2, mask=cmask, other=0.0).to(tl.float32)[None, :]
     w3 = tl.load(w_ptr + cols * 4 + 3, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    dw0 = tl.zeros([BLOCK_C], dtype=tl.float32)
-    dw1 = tl.zeros([BLOCK_C], dtype=tl.float32)
-    dw2 = tl.zeros([BLOCK_C], dtype=tl.float32)
-    dw3 = tl.zeros([BLOCK_C], dtype=tl.float32)
+    dw0 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    dw1 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    dw2 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    dw3 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     for i in range(SPAN_TILES):
-        t = (span * SPAN_TILES + i) * BLOCK_T + tl.arange(0, BLOCK_T)
-        x_m3 = _conv_input(x_base, tail_base, t - 3, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
-        x_m2 = _conv_input(x_base, tail_base, t - 2, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
-        x_m1 = _conv_input(x_base, tail_base, t - 1, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
-        x_0 = _conv_input(x_base, tail_base, t, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
-        x_p1 = _conv_input(x_base, tail_base, t + 1, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
-        x_p2 = _conv_input(x_base, tail_base, t + 2, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
-        x_p3 = _conv_input(x_base, tail_base, t + 3, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
-        dy_ptrs = dy_base + t.to(tl.int64)[:, None] * stride_dyt + cols[None, :]
-        dy0 = tl.load(dy_ptrs, mask=(t < T)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-        dy1 = tl.load(dy_ptrs + stride_dyt, mask=(t + 1 < T)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-        dy2 = tl.load(dy_ptrs + 2 * stride_dyt, mask=(t + 2 < T)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-        dy3 = tl.load(dy_ptrs + 3 * stride_dyt, mask=(t + 3 < T)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-        dpre0 = _dsilu(dy0, w0 * x_m3 + w1 * x_m2 + w2 * x_m1 + w3 * x_0)
-        dw0 += tl.sum(dpre0 * x_m3, axis=0)
-        dw1 += tl.sum(dpre0 * x_m2, axis=0)
-        dw2 += tl.sum(dpre0 * x_m1, axis=0)
-        dw3 += tl.sum(dpre0 * x_0, axis=0)
-        dpre1 = _dsilu(dy1, w0 * x_m2 + w1 * x_m1 + w2 * x_0 + w3 * x_p1)
-        dpre2 = _dsilu(dy2, w0 * x_m1 + w1 * x_0 + w2 * x_p1 + w3 * x_p2)
-        dpre3 = _dsilu(dy3, w0 * x_0 + w1 * x_p1 + w2 * x_p2 + w3 * x_p3)
-        dx = w3 * dpre0 + w2 * dpre1 + w1 * dpre2 + w0 * dpre3
-        tl.store(dx_ptr + b * stride_dxb + t.to(tl.int64)[:, None] * stride_dxt + cols[None, :],
-                 dx.to(dx_ptr.dtype.element_ty), mask=(t < T)[:, None] & cmask[None, :])
-    taps = tl.arange(0, 4)[:, None]
-    dw = tl.where(taps == 0, dw0[None, :], 0.0)
-    dw = tl.where(taps == 1, dw1[None, :], dw)
-    dw = tl.where(taps == 2, dw2[None, :], dw)
-    dw = tl.where(taps == 3, dw3[None, :], dw)
-    tl.store(dw_part_ptr + ((b * n_spans + span) * 4 + taps) * C + cols[None, :], dw, mask=cmask[None, :])
-
-
-@triton.jit
-def _conv_bwd_scratch_kernel(x_ptr, tail_ptr, w_ptr, dy_ptr, dx_ptr, dw_part_ptr, scratch_ptr, T, C, n_tiles,
-                             n_ctiles, n_total, stride_xb, stride_xt, stride_tb, stride_tw, stride_dyb, stride_dyt,
-                             stride_dxb, stride_dxt, HAS_TAIL: tl.constexpr, BLOCK_T: tl.constexpr,
-                             BLOCK_C: tl.constexpr):
-    # W = 4. dL/d pre-activation g is formed once per row: for a tile's rows and for the 4 rows after
-    # it (the halo, recomputed by the next tile too). dx[t] = sum_k w[3-k] g[t+k] wants g shifted by
-    # 1..3 rows, which registers cannot do: the program writes g to its own scratch slot (a few KB,
-    # reused by every tile it takes, so it stays in L2) and reads it back shifted. Persistent: the
-    # grid is a few programs per SM, each walking tiles (channel tile fastest).
-    pid = tl.program_id(0)
-    lc = tl.arange(0, BLOCK_C)
-    rows = tl.arange(0, BLOCK_T)
-    halo = tl.arange(0, 4)
-    taps = tl.arange(0, 4)[:, None]
-    slot = scratch_ptr + pid.to(tl.int64) * ((BLOCK_T + 4) * BLOCK_C)
-    main_ptrs = slot + rows[:, None] * BLOCK_C + lc[None, :]
-    halo_ptrs = slot + (BLOCK_T + halo)[:, None] * BLOCK_C + lc[None, :]
-    for tile_id in tl.range(pid, n_total, tl.num_programs(0)):
-        ctile = tile_id % n_ctiles
-        tt = (tile_id // n_ctiles) % n_tiles
-        b = (tile_id // (n_ctiles * n_tiles)).to(tl.int64)
-        cols = ctile * BLOCK_C + lc
-        cmask = cols < C
-        x_base = x_ptr + b * stride_xb
-        tail_base = tail_ptr + b * stride_tb
-        dy_base = dy_ptr + b * stride_dyb
-        w0 = tl.load(w_ptr + cols * 4 + 0, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        w1 = tl.load(w_ptr + cols * 4 + 1, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        w2 = tl.load(w_ptr + cols * 4 + 2, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        w3 = tl.load(w_ptr + cols * 4 + 3, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        t = tt * BLOCK_T + rows
+        t0 = (span * SPAN_TILES + i) * BLOCK_T
+        t = t0 + rows
         x_m3 = _conv_input(x_base, tail_base, t - 3, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
         x_m2 = _conv_input(x_base, tail_base, t - 2, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
         x_m1 = _conv_input(x_base, tail_base, t - 1, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
         x_0 = _conv_input(x_base, tail_base, t, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
         dy = tl.load(dy_base + t.to(tl.int64)[:, None] * stride_dyt + cols[None, :],
                      mask=(t < T)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-        g = _dsilu(dy, w0 * x_m3 + w1 * x_m2 + w2 * x_m1 + w3 * x_0)
-        dw = tl.where(taps == 0, tl.sum(g * x_m3, axis=0)[None, :], 0.0)
-        dw = tl.where(taps == 1, tl.sum(g * x_m2, axis=0)[None, :], dw)
-        dw = tl.where(taps == 2, tl.sum(g * x_m1, axis=0)[None, :], dw)
-        dw = tl.where(taps == 3, tl.sum(g * x_0, axis=0)[None, :], dw)
-        tl.store(dw_part_ptr + ((b * n_tiles + tt) * 4 + taps) * C + cols[None, :], dw, mask=cmask[None, :])
-        th = tt * BLOCK_T + BLOCK_T + halo
+        g = _dsilu(dy, w0 * x_m3 + w1 * x_m2 + w2 * x_m1 + w3 * x_0)  # zero past T (dy is)
+        dw0 += g * x_m3
+        dw1 += g * x_m2
+        dw2 += g * x_m1
+        dw3 += g * x_0
+        th = t0 + BLOCK_T + halo  # the 4 rows after the tile
         h_m3 = _conv_input(x_base, tail_base, th - 3, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
         h_m2 = _conv_input(x_base, tail_base, th - 2, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
         h_m1 = _conv_input(x_base, tail_base, th - 1, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
@@ -317,6 +285,12 @@ def _conv_bwd_scratch_kernel(x_ptr, tail_ptr, w_ptr, dy_ptr, dx_ptr, dw_part_ptr
         dx = w3 * g + w2 * g1 + w1 * g2 + w0 * g3
         tl.store(dx_ptr + b * stride_dxb + t.to(tl.int64)[:, None] * stride_dxt + cols[None, :],
                  dx.to(dx_ptr.dtype.element_ty), mask=(t < T)[:, None] & cmask[None, :])
+    taps = tl.arange(0, 4)[:, None]
+    dw = tl.where(taps == 0, tl.sum(dw0, axis=0)[None, :], 0.0)
+    dw = tl.where(taps == 1, tl.sum(dw1, axis=0)[None, :], dw)
+    dw = tl.where(taps == 2, tl.sum(dw2, axis=0)[None, :], dw)
+    dw = tl.where(taps == 3, tl.sum(dw3, axis=0)[None, :], dw)
+    tl.store(dw_part_ptr + ((b * n_spans + span) * 4 + taps) * C + cols[None, :], dw, mask=cmask[None, :])
 
 
 @triton.jit
@@ -375,23 +349,21 @@ def backward(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor]
     block_t, block_c, warps = BACKWARD_TILES[form]
     n_tiles, n_ctiles = -(-T // block_t), -(-C // block_c)
     if form == "held":
-        span_tiles = max(1, min(HELD_SPAN_TILES, n_tiles))
-        n_spans = -(-n_tiles // span_tiles)
-        parts = torch.empty(B * n_spans, W, C, dtype=torch.float32, device=x.device)
-        _conv_bwd_held_kernel[(B * n_spans * n_ctiles,)](
-            x, tail_t, w, dy, dx, parts, T, C, n_spans, n_ctiles, x.stride(0), x.stride(1), stride_tb, stride_tw,
-            dy.stride(0), dy.stride(1), dx.stride(0), dx.stride(1), HAS_TAIL=has_tail, BLOCK_T=block_t,
-            BLOCK_C=block_c, SPAN_TILES=span_tiles, CHANNELS_FASTEST=HELD_CHANNELS_FASTEST, num_warps=warps,
-            num_stages=LOOP_STAGES)
-    elif form == "scratch":
         parts = torch.empty(B * n_tiles, W, C, dtype=torch.float32, device=x.device)
-        n_total = B * n_tiles * n_ctiles
-        n_programs = min(n_total, SCRATCH_PROGRAMS_PER_SM * _sm_count(x.device))
-        scratch = torch.empty(n_programs, block_t + 4, block_c, dtype=torch.float32, device=x.device)
-        _conv_bwd_scratch_kernel[(n_programs,)](
-            x, tail_t, w, dy, dx, parts, scratch, T, C, n_tiles, n_ctiles, n_total, x.stride(0), x.stride(1),
-            stride_tb, stride_tw, dy.stride(0), dy.stride(1), dx.stride(0), dx.stride(1), HAS_TAIL=has_tail,
-            BLOCK_T=block_t, BLOCK_C=block_c, num_warps=warps, num_stages=LOOP_STAGES)
+        _conv_bwd_held_kernel[(B, n_tiles, n_ctiles)](
+            x, tail_t, w, dy, dx, parts, T, C, n_tiles, x.stride(0), x.stride(1), stride_tb, stride_tw,
+            dy.stride(0), dy.stride(1), dx.stride(0), dx.stride(1), HAS_TAIL=has_tail, BLOCK_T=block_t,
+            BLOCK_C=block_c, num_warps=warps)
+    elif form == "scratch":
+        span_tiles = max(1, min(SCRATCH_SPAN_TILES, n_tiles))
+        n_spans = -(-n_tiles // span_tiles)
+        programs = B * n_spans * n_ctiles
+        parts = torch.empty(B * n_spans, W, C, dtype=torch.float32, device=x.device)
+        scratch = torch.empty(programs, block_t + 4, block_c, dtype=torch.float32, device=x.device)
+        _conv_bwd_scratch_kernel[(programs,)](
+            x, tail_t, w, dy, dx, parts, scratch, T, C, n_spans, n_ctiles, x.stride(0), x.stride(1), stride_tb,
+            stride_tw, dy.stride(0), dy.stride(1), dx.stride(0), dx.stride(1), HAS_TAIL=has_tail,
+            BLOCK_T=block_t, BLOCK_C=block_c, SPAN_TILES=span_tiles, num_warps=warps, num_stages=1)
     else:
         parts = torch.empty(B * n_tiles, W, C, dtype=torch.float32, device=x.device)
         two_pass = form == "two_pass"
