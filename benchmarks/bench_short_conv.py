@@ -4,8 +4,8 @@
 
 Medians of triton.testing.do_bench, bf16, at an 800M training micro-batch [4, 4096, C] for the GDN
 layer's q/k (C = 1152) and v (2304) widths: the op's forward and its backward launcher
-(natsl.fast.short_conv.backward, called directly: no autograd) for a few tile settings (the fastest
-is the one to keep in natsl/fast/short_conv.py), the "scratch" form over tiles and spans, with x
+(natsl.fast.short_conv.backward, called directly: no autograd) for a few settings of both forms (the
+fastest is the one to keep in natsl/fast/short_conv.py), the default "scratch" setting with x
 contiguous and as a column slice of a wider tensor (as the model hands it over); and,
 with --with-compiled, torch.compile(natsl.models.pointwise.conv_silu) as the model ran it before the
 op, forward and forward+backward through autograd. GB/s counts the
@@ -27,9 +27,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 FORWARD_TILES = ((32, 128), (64, 128), (32, 64))
-# (time, channels, warps, BACKWARD_FORM, dL/d pre-activation stored in fp32 by "two_pass")
-BACKWARD_TILES = ((64, 64, 4, "two_pass", True), (64, 64, 4, "two_pass", False), (64, 64, 4, "recompute", True),
-                  (64, 16, 2, "held", True))
+# "two_pass": (time, channels, warps) of its first kernel
+TWO_PASS_TILES = ((64, 64, 4), (32, 64, 4))
 # "scratch": (time, channels, warps, SCRATCH_SPAN_TILES)
 SCRATCH_SETTINGS = ((64, 32, 4, 8), (64, 32, 4, 4), (64, 32, 4, 16), (32, 32, 2, 8), (32, 32, 2, 16),
                     (32, 64, 4, 16), (128, 32, 4, 1))
@@ -78,15 +77,13 @@ def main() -> None:
             with torch.no_grad():
                 record(C, f"op fwd tile {tile}", do_bench(lambda: sc.short_conv_silu(x, w)), fwd_bytes)
         sc.FORWARD_TILE = FORWARD_TILES[0]
-        default = dict(sc.BACKWARD_TILES), sc.BACKWARD_FORM, sc.BACKWARD_DPRE_FP32
-        span_default = sc.SCRATCH_SPAN_TILES
-        for *tile, form, dpre_fp32 in BACKWARD_TILES:
-            sc.BACKWARD_TILES[form], sc.BACKWARD_FORM, sc.BACKWARD_DPRE_FP32 = tuple(tile), form, dpre_fp32
-            label = form + ((" fp32" if dpre_fp32 else " bf16") if form == "two_pass" else "")
-            record(C, f"op bwd {tuple(tile)} {label}",
-                   do_bench(lambda: sc.backward(x.detach(), w.detach(), None, dy)), bwd_bytes)
+        default = dict(sc.BACKWARD_TILES), sc.BACKWARD_FORM, sc.SCRATCH_SPAN_TILES
+        for tile in TWO_PASS_TILES:
+            sc.BACKWARD_TILES["two_pass"], sc.BACKWARD_FORM = tile, "two_pass"
+            record(C, f"op bwd two_pass {tile}", do_bench(lambda: sc.backward(x.detach(), w.detach(), None, dy)),
+                   bwd_bytes)
         # x as the model hands it over too (a column slice of a wider projection output): the default
-        # setting only (the seventh session's held settings timed alike both ways).
+        # setting only (the seventh session timed its settings alike both ways).
         wide = torch.randn(B, T, 2 * C, device="cuda", dtype=torch.bfloat16)
         for layout, xin, n in (("", x.detach(), None), (" strided x", wide[..., :C], 1)):
             for bt, bc, warps, span in SCRATCH_SETTINGS[:n]:
@@ -99,8 +96,7 @@ def main() -> None:
         dw = torch.empty(C, 4, device="cuda")
         record(C, "dw sum of 256 partials", do_bench(lambda: sc._dw_sum_kernel[(-(-4 * C // 128),)](
             parts, dw, 256, C, W=4, BLOCK_P=32, BLOCK_F=128, num_warps=4)), parts.numel() * 4)
-        sc.BACKWARD_TILES, sc.BACKWARD_FORM, sc.BACKWARD_DPRE_FP32 = default
-        sc.SCRATCH_SPAN_TILES = span_default
+        sc.BACKWARD_TILES, sc.BACKWARD_FORM, sc.SCRATCH_SPAN_TILES = default
     with open(args.out, "w") as fh:
         json.dump({"provenance": provenance(), "B": B, "T": T, "rows": rows}, fh, indent=1)
     print(f"wrote {args.out}")

@@ -43,15 +43,12 @@ def oracle(x, weight, tail, dy):
     return y.detach(), x64.grad, w64.grad
 
 
-# (natsl.fast.short_conv.BACKWARD_FORM, dL/d pre-activation stored in fp32) for every backward form.
-BACKWARD_FORMS = {"two passes": ("two_pass", True), "two passes, dpre in x's dtype": ("two_pass", False),
-                  "recompute": ("recompute", True), "held": ("held", True), "scratch": ("scratch", True)}
+# natsl.fast.short_conv.BACKWARD_FORM for every backward form.
+BACKWARD_FORMS = {"two passes": "two_pass", "scratch": "scratch"}
 
 
 def use_backward_form(monkeypatch, form):
-    name, dpre_fp32 = BACKWARD_FORMS[form]
-    monkeypatch.setattr(sc, "BACKWARD_FORM", name)
-    monkeypatch.setattr(sc, "BACKWARD_DPRE_FP32", dpre_fp32)
+    monkeypatch.setattr(sc, "BACKWARD_FORM", BACKWARD_FORMS[form])
 
 
 def run_fast(x, weight, tail, dy):
@@ -89,7 +86,7 @@ def test_forward_and_gradients_match_the_formula(T, C, with_tail, dtype, form, m
 @pytest.mark.parametrize("W", [2, 3, 5])
 @pytest.mark.parametrize("form", BACKWARD_FORMS)
 def test_other_conv_widths(W, form, monkeypatch):
-    """Widths other than the GDN's 4 (the "held" and "scratch" forms fall back to two passes there), with a tail."""
+    """Widths other than the GDN's 4 ("scratch" falls back to two passes there), with a tail."""
     use_backward_form(monkeypatch, form)
     gen = torch.Generator().manual_seed(W)
     x = torch.randn(2, 37, 40, generator=gen).to(DEVICE)
@@ -172,7 +169,7 @@ def test_an_unknown_backward_form_is_named(monkeypatch):
     monkeypatch.setattr(sc, "BACKWARD_FORM", "fastest")
     x = torch.randn(1, 5, 8, device=DEVICE, requires_grad=True)
     y = sc.short_conv_silu(x, torch.randn(8, 1, 4, device=DEVICE))
-    with pytest.raises(NatslError, match="'fastest'.*NATSL_SHORT_CONV_BACKWARD.*two_pass, recompute, held, scratch"):
+    with pytest.raises(NatslError, match="'fastest'.*NATSL_SHORT_CONV_BACKWARD.*two_pass, scratch"):
         y.sum().backward()
 
 

@@ -10,13 +10,13 @@ B x T rows.
 
 Forward: one pass over [time, channel] tiles; the W shifted reads of x hit the cache. Backward
 (`BACKWARD_FORM`): dL/d(pre-activation) needs the pre-activation, which is recomputed from x rather
-than saved (a second [B, T, C] tensor per conv); dx[t] needs it at the W output rows t .. t+W-1.
-"two_pass" stores it and a second kernel sums dx; "recompute" forms it at the W shifted rows in one
-kernel; "held" (W = 4) loads the 2W-1 shifted input tiles once and forms all four in registers;
-"scratch" (W = 4, the default) forms it once per row and reads it back shifted from a small
-per-program scratch slot. Each accumulates dx in fp32 and rounds it once, and writes a partial weight
-gradient per time tile (or span of tiles); one kernel sums the partials in a fixed order
-(deterministic, no atomics) into the weight's layout and dtype. The tail is read-only
+than saved (a second [B, T, C] tensor per conv); dx[t] needs it at the W output rows t .. t+W-1,
+that is shifted by up to W-1 rows, which a register tile cannot be. "scratch" (W = 4, the default)
+forms it once per row and reads it back shifted from a small per-program scratch slot that stays in
+L2; "two_pass" (any width) stores it as a [B, T, C] fp32 tensor and a second kernel sums dx. Both
+accumulate dx in fp32 and round it once, and write a partial weight gradient per time tile (or span
+of tiles); one kernel sums the partials in a fixed order (deterministic, no atomics) into the
+weight's layout and dtype. The tail is read-only
 (no gradient): training passes none, the cached prefill passes the conv state and wants no gradient.
 """
 
@@ -34,22 +34,19 @@ from natsl.fast import eager
 
 FORWARD_TILE = (32, 128)  # (time, channels); 4 warps
 # (time, channels, warps) per backward form, the fastest of each at the 800M widths on the H200
-# (2026-11-30, seventh and eighth sessions): "held" keeps 11 fp32 tiles live, so it wants small ones.
-BACKWARD_TILES = {"two_pass": (64, 64, 4), "recompute": (64, 64, 4), "held": (64, 16, 2), "scratch": (64, 32, 4)}
+# (2026-11-30, seventh and eighth sessions).
+BACKWARD_TILES = {"two_pass": (64, 64, 4), "scratch": (64, 32, 4)}
 # How the backward forms dx (each input row feeds the W output rows after it):
-#   "two_pass":  the first kernel stores dL/d(pre-activation), a second kernel sums dx from it;
-#   "recompute": one kernel recomputes the pre-activation at the W output rows of each input row;
-#   "held":      one kernel for W = 4 that loads the 2W-1 shifted input tiles once and holds them in
-#                registers (other widths fall back to "two_pass");
-#   "scratch":   one kernel for W = 4 that forms dL/d(pre-activation) once per row and reads it back
-#                shifted from a per-program scratch slot in L2 (other widths fall back to "two_pass").
+#   "scratch":  one kernel for W = 4 that forms dL/d(pre-activation) once per row and reads it back
+#               shifted from a per-program scratch slot in L2 (other widths fall back to "two_pass");
+#   "two_pass": the first kernel stores dL/d(pre-activation) in fp32, a second kernel sums dx from it.
+# Two more were measured and dropped (eighth session, side by side, ms at C = 1152 / 2304): one
+# recomputing the pre-activation at the W rows in one kernel (0.227 / 0.425) and "held", all 2W-1
+# shifted input tiles in registers (0.153 / 0.282), against "scratch" 0.135 / 0.238 and "two_pass"
+# 0.167 / 0.305 (0.164 / 0.263 with the stored values in bf16, which doubled dx's error).
 # NATSL_SHORT_CONV_BACKWARD picks one for a whole run (benchmarks compare them end to end).
-BACKWARD_FORMS = ("two_pass", "recompute", "held", "scratch")
+BACKWARD_FORMS = ("two_pass", "scratch")
 BACKWARD_FORM = os.environ.get("NATSL_SHORT_CONV_BACKWARD", "scratch")
-# "two_pass" stores dL/d(pre-activation) in fp32 (True) or in x's dtype (False: a third less memory
-# traffic for bf16; dx, a W-term sum of it, doubled its error in bf16 on the CPU, 3.3e-3 -> 6.2e-3
-# relative RMS; dw is summed from the fp32 values before the store).
-BACKWARD_DPRE_FP32 = True
 # "scratch": how many time tiles one program walks (its weight-gradient products summed in registers,
 # one partial per span; its scratch slot reused by each tile).
 SCRATCH_SPAN_TILES = 8
@@ -127,14 +124,14 @@ def _backward_program(x_ptr, tail_ptr, dy_ptr, C, stride_xb, stride_tb, stride_d
 
 
 @triton.jit
-def _conv_bwd_kernel(x_ptr, tail_ptr, w_ptr, dy_ptr, dx_ptr, dw_part_ptr, dpre_ptr, T, C, n_tiles,
-                     stride_xb, stride_xt, stride_tb, stride_tw, stride_dyb, stride_dyt, stride_dxb, stride_dxt,
-                     W: tl.constexpr, W_POW2: tl.constexpr, HAS_TAIL: tl.constexpr, TWO_PASS: tl.constexpr,
+def _conv_bwd_kernel(x_ptr, tail_ptr, w_ptr, dy_ptr, dw_part_ptr, dpre_ptr, T, C, n_tiles,
+                     stride_xb, stride_xt, stride_tb, stride_tw, stride_dyb, stride_dyt,
+                     W: tl.constexpr, W_POW2: tl.constexpr, HAS_TAIL: tl.constexpr,
                      BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    # "two_pass", first pass: dL/d pre-activation at output rows t, stored for _conv_dx_kernel, and
+    # this tile's share of dw.
     b, tile, t, cols, cmask, x_base, tail_base, dy_base = _backward_program(
         x_ptr, tail_ptr, dy_ptr, C, stride_xb, stride_tb, stride_dyb, BLOCK_T, BLOCK_C)
-
-    # Output rows t: their pre-activation gradient gives this tile's share of dw and the last tap of dx.
     dpre = _silu_grad(x_base, tail_base, w_ptr, dy_base, t, cols, cmask, T, stride_xt, stride_tw, stride_dyt,
                       W, HAS_TAIL, BLOCK_T, BLOCK_C)
     # This tile's dw partial as one [W, C] tile (taps padded to a power of two), stored once.
@@ -145,20 +142,8 @@ def _conv_bwd_kernel(x_ptr, tail_ptr, w_ptr, dy_ptr, dx_ptr, dw_part_ptr, dpre_p
         dw = tl.where(taps[:, None] == j, tl.sum(dpre * xv, axis=0)[None, :], dw)
     tl.store(dw_part_ptr + ((b * n_tiles + tile) * W + taps)[:, None] * C + cols[None, :], dw,
              mask=(taps < W)[:, None] & cmask[None, :])
-    if TWO_PASS:  # dx from the stored dpre in _conv_dx_kernel
-        tl.store(dpre_ptr + (b * T + t.to(tl.int64))[:, None] * C + cols[None, :],
-                 dpre.to(dpre_ptr.dtype.element_ty), mask=(t < T)[:, None] & cmask[None, :])
-        return
-    w_last = tl.load(w_ptr + cols * W + (W - 1), mask=cmask, other=0.0).to(tl.float32)
-    dx = dpre * w_last[None, :]
-    # Input row t also feeds output rows t + k through tap W-1-k.
-    for k in tl.static_range(1, W):
-        dpre_k = _silu_grad(x_base, tail_base, w_ptr, dy_base, t + k, cols, cmask, T, stride_xt, stride_tw,
-                            stride_dyt, W, HAS_TAIL, BLOCK_T, BLOCK_C)
-        wk = tl.load(w_ptr + cols * W + (W - 1 - k), mask=cmask, other=0.0).to(tl.float32)
-        dx += dpre_k * wk[None, :]
-    tl.store(dx_ptr + b * stride_dxb + t.to(tl.int64)[:, None] * stride_dxt + cols[None, :],
-             dx.to(dx_ptr.dtype.element_ty), mask=(t < T)[:, None] & cmask[None, :])
+    tl.store(dpre_ptr + (b * T + t.to(tl.int64))[:, None] * C + cols[None, :], dpre,
+             mask=(t < T)[:, None] & cmask[None, :])
 
 
 @triton.jit
@@ -178,45 +163,6 @@ def _conv_dx_kernel(dpre_ptr, w_ptr, dx_ptr, T, C, stride_dxb, stride_dxt, W: tl
         dx += dpre * wk[None, :]
     tl.store(dx_ptr + b * stride_dxb + t.to(tl.int64)[:, None] * stride_dxt + cols[None, :],
              dx.to(dx_ptr.dtype.element_ty), mask=(t < T)[:, None] & cmask[None, :])
-
-
-@triton.jit
-def _conv_bwd_held_kernel(x_ptr, tail_ptr, w_ptr, dy_ptr, dx_ptr, dw_part_ptr, T, C, n_tiles,
-                          stride_xb, stride_xt, stride_tb, stride_tw, stride_dyb, stride_dyt, stride_dxb,
-                          stride_dxt, HAS_TAIL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    # W = 4 written out: input rows t-3 .. t+3 are loaded once each (x_m3 .. x_p3), the pre-activation
-    # formed at output rows t .. t+3 (pre0 .. pre3), and dx[t] = sum_k w[3-k] dpre[t+k].
-    b, tile, t, cols, cmask, x_base, tail_base, dy_base = _backward_program(
-        x_ptr, tail_ptr, dy_ptr, C, stride_xb, stride_tb, stride_dyb, BLOCK_T, BLOCK_C)
-    w0 = tl.load(w_ptr + cols * 4 + 0, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    w1 = tl.load(w_ptr + cols * 4 + 1, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    w2 = tl.load(w_ptr + cols * 4 + 2, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    w3 = tl.load(w_ptr + cols * 4 + 3, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    x_m3 = _conv_input(x_base, tail_base, t - 3, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
-    x_m2 = _conv_input(x_base, tail_base, t - 2, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
-    x_m1 = _conv_input(x_base, tail_base, t - 1, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
-    x_0 = _conv_input(x_base, tail_base, t, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
-    x_p1 = _conv_input(x_base, tail_base, t + 1, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
-    x_p2 = _conv_input(x_base, tail_base, t + 2, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
-    x_p3 = _conv_input(x_base, tail_base, t + 3, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
-    dy_ptrs = dy_base + t.to(tl.int64)[:, None] * stride_dyt + cols[None, :]
-    dy0 = tl.load(dy_ptrs, mask=(t < T)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-    dy1 = tl.load(dy_ptrs + stride_dyt, mask=(t + 1 < T)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-    dy2 = tl.load(dy_ptrs + 2 * stride_dyt, mask=(t + 2 < T)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-    dy3 = tl.load(dy_ptrs + 3 * stride_dyt, mask=(t + 3 < T)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-    dpre0 = _dsilu(dy0, w0 * x_m3 + w1 * x_m2 + w2 * x_m1 + w3 * x_0)
-    dpre1 = _dsilu(dy1, w0 * x_m2 + w1 * x_m1 + w2 * x_0 + w3 * x_p1)
-    dpre2 = _dsilu(dy2, w0 * x_m1 + w1 * x_0 + w2 * x_p1 + w3 * x_p2)
-    dpre3 = _dsilu(dy3, w0 * x_0 + w1 * x_p1 + w2 * x_p2 + w3 * x_p3)
-    dx = w3 * dpre0 + w2 * dpre1 + w1 * dpre2 + w0 * dpre3
-    tl.store(dx_ptr + b * stride_dxb + t.to(tl.int64)[:, None] * stride_dxt + cols[None, :],
-             dx.to(dx_ptr.dtype.element_ty), mask=(t < T)[:, None] & cmask[None, :])
-    taps = tl.arange(0, 4)[:, None]
-    dw = tl.where(taps == 0, tl.sum(dpre0 * x_m3, axis=0)[None, :], 0.0)
-    dw = tl.where(taps == 1, tl.sum(dpre0 * x_m2, axis=0)[None, :], dw)
-    dw = tl.where(taps == 2, tl.sum(dpre0 * x_m1, axis=0)[None, :], dw)
-    dw = tl.where(taps == 3, tl.sum(dpre0 * x_0, axis=0)[None, :], dw)
-    tl.store(dw_part_ptr + ((b * n_tiles + tile) * 4 + taps) * C + cols[None, :], dw, mask=cmask[None, :])
 
 
 @triton.jit
@@ -345,16 +291,10 @@ def backward(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor]
     if BACKWARD_FORM not in BACKWARD_FORMS:
         raise NatslError(f"short conv backward form {BACKWARD_FORM!r} (NATSL_SHORT_CONV_BACKWARD) is not one of "
                          f"{', '.join(BACKWARD_FORMS)}")
-    form = BACKWARD_FORM if BACKWARD_FORM not in ("held", "scratch") or W == 4 else "two_pass"
+    form = "scratch" if BACKWARD_FORM == "scratch" and W == 4 else "two_pass"
     block_t, block_c, warps = BACKWARD_TILES[form]
     n_tiles, n_ctiles = -(-T // block_t), -(-C // block_c)
-    if form == "held":
-        parts = torch.empty(B * n_tiles, W, C, dtype=torch.float32, device=x.device)
-        _conv_bwd_held_kernel[(B, n_tiles, n_ctiles)](
-            x, tail_t, w, dy, dx, parts, T, C, n_tiles, x.stride(0), x.stride(1), stride_tb, stride_tw,
-            dy.stride(0), dy.stride(1), dx.stride(0), dx.stride(1), HAS_TAIL=has_tail, BLOCK_T=block_t,
-            BLOCK_C=block_c, num_warps=warps)
-    elif form == "scratch":
+    if form == "scratch":
         span_tiles = max(1, min(SCRATCH_SPAN_TILES, n_tiles))
         n_spans = -(-n_tiles // span_tiles)
         programs = B * n_spans * n_ctiles
@@ -366,17 +306,14 @@ def backward(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor]
             BLOCK_T=block_t, BLOCK_C=block_c, SPAN_TILES=span_tiles, num_warps=warps, num_stages=1)
     else:
         parts = torch.empty(B * n_tiles, W, C, dtype=torch.float32, device=x.device)
-        two_pass = form == "two_pass"
-        dpre_dtype = torch.float32 if BACKWARD_DPRE_FP32 else x.dtype
-        dpre = torch.empty(B, T, C, dtype=dpre_dtype, device=x.device) if two_pass else parts
+        dpre = torch.empty(B, T, C, dtype=torch.float32, device=x.device)
         _conv_bwd_kernel[(B, n_tiles, n_ctiles)](
-            x, tail_t, w, dy, dx, parts, dpre, T, C, n_tiles, x.stride(0), x.stride(1), stride_tb, stride_tw,
-            dy.stride(0), dy.stride(1), dx.stride(0), dx.stride(1), W=W, W_POW2=triton.next_power_of_2(W),
-            HAS_TAIL=has_tail, TWO_PASS=two_pass, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=warps)
-        if two_pass:
-            bt, bc = FORWARD_TILE
-            _conv_dx_kernel[(B, -(-T // bt), -(-C // bc))](dpre, w, dx, T, C, dx.stride(0), dx.stride(1), W=W,
-                                                            BLOCK_T=bt, BLOCK_C=bc, num_warps=4)
+            x, tail_t, w, dy, parts, dpre, T, C, n_tiles, x.stride(0), x.stride(1), stride_tb, stride_tw,
+            dy.stride(0), dy.stride(1), W=W, W_POW2=triton.next_power_of_2(W), HAS_TAIL=has_tail,
+            BLOCK_T=block_t, BLOCK_C=block_c, num_warps=warps)
+        bt, bc = FORWARD_TILE
+        _conv_dx_kernel[(B, -(-T // bt), -(-C // bc))](dpre, w, dx, T, C, dx.stride(0), dx.stride(1), W=W,
+                                                        BLOCK_T=bt, BLOCK_C=bc, num_warps=4)
     dw = torch.empty(C, W, dtype=weight.dtype, device=x.device)
     _dw_sum_kernel[(-(-W * C // 128),)](parts, dw, parts.shape[0], C, W=W, BLOCK_P=32, BLOCK_F=128, num_warps=4)
     return dx, dw.view(C, 1, W)
