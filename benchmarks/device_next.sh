@@ -1,15 +1,30 @@
 #!/usr/bin/env bash
-# The eighth session's closing device call (one H200, about 6 minutes): compiled training of the
-# hybrid with the "scratch" conv backward (the previous call's run hit its time cap while compiling),
-# then the Transformer, one after the other.
+# The call the eighth session leaves for the next (one H200, about 8 minutes; not run yet):
+#   1. where the ~19 ms between the profiled forward + backward (209 ms) and the training loop's step
+#      (228 ms) go: the compiled hybrid's whole step with clipping, the host's finite check and AdamW;
+#   2. the same for the Transformer (its gap is ~18 ms: 179 against 197);
+#   3. an instruction-level look at the conv backward ("scratch", ~0.9 TB/s): Nsight Compute, where
+#      the runtime lets it read counters (device/KINDS.md; --clock-control none per METHOD.md).
 #   bash benchmarks/device_next.sh
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/natsl_out}; mkdir -p $OUT
 python3 -c "from natsl.provenance import source_hash; print('natsl sources', source_hash())"
-train() {  # name, seconds, recipe
-  timeout -k 10 $2 python3 benchmarks/bench_training.py --recipes $3 --compile --max-steps 7 \
-      --warmup-steps 3 --micro-batch-size 4 --out $OUT/train_$1 > $OUT/train_$1.txt 2>&1
-  echo "$1: $(grep -E "^$3 " $OUT/train_$1.txt | tail -1 | cut -c1-120)"
-}
-train hybrid_scratch 220 800m_hybrid
-train transformer 140 800m_transformer
+for recipe in 800m_hybrid 800m_transformer; do
+  timeout -k 5 200 python3 benchmarks/profile_training_step.py --recipe $recipe --compile --optimizer --top 20 \
+      --out $OUT/profile_step_$recipe.json > $OUT/profile_step_$recipe.txt 2>&1
+  grep -E "step |GPU kernel time|^ +[0-9.]+ ms +[0-9.]+%  " $OUT/profile_step_$recipe.txt | head -12
+done
+cat > $OUT/conv_one.py <<'PY'
+import torch
+from natsl.fast import short_conv as sc
+x = torch.randn(4, 4096, 2304, device="cuda", dtype=torch.bfloat16)
+dy = torch.randn_like(x)
+w = torch.randn(2304, 1, 4, device="cuda")
+for _ in range(3):
+    sc.backward(x, w, None, dy)
+torch.cuda.synchronize()
+PY
+timeout -k 5 150 ncu --clock-control none --kernel-name regex:_conv_bwd_scratch_kernel --launch-count 1 \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
+    python3 $OUT/conv_one.py > $OUT/ncu_conv.txt 2>&1
+tail -80 $OUT/ncu_conv.txt | cut -c1-160

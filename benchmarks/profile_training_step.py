@@ -2,7 +2,9 @@
 
     python benchmarks/profile_training_step.py --recipe 800m_hybrid --batch 4 --seq-len 4096
 
-bf16 autocast and the chunked LM loss as in `natsl train` (no optimizer step). Prints the step's
+bf16 autocast and the chunked LM loss as in `natsl train`; with --optimizer also the rest of a
+training step as `natsl train` runs it: gradient clipping, the host reading the loss and gradient
+norm (its finite check, which waits for the GPU), the fused AdamW step. Prints the step's
 median time over a few repeats and the kernels that take the most GPU time, grouped by name; with
 --out, writes the table as JSON. The layers' pointwise pieces are compiled unless
 NATSL_COMPILE_POINTWISE=0 (natsl.models.pointwise), so running both shows what compiling buys;
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -28,6 +31,7 @@ from natsl.config import load_recipe  # noqa: E402
 from natsl.models import build_model  # noqa: E402
 from natsl.provenance import provenance  # noqa: E402
 from natsl.training.loss import linear_cross_entropy  # noqa: E402
+from natsl.training.optim import build_optimizer, no_decay_names  # noqa: E402
 from natsl.training.trainer import HiddenStates  # noqa: E402
 
 GDN_KERNELS = ("_prepare_kernel", "_state_fwd_kernel", "_output_kernel", "_local_dr_kernel", "_state_bwd_kernel",
@@ -52,6 +56,8 @@ def kernel_kind(name: str) -> str:
         return "matmuls"
     if name.startswith("triton_"):
         return "Inductor-fused"
+    if "multi_tensor_apply" in name or "lpnorm" in lowered:  # fused AdamW and the clipping norm (--optimizer)
+        return "optimizer and clipping (multi-tensor kernels)"
     return "other (PyTorch elementwise, copies, reductions)"
 
 
@@ -65,6 +71,8 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--device", default="cuda", help="cuda (the point), or cpu for a smoke run")
     parser.add_argument("--compile", action="store_true", help="torch.compile the whole model (as natsl train --compile)")
+    parser.add_argument("--optimizer", action="store_true",
+                        help="also clip, read the loss and norm on the host and take the AdamW step, as natsl train")
     args = parser.parse_args()
 
     recipe = load_recipe(args.recipe)
@@ -75,12 +83,17 @@ def main() -> None:
     ids = torch.randint(0, recipe.model.vocab_size, (args.batch, args.seq_len + 1), device=device)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     body = torch.compile(HiddenStates(model)) if args.compile else HiddenStates(model)
+    optimizer = build_optimizer(model, recipe.optim, device, no_decay_names(model), False) if args.optimizer else None
 
     def step():
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
             hidden = body(ids[:, :-1], model.rope_table(args.seq_len, device))  # as natsl train
             loss = linear_cross_entropy(hidden, model.lm_head.weight, ids[:, 1:])
         loss.backward()
+        if optimizer is not None:  # as Trainer.train_step / optimizer_step
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.optim.grad_clip or float("inf"))
+            if all(map(math.isfinite, (loss.item(), norm.item()))):
+                optimizer.step()
         model.zero_grad(set_to_none=True)
 
     step()  # compile, autotune, allocate
@@ -95,7 +108,8 @@ def main() -> None:
     step_ms = 1000 * statistics.median(times)
     tokens = args.batch * args.seq_len
     print(f"{args.recipe} B={args.batch} T={args.seq_len} compile_pointwise="
-          f"{os.environ.get('NATSL_COMPILE_POINTWISE', '1')} compile={args.compile}: fwd+bwd {step_ms:.1f} ms, {tokens / step_ms * 1e3:,.0f} tok/s")
+          f"{os.environ.get('NATSL_COMPILE_POINTWISE', '1')} compile={args.compile}: "
+          f"{'step' if args.optimizer else 'fwd+bwd'} {step_ms:.1f} ms, {tokens / step_ms * 1e3:,.0f} tok/s")
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA if cuda
                                                 else torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -119,7 +133,8 @@ def main() -> None:
         print(f"{r['ms']:8.2f} ms {100 * r['ms'] / total:5.1f}% {r['calls']:6d}x  {r['kernel']}")
     if args.out:
         Path(args.out).write_text(json.dumps({"recipe": args.recipe, "provenance": provenance(), "batch": args.batch,
-                                              "seq_len": args.seq_len, "compile": args.compile, "kinds_ms": kinds,
+                                              "seq_len": args.seq_len, "compile": args.compile,
+                                              "optimizer": args.optimizer, "kinds_ms": kinds,
                                               "step_ms": step_ms, "kernel_ms_total": total, "kernels": rows},
                                              indent=1))
 
