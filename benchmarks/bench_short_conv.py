@@ -5,12 +5,12 @@
 Medians of triton.testing.do_bench, bf16, at an 800M training micro-batch [4, 4096, C] for the GDN
 layer's q/k (C = 1152) and v (2304) widths: the op's forward and its backward launcher
 (natsl.fast.short_conv.backward, called directly: no autograd) for a few settings of both forms (the
-fastest is the one to keep in natsl/fast/short_conv.py), the default "scratch" setting with x
-contiguous and as a column slice of a wider tensor (as the model hands it over); and,
-with --with-compiled, torch.compile(natsl.models.pointwise.conv_silu) as the model ran it before the
-op, forward and forward+backward through autograd. GB/s counts the
-bytes a pass must move: forward x read and y written; backward dy and x read, dx written (the
-weight and its gradient are negligible).
+fastest is the one to keep in natsl/fast/short_conv.py), the default "scratch" setting also with x a
+column slice of a wider tensor (as the model hands it over), the weight-gradient partials' sum
+alone; and, with --with-compiled, torch.compile(natsl.models.pointwise.conv_silu) as the model ran
+it before the op, forward and forward+backward through autograd. GB/s counts the bytes a pass must
+move: forward x read and y written; backward dy and x read, dx written (the weight and its gradient
+are negligible).
 
 The first version (2026-11-30, sixth session) timed the op's forward+backward through
 torch.autograd.grad: at ~0.3-0.6 ms of GPU work that measured autograd's host time as much as the

@@ -16,8 +16,8 @@ forms it once per row and reads it back shifted from a small per-program scratch
 L2; "two_pass" (any width) stores it as a [B, T, C] fp32 tensor and a second kernel sums dx. Both
 accumulate dx in fp32 and round it once, and write a partial weight gradient per time tile (or span
 of tiles); one kernel sums the partials in a fixed order (deterministic, no atomics) into the
-weight's layout and dtype. The tail is read-only
-(no gradient): training passes none, the cached prefill passes the conv state and wants no gradient.
+weight's layout and dtype. The tail is read-only (no gradient): training passes none, the cached
+prefill passes the conv state and wants no gradient.
 """
 
 from __future__ import annotations
