@@ -4,7 +4,8 @@
 
 bf16 autocast and the chunked LM loss as in `natsl train`; with --optimizer also the rest of a
 training step as `natsl train` runs it: gradient clipping, the host reading the loss and gradient
-norm (its finite check, which waits for the GPU), the fused AdamW step. Prints the step's
+norm (its finite check, which waits for the GPU), the fused AdamW step (NATSL_FOLD_CLIP=1: clipping
+and the check inside the fused step, as natsl train does then). Prints the step's
 median time over a few repeats and the kernels that take the most GPU time, grouped by name; with
 --out, writes the table as JSON. The layers' pointwise pieces are compiled unless
 NATSL_COMPILE_POINTWISE=0 (natsl.models.pointwise), so running both shows what compiling buys;
@@ -31,7 +32,8 @@ from natsl.config import load_recipe  # noqa: E402
 from natsl.models import build_model  # noqa: E402
 from natsl.provenance import provenance  # noqa: E402
 from natsl.training.loss import linear_cross_entropy  # noqa: E402
-from natsl.training.optim import build_optimizer, no_decay_names  # noqa: E402
+from natsl.training.optim import (build_optimizer, fold_clip_requested, fused_step_with_clip,  # noqa: E402
+                                  no_decay_names, total_grad_norm)
 from natsl.training.trainer import HiddenStates  # noqa: E402
 
 GDN_KERNELS = ("_prepare_kernel", "_state_fwd_kernel", "_output_kernel", "_local_dr_kernel", "_state_bwd_kernel",
@@ -83,14 +85,19 @@ def main() -> None:
     ids = torch.randint(0, recipe.model.vocab_size, (args.batch, args.seq_len + 1), device=device)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     body = torch.compile(HiddenStates(model)) if args.compile else HiddenStates(model)
-    optimizer = build_optimizer(model, recipe.optim, device, no_decay_names(model), False) if args.optimizer else None
+    fold = args.optimizer and fold_clip_requested()  # NATSL_FOLD_CLIP=1, as natsl train
+    optimizer = (build_optimizer(model, recipe.optim, device, no_decay_names(model), False, fused=True if fold else None)
+                 if args.optimizer else None)
 
     def step():
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
             hidden = body(ids[:, :-1], model.rope_table(args.seq_len, device))  # as natsl train
             loss = linear_cross_entropy(hidden, model.lm_head.weight, ids[:, 1:])
         loss.backward()
-        if optimizer is not None:  # as Trainer.train_step / optimizer_step
+        if fold:  # as Trainer.train_step / optimizer_step: the step is launched before the host reads
+            fused_step_with_clip(optimizer, total_grad_norm(model.parameters()), recipe.optim.grad_clip, loss)
+            loss.item()
+        elif optimizer is not None:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.optim.grad_clip or float("inf"))
             if all(map(math.isfinite, (loss.item(), norm.item()))):
                 optimizer.step()

@@ -252,6 +252,75 @@ def test_non_finite_steps_are_skipped_then_stop(tmp_path, cache_env):
     assert not steps[0]["skipped"]
 
 
+def test_non_finite_steps_are_skipped_on_the_device_with_the_folded_clip(tmp_path, cache_env):
+    """NATSL_FOLD_CLIP=1 (the fused AdamW clips and skips): same stop, same records."""
+    out = tmp_path / "nan"
+    result = natsl_inproc(["train", *TINY, "optim.lr=1e30", "optim.min_lr=1e30", "train.max_bad_steps=3",
+                           "--max-steps", "20", "--out", str(out)], {**cache_env, "NATSL_FOLD_CLIP": "1"})
+    assert result.exit_code == 2, result.stderr
+    assert "3 steps in a row had a non-finite loss or gradient" in result.stderr
+    steps, _ = train_records(out)
+    assert [r["skipped"] for r in steps[-3:]] == [True] * 3 and not steps[0]["skipped"]
+
+
+def test_the_folded_clip_trains_as_the_plain_one(tmp_path, cache_env, monkeypatch):
+    """The same run with the clip inside the fused AdamW step and with clip_grad_norm_ + foreach AdamW:
+    the same gradient norms and losses up to rounding (grad_clip 1.0 is active at the start)."""
+    from natsl.training import trainer
+
+    calls = []
+    folded_step = trainer.fused_step_with_clip
+    monkeypatch.setattr(trainer, "fused_step_with_clip", lambda *a: calls.append(1) or folded_step(*a))
+    runs = {}
+    for fold in ("0", "1"):
+        out = tmp_path / f"fold{fold}"
+        result = natsl_inproc(["train", *TINY, "--max-steps", "6", "--out", str(out)],
+                              {**cache_env, "NATSL_FOLD_CLIP": fold})
+        assert result.exit_code == 0, result.stderr
+        runs[fold], _ = train_records(out)
+        assert len(calls) == (6 if fold == "1" else 0)  # the fold is taken only when asked for
+    plain, folded = runs["0"], runs["1"]
+    assert len(plain) == len(folded) == 6 and plain[0]["grad_norm"] > 1.0  # clipping at work
+    for a, b in zip(plain, folded):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3)
+    assert plain[-1]["loss"] != plain[0]["loss"]  # the steps were taken
+
+
+def test_fused_step_with_clip_equals_clip_then_step():
+    """In process on fused CPU AdamW: clipping active and inactive, no clipping, and a non-finite step
+    skipped on the device (parameters, moments and the step count untouched)."""
+    from natsl.training.optim import fused_step_with_clip, total_grad_norm
+
+    def run(fold, max_norm, scale, bad_step=None):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(40, 30)), torch.nn.Parameter(torch.randn(30))]
+        opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True)
+        gen = torch.Generator().manual_seed(1)
+        for step in range(4):
+            for p in params:
+                p.grad = scale * torch.randn(p.shape, generator=gen)
+            loss = torch.tensor(float("nan") if step == bad_step else 1.0)
+            if fold:
+                fused_step_with_clip(opt, total_grad_norm(params), max_norm, loss)
+            else:
+                norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+                if torch.isfinite(norm) and torch.isfinite(loss):
+                    opt.step()
+        return params, opt
+
+    for max_norm, scale, bad_step in ((1.0, 5.0, None), (100.0, 0.1, None), (0.0, 1.0, None), (1.0, 5.0, 2)):
+        (want, opt_want), (got, opt_got) = run(False, max_norm, scale, bad_step), run(True, max_norm, scale, bad_step)
+        for a, b in zip(want, got):
+            assert torch.allclose(a, b, rtol=1e-6, atol=1e-6), (max_norm, scale, bad_step)
+            assert opt_got.state[b]["step"].item() == opt_want.state[a]["step"].item() == (3 if bad_step else 4)
+            assert torch.allclose(opt_got.state[b]["exp_avg_sq"], opt_want.state[a]["exp_avg_sq"], rtol=1e-5)
+        assert not hasattr(opt_got, "found_inf") and not hasattr(opt_got, "grad_scale")
+    with pytest.raises(ValueError, match="fused=True"):
+        fused_step_with_clip(torch.optim.AdamW([torch.nn.Parameter(torch.ones(1))]), torch.tensor(1.0), 1.0,
+                             torch.tensor(1.0))
+
+
 def test_trains_on_a_tokenized_folder(tmp_path, cache_env):
     from natsl.data.builtin import generated_documents
 

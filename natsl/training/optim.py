@@ -7,6 +7,7 @@ biases; everything else (linear maps, embeddings, conv filters) decays by `optim
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -37,11 +38,44 @@ def param_groups(model: torch.nn.Module, weight_decay: float, plain_names: set[s
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, device: torch.device,
-                    plain_names: set[str] | None = None, sharded: bool = False) -> torch.optim.AdamW:
-    # The fused CUDA kernel for plain parameters; FSDP's sharded ones take the default (foreach) path.
-    fused = device.type == "cuda" and not sharded
+                    plain_names: set[str] | None = None, sharded: bool = False,
+                    fused: bool | None = None) -> torch.optim.AdamW:
+    # The fused kernel for plain CUDA parameters by default; FSDP's sharded ones take the foreach path.
+    fused = device.type == "cuda" and not sharded if fused is None else fused
     return torch.optim.AdamW(param_groups(model, cfg.weight_decay, plain_names), lr=cfg.min_lr,
                              betas=tuple(cfg.betas), eps=cfg.eps, fused=fused or None)
+
+
+def fold_clip_requested() -> bool:
+    """NATSL_FOLD_CLIP=1: clip and check the gradients inside the fused AdamW step (fused_step_with_clip).
+    Off by default until measured on the GPU."""
+    return os.environ.get("NATSL_FOLD_CLIP", "0") == "1"
+
+
+def total_grad_norm(parameters) -> torch.Tensor:
+    """The 2-norm over all gradients (what clip_grad_norm_ returns), without clipping them."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    return torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False)
+
+
+def fused_step_with_clip(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor, max_norm: float,
+                         loss: torch.Tensor) -> None:
+    """A fused AdamW step that clips the gradients to a total norm of `max_norm` (<= 0: no clipping)
+    and is skipped when the loss or the norm is not finite, decided on the device: the kernel divides
+    the gradients by its `grad_scale`, here max(1, norm / max_norm) (clip_grad_norm_ multiplies them
+    by the inverse), and skips the step (its step count too) when `found_inf` is 1 -- the attributes
+    torch's GradScaler sets on fused optimizers. Saves clip_grad_norm_'s read and write of every
+    gradient, and the host's wait for the loss between backward and step."""
+    if not optimizer.defaults.get("fused"):
+        raise ValueError("fused_step_with_clip needs an optimizer built with fused=True")
+    finite = torch.isfinite(grad_norm) & torch.isfinite(loss)
+    optimizer.found_inf = (~finite).to(torch.float32)
+    optimizer.grad_scale = (torch.clamp((grad_norm.float() + 1e-6) / max_norm, min=1.0) if max_norm > 0
+                            else None)
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf, optimizer.grad_scale
 
 
 def lr_at(tokens: int, cfg: OptimConfig, total_tokens: int) -> float:

@@ -37,7 +37,8 @@ from natsl.training.faults import fault_point
 from natsl.training.flops import flops_per_token, peak_flops
 from natsl.training.loss import DEFAULT_CHUNK, linear_cross_entropy
 from natsl.training.metrics import MetricsLog
-from natsl.training.optim import build_optimizer, lr_at, no_decay_names, set_lr
+from natsl.training.optim import (build_optimizer, fold_clip_requested, fused_step_with_clip, lr_at, no_decay_names,
+                                  set_lr, total_grad_norm)
 
 
 @dataclass
@@ -338,7 +339,10 @@ class Trainer:
         plain = no_decay_names(model)  # FSDP's sharded parameters lose the no-decay mark
         self.train_model = D.wrap(self.loss_module, self.info, r.train.parallel, blocks=model.layers)
         self.sharded = self.info.enabled and r.train.parallel == "fsdp"
-        self.optimizer = build_optimizer(model, r.optim, self.device, plain, self.sharded)  # on the parameters as wrapped
+        # NATSL_FOLD_CLIP=1: the fused AdamW clips and skips non-finite steps itself (plain parameters)
+        self.fold_clip = fold_clip_requested() and not self.sharded
+        self.optimizer = build_optimizer(model, r.optim, self.device, plain, self.sharded,  # on the parameters as wrapped
+                                         fused=True if self.fold_clip else None)
         self.names = {id(p): n for n, p in model.named_parameters()}
         if ckpt is not None:
             params = dict(model.named_parameters())
@@ -354,8 +358,9 @@ class Trainer:
 
     # ------------------------------------------------------------------------- steps
 
-    def train_step(self, step_samples: list[list[int]]) -> tuple[float, float, list[float]]:
-        """Forward/backward every micro-batch, all-reduce; returns (loss, grad norm, keep fractions)."""
+    def train_step(self, step_samples: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward/backward every micro-batch, all-reduce, clip (unless the optimizer step does); returns
+        (stats [loss, keep fraction per NAtS-L layer], gradient norm before clipping) on the device."""
         stats = torch.zeros(1 + len(self.natsl_layers), dtype=torch.float64, device=self.device)
         for m, indices in enumerate(step_samples):
             batch = self.sampler.batch(indices).to(self.device, non_blocking=True)
@@ -369,11 +374,11 @@ class Trainer:
                     stats[1 + j] += layer.last_keep.double().mean()
         D.all_reduce_sum(stats, self.info)
         stats /= self.accum * self.info.world_size
+        if self.fold_clip:
+            return stats, total_grad_norm(self.model.parameters())
         clip = self.recipe.optim.grad_clip
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
-        grad_norm = D.full_tensor(grad_norm)  # FSDP: a sharded norm
-        values = stats.tolist()
-        return values[0], float(grad_norm), values[1:]
+        return stats, D.full_tensor(grad_norm)  # FSDP: a sharded norm
 
     def optimizer_step(self, samples: list[list[int]]) -> dict:
         """One optimizer step on these samples (skipped if not finite); advances the state; its metrics record."""
@@ -381,10 +386,15 @@ class Trainer:
         t0 = time.perf_counter()
         lr = lr_at(self.state["tokens_seen"], r.optim, tc.total_tokens)
         set_lr(self.optimizer, lr)
-        loss, grad_norm, keep = self.train_step(samples)
+        stats, grad_norm = self.train_step(samples)
+        if self.fold_clip:  # launched before the host reads anything; skipped on the device if not finite
+            fused_step_with_clip(self.optimizer, grad_norm, r.optim.grad_clip, stats[0])
+        values, grad_norm = stats.tolist(), float(grad_norm)
+        loss, keep = values[0], values[1:]
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         if finite:
-            self.optimizer.step()
+            if not self.fold_clip:
+                self.optimizer.step()
             self.state["bad_in_row"] = 0
         else:
             self.state["bad_steps"] += 1
