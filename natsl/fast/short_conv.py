@@ -213,14 +213,9 @@ def _conv_bwd_scratch_kernel(x_ptr, tail_ptr, w_ptr, dy_ptr, dx_ptr, dw_part_ptr
         dw1 += g * x_m2
         dw2 += g * x_m1
         dw3 += g * x_0
-        th = t0 + BLOCK_T + halo  # the 4 rows after the tile
-        h_m3 = _conv_input(x_base, tail_base, th - 3, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
-        h_m2 = _conv_input(x_base, tail_base, th - 2, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
-        h_m1 = _conv_input(x_base, tail_base, th - 1, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
-        h_0 = _conv_input(x_base, tail_base, th, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
-        dy_h = tl.load(dy_base + th.to(tl.int64)[:, None] * stride_dyt + cols[None, :],
-                       mask=(th < T)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-        g_h = _dsilu(dy_h, w0 * h_m3 + w1 * h_m2 + w2 * h_m1 + w3 * h_0)
+        # g at the 4 rows after the tile (no x kept: they feed no weight gradient here)
+        g_h = _silu_grad(x_base, tail_base, w_ptr, dy_base, t0 + BLOCK_T + halo, cols, cmask, T, stride_xt,
+                         stride_tw, stride_dyt, 4, HAS_TAIL, 4, BLOCK_C)
         tl.debug_barrier()  # the previous tile's shifted reads of the slot are done
         tl.store(main_ptrs, g)
         tl.store(halo_ptrs, g_h)
