@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -32,8 +31,8 @@ from natsl.config import load_recipe  # noqa: E402
 from natsl.models import build_model  # noqa: E402
 from natsl.provenance import provenance  # noqa: E402
 from natsl.training.loss import linear_cross_entropy  # noqa: E402
-from natsl.training.optim import (build_optimizer, fold_clip_requested, fused_step_with_clip,  # noqa: E402
-                                  no_decay_names, total_grad_norm)
+from natsl.training.optim import (build_optimizer, clip_and_step, fold_clip_requested,  # noqa: E402
+                                  no_decay_names)
 from natsl.training.trainer import HiddenStates  # noqa: E402
 
 GDN_KERNELS = ("_prepare_kernel", "_state_fwd_kernel", "_output_kernel", "_local_dr_kernel", "_state_bwd_kernel",
@@ -94,13 +93,9 @@ def main() -> None:
             hidden = body(ids[:, :-1], model.rope_table(args.seq_len, device))  # as natsl train
             loss = linear_cross_entropy(hidden, model.lm_head.weight, ids[:, 1:])
         loss.backward()
-        if fold:  # as Trainer.train_step / optimizer_step: the step is launched before the host reads
-            fused_step_with_clip(optimizer, total_grad_norm(model.parameters()), recipe.optim.grad_clip, loss)
+        if optimizer is not None:  # as Trainer.optimizer_step, then its read of the values
+            float(clip_and_step(optimizer, model.parameters(), recipe.optim.grad_clip, loss, fold))
             loss.item()
-        elif optimizer is not None:
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.optim.grad_clip or float("inf"))
-            if all(map(math.isfinite, (loss.item(), norm.item()))):
-                optimizer.step()
         model.zero_grad(set_to_none=True)
 
     step()  # compile, autotune, allocate

@@ -266,11 +266,11 @@ def test_non_finite_steps_are_skipped_on_the_device_with_the_folded_clip(tmp_pat
 def test_the_folded_clip_trains_as_the_plain_one(tmp_path, cache_env, monkeypatch):
     """The same run with the clip inside the fused AdamW step and with clip_grad_norm_ + foreach AdamW:
     the same gradient norms and losses up to rounding (grad_clip 1.0 is active at the start)."""
-    from natsl.training import trainer
+    from natsl.training import optim
 
     calls = []
-    folded_step = trainer.fused_step_with_clip
-    monkeypatch.setattr(trainer, "fused_step_with_clip", lambda *a: calls.append(1) or folded_step(*a))
+    folded_step = optim.fused_step_with_clip
+    monkeypatch.setattr(optim, "fused_step_with_clip", lambda *a: calls.append(1) or folded_step(*a))
     runs = {}
     for fold in ("0", "1"):
         out = tmp_path / f"fold{fold}"

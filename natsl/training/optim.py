@@ -78,6 +78,23 @@ def fused_step_with_clip(optimizer: torch.optim.Optimizer, grad_norm: torch.Tens
         del optimizer.found_inf, optimizer.grad_scale
 
 
+def clip_and_step(optimizer: torch.optim.Optimizer, parameters, max_norm: float, loss: torch.Tensor, fold: bool,
+                  full_tensor=lambda t: t) -> torch.Tensor:
+    """After the backward: clip the gradients to a total norm of `max_norm` (<= 0: no clipping) and take
+    the optimizer step unless the loss or the norm is not finite; returns the norm before clipping.
+    `fold`: inside the fused step (fused_step_with_clip), nothing waits for the GPU; else
+    clip_grad_norm_ and a host check (`full_tensor` gathers an FSDP-sharded norm)."""
+    parameters = list(parameters)
+    if fold:
+        grad_norm = total_grad_norm(parameters)
+        fused_step_with_clip(optimizer, grad_norm, max_norm, loss)
+        return grad_norm
+    grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(parameters, max_norm if max_norm > 0 else float("inf")))
+    if math.isfinite(loss.item()) and math.isfinite(grad_norm.item()):
+        optimizer.step()
+    return grad_norm
+
+
 def lr_at(tokens: int, cfg: OptimConfig, total_tokens: int) -> float:
     """Linear warmup from min_lr to lr over warmup_tokens, then cosine down to min_lr at total_tokens."""
     if tokens < cfg.warmup_tokens:

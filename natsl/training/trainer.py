@@ -37,8 +37,8 @@ from natsl.training.faults import fault_point
 from natsl.training.flops import flops_per_token, peak_flops
 from natsl.training.loss import DEFAULT_CHUNK, linear_cross_entropy
 from natsl.training.metrics import MetricsLog
-from natsl.training.optim import (build_optimizer, fold_clip_requested, fused_step_with_clip, lr_at, no_decay_names,
-                                  set_lr, total_grad_norm)
+from natsl.training.optim import (build_optimizer, clip_and_step, fold_clip_requested, lr_at, no_decay_names,
+                                  set_lr)
 
 
 @dataclass
@@ -358,9 +358,9 @@ class Trainer:
 
     # ------------------------------------------------------------------------- steps
 
-    def train_step(self, step_samples: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward/backward every micro-batch, all-reduce, clip (unless the optimizer step does); returns
-        (stats [loss, keep fraction per NAtS-L layer], gradient norm before clipping) on the device."""
+    def train_step(self, step_samples: list[list[int]]) -> torch.Tensor:
+        """Forward/backward every micro-batch, all-reduce; returns the stats [loss, keep fraction per
+        NAtS-L layer] on the device."""
         stats = torch.zeros(1 + len(self.natsl_layers), dtype=torch.float64, device=self.device)
         for m, indices in enumerate(step_samples):
             batch = self.sampler.batch(indices).to(self.device, non_blocking=True)
@@ -374,11 +374,7 @@ class Trainer:
                     stats[1 + j] += layer.last_keep.double().mean()
         D.all_reduce_sum(stats, self.info)
         stats /= self.accum * self.info.world_size
-        if self.fold_clip:
-            return stats, total_grad_norm(self.model.parameters())
-        clip = self.recipe.optim.grad_clip
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
-        return stats, D.full_tensor(grad_norm)  # FSDP: a sharded norm
+        return stats
 
     def optimizer_step(self, samples: list[list[int]]) -> dict:
         """One optimizer step on these samples (skipped if not finite); advances the state; its metrics record."""
@@ -386,15 +382,14 @@ class Trainer:
         t0 = time.perf_counter()
         lr = lr_at(self.state["tokens_seen"], r.optim, tc.total_tokens)
         set_lr(self.optimizer, lr)
-        stats, grad_norm = self.train_step(samples)
-        if self.fold_clip:  # launched before the host reads anything; skipped on the device if not finite
-            fused_step_with_clip(self.optimizer, grad_norm, r.optim.grad_clip, stats[0])
+        stats = self.train_step(samples)
+        # clipped, and stepped only if the loss and the norm are finite (FSDP: the norm gathered)
+        grad_norm = clip_and_step(self.optimizer, self.model.parameters(), r.optim.grad_clip, stats[0],
+                                  self.fold_clip, D.full_tensor)
         values, grad_norm = stats.tolist(), float(grad_norm)
         loss, keep = values[0], values[1:]
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         if finite:
-            if not self.fold_clip:
-                self.optimizer.step()
             self.state["bad_in_row"] = 0
         else:
             self.state["bad_steps"] += 1
