@@ -59,13 +59,13 @@ def log(*a):
     print(f"[{time.time() - START:6.1f}s]", *a, flush=True)
 
 
-def inputs(T, seed=0, requires_grad=False):
+def inputs(T, seed=0, requires_grad=False, B=1):
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    q = F.normalize(torch.randn(1, T, H, K, device="cuda", generator=gen), dim=-1).to(DT)
-    k = F.normalize(torch.randn(1, T, H, K, device="cuda", generator=gen), dim=-1).to(DT)
-    v = torch.randn(1, T, H, V, device="cuda", generator=gen).to(DT)
-    g = F.logsigmoid(torch.randn(1, T, H, device="cuda", generator=gen) + 2.0)  # fp32, as the layer makes it
-    beta = torch.sigmoid(torch.randn(1, T, H, device="cuda", generator=gen)).to(DT)
+    q = F.normalize(torch.randn(B, T, H, K, device="cuda", generator=gen), dim=-1).to(DT)
+    k = F.normalize(torch.randn(B, T, H, K, device="cuda", generator=gen), dim=-1).to(DT)
+    v = torch.randn(B, T, H, V, device="cuda", generator=gen).to(DT)
+    g = F.logsigmoid(torch.randn(B, T, H, device="cuda", generator=gen) + 2.0)  # fp32, as the layer makes it
+    beta = torch.sigmoid(torch.randn(B, T, H, device="cuda", generator=gen)).to(DT)
     xs = [q, k, v, g, beta]
     if requires_grad:
         xs = [x.requires_grad_() for x in xs]
@@ -142,12 +142,12 @@ def correctness(results):
 
 
 # ----------------------------------------------------------------------------- 2. sweep
-def stage_runner(T):
+def stage_runner(T, B=1):
     """Closures that run each kernel stage alone on fixed inputs (in the current config)."""
-    q, k, v, g, beta = inputs(T, seed=1)
+    q, k, v, g, beta = inputs(T, seed=1, B=B)
     NB = triton.cdiv(T, C)
-    w32 = torch.randint(0, 2, (1, NB, H), device="cuda").float()
-    do = torch.randn(1, T, H, V, device="cuda").to(DT)
+    w32 = torch.randint(0, 2, (B, NB, H), device="cuda").float()
+    do = torch.randn(B, T, H, V, device="cuda").to(DT)
     prec = fp32_precision(DT)
     wdt = torch.float32 if config.INTERMEDIATE == "fp32" else DT
     scale = K**-0.5
@@ -160,7 +160,7 @@ def stage_runner(T):
                                            prec, config.STATE_BWD)
     st["dq"], st["dkp"], st["dw"], st["dgp"], _, _ = grad_qk(q, k, st["gc"], w32, st["h"], st["dh"], st["r"],
                                                              st["dr"], do, scale, C, prec, config.GRAD_QK)
-    dgl = torch.zeros(1, NB, H, device="cuda")
+    dgl = torch.zeros(B, NB, H, device="cuda")
     return {
         "PREPARE": lambda: prepare_chunks(k, v, g, beta, C, config.PREPARE, wdt),
         "STATE_FWD": lambda: state_forward(st["w"], st["u"], k, st["gc"], w32, None, False, C, True, prec,
@@ -211,20 +211,45 @@ SWEEP = {
 }
 
 
-def sweep(results, T, mode, budget_s):
+def _grid(BVs, warps, stages):
+    return [dict(BV=bv, num_warps=w, num_stages=s) for bv in BVs for w in warps for s in stages]
+
+
+# The training shape (B=4, T=4096: B*H = 24 heads, 64 chunks) has 4x the programs of B=1 at any T, so
+# the sequential kernels' best V slice may differ from the T=128K sweep's; a wider net, "input" mode.
+SWEEP_TRAIN = {  # in order of the stages' share of the hybrid's step (call 6 of 2026-11-30h)
+    "input": {
+        # BV=16 with 8 warps last: it hit an illegal memory access in the state backward (2026-11-30i
+        # call 1), which poisons the process's CUDA context (run each stage in its own process: --stages)
+        "STATE_BWD": _grid((32, 64), (4, 8), (1, 2)) + _grid((16,), (2, 4), (2,)) + _grid((16,), (8,), (2,)),
+        "GRAD_WY": [dict(num_warps=w, num_stages=s) for w in (2, 4, 8) for s in (2, 3)],
+        "GRAD_QK": _grid((32, 64), (4, 8), (3,)) + _grid((32,), (4,), (2,)) + _grid((16,), (4, 8), (3,)),
+        "STATE_FWD": _grid((32, 64), (4, 8), (3,)) + _grid((16, 32), (2,), (3,)) + _grid((64,), (4,), (2,))
+        + _grid((16,), (4, 8), (3,)),
+        "PREPARE": [dict(num_warps=w, num_stages=3) for w in (1, 2, 4)] + [dict(num_warps=2, num_stages=4)],
+        "OUTPUT": _grid((32, 64, 128), (4, 8), (2,)),
+        "LOCAL_DR": _grid((32, 64, 128), (4,), (3,)),
+    },
+}
+
+
+def sweep(results, T, mode, budget_s, B=1, variants=SWEEP, only=None):
     """Time every stage under its variants, each checked against the default settings' output;
     return the fastest verified settings per stage."""
     config.INTERMEDIATE = mode
     try:
-        stages = stage_runner(T)
+        stages = stage_runner(T, B)
         best = {}
-        for name, fn in stages.items():
+        order = list(variants[mode]) + [n for n in stages if n not in variants[mode]]
+        order = [n for n in order if only is None or n in only]
+        for name in order:
+            fn = stages[name]
             cfg0 = copy.deepcopy(getattr(config, name))
             ref_out = [x.float().clone() for x in first_tensors(fn())]
-            entry = dict(mode=mode, stage=name, default=cfg0, default_ms=median_ms(fn), variants=[])
+            entry = dict(mode=mode, stage=name, B=B, T=T, default=cfg0, default_ms=median_ms(fn), variants=[])
             best[name] = (entry["default_ms"], cfg0)
             log("SWEEP", mode, name, cfg0, f"{entry['default_ms']:.3f} ms")
-            for cfg in SWEEP[mode].get(name, []):
+            for cfg in variants[mode].get(name, []):
                 if time.time() - START > budget_s:
                     log("SWEEP: time budget reached, skipping the rest")
                     break
@@ -235,7 +260,7 @@ def sweep(results, T, mode, budget_s):
                     ms = median_ms(fn)
                     entry["variants"].append(dict(cfg=cfg, ms=ms, max_rel_err_vs_default=err))
                     log("  ", cfg, f"{ms:.3f} ms", f"err vs default {err:.1e}")
-                    if err < 1e-3 and ms < best[name][0]:
+                    if err < 5e-3 and ms < best[name][0]:
                         best[name] = (ms, copy.deepcopy(cfg))
                 except Exception as exc:
                     entry["variants"].append(dict(cfg=cfg, error=repr(exc)))
@@ -316,6 +341,9 @@ def main():
     ap.add_argument("--skip", default="", help="comma list of steps to skip: check,sweep,time")
     ap.add_argument("--sweep-budget", type=float, default=130.0, help="stop sweeping after this many seconds")
     ap.add_argument("--modes", default=",".join(MODES), help="intermediate dtypes to sweep and time: fp32,input")
+    ap.add_argument("--sweep-shape", default=f"1,{LENGTHS[-1]}",
+                    help="B,T of the sweep; 4,4096 (the training shape) also widens the variants (SWEEP_TRAIN)")
+    ap.add_argument("--stages", default="", help="comma list of the stages to sweep (default: all)")
     args = ap.parse_args()
     modes = tuple(filter(None, args.modes.split(",")))
     skip = set(filter(None, args.skip.split(",")))
@@ -329,9 +357,12 @@ def main():
     fla = load_fla()
     best = results["best"]
     steps = [("check", lambda: correctness(results))]
+    sweep_b, sweep_t = (int(x) for x in args.sweep_shape.split(","))
+    variants = SWEEP_TRAIN if (sweep_b, sweep_t) == (4, 4096) else SWEEP
     for mode in modes:
         steps.append(("sweep", lambda mode=mode: best.__setitem__(
-            mode, sweep(results, LENGTHS[-1], mode, args.sweep_budget))))
+            mode, sweep(results, sweep_t, mode, args.sweep_budget, sweep_b, variants,
+                        set(args.stages.split(",")) if args.stages else None))))
     steps.append(("time", lambda: timings(results, fla, best, modes)))
     for step, fn in steps:
         if step in skip:

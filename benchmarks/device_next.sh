@@ -1,36 +1,26 @@
 #!/usr/bin/env bash
-# The call the eighth session leaves for the next (one H200, about 9 minutes; not run yet):
-#   1. the compiled hybrid trained with the clip and finite check inside the fused AdamW step
-#      (NATSL_FOLD_CLIP=1, built after the session's device time ran out) and without, side by side;
-#   2. where the ~19 ms between the profiled forward + backward (209 ms) and the loop's step (228 ms)
-#      go: the whole compiled step (clipping, the host's finite check, AdamW) both ways;
-#   3. an instruction-level look at the conv backward ("scratch", ~0.9 TB/s): Nsight Compute, where
-#      the runtime lets it read counters (device/KINDS.md; --clock-control none per METHOD.md).
-#   bash benchmarks/device_next.sh
+# The ninth session's second call (one H200, about 8 minutes):
+#   1. the gated-delta kernels' launch settings at the training shape (B=4, T=4096), one process per
+#      stage (a launch setting that faults poisons its process's CUDA context: call 1 lost its sweep so);
+#   2. the conv backward's "scratch" settings, each checked against the default's output (Nsight Compute
+#      in call 1: 12.5% occupancy, limited by registers);
+#   3. the whole compiled training step (NATSL_FOLD_CLIP=0, the default) with the GPU's idle gaps.
+#   bash benchmarks/device_next.sh      (writes under $OUT; everything printed also lands in $OUT/log.txt)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/natsl_out}; mkdir -p $OUT
+OUT=${OUT:-/tmp/natsl_out}; mkdir -p $OUT /tmp/gdn
+{
 python3 -c "from natsl.provenance import source_hash; print('natsl sources', source_hash())"
-for fold in 0 1 0 1; do
-  NATSL_FOLD_CLIP=$fold timeout -k 10 200 python3 benchmarks/bench_training.py --recipes 800m_hybrid --compile \
-      --max-steps 7 --warmup-steps 3 --micro-batch-size 4 --out $OUT/train_fold$fold > $OUT/train_fold$fold.txt 2>&1
-  echo "fold $fold: $(grep -E '^800m_hybrid ' $OUT/train_fold$fold.txt | tail -1 | cut -c1-120)"
+for stage in STATE_BWD GRAD_WY GRAD_QK STATE_FWD PREPARE OUTPUT LOCAL_DR; do
+  mkdir -p /tmp/gdn/$stage
+  timeout -k 5 90 python3 benchmarks/device_gated_delta.py --skip check,time --modes input --sweep-shape 4,4096 \
+      --stages $stage --sweep-budget 75 --out /tmp/gdn/$stage 2>&1 | grep -E "SWEEP|ms|ERROR" | grep -v "^SWEEP input" | cut -c1-150
 done
-for fold in 0 1; do
-  NATSL_FOLD_CLIP=$fold timeout -k 5 150 python3 benchmarks/profile_training_step.py --recipe 800m_hybrid --compile \
-      --optimizer --top 20 --out $OUT/profile_step_fold$fold.json > $OUT/profile_step_fold$fold.txt 2>&1
-  grep -E "step |GPU kernel time|^ +[0-9.]+ ms +[0-9.]+%  " $OUT/profile_step_fold$fold.txt | head -10
-done
-cat > $OUT/conv_one.py <<'PY'
-import torch
-from natsl.fast import short_conv as sc
-x = torch.randn(4, 4096, 2304, device="cuda", dtype=torch.bfloat16)
-dy = torch.randn_like(x)
-w = torch.randn(2304, 1, 4, device="cuda")
-for _ in range(3):
-    sc.backward(x, w, None, dy)
-torch.cuda.synchronize()
+python3 - <<'PY'
+import glob, json, os
+merged = [e for f in sorted(glob.glob("/tmp/gdn/*/gated_delta.json")) for e in json.load(open(f))["sweep"]]
+json.dump(merged, open(os.environ.get("OUT", "/tmp/natsl_out") + "/gdn_sweep_train_shape.json", "w"), indent=1)
 PY
-timeout -k 5 100 ncu --clock-control none --kernel-name regex:_conv_bwd_scratch_kernel --launch-count 1 \
-    --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
-    python3 $OUT/conv_one.py > $OUT/ncu_conv.txt 2>&1
-tail -80 $OUT/ncu_conv.txt | cut -c1-160
+timeout -k 5 120 python3 benchmarks/bench_short_conv.py --out $OUT/bench_short_conv.json 2>&1 | grep -E "bwd|error|Error"
+NATSL_FOLD_CLIP=0 timeout -k 5 200 python3 benchmarks/profile_training_step.py --recipe 800m_hybrid --compile \
+    --optimizer --top 12 --out $OUT/profile_step_fold0.json 2>&1 | grep -v -i "warn\|online softmax\|split the\|important use\|^$"
+} 2>&1 | tee $OUT/log.txt

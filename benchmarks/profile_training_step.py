@@ -10,7 +10,9 @@ median time over a few repeats and the kernels that take the most GPU time, grou
 --out, writes the table as JSON. The layers' pointwise pieces are compiled unless
 NATSL_COMPILE_POINTWISE=0 (natsl.models.pointwise), so running both shows what compiling buys;
 --compile compiles the whole model's hidden states as `natsl train --compile` does. Kernel time is
-also summed by kind (matmuls, the two fast ops, SDPA, Inductor-fused, other).
+also summed by kind (matmuls, the two fast ops, SDPA, Inductor-fused, other). On the GPU it also
+reports where the GPU sat idle inside the profiled step: the gaps between consecutive kernels longer
+than 20 us (the host not keeping up, or waiting for the GPU), with the kernels on either side.
 """
 
 from __future__ import annotations
@@ -60,6 +62,28 @@ def kernel_kind(name: str) -> str:
     if "multi_tensor_apply" in name or "lpnorm" in lowered:  # fused AdamW and the clipping norm (--optimizer)
         return "optimizer and clipping (multi-tensor kernels)"
     return "other (PyTorch elementwise, copies, reductions)"
+
+
+def idle_gaps(prof, min_us: float = 20.0) -> dict:
+    """The GPU's idle time between the first and last kernel of a profiled CUDA timeline: gaps between
+    consecutive kernels (by start time) longer than `min_us`, largest first, with their neighbours."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel" and "dur" in e), key=lambda e: e["ts"])
+    if not kernels:
+        return {"span_ms": 0.0, "idle_ms": 0.0, "gaps": []}
+    gaps, end = [], kernels[0]["ts"] + kernels[0]["dur"]
+    for prev, e in zip(kernels, kernels[1:]):
+        if e["ts"] - end > min_us:
+            gaps.append({"us": e["ts"] - end, "at_ms": (end - kernels[0]["ts"]) / 1e3,
+                         "after": prev["name"][:60], "before": e["name"][:60]})
+        end = max(end, e["ts"] + e["dur"])
+    gaps.sort(key=lambda g: -g["us"])
+    return {"span_ms": (end - kernels[0]["ts"]) / 1e3, "idle_ms": sum(g["us"] for g in gaps) / 1e3,
+            "kernels": len(kernels), "gaps": gaps[:40], "n_gaps": len(gaps)}
 
 
 def main() -> None:
@@ -133,11 +157,18 @@ def main() -> None:
         print(f"{ms:8.2f} ms {100 * ms / total:5.1f}%  {kind}")
     for r in rows[:args.top]:
         print(f"{r['ms']:8.2f} ms {100 * r['ms'] / total:5.1f}% {r['calls']:6d}x  {r['kernel']}")
+    gaps = idle_gaps(prof) if cuda else None
+    if gaps:
+        print(f"GPU timeline of the profiled step: {gaps['span_ms']:.1f} ms from first to last kernel "
+              f"({gaps.get('kernels', 0)} kernels), idle {gaps['idle_ms']:.1f} ms in {gaps.get('n_gaps', 0)} gaps > 20 us")
+        for g in gaps["gaps"][:12]:
+            print(f"  {g['us'] / 1e3:7.2f} ms idle at {g['at_ms']:7.1f} ms: after {g['after']} / before {g['before']}")
     if args.out:
         Path(args.out).write_text(json.dumps({"recipe": args.recipe, "provenance": provenance(), "batch": args.batch,
                                               "seq_len": args.seq_len, "compile": args.compile,
                                               "optimizer": args.optimizer, "kinds_ms": kinds,
-                                              "step_ms": step_ms, "kernel_ms_total": total, "kernels": rows},
+                                              "step_ms": step_ms, "kernel_ms_total": total, "kernels": rows,
+                                              "idle": gaps},
                                              indent=1))
 
 
