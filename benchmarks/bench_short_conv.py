@@ -87,9 +87,9 @@ def main() -> None:
         # x as the model hands it over too (a column slice of a wider projection output): the default
         # setting only (the seventh session timed its settings alike both ways).
         wide = torch.randn(B, T, 2 * C, device="cuda", dtype=torch.bfloat16)
-        sc.BACKWARD_TILES, sc.BACKWARD_FORM, sc.SCRATCH_SPAN_TILES = dict(default[0]), default[1], default[2]
-        expected = sc.backward(x.detach(), w.detach(), None, dy)  # each setting checked against the default's
         for layout, xin, n in (("", x.detach(), None), (" strided x", wide[..., :C], 1)):
+            sc.BACKWARD_TILES, sc.BACKWARD_FORM, sc.SCRATCH_SPAN_TILES = dict(default[0]), default[1], default[2]
+            expected = sc.backward(xin, w.detach(), None, dy)  # each setting checked against the default's
             for bt, bc, warps, span in SCRATCH_SETTINGS[:n]:
                 sc.BACKWARD_TILES["scratch"], sc.BACKWARD_FORM = (bt, bc, warps), "scratch"
                 sc.SCRATCH_SPAN_TILES = span

@@ -98,7 +98,12 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="torch.compile the whole model (as natsl train --compile)")
     parser.add_argument("--optimizer", action="store_true",
                         help="also clip, read the loss and norm on the host and take the AdamW step, as natsl train")
+    parser.add_argument("--compare-fold", action="store_true",
+                        help="with --optimizer: time whole steps with the clip folded into the fused AdamW step "
+                             "(NATSL_FOLD_CLIP=1) and without, interleaved in this one process, before the profile")
     args = parser.parse_args()
+    if args.compare_fold and not args.optimizer:
+        parser.error("--compare-fold needs --optimizer")
 
     recipe = load_recipe(args.recipe)
     device = torch.device(args.device)
@@ -109,10 +114,11 @@ def main() -> None:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     body = torch.compile(HiddenStates(model)) if args.compile else HiddenStates(model)
     fold = args.optimizer and fold_clip_requested()  # NATSL_FOLD_CLIP=1, as natsl train
-    optimizer = (build_optimizer(model, recipe.optim, device, no_decay_names(model), False, fused=True if fold else None)
+    optimizer = (build_optimizer(model, recipe.optim, device, no_decay_names(model), False,
+                                 fused=True if fold or args.compare_fold else None)
                  if args.optimizer else None)
 
-    def step():
+    def step(fold=fold):
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
             hidden = body(ids[:, :-1], model.rope_table(args.seq_len, device))  # as natsl train
             loss = linear_cross_entropy(hidden, model.lm_head.weight, ids[:, 1:])
@@ -133,6 +139,21 @@ def main() -> None:
         times.append(time.perf_counter() - start)
     step_ms = 1000 * statistics.median(times)
     tokens = args.batch * args.seq_len
+    fold_ms = None
+    if args.compare_fold:  # both ways on one compiled model and one fused AdamW, interleaved
+        runs: dict = {False: [], True: []}
+        step(True)
+        for _ in range(args.repeats):
+            for way in (False, True):
+                sync()
+                start = time.perf_counter()
+                step(way)
+                sync()
+                runs[way].append(1000 * (time.perf_counter() - start))
+        fold_ms = {"clip then step": statistics.median(runs[False]), "folded": statistics.median(runs[True]),
+                   "runs": {str(k): v for k, v in runs.items()}}
+        print(f"whole step, median of {args.repeats} interleaved: clip then step {fold_ms['clip then step']:.1f} ms, "
+              f"folded into the fused AdamW step {fold_ms['folded']:.1f} ms")
     print(f"{args.recipe} B={args.batch} T={args.seq_len} compile_pointwise="
           f"{os.environ.get('NATSL_COMPILE_POINTWISE', '1')} compile={args.compile}: "
           f"{'step' if args.optimizer else 'fwd+bwd'} {step_ms:.1f} ms, {tokens / step_ms * 1e3:,.0f} tok/s")
@@ -168,7 +189,7 @@ def main() -> None:
                                               "seq_len": args.seq_len, "compile": args.compile,
                                               "optimizer": args.optimizer, "kinds_ms": kinds,
                                               "step_ms": step_ms, "kernel_ms_total": total, "kernels": rows,
-                                              "idle": gaps},
+                                              "idle": gaps, "fold_compare_ms": fold_ms},
                                              indent=1))
 
 

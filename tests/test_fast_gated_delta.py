@@ -20,6 +20,7 @@ import torch.nn.functional as F  # noqa: E402
 from natsl.errors import NatslError  # noqa: E402
 from natsl.fast.gated_delta import commit_block, config, gated_delta_rule, gated_delta_step  # noqa: E402
 from natsl.fast.gated_delta.prepare import _prepare_kernel  # noqa: E402
+from natsl.fast.gated_delta.state import state_slice  # noqa: E402
 from natsl.reference.gated_delta import gated_delta_rule as reference  # noqa: E402
 from natsl.reference.route_grad import gated_delta_write_grad  # noqa: E402
 
@@ -82,8 +83,9 @@ def run_with_grads(fn, inputs, write, h0, do, d_final, **kw):
 
 
 def compare(B, T, H, K, V, *, seed, dtype=torch.float32, write_kind="random", decay_skipped_blocks=True,
-            route_grad="full", block_size=64, with_h0=True, with_final=True, oracle=None):
-    """Fast vs reference (fp32, on the same input values) on fresh inputs; returns the errors."""
+            route_grad="full", block_size=64, with_h0=True, with_final=True, oracle=None, keep=False):
+    """Fast vs reference (fp32, on the same input values) on fresh inputs; returns the errors (keep:
+    and the fast outputs and gradients)."""
     NB = -(-T // block_size)
     inputs = make_inputs(B, T, H, K, V, seed=seed, dtype=dtype)
     write = make_write(B, NB, H, write_kind, seed=seed + 1)
@@ -109,6 +111,8 @@ def compare(B, T, H, K, V, *, seed, dtype=torch.float32, write_kind="random", de
             assert torch.equal(grads[name], torch.zeros_like(grads[name])), name
             continue
         errors["d" + name] = rel_rms(grads[name], grads_ref[name])
+    if keep:
+        return errors, [o, f] + [x for x in grads.values() if x is not None]
     return errors
 
 
@@ -213,6 +217,33 @@ def test_eager_path_equals_the_custom_op(monkeypatch):
     assert torch.equal(o, runs[False][0]) and torch.equal(final, runs[False][1])
 
 
+def test_state_slice_widens_only_where_every_sm_keeps_a_program():
+    """config.STATE_FWD's BV_WIDE: 64-wide V slices at the training shape (4 x 6 heads, V = 384 on 132 SMs:
+    144 programs), 32-wide at batch 1 (72 programs would leave SMs idle), never for fp32 intermediates,
+    capped by the head dim."""
+    cfg = {"BV": 32, "BV_WIDE": 64}
+    assert state_slice(384, cfg, 24, 132, torch.bfloat16) == 64
+    assert state_slice(384, cfg, 6, 132, torch.bfloat16) == 32
+    assert state_slice(384, cfg, 24, 132, torch.float32) == 32
+    assert state_slice(384, {"BV": 32}, 24, 132, torch.bfloat16) == 32
+    assert state_slice(20, cfg, 24, 1, torch.bfloat16) == 32  # dim_tile(20) = 32: one slice either way
+    assert state_slice(384, cfg, 24, 1000, torch.float16) == 32
+
+
+def test_wide_state_slices_give_the_same_result(monkeypatch):
+    """The forward recurrence with 64-wide V slices (BV_WIDE) equals the 32-wide one bitwise (the slices
+    never interact), forward and every gradient, bf16 intermediates; both near the reference."""
+    monkeypatch.setattr(config, "INTERMEDIATE", "input")
+    runs = []
+    for wide in (None, 64):
+        monkeypatch.setitem(config.STATE_FWD, "BV_WIDE", wide)
+        runs.append(compare(1, 130, 2, 16, 80, seed=31, dtype=torch.bfloat16, write_kind="binary",
+                            route_grad="full", keep=True))
+    (errors_a, out_a), (errors_b, out_b) = runs
+    assert all(torch.equal(a, b) for a, b in zip(out_a, out_b))
+    check(errors_b, *TOL_SATURATED_BF16)
+
+
 def test_unsupported_block_size_is_a_clear_error():
     q, k, v, g, beta = make_inputs(1, 40, 1, 16, 16, seed=31)
     with pytest.raises(NatslError, match="block_size"):
@@ -301,6 +332,7 @@ def chunk_oracle(q, k, v, g, beta, write=None, *, initial_state=None, output_fin
 
 GPU_CASES = {  # (B, T, seed, write, route_grad, decay_skipped_blocks): the cases run on the H200
     "binary-write": (1, 4096, 44, "binary", "full", True),
+    "training-shape-B4": (4, 4096, 49, "binary", "full", True),  # 144 programs: the wide state slices
     "random-write-no-decay-B2": (2, 3000, 45, "random", "full", False),
 }
 

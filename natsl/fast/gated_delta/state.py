@@ -14,6 +14,8 @@ Backward, chunk n from last to first (D = dL/dS_start(n+1), stored as dh[n]):
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -215,9 +217,35 @@ def _state_bwd_kernel(
             store_tile(dh0_ptr, d3, 3 * BK, v0, K, V, V, BK, BV)
 
 
-def _state_tiles(K: int, V: int, cfg: dict) -> tuple[int, int, int]:
+def _state_tiles(K: int, V: int, cfg: dict, batch_heads: int = 1, device=None, work_dtype=None) -> tuple[int, int, int]:
     BK = dim_tile(K)
-    return BK, triton.cdiv(K, BK), min(cfg["BV"], dim_tile(V))
+    return BK, triton.cdiv(K, BK), state_slice(V, cfg, batch_heads, sm_count(device), work_dtype)
+
+
+def state_slice(V: int, cfg: dict, batch_heads: int, sms: int, work_dtype=None) -> int:
+    """The V slice BV of one program of a sequential kernel (B * H * V / BV programs). cfg["BV"], or the
+    wider cfg["BV_WIDE"] where that still gives every SM a program and the intermediates are 16-bit
+    (the measured case): fewer, longer programs beat a second, mostly empty wave (config.STATE_FWD)."""
+    bv = min(cfg["BV"], dim_tile(V))
+    wide = cfg.get("BV_WIDE")
+    if wide and work_dtype is not None and work_dtype.itemsize == 2:
+        wide = min(wide, dim_tile(V))
+        if batch_heads * triton.cdiv(V, wide) >= sms:
+            bv = max(bv, wide)
+    return bv
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device) -> int:
+    """Streaming multiprocessors of a CUDA device; 1 elsewhere (the CPU interpreter: any slice fits)."""
+    if device is None or torch.device(device).type != "cuda":
+        return 1
+    index = torch.device(device).index
+    return _cuda_sms(torch.cuda.current_device() if index is None else index)
 
 
 def state_forward(w, u, k, gc, write, initial_state, output_final_state: bool, block_size: int,
@@ -226,7 +254,7 @@ def state_forward(w, u, k, gc, write, initial_state, output_final_state: bool, b
     B, T, H, K = k.shape
     V = u.shape[-1]
     NB = triton.cdiv(T, block_size)
-    BK, NK, BV = _state_tiles(K, V, cfg)
+    BK, NK, BV = _state_tiles(K, V, cfg, B * H, k.device, u.dtype)
     h = torch.empty(B, NB, H, K, V, device=k.device, dtype=k.dtype)
     r = torch.empty(B, T, H, V, device=k.device, dtype=u.dtype)
     final = torch.empty(B, H, K, V, device=k.device, dtype=torch.float32) if output_final_state else None
@@ -246,7 +274,7 @@ def state_backward(q, k, w, gc, write, do, dr_local, d_final, want_dh0: bool, sc
     B, T, H, K = k.shape
     V = do.shape[-1]
     NB = triton.cdiv(T, block_size)
-    BK, NK, BV = _state_tiles(K, V, cfg)
+    BK, NK, BV = _state_tiles(K, V, cfg, B * H, k.device, dr_local.dtype)
     dh = torch.empty(B, NB, H, K, V, device=k.device, dtype=k.dtype)
     dr = torch.empty(B, T, H, V, device=k.device, dtype=dr_local.dtype)
     dh0 = torch.empty(B, H, K, V, device=k.device, dtype=torch.float32) if want_dh0 else None
