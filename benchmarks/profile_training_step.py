@@ -4,8 +4,8 @@
 
 bf16 autocast and the chunked LM loss as in `natsl train`; with --optimizer also the rest of a
 training step as `natsl train` runs it: gradient clipping, the host reading the loss and gradient
-norm (its finite check, which waits for the GPU), the fused AdamW step (NATSL_FOLD_CLIP=1: clipping
-and the check inside the fused step, as natsl train does then). Prints the step's
+norm (its finite check, which waits for the GPU), the fused AdamW step; on CUDA by default (NATSL_FOLD_CLIP=0
+turns it off), clipping and the check inside the fused step, as natsl train does. Prints the step's
 median time over a few repeats and the kernels that take the most GPU time, grouped by name; with
 --out, writes the table as JSON. The layers' pointwise pieces are compiled unless
 NATSL_COMPILE_POINTWISE=0 (natsl.models.pointwise), so running both shows what compiling buys;
@@ -113,7 +113,7 @@ def main() -> None:
     ids = torch.randint(0, recipe.model.vocab_size, (args.batch, args.seq_len + 1), device=device)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     body = torch.compile(HiddenStates(model)) if args.compile else HiddenStates(model)
-    fold = args.optimizer and fold_clip_requested()  # NATSL_FOLD_CLIP=1, as natsl train
+    fold = args.optimizer and fold_clip_requested(device)  # as natsl train
     optimizer = (build_optimizer(model, recipe.optim, device, no_decay_names(model), False,
                                  fused=True if fold or args.compare_fold else None)
                  if args.optimizer else None)

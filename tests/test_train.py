@@ -287,6 +287,20 @@ def test_the_folded_clip_trains_as_the_plain_one(tmp_path, cache_env, monkeypatc
     assert plain[-1]["loss"] != plain[0]["loss"]  # the steps were taken
 
 
+def test_the_folded_clip_is_the_cuda_default_and_the_setting_is_checked(monkeypatch):
+    from natsl.errors import NatslError
+    from natsl.training.optim import fold_clip_requested
+
+    monkeypatch.delenv("NATSL_FOLD_CLIP", raising=False)
+    assert fold_clip_requested(torch.device("cuda")) and not fold_clip_requested(torch.device("cpu"))
+    for value, expect in (("0", False), ("1", True)):
+        monkeypatch.setenv("NATSL_FOLD_CLIP", value)
+        assert fold_clip_requested(torch.device("cuda")) is expect and fold_clip_requested("cpu") is expect
+    monkeypatch.setenv("NATSL_FOLD_CLIP", "yes")
+    with pytest.raises(NatslError, match="NATSL_FOLD_CLIP='yes' is not 0 or 1"):
+        fold_clip_requested("cpu")
+
+
 def test_fused_step_with_clip_equals_clip_then_step():
     """In process on fused CPU AdamW: clipping active and inactive, no clipping, and a non-finite step
     skipped on the device (parameters, moments and the step count untouched)."""

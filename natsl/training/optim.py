@@ -12,6 +12,7 @@ import os
 import torch
 
 from natsl.config import OptimConfig
+from natsl.errors import NatslError
 
 
 def no_decay(name: str, param: torch.nn.Parameter) -> bool:
@@ -46,10 +47,15 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, device: torch.devi
                              betas=tuple(cfg.betas), eps=cfg.eps, fused=fused or None)
 
 
-def fold_clip_requested() -> bool:
-    """NATSL_FOLD_CLIP=1: clip and check the gradients inside the fused AdamW step (fused_step_with_clip).
-    Off by default until measured on the GPU."""
-    return os.environ.get("NATSL_FOLD_CLIP", "0") == "1"
+def fold_clip_requested(device: torch.device) -> bool:
+    """Clip and check the gradients inside the fused AdamW step (fused_step_with_clip)? NATSL_FOLD_CLIP=1
+    or 0 decides; unset, on CUDA devices (the fused kernel's home): on the H200 the compiled 800M
+    hybrid's whole step took 230.3 against 233.0 ms, medians of 6 interleaved steps (2026-11-30i)."""
+    setting = os.environ.get("NATSL_FOLD_CLIP", "")
+    if setting not in ("", "0", "1"):
+        raise NatslError(f"NATSL_FOLD_CLIP={setting!r} is not 0 or 1: set 1 to clip inside the fused AdamW step, "
+                         "0 to clip before it, or unset it (on for CUDA)")
+    return setting == "1" if setting else torch.device(device).type == "cuda"
 
 
 def total_grad_norm(parameters) -> torch.Tensor:

@@ -339,8 +339,8 @@ class Trainer:
         plain = no_decay_names(model)  # FSDP's sharded parameters lose the no-decay mark
         self.train_model = D.wrap(self.loss_module, self.info, r.train.parallel, blocks=model.layers)
         self.sharded = self.info.enabled and r.train.parallel == "fsdp"
-        # NATSL_FOLD_CLIP=1: the fused AdamW clips and skips non-finite steps itself (plain parameters)
-        self.fold_clip = fold_clip_requested() and not self.sharded
+        # on CUDA (NATSL_FOLD_CLIP decides): the fused AdamW clips and skips non-finite steps itself
+        self.fold_clip = fold_clip_requested(self.device) and not self.sharded
         self.optimizer = build_optimizer(model, r.optim, self.device, plain, self.sharded,  # on the parameters as wrapped
                                          fused=True if self.fold_clip else None)
         self.names = {id(p): n for n, p in model.named_parameters()}
