@@ -5,7 +5,8 @@
 Medians of triton.testing.do_bench, bf16, at an 800M training micro-batch [4, 4096, C] for the GDN
 layer's q/k (C = 1152) and v (2304) widths: the op's forward and its backward launcher
 (natsl.fast.short_conv.backward, called directly: no autograd) for a few settings of both forms (the
-fastest is the one to keep in natsl/fast/short_conv.py), the default "scratch" setting also with x a
+fastest is the one to keep in natsl/fast/short_conv.py; "scratch" and "walk" settings each checked against the
+default's dx and dw), the default "scratch" setting (and the first "walk") also with x a
 column slice of a wider tensor (as the model hands it over), the weight-gradient partials' sum
 alone; and, with --with-compiled, torch.compile(natsl.models.pointwise.conv_silu) as the model ran
 it before the op, forward and forward+backward through autograd. GB/s counts the bytes a pass must
@@ -31,9 +32,11 @@ FORWARD_TILES = ((32, 128), (64, 128), (32, 64))
 TWO_PASS_TILES = ((64, 64, 4), (32, 64, 4))
 # "scratch": (time, channels, warps, SCRATCH_SPAN_TILES)
 # Nsight Compute (2026-11-30i): (64, 32, 4) holds 2 blocks per SM (registers: four [64, 32] fp32 weight-
-# gradient accumulators), 12.5% occupancy; 8 warps or 32-row tiles halve the accumulators per thread.
-SCRATCH_SETTINGS = ((64, 32, 4, 8), (64, 32, 8, 8), (64, 64, 8, 8), (32, 32, 4, 8), (32, 32, 4, 16),
-                    (64, 16, 4, 8), (128, 32, 8, 4), (32, 32, 2, 8), (32, 64, 4, 16))
+# gradient accumulators), 12.5% occupancy. Call 2 of that session timed (64, 32, 8, 8), (64, 64, 8, 8),
+# (32, 32, 4, 8/16), (64, 16, 4, 8), (128, 32, 8, 4): none beat the default by more than the spread.
+SCRATCH_SETTINGS = ((64, 32, 4, 8), (32, 32, 2, 8), (64, 64, 8, 8))
+# "walk": (rows per program, channels, warps)
+WALK_SETTINGS = ((64, 128, 1), (32, 128, 1), (128, 128, 1), (64, 64, 1), (64, 256, 2), (64, 128, 2), (32, 256, 2))
 
 
 def main() -> None:
@@ -97,6 +100,18 @@ def main() -> None:
                 err = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(got, expected))
                 record(C, f"op bwd scratch {(bt, bc, warps)} span {span}{layout} (rel diff {err:.0e})",
                        do_bench(lambda: sc.backward(xin, w.detach(), None, dy)), bwd_bytes)
+        sc.BACKWARD_TILES, sc.BACKWARD_FORM, sc.SCRATCH_SPAN_TILES = dict(default[0]), default[1], default[2]
+        expected = sc.backward(x.detach(), w.detach(), None, dy)
+        for tile in WALK_SETTINGS:
+            sc.BACKWARD_TILES["walk"], sc.BACKWARD_FORM = tile, "walk"
+            got = sc.backward(x.detach(), w.detach(), None, dy)
+            err = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(got, expected))
+            record(C, f"op bwd walk {tile} (rel diff {err:.0e})",
+                   do_bench(lambda: sc.backward(x.detach(), w.detach(), None, dy)), bwd_bytes)
+        sc.BACKWARD_TILES["walk"], sc.BACKWARD_FORM = WALK_SETTINGS[0], "walk"
+        record(C, f"op bwd walk {WALK_SETTINGS[0]} strided x",
+               do_bench(lambda: sc.backward(wide[..., :C], w.detach(), None, dy)), bwd_bytes)
+        sc.BACKWARD_TILES, sc.BACKWARD_FORM, sc.SCRATCH_SPAN_TILES = dict(default[0]), default[1], default[2]
         # the weight-gradient partials' sum alone (256 partials: 64-row tiles of 4 x 4096 rows)
         parts = torch.randn(256, 4, C, device="cuda")
         dw = torch.empty(C, 4, device="cuda")

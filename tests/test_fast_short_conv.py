@@ -44,7 +44,7 @@ def oracle(x, weight, tail, dy):
 
 
 # natsl.fast.short_conv.BACKWARD_FORM for every backward form.
-BACKWARD_FORMS = {"two passes": "two_pass", "scratch": "scratch"}
+BACKWARD_FORMS = {"two passes": "two_pass", "scratch": "scratch", "walk": "walk"}
 
 
 def use_backward_form(monkeypatch, form):
@@ -115,6 +115,23 @@ def test_scratch_spans_of_many_tiles(T, span_tiles, monkeypatch):
         assert rel_rms(got, want) < TOL[torch.float32][1]
 
 
+@pytest.mark.parametrize("tile", [(8, 16, 1), (16, 32, 2), (5, 16, 1)])
+@pytest.mark.parametrize("T", [1, 3, 37, 100])
+def test_walk_chunks_cut_the_sequence(T, tile, monkeypatch):
+    """"walk" with short chunks so that a sequence spans many programs: every chunk boundary needs the
+    3 rows after it (read, never written), a chunk not a multiple of the 4 rows per step (5), a last
+    chunk cut short, T < 4 reading the tail only; channels that cut the tiles."""
+    monkeypatch.setattr(sc, "BACKWARD_FORM", "walk")
+    monkeypatch.setitem(sc.BACKWARD_TILES, "walk", tile)
+    gen = torch.Generator().manual_seed(T + tile[0])
+    x = torch.randn(3, T, 40, generator=gen).to(DEVICE)
+    weight = (0.5 * torch.randn(40, 1, 4, generator=gen)).to(DEVICE)
+    tail = torch.randn(3, 3, 40, generator=gen).to(DEVICE)
+    dy = torch.randn(3, T, 40, generator=gen).to(DEVICE)
+    for got, want in zip(run_fast(x, weight, tail, dy), oracle(x, weight, tail, dy)):
+        assert rel_rms(got, want) < TOL[torch.float32][1]
+
+
 def test_a_strided_input_gives_the_contiguous_input_results():
     """x as a column slice of a wider projection output (row stride > C), as a merged product's split
     would hand it over: same output and gradients as the same values laid out contiguously."""
@@ -169,7 +186,7 @@ def test_an_unknown_backward_form_is_named(monkeypatch):
     monkeypatch.setattr(sc, "BACKWARD_FORM", "fastest")
     x = torch.randn(1, 5, 8, device=DEVICE, requires_grad=True)
     y = sc.short_conv_silu(x, torch.randn(8, 1, 4, device=DEVICE))
-    with pytest.raises(NatslError, match="'fastest'.*NATSL_SHORT_CONV_BACKWARD.*two_pass, scratch"):
+    with pytest.raises(NatslError, match="'fastest'.*NATSL_SHORT_CONV_BACKWARD.*two_pass, scratch, walk"):
         y.sum().backward()
 
 

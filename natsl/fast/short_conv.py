@@ -35,17 +35,20 @@ from natsl.fast import eager
 FORWARD_TILE = (32, 128)  # (time, channels); 4 warps
 # (time, channels, warps) per backward form, the fastest of each at the 800M widths on the H200
 # (2026-11-30, seventh and eighth sessions).
-BACKWARD_TILES = {"two_pass": (64, 64, 4), "scratch": (64, 32, 4)}
+BACKWARD_TILES = {"two_pass": (64, 64, 4), "scratch": (64, 32, 4), "walk": (64, 128, 1)}
 # How the backward forms dx (each input row feeds the W output rows after it):
 #   "scratch":  one kernel for W = 4 that forms dL/d(pre-activation) once per row and reads it back
 #               shifted from a per-program scratch slot in L2 (other widths fall back to "two_pass");
-#   "two_pass": the first kernel stores dL/d(pre-activation) in fp32, a second kernel sums dx from it.
+#   "two_pass": the first kernel stores dL/d(pre-activation) in fp32, a second kernel sums dx from it;
+#   "walk":     one kernel for W = 4 whose programs walk their rows one by one from the last, holding
+#               the shifted rows in registers ("walk" tile = (rows per program, channels, warps);
+#               ninth session, not yet measured on the GPU, so not the default).
 # Two more were measured and dropped (eighth session, side by side, ms at C = 1152 / 2304): one
 # recomputing the pre-activation at the W rows in one kernel (0.227 / 0.425) and "held", all 2W-1
 # shifted input tiles in registers (0.153 / 0.282), against "scratch" 0.135 / 0.238 and "two_pass"
 # 0.167 / 0.305 (0.164 / 0.263 with the stored values in bf16, which doubled dx's error).
 # NATSL_SHORT_CONV_BACKWARD picks one for a whole run (benchmarks compare them end to end).
-BACKWARD_FORMS = ("two_pass", "scratch")
+BACKWARD_FORMS = ("two_pass", "scratch", "walk")
 BACKWARD_FORM = os.environ.get("NATSL_SHORT_CONV_BACKWARD", "scratch")
 # "scratch": how many time tiles one program walks (its weight-gradient products summed in registers,
 # one partial per span; its scratch slot reused by each tile).
@@ -235,6 +238,126 @@ def _conv_bwd_scratch_kernel(x_ptr, tail_ptr, w_ptr, dy_ptr, dx_ptr, dw_part_ptr
 
 
 @triton.jit
+def _rows_mask(cmask, ok):
+    """cmask where the scalar row condition `ok` holds, spelled as a block (Triton's interpreter
+    rejects a block & scalar mask)."""
+    return cmask & (tl.zeros_like(cmask) | ok)
+
+
+@triton.jit
+def _row_input(x_base, tail_base, s, cols, cmask, T, stride_xt, stride_tw, HAS_TAIL: tl.constexpr):
+    """Row s of the conv's input (W = 4): x where 0 <= s < T, the tail's slot s + 3 where -3 <= s < 0
+    (with a tail), else zero. In x's dtype without a tail (converted where used, so that a prefetched
+    row's load is not waited for at once), fp32 with one."""
+    v = tl.load(x_base + s.to(tl.int64) * stride_xt + cols, mask=_rows_mask(cmask, (s >= 0) & (s < T)), other=0.0)
+    if HAS_TAIL:
+        v = v.to(tl.float32) + tl.load(tail_base + (s + 3) * stride_tw + cols,
+                                       mask=_rows_mask(cmask, (s < 0) & (s >= -3)), other=0.0).to(tl.float32)
+    return v
+
+
+@triton.jit
+def _row_dy(dy_base, r, t0, cols, cmask, T, stride_dyt):
+    """dy at row r in its dtype, zero outside [t0, T) (rows below the program's chunk are not its own)."""
+    return tl.load(dy_base + r.to(tl.int64) * stride_dyt + cols, mask=_rows_mask(cmask, (r >= t0) & (r < T)),
+                   other=0.0)
+
+
+@triton.jit
+def _walk_row(r, dy, x_below, xa, xb, xc, xd, g1, g2, g3, dw0, dw1, dw2, dw3, w0, w1, w2, w3, t0, t_end,
+              cols, cmask, dx_base, stride_dxt):
+    """One row r of the "walk" backward. In: x[r-3..r] (xa..xd), g[r+1..r+3] (g1..g3), x[r-4]
+    (x_below). Forms g[r], stores dx[r] and adds to dw if r is the program's own; returns the window
+    and g moved one row down."""
+    g = _dsilu(dy.to(tl.float32), w0 * xa + w1 * xb + w2 * xc + w3 * xd)
+    own = _rows_mask(cmask, (r >= t0) & (r < t_end))
+    dx = w3 * g + w2 * g1 + w1 * g2 + w0 * g3
+    tl.store(dx_base + r.to(tl.int64) * stride_dxt + cols, dx.to(dx_base.dtype.element_ty), mask=own)
+    g_own = tl.where(own, g, 0.0)  # g of the 3 rows past the chunk feeds dx only
+    dw0 += g_own * xa
+    dw1 += g_own * xb
+    dw2 += g_own * xc
+    dw3 += g_own * xd
+    return x_below.to(tl.float32), xa, xb, xc, g, g1, g2, dw0, dw1, dw2, dw3
+
+
+@triton.jit
+def _conv_bwd_walk_kernel(x_ptr, tail_ptr, w_ptr, dy_ptr, dx_ptr, dw_part_ptr, T, C, n_chunks, n_ctiles,
+                          stride_xb, stride_xt, stride_tb, stride_tw, stride_dyb, stride_dyt, stride_dxb,
+                          stride_dxt, HAS_TAIL: tl.constexpr, CHUNK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    # W = 4. A program owns CHUNK_T rows x BLOCK_C channels and walks its rows one at a time from the
+    # last to the first, so that everything shifted lives in registers as whole rows: the input rows
+    # x[r-3..r] of the pre-activation at r, and dL/d pre-activation g[r+1..r+3] that dx[r] needs
+    # (dx[r] = w3 g[r] + w2 g[r+1] + w1 g[r+2] + w0 g[r+3]). The walk starts 3 rows past the chunk
+    # (their g only). No scratch, no barrier, no cross-thread reduction: the weight gradient is four
+    # [BLOCK_C] sums. Rows go 4 per step, and the next step's 8 rows (x, dy) are loaded before this
+    # step's arithmetic so that their latency overlaps it.
+    pid = tl.program_id(0)
+    ctile = pid % n_ctiles  # channel tile fastest: neighbouring programs share the halo rows' lines
+    chunk = (pid // n_ctiles) % n_chunks
+    b = (pid // (n_ctiles * n_chunks)).to(tl.int64)
+    cols = ctile * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cols < C
+    x_base = x_ptr + b * stride_xb
+    tail_base = tail_ptr + b * stride_tb
+    dy_base = dy_ptr + b * stride_dyb
+    dx_base = dx_ptr + b * stride_dxb
+    w0 = tl.load(w_ptr + cols * 4 + 0, mask=cmask, other=0.0).to(tl.float32)
+    w1 = tl.load(w_ptr + cols * 4 + 1, mask=cmask, other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + cols * 4 + 2, mask=cmask, other=0.0).to(tl.float32)
+    w3 = tl.load(w_ptr + cols * 4 + 3, mask=cmask, other=0.0).to(tl.float32)
+    t0 = chunk * CHUNK_T
+    t_end = tl.minimum(t0 + CHUNK_T, T)
+    top = t_end + 2  # the first row walked
+    xa = _row_input(x_base, tail_base, top - 3, cols, cmask, T, stride_xt, stride_tw, HAS_TAIL).to(tl.float32)
+    xb = _row_input(x_base, tail_base, top - 2, cols, cmask, T, stride_xt, stride_tw, HAS_TAIL).to(tl.float32)
+    xc = _row_input(x_base, tail_base, top - 1, cols, cmask, T, stride_xt, stride_tw, HAS_TAIL).to(tl.float32)
+    xd = _row_input(x_base, tail_base, top, cols, cmask, T, stride_xt, stride_tw, HAS_TAIL).to(tl.float32)
+    zero = tl.zeros([BLOCK_C], dtype=tl.float32)
+    g1, g2, g3 = zero, zero, zero
+    dw0, dw1, dw2, dw3 = zero, zero, zero, zero
+    # step 0's rows: x[r-4] and dy[r] for r = top .. top-3
+    px0 = _row_input(x_base, tail_base, top - 4, cols, cmask, T, stride_xt, stride_tw, HAS_TAIL)
+    px1 = _row_input(x_base, tail_base, top - 5, cols, cmask, T, stride_xt, stride_tw, HAS_TAIL)
+    px2 = _row_input(x_base, tail_base, top - 6, cols, cmask, T, stride_xt, stride_tw, HAS_TAIL)
+    px3 = _row_input(x_base, tail_base, top - 7, cols, cmask, T, stride_xt, stride_tw, HAS_TAIL)
+    pd0 = _row_dy(dy_base, top, t0, cols, cmask, T, stride_dyt)
+    pd1 = _row_dy(dy_base, top - 1, t0, cols, cmask, T, stride_dyt)
+    pd2 = _row_dy(dy_base, top - 2, t0, cols, cmask, T, stride_dyt)
+    pd3 = _row_dy(dy_base, top - 3, t0, cols, cmask, T, stride_dyt)
+    n_steps = (top + 1 - t0 + 3) // 4
+    for step in range(n_steps):
+        r = top - 4 * step
+        # the next step's rows first (masked past the ends), then this step's arithmetic
+        nx0 = _row_input(x_base, tail_base, r - 8, cols, cmask, T, stride_xt, stride_tw, HAS_TAIL)
+        nx1 = _row_input(x_base, tail_base, r - 9, cols, cmask, T, stride_xt, stride_tw, HAS_TAIL)
+        nx2 = _row_input(x_base, tail_base, r - 10, cols, cmask, T, stride_xt, stride_tw, HAS_TAIL)
+        nx3 = _row_input(x_base, tail_base, r - 11, cols, cmask, T, stride_xt, stride_tw, HAS_TAIL)
+        nd0 = _row_dy(dy_base, r - 4, t0, cols, cmask, T, stride_dyt)
+        nd1 = _row_dy(dy_base, r - 5, t0, cols, cmask, T, stride_dyt)
+        nd2 = _row_dy(dy_base, r - 6, t0, cols, cmask, T, stride_dyt)
+        nd3 = _row_dy(dy_base, r - 7, t0, cols, cmask, T, stride_dyt)
+        xa, xb, xc, xd, g1, g2, g3, dw0, dw1, dw2, dw3 = _walk_row(
+            r, pd0, px0, xa, xb, xc, xd, g1, g2, g3, dw0, dw1, dw2, dw3, w0, w1, w2, w3, t0, t_end, cols, cmask,
+            dx_base, stride_dxt)
+        xa, xb, xc, xd, g1, g2, g3, dw0, dw1, dw2, dw3 = _walk_row(
+            r - 1, pd1, px1, xa, xb, xc, xd, g1, g2, g3, dw0, dw1, dw2, dw3, w0, w1, w2, w3, t0, t_end, cols, cmask,
+            dx_base, stride_dxt)
+        xa, xb, xc, xd, g1, g2, g3, dw0, dw1, dw2, dw3 = _walk_row(
+            r - 2, pd2, px2, xa, xb, xc, xd, g1, g2, g3, dw0, dw1, dw2, dw3, w0, w1, w2, w3, t0, t_end, cols, cmask,
+            dx_base, stride_dxt)
+        xa, xb, xc, xd, g1, g2, g3, dw0, dw1, dw2, dw3 = _walk_row(
+            r - 3, pd3, px3, xa, xb, xc, xd, g1, g2, g3, dw0, dw1, dw2, dw3, w0, w1, w2, w3, t0, t_end, cols, cmask,
+            dx_base, stride_dxt)
+        px0, px1, px2, px3, pd0, pd1, pd2, pd3 = nx0, nx1, nx2, nx3, nd0, nd1, nd2, nd3
+    part = dw_part_ptr + (b * n_chunks + chunk) * 4 * C + cols
+    tl.store(part, dw0, mask=cmask)
+    tl.store(part + C, dw1, mask=cmask)
+    tl.store(part + 2 * C, dw2, mask=cmask)
+    tl.store(part + 3 * C, dw3, mask=cmask)
+
+
+@triton.jit
 def _dw_sum_kernel(part_ptr, dw_ptr, n_parts, C, W: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_F: tl.constexpr):
     # dw[c, j] = sum_p part[p, j, c] in a fixed order (deterministic), stored [C, W] in the weight's
     # dtype: one launch in place of sum + transpose + copy + cast. A program sums BLOCK_F of the
@@ -286,10 +409,16 @@ def backward(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor]
     if BACKWARD_FORM not in BACKWARD_FORMS:
         raise NatslError(f"short conv backward form {BACKWARD_FORM!r} (NATSL_SHORT_CONV_BACKWARD) is not one of "
                          f"{', '.join(BACKWARD_FORMS)}")
-    form = "scratch" if BACKWARD_FORM == "scratch" and W == 4 else "two_pass"
+    form = BACKWARD_FORM if BACKWARD_FORM in ("scratch", "walk") and W == 4 else "two_pass"
     block_t, block_c, warps = BACKWARD_TILES[form]
     n_tiles, n_ctiles = -(-T // block_t), -(-C // block_c)
-    if form == "scratch":
+    if form == "walk":
+        parts = torch.empty(B * n_tiles, W, C, dtype=torch.float32, device=x.device)
+        _conv_bwd_walk_kernel[(B * n_tiles * n_ctiles,)](
+            x, tail_t, w, dy, dx, parts, T, C, n_tiles, n_ctiles, x.stride(0), x.stride(1), stride_tb, stride_tw,
+            dy.stride(0), dy.stride(1), dx.stride(0), dx.stride(1), HAS_TAIL=has_tail, CHUNK_T=block_t,
+            BLOCK_C=block_c, num_warps=warps)
+    elif form == "scratch":
         span_tiles = max(1, min(SCRATCH_SPAN_TILES, n_tiles))
         n_spans = -(-n_tiles // span_tiles)
         programs = B * n_spans * n_ctiles
