@@ -5,8 +5,8 @@
 Medians of triton.testing.do_bench, bf16, at an 800M training micro-batch [4, 4096, C] for the GDN
 layer's q/k (C = 1152) and v (2304) widths: the op's forward and its backward launcher
 (natsl.fast.short_conv.backward, called directly: no autograd) for a few settings of both forms (the
-fastest is the one to keep in natsl/fast/short_conv.py; "scratch" and "walk" settings each checked against the
-default's dx and dw), the default "scratch" setting (and the first "walk") also with x a
+fastest is the one to keep in natsl/fast/short_conv.py; the "walk" settings each checked against the
+default's dx and dw), the default "walk" setting also with x a
 column slice of a wider tensor (as the model hands it over), the weight-gradient partials' sum
 alone; and, with --with-compiled, torch.compile(natsl.models.pointwise.conv_silu) as the model ran
 it before the op, forward and forward+backward through autograd. GB/s counts the bytes a pass must
@@ -30,11 +30,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FORWARD_TILES = ((32, 128), (64, 128), (32, 64))
 # "two_pass": (time, channels, warps) of its first kernel
 TWO_PASS_TILES = ((64, 64, 4), (32, 64, 4))
-# "scratch": (time, channels, warps, SCRATCH_SPAN_TILES)
-# Nsight Compute (2026-11-30i): (64, 32, 4) holds 2 blocks per SM (registers: four [64, 32] fp32 weight-
-# gradient accumulators), 12.5% occupancy. Call 2 of that session timed (64, 32, 8, 8), (64, 64, 8, 8),
-# (32, 32, 4, 8/16), (64, 16, 4, 8), (128, 32, 8, 4): none beat the default by more than the spread.
-SCRATCH_SETTINGS = ((64, 32, 4, 8), (32, 32, 2, 8), (64, 64, 8, 8))
 # "walk": (rows per program, channels, warps)
 WALK_SETTINGS = ((64, 128, 1), (32, 128, 1), (128, 128, 1), (64, 64, 1), (64, 256, 2), (64, 128, 2), (32, 256, 2))
 
@@ -82,25 +77,15 @@ def main() -> None:
             with torch.no_grad():
                 record(C, f"op fwd tile {tile}", do_bench(lambda: sc.short_conv_silu(x, w)), fwd_bytes)
         sc.FORWARD_TILE = FORWARD_TILES[0]
-        default = dict(sc.BACKWARD_TILES), sc.BACKWARD_FORM, sc.SCRATCH_SPAN_TILES
+        default = dict(sc.BACKWARD_TILES), sc.BACKWARD_FORM
         for tile in TWO_PASS_TILES:
             sc.BACKWARD_TILES["two_pass"], sc.BACKWARD_FORM = tile, "two_pass"
             record(C, f"op bwd two_pass {tile}", do_bench(lambda: sc.backward(x.detach(), w.detach(), None, dy)),
                    bwd_bytes)
-        # x as the model hands it over too (a column slice of a wider projection output): the default
-        # setting only (the seventh session timed its settings alike both ways).
+        # every "walk" setting checked against the default's dx and dw; the first also with x as the
+        # model hands it over (a column slice of a wider projection output)
         wide = torch.randn(B, T, 2 * C, device="cuda", dtype=torch.bfloat16)
-        for layout, xin, n in (("", x.detach(), None), (" strided x", wide[..., :C], 1)):
-            sc.BACKWARD_TILES, sc.BACKWARD_FORM, sc.SCRATCH_SPAN_TILES = dict(default[0]), default[1], default[2]
-            expected = sc.backward(xin, w.detach(), None, dy)  # each setting checked against the default's
-            for bt, bc, warps, span in SCRATCH_SETTINGS[:n]:
-                sc.BACKWARD_TILES["scratch"], sc.BACKWARD_FORM = (bt, bc, warps), "scratch"
-                sc.SCRATCH_SPAN_TILES = span
-                got = sc.backward(xin, w.detach(), None, dy)
-                err = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(got, expected))
-                record(C, f"op bwd scratch {(bt, bc, warps)} span {span}{layout} (rel diff {err:.0e})",
-                       do_bench(lambda: sc.backward(xin, w.detach(), None, dy)), bwd_bytes)
-        sc.BACKWARD_TILES, sc.BACKWARD_FORM, sc.SCRATCH_SPAN_TILES = dict(default[0]), default[1], default[2]
+        sc.BACKWARD_TILES, sc.BACKWARD_FORM = dict(default[0]), default[1]
         expected = sc.backward(x.detach(), w.detach(), None, dy)
         for tile in WALK_SETTINGS:
             sc.BACKWARD_TILES["walk"], sc.BACKWARD_FORM = tile, "walk"
@@ -111,13 +96,13 @@ def main() -> None:
         sc.BACKWARD_TILES["walk"], sc.BACKWARD_FORM = WALK_SETTINGS[0], "walk"
         record(C, f"op bwd walk {WALK_SETTINGS[0]} strided x",
                do_bench(lambda: sc.backward(wide[..., :C], w.detach(), None, dy)), bwd_bytes)
-        sc.BACKWARD_TILES, sc.BACKWARD_FORM, sc.SCRATCH_SPAN_TILES = dict(default[0]), default[1], default[2]
+        sc.BACKWARD_TILES, sc.BACKWARD_FORM = dict(default[0]), default[1]
         # the weight-gradient partials' sum alone (256 partials: 64-row tiles of 4 x 4096 rows)
         parts = torch.randn(256, 4, C, device="cuda")
         dw = torch.empty(C, 4, device="cuda")
         record(C, "dw sum of 256 partials", do_bench(lambda: sc._dw_sum_kernel[(-(-4 * C // 128),)](
             parts, dw, 256, C, W=4, BLOCK_P=32, BLOCK_F=128, num_warps=4)), parts.numel() * 4)
-        sc.BACKWARD_TILES, sc.BACKWARD_FORM, sc.SCRATCH_SPAN_TILES = default
+        sc.BACKWARD_TILES, sc.BACKWARD_FORM = default
     with open(args.out, "w") as fh:
         json.dump({"provenance": provenance(), "B": B, "T": T, "rows": rows}, fh, indent=1)
     print(f"wrote {args.out}")

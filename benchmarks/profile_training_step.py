@@ -40,8 +40,9 @@ from natsl.training.trainer import HiddenStates  # noqa: E402
 GDN_KERNELS = ("_prepare_kernel", "_state_fwd_kernel", "_output_kernel", "_local_dr_kernel", "_state_bwd_kernel",
                "_grad_qk_kernel", "_grad_wy_kernel")
 ROUTED_KERNELS = ("_forward_kernel", "_dq_kernel", "_dkdv_kernel", "_row_delta_kernel", "_block_lists_kernel")
+# (the dropped "held" and "scratch" kernels stay so that earlier sessions' profiles classify the same)
 SHORT_CONV_KERNELS = ("_conv_fwd_kernel", "_conv_bwd_kernel", "_conv_dx_kernel", "_conv_bwd_held_kernel",
-                      "_conv_bwd_scratch_kernel", "_dw_sum_kernel")
+                      "_conv_bwd_scratch_kernel", "_conv_bwd_walk_kernel", "_dw_sum_kernel")
 
 
 def kernel_kind(name: str) -> str:

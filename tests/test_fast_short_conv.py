@@ -44,7 +44,7 @@ def oracle(x, weight, tail, dy):
 
 
 # natsl.fast.short_conv.BACKWARD_FORM for every backward form.
-BACKWARD_FORMS = {"two passes": "two_pass", "scratch": "scratch", "walk": "walk"}
+BACKWARD_FORMS = {"two passes": "two_pass", "walk": "walk"}
 
 
 def use_backward_form(monkeypatch, form):
@@ -86,31 +86,13 @@ def test_forward_and_gradients_match_the_formula(T, C, with_tail, dtype, form, m
 @pytest.mark.parametrize("W", [2, 3, 5])
 @pytest.mark.parametrize("form", BACKWARD_FORMS)
 def test_other_conv_widths(W, form, monkeypatch):
-    """Widths other than the GDN's 4 ("scratch" falls back to two passes there), with a tail."""
+    """Widths other than the GDN's 4 ("walk" falls back to two passes there), with a tail."""
     use_backward_form(monkeypatch, form)
     gen = torch.Generator().manual_seed(W)
     x = torch.randn(2, 37, 40, generator=gen).to(DEVICE)
     weight = (0.5 * torch.randn(40, 1, W, generator=gen)).to(DEVICE)
     tail = torch.randn(2, W - 1, 40, generator=gen).to(DEVICE)
     dy = torch.randn(2, 37, 40, generator=gen).to(DEVICE)
-    for got, want in zip(run_fast(x, weight, tail, dy), oracle(x, weight, tail, dy)):
-        assert rel_rms(got, want) < TOL[torch.float32][1]
-
-
-@pytest.mark.parametrize("span_tiles", [1, 3, 8])
-@pytest.mark.parametrize("T", [1, 37, 100])
-def test_scratch_spans_of_many_tiles(T, span_tiles, monkeypatch):
-    """"scratch" with 16 x 16 tiles, so that a program walks several time tiles reusing its scratch
-    slot, a last span is cut short (T = 100: 7 tiles in spans of 3), a span is longer than the
-    sequence, and T = 1 reads the tail only."""
-    monkeypatch.setattr(sc, "BACKWARD_FORM", "scratch")
-    monkeypatch.setitem(sc.BACKWARD_TILES, "scratch", (16, 16, 2))
-    monkeypatch.setattr(sc, "SCRATCH_SPAN_TILES", span_tiles)
-    gen = torch.Generator().manual_seed(T + span_tiles)
-    x = torch.randn(3, T, 40, generator=gen).to(DEVICE)
-    weight = (0.5 * torch.randn(40, 1, 4, generator=gen)).to(DEVICE)
-    tail = torch.randn(3, 3, 40, generator=gen).to(DEVICE)
-    dy = torch.randn(3, T, 40, generator=gen).to(DEVICE)
     for got, want in zip(run_fast(x, weight, tail, dy), oracle(x, weight, tail, dy)):
         assert rel_rms(got, want) < TOL[torch.float32][1]
 
@@ -186,7 +168,7 @@ def test_an_unknown_backward_form_is_named(monkeypatch):
     monkeypatch.setattr(sc, "BACKWARD_FORM", "fastest")
     x = torch.randn(1, 5, 8, device=DEVICE, requires_grad=True)
     y = sc.short_conv_silu(x, torch.randn(8, 1, 4, device=DEVICE))
-    with pytest.raises(NatslError, match="'fastest'.*NATSL_SHORT_CONV_BACKWARD.*two_pass, scratch, walk"):
+    with pytest.raises(NatslError, match="'fastest'.*NATSL_SHORT_CONV_BACKWARD.*two_pass, walk"):
         y.sum().backward()
 
 

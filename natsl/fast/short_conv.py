@@ -11,11 +11,11 @@ B x T rows.
 Forward: one pass over [time, channel] tiles; the W shifted reads of x hit the cache. Backward
 (`BACKWARD_FORM`): dL/d(pre-activation) needs the pre-activation, which is recomputed from x rather
 than saved (a second [B, T, C] tensor per conv); dx[t] needs it at the W output rows t .. t+W-1,
-that is shifted by up to W-1 rows, which a register tile cannot be. "scratch" (W = 4, the default)
-forms it once per row and reads it back shifted from a small per-program scratch slot that stays in
-L2; "two_pass" (any width) stores it as a [B, T, C] fp32 tensor and a second kernel sums dx. Both
-accumulate dx in fp32 and round it once, and write a partial weight gradient per time tile (or span
-of tiles); one kernel sums the partials in a fixed order (deterministic, no atomics) into the
+that is shifted by up to W-1 rows, which a register tile cannot be. "walk" (W = 4, the default) has
+each program walk its rows one at a time from the last, so that the shifted rows are whole rows held
+in registers; "two_pass" (any width) stores it as a [B, T, C] fp32 tensor and a second kernel sums
+dx. Both accumulate dx in fp32 and round it once, and write a partial weight gradient per program
+(or time tile); one kernel sums the partials in a fixed order (deterministic, no atomics) into the
 weight's layout and dtype. The tail is read-only (no gradient): training passes none, the cached
 prefill passes the conv state and wants no gradient.
 """
@@ -33,26 +33,23 @@ from natsl.errors import NatslError
 from natsl.fast import eager
 
 FORWARD_TILE = (32, 128)  # (time, channels); 4 warps
-# (time, channels, warps) per backward form, the fastest of each at the 800M widths on the H200
-# (2026-11-30, seventh and eighth sessions).
-BACKWARD_TILES = {"two_pass": (64, 64, 4), "scratch": (64, 32, 4), "walk": (64, 128, 1)}
+# Backward settings per form, the fastest of each at the 800M widths on the H200: "two_pass" (time,
+# channels, warps) of its first kernel (2026-11-30, seventh session); "walk" (rows per program,
+# channels, warps) (ninth session).
+BACKWARD_TILES = {"two_pass": (64, 64, 4), "walk": (64, 128, 1)}
 # How the backward forms dx (each input row feeds the W output rows after it):
-#   "scratch":  one kernel for W = 4 that forms dL/d(pre-activation) once per row and reads it back
-#               shifted from a per-program scratch slot in L2 (other widths fall back to "two_pass");
-#   "two_pass": the first kernel stores dL/d(pre-activation) in fp32, a second kernel sums dx from it;
 #   "walk":     one kernel for W = 4 whose programs walk their rows one by one from the last, holding
-#               the shifted rows in registers ("walk" tile = (rows per program, channels, warps);
-#               ninth session, not yet measured on the GPU, so not the default).
-# Two more were measured and dropped (eighth session, side by side, ms at C = 1152 / 2304): one
-# recomputing the pre-activation at the W rows in one kernel (0.227 / 0.425) and "held", all 2W-1
-# shifted input tiles in registers (0.153 / 0.282), against "scratch" 0.135 / 0.238 and "two_pass"
-# 0.167 / 0.305 (0.164 / 0.263 with the stored values in bf16, which doubled dx's error).
+#               the shifted input rows and dL/d(pre-activation) rows in registers (other widths fall
+#               back to "two_pass");
+#   "two_pass": the first kernel stores dL/d(pre-activation) in fp32, a second kernel sums dx from it.
+# Measured and dropped, side by side on the H200 (ms at C = 1152 / 2304): "scratch", whole tiles
+# with g written to a per-program scratch slot and read back shifted (0.135 / 0.238 in the eighth
+# session; 0.160 / 0.283 beside "walk"'s 0.069 / 0.107 in the ninth); recompute at the W rows in one
+# kernel (0.227 / 0.425); "held", all 2W-1 shifted input tiles in registers (0.153 / 0.282);
+# "two_pass" itself runs 0.167 / 0.305.
 # NATSL_SHORT_CONV_BACKWARD picks one for a whole run (benchmarks compare them end to end).
-BACKWARD_FORMS = ("two_pass", "scratch", "walk")
-BACKWARD_FORM = os.environ.get("NATSL_SHORT_CONV_BACKWARD", "scratch")
-# "scratch": how many time tiles one program walks (its weight-gradient products summed in registers,
-# one partial per span; its scratch slot reused by each tile).
-SCRATCH_SPAN_TILES = 8
+BACKWARD_FORMS = ("two_pass", "walk")
+BACKWARD_FORM = os.environ.get("NATSL_SHORT_CONV_BACKWARD", "walk")
 
 
 @triton.jit
@@ -166,75 +163,6 @@ def _conv_dx_kernel(dpre_ptr, w_ptr, dx_ptr, T, C, stride_dxb, stride_dxt, W: tl
         dx += dpre * wk[None, :]
     tl.store(dx_ptr + b * stride_dxb + t.to(tl.int64)[:, None] * stride_dxt + cols[None, :],
              dx.to(dx_ptr.dtype.element_ty), mask=(t < T)[:, None] & cmask[None, :])
-
-
-@triton.jit
-def _conv_bwd_scratch_kernel(x_ptr, tail_ptr, w_ptr, dy_ptr, dx_ptr, dw_part_ptr, scratch_ptr, T, C, n_spans,
-                             n_ctiles, stride_xb, stride_xt, stride_tb, stride_tw, stride_dyb, stride_dyt,
-                             stride_dxb, stride_dxt, HAS_TAIL: tl.constexpr, BLOCK_T: tl.constexpr,
-                             BLOCK_C: tl.constexpr, SPAN_TILES: tl.constexpr):
-    # W = 4. dL/d pre-activation g is formed once per row: for a tile's rows and for the 4 rows after
-    # it (the halo, formed again by the next tile). dx[t] = sum_k w[3-k] g[t+k] wants g shifted by
-    # 1..3 rows, which registers cannot do: the program writes g to its own scratch slot (a few KB,
-    # reused by each of its tiles, so it stays in L2) and reads it back shifted. A program walks
-    # SPAN_TILES time tiles of one channel tile and sums the weight-gradient products elementwise,
-    # reducing across rows once at the end (four cross-warp reductions per tile cost ~30%).
-    pid = tl.program_id(0)
-    ctile = pid % n_ctiles  # channel tile fastest: the programs sharing a row's cache lines run together
-    span = (pid // n_ctiles) % n_spans
-    b = (pid // (n_ctiles * n_spans)).to(tl.int64)
-    lc = tl.arange(0, BLOCK_C)
-    rows = tl.arange(0, BLOCK_T)
-    halo = tl.arange(0, 4)
-    slot = scratch_ptr + pid.to(tl.int64) * ((BLOCK_T + 4) * BLOCK_C)
-    main_ptrs = slot + rows[:, None] * BLOCK_C + lc[None, :]
-    halo_ptrs = slot + (BLOCK_T + halo)[:, None] * BLOCK_C + lc[None, :]
-    cols = ctile * BLOCK_C + lc
-    cmask = cols < C
-    x_base = x_ptr + b * stride_xb
-    tail_base = tail_ptr + b * stride_tb
-    dy_base = dy_ptr + b * stride_dyb
-    w0 = tl.load(w_ptr + cols * 4 + 0, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    w1 = tl.load(w_ptr + cols * 4 + 1, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    w2 = tl.load(w_ptr + cols * 4 + 2, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    w3 = tl.load(w_ptr + cols * 4 + 3, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    dw0 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-    dw1 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-    dw2 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-    dw3 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-    for i in range(SPAN_TILES):
-        t0 = (span * SPAN_TILES + i) * BLOCK_T
-        t = t0 + rows
-        x_m3 = _conv_input(x_base, tail_base, t - 3, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
-        x_m2 = _conv_input(x_base, tail_base, t - 2, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
-        x_m1 = _conv_input(x_base, tail_base, t - 1, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
-        x_0 = _conv_input(x_base, tail_base, t, cols, cmask, T, stride_xt, stride_tw, 4, HAS_TAIL)
-        dy = tl.load(dy_base + t.to(tl.int64)[:, None] * stride_dyt + cols[None, :],
-                     mask=(t < T)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-        g = _dsilu(dy, w0 * x_m3 + w1 * x_m2 + w2 * x_m1 + w3 * x_0)  # zero past T (dy is)
-        dw0 += g * x_m3
-        dw1 += g * x_m2
-        dw2 += g * x_m1
-        dw3 += g * x_0
-        # g at the 4 rows after the tile (no x kept: they feed no weight gradient here)
-        g_h = _silu_grad(x_base, tail_base, w_ptr, dy_base, t0 + BLOCK_T + halo, cols, cmask, T, stride_xt,
-                         stride_tw, stride_dyt, 4, HAS_TAIL, 4, BLOCK_C)
-        tl.debug_barrier()  # the previous tile's shifted reads of the slot are done
-        tl.store(main_ptrs, g)
-        tl.store(halo_ptrs, g_h)
-        tl.debug_barrier()  # the slot holds this tile's g (the .cg reads below skip L1)
-        g1 = tl.load(main_ptrs + BLOCK_C, cache_modifier=".cg")
-        g2 = tl.load(main_ptrs + 2 * BLOCK_C, cache_modifier=".cg")
-        g3 = tl.load(main_ptrs + 3 * BLOCK_C, cache_modifier=".cg")
-        dx = w3 * g + w2 * g1 + w1 * g2 + w0 * g3
-        tl.store(dx_ptr + b * stride_dxb + t.to(tl.int64)[:, None] * stride_dxt + cols[None, :],
-                 dx.to(dx_ptr.dtype.element_ty), mask=(t < T)[:, None] & cmask[None, :])
-    taps = tl.arange(0, 4)[:, None]
-    dw = tl.where(taps == 0, tl.sum(dw0, axis=0)[None, :], 0.0)
-    dw = tl.where(taps == 1, tl.sum(dw1, axis=0)[None, :], dw)
-    dw = tl.where(taps == 2, tl.sum(dw2, axis=0)[None, :], dw)
-    dw = tl.where(taps == 3, tl.sum(dw3, axis=0)[None, :], dw)
-    tl.store(dw_part_ptr + ((b * n_spans + span) * 4 + taps) * C + cols[None, :], dw, mask=cmask[None, :])
 
 
 @triton.jit
@@ -409,7 +337,7 @@ def backward(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor]
     if BACKWARD_FORM not in BACKWARD_FORMS:
         raise NatslError(f"short conv backward form {BACKWARD_FORM!r} (NATSL_SHORT_CONV_BACKWARD) is not one of "
                          f"{', '.join(BACKWARD_FORMS)}")
-    form = BACKWARD_FORM if BACKWARD_FORM in ("scratch", "walk") and W == 4 else "two_pass"
+    form = "walk" if BACKWARD_FORM == "walk" and W == 4 else "two_pass"
     block_t, block_c, warps = BACKWARD_TILES[form]
     n_tiles, n_ctiles = -(-T // block_t), -(-C // block_c)
     if form == "walk":
@@ -418,16 +346,6 @@ def backward(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor]
             x, tail_t, w, dy, dx, parts, T, C, n_tiles, n_ctiles, x.stride(0), x.stride(1), stride_tb, stride_tw,
             dy.stride(0), dy.stride(1), dx.stride(0), dx.stride(1), HAS_TAIL=has_tail, CHUNK_T=block_t,
             BLOCK_C=block_c, num_warps=warps)
-    elif form == "scratch":
-        span_tiles = max(1, min(SCRATCH_SPAN_TILES, n_tiles))
-        n_spans = -(-n_tiles // span_tiles)
-        programs = B * n_spans * n_ctiles
-        parts = torch.empty(B * n_spans, W, C, dtype=torch.float32, device=x.device)
-        scratch = torch.empty(programs, block_t + 4, block_c, dtype=torch.float32, device=x.device)
-        _conv_bwd_scratch_kernel[(programs,)](
-            x, tail_t, w, dy, dx, parts, scratch, T, C, n_spans, n_ctiles, x.stride(0), x.stride(1), stride_tb,
-            stride_tw, dy.stride(0), dy.stride(1), dx.stride(0), dx.stride(1), HAS_TAIL=has_tail,
-            BLOCK_T=block_t, BLOCK_C=block_c, SPAN_TILES=span_tiles, num_warps=warps, num_stages=1)
     else:
         parts = torch.empty(B * n_tiles, W, C, dtype=torch.float32, device=x.device)
         dpre = torch.empty(B, T, C, dtype=torch.float32, device=x.device)
