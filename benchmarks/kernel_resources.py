@@ -125,6 +125,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None, help="also write the table as JSON")
     args = parser.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("kernel_resources.py compiles for the GPU: unset TRITON_INTERPRET (its recording child sets it itself)")
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     launches = record()
     runs = [(name, {"BV": 64} if name == "_state_fwd_kernel" else {}, None, None) for _, name in KERNELS]

@@ -47,3 +47,52 @@ def test_bench_training_ends_its_workers_when_it_is_terminated(tmp_path):
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_alive(p) for p in pids), "a worker outlived the terminated benchmark"
+
+
+def _bench_module(name):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.pop(0)
+
+
+def test_idle_gaps_are_the_gpu_timeline_holes_between_kernels(tmp_path):
+    """profile_training_step's idle report: gaps over 20 us between one kernel's end (the latest end
+    so far, kernels may overlap) and the next start, largest first, CPU events ignored."""
+    import json
+
+    profile_training_step = _bench_module("profile_training_step")
+
+    class Trace:
+        def export_chrome_trace(self, path):
+            events = [{"cat": "kernel", "name": "a", "ts": 0, "dur": 100},
+                      {"cat": "kernel", "name": "b", "ts": 50, "dur": 10},  # inside a: no gap after it
+                      {"cat": "kernel", "name": "c", "ts": 130, "dur": 10},  # 30 us after a ends
+                      {"cat": "kernel", "name": "d", "ts": 150, "dur": 10},  # 10 us: under the threshold
+                      {"cat": "kernel", "name": "e", "ts": 260, "dur": 40},  # 100 us
+                      {"cat": "cpu_op", "name": "x", "ts": 0, "dur": 300}]
+            Path(path).write_text(json.dumps({"traceEvents": events}))
+
+    gaps = profile_training_step.idle_gaps(Trace())
+    assert gaps["n_gaps"] == 2 and gaps["kernels"] == 5
+    assert [(g["us"], g["after"], g["before"]) for g in gaps["gaps"]] == [(100, "d", "e"), (30, "b", "c")]
+    assert gaps["idle_ms"] == 0.13 and gaps["span_ms"] == 0.3
+
+
+def test_kernel_resources_compiles_the_fast_kernels_for_hopper_on_a_cpu(tmp_path):
+    """benchmarks/kernel_resources.py: the launches recorded from an interpreted run, each compiled for
+    sm_90 with a resource line read back (registers within the hardware's 1..255). A process of its
+    own: the tests run the kernels under TRITON_INTERPRET, which the compiling side must not."""
+    import json
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "resources.json"
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_resources.py"), "--out", str(out)],
+                            capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    kernel_resources = _bench_module("kernel_resources")
+    assert {name for _, name in kernel_resources.KERNELS} <= {r["kernel"] for r in rows}
+    assert all(0 < r["registers"] <= 255 and r["stack_bytes"] >= 0 and r["blocks_per_sm"] >= 1 for r in rows)
+    assert "_conv_bwd_walk_kernel" in result.stdout
