@@ -14,12 +14,11 @@ Backward, chunk n from last to first (D = dL/dS_start(n+1), stored as dh[n]):
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from natsl.devices import sm_count
 from natsl.fast.gated_delta.common import chunk_decay, dim_tile, launch_options, load_tile, load_tile_t, mm, store_tile
 
 
@@ -217,7 +216,7 @@ def _state_bwd_kernel(
             store_tile(dh0_ptr, d3, 3 * BK, v0, K, V, V, BK, BV)
 
 
-def _state_tiles(K: int, V: int, cfg: dict, batch_heads: int = 1, device=None, work_dtype=None) -> tuple[int, int, int]:
+def _state_tiles(K: int, V: int, cfg: dict, batch_heads: int, device: torch.device, work_dtype) -> tuple[int, int, int]:
     BK = dim_tile(K)
     return BK, triton.cdiv(K, BK), state_slice(V, cfg, batch_heads, sm_count(device), work_dtype)
 
@@ -233,19 +232,6 @@ def state_slice(V: int, cfg: dict, batch_heads: int, sms: int, work_dtype=None) 
         if batch_heads * triton.cdiv(V, wide) >= sms:
             bv = max(bv, wide)
     return bv
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def sm_count(device) -> int:
-    """Streaming multiprocessors of a CUDA device; 1 elsewhere (the CPU interpreter: any slice fits)."""
-    if device is None or torch.device(device).type != "cuda":
-        return 1
-    index = torch.device(device).index
-    return _cuda_sms(torch.cuda.current_device() if index is None else index)
 
 
 def state_forward(w, u, k, gc, write, initial_state, output_final_state: bool, block_size: int,
