@@ -72,10 +72,10 @@ def idle_gaps(prof, min_us: float = 20.0) -> dict:
 
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        events = json.load(open(f.name))["traceEvents"]
+        events = json.loads(Path(f.name).read_text())["traceEvents"]
     kernels = sorted((e for e in events if e.get("cat") == "kernel" and "dur" in e), key=lambda e: e["ts"])
     if not kernels:
-        return {"span_ms": 0.0, "idle_ms": 0.0, "gaps": []}
+        return {"span_ms": 0.0, "idle_ms": 0.0, "kernels": 0, "gaps": [], "n_gaps": 0}
     gaps, end = [], kernels[0]["ts"] + kernels[0]["dur"]
     for prev, e in zip(kernels, kernels[1:]):
         if e["ts"] - end > min_us:
@@ -129,16 +129,16 @@ def main() -> None:
             loss.item()
         model.zero_grad(set_to_none=True)
 
-    step()  # compile, autotune, allocate
-    step()  # a second pass: the compiled backward's first call lands here
-    times = []
-    for _ in range(args.repeats):
+    def timed_ms(**kw) -> float:
         sync()
         start = time.perf_counter()
-        step()
+        step(**kw)
         sync()
-        times.append(time.perf_counter() - start)
-    step_ms = 1000 * statistics.median(times)
+        return 1000 * (time.perf_counter() - start)
+
+    step()  # compile, autotune, allocate
+    step()  # a second pass: the compiled backward's first call lands here
+    step_ms = statistics.median(timed_ms() for _ in range(args.repeats))
     tokens = args.batch * args.seq_len
     fold_ms = None
     if args.compare_fold:  # both ways on one compiled model and one fused AdamW, interleaved
@@ -146,11 +146,7 @@ def main() -> None:
         step(True)
         for _ in range(args.repeats):
             for way in (False, True):
-                sync()
-                start = time.perf_counter()
-                step(way)
-                sync()
-                runs[way].append(1000 * (time.perf_counter() - start))
+                runs[way].append(timed_ms(fold=way))
         fold_ms = {"clip then step": statistics.median(runs[False]), "folded": statistics.median(runs[True]),
                    "runs": {str(k): v for k, v in runs.items()}}
         print(f"whole step, median of {args.repeats} interleaved: clip then step {fold_ms['clip then step']:.1f} ms, "
@@ -182,7 +178,7 @@ def main() -> None:
     gaps = idle_gaps(prof) if cuda else None
     if gaps:
         print(f"GPU timeline of the profiled step: {gaps['span_ms']:.1f} ms from first to last kernel "
-              f"({gaps.get('kernels', 0)} kernels), idle {gaps['idle_ms']:.1f} ms in {gaps.get('n_gaps', 0)} gaps > 20 us")
+              f"({gaps['kernels']} kernels), idle {gaps['idle_ms']:.1f} ms in {gaps['n_gaps']} gaps > 20 us")
         for g in gaps["gaps"][:12]:
             print(f"  {g['us'] / 1e3:7.2f} ms idle at {g['at_ms']:7.1f} ms: after {g['after']} / before {g['before']}")
     if args.out:

@@ -79,6 +79,13 @@ def test_idle_gaps_are_the_gpu_timeline_holes_between_kernels(tmp_path):
     assert [(g["us"], g["after"], g["before"]) for g in gaps["gaps"]] == [(100, "d", "e"), (30, "b", "c")]
     assert gaps["idle_ms"] == 0.13 and gaps["span_ms"] == 0.3
 
+    class NoKernels:
+        def export_chrome_trace(self, path):
+            Path(path).write_text(json.dumps({"traceEvents": [{"cat": "cpu_op", "name": "x", "ts": 0, "dur": 5}]}))
+
+    assert profile_training_step.idle_gaps(NoKernels()) == {"span_ms": 0.0, "idle_ms": 0.0, "kernels": 0, "gaps": [],
+                                                            "n_gaps": 0}
+
 
 def test_kernel_resources_compiles_the_fast_kernels_for_hopper_on_a_cpu(tmp_path):
     """benchmarks/kernel_resources.py: the launches recorded from an interpreted run, each compiled for
