@@ -76,6 +76,8 @@ short_conv.short_conv_silu(x, torch.randn(128, 1, 4)).float().sum().backward()
 print(json.dumps(launches, default=str))
 '''
 
+# An sm_90 SM: 64K 32-bit registers, 228 KB of shared memory, at most 32 resident blocks.
+SM_REGISTERS, SM_SHARED_BYTES, SM_BLOCKS = 65536, 233472, 32
 POINTER = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32"}
 
 
@@ -115,7 +117,8 @@ def resources(launch: dict, name: str, overrides: dict, num_warps: int, num_stag
     fields = dict(item.split(":", 1) for item in next(line for line in usage.splitlines() if "REG:" in line).split()
                   if ":" in item)
     regs, shared = int(fields["REG"]), compiled.metadata.shared
-    blocks = min(65536 // max(regs * 32 * num_warps, 1), (233472 // shared) if shared else 32, 32)
+    blocks = min(SM_REGISTERS // max(regs * 32 * num_warps, 1), SM_SHARED_BYTES // shared if shared else SM_BLOCKS,
+                 SM_BLOCKS)
     return {"kernel": name, "settings": {**{k: v for k, v in overrides.items()}, "num_warps": num_warps,
                                          "num_stages": num_stages},
             "registers": regs, "stack_bytes": int(fields["STACK"]), "shared_bytes": shared, "blocks_per_sm": blocks}
