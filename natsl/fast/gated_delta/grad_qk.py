@@ -6,9 +6,9 @@ One program per (K tile, chunk, batch * head); it walks the V tiles. With S = h[
     dK  = P^T Q + write diag(exp(G_last - gc)) R D^T    (+ the W and A parts, in grad_wy)
     dW  = -dR S^T
 and the log-decay gradient terms of these products, already summed back onto g (reverse cumsum
-inside the chunk, plus the chunk total for terms that move with G_last). P^T is built from its
-own product R dO^T: a dot result is never transposed in registers (flash-linear-attention issue
-640: Triton 3.4-3.7 miscompiles that on Hopper).
+inside the chunk, plus the chunk total for terms that move with G_last). P^T is P read back
+transposed from a per-program scratch tile: a dot result is never transposed in registers
+(flash-linear-attention issue 640: Triton 3.4-3.7 miscompiles that on Hopper).
 Per chunk it also returns the two Frobenius products the route gradient needs:
     p1 = <D, K_dec^T R>,  p2 = <D, S>.
 """
@@ -24,6 +24,7 @@ from natsl.fast.gated_delta.common import (
     dim_tile,
     launch_options,
     load_tile,
+    load_tile_t,
     mm,
     reverse_cumsum,
     store_tile,
@@ -34,7 +35,7 @@ from natsl.fast.gated_delta.common import (
 @triton.jit(do_not_specialize=["B", "T", "NB"])  # one compile for every sequence length
 def _grad_qk_kernel(
     q_ptr, k_ptr, gc_ptr, write_ptr, h_ptr, dh_ptr, r_ptr, dr_ptr, do_ptr,
-    dq_ptr, dkp_ptr, dw_ptr, dgp_ptr, p1_ptr, p2_ptr,
+    dq_ptr, dkp_ptr, dw_ptr, dgp_ptr, p1_ptr, p2_ptr, scratch_ptr,
     scale, B, T, H, NB,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     PREC: tl.constexpr,
@@ -67,8 +68,7 @@ def _grad_qk_kernel(
     drs = tl.zeros([C, BK], dtype=tl.float32)  # dR S^T
     rds = tl.zeros([C, BK], dtype=tl.float32)  # R D^T
     dor = tl.zeros([C, C], dtype=tl.float32)  # dO R^T
-    rdo = tl.zeros([C, C], dtype=tl.float32)  # R dO^T
-    sd = tl.zeros([BK, BV], dtype=tl.float32)  # S * D, summed at the end
+    sd = tl.zeros([BK], dtype=tl.float32)  # row sums of S * D
     for v0 in range(0, V, BV):
         do = load_tile(do_ptr, t0, v0, T, H * V, V, C, BV)
         r = load_tile(r_ptr, t0, v0, T, H * V, V, C, BV)  # in config.INTERMEDIATE's dtype
@@ -76,24 +76,28 @@ def _grad_qk_kernel(
         s = load_tile(h_ptr, k0, v0, K, V, V, BK, BV)
         d = load_tile(dh_ptr, k0, v0, K, V, V, BK, BV)
         dos += mm(do, tl.trans(s), PREC)
-        sd += s.to(tl.float32) * d.to(tl.float32)
+        sd += tl.sum(s.to(tl.float32) * d.to(tl.float32), 1)
         s = s.to(r.dtype)
         d = d.to(r.dtype)
         do = do.to(r.dtype)
         drs += mm(dr, tl.trans(s), PREC)
         rds += mm(r, tl.trans(d), PREC)
         dor += mm(do, tl.trans(r), PREC)
-        rdo += mm(r, tl.trans(do), PREC)
 
     gc, dec, wt, a = chunk_decay(gc_ptr, write_ptr, t0, n, T, H, C, True)
     rows = tl.arange(0, C)
     p = tl.where(rows[:, None] >= rows[None, :], scale * dor * tl.exp(gc[:, None] - gc[None, :]), 0.0)
-    pt = tl.where(rows[:, None] <= rows[None, :], scale * rdo * tl.exp(gc[None, :] - gc[:, None]), 0.0)
+    wd = r_ptr.dtype.element_ty
+    # P^T through this program's scratch tile (stored in wd, the dtype the product reads), read back
+    # transposed after a barrier: a dot result is never transposed in registers (see above).
+    scratch_ptr += ((bh.to(tl.int64) * NB + n) * tl.num_programs(0) + ik) * C * C
+    store_tile(scratch_ptr, p, 0, 0, C, C, C, C, C)
+    tl.debug_barrier()
+    pt = load_tile_t(scratch_ptr, 0, 0, C, C, C, C, C)
     qf = q.to(tl.float32)
     kf = k.to(tl.float32)
-    wd = r_ptr.dtype.element_ty
     dq = scale * tl.exp(gc)[:, None] * dos + mm(p.to(wd), k.to(wd), PREC)
-    dk_intra = mm(pt.to(wd), q.to(wd), PREC)
+    dk_intra = mm(pt, q.to(wd), PREC)
     dk_commit = (wt * dec)[:, None] * rds
     store_tile(dq_ptr, dq, t0, k0, T, H * K, K, C, BK)
     store_tile(dkp_ptr, dk_intra + dk_commit, t0, k0, T, H * K, K, C, BK)
@@ -108,11 +112,11 @@ def _grad_qk_kernel(
 
     route = ((ik * B + b) * NB + n) * H + h
     tl.store(p1_ptr + route, tl.sum(tl.sum(kf * dec[:, None] * rds, 1), 0))
-    tl.store(p2_ptr + route, tl.sum(tl.sum(sd, 1), 0))
+    tl.store(p2_ptr + route, tl.sum(sd, 0))
 
 
 def grad_qk(q, k, gc, write, h, dh, r, dr, do, scale: float, block_size: int, precision: str, cfg: dict):
-    """(dq in q's dtype, dk part fp32, dW fp32, dg parts [NK,B,T,H], p1 and p2 parts [NK,B,NB,H])."""
+    """(dq in q's dtype, dk part fp32, dW in the intermediates' dtype, dg parts [NK,B,T,H], p1 and p2 parts [NK,B,NB,H])."""
     B, T, H, K = q.shape
     V = do.shape[-1]
     NB = triton.cdiv(T, block_size)
@@ -121,13 +125,14 @@ def grad_qk(q, k, gc, write, h, dh, r, dr, do, scale: float, block_size: int, pr
     f32 = dict(device=q.device, dtype=torch.float32)
     dq = torch.empty_like(q)
     dkp = torch.empty(B, T, H, K, **f32)
-    dw = torch.empty(B, T, H, K, **f32)
+    dw = torch.empty(B, T, H, K, device=q.device, dtype=r.dtype)  # grad_wy multiplies it in this dtype
     dgp = torch.empty(NK, B, T, H, **f32)
     p1 = torch.empty(NK, B, NB, H, **f32)
     p2 = torch.empty(NK, B, NB, H, **f32)
+    scratch = torch.empty(B * H, NB, NK, block_size, block_size, device=q.device, dtype=r.dtype)  # P per program
     grid = (NK, NB, B * H)
     _grad_qk_kernel[grid](
-        q, k, gc, write, h, dh, r, dr, do, dq, dkp, dw, dgp, p1, p2, scale, B, T, H, NB,
+        q, k, gc, write, h, dh, r, dr, do, dq, dkp, dw, dgp, p1, p2, scratch, scale, B, T, H, NB,
         K=K, V=V, C=block_size, BK=BK, BV=min(cfg["BV"], dim_tile(V)), PREC=precision,
         **launch_options(cfg, block_size, dr.dtype),
     )

@@ -4,8 +4,9 @@ One program per (chunk, batch * head). With dU = dR and dW from grad_qk (e = exp
     dV = diag(beta) T^T dR,   dT = dR (diag(beta) V)^T + dW (diag(beta e) K)^T,
     dA = -T^T dT T^T (strictly lower),   A = diag(beta) (K K^T) * exp(gc_i - gc_j),
     dK = dK_part + diag(beta e) T^T dW + (dB + dB^T) K with dB = dA * beta_i exp(gc_i - gc_j),
-and dbeta, dg. The transposed products (dT^T, dA^T, T^T) are built from loads and their own dots:
-a dot result is never transposed in registers (flash-linear-attention issue 640).
+and dbeta, dg. Transposes come from memory: T^T is loaded transposed, and dB^T is read back
+transposed from a per-program fp32 scratch tile after a barrier. A dot result is never transposed
+in registers (flash-linear-attention issue 640: Triton 3.4-3.7 miscompiles that on Hopper).
 dg sums this kernel's in-chunk terms (reverse cumsum), grad_qk's parts, and the chunk's G_last term.
 """
 
@@ -31,7 +32,7 @@ from natsl.fast.gated_delta.common import (
 @triton.jit(do_not_specialize=["B", "T", "NB"])  # one compile for every sequence length
 def _grad_wy_kernel(
     k_ptr, v_ptr, beta_ptr, gc_ptr, ai_ptr, dr_ptr, dw_ptr, dkp_ptr, dgp_ptr, dgl_ptr,
-    dk_ptr, dv_ptr, dbeta_ptr, dg_ptr,
+    dk_ptr, dv_ptr, dbeta_ptr, dg_ptr, scratch_ptr,
     B, T, H, NB,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NKP: tl.constexpr,
     PREC: tl.constexpr,
@@ -55,61 +56,59 @@ def _grad_wy_kernel(
     dbeta_ptr += row0
     dg_ptr += row0
 
-    tm = load_tile(ai_ptr, t0, 0, T, H * C, C, C, C)  # T
-    tmt = load_tile_t(ai_ptr, t0, 0, T, H * C, C, C, C)  # T^T
     beta = load_vec(beta_ptr, t0, T, H, C)
     gc = load_vec(gc_ptr, t0, T, H, C)
     be = beta * tl.exp(gc)
 
+    # Only dT and K K^T are accumulated (dT^T is never formed): every [C, C] fp32 accumulator costs a
+    # quarter of the 255 registers a thread has, and the old kernel's five spilled 2.6 KB per thread.
     dtm = tl.zeros([C, C], dtype=tl.float32)  # dT
-    dtmt = tl.zeros([C, C], dtype=tl.float32)  # dT^T
     kk = tl.zeros([C, C], dtype=tl.float32)  # K K^T
     dbeta = tl.zeros([C], dtype=tl.float32)
     dgc = tl.zeros([C], dtype=tl.float32)
     # Products run in the intermediates' dtype wd (config.INTERMEDIATE: bf16, or fp32 -> tf32); sums fp32.
     wd = dr_ptr.dtype.element_ty
-    tmtw = tmt.to(wd)
+    tmtw = load_tile_t(ai_ptr, t0, 0, T, H * C, C, C, C).to(wd)  # T^T
     for v0 in range(0, V, BV):
         dr = load_tile(dr_ptr, t0, v0, T, H * V, V, C, BV)
         vv = load_tile(v_ptr, t0, v0, T, H * V, V, C, BV).to(tl.float32)
-        vb = (beta[:, None] * vv).to(wd)
         du = mm(tmtw, dr, PREC)  # T^T dU
         store_tile(dv_ptr, beta[:, None] * du, t0, v0, T, H * V, V, C, BV)
         dbeta += tl.sum(vv * du, 1)
-        dtm += mm(dr, tl.trans(vb), PREC)
-        dtmt += mm(vb, tl.trans(dr), PREC)
+        dtm += mm(dr, tl.trans((beta[:, None] * vv).to(wd)), PREC)
     for k0 in range(0, K, BK):
         dw = load_tile(dw_ptr, t0, k0, T, H * K, K, C, BK).to(wd)
         kx = load_tile(k_ptr, t0, k0, T, H * K, K, C, BK)
         ek = tl.exp(gc)[:, None] * kx.to(tl.float32)
-        x = beta[:, None] * ek  # diag(beta e) K
-        xw = x.to(wd)
         dx = mm(tmtw, dw, PREC)  # T^T dW
-        dtm += mm(dw, tl.trans(xw), PREC)
-        dtmt += mm(xw, tl.trans(dw), PREC)
-        dbeta += tl.sum(ek * dx, 1)
-        dgc += tl.sum(x * dx, 1)
+        dtm += mm(dw, tl.trans((beta[:, None] * ek).to(wd)), PREC)  # dW (diag(beta e) K)^T
+        edx = tl.sum(ek * dx, 1)
+        dbeta += edx
+        dgc += beta * edx
         kk += mm(kx, tl.trans(kx), PREC)
 
     rows = tl.arange(0, C)
     lower = rows[:, None] > rows[None, :]
-    upper = rows[:, None] < rows[None, :]
+    tmt = load_tile_t(ai_ptr, t0, 0, T, H * C, C, C, C)  # T^T again, fp32 (not kept live through the loops)
     da = tl.where(lower, -mm(mm(tmt, dtm, PREC), tmt, PREC), 0.0)
-    dat = tl.where(upper, -mm(mm(tm, dtmt, PREC), tm, PREC), 0.0)
     decay = tl.where(lower, tl.exp(gc[:, None] - gc[None, :]), 0.0)
-    decay_t = tl.where(upper, tl.exp(gc[None, :] - gc[:, None]), 0.0)
     dak = da * decay * kk
     dbeta += tl.sum(dak, 1)
     daa = beta[:, None] * dak  # dA * A
     dgc += tl.sum(daa, 1) - tl.sum(daa, 0)
-    dbw = (beta[:, None] * da * decay).to(wd)  # dB
-    dbtw = (beta[None, :] * dat * decay_t).to(wd)  # dB^T
+    # dB + dB^T through this program's scratch tile: the transpose is read back from memory, as
+    # load_tile_t does for inputs (a dot result is never transposed in registers, see above).
+    db = beta[:, None] * da * decay
+    scratch_ptr += (bh.to(tl.int64) * NB + n) * C * C
+    store_tile(scratch_ptr, db, 0, 0, C, C, C, C, C)
+    tl.debug_barrier()
+    dbsym = (db + load_tile_t(scratch_ptr, 0, 0, C, C, C, C, C)).to(wd)
 
     for k0 in range(0, K, BK):
         dw = load_tile(dw_ptr, t0, k0, T, H * K, K, C, BK).to(wd)
         kw = load_tile(k_ptr, t0, k0, T, H * K, K, C, BK).to(wd)
         dk = load_tile(dkp_ptr, t0, k0, T, H * K, K, C, BK)
-        dk += be[:, None] * mm(tmtw, dw, PREC) + mm(dbw, kw, PREC) + mm(dbtw, kw, PREC)
+        dk += be[:, None] * mm(tmtw, dw, PREC) + mm(dbsym, kw, PREC)
         store_tile(dk_ptr, dk, t0, k0, T, H * K, K, C, BK)
 
     dg = reverse_cumsum(dgc) + tl.load(dgl_ptr + (b * NB + n) * H + h)
@@ -128,9 +127,10 @@ def grad_wy(k, v, beta, gc, ai, dr, dw, dkp, dgp, dg_last, block_size: int, prec
     dv = torch.empty_like(v)
     dbeta = torch.empty(B, T, H, device=k.device, dtype=torch.float32)
     dg = torch.empty(B, T, H, device=k.device, dtype=torch.float32)
+    scratch = torch.empty(B * H, NB, block_size, block_size, device=k.device, dtype=torch.float32)  # dB per chunk
     grid = (NB, B * H)
     _grad_wy_kernel[grid](
-        k, v, beta, gc, ai, dr, dw, dkp, dgp, dg_last, dk, dv, dbeta, dg, B, T, H, NB,
+        k, v, beta, gc, ai, dr, dw, dkp, dgp, dg_last, dk, dv, dbeta, dg, scratch, B, T, H, NB,
         K=K, V=V, C=block_size, BK=dim_tile(K), BV=dim_tile(V), NKP=dgp.shape[0], PREC=precision,
         **launch_options(cfg, block_size, dr.dtype),
     )
