@@ -68,10 +68,16 @@ def main() -> None:
     ap.add_argument("--kernels", default="grad_qk,grad_wy", help="comma list of kernel modules to compare")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    names = [n for n in args.kernels.split(",") if n]
+    missing = [f for f in ["common"] + names if not (args.baseline / f"{f}.py").is_file()]
+    if missing:
+        sys.exit(f"compare_gdn_revisions.py: {args.baseline} has no {', '.join(m + '.py' for m in missing)}; pass "
+                 "the other revision's natsl/fast/gated_delta folder")
     if (args.baseline / "common.py").read_bytes() != (PACKAGE / "common.py").read_bytes():
         sys.exit("compare_gdn_revisions.py: the baseline's common.py differs from this tree's; compare whole "
                  "trees in two processes instead (benchmarks/device_gated_delta.py in each)")
-    names = [n for n in args.kernels.split(",") if n]
+    if not torch.cuda.is_available():
+        sys.exit("compare_gdn_revisions.py times Triton kernels on a CUDA GPU; none is visible here")
     baseline = {n: load_baseline(args.baseline, n) for n in names}
     current = {n: sys.modules[f"natsl.fast.gated_delta.{n}"] for n in names}
     config.INTERMEDIATE = "input"

@@ -1,12 +1,9 @@
 #!/usr/bin/env bash
-# The call the ninth session leaves for the next (one H200, about 8 minutes, not run yet): the three
-# compiled training runs in one call with the final code ("walk" conv backward, the clip folded into
-# the fused AdamW step, 64-wide forward state slices) for same-call ratios; the ninth session measured
-# the hybrid with "walk" (74,971 tokens/s) only in a call of its own. Then, in a second call, every
-# @gpu test at that tree: bash benchmarks/device_gpu_tests.sh. The other two systems (GDN, NAtS-L, last
-# measured in the seventh session) in a third: RUNS="800m_gdn:170 800m_natsl:200" bash benchmarks/device_next.sh
-# MBS=8 gives the recipes' own micro-batch (the tables so far use 4). 30 steps, 5 untimed (the tables so far
-# timed 4 of 7: a step is ~0.2 s, compiling ~1-2 min, so the issue's "few dozen steps" cost ~5 s more).
+# The three compiled training runs in one call (one H200, about 6 minutes cold) for same-call ratios:
+# the NAtS-L Hybrid, the Transformer and the GDN Hybrid, 30 steps with 5 untimed (a step is ~0.2 s at
+# micro-batch 4, compiling ~1-2 min). MBS=8 gives the recipes' own micro-batch (the tenth session ran
+# both); RUNS="800m_gdn:170 800m_natsl:200" the other two systems (last measured in the seventh session).
+# Every @gpu test in a call of its own: bash benchmarks/device_gpu_tests.sh
 #   bash benchmarks/device_next.sh      (writes under $OUT; everything printed also lands in $OUT/log.txt)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/natsl_out}; mkdir -p $OUT

@@ -103,3 +103,19 @@ def test_kernel_resources_compiles_the_fast_kernels_for_hopper_on_a_cpu(tmp_path
     assert {name for _, name in kernel_resources.KERNELS} <= {r["kernel"] for r in rows}
     assert all(0 < r["registers"] <= 255 and r["stack_bytes"] >= 0 and r["blocks_per_sm"] >= 1 for r in rows)
     assert "_conv_bwd_walk_kernel" in result.stdout
+
+
+def test_compare_gdn_revisions_refuses_a_baseline_it_cannot_compare(tmp_path):
+    """The revision comparison loads the baseline's kernel files beside this tree's common.py: a
+    folder without them, or with another common.py, is refused with a one-line reason."""
+    script = [sys.executable, str(ROOT / "benchmarks" / "compare_gdn_revisions.py"), "--baseline", str(tmp_path)]
+    empty = subprocess.run(script, capture_output=True, text=True)
+    assert empty.returncode == 1
+    assert "has no common.py, grad_qk.py, grad_wy.py" in empty.stderr and "Traceback" not in empty.stderr
+    package = ROOT / "natsl" / "fast" / "gated_delta"
+    for name in ("common", "grad_qk", "grad_wy"):
+        (tmp_path / f"{name}.py").write_text((package / f"{name}.py").read_text())
+    (tmp_path / "common.py").write_text((package / "common.py").read_text() + "# another revision\n")
+    other = subprocess.run(script, capture_output=True, text=True)
+    assert other.returncode == 1
+    assert "common.py differs" in other.stderr and "Traceback" not in other.stderr
