@@ -219,9 +219,10 @@ def _grid(BVs, warps, stages):
 # the sequential kernels' best V slice may differ from the T=128K sweep's; a wider net, "input" mode.
 SWEEP_TRAIN = {  # in order of the stages' share of the hybrid's step (call 6 of 2026-11-30h)
     "input": {
-        # BV=16 with 8 warps last: it hit an illegal memory access in the state backward (2026-11-30i
-        # call 1), which poisons the process's CUDA context (run each stage in its own process: --stages)
-        "STATE_BWD": _grid((32, 64), (4, 8), (1, 2)) + _grid((16,), (2, 4), (2,)) + _grid((16,), (8,), (2,)),
+        # 8 warps with BV=16, or with one stage, last: they hit an illegal memory access in the state
+        # backward (2026-11-30i), which poisons the process's CUDA context (one stage per process: --stages)
+        "STATE_BWD": _grid((32, 64), (4,), (1, 2)) + _grid((32, 64), (8,), (2,)) + _grid((16,), (2, 4), (2,))
+        + _grid((16,), (8,), (2,)) + _grid((32, 64), (8,), (1,)),
         "GRAD_WY": [dict(num_warps=w, num_stages=s) for w in (2, 4, 8) for s in (2, 3)],
         "GRAD_QK": _grid((32, 64), (4, 8), (3,)) + _grid((32,), (4,), (2,)) + _grid((16,), (4, 8), (3,)),
         "STATE_FWD": _grid((32, 64), (4, 8), (3,)) + _grid((16, 32), (2,), (3,)) + _grid((64,), (4,), (2,))
@@ -342,7 +343,7 @@ def main():
     ap.add_argument("--sweep-budget", type=float, default=130.0, help="stop sweeping after this many seconds")
     ap.add_argument("--modes", default=",".join(MODES), help="intermediate dtypes to sweep and time: fp32,input")
     ap.add_argument("--sweep-shape", default=f"1,{LENGTHS[-1]}",
-                    help="B,T of the sweep; 4,4096 (the training shape) also widens the variants (SWEEP_TRAIN)")
+                    help="B,T of the sweep; B > 1 (a training micro-batch, e.g. 4,4096 or 8,4096) widens the variants (SWEEP_TRAIN)")
     ap.add_argument("--stages", default="", help="comma list of the stages to sweep (default: all)")
     args = ap.parse_args()
     modes = tuple(filter(None, args.modes.split(",")))
@@ -358,7 +359,7 @@ def main():
     best = results["best"]
     steps = [("check", lambda: correctness(results))]
     sweep_b, sweep_t = (int(x) for x in args.sweep_shape.split(","))
-    variants = SWEEP_TRAIN if (sweep_b, sweep_t) == (4, 4096) else SWEEP
+    variants = SWEEP_TRAIN if sweep_b > 1 else SWEEP  # batched shapes: training micro-batches
     for mode in modes:
         steps.append(("sweep", lambda mode=mode: best.__setitem__(
             mode, sweep(results, sweep_t, mode, args.sweep_budget, sweep_b, variants,

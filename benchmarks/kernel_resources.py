@@ -7,7 +7,7 @@ few tokens) and a short conv backward under TRITON_INTERPRET=1 and records every
 argument dtypes, constexprs and launch options; this process then compiles each launch with
 `triton.compile(..., target=GPUTarget("cuda", 90, 32))` and reads the cubin's resource usage with the
 cuobjdump that ships with Triton. The gated-delta kernels run at their training-shape settings (the
-forward state recurrence at its 64-wide slices); `VARIANTS` adds a few other launch settings.
+two state recurrences at their 64-wide slices); `VARIANTS` adds a few other launch settings.
 
 What it tells: whether a kernel spills (STACK > 0 means registers went to local memory) and how many
 blocks fit an SM (registers and shared memory), which a profile on the GPU then weighs. It compiles
@@ -34,7 +34,7 @@ KERNELS = (("natsl.fast.gated_delta.prepare", "_prepare_kernel"), ("natsl.fast.g
            ("natsl.fast.gated_delta.grad_wy", "_grad_wy_kernel"), ("natsl.fast.short_conv", "_conv_bwd_walk_kernel"),
            ("natsl.fast.short_conv", "_conv_fwd_kernel"))
 # Launch settings beside the defaults: (kernel, constexpr overrides, num_warps, num_stages).
-VARIANTS = (("_state_fwd_kernel", {"BV": 32}, 4, 3), ("_state_bwd_kernel", {"BV": 64}, 8, 2),
+VARIANTS = (("_state_fwd_kernel", {"BV": 32}, 4, 3), ("_state_bwd_kernel", {"BV": 32}, 4, 2),
             ("_state_bwd_kernel", {"BV": 32}, 8, 2), ("_grad_wy_kernel", {}, 8, 3), ("_grad_qk_kernel", {}, 8, 3),
             ("_conv_bwd_walk_kernel", {"BLOCK_C": 64}, 1, 3))
 
@@ -132,7 +132,7 @@ def main() -> None:
         sys.exit("kernel_resources.py compiles for the GPU: unset TRITON_INTERPRET (its recording child sets it itself)")
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     launches = record()
-    runs = [(name, {"BV": 64} if name == "_state_fwd_kernel" else {}, None, None) for _, name in KERNELS]
+    runs = [(name, {"BV": 64} if name in ("_state_fwd_kernel", "_state_bwd_kernel") else {}, None, None) for _, name in KERNELS]
     rows = []
     for name, overrides, warps, stages in runs + list(VARIANTS):
         launch = launches[name]

@@ -218,7 +218,7 @@ def test_eager_path_equals_the_custom_op(monkeypatch):
 
 
 def test_state_slice_widens_only_where_every_sm_keeps_a_program():
-    """config.STATE_FWD's BV_WIDE: 64-wide V slices at the training shape (4 x 6 heads, V = 384 on 132 SMs:
+    """BV_WIDE (config.STATE_FWD, STATE_BWD): 64-wide V slices at the training shape (4 x 6 heads, V = 384 on 132 SMs:
     144 programs), 32-wide at batch 1 (72 programs would leave SMs idle), never for fp32 intermediates,
     capped by the head dim."""
     cfg = {"BV": 32, "BV_WIDE": 64}
@@ -231,12 +231,14 @@ def test_state_slice_widens_only_where_every_sm_keeps_a_program():
 
 
 def test_wide_state_slices_give_the_same_result(monkeypatch):
-    """The forward recurrence with 64-wide V slices (BV_WIDE) equals the 32-wide one bitwise (the slices
-    never interact), forward and every gradient, bf16 intermediates; both near the reference."""
+    """The two sequential kernels with 64-wide V slices (BV_WIDE in STATE_FWD and STATE_BWD) equal the
+    32-wide ones bitwise (the slices never interact), forward and every gradient, bf16 intermediates;
+    both near the reference."""
     monkeypatch.setattr(config, "INTERMEDIATE", "input")
     runs = []
     for wide in (None, 64):
         monkeypatch.setitem(config.STATE_FWD, "BV_WIDE", wide)
+        monkeypatch.setitem(config.STATE_BWD, "BV_WIDE", wide)
         runs.append(compare(1, 130, 2, 16, 80, seed=31, dtype=torch.bfloat16, write_kind="binary",
                             route_grad="full", keep=True))
     (errors_a, out_a), (errors_b, out_b) = runs

@@ -31,10 +31,11 @@ PREPARE = {"num_warps": 2, "num_stages": 3}
 STATE_FWD = {"BV": 32, "BV_WIDE": 64, "num_warps": 4, "num_stages": 3}
 OUTPUT = {"BV": 64, "num_warps": 4, "num_stages": 2}
 LOCAL_DR = {"BV": 64, "num_warps": 4, "num_stages": 3}
-# At the training shape (B=4, T=4096, 2026-11-30i): BV 64 / 8 warps / 2 stages took 0.485 ms against
-# 0.534 here, but 8 warps with ONE stage (which block_size 128 forces, launch_options) hit an illegal
-# memory access on the H200 with Triton 3.6 (BV 16 and 32), so the backward keeps 4 warps.
-STATE_BWD = {"BV": 32, "num_warps": 4, "num_stages": 2}
+# BV_WIDE as in the forward: at the training shapes the 64-wide slices took 0.481 against 0.538 ms
+# (B=4, T=4096) and 0.729 against 0.895 ms (B=8), outputs bitwise equal (H200, 2026-11-30j calls 5-6).
+# 8 warps with ONE stage (which block_size 128 forces, launch_options) hit an illegal memory access on
+# the H200 with Triton 3.6 (BV 16, 32 and 64), so the backward keeps 4 warps.
+STATE_BWD = {"BV": 32, "BV_WIDE": 64, "num_warps": 4, "num_stages": 2}
 GRAD_QK = {"BV": 32, "num_warps": 4, "num_stages": 3}
 GRAD_WY = {"num_warps": 4, "num_stages": 3}
 DECODE = {"BV": 32, "num_warps": 4}

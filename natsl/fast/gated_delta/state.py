@@ -224,7 +224,7 @@ def _state_tiles(K: int, V: int, cfg: dict, batch_heads: int, device: torch.devi
 def state_slice(V: int, cfg: dict, batch_heads: int, sms: int, work_dtype=None) -> int:
     """The V slice BV of one program of a sequential kernel (B * H * V / BV programs). cfg["BV"], or the
     wider cfg["BV_WIDE"] where that still gives every SM a program and the intermediates are 16-bit
-    (the measured case): fewer, longer programs beat a second, mostly empty wave (config.STATE_FWD)."""
+    (the measured case): fewer, longer programs beat a second, mostly empty wave (config.STATE_FWD, STATE_BWD)."""
     bv = min(cfg["BV"], dim_tile(V))
     wide = cfg.get("BV_WIDE")
     if wide and work_dtype is not None and work_dtype.itemsize == 2:
