@@ -223,7 +223,8 @@ SWEEP_TRAIN = {  # in order of the stages' share of the hybrid's step (call 6 of
         # backward (2026-11-30i), which poisons the process's CUDA context (one stage per process: --stages)
         "STATE_BWD": _grid((32, 64), (4,), (1, 2)) + _grid((32, 64), (8,), (2,)) + _grid((16,), (2, 4), (2,))
         + _grid((16,), (8,), (2,)) + _grid((32, 64), (8,), (1,)),
-        "GRAD_WY": [dict(num_warps=w, num_stages=s) for w in (2, 4, 8) for s in (2, 3)],
+        "GRAD_WY": [dict(num_warps=4, num_stages=3, descriptors=True)]  # TMA tiles (config.GRAD_WY)
+        + [dict(num_warps=w, num_stages=s) for w in (2, 4, 8) for s in (2, 3)],
         "GRAD_QK": _grid((32, 64), (4, 8), (3,)) + _grid((32,), (4,), (2,)) + _grid((16,), (4, 8), (3,)),
         "STATE_FWD": _grid((32, 64), (4, 8), (3,)) + _grid((16, 32), (2,), (3,)) + _grid((64,), (4,), (2,))
         + _grid((16,), (4, 8), (3,)),

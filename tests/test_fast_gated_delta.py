@@ -19,6 +19,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from natsl.errors import NatslError  # noqa: E402
 from natsl.fast.gated_delta import commit_block, config, gated_delta_rule, gated_delta_step  # noqa: E402
+from natsl.fast.gated_delta.common import token_descriptors  # noqa: E402
 from natsl.fast.gated_delta.prepare import _prepare_kernel  # noqa: E402
 from natsl.fast.gated_delta.state import state_slice  # noqa: E402
 from natsl.reference.gated_delta import gated_delta_rule as reference  # noqa: E402
@@ -244,6 +245,32 @@ def test_wide_state_slices_give_the_same_result(monkeypatch):
     (errors_a, out_a), (errors_b, out_b) = runs
     assert all(torch.equal(a, b) for a, b in zip(out_a, out_b))
     check(errors_b, *TOL_SATURATED_BF16)
+
+
+@pytest.mark.parametrize("T,dtype", [(1, torch.float32), (37, torch.float32), (200, torch.bfloat16)])
+def test_grad_wy_through_tensor_descriptors_equals_pointer_tiles(T, dtype, monkeypatch):
+    """config.GRAD_WY["descriptors"] reads and writes grad_wy's loop tiles through 4-D tensor descriptors:
+    the same values as the masked pointer tiles (rows past T are zeros either way), so every output and
+    gradient is bitwise equal, at T = 1, a partial chunk and several chunks; both near the reference."""
+    monkeypatch.setattr(config, "INTERMEDIATE", "input")
+    runs = []
+    for on in (False, True):
+        monkeypatch.setitem(config.GRAD_WY, "descriptors", on)
+        runs.append(compare(2, T, 2, 32, 48, seed=53, dtype=dtype, write_kind="binary", keep=True))
+    (_, out_off), (errors_on, out_on) = runs
+    assert all(torch.equal(a, b) for a, b in zip(out_off, out_on))
+    check(errors_on, *(TOL_SATURATED_BF16 if dtype == torch.bfloat16 else (FP32_TOL, FP32_TOL)))
+
+
+def test_tensor_descriptors_apply_only_to_16_byte_rows():
+    """token_descriptors: None when switched off, for rows that are not a multiple of 16 bytes
+    (D = 20 in bf16: 40 bytes) or for a non-contiguous tensor; otherwise one descriptor per tensor."""
+    x = torch.zeros(1, 8, 2, 32, dtype=torch.bfloat16)
+    assert token_descriptors((x,), 64, 32, False) is None
+    assert token_descriptors((torch.zeros(1, 8, 2, 20, dtype=torch.bfloat16),), 64, 32, True) is None
+    assert token_descriptors((x.transpose(1, 2),), 64, 32, True) is None
+    descs = token_descriptors((x, x.float()), 64, 32, True)
+    assert len(descs) == 2 and list(descs[0].block_shape) == [1, 64, 1, 32]
 
 
 def test_unsupported_block_size_is_a_clear_error():

@@ -71,6 +71,27 @@ def store_tile(base, value, r0, c0, n_rows, row_stride, N_COLS: tl.constexpr, BR
 
 
 @triton.jit
+def read_tile(desc, base, b, h, r0, c0, n_rows, row_stride, N_COLS: tl.constexpr, BR: tl.constexpr,
+              BC: tl.constexpr, DESC: tl.constexpr):
+    """load_tile's tile of (batch b, head h), read through the [B, T, H, D] tensor descriptor `desc`
+    when DESC (TMA on Hopper; rows past T and columns past D come back as zeros), else from `base`."""
+    if DESC:
+        return desc.load([b, r0, h, c0]).reshape(BR, BC)
+    else:
+        return load_tile(base, r0, c0, n_rows, row_stride, N_COLS, BR, BC)
+
+
+@triton.jit
+def write_tile(desc, base, value, b, h, r0, c0, n_rows, row_stride, N_COLS: tl.constexpr, BR: tl.constexpr,
+               BC: tl.constexpr, DESC: tl.constexpr):
+    """store_tile through the descriptor when DESC (the part outside [T, D] is clipped)."""
+    if DESC:
+        desc.store([b, r0, h, c0], value.to(desc.dtype).reshape(1, BR, 1, BC))
+    else:
+        store_tile(base, value, r0, c0, n_rows, row_stride, N_COLS, BR, BC)
+
+
+@triton.jit
 def load_vec(base, r0, n_rows, stride, BR: tl.constexpr):
     """fp32 vector of rows r0.. of a [n_rows] column `stride` apart; zero outside."""
     rr = r0 + tl.arange(0, BR)
@@ -118,6 +139,23 @@ def chunk_decay(gc_ptr, write_ptr, t0, n, T, H, C: tl.constexpr, DECAY_SKIPPED: 
     else:
         a = 1.0 - wt + wt * gamma
     return gc, tl.exp(g_last - gc), wt, a
+
+
+def token_descriptors(tensors, rows: int, cols: int, enabled: bool):
+    """TensorDescriptors of token-major [B, T, H, D] tensors with [1, rows, 1, cols] blocks, for
+    read_tile / write_tile, or None where they do not apply: switched off, a GPU before Hopper (no TMA),
+    a non-contiguous tensor, or rows that are not a multiple of 16 bytes (e.g. D = 20 in bf16).
+    A 4-D shape, not a [B*T, H*D] view, so that rows past T read as zeros, not as the next sequence's."""
+    if not enabled:
+        return None
+    for x in tensors:
+        if x.is_cuda and torch.cuda.get_device_capability(x.device)[0] < 9:
+            return None
+        if not x.is_contiguous() or (x.shape[-1] * x.element_size()) % 16 or x.data_ptr() % 16:
+            return None
+    from triton.tools.tensor_descriptor import TensorDescriptor  # Triton >= 3.4
+
+    return [TensorDescriptor(x, list(x.shape), list(x.stride()), [1, rows, 1, cols]) for x in tensors]
 
 
 def launch_options(cfg: dict, block_size: int, work_dtype) -> dict:

@@ -19,13 +19,15 @@ import triton.language as tl
 from natsl.fast.gated_delta.common import (
     dim_tile,
     launch_options,
-    load_tile,
     load_tile_t,
     load_vec,
     mm,
+    read_tile,
     reverse_cumsum,
     store_tile,
     store_vec,
+    token_descriptors,
+    write_tile,
 )
 
 
@@ -33,9 +35,10 @@ from natsl.fast.gated_delta.common import (
 def _grad_wy_kernel(
     k_ptr, v_ptr, beta_ptr, gc_ptr, ai_ptr, dr_ptr, dw_ptr, dkp_ptr, dgp_ptr, dgl_ptr,
     dk_ptr, dv_ptr, dbeta_ptr, dg_ptr, scratch_ptr,
+    dr_desc, v_desc, dw_desc, k_desc, dkp_desc, dv_desc, dk_desc,
     B, T, H, NB,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NKP: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, DESC: tl.constexpr,
 ):
     n = tl.program_id(0)
     bh = tl.program_id(1)
@@ -70,15 +73,15 @@ def _grad_wy_kernel(
     wd = dr_ptr.dtype.element_ty
     tmtw = load_tile_t(ai_ptr, t0, 0, T, H * C, C, C, C).to(wd)  # T^T
     for v0 in range(0, V, BV):
-        dr = load_tile(dr_ptr, t0, v0, T, H * V, V, C, BV)
-        vv = load_tile(v_ptr, t0, v0, T, H * V, V, C, BV).to(tl.float32)
+        dr = read_tile(dr_desc, dr_ptr, b, h, t0, v0, T, H * V, V, C, BV, DESC)
+        vv = read_tile(v_desc, v_ptr, b, h, t0, v0, T, H * V, V, C, BV, DESC).to(tl.float32)
         du = mm(tmtw, dr, PREC)  # T^T dU
-        store_tile(dv_ptr, beta[:, None] * du, t0, v0, T, H * V, V, C, BV)
+        write_tile(dv_desc, dv_ptr, beta[:, None] * du, b, h, t0, v0, T, H * V, V, C, BV, DESC)
         dbeta += tl.sum(vv * du, 1)
         dtm += mm(dr, tl.trans((beta[:, None] * vv).to(wd)), PREC)
     for k0 in range(0, K, BK):
-        dw = load_tile(dw_ptr, t0, k0, T, H * K, K, C, BK).to(wd)
-        kx = load_tile(k_ptr, t0, k0, T, H * K, K, C, BK)
+        dw = read_tile(dw_desc, dw_ptr, b, h, t0, k0, T, H * K, K, C, BK, DESC).to(wd)
+        kx = read_tile(k_desc, k_ptr, b, h, t0, k0, T, H * K, K, C, BK, DESC)
         ek = tl.exp(gc)[:, None] * kx.to(tl.float32)
         dx = mm(tmtw, dw, PREC)  # T^T dW
         dtm += mm(dw, tl.trans((beta[:, None] * ek).to(wd)), PREC)  # dW (diag(beta e) K)^T
@@ -105,11 +108,11 @@ def _grad_wy_kernel(
     dbsym = (db + load_tile_t(scratch_ptr, 0, 0, C, C, C, C, C)).to(wd)
 
     for k0 in range(0, K, BK):
-        dw = load_tile(dw_ptr, t0, k0, T, H * K, K, C, BK).to(wd)
-        kw = load_tile(k_ptr, t0, k0, T, H * K, K, C, BK).to(wd)
-        dk = load_tile(dkp_ptr, t0, k0, T, H * K, K, C, BK)
+        dw = read_tile(dw_desc, dw_ptr, b, h, t0, k0, T, H * K, K, C, BK, DESC).to(wd)
+        kw = read_tile(k_desc, k_ptr, b, h, t0, k0, T, H * K, K, C, BK, DESC).to(wd)
+        dk = read_tile(dkp_desc, dkp_ptr, b, h, t0, k0, T, H * K, K, C, BK, DESC)
         dk += be[:, None] * mm(tmtw, dw, PREC) + mm(dbsym, kw, PREC)
-        store_tile(dk_ptr, dk, t0, k0, T, H * K, K, C, BK)
+        write_tile(dk_desc, dk_ptr, dk, b, h, t0, k0, T, H * K, K, C, BK, DESC)
 
     dg = reverse_cumsum(dgc) + tl.load(dgl_ptr + (b * NB + n) * H + h)
     for i in tl.static_range(NKP):
@@ -128,10 +131,20 @@ def grad_wy(k, v, beta, gc, ai, dr, dw, dkp, dgp, dg_last, block_size: int, prec
     dbeta = torch.empty(B, T, H, device=k.device, dtype=torch.float32)
     dg = torch.empty(B, T, H, device=k.device, dtype=torch.float32)
     scratch = torch.empty(B * H, NB, block_size, block_size, device=k.device, dtype=torch.float32)  # dB per chunk
+    BK, BV = dim_tile(K), dim_tile(V)
+    # The loop tiles through TMA descriptors (config.GRAD_WY["descriptors"], off: not yet measured on the
+    # GPU); without them each stage of the software pipeline carries [C, 64] pointer and mask tensors.
+    on = cfg.get("descriptors", False)
+    v_side = token_descriptors((dr, v, dv), block_size, BV, on)
+    k_side = token_descriptors((dw, k, dkp, dk), block_size, BK, on)
+    use_desc = v_side is not None and k_side is not None
+    dr_d, v_d, dv_d = v_side if use_desc else (dr, v, dv)
+    dw_d, k_d, dkp_d, dk_d = k_side if use_desc else (dw, k, dkp, dk)
     grid = (NB, B * H)
     _grad_wy_kernel[grid](
-        k, v, beta, gc, ai, dr, dw, dkp, dgp, dg_last, dk, dv, dbeta, dg, scratch, B, T, H, NB,
-        K=K, V=V, C=block_size, BK=dim_tile(K), BV=dim_tile(V), NKP=dgp.shape[0], PREC=precision,
+        k, v, beta, gc, ai, dr, dw, dkp, dgp, dg_last, dk, dv, dbeta, dg, scratch,
+        dr_d, v_d, dw_d, k_d, dkp_d, dv_d, dk_d, B, T, H, NB,
+        K=K, V=V, C=block_size, BK=BK, BV=BV, NKP=dgp.shape[0], PREC=precision, DESC=use_desc,
         **launch_options(cfg, block_size, dr.dtype),
     )
     return dk, dv, dbeta, dg
