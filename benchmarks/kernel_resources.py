@@ -37,8 +37,8 @@ KERNELS = (("natsl.fast.gated_delta.prepare", "_prepare_kernel"), ("natsl.fast.g
 VARIANTS = (("_state_fwd_kernel", {"BV": 32}, 4, 3), ("_state_bwd_kernel", {"BV": 32}, 4, 2),
             ("_state_bwd_kernel", {"BV": 32}, 8, 2), ("_grad_wy_kernel", {}, 8, 3), ("_grad_qk_kernel", {}, 8, 3),
             ("_conv_bwd_walk_kernel", {"BLOCK_C": 64}, 1, 3), ("_grad_wy_kernel", {"DESC": True}, 4, 3))
-# Kernels whose tiles can come through TMA tensor descriptors (DESC=True): argument -> the constexpr
-# giving the block's width; the block is [1, C, 1, width] of a [B, T, H, D] tensor (common.token_descriptors).
+# Kernels whose tiles can come through TMA tensor descriptors (DESC=True; recorded with them off, as
+# None): argument -> the constexpr giving the block's width; the block is [1, C, 1, width] of a [B, T, H, D] tensor (common.token_descriptors).
 DESCRIPTOR_ARGS = {"_grad_wy_kernel": {"dr_desc": "BV", "v_desc": "BV", "dv_desc": "BV", "dw_desc": "BK",
                                        "k_desc": "BK", "dkp_desc": "BK", "dk_desc": "BK"}}
 SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
@@ -107,11 +107,12 @@ def resources(launch: dict, name: str, overrides: dict, num_warps: int, num_stag
     for i, arg in enumerate(fn.arg_names):
         kind = launch["types"].get(arg)
         width = DESCRIPTOR_ARGS.get(name, {}).get(arg) if kw.get("DESC") else None
-        if arg in kw or kind == "none":
+        if width:  # recorded as None (descriptors off): the tensor's dtype is its pointer twin's, x_desc -> x_ptr
+            dtype = SHORT_DTYPE[launch["types"][arg.replace("_desc", "_ptr")]]
+            signature[arg] = f"tensordesc<{dtype}[1,{kw['C']},1,{kw[width]}]>"
+        elif arg in kw or kind == "none":
             signature[arg] = "constexpr"
             constexprs[(i,)] = kw.get(arg)
-        elif width:
-            signature[arg] = f"tensordesc<{SHORT_DTYPE[kind]}[1,{kw['C']},1,{kw[width]}]>"
         else:
             signature[arg] = POINTER.get(kind, kind)
     compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),

@@ -138,8 +138,9 @@ def grad_wy(k, v, beta, gc, ai, dr, dw, dkp, dgp, dg_last, block_size: int, prec
     v_side = token_descriptors((dr, v, dv), block_size, BV, on)
     k_side = token_descriptors((dw, k, dkp, dk), block_size, BK, on)
     use_desc = v_side is not None and k_side is not None
-    dr_d, v_d, dv_d = v_side if use_desc else (dr, v, dv)
-    dw_d, k_d, dkp_d, dk_d = k_side if use_desc else (dw, k, dkp, dk)
+    # None (a constexpr) when off, so the default kernel compiles exactly as it did without descriptors.
+    dr_d, v_d, dv_d = v_side if use_desc else (None,) * 3
+    dw_d, k_d, dkp_d, dk_d = k_side if use_desc else (None,) * 4
     grid = (NB, B * H)
     _grad_wy_kernel[grid](
         k, v, beta, gc, ai, dr, dw, dkp, dgp, dg_last, dk, dv, dbeta, dg, scratch,
