@@ -379,6 +379,22 @@ def test_gpu_800m_shapes_bf16(case):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_grad_wy_through_tensor_descriptors(monkeypatch):
+    """config.GRAD_WY["descriptors"] (TMA tiles, off by default until this passes and wins on the H200) at
+    the training shape against the chunk oracle, and bitwise equal to the pointer tiles."""
+    B, T, seed, write_kind, route_grad, decay = GPU_CASES["training-shape-B4"]
+    runs = []
+    for on in (False, True):
+        monkeypatch.setitem(config.GRAD_WY, "descriptors", on)
+        runs.append(compare(B, T, 6, 192, 384, seed=seed, dtype=torch.bfloat16, write_kind=write_kind,
+                            route_grad=route_grad, decay_skipped_blocks=decay, oracle=chunk_oracle, keep=True))
+    (_, out_off), (errors_on, out_on) = runs
+    assert all(torch.equal(a, b) for a, b in zip(out_off, out_on))
+    check(errors_on, *TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_800m_shapes_bf16_fp32_intermediates(monkeypatch):
     monkeypatch.setattr(config, "INTERMEDIATE", "fp32")
     errors = compare(1, 4096, 6, 192, 384, seed=43, dtype=torch.bfloat16, write_kind=None, oracle=chunk_oracle)
