@@ -4,6 +4,9 @@
 # micro-batch 4, compiling ~1-2 min). MBS=8 gives the recipes' own micro-batch (the tenth session ran
 # both); RUNS="800m_gdn:170 800m_natsl:200" the other two systems (last measured in the seventh session).
 # Every @gpu test in a call of its own: bash benchmarks/device_gpu_tests.sh
+# grad_wy's TMA descriptors (config.GRAD_WY["descriptors"], off until this passes and wins):
+#   python3 benchmarks/device_gated_delta.py --skip check,time --modes input --sweep-shape 4,4096 --stages GRAD_WY
+#   python3 -m pytest -q -m gpu tests/test_fast_gated_delta.py -k descriptors
 #   bash benchmarks/device_next.sh      (writes under $OUT; everything printed also lands in $OUT/log.txt)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/natsl_out}; mkdir -p $OUT
