@@ -38,7 +38,8 @@ VARIANTS = (("_state_fwd_kernel", {"BV": 32}, 4, 3), ("_state_bwd_kernel", {"BV"
             ("_state_bwd_kernel", {"BV": 32}, 8, 2), ("_grad_wy_kernel", {}, 8, 3), ("_grad_qk_kernel", {}, 8, 3),
             ("_conv_bwd_walk_kernel", {"BLOCK_C": 64}, 1, 3), ("_grad_wy_kernel", {"DESC": True}, 4, 3))
 # Kernels whose tiles can come through TMA tensor descriptors (DESC=True; recorded with them off, as
-# None): argument -> the constexpr giving the block's width; the block is [1, C, 1, width] of a [B, T, H, D] tensor (common.token_descriptors).
+# None): argument -> the constexpr giving the block's width; the block is [1, C, 1, width] of a
+# [B, T, H, D] tensor (common.token_descriptors).
 DESCRIPTOR_ARGS = {"_grad_wy_kernel": {"dr_desc": "BV", "v_desc": "BV", "dv_desc": "BV", "dw_desc": "BK",
                                        "k_desc": "BK", "dkp_desc": "BK", "dk_desc": "BK"}}
 SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}

@@ -37,7 +37,7 @@ LOCAL_DR = {"BV": 64, "num_warps": 4, "num_stages": 3}
 # the H200 with Triton 3.6 (BV 16, 32 and 64), so the backward keeps 4 warps.
 STATE_BWD = {"BV": 32, "BV_WIDE": 64, "num_warps": 4, "num_stages": 2}
 GRAD_QK = {"BV": 32, "num_warps": 4, "num_stages": 3}
-# "descriptors": the loop tiles through TMA descriptors (common.token_descriptors). Offline (Triton 3.9,
-# sm_90) that cuts the kernel's spill stack 1528 -> 112 B; off until it is checked and timed on the H200.
+# "descriptors": the loop tiles through host-side TMA descriptors (common.token_descriptors). Offline
+# (Triton 3.9, sm_90) that cuts the kernel's spill stack 1528 -> 216 B; off until checked and timed on the H200.
 GRAD_WY = {"num_warps": 4, "num_stages": 3, "descriptors": False}
 DECODE = {"BV": 32, "num_warps": 4}
