@@ -366,6 +366,7 @@ def main():
             mode, sweep(results, sweep_t, mode, args.sweep_budget, sweep_b, variants,
                         set(args.stages.split(",")) if args.stages else None))))
     steps.append(("time", lambda: timings(results, fla, best, modes)))
+    os.makedirs(args.out, exist_ok=True)
     for step, fn in steps:
         if step in skip:
             continue

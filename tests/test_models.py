@@ -155,3 +155,53 @@ def test_compiled_hidden_states_read_a_table_made_outside():
     again = compiled(ids, model.rope_table(96, ids.device))
     assert torch.allclose(got, eager, rtol=1e-4, atol=1e-5) and torch.equal(got, again)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.parametrize("base_layer", ["gdn", "attention"])
+def test_concatenated_projections_give_the_separate_products(base_layer, monkeypatch):
+    """Every group run as one product over its concatenated (zero-padded) weights gives, in fp32, the
+    logits and every parameter's gradient of one product per weight; a padded concatenation is
+    really taken (the H-wide gate inputs: 2 x 2 rows padded to 8)."""
+    from natsl.models import merged
+
+    torch.manual_seed(0)
+    model = natsl.build_model(tiny_config(base_layer=base_layer, attn_rope=base_layer == "attention"))
+    ids = torch.randint(0, 1024, (2, 70))
+
+    def logits_and_grads():
+        model.zero_grad()
+        logits = model(ids)
+        logits.square().mean().backward()
+        return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    products = []
+    real_linear = merged.linear
+    monkeypatch.setattr(merged, "linear", lambda x, w: products.append(tuple(w.shape)) or real_linear(x, w))
+    monkeypatch.setattr(merged, "CONCAT", frozenset())
+    separate = logits_and_grads()
+    assert products == []  # one nn.Linear call each
+    monkeypatch.setattr(merged, "CONCAT", frozenset(merged.CONCAT_LABELS))
+    together = logits_and_grads()
+    if base_layer == "gdn":
+        assert (8, 64) in products and (2 * 32 + 2 * 32 + 2 * 64, 64) in products  # a, b; q, k, v
+    assert (2 * 192, 64) in products  # SwiGLU's gate and up
+    torch.testing.assert_close(together[0], separate[0], rtol=1e-5, atol=1e-6)
+    assert together[1].keys() == separate[1].keys()
+    for name, grad in separate[1].items():
+        torch.testing.assert_close(together[1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_concat_labels_from_the_environment(monkeypatch):
+    from natsl.models import merged
+
+    monkeypatch.setenv("NATSL_CONCAT_LINEARS", "gate_up, gdn_ab")
+    assert merged._concat_labels() == {"gate_up", "gdn_ab"}
+    monkeypatch.setenv("NATSL_CONCAT_LINEARS", "all")
+    assert merged._concat_labels() == set(merged.CONCAT_LABELS)
+    monkeypatch.setenv("NATSL_CONCAT_LINEARS", "none")
+    assert merged._concat_labels() == set()
+    monkeypatch.setenv("NATSL_CONCAT_LINEARS", "gate_up,qkvab")
+    with pytest.raises(ValueError, match="unknown groups \\['qkvab'\\]"):
+        merged._concat_labels()
+    monkeypatch.delenv("NATSL_CONCAT_LINEARS")
+    assert merged._concat_labels() == merged.CONCAT_DEFAULT

@@ -34,7 +34,7 @@ class SoftmaxAttention(nn.Module):
         (or at `positions` [B, T], one row per sequence; or from `rope`, positions 0..T-1)."""
         b, t, _ = x.shape
         q, k, v = (y.view(b, t, self.num_heads, self.head_dim)
-                   for y in shared_linear(self, "qkv", x))
+                   for y in shared_linear(self, "qkv", x, label="attn_qkv"))
         if self.config.attn_rope:
             if positions is None and rope is None:
                 positions = torch.arange(start, start + t, device=x.device)

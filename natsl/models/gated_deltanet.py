@@ -15,7 +15,7 @@ from natsl import ops
 from natsl.config import ModelConfig
 from natsl.models.conv import ShortConv
 from natsl.models.linear import Linear
-from natsl.models.merged import shared_linear
+from natsl.models.merged import buffer_product, group_product
 from natsl.models.norms import RMSNorm
 from natsl.models.pointwise import gated_rms_norm, gdn_gates, l2_normalize
 from natsl.inference import kernels
@@ -67,7 +67,12 @@ class GatedDeltaProjections(nn.Module):
 
     def linear(self, x: torch.Tensor):
         """x [B, T, d] -> the raw projections q, k, v (before the conv), a and b."""
-        return shared_linear(self, "qkvab", x)
+        merged = buffer_product(self, "qkvab", x)
+        if merged is not None:
+            return merged
+        q, k, v = group_product("gdn_qkv", [self.q_proj, self.k_proj, self.v_proj], x)
+        a, b = group_product("gdn_ab", [self.a_proj, self.b_proj], x)
+        return q, k, v, a, b
 
     def gates(self, a: torch.Tensor, b: torch.Tensor):
         """The a, b projections -> log decay g [B,T,H] (fp32) and write strength beta [B,T,H] (b's dtype)."""

@@ -16,6 +16,8 @@ lies in the buffer (the model was moved or cast after merging), each linear runs
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -66,12 +68,62 @@ def merge_(module: nn.Module) -> int:
     return merged
 
 
-def shared_linear(owner: nn.Module, name: str, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The outputs on x of the linears of `owner.merge_groups[name]`: one product over the merged
-    buffer where `merge_` merged them and no gradient is wanted, else one product each."""
+def buffer_product(owner: nn.Module, name: str, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    """The outputs on x of group `name` as one product over the buffer `merge_` made, where that
+    applies (merged, no gradient wanted, at most MERGE_MAX_ROWS rows); else None."""
     linears = _linears(owner, name)
     group = owner.__dict__.get("_merged_linears", {}).get(name)
     rows = x.numel() // max(x.shape[-1], 1)
     if group is not None and rows <= MERGE_MAX_ROWS and not torch.is_grad_enabled() and group.holds(linears):
         return linear(x, group.buffer).split(group.sizes, dim=-1)
-    return tuple(lin(x) for lin in linears)
+    return None
+
+
+def _concat_labels() -> frozenset[str]:
+    value = os.environ.get("NATSL_CONCAT_LINEARS")
+    if value is None:
+        return CONCAT_DEFAULT
+    parts = {part.strip() for part in value.split(",")} - {"", "none"}
+    if parts == {"all"}:
+        return frozenset(CONCAT_LABELS)
+    unknown = sorted(parts - set(CONCAT_LABELS))
+    if unknown:
+        raise ValueError(f"NATSL_CONCAT_LINEARS names unknown groups {unknown}: use a comma list of "
+                         f"{', '.join(CONCAT_LABELS)}, or all, or none")
+    return frozenset(parts)
+
+
+# Groups that run as one product over their weights concatenated per call (training, prefill: many
+# rows, gradients) rather than one product each. The concatenation is differentiable (the weight
+# gradients come back as slices of one product) and its rows are padded with zeros to a multiple of
+# ALIGN_ROWS, so that the output's rows stay 16-byte aligned for cuBLAS; the outputs are strided views.
+# Labels: "gdn_qkv" and "gdn_ab" (a GDN or NAtS-L layer's q, k, v and its two H-wide gate inputs),
+# "attn_qkv", "gate_up" (SwiGLU). NATSL_CONCAT_LINEARS (comma list, "all" or "none") overrides the default.
+CONCAT_LABELS = ("gdn_qkv", "gdn_ab", "attn_qkv", "gate_up")
+CONCAT_DEFAULT = frozenset({"gdn_ab"})
+CONCAT = _concat_labels()
+ALIGN_ROWS = 8
+
+
+def group_product(label: str, linears: list[nn.Linear], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The outputs on x of `linears` (no bias, one input size): one product over their concatenated
+    weights when `label` is in CONCAT, else one product each."""
+    if label not in CONCAT:
+        return tuple(lin(x) for lin in linears)
+    weights = [lin.weight for lin in linears]
+    sizes = [w.shape[0] for w in weights]
+    pad = -sum(sizes) % ALIGN_ROWS
+    if pad:
+        weights.append(weights[0].new_zeros(pad, weights[0].shape[1]))
+    y = linear(x, torch.cat(weights))
+    return y.split(sizes + [pad], dim=-1)[:len(sizes)]
+
+
+def shared_linear(owner: nn.Module, name: str, x: torch.Tensor, label: str | None = None) -> tuple[torch.Tensor, ...]:
+    """The outputs on x of the linears of `owner.merge_groups[name]`: one product over the merged
+    buffer where `merge_` merged them and no gradient is wanted, else by `group_product` under
+    `label` (default: the group's name)."""
+    merged = buffer_product(owner, name, x)
+    if merged is not None:
+        return merged
+    return group_product(label or name, _linears(owner, name), x)
