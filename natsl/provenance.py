@@ -14,7 +14,7 @@ from pathlib import Path
 # Environment switches read by natsl (and the two that change how Triton runs).
 SWITCHES = ("NATSL_BACKEND", "NATSL_COMPILE_POINTWISE", "NATSL_POINTWISE_DYNAMIC", "NATSL_FUSED_INFERENCE",
             "NATSL_DECODE_ATTENTION", "NATSL_DECODE_GEMV", "NATSL_DECODE_PDL", "NATSL_PREFILL_OVERLAP",
-            "NATSL_SHORT_CONV_BACKWARD", "NATSL_FOLD_CLIP", "NATSL_PEAK_FLOPS", "TRITON_INTERPRET",
+            "NATSL_SHORT_CONV_BACKWARD", "NATSL_FOLD_CLIP", "NATSL_CONCAT_LINEARS", "NATSL_FUSED_MIX", "NATSL_PEAK_FLOPS", "TRITON_INTERPRET",
             "TORCH_COMPILE_DISABLE")
 # NATSL_ variables that change neither speed nor numerics (where files go; the crash tests' hook).
 NOT_SWITCHES = ("NATSL_CACHE_DIR", "NATSL_DEBUG_DIR", "NATSL_FAULT")

@@ -20,6 +20,8 @@ cache as the other would (see natsl/inference/cache.py for the layout, docs/infe
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -35,6 +37,7 @@ from natsl.models.linear import Linear
 from natsl.models.norms import RMSNorm
 from natsl.models.pointwise import mix_branches
 from natsl.models.rope import RopeTable, apply_rope
+from natsl.ops import resolve_backend
 from natsl.reference.router import route_blocks, router_scores, straight_through_route
 
 
@@ -102,7 +105,24 @@ class NAtSL(nn.Module):
             norms = (self.la_norm.weight, self.nla_norm.weight, None, self.la_norm.eps)
         else:
             norms = (None, None, self.out_norm.weight, self.out_norm.eps)
-        return self.o_proj(mix_branches(o_la, o_nla, logits, c.mix_weights, self.g_proj(x), *norms))
+        gate = self.g_proj(x)
+        if self._fused_mix(o_nla, logits):
+            from natsl.fast.mix import mix_branches as fused  # Triton: imported where used
+
+            return self.o_proj(fused(o_la, o_nla, logits, gate, norms[0], norms[1], norms[3]))
+        return self.o_proj(mix_branches(o_la, o_nla, logits, c.mix_weights, gate, *norms))
+
+    def _fused_mix(self, o_nla: torch.Tensor, logits) -> bool:
+        """The read on its Triton kernels (natsl.fast.mix): fast backend, softmax weights, separate
+        norms (the paper's layer); NATSL_FUSED_MIX=0 keeps the compiled formula (for comparisons)."""
+        c = self.config
+        if (logits is None or c.mix_weights != "softmax" or c.branch_norm != "separate"
+                or os.environ.get("NATSL_FUSED_MIX", "1") == "0"
+                or resolve_backend(self.backend, o_nla.device) != "fast"):
+            return False
+        from natsl.fast.mix import supports
+
+        return supports(o_nla)
 
     def route(self, x: torch.Tensor):
         """x [B,T,d] -> keep, write [B, NB, H] (0/1 values, straight-through gradients)."""

@@ -1,0 +1,98 @@
+"""The fused NAtS-L read (natsl.fast.mix) against its reference twin, forward and every gradient.
+
+On a machine without CUDA the kernels run under TRITON_INTERPRET=1 (set before Triton is imported).
+Reference: natsl.models.pointwise.mix_branches run eagerly in fp64 on the same inputs (softmax
+weights, separate norms). Metric: relative RMS error. The `gpu` test runs the 800M layer's shape.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from natsl.errors import NatslError  # noqa: E402
+from natsl.fast import mix  # noqa: E402
+from natsl.models import pointwise as pw  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and type(mix._mix_fwd_kernel).__name__ != "InterpretedFunction":
+    pytest.skip("natsl.fast was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
+
+TOL = {torch.float32: (1e-6, 1e-5), torch.bfloat16: (5e-3, 1e-2)}  # (forward, gradients)
+NAMES = ("o_la", "o_nla", "logits", "gate", "la_weight", "nla_weight")
+
+
+def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30)).item()
+
+
+def make_inputs(b, t, heads, d, dtype, device=DEVICE, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device)
+
+    inputs = [rand(b, t, heads, d).to(dtype), rand(b, t, heads, d, scale=3.0).to(dtype),
+              rand(b, t, heads, 2, scale=2.0).to(dtype), rand(b, t, heads * d, scale=2.0).to(dtype),
+              1.0 + rand(d, scale=0.2), 1.0 + rand(d, scale=0.2)]  # norm weights stay fp32 (parameters)
+    return inputs, rand(b, t, heads * d).to(dtype)
+
+
+def run(fn, inputs, dout, dtype=None):
+    leaves = [x.detach().clone().to(dtype or x.dtype).requires_grad_(True) for x in inputs]
+    out = fn(*leaves)
+    out.backward(dout.to(out.dtype))
+    return out.detach(), [x.grad for x in leaves]
+
+
+def oracle(inputs, dout, eps):
+    return run(lambda la, nla, lg, gt, w1, w2: pw.mix_branches.eager(la, nla, lg, "softmax", gt, w1, w2, None, eps),
+               inputs, dout, torch.float64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("b,t,heads,d", [(1, 1, 3, 32), (2, 37, 3, 32), (1, 70, 2, 128)])
+def test_fused_mix_matches_the_formula(dtype, b, t, heads, d, monkeypatch):
+    """Output and the six gradients; rows not a multiple of the tile, one token, and (few programs)
+    the backward's grid-stride loop over several row tiles per program."""
+    monkeypatch.setattr(mix, "PROGRAMS_PER_SM", 1)
+    monkeypatch.setattr(mix, "sm_count", lambda device: 1)
+    inputs, dout = make_inputs(b, t, heads, d, dtype)
+    eps = 1e-6
+    out, grads = run(lambda *xs: mix.mix_branches(*xs, eps), inputs, dout)
+    ref_out, ref_grads = oracle(inputs, dout, eps)
+    assert out.dtype == dtype and out.shape == (b, t, heads * d)
+    fwd_tol, grad_tol = TOL[dtype]
+    assert rel_rms(out, ref_out) < fwd_tol
+    for name, grad, ref, x in zip(NAMES, grads, ref_grads, inputs):
+        assert grad.dtype == x.dtype, name
+        assert rel_rms(grad, ref) < grad_tol, (name, rel_rms(grad, ref))
+
+
+def test_fused_mix_rejects_what_it_cannot_take():
+    inputs, _ = make_inputs(1, 4, 2, 24, torch.float32)
+    with pytest.raises(NatslError, match="power of two"):
+        mix.mix_branches(*inputs, 1e-6)
+    inputs, _ = make_inputs(1, 4, 2, 32, torch.float32)
+    inputs[2] = inputs[2][..., :1]
+    with pytest.raises(NatslError, match="do not fit"):
+        mix.mix_branches(*inputs, 1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_fused_mix_at_the_800m_shape():
+    """bf16, 2 x 4096 tokens x 18 heads x 128 (the 800M NAtS-L layer), against the fp64 formula."""
+    inputs, dout = make_inputs(2, 4096, 18, 128, torch.bfloat16)
+    out, grads = run(lambda *xs: mix.mix_branches(*xs, 1e-6), inputs, dout)
+    ref_out, ref_grads = oracle(inputs, dout, 1e-6)
+    assert rel_rms(out, ref_out) < 5e-3
+    for name, grad, ref in zip(NAMES, grads, ref_grads):
+        assert rel_rms(grad, ref) < 1e-2, (name, rel_rms(grad, ref))
