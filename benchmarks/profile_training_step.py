@@ -43,6 +43,7 @@ ROUTED_KERNELS = ("_forward_kernel", "_dq_kernel", "_dkdv_kernel", "_row_delta_k
 # (the dropped "held" and "scratch" kernels stay so that earlier sessions' profiles classify the same)
 SHORT_CONV_KERNELS = ("_conv_fwd_kernel", "_conv_bwd_kernel", "_conv_dx_kernel", "_conv_bwd_held_kernel",
                       "_conv_bwd_scratch_kernel", "_conv_bwd_walk_kernel", "_dw_sum_kernel")
+MIX_KERNELS = ("_mix_fwd_kernel", "_mix_bwd_kernel")  # natsl.fast.mix, the NAtS-L read (from 2026-12-01)
 
 
 def kernel_kind(name: str) -> str:
@@ -53,6 +54,8 @@ def kernel_kind(name: str) -> str:
         return "routed attention kernels"
     if any(k in name for k in SHORT_CONV_KERNELS):
         return "short conv kernels"
+    if any(k in name for k in MIX_KERNELS):
+        return "NAtS-L read (mix) kernels"
     lowered = name.lower()
     if any(k in lowered for k in ("flash", "fmha", "cudnn", "attention")):
         return "SDPA attention"

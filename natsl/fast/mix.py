@@ -13,8 +13,6 @@ program into an fp32 [programs, 2, D] buffer that torch reduces (deterministic, 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -22,27 +20,13 @@ import triton.language as tl
 from natsl.devices import sm_count
 from natsl.errors import NatslError
 from natsl.fast import eager
+# x.to(dtype) rounding to nearest even also in Triton's interpreter (whose fp32 -> bf16 cast truncates)
+from natsl.fast.block_sparse.forward import cast_to
 
 BLOCK_ROWS = 32
 NUM_WARPS = 4
 # Backward programs per SM (a grid-stride loop over row tiles keeps the weight-gradient buffer small).
 PROGRAMS_PER_SM = 8
-
-_INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
-
-
-@triton.jit
-def _cast(x, dtype: tl.constexpr):
-    """x.to(dtype), rounding to nearest even also in the interpreter (whose fp32 -> bf16 cast truncates)."""
-    if _INTERPRET:
-        if dtype == tl.bfloat16:
-            bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
-            bits = bits + 0x7FFF + ((bits >> 16) & 1)
-            return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        else:
-            return x.to(dtype)
-    else:
-        return x.to(dtype)
 
 
 @triton.jit
@@ -76,7 +60,7 @@ def _mix_fwd_kernel(la_ptr, nla_ptr, logit_ptr, gate_ptr, w1_ptr, w2_ptr, out_pt
     w2 = tl.load(w2_ptr + cols).to(tl.float32)
     mixed = w_la[:, None] * y_la * w1[None, :] + w_nla[:, None] * y_nla * w2[None, :]
     out = mixed * (gate * tl.sigmoid(gate))
-    tl.store(out_ptr + offs, _cast(out, out_ptr.dtype.element_ty), mask=mask[:, None])
+    tl.store(out_ptr + offs, cast_to(out, out_ptr.dtype.element_ty), mask=mask[:, None])
 
 
 @triton.jit
@@ -114,12 +98,12 @@ def _mix_bwd_kernel(la_ptr, nla_ptr, logit_ptr, gate_ptr, w1_ptr, w2_ptr, dout_p
         dy_nla = dm * w_nla[:, None] * w2[None, :]
         dla = r_la[:, None] * (dy_la - y_la * (tl.sum(dy_la * y_la, axis=1) / D)[:, None])
         dnla = r_nla[:, None] * (dy_nla - y_nla * (tl.sum(dy_nla * y_nla, axis=1) / D)[:, None])
-        tl.store(dla_ptr + offs, _cast(dla, dla_ptr.dtype.element_ty), mask=mask[:, None])
-        tl.store(dnla_ptr + offs, _cast(dnla, dnla_ptr.dtype.element_ty), mask=mask[:, None])
-        tl.store(dgate_ptr + offs, _cast(dgate, dgate_ptr.dtype.element_ty), mask=mask[:, None])
+        tl.store(dla_ptr + offs, cast_to(dla, dla_ptr.dtype.element_ty), mask=mask[:, None])
+        tl.store(dnla_ptr + offs, cast_to(dnla, dnla_ptr.dtype.element_ty), mask=mask[:, None])
+        tl.store(dgate_ptr + offs, cast_to(dgate, dgate_ptr.dtype.element_ty), mask=mask[:, None])
         lrows = rows.to(tl.int64) * 2
-        tl.store(dlogit_ptr + lrows, _cast(dl_nla, dlogit_ptr.dtype.element_ty), mask=mask)
-        tl.store(dlogit_ptr + lrows + 1, _cast(dl_la, dlogit_ptr.dtype.element_ty), mask=mask)
+        tl.store(dlogit_ptr + lrows, cast_to(dl_nla, dlogit_ptr.dtype.element_ty), mask=mask)
+        tl.store(dlogit_ptr + lrows + 1, cast_to(dl_la, dlogit_ptr.dtype.element_ty), mask=mask)
     tl.store(dw_part_ptr + pid * 2 * D + cols, dw1)
     tl.store(dw_part_ptr + pid * 2 * D + D + cols, dw2)
 
