@@ -10,6 +10,8 @@
 #   python3 -m pytest -q -m gpu tests/test_fast_gated_delta.py -k descriptors
 # The eleventh session's last call: MBS=8 bash benchmarks/device_next.sh (hybrid 80.5K, Transformer 86.2K,
 # GDN Hybrid 84.0K tokens/s).
+# Not yet run: python3 benchmarks/bench_mix.py (the fused NAtS-L read against the compiled formula, standalone)
+# and the hybrid with NATSL_FUSED_MIX=0 beside the default in one call (RUNS="800m_hybrid:220", MBS=8).
 #   bash benchmarks/device_next.sh      (writes under $OUT; everything printed also lands in $OUT/log.txt)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/natsl_out}; mkdir -p $OUT

@@ -1,0 +1,84 @@
+"""The NAtS-L read on its Triton kernels (natsl.fast.mix) against Inductor's compiled formula (GPU).
+
+    PYTHONPATH=. python3 benchmarks/bench_mix.py [--out bench_mix.json]
+
+The 800M layer's read (18 softmax heads x Dv 128, separate norms, softmax weights), bf16: an 800M
+training micro-batch [8, 4096] (forward, and forward + backward through torch.autograd.grad) and a
+128K prefill [1, 131072] (forward). Each row is the median of triton.testing.do_bench; before timing,
+the two forms' outputs (and gradients) are compared, relative RMS. GB/s counts the bytes each
+direction must move: forward o_la, o_nla, gate, logits read and out written; backward also dout read
+and the four gradients written. The op alone, standalone: in a compiled step Inductor fuses the
+formula with its neighbours differently (docs/benchmarks.md has the step's profile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+HEADS, DV = 18, 128
+SHAPES = {"train 8x4096": (8, 4096, True), "prefill 1x131072": (1, 131072, False)}
+
+
+def rel_rms(a, b) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30)).item()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="bench_mix.json")
+    args = parser.parse_args()
+    import torch
+    from triton.testing import do_bench
+
+    from natsl.fast import mix
+    from natsl.models import pointwise as pw
+    from natsl.provenance import provenance
+
+    dev, bf = "cuda", torch.bfloat16
+    compiled = torch.compile(pw.mix_branches.eager)
+    forms = {"compiled formula": lambda la, nla, lg, gt, w1, w2: compiled(la, nla, lg, "softmax", gt, w1, w2, None, 1e-6),
+             "fused kernels": lambda la, nla, lg, gt, w1, w2: mix.mix_branches(la, nla, lg, gt, w1, w2, 1e-6)}
+    rows = []
+    for label, (b, t, backward) in SHAPES.items():
+        torch.manual_seed(0)
+        inputs = [torch.randn(b, t, HEADS, DV, device=dev, dtype=bf), torch.randn(b, t, HEADS, DV, device=dev, dtype=bf),
+                  torch.randn(b, t, HEADS, 2, device=dev, dtype=bf), torch.randn(b, t, HEADS * DV, device=dev, dtype=bf),
+                  1 + 0.1 * torch.randn(DV, device=dev), 1 + 0.1 * torch.randn(DV, device=dev)]
+        dout = torch.randn(b, t, HEADS * DV, device=dev, dtype=bf)
+        big = b * t * HEADS * DV * 2  # bytes of one [rows, Dv] bf16 tensor
+        fwd_bytes, bwd_bytes = 4 * big, 4 * big + 3 * big  # (fwd: 3 read + 1 written; logits are ~2%)
+        leaves = [x.requires_grad_(backward) for x in inputs]
+        results = {}
+        for name, fn in forms.items():
+            with torch.no_grad():
+                out = fn(*inputs)
+            grads = torch.autograd.grad(fn(*leaves), leaves, dout) if backward else ()
+            results[name] = (out, grads)
+            with torch.no_grad():
+                ms = do_bench(lambda: fn(*inputs), warmup=25, rep=100)
+            rows.append({"shape": label, "form": name, "pass": "forward", "ms": ms, "GB/s": fwd_bytes / ms / 1e6})
+            if backward:
+                ms = do_bench(lambda: torch.autograd.grad(fn(*leaves), leaves, dout), warmup=25, rep=100)
+                rows.append({"shape": label, "form": name, "pass": "forward+backward", "ms": ms,
+                             "GB/s": (fwd_bytes + bwd_bytes) / ms / 1e6})
+        (ref_out, ref_grads), (out, grads) = results["compiled formula"], results["fused kernels"]
+        errors = {"out": rel_rms(out, ref_out)}
+        errors.update({f"d{i}": rel_rms(g, r) for i, (g, r) in enumerate(zip(grads, ref_grads))})
+        rows.append({"shape": label, "relative RMS, fused vs compiled": errors})
+        print(label, "fused vs compiled, relative RMS:", {k: f"{v:.1e}" for k, v in errors.items()})
+    print(f"{'shape':18s} {'form':18s} {'pass':17s} {'ms':>8s} {'GB/s':>8s}")
+    for r in rows:
+        if "ms" in r:
+            print(f"{r['shape']:18s} {r['form']:18s} {r['pass']:17s} {r['ms']:8.3f} {r['GB/s']:8.0f}")
+    with open(args.out, "w") as f:
+        json.dump({"provenance": provenance(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
