@@ -71,6 +71,17 @@ def store_tile(base, value, r0, c0, n_rows, row_stride, N_COLS: tl.constexpr, BR
 
 
 @triton.jit
+def transpose_through_memory(scratch, tile, C: tl.constexpr):
+    """tile [C, C]^T, in scratch's dtype: stored to this program's scratch slot and read back
+    transposed after a barrier (which orders the block's stores before its loads). The backward never
+    transposes a dot result in registers: Triton 3.4-3.7.0 miscompiles such chunked gated-delta
+    backward kernels on Hopper (flash-linear-attention issue 640)."""
+    store_tile(scratch, tile, 0, 0, C, C, C, C, C)
+    tl.debug_barrier()
+    return load_tile_t(scratch, 0, 0, C, C, C, C, C)
+
+
+@triton.jit
 def read_tile(desc, base, b, h, r0, c0, n_rows, row_stride, N_COLS: tl.constexpr, BR: tl.constexpr,
               BC: tl.constexpr, DESC: tl.constexpr):
     """load_tile's tile of (batch b, head h), read through the [B, T, H, D] tensor descriptor `desc`

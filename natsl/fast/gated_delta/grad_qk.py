@@ -24,11 +24,11 @@ from natsl.fast.gated_delta.common import (
     dim_tile,
     launch_options,
     load_tile,
-    load_tile_t,
     mm,
     reverse_cumsum,
     store_tile,
     store_vec,
+    transpose_through_memory,
 )
 
 
@@ -88,12 +88,9 @@ def _grad_qk_kernel(
     rows = tl.arange(0, C)
     p = tl.where(rows[:, None] >= rows[None, :], scale * dor * tl.exp(gc[:, None] - gc[None, :]), 0.0)
     wd = r_ptr.dtype.element_ty
-    # P^T through this program's scratch tile (stored in wd, the dtype the product reads), read back
-    # transposed after a barrier: a dot result is never transposed in registers (see above).
+    # P^T through this program's scratch tile (in wd, the dtype the product reads)
     scratch_ptr += ((bh.to(tl.int64) * NB + n) * tl.num_programs(0) + ik) * C * C
-    store_tile(scratch_ptr, p, 0, 0, C, C, C, C, C)
-    tl.debug_barrier()
-    pt = load_tile_t(scratch_ptr, 0, 0, C, C, C, C, C)
+    pt = transpose_through_memory(scratch_ptr, p, C)
     qf = q.to(tl.float32)
     kf = k.to(tl.float32)
     dq = scale * tl.exp(gc)[:, None] * dos + mm(p.to(wd), k.to(wd), PREC)

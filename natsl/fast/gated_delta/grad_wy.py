@@ -24,9 +24,9 @@ from natsl.fast.gated_delta.common import (
     mm,
     read_tile,
     reverse_cumsum,
-    store_tile,
     store_vec,
     token_descriptors,
+    transpose_through_memory,
     write_tile,
 )
 
@@ -99,13 +99,10 @@ def _grad_wy_kernel(
     dbeta += tl.sum(dak, 1)
     daa = beta[:, None] * dak  # dA * A
     dgc += tl.sum(daa, 1) - tl.sum(daa, 0)
-    # dB + dB^T through this program's scratch tile: the transpose is read back from memory, as
-    # load_tile_t does for inputs (a dot result is never transposed in registers, see above).
+    # dB + dB^T, the transpose through this program's fp32 scratch tile
     db = beta[:, None] * da * decay
     scratch_ptr += (bh.to(tl.int64) * NB + n) * C * C
-    store_tile(scratch_ptr, db, 0, 0, C, C, C, C, C)
-    tl.debug_barrier()
-    dbsym = (db + load_tile_t(scratch_ptr, 0, 0, C, C, C, C, C)).to(wd)
+    dbsym = (db + transpose_through_memory(scratch_ptr, db, C)).to(wd)
 
     for k0 in range(0, K, BK):
         dw = read_tile(dw_desc, dw_ptr, b, h, t0, k0, T, H * K, K, C, BK, DESC).to(wd)
