@@ -192,6 +192,7 @@ def test_concatenated_projections_give_the_separate_products(base_layer, monkeyp
 
 
 def test_concat_labels_from_the_environment(monkeypatch):
+    from natsl.errors import NatslError
     from natsl.models import merged
 
     monkeypatch.setenv("NATSL_CONCAT_LINEARS", "gate_up, gdn_ab")
@@ -201,7 +202,7 @@ def test_concat_labels_from_the_environment(monkeypatch):
     monkeypatch.setenv("NATSL_CONCAT_LINEARS", "none")
     assert merged._concat_labels() == set()
     monkeypatch.setenv("NATSL_CONCAT_LINEARS", "gate_up,qkvab")
-    with pytest.raises(ValueError, match="unknown groups \\['qkvab'\\]"):
+    with pytest.raises(NatslError, match="unknown groups \\['qkvab'\\]"):
         merged._concat_labels()
     monkeypatch.delenv("NATSL_CONCAT_LINEARS")
     assert merged._concat_labels() == merged.CONCAT_DEFAULT

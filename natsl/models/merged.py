@@ -21,6 +21,7 @@ import os
 import torch
 from torch import nn
 
+from natsl.errors import NatslError
 from natsl.models.linear import linear
 
 
@@ -88,7 +89,7 @@ def _concat_labels() -> frozenset[str]:
         return frozenset(CONCAT_LABELS)
     unknown = sorted(parts - set(CONCAT_LABELS))
     if unknown:
-        raise ValueError(f"NATSL_CONCAT_LINEARS names unknown groups {unknown}: use a comma list of "
+        raise NatslError(f"NATSL_CONCAT_LINEARS names unknown groups {unknown}: use a comma list of "
                          f"{', '.join(CONCAT_LABELS)}, or all, or none")
     return frozenset(parts)
 
@@ -101,13 +102,19 @@ def _concat_labels() -> frozenset[str]:
 # "attn_qkv", "gate_up" (SwiGLU). NATSL_CONCAT_LINEARS (comma list, "all" or "none") overrides the default.
 CONCAT_LABELS = ("gdn_qkv", "gdn_ab", "attn_qkv", "gate_up")
 CONCAT_DEFAULT = frozenset({"gdn_ab"})
-CONCAT = _concat_labels()
 ALIGN_ROWS = 8
+# Read once, here; a bad value is reported when a product first needs it (a one-line error at the CLI).
+try:
+    CONCAT, _CONCAT_ERROR = _concat_labels(), None
+except NatslError as error:
+    CONCAT, _CONCAT_ERROR = CONCAT_DEFAULT, error
 
 
 def group_product(label: str, linears: list[nn.Linear], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The outputs on x of `linears` (no bias, one input size): one product over their concatenated
     weights when `label` is in CONCAT, else one product each."""
+    if _CONCAT_ERROR is not None:
+        raise _CONCAT_ERROR
     if label not in CONCAT:
         return tuple(lin(x) for lin in linears)
     weights = [lin.weight for lin in linears]
