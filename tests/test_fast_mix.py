@@ -96,3 +96,26 @@ def test_gpu_fused_mix_at_the_800m_shape():
     assert rel_rms(out, ref_out) < 5e-3
     for name, grad, ref in zip(NAMES, grads, ref_grads):
         assert rel_rms(grad, ref) < 1e-2, (name, rel_rms(grad, ref))
+
+
+@pytest.mark.parametrize("changes,env,expected", [({}, None, 2), ({}, "0", 0), ({"mix_weights": "sigmoid"}, None, 0),
+                                                  ({"branch_norm": "after_sum"}, None, 0)],
+                         ids=["default", "switched-off", "sigmoid-weights", "one-norm"])
+def test_the_layer_takes_the_fused_read_only_where_it_applies(changes, env, expected, monkeypatch):
+    """The tiny hybrid's two NAtS-L layers read through natsl.fast.mix on the fast backend with softmax
+    weights and separate norms; NATSL_FUSED_MIX=0 and the other Table 4 variants keep the formula."""
+    import dataclasses
+
+    import natsl
+
+    if env is not None:
+        monkeypatch.setenv("NATSL_FUSED_MIX", env)
+    calls = []
+    real = mix.mix_branches
+    monkeypatch.setattr(mix, "mix_branches", lambda *args: calls.append(1) or real(*args))
+    config = dataclasses.replace(natsl.load_recipe("tiny_hybrid").model, backend="fast", **changes)
+    torch.manual_seed(0)
+    model = natsl.build_model(config).to(DEVICE)
+    with torch.no_grad():
+        model(torch.randint(0, config.vocab_size, (1, 20), device=DEVICE))
+    assert len(calls) == expected
