@@ -108,10 +108,6 @@ def _mix_bwd_kernel(la_ptr, nla_ptr, logit_ptr, gate_ptr, w1_ptr, w2_ptr, dout_p
     tl.store(dw_part_ptr + pid * 2 * D + D + cols, dw2)
 
 
-def _rows(t: torch.Tensor, d: int) -> torch.Tensor:
-    return t.reshape(-1, d)
-
-
 def forward(o_la, o_nla, logits, gate, la_weight, nla_weight, eps: float) -> torch.Tensor:
     """out [B, T, heads * D] in o_nla's dtype (inputs as mix_branches takes them, all contiguous)."""
     d = o_nla.shape[-1]
