@@ -105,6 +105,9 @@ def main() -> None:
     parser.add_argument("--compare-fold", action="store_true",
                         help="with --optimizer: time whole steps with the clip folded into the fused AdamW step "
                              "(NATSL_FOLD_CLIP=1) and without, interleaved in this one process, before the profile")
+    parser.add_argument("--phases", action="store_true",
+                        help="also time steps with host clocks and CUDA events at the ends of the forward, the "
+                             "backward and the optimizer step (where the wall time beyond the kernels goes)")
     args = parser.parse_args()
     if args.compare_fold and not args.optimizer:
         parser.error("--compare-fold needs --optimizer")
@@ -139,9 +142,45 @@ def main() -> None:
         sync()
         return 1000 * (time.perf_counter() - start)
 
+    def phase_ms() -> dict:
+        """One step with host clocks and CUDA events at its phase ends: where the wall time goes."""
+        sync()
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        host = [time.perf_counter()]
+        events[0].record()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            hidden = body(ids[:, :-1], model.rope_table(args.seq_len, device))
+            loss = linear_cross_entropy(hidden, model.lm_head.weight, ids[:, 1:])
+        events[1].record()
+        host.append(time.perf_counter())
+        loss.backward()
+        events[2].record()
+        host.append(time.perf_counter())
+        norm = clip_and_step(optimizer, model.parameters(), recipe.optim.grad_clip, loss, fold) \
+            if optimizer is not None else loss
+        events[3].record()
+        host.append(time.perf_counter())
+        float(norm), loss.item()
+        host.append(time.perf_counter())
+        model.zero_grad(set_to_none=True)
+        sync()
+        host.append(time.perf_counter())
+        gpu = [events[0].elapsed_time(e) for e in events[1:]]
+        return {"wall": 1000 * (host[-1] - host[0]), "gpu_to_optimizer_end": gpu[2],
+                "host_forward_launch": 1000 * (host[1] - host[0]), "host_backward_launch": 1000 * (host[2] - host[1]),
+                "host_optimizer_launch": 1000 * (host[3] - host[2]), "host_wait": 1000 * (host[4] - host[3]),
+                "host_tail": 1000 * (host[5] - host[4]), "gpu_forward": gpu[0], "gpu_backward": gpu[1] - gpu[0],
+                "gpu_optimizer": gpu[2] - gpu[1]}
+
     step()  # compile, autotune, allocate
     step()  # a second pass: the compiled backward's first call lands here
     step_ms = statistics.median(timed_ms() for _ in range(args.repeats))
+    phases = None
+    if args.phases and cuda:
+        runs = [phase_ms() for _ in range(args.repeats)]
+        phases = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        print("phases of a step, median of", args.repeats, "(ms): " +
+              ", ".join(f"{k} {v:.1f}" for k, v in phases.items()))
     tokens = args.batch * args.seq_len
     fold_ms = None
     if args.compare_fold:  # both ways on one compiled model and one fused AdamW, interleaved
@@ -189,7 +228,7 @@ def main() -> None:
                                               "seq_len": args.seq_len, "compile": args.compile,
                                               "optimizer": args.optimizer, "kinds_ms": kinds,
                                               "step_ms": step_ms, "kernel_ms_total": total, "kernels": rows,
-                                              "idle": gaps, "fold_compare_ms": fold_ms},
+                                              "idle": gaps, "fold_compare_ms": fold_ms, "phases_ms": phases},
                                              indent=1))
 
 

@@ -23,15 +23,10 @@ import pytest  # noqa: E402
 from natsl.inference.cuda_graph import capture  # noqa: E402
 from natsl.inference.decode_attention import choose_splits, decode_attention  # noqa: E402
 from natsl.inference.functional import attend_one  # noqa: E402
+from numerics import rel_rms  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-3}
-
-
-def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    assert torch.isfinite(a).all(), "non-finite values in the fast result"
-    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-300)).item()
 
 
 def make_inputs(B, H, L, Dk, Dv, *, seed, dtype=torch.float32, device=DEVICE, visible=None):

@@ -24,6 +24,7 @@ from natsl.fast.gated_delta.prepare import _prepare_kernel  # noqa: E402
 from natsl.fast.gated_delta.state import state_slice  # noqa: E402
 from natsl.reference.gated_delta import gated_delta_rule as reference  # noqa: E402
 from natsl.reference.route_grad import gated_delta_write_grad  # noqa: E402
+from numerics import rel_rms  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and type(_prepare_kernel).__name__ != "InterpretedFunction":
@@ -36,12 +37,6 @@ TOL = {torch.bfloat16: (5e-3, 1e-2), torch.float16: (2e-3, 4e-3)}  # (forward, g
 # shapes by the gpu tests (2.9e-3 / 3.7e-3 seen on the H200).
 TOL_SATURATED_BF16 = (2e-2, 2.5e-2)
 GRADS = ("q", "k", "v", "g", "beta", "write", "initial_state")
-
-
-def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    assert torch.isfinite(a).all(), "non-finite values in the fast result"
-    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-300)).item()
 
 
 def make_inputs(B, T, H, K, V, *, seed, dtype=torch.float32, device=DEVICE):

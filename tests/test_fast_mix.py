@@ -19,6 +19,7 @@ import pytest  # noqa: E402
 from natsl.errors import NatslError  # noqa: E402
 from natsl.fast import mix  # noqa: E402
 from natsl.models import pointwise as pw  # noqa: E402
+from numerics import rel_rms  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and type(mix._mix_fwd_kernel).__name__ != "InterpretedFunction":
@@ -26,11 +27,6 @@ if DEVICE == "cpu" and type(mix._mix_fwd_kernel).__name__ != "InterpretedFunctio
 
 TOL = {torch.float32: (1e-6, 1e-5), torch.bfloat16: (5e-3, 1e-2)}  # (forward, gradients)
 NAMES = ("o_la", "o_nla", "logits", "gate", "la_weight", "nla_weight")
-
-
-def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30)).item()
 
 
 def make_inputs(b, t, heads, d, dtype, device=DEVICE, seed=0):

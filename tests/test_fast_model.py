@@ -7,10 +7,7 @@ import pytest
 import torch
 
 import natsl
-
-
-def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).pow(2).mean().sqrt() / b.float().pow(2).mean().sqrt().clamp_min(1e-30)).item()
+from numerics import rel_rms
 
 
 def loss_and_grads(model, ids, backend):

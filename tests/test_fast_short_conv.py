@@ -19,17 +19,13 @@ import pytest  # noqa: E402
 from natsl.errors import NatslError  # noqa: E402
 from natsl.fast import short_conv as sc  # noqa: E402
 from natsl.models import pointwise as pw  # noqa: E402
+from numerics import rel_rms  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and type(sc._conv_fwd_kernel).__name__ != "InterpretedFunction":
     pytest.skip("natsl.fast was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
 
 TOL = {torch.float32: (1e-6, 1e-6), torch.bfloat16: (5e-3, 1e-2)}  # (forward, gradients)
-
-
-def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30)).item()
 
 
 def oracle(x, weight, tail, dy):

@@ -7,15 +7,22 @@ fp64 inputs), but it never holds the [N, vocab] logits nor their gradient: the f
 `chunk_size` rows at a time, and, when a gradient is wanted, turns each chunk's logits into its
 gradient at once (softmax minus one-hot, scaled) and folds it into the gradients of `hidden` and
 `weight`, which are kept for the backward pass (which only scales them by the incoming gradient).
-Per chunk it holds one fp32 [chunk, vocab] buffer (log-sum-exp and softmax in place) plus, for a
-lower `compute_dtype`, one [chunk, vocab] copy in it; beyond that only grad(hidden) [N, d] and grad(weight) [vocab, d] (fp32).
+Per chunk it holds the [chunk, vocab] logits in `compute_dtype` and, on the eager path, one fp32
+[chunk, vocab] buffer (log-sum-exp and softmax in place); beyond that only grad(hidden) [N, d] and grad(weight) [vocab, d] (fp32).
 No logits are recomputed, so the head costs the same FLOPs as the plain formula.
+
+On CUDA the softmax work of each chunk (log-sum-exp, softmax minus one-hot, scaling, the cast back)
+runs as one Triton kernel in place on the chunk's logits (natsl.fast.cross_entropy: two reads and one
+write of the chunk instead of about ten passes over an fp32 copy); `fused=False` or NATSL_FUSED_LOSS=0
+keeps the eager ops, `fused=True` asks for the kernel (on a CPU tensor under TRITON_INTERPRET=1, for
+tests). The kernel takes bf16, fp16 and fp32 logits; fp64 always runs eagerly.
 
 Not twice differentiable. `chunk_size` 0 (or None) runs the plain formula instead (for checks).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -35,14 +42,16 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor, compute_dtype: Op
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
                          chunk_size: Optional[int] = DEFAULT_CHUNK, ignore_index: int = -100,
-                         reduction: str = "mean", compute_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+                         reduction: str = "mean", compute_dtype: Optional[torch.dtype] = None,
+                         fused: Optional[bool] = None) -> torch.Tensor:
     """Cross-entropy of the logits `hidden @ weight.T` against `targets`, by chunks of `chunk_size` rows.
 
     hidden [..., d] (the final-normed hidden states), weight [vocab, d] (the head), targets [...]
     (token ids; `ignore_index` rows count for nothing). `reduction`: "mean" over the counted rows
     (NaN when there are none, as in `F.cross_entropy`) or "sum". `compute_dtype`: the dtype of the
     head's matmul (default: the autocast dtype inside autocast, else that of the inputs); the loss
-    is in fp32 (fp64 for fp64 inputs). Returns a scalar.
+    is in fp32 (fp64 for fp64 inputs). `fused`: the chunks' softmax work on the Triton kernel (default:
+    on CUDA unless NATSL_FUSED_LOSS=0; not for fp64). Returns a scalar.
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
@@ -59,7 +68,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
             return F.cross_entropy(logits.to(_acc_dtype(cdtype)), t, ignore_index=ignore_index, reduction=reduction)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive (or 0 for the plain formula), got {chunk_size}")
-    args = (int(chunk_size), int(ignore_index), reduction == "sum", cdtype)
+    if fused is None:
+        fused = h.is_cuda and os.environ.get("NATSL_FUSED_LOSS", "1") != "0"
+    args = (int(chunk_size), int(ignore_index), reduction == "sum", cdtype, bool(fused) and cdtype != torch.float64)
     if not (torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)):
         return _chunked(h, weight, t, *args, need_h=False, need_w=False)[0]  # no gradient work (evaluation)
     return _ChunkedLinearCrossEntropy.apply(h, weight, t, *args)
@@ -69,8 +80,9 @@ def _acc_dtype(cdtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(cdtype, torch.float32)
 
 
-def _chunked(h, weight, targets, chunk, ignore_index, summed, cdtype, *, need_h, need_w):
-    """(loss, grad of loss w.r.t. h or None, w.r.t. weight or None), `chunk` rows of logits at a time."""
+def _chunked(h, weight, targets, chunk, ignore_index, summed, cdtype, fused, *, need_h, need_w):
+    """(loss, grad of loss w.r.t. h or None, w.r.t. weight or None), `chunk` rows of logits at a time;
+    `fused`: each chunk's softmax work on natsl.fast.cross_entropy's kernel."""
     n = h.shape[0]
     acc = _acc_dtype(cdtype)
     with torch.autocast(h.device.type, enabled=False):
@@ -89,36 +101,55 @@ def _chunked(h, weight, targets, chunk, ignore_index, summed, cdtype, *, need_h,
             hc = h[start:end].to(cdtype)
             tc, vc = safe[start:end, None], valid[start:end]
             logits = hc @ w.t()
-            if logits.dtype != acc:
-                logits = logits.to(acc)
-            # log-sum-exp in place (no second [chunk, vocab] buffer): logits -> exp(logits - max)
-            picked = logits.gather(1, tc).squeeze(1)
-            top = logits.amax(dim=-1, keepdim=True)
-            exp = logits.sub_(top).exp_()
-            sums = exp.sum(dim=-1, keepdim=True)
-            lse = (top + sums.log()).squeeze(1)
-            total += torch.where(vc, lse - picked, 0).sum()
-            if not (need_h or need_w):
+            if fused:
+                grad = _fused_chunk(logits, safe[start:end], vc, scale, need_h or need_w, total)
+            else:
+                grad = _eager_chunk(logits, tc, vc, scale, acc, cdtype, need_h or need_w, total)
+            if grad is None:  # the loss only
                 continue
-            grad = exp.div_(sums)  # the softmax
-            rows = vc.to(acc)
-            grad.scatter_add_(1, tc, -rows[:, None])
-            grad.mul_((rows * scale)[:, None])
-            if grad.dtype != cdtype:
-                grad = grad.to(cdtype)
             if need_h:
                 grad_h[start:end] = grad @ w
             if need_w:
                 grad_w += grad.t() @ hc
-            del logits, exp, grad
+            del logits, grad
         loss = total if summed else total / count.to(acc)
     return loss, grad_h, grad_w
 
 
+def _fused_chunk(logits, targets, valid, scale, need_grad, total):
+    """One chunk on the kernel: adds the counted rows' losses to `total`; the gradient overwrites `logits`."""
+    from natsl.fast.cross_entropy import softmax_cross_entropy_
+
+    row_scale = valid.to(torch.float32) * scale if need_grad else None
+    rows = softmax_cross_entropy_(logits, targets, row_scale)
+    total += torch.where(valid, rows, 0).sum()
+    return logits if need_grad else None
+
+
+def _eager_chunk(logits, tc, vc, scale, acc, cdtype, need_grad, total):
+    """One chunk in PyTorch ops: adds the counted rows' losses to `total`; returns the gradient in `cdtype`."""
+    if logits.dtype != acc:
+        logits = logits.to(acc)
+    # log-sum-exp in place (no second [chunk, vocab] buffer): logits -> exp(logits - max)
+    picked = logits.gather(1, tc).squeeze(1)
+    top = logits.amax(dim=-1, keepdim=True)
+    exp = logits.sub_(top).exp_()
+    sums = exp.sum(dim=-1, keepdim=True)
+    lse = (top + sums.log()).squeeze(1)
+    total += torch.where(vc, lse - picked, 0).sum()
+    if not need_grad:
+        return None
+    grad = exp.div_(sums)  # the softmax
+    rows = vc.to(acc)
+    grad.scatter_add_(1, tc, -rows[:, None])
+    grad.mul_((rows * scale)[:, None])
+    return grad.to(cdtype) if grad.dtype != cdtype else grad
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, targets, chunk, ignore_index, summed, cdtype):
-        loss, grad_h, grad_w = _chunked(h, weight, targets, chunk, ignore_index, summed, cdtype,
+    def forward(ctx, h, weight, targets, chunk, ignore_index, summed, cdtype, fused):
+        loss, grad_h, grad_w = _chunked(h, weight, targets, chunk, ignore_index, summed, cdtype, fused,
                                         need_h=ctx.needs_input_grad[0], need_w=ctx.needs_input_grad[1])
         ctx.save_for_backward(grad_h, grad_w)
         ctx.weight_dtype = weight.dtype
@@ -131,4 +162,4 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_h = grad_h * grad_loss.to(grad_h.dtype)
         if grad_w is not None:
             grad_w = (grad_w * grad_loss.to(grad_w.dtype)).to(ctx.weight_dtype)
-        return grad_h, grad_w, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None
