@@ -90,6 +90,29 @@ def idle_gaps(prof, min_us: float = 20.0) -> dict:
             "kernels": len(kernels), "gaps": gaps[:40], "n_gaps": len(gaps)}
 
 
+STEP_MARK = "natsl training step"
+
+
+def host_head(events: list, top: int = 15) -> dict:
+    """From a trace with CPU and CUDA activity of one step marked STEP_MARK: how long the host took from
+    the step's start to its first kernel launch, when that kernel ran, and the host ranges and ops that
+    began before the launch (longest first)."""
+    marks = [e for e in events if e.get("name") == STEP_MARK and "dur" in e]
+    launches = sorted((e for e in events if e.get("cat") == "cuda_runtime" and "aunch" in e.get("name", "")),
+                      key=lambda e: e["ts"])
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    if not (marks and launches and kernels):
+        return {}
+    start, launch = marks[0]["ts"], launches[0]["ts"]
+    before = [e for e in events if e.get("cat") in ("user_annotation", "cpu_op", "python_function")
+              and start <= e["ts"] < launch and "dur" in e and e.get("name") != STEP_MARK]
+    before.sort(key=lambda e: -e["dur"])
+    return {"host_to_first_launch_ms": (launch - start) / 1e3, "first_kernel_ms": (kernels[0]["ts"] - start) / 1e3,
+            "first_kernel": kernels[0]["name"][:80],
+            "before_first_launch": [{"name": e["name"][:80], "cat": e["cat"], "ms": e["dur"] / 1e3,
+                                     "at_ms": (e["ts"] - start) / 1e3} for e in before[:top]]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", default="800m_hybrid")
@@ -105,6 +128,9 @@ def main() -> None:
     parser.add_argument("--compare-fold", action="store_true",
                         help="with --optimizer: time whole steps with the clip folded into the fused AdamW step "
                              "(NATSL_FOLD_CLIP=1) and without, interleaved in this one process, before the profile")
+    parser.add_argument("--host-head", action="store_true",
+                        help="also profile one step with host activity: the host's time from the step's start "
+                             "to its first kernel launch, and what it did before it")
     parser.add_argument("--phases", action="store_true",
                         help="also time steps with host clocks and CUDA events at the ends of the forward, the "
                              "backward and the optimizer step (where the wall time beyond the kernels goes)")
@@ -197,6 +223,25 @@ def main() -> None:
           f"{os.environ.get('NATSL_COMPILE_POINTWISE', '1')} compile={args.compile}: "
           f"{'step' if args.optimizer else 'fwd+bwd'} {step_ms:.1f} ms, {tokens / step_ms * 1e3:,.0f} tok/s")
 
+    head = None
+    if args.host_head and cuda:
+        import tempfile
+
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as host_prof:
+            sync()
+            with torch.profiler.record_function(STEP_MARK):
+                step()
+            sync()
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            host_prof.export_chrome_trace(f.name)
+            head = host_head(json.loads(Path(f.name).read_text())["traceEvents"])
+        if head:
+            print(f"host head (profiled with host activity): first launch {head['host_to_first_launch_ms']:.2f} ms "
+                  f"after the step's start, first kernel at {head['first_kernel_ms']:.2f} ms ({head['first_kernel']})")
+            for e in head["before_first_launch"]:
+                print(f"  {e['ms']:8.3f} ms at {e['at_ms']:7.3f} ms  {e['cat']:15s} {e['name']}")
+
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA if cuda
                                                 else torch.profiler.ProfilerActivity.CPU]) as prof:
         step()
@@ -228,7 +273,8 @@ def main() -> None:
                                               "seq_len": args.seq_len, "compile": args.compile,
                                               "optimizer": args.optimizer, "kinds_ms": kinds,
                                               "step_ms": step_ms, "kernel_ms_total": total, "kernels": rows,
-                                              "idle": gaps, "fold_compare_ms": fold_ms, "phases_ms": phases},
+                                              "idle": gaps, "fold_compare_ms": fold_ms, "phases_ms": phases,
+                                              "host_head": head},
                                              indent=1))
 
 

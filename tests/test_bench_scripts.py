@@ -87,6 +87,27 @@ def test_idle_gaps_are_the_gpu_timeline_holes_between_kernels(tmp_path):
                                                             "n_gaps": 0}
 
 
+def test_host_head_is_the_host_time_before_the_first_launch():
+    """profile_training_step --host-head: from the step's mark to the first kernel launch, the first
+    kernel's start, and the host ranges and ops begun in between (longest first, the mark itself and
+    later ones left out)."""
+    profile_training_step = _bench_module("profile_training_step")
+    mark = profile_training_step.STEP_MARK
+    events = [{"cat": "user_annotation", "name": mark, "ts": 1000, "dur": 9000},
+              {"cat": "user_annotation", "name": "Torch-Compiled Region", "ts": 1100, "dur": 8000},
+              {"cat": "cpu_op", "name": "aten::empty", "ts": 1200, "dur": 30},
+              {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 4000, "dur": 5},
+              {"cat": "cuda_runtime", "name": "cuLaunchKernel", "ts": 3000, "dur": 5},
+              {"cat": "cpu_op", "name": "aten::mm", "ts": 3500, "dur": 50},  # after the first launch
+              {"cat": "kernel", "name": "first", "ts": 3200, "dur": 10},
+              {"cat": "kernel", "name": "second", "ts": 4100, "dur": 10}]
+    head = profile_training_step.host_head(events)
+    assert head["host_to_first_launch_ms"] == 2.0 and head["first_kernel_ms"] == 2.2 and head["first_kernel"] == "first"
+    assert [(e["name"], e["ms"], e["at_ms"]) for e in head["before_first_launch"]] == [
+        ("Torch-Compiled Region", 8.0, 0.1), ("aten::empty", 0.03, 0.2)]
+    assert profile_training_step.host_head(events[1:]) == {}  # no step mark
+
+
 def test_kernel_resources_compiles_the_fast_kernels_for_hopper_on_a_cpu(tmp_path):
     """benchmarks/kernel_resources.py: the launches recorded from an interpreted run, each compiled for
     sm_90 with a resource line read back (registers within the hardware's 1..255). A process of its
