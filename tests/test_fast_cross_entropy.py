@@ -79,6 +79,13 @@ def test_kernel_is_stable_far_from_zero_and_skips_the_gradient_without_a_scale()
     assert torch.equal(untouched, logits) and torch.equal(loss_only, loss)
 
 
+def test_a_target_outside_the_vocabulary_gives_a_nan_loss_not_a_stray_read():
+    logits, targets, row_scale = make(4, 40, torch.float32)
+    targets[1], targets[2] = 40, -1
+    loss = xent.softmax_cross_entropy_(logits.clone(), targets, row_scale)
+    assert torch.isnan(loss[1:3]).all() and torch.isfinite(loss[[0, 3]]).all()
+
+
 def test_kernel_rejects_what_it_cannot_take():
     logits, targets, row_scale = make(4, 40, torch.float32)
     with pytest.raises(NatslError, match="unit column stride"):

@@ -45,7 +45,8 @@ def _softmax_xent_kernel(logits_ptr, targets_ptr, scale_ptr, loss_ptr, V, stride
     # log-sum-exp = top + log_total, kept apart: at |logits| ~ 1e4 their fp32 sum would lose ~1e-3
     log_total = tl.log(total)
     target = tl.load(targets_ptr + row).to(tl.int64)
-    picked = tl.load(base + target).to(tl.float32)
+    # an id outside [0, V) reads nothing and makes the row's loss NaN (the trainer's non-finite check)
+    picked = tl.load(base + target, mask=(target >= 0) & (target < V), other=float("nan")).to(tl.float32)
     tl.store(loss_ptr + row, (top - picked) + log_total)
     if WRITE_GRAD:
         # pass 2: d(loss_r)/d(logits_r) = softmax - onehot, scaled (0 for a row that does not count)
@@ -65,8 +66,8 @@ def supports(logits: torch.Tensor) -> bool:
 
 def softmax_cross_entropy_(logits: torch.Tensor, targets: torch.Tensor,
                            row_scale: Optional[torch.Tensor] = None, *, block_v: Optional[int] = None) -> torch.Tensor:
-    """Per-row cross-entropy of `logits` [rows, vocab] against `targets` [rows] (ids in [0, vocab):
-    they are not checked, an id out of range reads another row's memory), in fp32 [rows]. With
+    """Per-row cross-entropy of `logits` [rows, vocab] against `targets` [rows], in fp32 [rows]; a
+    target outside [0, vocab) gives its row a NaN loss (checking on the host would wait for the GPU). With
     `row_scale` (fp32 [rows]) the logits are overwritten with the loss's gradient, (softmax - onehot)
     * row_scale, in their own dtype; without it they are left as they are. `block_v`: the tile width
     over the vocabulary (a power of two; default the vocabulary's next power of two, at most 4096)."""
