@@ -13,6 +13,9 @@ NATSL_COMPILE_POINTWISE=0 (natsl.models.pointwise), so running both shows what c
 also summed by kind (matmuls, the two fast ops, SDPA, Inductor-fused, other). On the GPU it also
 reports where the GPU sat idle inside the profiled step: the gaps between consecutive kernels longer
 than 20 us (the host not keeping up, or waiting for the GPU), with the kernels on either side.
+--phases times steps with host clocks and CUDA events at the ends of the forward, backward and
+optimizer launches (is the host ahead of the GPU?); --host-head profiles one step with host activity
+and reports how long the host took to its first kernel launch and what it did before it.
 """
 
 from __future__ import annotations
