@@ -221,12 +221,15 @@ SWEEP_TRAIN = {  # in order of the stages' share of the hybrid's step (call 6 of
     "input": {
         # 8 warps with BV=16, or with one stage, last: they hit an illegal memory access in the state
         # backward (2026-11-30i), which poisons the process's CUDA context (one stage per process: --stages)
-        "STATE_BWD": _grid((32, 64), (4,), (1, 2)) + _grid((32, 64), (8,), (2,)) + _grid((16,), (2, 4), (2,))
+        # first: the default's slices in one launch, without its last round split off (SPLIT_LAST_ROUND, B=8)
+        "STATE_BWD": [dict(BV=32, BV_WIDE=64, num_warps=4, num_stages=2, SPLIT_LAST_ROUND=False, PROGRAMS_PER_SM=2)]
+        + _grid((32, 64), (4,), (1, 2)) + _grid((32, 64), (8,), (2,)) + _grid((16,), (2, 4), (2,))
         + _grid((16,), (8,), (2,)) + _grid((32, 64), (8,), (1,)),
         "GRAD_WY": [dict(num_warps=4, num_stages=3, descriptors=True)]  # TMA tiles (config.GRAD_WY)
         + [dict(num_warps=w, num_stages=s) for w in (2, 4, 8) for s in (2, 3)],
         "GRAD_QK": _grid((32, 64), (4, 8), (3,)) + _grid((32,), (4,), (2,)) + _grid((16,), (4, 8), (3,)),
-        "STATE_FWD": _grid((32, 64), (4, 8), (3,)) + _grid((16, 32), (2,), (3,)) + _grid((64,), (4,), (2,))
+        "STATE_FWD": [dict(BV=32, BV_WIDE=64, num_warps=4, num_stages=3, SPLIT_LAST_ROUND=False, PROGRAMS_PER_SM=2)]
+        + _grid((32, 64), (4, 8), (3,)) + _grid((16, 32), (2,), (3,)) + _grid((64,), (4,), (2,))
         + _grid((16,), (4, 8), (3,)),
         "PREPARE": [dict(num_warps=w, num_stages=3) for w in (1, 2, 4)] + [dict(num_warps=2, num_stages=4)],
         "OUTPUT": _grid((32, 64, 128), (4, 8), (2,)),

@@ -21,7 +21,7 @@ from natsl.errors import NatslError  # noqa: E402
 from natsl.fast.gated_delta import commit_block, config, gated_delta_rule, gated_delta_step  # noqa: E402
 from natsl.fast.gated_delta.common import token_descriptors  # noqa: E402
 from natsl.fast.gated_delta.prepare import _prepare_kernel  # noqa: E402
-from natsl.fast.gated_delta.state import state_slice  # noqa: E402
+from natsl.fast.gated_delta.state import batch_launches, state_slice  # noqa: E402
 from natsl.reference.gated_delta import gated_delta_rule as reference  # noqa: E402
 from natsl.reference.route_grad import gated_delta_write_grad  # noqa: E402
 from numerics import rel_rms  # noqa: E402
@@ -224,6 +224,41 @@ def test_state_slice_widens_only_where_every_sm_keeps_a_program():
     assert state_slice(384, {"BV": 32}, 24, 132, torch.bfloat16) == 32
     assert state_slice(20, cfg, 24, 1, torch.bfloat16) == 32  # dim_tile(20) = 32: one slice either way
     assert state_slice(384, cfg, 24, 1000, torch.float16) == 32
+
+
+def test_batch_launches_split_the_last_round_only_when_asked_and_it_fits():
+    """state.batch_launches: the 800M shape at B=8 (288 wide programs, 264 at a time on 132 SMs) runs
+    rows 0-6 wide and row 7 narrow when SPLIT_LAST_ROUND is on; one launch when it is off, when the
+    programs fit one round (B=4), for fp32 intermediates (narrow anyway) and when the leftover rows'
+    narrow programs would not fit one round."""
+    cfg = {"BV": 32, "BV_WIDE": 64, "SPLIT_LAST_ROUND": True, "PROGRAMS_PER_SM": 2}
+    assert batch_launches(8, 6, 384, cfg, 132, torch.bfloat16) == [(0, 7, 64), (7, 8, 32)]
+    assert batch_launches(8, 6, 384, {**cfg, "SPLIT_LAST_ROUND": False}, 132, torch.bfloat16) == [(0, 8, 64)]
+    assert batch_launches(4, 6, 384, cfg, 132, torch.bfloat16) == [(0, 4, 64)]
+    assert batch_launches(8, 6, 384, cfg, 132, torch.float32) == [(0, 8, 32)]
+    assert batch_launches(16, 6, 384, cfg, 132, torch.bfloat16) == [(0, 14, 64), (14, 16, 32)]
+    assert batch_launches(8, 6, 384, cfg, 100, torch.bfloat16) == [(0, 8, 64)]  # 3 rows x 72 > 200 slots
+    assert batch_launches(8, 6, 384, cfg, 144, torch.bfloat16) == [(0, 8, 64)]  # 288 programs, one round
+
+
+def test_split_last_round_gives_the_same_result(monkeypatch):
+    """The two sequential kernels launched as rows 0-1 at 64-wide slices and row 2 at 32 (2 SMs: 6 wide
+    programs, 4 at a time) equal one launch over all rows bitwise, forward and every gradient."""
+    from natsl.fast.gated_delta import state
+
+    monkeypatch.setattr(config, "INTERMEDIATE", "input")
+    monkeypatch.setattr(state, "sm_count", lambda device: 2)
+    assert state.batch_launches(3, 1, 80, {**config.STATE_FWD, "SPLIT_LAST_ROUND": True}, 2,
+                                torch.bfloat16) == [(0, 2, 64), (2, 3, 32)]
+    runs = []
+    for split in (False, True):
+        monkeypatch.setitem(config.STATE_FWD, "SPLIT_LAST_ROUND", split)
+        monkeypatch.setitem(config.STATE_BWD, "SPLIT_LAST_ROUND", split)
+        runs.append(compare(3, 70, 1, 16, 80, seed=37, dtype=torch.bfloat16, write_kind="binary",
+                            route_grad="full", keep=True))
+    (_, out_a), (errors_b, out_b) = runs
+    assert all(torch.equal(a, b) for a, b in zip(out_a, out_b))
+    check(errors_b, *TOL_SATURATED_BF16)
 
 
 def test_wide_state_slices_give_the_same_result(monkeypatch):

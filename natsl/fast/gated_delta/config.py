@@ -28,14 +28,21 @@ PREPARE = {"num_warps": 2, "num_stages": 3}
 # At the training shape (B=4, H=6, V=384: 144 programs on 132 SMs) the forward recurrence took 0.296
 # against 0.326 ms at BV=32 (288 programs, a second wave), outputs identical; at B=1 (72 programs,
 # prefill) BV=32 stays (T=128K: 3.30 ms against 4.77 at 64). H200, 2026-11-30i call 2.
-STATE_FWD = {"BV": 32, "BV_WIDE": 64, "num_warps": 4, "num_stages": 3}
+# SPLIT_LAST_ROUND (state.batch_launches): where the wide slices overfill whole rounds of PROGRAMS_PER_SM
+# programs per SM (two at the 255-register cap with 4 warps) by part of a round -- B=8: 288 programs,
+# 264 at a time -- the leftover batch rows run in a second launch at BV. B=8, T=4096 on the H200
+# (2026-12-01b call 6, benchmarks/device_state_split.py): forward 0.435 -> 0.401 ms, backward 0.731 ->
+# 0.686 ms, outputs bitwise equal.
+STATE_FWD = {"BV": 32, "BV_WIDE": 64, "num_warps": 4, "num_stages": 3, "SPLIT_LAST_ROUND": True,
+             "PROGRAMS_PER_SM": 2}
 OUTPUT = {"BV": 64, "num_warps": 4, "num_stages": 2}
 LOCAL_DR = {"BV": 64, "num_warps": 4, "num_stages": 3}
 # BV_WIDE as in the forward: at the training shapes the 64-wide slices took 0.481 against 0.538 ms
 # (B=4, T=4096) and 0.729 against 0.895 ms (B=8), outputs bitwise equal (H200, 2026-11-30j calls 5-6).
 # 8 warps with ONE stage (which block_size 128 forces, launch_options) hit an illegal memory access on
 # the H200 with Triton 3.6 (BV 16, 32 and 64), so the backward keeps 4 warps.
-STATE_BWD = {"BV": 32, "BV_WIDE": 64, "num_warps": 4, "num_stages": 2}
+STATE_BWD = {"BV": 32, "BV_WIDE": 64, "num_warps": 4, "num_stages": 2, "SPLIT_LAST_ROUND": True,
+             "PROGRAMS_PER_SM": 2}
 GRAD_QK = {"BV": 32, "num_warps": 4, "num_stages": 3}
 # "descriptors": the loop tiles through host-side TMA descriptors (common.token_descriptors). Offline
 # (Triton 3.9, sm_90) that cuts the kernel's spill stack 1528 -> 216 B, but on the H200 (2026-12-01) it was

@@ -216,11 +216,6 @@ def _state_bwd_kernel(
             store_tile(dh0_ptr, d3, 3 * BK, v0, K, V, V, BK, BV)
 
 
-def _state_tiles(K: int, V: int, cfg: dict, batch_heads: int, device: torch.device, work_dtype) -> tuple[int, int, int]:
-    BK = dim_tile(K)
-    return BK, triton.cdiv(K, BK), state_slice(V, cfg, batch_heads, sm_count(device), work_dtype)
-
-
 def state_slice(V: int, cfg: dict, batch_heads: int, sms: int, work_dtype=None) -> int:
     """The V slice BV of one program of a sequential kernel (B * H * V / BV programs). cfg["BV"], or the
     wider cfg["BV_WIDE"] where that still gives every SM a program and the intermediates are 16-bit
@@ -234,23 +229,46 @@ def state_slice(V: int, cfg: dict, batch_heads: int, sms: int, work_dtype=None) 
     return bv
 
 
+def batch_launches(B: int, H: int, V: int, cfg: dict, sms: int, work_dtype=None) -> list[tuple[int, int, int]]:
+    """The launches of a sequential kernel as (first batch row, end row, BV): normally one over every row.
+    With cfg["SPLIT_LAST_ROUND"], where the programs of the wide slices overfill whole rounds of
+    cfg["PROGRAMS_PER_SM"] programs per SM by a part of a round, the rows that fill whole rounds run
+    wide and the rest run in a second launch at the narrow cfg["BV"] (more, shorter programs for the
+    last round: docs/notes/fast_gated_delta.md, "The sequential kernels' last round")."""
+    bv = state_slice(V, cfg, B * H, sms, work_dtype)
+    narrow = min(cfg["BV"], dim_tile(V))
+    per_row = H * triton.cdiv(V, bv)
+    slots = cfg.get("PROGRAMS_PER_SM", 2) * sms
+    if not cfg.get("SPLIT_LAST_ROUND") or bv == narrow or B * per_row <= slots:
+        return [(0, B, bv)]
+    full_rows = (B * per_row // slots) * slots // per_row
+    if full_rows in (0, B) or (B - full_rows) * H * triton.cdiv(V, narrow) > slots:
+        return [(0, B, bv)]
+    return [(0, full_rows, bv), (full_rows, B, narrow)]
+
+
+def _rows(t, b0: int, b1: int):
+    """Batch rows b0:b1 of a [B, ...] tensor (a contiguous view), or None."""
+    return None if t is None else t[b0:b1]
+
+
 def state_forward(w, u, k, gc, write, initial_state, output_final_state: bool, block_size: int,
                   decay_skipped_blocks: bool, precision: str, cfg: dict):
     """(h [B,NB,H,K,V] in k's dtype, R [B,T,H,V] in u's dtype, final state [B,H,K,V] fp32 or None)."""
     B, T, H, K = k.shape
     V = u.shape[-1]
     NB = triton.cdiv(T, block_size)
-    BK, NK, BV = _state_tiles(K, V, cfg, B * H, k.device, u.dtype)
+    BK, NK = dim_tile(K), triton.cdiv(K, dim_tile(K))
     h = torch.empty(B, NB, H, K, V, device=k.device, dtype=k.dtype)
     r = torch.empty(B, T, H, V, device=k.device, dtype=u.dtype)
     final = torch.empty(B, H, K, V, device=k.device, dtype=torch.float32) if output_final_state else None
-    grid = (triton.cdiv(V, BV), B * H)
-    _state_fwd_kernel[grid](
-        w, u, k, gc, write, initial_state, h, r, final, T, H, NB,
-        K=K, V=V, C=block_size, BK=BK, BV=BV, NK=NK,
-        HAS_H0=initial_state is not None, STORE_HT=output_final_state, DECAY_SKIPPED=decay_skipped_blocks,
-        PREC=precision, **launch_options(cfg, block_size, u.dtype),
-    )
+    for b0, b1, BV in batch_launches(B, H, V, cfg, sm_count(k.device), u.dtype):
+        _state_fwd_kernel[(triton.cdiv(V, BV), (b1 - b0) * H)](
+            *(_rows(t, b0, b1) for t in (w, u, k, gc, write, initial_state, h, r, final)), T, H, NB,
+            K=K, V=V, C=block_size, BK=BK, BV=BV, NK=NK,
+            HAS_H0=initial_state is not None, STORE_HT=output_final_state, DECAY_SKIPPED=decay_skipped_blocks,
+            PREC=precision, **launch_options(cfg, block_size, u.dtype),
+        )
     return h, r, final
 
 
@@ -260,15 +278,15 @@ def state_backward(q, k, w, gc, write, do, dr_local, d_final, want_dh0: bool, sc
     B, T, H, K = k.shape
     V = do.shape[-1]
     NB = triton.cdiv(T, block_size)
-    BK, NK, BV = _state_tiles(K, V, cfg, B * H, k.device, dr_local.dtype)
+    BK, NK = dim_tile(K), triton.cdiv(K, dim_tile(K))
     dh = torch.empty(B, NB, H, K, V, device=k.device, dtype=k.dtype)
     dr = torch.empty(B, T, H, V, device=k.device, dtype=dr_local.dtype)
     dh0 = torch.empty(B, H, K, V, device=k.device, dtype=torch.float32) if want_dh0 else None
-    grid = (triton.cdiv(V, BV), B * H)
-    _state_bwd_kernel[grid](
-        q, k, w, gc, write, do, dr_local, d_final, dh, dr, dh0, scale, T, H, NB,
-        K=K, V=V, C=block_size, BK=BK, BV=BV, NK=NK,
-        HAS_DHT=d_final is not None, STORE_DH0=want_dh0, DECAY_SKIPPED=decay_skipped_blocks,
-        PREC=precision, **launch_options(cfg, block_size, dr_local.dtype),
-    )
+    for b0, b1, BV in batch_launches(B, H, V, cfg, sm_count(k.device), dr_local.dtype):
+        _state_bwd_kernel[(triton.cdiv(V, BV), (b1 - b0) * H)](
+            *(_rows(t, b0, b1) for t in (q, k, w, gc, write, do, dr_local, d_final, dh, dr, dh0)), scale, T, H, NB,
+            K=K, V=V, C=block_size, BK=BK, BV=BV, NK=NK,
+            HAS_DHT=d_final is not None, STORE_DH0=want_dh0, DECAY_SKIPPED=decay_skipped_blocks,
+            PREC=precision, **launch_options(cfg, block_size, dr_local.dtype),
+        )
     return dh, dr, dh0
