@@ -213,6 +213,20 @@ def test_eager_path_equals_the_custom_op(monkeypatch):
     assert torch.equal(o, runs[False][0]) and torch.equal(final, runs[False][1])
 
 
+def outputs_equal_both_ways(monkeypatch, switches, *args, **kw):
+    """compare(*args, **kw) with every (config table, key, (first, second)) of `switches` set to its first
+    value, then to its second: the fast outputs and gradients must be bitwise equal between the two
+    runs; returns the second run's errors against the reference."""
+    runs = []
+    for i in (0, 1):
+        for table, key, values in switches:
+            monkeypatch.setitem(table, key, values[i])
+        runs.append(compare(*args, keep=True, **kw))
+    (_, out_a), (errors_b, out_b) = runs
+    assert all(torch.equal(a, b) for a, b in zip(out_a, out_b))
+    return errors_b
+
+
 def test_state_slice_widens_only_where_every_sm_keeps_a_program():
     """BV_WIDE (config.STATE_FWD, STATE_BWD): 64-wide V slices at the training shape (4 x 6 heads, V = 384 on 132 SMs:
     144 programs), 32-wide at batch 1 (72 programs would leave SMs idle), never for fp32 intermediates,
@@ -250,15 +264,12 @@ def test_split_last_round_gives_the_same_result(monkeypatch):
     monkeypatch.setattr(state, "sm_count", lambda device: 2)
     assert state.batch_launches(3, 1, 80, {**config.STATE_FWD, "SPLIT_LAST_ROUND": True}, 2,
                                 torch.bfloat16) == [(0, 2, 64), (2, 3, 32)]
-    runs = []
-    for split in (False, True):
-        monkeypatch.setitem(config.STATE_FWD, "SPLIT_LAST_ROUND", split)
-        monkeypatch.setitem(config.STATE_BWD, "SPLIT_LAST_ROUND", split)
-        runs.append(compare(3, 70, 1, 16, 80, seed=37, dtype=torch.bfloat16, write_kind="binary",
-                            route_grad="full", keep=True))
-    (_, out_a), (errors_b, out_b) = runs
-    assert all(torch.equal(a, b) for a, b in zip(out_a, out_b))
-    check(errors_b, *TOL_SATURATED_BF16)
+    both = (False, True)
+    errors = outputs_equal_both_ways(monkeypatch, [(config.STATE_FWD, "SPLIT_LAST_ROUND", both),
+                                                   (config.STATE_BWD, "SPLIT_LAST_ROUND", both)],
+                                     3, 70, 1, 16, 80, seed=37, dtype=torch.bfloat16, write_kind="binary",
+                                     route_grad="full")
+    check(errors, *TOL_SATURATED_BF16)
 
 
 def test_wide_state_slices_give_the_same_result(monkeypatch):
@@ -266,15 +277,11 @@ def test_wide_state_slices_give_the_same_result(monkeypatch):
     32-wide ones bitwise (the slices never interact), forward and every gradient, bf16 intermediates;
     both near the reference."""
     monkeypatch.setattr(config, "INTERMEDIATE", "input")
-    runs = []
-    for wide in (None, 64):
-        monkeypatch.setitem(config.STATE_FWD, "BV_WIDE", wide)
-        monkeypatch.setitem(config.STATE_BWD, "BV_WIDE", wide)
-        runs.append(compare(1, 130, 2, 16, 80, seed=31, dtype=torch.bfloat16, write_kind="binary",
-                            route_grad="full", keep=True))
-    (errors_a, out_a), (errors_b, out_b) = runs
-    assert all(torch.equal(a, b) for a, b in zip(out_a, out_b))
-    check(errors_b, *TOL_SATURATED_BF16)
+    errors = outputs_equal_both_ways(monkeypatch, [(config.STATE_FWD, "BV_WIDE", (None, 64)),
+                                                   (config.STATE_BWD, "BV_WIDE", (None, 64))],
+                                     1, 130, 2, 16, 80, seed=31, dtype=torch.bfloat16, write_kind="binary",
+                                     route_grad="full")
+    check(errors, *TOL_SATURATED_BF16)
 
 
 @pytest.mark.parametrize("T,dtype", [(1, torch.float32), (37, torch.float32), (200, torch.bfloat16)])
@@ -283,13 +290,9 @@ def test_grad_wy_through_tensor_descriptors_equals_pointer_tiles(T, dtype, monke
     the same values as the masked pointer tiles (rows past T are zeros either way), so every output and
     gradient is bitwise equal, at T = 1, a partial chunk and several chunks; both near the reference."""
     monkeypatch.setattr(config, "INTERMEDIATE", "input")
-    runs = []
-    for on in (False, True):
-        monkeypatch.setitem(config.GRAD_WY, "descriptors", on)
-        runs.append(compare(2, T, 2, 32, 48, seed=53, dtype=dtype, write_kind="binary", keep=True))
-    (_, out_off), (errors_on, out_on) = runs
-    assert all(torch.equal(a, b) for a, b in zip(out_off, out_on))
-    check(errors_on, *(TOL_SATURATED_BF16 if dtype == torch.bfloat16 else (FP32_TOL, FP32_TOL)))
+    errors = outputs_equal_both_ways(monkeypatch, [(config.GRAD_WY, "descriptors", (False, True))],
+                                     2, T, 2, 32, 48, seed=53, dtype=dtype, write_kind="binary")
+    check(errors, *(TOL_SATURATED_BF16 if dtype == torch.bfloat16 else (FP32_TOL, FP32_TOL)))
 
 
 def test_tensor_descriptors_apply_only_to_16_byte_rows():
