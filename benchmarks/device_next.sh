@@ -8,10 +8,13 @@
 # 0.191 ms without them, so they stay off):
 #   python3 benchmarks/device_gated_delta.py --skip check,time --modes input --sweep-shape 4,4096 --stages GRAD_WY
 #   python3 -m pytest -q -m gpu tests/test_fast_gated_delta.py -k descriptors
-# The eleventh session's last call: MBS=8 bash benchmarks/device_next.sh (hybrid 80.5K, Transformer 86.2K,
-# GDN Hybrid 84.0K tokens/s).
-# Not yet run: python3 benchmarks/bench_mix.py (the fused NAtS-L read against the compiled formula, standalone)
-# and the hybrid with NATSL_FUSED_MIX=0 beside the default in one call (RUNS="800m_hybrid:220", MBS=8).
+# The twelfth session (fused LM loss): MBS=8 bash benchmarks/device_next.sh gave hybrid 83.7K (40.6% MFU),
+# Transformer 89.7K, GDN Hybrid 87.6K tokens/s; RUNS="800m_gdn:170 800m_natsl:210" MBS=8: 91.3K, 73.5K.
+# Not yet run: a training run with the state kernels' last round split off (config.STATE_FWD/STATE_BWD
+# ["SPLIT_LAST_ROUND"], on since the twelfth session's last commit; ~1.7 ms per step estimated from
+# benchmarks/device_state_split.py), and DDP / FSDP2 on nvidia-h200-x2 with this code, e.g.
+#   python3 benchmarks/bench_training.py --recipes 800m_hybrid --nproc 2 --parallel fsdp --compile \
+#       --max-steps 25 --warmup-steps 5 --micro-batch-size 8
 #   bash benchmarks/device_next.sh      (writes under $OUT; everything printed also lands in $OUT/log.txt)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/natsl_out}; mkdir -p $OUT
