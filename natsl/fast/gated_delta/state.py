@@ -216,6 +216,12 @@ def _state_bwd_kernel(
             store_tile(dh0_ptr, d3, 3 * BK, v0, K, V, V, BK, BV)
 
 
+def _k_tiles(K: int) -> tuple[int, int]:
+    """The state's K rows as NK register tiles of BK rows: (BK, NK)."""
+    BK = dim_tile(K)
+    return BK, triton.cdiv(K, BK)
+
+
 def state_slice(V: int, cfg: dict, batch_heads: int, sms: int, work_dtype=None) -> int:
     """The V slice BV of one program of a sequential kernel (B * H * V / BV programs). cfg["BV"], or the
     wider cfg["BV_WIDE"] where that still gives every SM a program and the intermediates are 16-bit
@@ -258,7 +264,7 @@ def state_forward(w, u, k, gc, write, initial_state, output_final_state: bool, b
     B, T, H, K = k.shape
     V = u.shape[-1]
     NB = triton.cdiv(T, block_size)
-    BK, NK = dim_tile(K), triton.cdiv(K, dim_tile(K))
+    BK, NK = _k_tiles(K)
     h = torch.empty(B, NB, H, K, V, device=k.device, dtype=k.dtype)
     r = torch.empty(B, T, H, V, device=k.device, dtype=u.dtype)
     final = torch.empty(B, H, K, V, device=k.device, dtype=torch.float32) if output_final_state else None
@@ -278,7 +284,7 @@ def state_backward(q, k, w, gc, write, do, dr_local, d_final, want_dh0: bool, sc
     B, T, H, K = k.shape
     V = do.shape[-1]
     NB = triton.cdiv(T, block_size)
-    BK, NK = dim_tile(K), triton.cdiv(K, dim_tile(K))
+    BK, NK = _k_tiles(K)
     dh = torch.empty(B, NB, H, K, V, device=k.device, dtype=k.dtype)
     dr = torch.empty(B, T, H, V, device=k.device, dtype=dr_local.dtype)
     dh0 = torch.empty(B, H, K, V, device=k.device, dtype=torch.float32) if want_dh0 else None
