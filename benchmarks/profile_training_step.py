@@ -154,14 +154,23 @@ def main() -> None:
                                  fused=True if fold or args.compare_fold else None)
                  if args.optimizer else None)
 
-    def step(fold=fold):
+    def step(fold=fold, mark=lambda: None):
+        """One training step; `mark` is called after the forward, the backward, the optimizer's launch and
+        the host's read of the values (phase_ms's clocks)."""
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
             hidden = body(ids[:, :-1], model.rope_table(args.seq_len, device))  # as natsl train
             loss = linear_cross_entropy(hidden, model.lm_head.weight, ids[:, 1:])
+        mark()
         loss.backward()
+        mark()
+        norm = None
         if optimizer is not None:  # as Trainer.optimizer_step, then its read of the values
-            float(clip_and_step(optimizer, model.parameters(), recipe.optim.grad_clip, loss, fold))
+            norm = clip_and_step(optimizer, model.parameters(), recipe.optim.grad_clip, loss, fold)
+        mark()
+        if norm is not None:
+            float(norm)
             loss.item()
+        mark()
         model.zero_grad(set_to_none=True)
 
     def timed_ms(**kw) -> float:
@@ -173,28 +182,19 @@ def main() -> None:
 
     def phase_ms() -> dict:
         """One step with host clocks and CUDA events at its phase ends: where the wall time goes."""
+        host, events = [], []
+
+        def mark():
+            events.append(torch.cuda.Event(enable_timing=True))
+            events[-1].record()
+            host.append(time.perf_counter())
+
         sync()
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
-        host = [time.perf_counter()]
-        events[0].record()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-            hidden = body(ids[:, :-1], model.rope_table(args.seq_len, device))
-            loss = linear_cross_entropy(hidden, model.lm_head.weight, ids[:, 1:])
-        events[1].record()
-        host.append(time.perf_counter())
-        loss.backward()
-        events[2].record()
-        host.append(time.perf_counter())
-        norm = clip_and_step(optimizer, model.parameters(), recipe.optim.grad_clip, loss, fold) \
-            if optimizer is not None else loss
-        events[3].record()
-        host.append(time.perf_counter())
-        float(norm), loss.item()
-        host.append(time.perf_counter())
-        model.zero_grad(set_to_none=True)
+        mark()
+        step(mark=mark)
         sync()
         host.append(time.perf_counter())
-        gpu = [events[0].elapsed_time(e) for e in events[1:]]
+        gpu = [events[0].elapsed_time(e) for e in events[1:4]]
         return {"wall": 1000 * (host[-1] - host[0]), "gpu_to_optimizer_end": gpu[2],
                 "host_forward_launch": 1000 * (host[1] - host[0]), "host_backward_launch": 1000 * (host[2] - host[1]),
                 "host_optimizer_launch": 1000 * (host[3] - host[2]), "host_wait": 1000 * (host[4] - host[3]),
