@@ -1,11 +1,14 @@
-"""Routed-attention forward at keep 1: launch settings and TMA key tiles, beside SDPA, one run (H200).
+"""Routed-attention forward: launch settings, TMA key tiles, FMA exponentials, beside SDPA, one run (H200).
 
     PYTHONPATH=. python3 benchmarks/device_attention_variants.py [--lengths 4096 16384 65536]
+        [--keep-fractions 1 0.5 0.25] [--shapes 800M] [--fma-every 0 1 2 4] [--skip-sdpa]
 
 For each length and each shape (24 heads x 64, the anchor's; the 800M layer's 18 heads of 64/128),
 times the forward kernel alone (`attention_forward`, block lists built once) under each variant of
-(BLOCK_M, BLOCK_N, num_warps, num_stages, TMA descriptors on/off), checks each variant's output
-against the current setting's, and times causal SDPA (flash and cuDNN) at 24 x 64 in the same run.
+(BLOCK_M, BLOCK_N, num_warps, num_stages, TMA descriptors on/off; with --fma-every, the current
+setting with every n-th kept key tile's exponentials on the FMA pipe, config.FMA_EXP_EVERY), at each
+keep fraction (random routes with exactly that fraction kept), checks each variant's output against
+the current setting's, and times causal SDPA (flash and cuDNN) at 24 x 64 in the same run.
 Medians of triton.testing.do_bench; JSON to $OUT/attention_variants.json, a table on stdout.
 """
 
@@ -45,6 +48,11 @@ VARIANTS = {
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 65536])
+    ap.add_argument("--keep-fractions", type=float, nargs="+", default=[1.0])
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--fma-every", type=int, nargs="+", default=None,
+                    help="time the current setting with each config.FMA_EXP_EVERY instead of VARIANTS")
+    ap.add_argument("--skip-sdpa", action="store_true")
     args = ap.parse_args()
     out_dir = os.environ.get("OUT", "/tmp/natsl_out")
     os.makedirs(out_dir, exist_ok=True)
@@ -56,31 +64,37 @@ def main() -> None:
 
     for T in args.lengths:
         rep = 100 if T <= 16384 else 600
-        for backend in ("flash", "cudnn"):
+        for backend in () if args.skip_sdpa else ("flash", "cudnn"):
             ms = bench.time_sdpa(1, T, 24, 64, 64, backend=backend)
             row = {"T": T, "what": f"sdpa {backend} 24x64", "ms": ms,
                    "tflops": bench.causal_flops(1, T, 24, 64, 64) / ms / 1e9}
             results["rows"].append(row)
             print(row, flush=True)
-        for name, (H, G, DK, DV, cfg_name) in SHAPES.items():
+        for name, frac in [(n, f) for n in args.shapes for f in args.keep_fractions]:
+            H, G, DK, DV, cfg_name = SHAPES[name]
             q, k, v, _ = bench.attention_inputs(1, T, H, DK, DV, torch.bfloat16, "cuda")
-            lists = build_block_lists(None, 1, -(-T // 64), G, "cuda")
+            keep = None if frac >= 1 else bench.random_keep(1, -(-T // 64), G, frac, "cuda")
+            lists = build_block_lists(keep, 1, -(-T // 64), G, "cuda")
             cfg = getattr(config, cfg_name)
-            saved, saved_desc = dict(cfg), config.USE_DESCRIPTORS
+            saved, saved_desc, saved_fma = dict(cfg), config.USE_DESCRIPTORS, config.FMA_EXP_EVERY
+            variants = VARIANTS[name] if args.fma_every is None else [VARIANTS[name][0][:5] + (n,) for n in args.fma_every]
             want = None
-            for bm, bn, warps, stages, desc in VARIANTS[name]:
+            for bm, bn, warps, stages, desc, *fma in variants:
                 cfg.update(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
                 config.USE_DESCRIPTORS = desc
-                label = f"{name} M{bm} N{bn} w{warps} s{stages}" + (" tma" if desc else "")
-                row = {"T": T, "what": label}
+                config.FMA_EXP_EVERY = fma[0] if fma else saved_fma
+                label = (f"{name} keep {frac:g} M{bm} N{bn} w{warps} s{stages}" + (" tma" if desc else "")
+                         + f" fma{config.FMA_EXP_EVERY}")
+                row = {"T": T, "what": label, "keep": frac}
                 try:
                     o, _ = forward.attention_forward(q, k, v, lists, 0.125, 64, G)
                     if want is None:
                         want = o.float()
                     row["max_rel_diff_vs_first"] = float((o.float() - want).abs().max() / want.abs().max())
+                    row["rel_rms_vs_first"] = float((o.float() - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt())
                     ms = do_bench(lambda: forward.attention_forward(q, k, v, lists, 0.125, 64, G),
                                   warmup=25, rep=rep, return_mode="median")
-                    row.update(ms=ms, tflops=bench.causal_flops(1, T, H, DK, DV) / ms / 1e9)
+                    row.update(ms=ms, tflops=bench.causal_flops(1, T, H, DK, DV) * frac / ms / 1e9)
                 except Exception as e:  # a setting that does not compile or fit is reported, not fatal
                     row["error"] = repr(e)[:300]
                 results["rows"].append(row)
@@ -88,11 +102,11 @@ def main() -> None:
                 save()
             cfg.clear()
             cfg.update(saved)
-            config.USE_DESCRIPTORS = saved_desc
+            config.USE_DESCRIPTORS, config.FMA_EXP_EVERY = saved_desc, saved_fma
             del q, k, v
             torch.cuda.empty_cache()
     save()
-    print(f"\n| T | variant | ms | TFLOP/s |\n|---|---|---|---|")
+    print(f"\n| T | variant | ms | TFLOP/s (real, keep-scaled) |\n|---|---|---|---|")
     for r in results["rows"]:
         if "ms" in r:
             print(f"| {r['T']} | {r['what']} | {r['ms']:.3f} | {r['tflops']:.0f} |")
