@@ -1,12 +1,13 @@
 """Routed-attention forward: launch settings, TMA key tiles, FMA exponentials, beside SDPA, one run (H200).
 
     PYTHONPATH=. python3 benchmarks/device_attention_variants.py [--lengths 4096 16384 65536]
-        [--keep-fractions 1 0.5 0.25] [--shapes 800M] [--fma-every 0 1 2 4] [--skip-sdpa]
+        [--keep-fractions 1 0.5 0.25] [--shapes 800M] [--softmax 0,0 0,1 4,1] [--skip-sdpa]
 
 For each length and each shape (24 heads x 64, the anchor's; the 800M layer's 18 heads of 64/128),
 times the forward kernel alone (`attention_forward`, block lists built once) under each variant of
-(BLOCK_M, BLOCK_N, num_warps, num_stages, TMA descriptors on/off; with --fma-every, the current
-setting with every n-th kept key tile's exponentials on the FMA pipe, config.FMA_EXP_EVERY), at each
+(BLOCK_M, BLOCK_N, num_warps, num_stages, TMA descriptors on/off; with --softmax, the current
+setting under each softmax variant "n,lazy": every n-th kept key tile's exponentials on the FMA
+pipe, config.FMA_EXP_EVERY, and lazy rescaling on or off, config.LAZY_RESCALE), at each
 keep fraction (random routes with exactly that fraction kept), checks each variant's output against
 the current setting's, and times causal SDPA (flash and cuDNN) at 24 x 64 in the same run.
 Medians of triton.testing.do_bench; JSON to $OUT/attention_variants.json, a table on stdout.
@@ -50,8 +51,8 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 65536])
     ap.add_argument("--keep-fractions", type=float, nargs="+", default=[1.0])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    ap.add_argument("--fma-every", type=int, nargs="+", default=None,
-                    help="time the current setting with each config.FMA_EXP_EVERY instead of VARIANTS")
+    ap.add_argument("--softmax", nargs="+", default=None, metavar="N,LAZY",
+                    help="time the current setting with each (config.FMA_EXP_EVERY, config.LAZY_RESCALE) instead of VARIANTS")
     ap.add_argument("--skip-sdpa", action="store_true")
     args = ap.parse_args()
     out_dir = os.environ.get("OUT", "/tmp/natsl_out")
@@ -76,15 +77,17 @@ def main() -> None:
             keep = None if frac >= 1 else bench.random_keep(1, -(-T // 64), G, frac, "cuda")
             lists = build_block_lists(keep, 1, -(-T // 64), G, "cuda")
             cfg = getattr(config, cfg_name)
-            saved, saved_desc, saved_fma = dict(cfg), config.USE_DESCRIPTORS, config.FMA_EXP_EVERY
-            variants = VARIANTS[name] if args.fma_every is None else [VARIANTS[name][0][:5] + (n,) for n in args.fma_every]
+            saved, saved_desc = dict(cfg), config.USE_DESCRIPTORS
+            saved_softmax = config.FMA_EXP_EVERY, config.LAZY_RESCALE
+            variants = VARIANTS[name] if args.softmax is None else [
+                VARIANTS[name][0][:5] + tuple(int(x) for x in pair.split(",")) for pair in args.softmax]
             want = None
-            for bm, bn, warps, stages, desc, *fma in variants:
+            for bm, bn, warps, stages, desc, *softmax in variants:
                 cfg.update(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
                 config.USE_DESCRIPTORS = desc
-                config.FMA_EXP_EVERY = fma[0] if fma else saved_fma
+                config.FMA_EXP_EVERY, config.LAZY_RESCALE = (softmax[0], bool(softmax[1])) if softmax else saved_softmax
                 label = (f"{name} keep {frac:g} M{bm} N{bn} w{warps} s{stages}" + (" tma" if desc else "")
-                         + f" fma{config.FMA_EXP_EVERY}")
+                         + f" fma{config.FMA_EXP_EVERY}" + (" lazy" if config.LAZY_RESCALE else ""))
                 row = {"T": T, "what": label, "keep": frac}
                 try:
                     o, _ = forward.attention_forward(q, k, v, lists, 0.125, 64, G)
@@ -102,7 +105,8 @@ def main() -> None:
                 save()
             cfg.clear()
             cfg.update(saved)
-            config.USE_DESCRIPTORS, config.FMA_EXP_EVERY = saved_desc, saved_fma
+            config.USE_DESCRIPTORS = saved_desc
+            config.FMA_EXP_EVERY, config.LAZY_RESCALE = saved_softmax
             del q, k, v
             torch.cuda.empty_cache()
     save()

@@ -47,7 +47,7 @@ def make_keep(kind: str, B: int, NB: int, G: int, gen: torch.Generator) -> torch
 
 
 def compare(B, T, Hs, G, Dk, Dv, keep_kind, route_grad, *, dtype=torch.float32, block_size=64, seed=0,
-            device=DEVICE, ref_dtype=torch.float64):
+            device=DEVICE, ref_dtype=torch.float64, scale=None):
     """Run fast and reference on fresh random inputs; return the errors of o, dq, dk, dv, dkeep."""
     gen = torch.Generator().manual_seed(seed)
     NB = math.ceil(T / block_size)
@@ -60,13 +60,13 @@ def compare(B, T, Hs, G, Dk, Dv, keep_kind, route_grad, *, dtype=torch.float32, 
     do = do.to(device)
 
     fast_in = [x.to(dtype).requires_grad_() for x in inputs[:3]] + [inputs[3].clone().requires_grad_()]
-    o = routed_attention(*fast_in, block_size=block_size, route_grad=route_grad)
+    o = routed_attention(*fast_in, scale=scale, block_size=block_size, route_grad=route_grad)
     assert o.dtype == dtype and o.shape == (B, T, Hs, Dv)
     grads = torch.autograd.grad(o, fast_in, do.to(dtype))
 
     # The reference sees the very values the fast path saw (rounded to dtype), in ref_dtype.
     ref_in = [x.detach().to(ref_dtype).requires_grad_() for x in fast_in]
-    o_ref = reference(*ref_in, block_size=block_size, route_grad=route_grad)
+    o_ref = reference(*ref_in, scale=scale, block_size=block_size, route_grad=route_grad)
     grads_ref = torch.autograd.grad(o_ref, ref_in, do.to(dtype).to(ref_dtype))
     for t in (o, *grads):
         assert torch.isfinite(t).all()
@@ -178,15 +178,28 @@ def _exp2_fma_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
     tl.store(y_ptr + offs, exp2_fma(tl.load(x_ptr + offs, mask=offs < n)), mask=offs < n)
 
 
-@pytest.mark.parametrize("every", (1, 3))
-def test_bf16_with_fma_exponentials(monkeypatch, every):
-    """Every `every`-th kept key tile's exponentials on the FMA pipe (forward.exp2_fma): small tiles
-    so that many query tiles walk several kept tiles (whole groups of `every` and a remainder)."""
+@pytest.mark.parametrize("every,lazy", [(1, False), (3, True), (0, True)])
+def test_bf16_fma_exponentials_and_lazy_rescale(monkeypatch, every, lazy):
+    """The forward's softmax variants: every `every`-th kept key tile's exponentials on the FMA pipe
+    (forward.exp2_fma) and the running sums rescaled only when a row's max grew by more than the
+    margin. Small tiles, so that query tiles walk several kept tiles (whole groups of `every` and a
+    remainder); scores scaled up (scale 1.5) so that later tiles both stay within the margin and
+    pass it."""
     monkeypatch.setattr(config, "FMA_EXP_EVERY", every)
+    monkeypatch.setattr(config, "LAZY_RESCALE", lazy)
     for key in ("BLOCK_M", "BLOCK_N"):
         monkeypatch.setitem(config.FORWARD_SMALL_DV, key, 16)
-    errs = compare(2, 200, 4, 2, 32, 32, "random", "full", dtype=torch.bfloat16, block_size=16, seed=every)
+    errs = compare(2, 200, 4, 2, 32, 32, "random", "full", dtype=torch.bfloat16, block_size=16, seed=every,
+                   scale=1.5)
     assert_close(errs, torch.bfloat16)
+
+
+@pytest.mark.parametrize("T", (37, 200))
+def test_fp32_lazy_rescale(monkeypatch, T):
+    monkeypatch.setattr(config, "LAZY_RESCALE", True)
+    for key in ("BLOCK_M", "BLOCK_N"):
+        monkeypatch.setitem(config.FORWARD_32BIT, key, 16)
+    assert_close(compare(2, T, 4, 2, 16, 32, "random", "full", block_size=16, seed=T, scale=1.5), torch.float32)
 
 
 def test_fma_exponentials_stay_off_for_fp32(monkeypatch):
@@ -271,12 +284,16 @@ def test_bad_arguments():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("route_grad,fma_exp_every", [("active", None), ("full", None), ("full", 1), ("active", 3)])
-def test_gpu_800m_shapes_bf16(monkeypatch, route_grad, fma_exp_every):
+@pytest.mark.parametrize("route_grad,fma_exp_every,lazy", [("active", None, None), ("full", None, None),
+                                                            ("full", 1, False), ("active", 3, True), ("full", 0, True)])
+def test_gpu_800m_shapes_bf16(monkeypatch, route_grad, fma_exp_every, lazy):
     """The 800M layer's softmax heads (18 x (64, 128), groups of 3) at the training length; also with
-    every (or every third) kept key tile's exponentials on the FMA pipe (None: the default)."""
+    every (or every third) kept key tile's exponentials on the FMA pipe and with lazy rescaling
+    (None: the defaults)."""
     if fma_exp_every is not None:
         monkeypatch.setattr(config, "FMA_EXP_EVERY", fma_exp_every)
+    if lazy is not None:
+        monkeypatch.setattr(config, "LAZY_RESCALE", lazy)
     errs = compare(1, 4096, 18, 6, 64, 128, "random", route_grad, dtype=torch.bfloat16, seed=7,
                    ref_dtype=torch.float32)
     assert_close(errs, torch.bfloat16)

@@ -52,6 +52,12 @@ BACKWARD_DKDV_32BIT = {"BLOCK_N": 32, "BLOCK_M": 32, "num_warps": 4, "num_stages
 FMA_EXP_EVERY = int(os.environ.get("NATSL_FMA_EXP_EVERY", "0"))
 
 
+# The forward rescales its running sums only when a row's max grew by more than 2^8 in a tile
+# (forward._online_softmax_step), skipping the multiply of the [BLOCK_M, DV] accumulator on almost
+# every tile. NATSL_LAZY_RESCALE=0/1 overrides.
+LAZY_RESCALE = os.environ.get("NATSL_LAZY_RESCALE", "0") == "1"
+
+
 def fma_exp_every(element_size: int) -> int:
     return FMA_EXP_EVERY if element_size == 2 else 0
 
