@@ -1,14 +1,11 @@
 """Routed-attention forward: launch settings, TMA key tiles, FMA exponentials, beside SDPA, one run (H200).
 
     PYTHONPATH=. python3 benchmarks/device_attention_variants.py [--lengths 4096 16384 65536]
-        [--keep-fractions 1 0.5 0.25] [--shapes 800M] [--softmax 0,0 0,1 4,1] [--skip-sdpa]
+        [--keep-fractions 1 0.5 0.25] [--shapes 800M] [--skip-sdpa]
 
 For each length and each shape (24 heads x 64, the anchor's; the 800M layer's 18 heads of 64/128),
 times the forward kernel alone (`attention_forward`, block lists built once) under each variant of
-(BLOCK_M, BLOCK_N, num_warps, num_stages, TMA descriptors on/off; with --softmax, the current
-setting under each softmax variant "n,lazy": every n-th kept key tile's exponentials on the FMA
-pipe, config.FMA_EXP_EVERY, and lazy rescaling on or off, config.LAZY_RESCALE), at each
-keep fraction (random routes with exactly that fraction kept), checks each variant's output against
+(BLOCK_M, BLOCK_N, num_warps, num_stages, TMA descriptors on/off), at each keep fraction (random routes with exactly that fraction kept), checks each variant's output against
 the current setting's, and times causal SDPA (flash and cuDNN) at 24 x 64 in the same run.
 Medians of triton.testing.do_bench; JSON to $OUT/attention_variants.json, a table on stdout.
 """
@@ -40,9 +37,20 @@ SHAPES = {"24x64": (24, 8, 64, 64, "FORWARD_SMALL_DV"), "800M": (18, 6, 64, 128,
 # Triton's warp specialization of the kept-block loop (tl.range(..., warp_specialize=True)) did not
 # compile for the 800M tiles on Triton 3.6 (MLIR pass failure), gained nothing at 24 x 64 (16K 2.212
 # vs 2.213 ms) and lost with 256-row tiles on 8 warps (16K 2.560 vs 2.047 ms); the switch was removed.
+# Round 5 (2026-12-01, thirteenth session, docs/results/2026-12-01c/call2): the softmax itself, with
+# the tiles of the current setting: every n-th kept key tile's exponentials on the FMA pipe (a cubic
+# for 2^x, as FlashAttention-4 does on Blackwell) and rescaling the running sums only when a row's max
+# grew by more than 2^8 (a CTA-wide decision per tile). Both lost everywhere: 128K keep 0.5 62.5 ms
+# plain, 64.7 lazy, 68.3-71.1 with FMA exponentials every 4th-2nd tile (lazy on), 69.2 every 4th
+# alone; 16K keep 1 2.04 against 2.20-2.46. The SASS (Triton 3.6 offline) shows why: the cubic path
+# costs ~10.8 issue slots per score against ~6.5 for the MUFU path, so the issue slots, not the
+# special-function unit, bound the softmax, and the lazy test's cross-warp reduction adds two
+# barriers per tile. Both switches were removed.
+# Round 6 (same session, call 3): 64-row query tiles (no register spills offline, against 328 bytes
+# of spill stack for 128 x 64 on Triton 3.6; but K/V read twice as often).
 VARIANTS = {
     "24x64": [(128, 128, 4, 2, False), (128, 64, 4, 3, True)],
-    "800M": [(128, 64, 4, 3, True), (128, 64, 4, 4, True)],
+    "800M": [(128, 64, 4, 3, True), (64, 64, 4, 3, True), (64, 128, 4, 2, False)],
 }
 
 
@@ -51,8 +59,6 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 65536])
     ap.add_argument("--keep-fractions", type=float, nargs="+", default=[1.0])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    ap.add_argument("--softmax", nargs="+", default=None, metavar="N,LAZY",
-                    help="time the current setting with each (config.FMA_EXP_EVERY, config.LAZY_RESCALE) instead of VARIANTS")
     ap.add_argument("--skip-sdpa", action="store_true")
     args = ap.parse_args()
     out_dir = os.environ.get("OUT", "/tmp/natsl_out")
@@ -78,16 +84,11 @@ def main() -> None:
             lists = build_block_lists(keep, 1, -(-T // 64), G, "cuda")
             cfg = getattr(config, cfg_name)
             saved, saved_desc = dict(cfg), config.USE_DESCRIPTORS
-            saved_softmax = config.FMA_EXP_EVERY, config.LAZY_RESCALE
-            variants = VARIANTS[name] if args.softmax is None else [
-                VARIANTS[name][0][:5] + tuple(int(x) for x in pair.split(",")) for pair in args.softmax]
             want = None
-            for bm, bn, warps, stages, desc, *softmax in variants:
+            for bm, bn, warps, stages, desc in VARIANTS[name]:
                 cfg.update(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
                 config.USE_DESCRIPTORS = desc
-                config.FMA_EXP_EVERY, config.LAZY_RESCALE = (softmax[0], bool(softmax[1])) if softmax else saved_softmax
-                label = (f"{name} keep {frac:g} M{bm} N{bn} w{warps} s{stages}" + (" tma" if desc else "")
-                         + f" fma{config.FMA_EXP_EVERY}" + (" lazy" if config.LAZY_RESCALE else ""))
+                label = f"{name} keep {frac:g} M{bm} N{bn} w{warps} s{stages}" + (" tma" if desc else "")
                 row = {"T": T, "what": label, "keep": frac}
                 try:
                     o, _ = forward.attention_forward(q, k, v, lists, 0.125, 64, G)
@@ -106,7 +107,6 @@ def main() -> None:
             cfg.clear()
             cfg.update(saved)
             config.USE_DESCRIPTORS = saved_desc
-            config.FMA_EXP_EVERY, config.LAZY_RESCALE = saved_softmax
             del q, k, v
             torch.cuda.empty_cache()
     save()

@@ -18,11 +18,7 @@ import math  # noqa: E402
 import pytest  # noqa: E402
 
 from natsl.errors import NatslError  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
 from natsl.fast.block_sparse import config, routed_attention  # noqa: E402
-from natsl.fast.block_sparse.forward import exp2_fma  # noqa: E402
 from natsl.reference.route_grad import routed_attention_keep_grad  # noqa: E402
 from natsl.reference.routed_attention import routed_attention as reference  # noqa: E402
 
@@ -47,7 +43,7 @@ def make_keep(kind: str, B: int, NB: int, G: int, gen: torch.Generator) -> torch
 
 
 def compare(B, T, Hs, G, Dk, Dv, keep_kind, route_grad, *, dtype=torch.float32, block_size=64, seed=0,
-            device=DEVICE, ref_dtype=torch.float64, scale=None):
+            device=DEVICE, ref_dtype=torch.float64):
     """Run fast and reference on fresh random inputs; return the errors of o, dq, dk, dv, dkeep."""
     gen = torch.Generator().manual_seed(seed)
     NB = math.ceil(T / block_size)
@@ -60,13 +56,13 @@ def compare(B, T, Hs, G, Dk, Dv, keep_kind, route_grad, *, dtype=torch.float32, 
     do = do.to(device)
 
     fast_in = [x.to(dtype).requires_grad_() for x in inputs[:3]] + [inputs[3].clone().requires_grad_()]
-    o = routed_attention(*fast_in, scale=scale, block_size=block_size, route_grad=route_grad)
+    o = routed_attention(*fast_in, block_size=block_size, route_grad=route_grad)
     assert o.dtype == dtype and o.shape == (B, T, Hs, Dv)
     grads = torch.autograd.grad(o, fast_in, do.to(dtype))
 
     # The reference sees the very values the fast path saw (rounded to dtype), in ref_dtype.
     ref_in = [x.detach().to(ref_dtype).requires_grad_() for x in fast_in]
-    o_ref = reference(*ref_in, scale=scale, block_size=block_size, route_grad=route_grad)
+    o_ref = reference(*ref_in, block_size=block_size, route_grad=route_grad)
     grads_ref = torch.autograd.grad(o_ref, ref_in, do.to(dtype).to(ref_dtype))
     for t in (o, *grads):
         assert torch.isfinite(t).all()
@@ -172,55 +168,6 @@ def test_bf16(T):
     assert_close(errs, torch.bfloat16)
 
 
-@triton.jit
-def _exp2_fma_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(y_ptr + offs, exp2_fma(tl.load(x_ptr + offs, mask=offs < n)), mask=offs < n)
-
-
-@pytest.mark.parametrize("every,lazy", [(1, False), (3, True), (0, True)])
-def test_bf16_fma_exponentials_and_lazy_rescale(monkeypatch, every, lazy):
-    """The forward's softmax variants: every `every`-th kept key tile's exponentials on the FMA pipe
-    (forward.exp2_fma) and the running sums rescaled only when a row's max grew by more than the
-    margin. Small tiles, so that query tiles walk several kept tiles (whole groups of `every` and a
-    remainder); scores scaled up (scale 1.5) so that later tiles both stay within the margin and
-    pass it."""
-    monkeypatch.setattr(config, "FMA_EXP_EVERY", every)
-    monkeypatch.setattr(config, "LAZY_RESCALE", lazy)
-    for key in ("BLOCK_M", "BLOCK_N"):
-        monkeypatch.setitem(config.FORWARD_SMALL_DV, key, 16)
-    errs = compare(2, 200, 4, 2, 32, 32, "random", "full", dtype=torch.bfloat16, block_size=16, seed=every,
-                   scale=1.5)
-    assert_close(errs, torch.bfloat16)
-
-
-@pytest.mark.parametrize("T", (37, 200))
-def test_fp32_lazy_rescale(monkeypatch, T):
-    monkeypatch.setattr(config, "LAZY_RESCALE", True)
-    for key in ("BLOCK_M", "BLOCK_N"):
-        monkeypatch.setitem(config.FORWARD_32BIT, key, 16)
-    assert_close(compare(2, T, 4, 2, 16, 32, "random", "full", block_size=16, seed=T, scale=1.5), torch.float32)
-
-
-def test_fma_exponentials_stay_off_for_fp32(monkeypatch):
-    monkeypatch.setattr(config, "FMA_EXP_EVERY", 2)
-    assert config.fma_exp_every(4) == 0 and config.fma_exp_every(2) == 2
-
-
-def test_exp2_fma_against_torch():
-    """The cubic's 2^x: 1.1e-4 relative error from -125 to 0 (both ends, integers, halves), and
-    below -125 a value no larger than 2^-125 (it stands for 0 beside a row sum >= 1)."""
-    x = torch.cat([torch.linspace(-125, 0, 4001), torch.arange(-125.0, 1.0), torch.arange(-124.5, 0.0),
-                   torch.tensor([-1e-7, -0.4999, -0.5001, 1e-7])]).to(DEVICE)
-    far = torch.tensor([-125.5, -200.0, -1e30], device=DEVICE)
-    xs = torch.cat([x, far])
-    y = torch.empty_like(xs)
-    _exp2_fma_kernel[(math.ceil(len(xs) / 1024),)](xs, y, len(xs), BLOCK=1024)
-    rel = (y[: len(x)].double() / torch.exp2(x.double()) - 1).abs().max().item()
-    assert rel < 1.1e-4, rel
-    assert (y[len(x):] >= 0).all() and (y[len(x):] <= 2.0 ** -124).all(), y[len(x):]
-
-
 def test_fp16():
     errs = compare(2, 100, 4, 4, 32, 16, "random", "active", dtype=torch.float16, seed=5)
     assert_close(errs, torch.float16)
@@ -284,16 +231,9 @@ def test_bad_arguments():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("route_grad,fma_exp_every,lazy", [("active", None, None), ("full", None, None),
-                                                            ("full", 1, False), ("active", 3, True), ("full", 0, True)])
-def test_gpu_800m_shapes_bf16(monkeypatch, route_grad, fma_exp_every, lazy):
-    """The 800M layer's softmax heads (18 x (64, 128), groups of 3) at the training length; also with
-    every (or every third) kept key tile's exponentials on the FMA pipe and with lazy rescaling
-    (None: the defaults)."""
-    if fma_exp_every is not None:
-        monkeypatch.setattr(config, "FMA_EXP_EVERY", fma_exp_every)
-    if lazy is not None:
-        monkeypatch.setattr(config, "LAZY_RESCALE", lazy)
+@pytest.mark.parametrize("route_grad", ("active", "full"))
+def test_gpu_800m_shapes_bf16(route_grad):
+    """The 800M layer's softmax heads (18 x (64, 128), groups of 3) at the training length."""
     errs = compare(1, 4096, 18, 6, 64, 128, "random", route_grad, dtype=torch.bfloat16, seed=7,
                    ref_dtype=torch.float32)
     assert_close(errs, torch.bfloat16)

@@ -14,8 +14,6 @@ benchmarks/device_routed_attention.py overrides these dicts to compare settings.
 
 from __future__ import annotations
 
-import os
-
 from natsl.devices import sm_count
 
 # Key tiles of the forward read through TMA tensor descriptors where they apply (Hopper, 16-bit,
@@ -43,23 +41,6 @@ BACKWARD_DKDV_LARGE_DIM = {"BLOCK_N": 64, "BLOCK_M": 32, "num_warps": 4, "num_st
 FORWARD_32BIT = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
 BACKWARD_DQ_32BIT = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
 BACKWARD_DKDV_32BIT = {"BLOCK_N": 32, "BLOCK_M": 32, "num_warps": 4, "num_stages": 1}
-
-
-# Every FMA_EXP_EVERY-th key tile of the forward's kept-block loop takes its exponentials on the FMA
-# pipe (forward.exp2_fma, a cubic with 1e-4 relative error) instead of the special-function unit,
-# whose 16 results per clock and SM are a third of the forward's time; 0 = never. 16-bit inputs
-# only: the error is far below bf16's rounding of P, not below fp32's. NATSL_FMA_EXP_EVERY overrides.
-FMA_EXP_EVERY = int(os.environ.get("NATSL_FMA_EXP_EVERY", "0"))
-
-
-# The forward rescales its running sums only when a row's max grew by more than 2^8 in a tile
-# (forward._online_softmax_step), skipping the multiply of the [BLOCK_M, DV] accumulator on almost
-# every tile. NATSL_LAZY_RESCALE=0/1 overrides.
-LAZY_RESCALE = os.environ.get("NATSL_LAZY_RESCALE", "0") == "1"
-
-
-def fma_exp_every(element_size: int) -> int:
-    return FMA_EXP_EVERY if element_size == 2 else 0
 
 
 # Benchmarks and tests set this to True / False; None = by `heads_first`'s rule.

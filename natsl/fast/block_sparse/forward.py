@@ -59,78 +59,18 @@ def cast_to(x, dtype: tl.constexpr):
         return x.to(dtype)
 
 
-# 2^f on [-0.5, 0.5] to 1.0e-4 relative error (degree-3 fit of the relative error, p(0) = 1): far below
-# the bf16 rounding (3.9e-3) that P gets before its product with V.
-RESCALE_MARGIN = tl.constexpr(8.0)
-EXP2_C1 = tl.constexpr(0.69328302)
-EXP2_C2 = tl.constexpr(0.24221043)
-EXP2_C3 = tl.constexpr(0.05500863)
-
-
 @triton.jit
-def exp2_fma(x):
-    """2^x for x <= 0 on the FMA pipe instead of the special-function unit (whose 16 results per
-    clock and SM bound the softmax): x = j + f with j = round(x) (the 1.5 * 2^23 trick leaves j in
-    the low mantissa bits of t), 2^f from a cubic, j added to the exponent field. x is clamped at
-    -125 (2^-125 stands for 0), which keeps the exponent field valid."""
-    x = tl.maximum(x, -125.0)
-    t = x + 12582912.0
-    f = x - (t - 12582912.0)
-    p = (EXP2_C3 * f + EXP2_C2) * f + EXP2_C1
-    p = p * f + 1.0
-    bits = p.to(tl.int32, bitcast=True) + (t.to(tl.int32, bitcast=True) << 23)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _online_softmax_step(acc, m_i, l_i, q, k, v, qk_scale, visible, MASKED: tl.constexpr, PREC: tl.constexpr,
-                         fma_exp=False, LAZY_RESCALE: tl.constexpr = False):
-    """Fold one key tile into the running (acc, max, sum) of each query row.
-
-    fma_exp (a flag that may be decided at run time): the tile's exponentials by exp2_fma (unmasked
-    tiles only, whose scores are finite). LAZY_RESCALE: the running max moves, and acc and l are
-    rescaled, only when some row's max grew by more than RESCALE_MARGIN (log2 units) in this tile,
-    a decision for the whole tile; meanwhile p may reach 2^RESCALE_MARGIN, harmless in fp32 sums and
-    bf16 products. Saves the [BLOCK_M, DV] multiply of acc on almost every tile."""
+def _online_softmax_step(acc, m_i, l_i, q, k, v, qk_scale, visible, MASKED: tl.constexpr, PREC: tl.constexpr):
+    """Fold one key tile into the running (acc, max, sum) of each query row."""
     s = mm(q, tl.trans(k), PREC)
     if MASKED:
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-    if LAZY_RESCALE:
-        if tl.max(m_new - m_i, 0) > RESCALE_MARGIN:
-            alpha = tl.math.exp2(m_i - m_new)
-            acc = acc * alpha[:, None]
-            l_i = l_i * alpha
-            m_i = m_new
-        m_new = m_i
-    else:
-        alpha = tl.math.exp2(m_i - m_new)
-        acc = acc * alpha[:, None]
-        l_i = l_i * alpha
-    x = s * qk_scale - m_new[:, None]
-    if fma_exp:
-        p = exp2_fma(x)
-    else:
-        p = tl.math.exp2(x)
-    l_i = l_i + tl.sum(p, 1)
-    acc = mma(cast_to(p, v.dtype), v, acc, PREC)
+    p = tl.math.exp2(s * qk_scale - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = mma(cast_to(p, v.dtype), v, acc * alpha[:, None], PREC)
     return acc, m_new, l_i
-
-
-@triton.jit
-def _kept_tile(it, b, h, T, row, blocks_ptr, k_ptr, v_ptr, k_desc, v_desc, sk_t, sv_t, offs_n, offs_dk, offs_dv,
-               n_rows, C: tl.constexpr, BLOCK_N: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-               USE_DESC: tl.constexpr):
-    """K and V of the it-th full key tile of the virtual sequence of kept keys."""
-    if USE_DESC:  # BLOCK_N <= C: the tile is rows key0 .. key0 + BLOCK_N of one kept block (TMA loads)
-        key0 = tl.load(blocks_ptr + row + (it * BLOCK_N) // C) * C + (it * BLOCK_N) % C
-        k = k_desc.load([b * T + key0, h * DK])
-        v = v_desc.load([b * T + key0, h * DV])
-    else:
-        keys = kept_key_rows(blocks_ptr, row, it * BLOCK_N, offs_n, n_rows, C, BLOCK_N, False)
-        k = tl.load(k_ptr + keys[:, None] * sk_t + offs_dk[None, :])
-        v = tl.load(v_ptr + keys[:, None] * sv_t + offs_dv[None, :])
-    return k, v
 
 
 @triton.jit
@@ -170,7 +110,6 @@ def _forward_kernel(
     T, NB, H, R, qk_scale,
     C: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DK: tl.constexpr, DV: tl.constexpr, PREC: tl.constexpr, USE_DESC: tl.constexpr, HEADS_FIRST: tl.constexpr,
-    FMA_EXP_EVERY: tl.constexpr, LAZY_RESCALE: tl.constexpr,
 ):
     # Latest (heaviest) tiles first. Programs start in the order of their linear id, axis 0
     # fastest. HEADS_FIRST (heads on axis 0): every head's heaviest tiles start first, so a grid of
@@ -203,14 +142,15 @@ def _forward_kernel(
     a0 = m0 // C
     n_rows = tl.load(before_ptr + row + a0) * C
     for it in range(0, n_rows // BLOCK_N):
-        k, v = _kept_tile(it, b, h, T, row, blocks_ptr, k_ptr, v_ptr, k_desc, v_desc, sk_t, sv_t, offs_n, offs_dk,
-                          offs_dv, n_rows, C, BLOCK_N, DK, DV, USE_DESC)
-        if FMA_EXP_EVERY > 0:  # every FMA_EXP_EVERY-th tile's exponentials on the FMA pipe (exp2_fma)
-            fma_exp = it % FMA_EXP_EVERY == FMA_EXP_EVERY - 1
+        if USE_DESC:  # BLOCK_N <= C: the tile is rows key0 .. key0 + BLOCK_N of one kept block (TMA loads)
+            key0 = tl.load(blocks_ptr + row + (it * BLOCK_N) // C) * C + (it * BLOCK_N) % C
+            k = k_desc.load([b * T + key0, h * DK])
+            v = v_desc.load([b * T + key0, h * DV])
         else:
-            fma_exp = False
-        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, qk_scale, None, False, PREC, fma_exp,
-                                             LAZY_RESCALE)
+            keys = kept_key_rows(blocks_ptr, row, it * BLOCK_N, offs_n, n_rows, C, BLOCK_N, False)
+            k = tl.load(k_ptr + keys[:, None] * sk_t + offs_dk[None, :])
+            v = tl.load(v_ptr + keys[:, None] * sv_t + offs_dv[None, :])
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, qk_scale, None, False, PREC)
     if BLOCK_N > C:  # a key tile spans several blocks: the last one may be partly filled
         tail = n_rows % BLOCK_N
         if tail > 0:
@@ -218,8 +158,7 @@ def _forward_kernel(
             keys = kept_key_rows(blocks_ptr, row, n_rows - tail, offs_n, n_rows, C, BLOCK_N, True)
             k = tl.load(k_ptr + keys[:, None] * sk_t + offs_dk[None, :])
             v = tl.load(v_ptr + keys[:, None] * sv_t + offs_dv[None, :])
-            acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, qk_scale, col_ok[None, :], True, PREC,
-                                                 False, LAZY_RESCALE)
+            acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, qk_scale, col_ok[None, :], True, PREC)
 
     # 2. From block a0 to the tile's last row: causal inside a block, keep-gated across blocks.
     blk_m = offs_m // C
@@ -231,8 +170,7 @@ def _forward_kernel(
         blk_n = keys // C
         kept_n = tl.load(flags_ptr + row + blk_n, mask=key_ok, other=0) != 0
         visible = (keys[None, :] <= offs_m[:, None]) & ((blk_n[None, :] == blk_m[:, None]) | kept_n[None, :])
-        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, qk_scale, visible, True, PREC, False,
-                                             LAZY_RESCALE)
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, qk_scale, visible, True, PREC)
 
     # Every real row saw at least itself, so l_i >= 1 there; only padding rows (never stored)
     # can have l_i = 0, and the guard keeps them finite.
@@ -296,8 +234,6 @@ def attention_forward(q, k, v, lists, scale: float, block_size: int, n_groups: i
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
         T, lists.flags.shape[1], H, H // n_groups, scale * LOG2E,
         C=block_size, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], DK=DK, DV=DV, PREC=dot_precision(q.dtype),
-        USE_DESC=descs is not None, HEADS_FIRST=heads_first, FMA_EXP_EVERY=config.fma_exp_every(q.element_size()),
-        LAZY_RESCALE=config.LAZY_RESCALE,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        USE_DESC=descs is not None, HEADS_FIRST=heads_first, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return o, lse
