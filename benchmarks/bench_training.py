@@ -22,6 +22,7 @@ import contextlib
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -81,6 +82,9 @@ def worker(args) -> None:
                           tokens_per_s_per_gpu=tps / world, mfu=(tps * fpt / (peak * world)) if peak else None,
                           flops_per_token=fpt, keep_fraction=keep, final_loss=run.loss,
                           step_ms=1000 * seconds / max(len(steps), 1),
+                          # the mean above is what tokens/s counts; the median and the steps show outliers
+                          step_ms_median=1000 * statistics.median(r["time_s"] for r in steps) if steps else None,
+                          step_times_ms=[round(1000 * r["time_s"], 2) for r in steps],
                           peak_memory_gib=(torch.cuda.max_memory_allocated(device) / 2**30
                                            if device.type == "cuda" else None),
                           device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -7,6 +7,8 @@ benchmarks/device_gated_delta.py overrides these dicts in place to compare setti
 
 from __future__ import annotations
 
+import os
+
 # dtype of the chunk intermediates W, U, R, dR_local, dR (the per-chunk state h is always in the
 # inputs' dtype; fp32 inputs keep everything fp32):
 #   "input" (default): the inputs' dtype, as flash-linear-attention does. On the H200 at the 800M
@@ -33,7 +35,9 @@ PREPARE = {"num_warps": 2, "num_stages": 3}
 # 264 at a time -- the leftover batch rows run in a second launch at BV. B=8, T=4096 on the H200
 # (2026-12-01b call 6, benchmarks/device_state_split.py): forward 0.435 -> 0.401 ms, backward 0.731 ->
 # 0.686 ms, outputs bitwise equal.
-STATE_FWD = {"BV": 32, "BV_WIDE": 64, "num_warps": 4, "num_stages": 3, "SPLIT_LAST_ROUND": True,
+# NATSL_STATE_SPLIT=0 turns the split off in both kernels (for side-by-side runs).
+SPLIT_LAST_ROUND = os.environ.get("NATSL_STATE_SPLIT", "1") != "0"
+STATE_FWD = {"BV": 32, "BV_WIDE": 64, "num_warps": 4, "num_stages": 3, "SPLIT_LAST_ROUND": SPLIT_LAST_ROUND,
              "PROGRAMS_PER_SM": 2}
 OUTPUT = {"BV": 64, "num_warps": 4, "num_stages": 2}
 LOCAL_DR = {"BV": 64, "num_warps": 4, "num_stages": 3}
@@ -41,7 +45,7 @@ LOCAL_DR = {"BV": 64, "num_warps": 4, "num_stages": 3}
 # (B=4, T=4096) and 0.729 against 0.895 ms (B=8), outputs bitwise equal (H200, 2026-11-30j calls 5-6).
 # 8 warps with ONE stage (which block_size 128 forces, launch_options) hit an illegal memory access on
 # the H200 with Triton 3.6 (BV 16, 32 and 64), so the backward keeps 4 warps.
-STATE_BWD = {"BV": 32, "BV_WIDE": 64, "num_warps": 4, "num_stages": 2, "SPLIT_LAST_ROUND": True,
+STATE_BWD = {"BV": 32, "BV_WIDE": 64, "num_warps": 4, "num_stages": 2, "SPLIT_LAST_ROUND": SPLIT_LAST_ROUND,
              "PROGRAMS_PER_SM": 2}
 GRAD_QK = {"BV": 32, "num_warps": 4, "num_stages": 3}
 # "descriptors": the loop tiles through host-side TMA descriptors (common.token_descriptors). Offline
