@@ -10,9 +10,10 @@
 #   python3 -m pytest -q -m gpu tests/test_fast_gated_delta.py -k descriptors
 # The twelfth session (fused LM loss): MBS=8 bash benchmarks/device_next.sh gave hybrid 83.7K (40.6% MFU),
 # Transformer 89.7K, GDN Hybrid 87.6K tokens/s; RUNS="800m_gdn:170 800m_natsl:210" MBS=8: 91.3K, 73.5K.
-# Not yet run: a training run with the state kernels' last round split off (config.STATE_FWD/STATE_BWD
-# ["SPLIT_LAST_ROUND"], on since the twelfth session's last commit; ~1.7 ms per step estimated from
-# benchmarks/device_state_split.py), and DDP / FSDP2 on nvidia-h200-x2 with this code, e.g.
+# The thirteenth session (calls 5, 6; per-step times now in each JSON): hybrid 85.3K, Transformer 90.8K,
+# GDN Hybrid 89.2K; the state split on/off side by side: median step 385.4 vs 386.2 ms (NATSL_STATE_SPLIT).
+# Not yet run with this code: DDP / FSDP2 on nvidia-h200-x2 (not lent in the twelfth and thirteenth
+# sessions), e.g.
 #   python3 benchmarks/bench_training.py --recipes 800m_hybrid --nproc 2 --parallel fsdp --compile \
 #       --max-steps 25 --warmup-steps 5 --micro-batch-size 8
 #   bash benchmarks/device_next.sh      (writes under $OUT; everything printed also lands in $OUT/log.txt)
