@@ -212,15 +212,17 @@ def main() -> None:
         (out / "bench_training.json").write_text(json.dumps(results, indent=2))
     plot(results, out / "bench_training.png")
     print(f"\n{'recipe':<20} {'params':>8} {'mbs':>4} {'tok/s':>10} {'tok/s/GPU':>10} {'MFU':>7} {'keep':>5} "
-          f"{'step ms':>8} {'mem GiB':>8}")
+          f"{'step ms':>8} {'median':>7} {'mem GiB':>8}")
     for r in results:
         if r.get("status") != "ok":
             print(f"{r['recipe']:<20} {r.get('status')}: {r.get('error', '')}")
             continue
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
         mem = f"{r['peak_memory_gib']:.1f}" if r["peak_memory_gib"] is not None else "n/a"
+        median = f"{r['step_ms_median']:.0f}" if r.get("step_ms_median") is not None else "n/a"
         print(f"{r['recipe']:<20} {r['params'] / 1e6:>7.1f}M {r['micro_batch_size']:>4} {r['tokens_per_s']:>10,.0f} "
-              f"{r['tokens_per_s_per_gpu']:>10,.0f} {mfu:>7} {r['keep_fraction']:>5.2f} {r['step_ms']:>8.0f} {mem:>8}")
+              f"{r['tokens_per_s_per_gpu']:>10,.0f} {mfu:>7} {r['keep_fraction']:>5.2f} {r['step_ms']:>8.0f} "
+              f"{median:>7} {mem:>8}")
     print(f"\nwrote {out / 'bench_training.json'} and {out / 'bench_training.png'}")
 
 
