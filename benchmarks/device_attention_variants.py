@@ -1,12 +1,13 @@
-"""Routed-attention forward: launch settings, TMA key tiles, FMA exponentials, beside SDPA, one run (H200).
+"""Routed-attention forward: launch settings and TMA key tiles at several keep fractions, beside SDPA (H200).
 
     PYTHONPATH=. python3 benchmarks/device_attention_variants.py [--lengths 4096 16384 65536]
         [--keep-fractions 1 0.5 0.25] [--shapes 800M] [--skip-sdpa]
 
 For each length and each shape (24 heads x 64, the anchor's; the 800M layer's 18 heads of 64/128),
 times the forward kernel alone (`attention_forward`, block lists built once) under each variant of
-(BLOCK_M, BLOCK_N, num_warps, num_stages, TMA descriptors on/off), at each keep fraction (random routes with exactly that fraction kept), checks each variant's output against
-the current setting's, and times causal SDPA (flash and cuDNN) at 24 x 64 in the same run.
+(BLOCK_M, BLOCK_N, num_warps, num_stages, TMA descriptors on/off) at each keep fraction (random
+routes with exactly that fraction kept), checks each variant's output against the current
+setting's, and times causal SDPA (flash and cuDNN) at 24 x 64 in the same run.
 Medians of triton.testing.do_bench; JSON to $OUT/attention_variants.json, a table on stdout.
 """
 
