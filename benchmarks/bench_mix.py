@@ -29,12 +29,47 @@ def rel_rms(a, b) -> float:
     return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30)).item()
 
 
+def time_forms(label: str, forms: dict, inputs: list, dout, backward: bool, fwd_bytes: int, bwd_bytes: int,
+               rows: list) -> None:
+    """Compare the forms' outputs (and gradients) with the first form's, then time each: forward, and
+    forward + backward through torch.autograd.grad when `backward`; rows appended to `rows`."""
+    import torch
+    from triton.testing import do_bench
+
+    leaves = [x.requires_grad_(backward) if x.is_floating_point() else x for x in inputs]
+    results = {}
+    for name, fn in forms.items():
+        with torch.no_grad():
+            out = fn(*inputs)
+        grads = torch.autograd.grad(fn(*leaves), leaves, dout) if backward else ()
+        results[name] = (out, grads)
+        with torch.no_grad():
+            ms = do_bench(lambda: fn(*inputs), warmup=25, rep=100)
+        rows.append({"shape": label, "form": name, "pass": "forward", "ms": ms, "GB/s": fwd_bytes / ms / 1e6})
+        if backward:
+            ms = do_bench(lambda: torch.autograd.grad(fn(*leaves), leaves, dout), warmup=25, rep=100)
+            rows.append({"shape": label, "form": name, "pass": "forward+backward", "ms": ms,
+                         "GB/s": (fwd_bytes + bwd_bytes) / ms / 1e6})
+    (ref_out, ref_grads), *others = results.values()
+    for name, (out, grads) in zip(list(results)[1:], others):
+        errors = {"out": rel_rms(out, ref_out)}
+        errors.update({f"d{i}": rel_rms(g, r) for i, (g, r) in enumerate(zip(grads, ref_grads))})
+        rows.append({"shape": label, f"relative RMS, {name} vs {next(iter(results))}": errors})
+        print(label, f"{name} vs {next(iter(results))}, relative RMS:", {k: f"{v:.1e}" for k, v in errors.items()})
+
+
+def print_rows(rows: list) -> None:
+    print(f"{'shape':18s} {'form':18s} {'pass':17s} {'ms':>8s} {'GB/s':>8s}")
+    for r in rows:
+        if "ms" in r:
+            print(f"{r['shape']:18s} {r['form']:18s} {r['pass']:17s} {r['ms']:8.3f} {r['GB/s']:8.0f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="bench_mix.json")
     args = parser.parse_args()
     import torch
-    from triton.testing import do_bench
 
     from natsl.fast import mix
     from natsl.models import pointwise as pw
@@ -53,29 +88,8 @@ def main() -> None:
         dout = torch.randn(b, t, HEADS * DV, device=dev, dtype=bf)
         big = b * t * HEADS * DV * 2  # bytes of one [rows, Dv] bf16 tensor
         fwd_bytes, bwd_bytes = 4 * big, 4 * big + 3 * big  # (fwd: 3 read + 1 written; logits are ~2%)
-        leaves = [x.requires_grad_(backward) for x in inputs]
-        results = {}
-        for name, fn in forms.items():
-            with torch.no_grad():
-                out = fn(*inputs)
-            grads = torch.autograd.grad(fn(*leaves), leaves, dout) if backward else ()
-            results[name] = (out, grads)
-            with torch.no_grad():
-                ms = do_bench(lambda: fn(*inputs), warmup=25, rep=100)
-            rows.append({"shape": label, "form": name, "pass": "forward", "ms": ms, "GB/s": fwd_bytes / ms / 1e6})
-            if backward:
-                ms = do_bench(lambda: torch.autograd.grad(fn(*leaves), leaves, dout), warmup=25, rep=100)
-                rows.append({"shape": label, "form": name, "pass": "forward+backward", "ms": ms,
-                             "GB/s": (fwd_bytes + bwd_bytes) / ms / 1e6})
-        (ref_out, ref_grads), (out, grads) = results["compiled formula"], results["fused kernels"]
-        errors = {"out": rel_rms(out, ref_out)}
-        errors.update({f"d{i}": rel_rms(g, r) for i, (g, r) in enumerate(zip(grads, ref_grads))})
-        rows.append({"shape": label, "relative RMS, fused vs compiled": errors})
-        print(label, "fused vs compiled, relative RMS:", {k: f"{v:.1e}" for k, v in errors.items()})
-    print(f"{'shape':18s} {'form':18s} {'pass':17s} {'ms':>8s} {'GB/s':>8s}")
-    for r in rows:
-        if "ms" in r:
-            print(f"{r['shape']:18s} {r['form']:18s} {r['pass']:17s} {r['ms']:8.3f} {r['GB/s']:8.0f}")
+        time_forms(label, forms, inputs, dout, backward, fwd_bytes, bwd_bytes, rows)
+    print_rows(rows)
     with open(args.out, "w") as f:
         json.dump({"provenance": provenance(), "rows": rows}, f, indent=1)
 

@@ -19,7 +19,7 @@ import pytest  # noqa: E402
 from natsl.errors import NatslError  # noqa: E402
 from natsl.fast import mix  # noqa: E402
 from natsl.models import pointwise as pw  # noqa: E402
-from numerics import rel_rms  # noqa: E402
+from numerics import output_and_grads as run, rel_rms  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and type(mix._mix_fwd_kernel).__name__ != "InterpretedFunction":
@@ -39,13 +39,6 @@ def make_inputs(b, t, heads, d, dtype, device=DEVICE, seed=0):
               rand(b, t, heads, 2, scale=2.0).to(dtype), rand(b, t, heads * d, scale=2.0).to(dtype),
               1.0 + rand(d, scale=0.2), 1.0 + rand(d, scale=0.2)]  # norm weights stay fp32 (parameters)
     return inputs, rand(b, t, heads * d).to(dtype)
-
-
-def run(fn, inputs, dout, dtype=None):
-    leaves = [x.detach().clone().to(dtype or x.dtype).requires_grad_(True) for x in inputs]
-    out = fn(*leaves)
-    out.backward(dout.to(out.dtype))
-    return out.detach(), [x.grad for x in leaves]
 
 
 def oracle(inputs, dout, eps):
