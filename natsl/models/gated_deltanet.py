@@ -160,6 +160,6 @@ class GatedDeltaNet(nn.Module):
 
     def _fused_gated_norm(self, o: torch.Tensor) -> bool:
         """Norm and gate on their Triton kernels (natsl.fast.gated_norm): fast backend and
-        NATSL_FUSED_GATED_NORM=1 (off by default until timed on the H200)."""
+        NATSL_FUSED_GATED_NORM=1 (off by default until a training step has been timed with it)."""
         return (os.environ.get("NATSL_FUSED_GATED_NORM", "0") == "1"
                 and resolve_backend(self.backend, o.device) == "fast")
