@@ -14,7 +14,6 @@ compiled step Inductor fuses the formula with its neighbours (docs/benchmarks.md
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -22,7 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from bench_mix import print_rows, time_forms  # noqa: E402
+from bench_mix import report, time_forms  # noqa: E402
 
 HEADS, DV = 6, 384
 SHAPES = {"train 8x4096": (8, 4096, True), "prefill 1x131072": (1, 131072, False)}
@@ -36,7 +35,6 @@ def main() -> None:
 
     from natsl.fast import gated_norm
     from natsl.models import pointwise as pw
-    from natsl.provenance import provenance
 
     dev, bf = "cuda", torch.bfloat16
     compiled = torch.compile(pw.gated_rms_norm.eager)
@@ -50,9 +48,7 @@ def main() -> None:
         dout = torch.randn(b, t, HEADS, DV, device=dev, dtype=bf)
         big = b * t * HEADS * DV * 2  # bytes of one [rows, Dv] bf16 tensor
         time_forms(label, forms, inputs, dout, backward, 3 * big, 5 * big, rows)
-    print_rows(rows)
-    with open(args.out, "w") as f:
-        json.dump({"provenance": provenance(), "rows": rows}, f, indent=1)
+    report(rows, args.out)
 
 
 if __name__ == "__main__":

@@ -58,11 +58,16 @@ def time_forms(label: str, forms: dict, inputs: list, dout, backward: bool, fwd_
         print(label, f"{name} vs {next(iter(results))}, relative RMS:", {k: f"{v:.1e}" for k, v in errors.items()})
 
 
-def print_rows(rows: list) -> None:
+def report(rows: list, path: str) -> None:
+    """The table on stdout, and the rows with provenance() as JSON at `path`."""
+    from natsl.provenance import provenance
+
     print(f"{'shape':18s} {'form':18s} {'pass':17s} {'ms':>8s} {'GB/s':>8s}")
     for r in rows:
         if "ms" in r:
             print(f"{r['shape']:18s} {r['form']:18s} {r['pass']:17s} {r['ms']:8.3f} {r['GB/s']:8.0f}")
+    with open(path, "w") as f:
+        json.dump({"provenance": provenance(), "rows": rows}, f, indent=1)
 
 
 def main() -> None:
@@ -73,7 +78,6 @@ def main() -> None:
 
     from natsl.fast import mix
     from natsl.models import pointwise as pw
-    from natsl.provenance import provenance
 
     dev, bf = "cuda", torch.bfloat16
     compiled = torch.compile(pw.mix_branches.eager)
@@ -89,9 +93,7 @@ def main() -> None:
         big = b * t * HEADS * DV * 2  # bytes of one [rows, Dv] bf16 tensor
         fwd_bytes, bwd_bytes = 4 * big, 4 * big + 3 * big  # (fwd: 3 read + 1 written; logits are ~2%)
         time_forms(label, forms, inputs, dout, backward, fwd_bytes, bwd_bytes, rows)
-    print_rows(rows)
-    with open(args.out, "w") as f:
-        json.dump({"provenance": provenance(), "rows": rows}, f, indent=1)
+    report(rows, args.out)
 
 
 if __name__ == "__main__":

@@ -21,8 +21,10 @@ import triton
 import triton.language as tl
 
 from natsl.devices import sm_count
+from natsl.errors import NatslError
 from natsl.fast import eager
 from natsl.fast.block_sparse.forward import cast_to  # rounds to nearest even also in the interpreter
+from natsl.fast.mix import rms_norm_backward
 
 NUM_WARPS = 4
 # Rows per program: about 4K fp32 values per tensor in flight (D = 384 pads to 512).
@@ -73,9 +75,7 @@ def _gated_norm_bwd_kernel(x_ptr, gate_ptr, w_ptr, dout_ptr, dx_ptr, dgate_ptr, 
         d_yw = dout * gate * sig  # d(y * w)
         dgate = dout * y * w[None, :] * sig * (1.0 + gate * (1.0 - sig))
         dw += tl.sum(d_yw * y, axis=0)
-        dy = d_yw * w[None, :]
-        # RMSNorm backward: dx = r (dy - y mean(dy y)); padded columns hold y = 0 and add nothing
-        dx = r[:, None] * (dy - y * (tl.sum(dy * y, axis=1) / D)[:, None])
+        dx = rms_norm_backward(d_yw * w[None, :], y, r, D)
         tl.store(dx_ptr + offs, cast_to(dx, dx_ptr.dtype.element_ty), mask=mask)
         tl.store(dgate_ptr + offs, cast_to(dgate, dgate_ptr.dtype.element_ty), mask=mask)
     tl.store(dw_part_ptr + pid * D + cols, dw, mask=cols < D)
@@ -103,11 +103,13 @@ def backward(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: flo
     n_tiles = triton.cdiv(n, block_r)
     programs = max(1, min(n_tiles, PROGRAMS_PER_SM * sm_count(x.device)))
     dx, dgate = torch.empty_like(x), torch.empty_like(gate)
-    parts = torch.zeros(programs, d, dtype=torch.float32, device=x.device)
-    if n:
+    parts = torch.empty(programs, d, dtype=torch.float32, device=x.device)
+    if n:  # every program owns at least one tile and writes its row of partials
         _gated_norm_bwd_kernel[(programs,)](
             x, gate, weight, dout, dx, dgate, parts, n, n_tiles, eps, D=d, D_PAD=d_pad, BLOCK_R=block_r,
             num_warps=NUM_WARPS)
+    else:
+        parts.zero_()
     return dx, parts.sum(0).to(weight.dtype), dgate
 
 
@@ -153,8 +155,6 @@ def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torc
     """natsl.models.pointwise.gated_rms_norm(x, weight, eps, gate) on the kernels: x [..., D], gate of
     x's shape, weight [D] -> x's shape and dtype. Differentiable in x, weight and gate."""
     if gate.shape != x.shape or weight.shape != x.shape[-1:]:
-        from natsl.errors import NatslError
-
         raise NatslError(f"gated_rms_norm: x {tuple(x.shape)}, gate {tuple(gate.shape)} and weight "
                          f"{tuple(weight.shape)} do not fit [..., D] / [..., D] / [D]")
     return eager.run(gated_norm_forward, _EagerGatedNorm, forward, x.contiguous(), weight, gate.contiguous(),

@@ -49,6 +49,13 @@ def _load_row_tile(la_ptr, nla_ptr, logit_ptr, gate_ptr, rows, cols, mask, D: tl
 
 
 @triton.jit
+def rms_norm_backward(dy, y, r, D: tl.constexpr):
+    """dx of y = x * r (r = 1 / RMS(x), per row) for dy: r (dy - y mean(dy y)); padded columns,
+    where y = 0, add nothing to the mean."""
+    return r[:, None] * (dy - y * (tl.sum(dy * y, axis=1) / D)[:, None])
+
+
+@triton.jit
 def _mix_fwd_kernel(la_ptr, nla_ptr, logit_ptr, gate_ptr, w1_ptr, w2_ptr, out_ptr, n_rows, eps,
                     D: tl.constexpr, BLOCK_R: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -93,11 +100,8 @@ def _mix_bwd_kernel(la_ptr, nla_ptr, logit_ptr, gate_ptr, w1_ptr, w2_ptr, dout_p
         inner = w_la * dw_la + w_nla * dw_nla
         dl_la = w_la * (dw_la - inner)
         dl_nla = w_nla * (dw_nla - inner)
-        # RMSNorm backward: dx = r (dy - y mean(dy y))
-        dy_la = dm * w_la[:, None] * w1[None, :]
-        dy_nla = dm * w_nla[:, None] * w2[None, :]
-        dla = r_la[:, None] * (dy_la - y_la * (tl.sum(dy_la * y_la, axis=1) / D)[:, None])
-        dnla = r_nla[:, None] * (dy_nla - y_nla * (tl.sum(dy_nla * y_nla, axis=1) / D)[:, None])
+        dla = rms_norm_backward(dm * w_la[:, None] * w1[None, :], y_la, r_la, D)
+        dnla = rms_norm_backward(dm * w_nla[:, None] * w2[None, :], y_nla, r_nla, D)
         tl.store(dla_ptr + offs, cast_to(dla, dla_ptr.dtype.element_ty), mask=mask[:, None])
         tl.store(dnla_ptr + offs, cast_to(dnla, dnla_ptr.dtype.element_ty), mask=mask[:, None])
         tl.store(dgate_ptr + offs, cast_to(dgate, dgate_ptr.dtype.element_ty), mask=mask[:, None])
