@@ -37,11 +37,36 @@ def kind_of(name: str) -> str:
     return "other"
 
 
+# Host ops whose own kernels are memory passes beside the model's compute (copies, scans, fills,
+# reductions, indexing): --stacks lists them with the natsl source lines that called them.
+PASS_OPS = ("aten::copy_", "aten::cat", "aten::clone", "aten::index_put_", "aten::index", "aten::sum", "aten::cumsum",
+            "aten::fill_", "aten::zero_", "aten::mul", "aten::add", "aten::add_", "aten::sub", "aten::exp",
+            "aten::where", "aten::repeat_interleave", "aten::nonzero", "aten::gt", "aten::ones", "aten::zeros")
+
+
+def ops_by_stack(prof, top: int = 40) -> list[dict]:
+    """The PASS_OPS by the CUDA time of their own kernels, grouped by input shapes and call site."""
+    rows = []
+    for e in prof.key_averages(group_by_input_shape=True, group_by_stack_n=8):
+        if e.key not in PASS_OPS:
+            continue
+        ms = (getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)) / 1e3
+        if ms <= 0.01:
+            continue
+        stack = [f for f in (e.stack or []) if "natsl" in f][:4]
+        rows.append({"op": e.key, "count": e.count, "ms": ms, "shapes": str(e.input_shapes)[:160], "stack": stack})
+    rows.sort(key=lambda r: -r["ms"])
+    return rows[:top]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--length", type=int, default=131072)
     parser.add_argument("--models", default="800m_gdn,800m_hybrid")
     parser.add_argument("--keep-fraction", type=float, default=0.5, help="the NAtS-L layers' forced keep fraction")
+    parser.add_argument("--stacks", action="store_true",
+                        help="also record host ops with shapes and call stacks: copies, scans and other passes by source line")
+    parser.add_argument("--tags", default="separate,merged", help="which prefill forms to time before the profile")
     args = parser.parse_args()
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -63,7 +88,7 @@ def main() -> None:
         cache = model.new_cache(1, max_len=L + 8)
         entry = {}
         with torch.no_grad():
-            for tag in ("separate", "merged"):
+            for tag in args.tags.split(","):
                 if tag == "merged":  # the merged products also for the prefill (decode-only by default)
                     merged.MERGE_MAX_ROWS = 1 << 40
                     merge_(model)
@@ -74,12 +99,22 @@ def main() -> None:
             merged.MERGE_MAX_ROWS = default_rows
             cache.reset()
             torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if args.stacks else [])
+            # verbose: without it key_averages(group_by_stack_n=) returns no frames (torch 2.11 - 2.13)
+            extra = {"experimental_config": torch._C._profiler._ExperimentalConfig(verbose=True)} if args.stacks else {}
+            with profile(activities=activities, record_shapes=args.stacks, with_stack=args.stacks, **extra) as prof:
                 model.forward_cached(ids, cache, last_only=True)
                 torch.cuda.synchronize()
+        if args.stacks:
+            entry["ops_with_stacks"] = ops_by_stack(prof)
+            tables.write(f"==== {name}: PyTorch ops by their kernels' CUDA time, with the natsl frames that called them ====\n")
+            tables.writelines(f"{r['ms']:10.2f} {r['count']:6d}  {r['op']} {r['shapes']}\n{'':18s}{' <- '.join(r['stack'])}\n"
+                              for r in entry["ops_with_stacks"])
         rows = []
         for e in prof.key_averages():
             t = getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0)
+            if e.device_type == torch.autograd.DeviceType.CPU:
+                continue  # --stacks also records the host's ops; the kinds sum the kernels only
             if t > 0 and e.key and not e.key.startswith("ProfilerStep"):
                 rows.append((e.key, e.count, t / 1e3))
         rows.sort(key=lambda r: -r[2])

@@ -277,18 +277,23 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     return total.view(x.shape), y.view(x.shape)
 
 
+# Benchmarks set this to {"rows": R, "warps": W, "pdl": bool} to time other launches of rms_kernel.
+RMS_LAUNCH: dict = {}
+
+
 def _launch_rms(xr, weight, g, y, rr, total, eps, has_gate: bool, mean: bool) -> None:
     n, D = xr.shape
     if n == 0:
         return
-    on = pdl(xr.device)
+    on = RMS_LAUNCH.get("pdl", pdl(xr.device))
     block = max(16, next_pow2(D))
-    rows_per_program = max(1, min(16, 2048 // block))  # tiles of about 2048 values
+    rows_per_program = RMS_LAUNCH.get("rows", max(1, min(16, 2048 // block)))  # tiles of about 2048 values
+    warps = RMS_LAUNCH.get("warps", 4 if block <= 2048 else 8)
     _kernels()[0][(-(-n // rows_per_program),)](
         xr, weight if weight is not None else xr, g, y, rr if rr is not None else xr,
         total if total is not None else y, n, D, float(eps), HAS_W=weight is not None,
         HAS_GATE=has_gate, MEAN=mean, BLOCK=block, ROWS=rows_per_program, HAS_RES=rr is not None,
-        num_warps=4 if block <= 2048 else 8, PDL=on, **launch_options(on))
+        num_warps=warps, PDL=on, **launch_options(on))
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
