@@ -7,7 +7,6 @@ x -> q, k, v = SiLU(short causal conv(W x)); decay g = -exp(A_log) * softplus(W_
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 from torch import nn
@@ -21,7 +20,6 @@ from natsl.models.norms import RMSNorm
 from natsl.models.pointwise import gated_rms_norm, gdn_gates, l2_normalize
 from natsl.inference import kernels
 from natsl.inference.functional import gdn_token_step, use_fast
-from natsl.ops import resolve_backend
 
 
 class GatedDeltaProjections(nn.Module):
@@ -150,16 +148,7 @@ class GatedDeltaNet(nn.Module):
             o = kernels.rms_norm(o, self.o_norm.weight, self.o_norm.eps, gate=gate)
             return self.o_proj(o.reshape(b, t, -1))
         gate = self.g_proj(x).view(b, t, self.config.num_heads, self.config.head_v_dim)
-        if self._fused_gated_norm(o):
-            from natsl.fast.gated_norm import gated_rms_norm as fast_gated_rms_norm  # Triton: imported where used
-
-            o = fast_gated_rms_norm(o, self.o_norm.weight, self.o_norm.eps, gate)
-        else:
-            o = gated_rms_norm(o, self.o_norm.weight, self.o_norm.eps, gate)
+        # Inductor's fusion of this formula was as fast in a compiled training step as Triton kernels of
+        # its own (docs/training.md, 2026-12-01), so it stays a compiled piece.
+        o = gated_rms_norm(o, self.o_norm.weight, self.o_norm.eps, gate)
         return self.o_proj(o.reshape(b, t, -1))
-
-    def _fused_gated_norm(self, o: torch.Tensor) -> bool:
-        """Norm and gate on their Triton kernels (natsl.fast.gated_norm): fast backend and
-        NATSL_FUSED_GATED_NORM=1 (off by default until a training step has been timed with it)."""
-        return (os.environ.get("NATSL_FUSED_GATED_NORM", "0") == "1"
-                and resolve_backend(self.backend, o.device) == "fast")
