@@ -11,7 +11,9 @@ script tells the causes apart, one at a time:
   2. the first NAtS-L layer's (q, k, v, keep) captured during a prefill, then `ops.routed_attention`
      timed on them alone;
   3. the same shapes with random inputs: the captured keep, and a random keep of exactly the fraction;
-  4. CUDA events around each layer's attention call during a prefill, with and without the side stream.
+  4. CUDA events around each layer's attention call during a prefill, with and without the side stream;
+  5. the captured call after ~150 ms of bf16 matmuls and after 0.2 s idle (CUDA events), with the SM
+     clock and power sampled by nvidia-smi every 20 ms in each phase (does a hot GPU run it slower?).
 Medians of triton.testing.do_bench; JSON to $OUT/prefill_attention.json.
 """
 
@@ -26,6 +28,65 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 OUT = os.environ.get("OUT", "/tmp/prefill_attention_out")
+
+
+def sample_clocks(fn):
+    """fn() while nvidia-smi samples SM clock (MHz), power (W) and temperature every 20 ms."""
+    import subprocess
+
+    query = ["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu", "--format=csv,noheader,nounits",
+             "-lms", "20", "-i", os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]]
+    try:
+        proc = subprocess.Popen(query, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    except OSError:
+        return fn(), []
+    try:
+        value = fn()
+    finally:
+        proc.terminate()
+        text = proc.communicate(timeout=5)[0]
+    samples = []
+    for line in text.splitlines():
+        try:
+            samples.append([float(x) for x in line.split(",")])
+        except ValueError:
+            continue
+    return value, samples
+
+
+def heat_test(call, rounds: int = 5) -> dict:
+    """Event times of `call` right after ~150 ms of large bf16 matmuls, then after 0.2 s idle."""
+    import time
+
+    import torch
+
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    out = {}
+    for phase in ("after_matmuls", "after_idle"):
+        def run():
+            times = []
+            for _ in range(rounds):
+                if phase == "after_matmuls":
+                    for _ in range(100):
+                        a @ a
+                else:
+                    torch.cuda.synchronize()
+                    time.sleep(0.2)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                call()
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end))
+            return times
+
+        times, samples = sample_clocks(run)
+        clocks = [s[0] for s in samples]
+        out[phase] = {"attention_ms": times, "sm_mhz_min_median_max": [min(clocks), sorted(clocks)[len(clocks) // 2],
+                                                                       max(clocks)] if clocks else None,
+                      "power_w_max": max(s[1] for s in samples) if samples else None}
+        print(phase, out[phase], flush=True)
+    return out
 
 
 def main() -> None:
@@ -71,11 +132,18 @@ def main() -> None:
             natsl_layer.ops.routed_attention = spy
             events.clear()
             cache.reset()
-            model.forward_cached(ids, cache, last_only=True)
-            torch.cuda.synchronize()
+
+            def prefill():
+                model.forward_cached(ids, cache, last_only=True)
+                torch.cuda.synchronize()
+
+            _, samples = sample_clocks(prefill)
             natsl_layer.ops.routed_attention = real
+            clocks = sorted(x[0] for x in samples)
+            result[f"sm_mhz_median_in_prefill_overlap{overlap}"] = clocks[len(clocks) // 2] if clocks else None
             result[f"attention_ms_in_prefill_overlap{overlap}"] = [s.elapsed_time(e) for s, e in events]
-            print(f"overlap {overlap}: prefill {result[f'prefill_s_overlap{overlap}']:.4f} s, attention calls (ms) "
+            print(f"overlap {overlap}: prefill {result[f'prefill_s_overlap{overlap}']:.4f} s, SM clock median "
+                  f"{result[f'sm_mhz_median_in_prefill_overlap{overlap}']} MHz, attention calls (ms) "
                   + " ".join(f"{t:.2f}" for t in result[f"attention_ms_in_prefill_overlap{overlap}"]), flush=True)
         os.environ.pop("NATSL_PREFILL_OVERLAP")
 
@@ -89,9 +157,11 @@ def main() -> None:
         G = keep.shape[-1]
 
         def timed(label, q_, k_, v_, keep_):
-            ms = do_bench(lambda: real(q_, k_, v_, keep_, **kw), warmup=25, rep=600, return_mode="median")
-            result[label] = ms
-            print(f"{label}: {ms:.3f} ms", flush=True)
+            ms, samples = sample_clocks(lambda: do_bench(lambda: real(q_, k_, v_, keep_, **kw), warmup=25, rep=600,
+                                                         return_mode="median"))
+            clocks = sorted(x[0] for x in samples)
+            result[label] = {"ms": ms, "sm_mhz_median": clocks[len(clocks) // 2] if clocks else None}
+            print(f"{label}: {ms:.3f} ms (SM clock median {result[label]['sm_mhz_median']} MHz)", flush=True)
 
         timed("alone, captured inputs", q, k, v, keep)
         rq, rk, rv, _ = bench.attention_inputs(B, T, H, DK, DV, torch.bfloat16, "cuda")
@@ -99,6 +169,7 @@ def main() -> None:
         exact = bench.random_keep(B, keep.shape[1], G, float(keep.float().mean()), "cuda").to(keep.dtype)
         timed("alone, random q/k/v, random keep of the same fraction", rq, rk, rv, exact)
         timed("alone, captured q/k/v, random keep of the same fraction", q, k, v, exact)
+        result["after_matmuls_vs_idle"] = heat_test(lambda: real(q, k, v, keep, **kw))
     with open(os.path.join(OUT, "prefill_attention.json"), "w") as f:
         json.dump(result, f, indent=1)
 
