@@ -18,6 +18,16 @@
 #       --max-steps 25 --warmup-steps 5 --micro-batch-size 8
 # The GDN output norm + gate on Triton kernels (fourteenth session, side by side in training): median
 # step 390.5 ms against 389.8 with Inductor's formula; removed (the kernels are in commit 8bcf70c's tree).
+# Not yet run with this code either: DDP / FSDP2 (nvidia-h200-x2 was not lent in the fourteenth session).
+# What the fourteenth session learned for the next (docs/benchmarks.md, "Where things stand"):
+# - the H200 runs the 128K prefill and the training step at its power limit (~690 W; SM clock 1.5-1.8
+#   GHz, not 1.98): a second stream or any other parallelism trick is paid back in clock, so only
+#   less work (bytes moved, instructions) makes a step faster; benchmarks/device_prefill_attention.py
+#   samples the clock.
+# - the device has nvcc (CUDA 13.0, /usr/local/cuda): a CUDA C++ attention forward with warp-group
+#   ping-pong (torch.utils.cpp_extension, the Triton kernel staying the fallback) is the one route left
+#   to the prefill-to-GDN ratios; Triton 3.6 cannot overlap softmax and wgmma (docs/notes, items 9, 12).
+# - short prompts (< 16K) prefill host-bound at 60-92 ms: benchmarks/device_prefill_host.py.
 #   bash benchmarks/device_next.sh      (writes under $OUT; everything printed also lands in $OUT/log.txt)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/natsl_out}; mkdir -p $OUT
