@@ -28,6 +28,9 @@
 #   ping-pong (torch.utils.cpp_extension, the Triton kernel staying the fallback) is the one route left
 #   to the prefill-to-GDN ratios; Triton 3.6 cannot overlap softmax and wgmma (docs/notes, items 9, 12).
 # - short prompts (< 16K) prefill host-bound at 60-92 ms: benchmarks/device_prefill_host.py.
+# - flash-attn-4 (CuTe DSL, PyPI) has SM90 kernels with block sparsity + mask_mod and Dv != Dk: the
+#   shortest route to an FA3-class routed attention (docs/notes/fast_routed_attention.md, "Not done",
+#   says how it maps and how to carry its 100 MB of wheels onto the device).
 #   bash benchmarks/device_next.sh      (writes under $OUT; everything printed also lands in $OUT/log.txt)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/natsl_out}; mkdir -p $OUT
