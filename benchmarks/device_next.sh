@@ -20,10 +20,10 @@
 # step 390.5 ms against 389.8 with Inductor's formula; removed (the kernels are in commit 8bcf70c's tree).
 # Not yet run with this code either: DDP / FSDP2 (nvidia-h200-x2 was not lent in the fourteenth session).
 # What the fourteenth session learned for the next (docs/benchmarks.md, "Where things stand"):
-# - the H200 runs the 128K prefill and the training step at its power limit (~690 W; SM clock 1.5-1.8
-#   GHz, not 1.98): a second stream or any other parallelism trick is paid back in clock, so only
-#   less work (bytes moved, instructions) makes a step faster; benchmarks/device_prefill_attention.py
-#   samples the clock.
+# - the H200 runs the 128K prefill at its power limit (~690 W; SM clock 1.7-1.8 GHz, 1.5 GHz right after
+#   large matmuls, not 1.98): a second stream is paid back in clock, so only less work (bytes moved,
+#   instructions) makes it faster; benchmarks/device_prefill_attention.py samples the clock (the
+#   training step's clock has not been sampled yet).
 # - the device has nvcc (CUDA 13.0, /usr/local/cuda): a CUDA C++ attention forward with warp-group
 #   ping-pong (torch.utils.cpp_extension, the Triton kernel staying the fallback) is the one route left
 #   to the prefill-to-GDN ratios; Triton 3.6 cannot overlap softmax and wgmma (docs/notes, items 9, 12).
