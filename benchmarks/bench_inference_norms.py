@@ -57,7 +57,8 @@ def main() -> None:
         rows.append({"shape": label, "setting": "copy", "ms": copy_ms, "GB/s": moved / copy_ms / 1e6})
         want = None
         for setting in SETTINGS:
-            if setting is not None and "rows" in setting and setting["rows"] * max(16, 1 << (shape[-1] - 1).bit_length()) > 16384:
+            # the kernel's row tile is next_pow2(D) wide (at least 16): skip tiles past 16K values
+            if setting is not None and "rows" in setting and setting["rows"] * max(16, kernels.next_pow2(shape[-1])) > 16384:
                 continue
             kernels.RMS_LAUNCH.clear()
             kernels.RMS_LAUNCH.update(setting or {})

@@ -54,6 +54,12 @@ def sample_clocks(fn):
     return value, samples
 
 
+def median_clock(samples) -> float | None:
+    """The middle SM clock (MHz) of sample_clocks' samples (the upper one of an even count), None without samples."""
+    clocks = sorted(x[0] for x in samples)
+    return clocks[len(clocks) // 2] if clocks else None
+
+
 def heat_test(call, rounds: int = 5) -> dict:
     """Event times of `call` right after ~150 ms of large bf16 matmuls, then after 0.2 s idle."""
     import time
@@ -82,8 +88,8 @@ def heat_test(call, rounds: int = 5) -> dict:
 
         times, samples = sample_clocks(run)
         clocks = [s[0] for s in samples]
-        out[phase] = {"attention_ms": times, "sm_mhz_min_median_max": [min(clocks), sorted(clocks)[len(clocks) // 2],
-                                                                       max(clocks)] if clocks else None,
+        out[phase] = {"attention_ms": times,
+                      "sm_mhz_min_median_max": [min(clocks), median_clock(samples), max(clocks)] if clocks else None,
                       "power_w_max": max(s[1] for s in samples) if samples else None}
         print(phase, out[phase], flush=True)
     return out
@@ -139,8 +145,7 @@ def main() -> None:
 
             _, samples = sample_clocks(prefill)
             natsl_layer.ops.routed_attention = real
-            clocks = sorted(x[0] for x in samples)
-            result[f"sm_mhz_median_in_prefill_overlap{overlap}"] = clocks[len(clocks) // 2] if clocks else None
+            result[f"sm_mhz_median_in_prefill_overlap{overlap}"] = median_clock(samples)
             result[f"attention_ms_in_prefill_overlap{overlap}"] = [s.elapsed_time(e) for s, e in events]
             print(f"overlap {overlap}: prefill {result[f'prefill_s_overlap{overlap}']:.4f} s, SM clock median "
                   f"{result[f'sm_mhz_median_in_prefill_overlap{overlap}']} MHz, attention calls (ms) "
@@ -159,8 +164,7 @@ def main() -> None:
         def timed(label, q_, k_, v_, keep_):
             ms, samples = sample_clocks(lambda: do_bench(lambda: real(q_, k_, v_, keep_, **kw), warmup=25, rep=600,
                                                          return_mode="median"))
-            clocks = sorted(x[0] for x in samples)
-            result[label] = {"ms": ms, "sm_mhz_median": clocks[len(clocks) // 2] if clocks else None}
+            result[label] = {"ms": ms, "sm_mhz_median": median_clock(samples)}
             print(f"{label}: {ms:.3f} ms (SM clock median {result[label]['sm_mhz_median']} MHz)", flush=True)
 
         timed("alone, captured inputs", q, k, v, keep)
