@@ -31,6 +31,12 @@
 # - flash-attn-4 (CuTe DSL, PyPI) has SM90 kernels with block sparsity + mask_mod and Dv != Dk: the
 #   shortest route to an FA3-class routed attention (docs/notes/fast_routed_attention.md, "Not done",
 #   says how it maps and how to carry its 100 MB of wheels onto the device).
+# What the fifteenth session learned (docs/benchmarks.md, "fifteenth session"):
+# - a runtime `if` around tl.dot inside the sequential GDN loops (skipping unwritten blocks' commit) gave
+#   wrong gradients at 32-wide slices, an illegal memory access at B=8 and a 2x slower forward on the
+#   H200 (Triton 3.6): keep those loops branch-free.
+# - q, k, v as one product: NATSL_CONCAT_LINEARS=gdn_ab,gdn_qkv gave the hybrid +0.7% in one run; to decide,
+#   repeat it beside the default and measure the Transformer with attn_qkv too (both at MBS=8).
 #   bash benchmarks/device_next.sh      (writes under $OUT; everything printed also lands in $OUT/log.txt)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/natsl_out}; mkdir -p $OUT

@@ -206,3 +206,57 @@ def test_concat_labels_from_the_environment(monkeypatch):
         merged._concat_labels()
     monkeypatch.delenv("NATSL_CONCAT_LINEARS")
     assert merged._concat_labels() == merged.CONCAT_DEFAULT
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_aligned_linear_equals_the_plain_product_with_gradients(bias, monkeypatch):
+    """natsl.models.linear.aligned_linear pads a 36-wide weight (the NAtS-L W_m) to 40 zero-filled rows
+    and slices: the same output and input/weight/bias gradients as the layer itself (fp32), and the
+    product really ran on the padded weight."""
+    from natsl.models import linear as linear_module
+
+    monkeypatch.setattr(linear_module, "_has_aligned_kernels", lambda x: True)
+    torch.manual_seed(3)
+    layer = linear_module.Linear(48, 36, bias=bias)
+    x = torch.randn(2, 70, 48)
+    widths = []
+    real_linear = linear_module.F.linear
+
+    def spy(inp, weight, b=None):
+        widths.append(weight.shape[0])
+        return real_linear(inp, weight, b)
+
+    monkeypatch.setattr(linear_module.F, "linear", spy)
+    results = []
+    for fn in (lambda t: linear_module.aligned_linear(t, layer), layer):
+        layer.zero_grad()
+        xi = x.clone().requires_grad_()
+        y = fn(xi)
+        (y * torch.linspace(-1, 1, 36)).sum().backward()
+        results.append((y.detach(), xi.grad, layer.weight.grad.clone(), None if not bias else layer.bias.grad.clone()))
+    assert widths == [40, 36]
+    (y_a, dx_a, dw_a, db_a), (y_p, dx_p, dw_p, db_p) = results
+    assert y_a.shape == y_p.shape == (2, 70, 36)
+    torch.testing.assert_close(y_a, y_p, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(dx_a, dx_p, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(dw_a, dw_p, rtol=1e-6, atol=1e-6)
+    if bias:
+        torch.testing.assert_close(db_a, db_p, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_gpu_aligned_linear_at_the_800m_mix_shape():
+    """bf16, 8 x 4096 rows of the 800M NAtS-L W_m (1152 -> 36): padded product against the fp32 product."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from natsl.models.linear import Linear, aligned_linear
+
+    torch.manual_seed(4)
+    layer = Linear(1152, 36, bias=False, device="cuda").to(torch.bfloat16)
+    x = torch.randn(8, 4096, 1152, device="cuda").to(torch.bfloat16).requires_grad_()
+    y = aligned_linear(x, layer)
+    ref = x.detach().float() @ layer.weight.detach().float().t()
+    assert ((y.float() - ref).pow(2).mean() / ref.pow(2).mean()).sqrt() < 5e-3
+    y.float().sum().backward()
+    dw = torch.ones(8 * 4096, 36, device="cuda").t() @ x.detach().float().reshape(-1, 1152)
+    assert ((layer.weight.grad.float() - dw).pow(2).mean() / dw.pow(2).mean()).sqrt() < 1e-2

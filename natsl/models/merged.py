@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from natsl.errors import NatslError
-from natsl.models.linear import linear
+from natsl.models.linear import ALIGN_ROWS, linear
 
 
 # Inputs with more rows than this (batch x tokens) run one product per weight.
@@ -102,7 +102,6 @@ def _concat_labels() -> frozenset[str]:
 # "attn_qkv", "gate_up" (SwiGLU). NATSL_CONCAT_LINEARS (comma list, "all" or "none") overrides the default.
 CONCAT_LABELS = ("gdn_qkv", "gdn_ab", "attn_qkv", "gate_up")
 CONCAT_DEFAULT = frozenset({"gdn_ab"})
-ALIGN_ROWS = 8
 # Read once, here; a bad value is reported when a product first needs it (a one-line error at the CLI).
 try:
     CONCAT, _CONCAT_ERROR = _concat_labels(), None

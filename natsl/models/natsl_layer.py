@@ -33,7 +33,7 @@ from natsl.inference.functional import (attend_cached, commit_state, gdn_token_s
                                         use_fast, write_kv)
 from natsl.inference.routing import KeepFraction
 from natsl.models.gated_deltanet import GatedDeltaProjections
-from natsl.models.linear import Linear
+from natsl.models.linear import Linear, aligned_linear
 from natsl.models.norms import RMSNorm
 from natsl.models.pointwise import mix_branches
 from natsl.models.rope import RopeTable, apply_rope
@@ -100,7 +100,7 @@ class NAtSL(nn.Module):
         o_la = o_la.reshape(b, t, self.softmax_heads, c.softmax_v_dim)
         logits = None
         if c.mix_weights != "none":
-            logits = self.mix_proj(q if c.mix_input == "q" else x).view(b, t, self.softmax_heads, 2)
+            logits = aligned_linear(q if c.mix_input == "q" else x, self.mix_proj).view(b, t, self.softmax_heads, 2)
         if c.branch_norm == "separate":
             norms = (self.la_norm.weight, self.nla_norm.weight, None, self.la_norm.eps)
         else:
