@@ -35,8 +35,9 @@
 # - a runtime `if` around tl.dot inside the sequential GDN loops (skipping unwritten blocks' commit) gave
 #   wrong gradients at 32-wide slices, an illegal memory access at B=8 and a 2x slower forward on the
 #   H200 (Triton 3.6): keep those loops branch-free.
-# - q, k, v as one product: NATSL_CONCAT_LINEARS=gdn_ab,gdn_qkv gave the hybrid +0.7% in one run; to decide,
-#   repeat it beside the default and measure the Transformer with attn_qkv too (both at MBS=8).
+# - the GDN's q, k, v as one product gave the hybrid +0.66% and +0.64% on two machines (now the training
+#   default); the Transformer's attn_qkv lost 2.4%. Best of each, one held machine: 86.1K vs 91.1K, 0.945x.
+#   Not re-run with the new default: GDN Hybrid, GDN, NAtS-L (RUNS="800m_gdn_hybrid:170 ..." MBS=8).
 #   bash benchmarks/device_next.sh      (writes under $OUT; everything printed also lands in $OUT/log.txt)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/natsl_out}; mkdir -p $OUT

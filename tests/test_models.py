@@ -178,9 +178,10 @@ def test_concatenated_projections_give_the_separate_products(base_layer, monkeyp
     real_linear = merged.linear
     monkeypatch.setattr(merged, "linear", lambda x, w: products.append(tuple(w.shape)) or real_linear(x, w))
     monkeypatch.setattr(merged, "CONCAT", frozenset())
+    monkeypatch.setattr(merged, "CONCAT_GRAD", frozenset())
     separate = logits_and_grads()
     assert products == []  # one nn.Linear call each
-    monkeypatch.setattr(merged, "CONCAT", frozenset(merged.CONCAT_LABELS))
+    monkeypatch.setattr(merged, "CONCAT_GRAD", frozenset(merged.CONCAT_LABELS))
     together = logits_and_grads()
     if base_layer == "gdn":
         assert (8, 64) in products and (2 * 32 + 2 * 32 + 2 * 64, 64) in products  # a, b; q, k, v
@@ -204,8 +205,33 @@ def test_concat_labels_from_the_environment(monkeypatch):
     monkeypatch.setenv("NATSL_CONCAT_LINEARS", "gate_up,qkvab")
     with pytest.raises(NatslError, match="unknown groups \\['qkvab'\\]"):
         merged._concat_labels()
+    monkeypatch.setenv("NATSL_CONCAT_LINEARS", "gdn_ab")
+    assert merged._concat_labels(grad=True) == {"gdn_ab"}  # a set variable holds with and without gradients
     monkeypatch.delenv("NATSL_CONCAT_LINEARS")
-    assert merged._concat_labels() == merged.CONCAT_DEFAULT
+    assert merged._concat_labels() == merged.CONCAT_DEFAULT == {"gdn_ab"}
+    assert merged._concat_labels(grad=True) == merged.CONCAT_DEFAULT_GRAD == {"gdn_ab", "gdn_qkv"}
+
+
+def test_gdn_qkv_concatenates_by_default_only_with_gradients(monkeypatch):
+    """The defaults: a GDN layer's q, k, v run as one product when autograd records (training), apart
+    without gradients (prefill); a and b together in both."""
+    from natsl.models import merged
+
+    monkeypatch.setattr(merged, "CONCAT", merged.CONCAT_DEFAULT)
+    monkeypatch.setattr(merged, "CONCAT_GRAD", merged.CONCAT_DEFAULT_GRAD)
+    torch.manual_seed(5)
+    linears = [torch.nn.Linear(16, n, bias=False) for n in (8, 8, 12)]
+    x = torch.randn(3, 16)
+    products = []
+    real_linear = merged.linear
+    monkeypatch.setattr(merged, "linear", lambda inp, w: products.append(tuple(w.shape)) or real_linear(inp, w))
+    with torch.no_grad():
+        apart = merged.group_product("gdn_qkv", linears, x)
+    assert products == []
+    together = merged.group_product("gdn_qkv", linears, x)
+    assert products == [(8 + 8 + 12 + 4, 16)]  # padded to a multiple of ALIGN_ROWS
+    for a, b in zip(apart, together):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("bias", [False, True])
