@@ -34,7 +34,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 # cuBLAS wants 16-byte-aligned output rows for its fast Hopper kernels: a 36-wide bf16 product (the
 # NAtS-L mixing weights W_m) fell back to Ampere-era cutlass kernels, 0.82 ms per 800M training step
-# for six layers at micro-batch 8 (2026-12-01 profile).
+# for six layers at micro-batch 8; padded to 40 rows ~0.5 ms (H200, docs/results/2026-12-01e/call3).
 ALIGN_ROWS = 8
 
 
