@@ -232,6 +232,12 @@ def test_gdn_qkv_concatenates_by_default_only_with_gradients(monkeypatch):
     assert products == [(8 + 8 + 12 + 4, 16)]  # padded to a multiple of ALIGN_ROWS
     for a, b in zip(apart, together):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    gates = [torch.nn.Linear(16, 2, bias=False) for _ in range(2)]  # a, b: H-wide
+    products.clear()
+    with torch.no_grad():
+        merged.group_product("gdn_ab", gates, x)
+    merged.group_product("gdn_ab", gates, x)
+    assert products == [(2 + 2 + 4, 16)] * 2
 
 
 @pytest.mark.parametrize("bias", [False, True])
