@@ -49,7 +49,7 @@ def worker(args) -> None:
                  f"train.micro_batch_size={args.micro_batch_size}", "train.save_every=1000000000",
                  "train.eval_every=1000000000", f"train.eval_tokens={args.seq_len}", "train.log_every=1",
                  f"train.activation_checkpointing={str(args.activation_checkpointing).lower()}",
-                 f"train.parallel={args.parallel}",
+                 f"train.parallel={args.parallel}", f"train.cuda_graphs={str(args.cuda_graphs).lower()}",
                  f"train.total_tokens={max(recipe.train.total_tokens, tokens_per_step * (args.max_steps + 1))}",
                  "data.path=builtin"]
     recipe = apply_overrides(recipe, overrides)
@@ -59,6 +59,7 @@ def worker(args) -> None:
     result = {"recipe": args.worker, "provenance": provenance(), "micro_batch_size": args.micro_batch_size,
               "seq_len": args.seq_len,
               "tokens_per_step": tokens_per_step, "world_size": world, "compile": args.compile,
+              "cuda_graphs": args.cuda_graphs,
               "parallel": args.parallel,
               "activation_checkpointing": args.activation_checkpointing}
     with tempfile.TemporaryDirectory(prefix="natsl-bench-") as out:
@@ -89,6 +90,10 @@ def worker(args) -> None:
                                            if device.type == "cuda" else None),
                           device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                           params=None)
+            from torch._dynamo.utils import counters
+
+            # compiled regions that fell back to plain launches (each also logged with its reason)
+            result["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"]
             from natsl.models import build_model
 
             result["params"] = build_model(recipe, device="meta").num_parameters()
@@ -104,6 +109,7 @@ def run_one(recipe: str, mbs: int, args, result_path: Path) -> dict:
         if getattr(args, flag) is not None:
             cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     cmd += ["--compile"] if args.compile else []
+    cmd += ["--cuda-graphs"] if args.cuda_graphs else []
     cmd += ["--parallel", args.parallel]
     cmd += ["--activation-checkpointing"] if args.activation_checkpointing else []
     if args.nproc > 1:
@@ -185,6 +191,7 @@ def main() -> None:
     parser.add_argument("--device", default=None)
     parser.add_argument("--backend", default=None)
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--cuda-graphs", action="store_true", help="with --compile: train.cuda_graphs")
     parser.add_argument("--parallel", choices=["ddp", "fsdp"], default="ddp", help="with --nproc > 1")
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--out", default="runs/bench_training")
@@ -196,6 +203,8 @@ def main() -> None:
         return
     if args.warmup_steps >= args.max_steps:
         parser.error("--warmup-steps must be below --max-steps")
+    if args.cuda_graphs and not args.compile:
+        parser.error("--cuda-graphs replays the compiled model: add --compile")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = []

@@ -38,15 +38,20 @@
 # - the GDN's q, k, v as one product gave the hybrid +0.66% and +0.64% on two machines (now the training
 #   default); the Transformer's attn_qkv lost 2.4%. Best of each, one held machine: 86.1K vs 91.1K, 0.945x.
 #   Not re-run with the new default: GDN Hybrid, GDN, NAtS-L (RUNS="800m_gdn_hybrid:170 ..." MBS=8).
+# The sixteenth session: FLAGS="--cuda-graphs" TAG=_graphs (train.cuda_graphs; TAG names the outputs so
+# that two settings of one recipe can run in one call).
 #   bash benchmarks/device_next.sh      (writes under $OUT; everything printed also lands in $OUT/log.txt)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/natsl_out}; mkdir -p $OUT
 {
 python3 -c "from natsl.provenance import source_hash; print('natsl sources', source_hash())"
 for r in ${RUNS:-800m_hybrid:200 800m_transformer:160 800m_gdn_hybrid:170}; do
-  timeout -k 10 ${r#*:} python3 benchmarks/bench_training.py --recipes ${r%:*} --compile --max-steps 30 --warmup-steps 5 \
-      --micro-batch-size ${MBS:-4} --out /tmp/train_${r%:*} > /tmp/train_${r%:*}.txt 2>&1
-  grep -E "^800m|recipe" /tmp/train_${r%:*}.txt | tail -2 | cut -c1-160
-  cp /tmp/train_${r%:*}/bench_training.json $OUT/train_${r%:*}.json
+  name=${r%:*}; tag=$name${TAG:-}
+  timeout -k 10 ${r#*:} python3 benchmarks/bench_training.py --recipes $name --compile ${FLAGS:-} --max-steps 30 \
+      --warmup-steps 5 --micro-batch-size ${MBS:-4} --out /tmp/train_$tag > /tmp/train_$tag.txt 2>&1
+  echo "$tag ${FLAGS:-}"; grep -E "^800m|recipe" /tmp/train_$tag.txt | tail -2 | cut -c1-160
+  grep -c "skipping cudagraphs" /tmp/train_$tag.txt | sed 's/^/cudagraph skip lines: /'
+  tail -30 /tmp/train_$tag.txt > $OUT/train_$tag.tail.txt
+  cp /tmp/train_$tag/bench_training.json $OUT/train_$tag.json
 done
-} 2>&1 | tee $OUT/log.txt
+} 2>&1 | tee -a $OUT/log.txt

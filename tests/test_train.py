@@ -160,6 +160,7 @@ BAD = {
     "resume never onto checkpoints": (["--resume", "never"], "already holds checkpoints"),
     "conflicting overrides": (["--set", "train.micro_batch_size=3"], "given twice"),
     "windows beyond max_seq_len": (["--set", "model.max_seq_len=64"], "more than model.max_seq_len = 64"),
+    "CUDA graphs without compile": (["--set", "train.cuda_graphs=true"], "set train.compile=true or pass --compile"),
 }
 
 
@@ -299,6 +300,78 @@ def test_the_folded_clip_is_the_cuda_default_and_the_setting_is_checked(monkeypa
     monkeypatch.setenv("NATSL_FOLD_CLIP", "yes")
     with pytest.raises(NatslError, match="NATSL_FOLD_CLIP='yes' is not 0 or 1"):
         fold_clip_requested("cpu")
+
+
+def test_cuda_graphs_are_checked_against_the_other_settings():
+    """train.cuda_graphs: off unless asked; needs compile; refused with FSDP; nothing to replay on a CPU."""
+    from natsl.errors import NatslError
+    from natsl.training.trainer import cuda_graphs_wanted
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert cuda_graphs_wanted(True, compiled=True, sharded=False, device=cuda)
+    assert not cuda_graphs_wanted(False, compiled=True, sharded=False, device=cuda)
+    assert not cuda_graphs_wanted(True, compiled=True, sharded=False, device=cpu)
+    with pytest.raises(NatslError, match="set train.compile=true or pass --compile"):
+        cuda_graphs_wanted(True, compiled=False, sharded=False, device=cuda)
+    with pytest.raises(NatslError, match="does not work with train.parallel=fsdp"):
+        cuda_graphs_wanted(True, compiled=True, sharded=True, device=cuda)
+
+
+def test_gradients_kept_between_steps_train_as_freed_ones(tmp_path, cache_env, monkeypatch):
+    """What train.cuda_graphs does to gradient accumulation, on the CPU: the gradients stay allocated
+    and are zeroed between steps (not freed), so that each micro-batch adds into them. Same losses and
+    norms as freeing them, and they really stay allocated."""
+    from natsl.training import trainer
+
+    kept = []
+    zero_grad = torch.optim.Optimizer.zero_grad
+    monkeypatch.setattr(torch.optim.Optimizer, "zero_grad",
+                        lambda opt, set_to_none=True: kept.append(not set_to_none) or zero_grad(opt, set_to_none))
+    accumulate = [TINY[0], "--set", "train.seq_len=128", "train.micro_batch_size=2", "train.tokens_per_step=512",
+                  *TINY[5:]]
+    runs = {}
+    for keep in (False, True):
+        monkeypatch.setattr(trainer, "cuda_graphs_wanted", lambda *args: keep)
+        out = tmp_path / str(keep)
+        result = natsl_inproc(["train", *accumulate, "--max-steps", "4", "--out", str(out)], cache_env)
+        assert result.exit_code == 0, result.stderr
+        runs[keep], _ = train_records(out)
+        assert kept and set(kept) == {keep}
+        kept.clear()
+    freed, held = runs[False], runs[True]
+    assert len(freed) == len(held) == 4 and freed[-1]["loss"] != freed[0]["loss"]
+    for a, b in zip(freed, held):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_cuda_graphs_train_as_the_plain_compiled_model(tmp_path, accumulate, monkeypatch):
+    """train.cuda_graphs on the GPU: the graphs really replay, and the losses and gradient norms are
+    those of the same compiled model launched kernel by kernel; with accumulation too, where a
+    replayed backward would overwrite the gradient memory a first micro-batch left in .grad."""
+    from natsl.config import apply_overrides
+    from natsl.training import TrainOptions, train
+
+    replays = []
+    replay = torch.cuda.CUDAGraph.replay
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda graph: replays.append(1) or replay(graph))
+    recipe = apply_overrides(natsl.load_recipe("tiny_hybrid"), [
+        "train.seq_len=256", "train.micro_batch_size=2", f"train.tokens_per_step={512 * accumulate}",
+        "train.eval_every=1000", "train.eval_tokens=256", "train.save_every=1000", "optim.warmup_tokens=0"])
+    runs = {}
+    for graphs in (False, True):
+        runs[graphs] = train(apply_overrides(recipe, [f"train.cuda_graphs={str(graphs).lower()}"]), TrainOptions(
+            out_dir=str(tmp_path / str(graphs)), resume="never", device="cuda", backend="fast", compile=True,
+            max_steps=5, save_final=False, progress=False, log=lambda *_: None)).history
+        assert bool(replays) == graphs
+    plain, graphed = runs[False], runs[True]
+    assert len(plain) == len(graphed) == 5 and plain[-1]["loss"] < plain[0]["loss"]
+    for a, b in zip(plain, graphed):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3)
 
 
 def test_fused_step_with_clip_equals_clip_then_step():

@@ -161,6 +161,18 @@ def run_lock(out: Path, enabled: bool):
         raise
 
 
+def cuda_graphs_wanted(requested: bool, compiled: bool, sharded: bool, device: torch.device) -> bool:
+    """Whether the compiled body replays as CUDA graphs: train.cuda_graphs, checked against the rest."""
+    if not requested:
+        return False
+    if not compiled:
+        raise NatslError("train.cuda_graphs replays the compiled model: set train.compile=true or pass --compile")
+    if sharded:
+        raise NatslError("train.cuda_graphs does not work with train.parallel=fsdp (its gathers run between the "
+                         "graphs); use train.parallel=ddp or set train.cuda_graphs=false")
+    return device.type == "cuda"  # on the CPU there is nothing to replay: plain compiled code
+
+
 class HiddenStates(torch.nn.Module):
     """`model.hidden_states` as a module's forward, so that torch.compile wraps it."""
 
@@ -333,16 +345,27 @@ class Trainer:
             raise NatslError(f"loss_chunk must be at least 0, got {self.options.loss_chunk}")
         self.use_bf16 = self.device.type == "cuda" and r.train.dtype == "bf16"
         compile_ = self.options.compile if self.options.compile is not None else r.train.compile
+        self.sharded = self.info.enabled and r.train.parallel == "fsdp"
+        graphs = cuda_graphs_wanted(r.train.cuda_graphs, compile_, self.sharded, self.device)
         body = HiddenStates(model)
-        self.loss_module = LanguageModelLoss(model, torch.compile(body) if compile_ else body, self.use_bf16,
-                                             self.options.loss_chunk)
+        if compile_:
+            body = torch.compile(body, mode="reduce-overhead" if graphs else None)
+        self.loss_module = LanguageModelLoss(model, body, self.use_bf16, self.options.loss_chunk)
         plain = no_decay_names(model)  # FSDP's sharded parameters lose the no-decay mark
         self.train_model = D.wrap(self.loss_module, self.info, r.train.parallel, blocks=model.layers)
-        self.sharded = self.info.enabled and r.train.parallel == "fsdp"
+        # A replayed backward writes its gradients into the graph's own memory, which the next replay
+        # overwrites: autograd would hand that memory to .grad on a first micro-batch and add the
+        # second one onto it (torch issue 169545). With accumulation the gradients are therefore kept
+        # allocated, zeroed between steps, so that every micro-batch adds into them.
+        self.keep_grads = graphs and self.accum > 1
         # on CUDA (NATSL_FOLD_CLIP decides): the fused AdamW clips and skips non-finite steps itself
         self.fold_clip = fold_clip_requested(self.device) and not self.sharded
         self.optimizer = build_optimizer(model, r.optim, self.device, plain, self.sharded,  # on the parameters as wrapped
                                          fused=True if self.fold_clip else None)
+        if self.keep_grads:
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
         self.names = {id(p): n for n, p in model.named_parameters()}
         if ckpt is not None:
             params = dict(model.named_parameters())
@@ -394,7 +417,7 @@ class Trainer:
         else:
             self.state["bad_steps"] += 1
             self.state["bad_in_row"] += 1
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=not self.keep_grads)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         dt = time.perf_counter() - t0
