@@ -39,7 +39,11 @@
 #   default); the Transformer's attn_qkv lost 2.4%. Best of each, one held machine: 86.1K vs 91.1K, 0.945x.
 #   Not re-run with the new default: GDN Hybrid, GDN, NAtS-L (RUNS="800m_gdn_hybrid:170 ..." MBS=8).
 # The sixteenth session: FLAGS="--cuda-graphs" TAG=_graphs (train.cuda_graphs; TAG names the outputs so
-# that two settings of one recipe can run in one call).
+# that two settings of one recipe can run in one call). Learned: replaying the compiled step as CUDA graphs
+# moved the hybrid's median step by 0.4% (384.7 vs 386.1 ms): the GPU does not wait on launches, so only
+# fewer or faster kernels close the gap. All five with the current code on one held H200: hybrid 84.8K,
+# GDN Hybrid 89.0K, GDN 90.8K, Transformer 90.4K, NAtS-L 73.0K (0.953x, 0.939x). On a warm machine the
+# Inductor cache makes a repeat compile quick: three recipes fit one call (328 s).
 #   bash benchmarks/device_next.sh      (writes under $OUT; everything printed also lands in $OUT/log.txt)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/natsl_out}; mkdir -p $OUT

@@ -303,18 +303,18 @@ def test_the_folded_clip_is_the_cuda_default_and_the_setting_is_checked(monkeypa
 
 
 def test_cuda_graphs_are_checked_against_the_other_settings():
-    """train.cuda_graphs: off unless asked; needs compile; refused with FSDP; nothing to replay on a CPU."""
+    """train.cuda_graphs: off unless asked; needs compile; one rank only; nothing to replay on a CPU."""
     from natsl.errors import NatslError
     from natsl.training.trainer import cuda_graphs_wanted
 
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    assert cuda_graphs_wanted(True, compiled=True, sharded=False, device=cuda)
-    assert not cuda_graphs_wanted(False, compiled=True, sharded=False, device=cuda)
-    assert not cuda_graphs_wanted(True, compiled=True, sharded=False, device=cpu)
+    assert cuda_graphs_wanted(True, compiled=True, ranks=1, device=cuda)
+    assert not cuda_graphs_wanted(False, compiled=True, ranks=2, device=cuda)
+    assert not cuda_graphs_wanted(True, compiled=True, ranks=1, device=cpu)
     with pytest.raises(NatslError, match="set train.compile=true or pass --compile"):
-        cuda_graphs_wanted(True, compiled=False, sharded=False, device=cuda)
-    with pytest.raises(NatslError, match="does not work with train.parallel=fsdp"):
-        cuda_graphs_wanted(True, compiled=True, sharded=True, device=cuda)
+        cuda_graphs_wanted(True, compiled=False, ranks=1, device=cuda)
+    with pytest.raises(NatslError, match="is for one GPU and this run has 2 ranks"):
+        cuda_graphs_wanted(True, compiled=True, ranks=2, device=cuda)
 
 
 def test_gradients_kept_between_steps_train_as_freed_ones(tmp_path, cache_env, monkeypatch):
