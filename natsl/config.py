@@ -146,8 +146,9 @@ class TrainConfig:
     seed: int = 0
     dtype: Literal["bf16", "fp32"] = "bf16"
     compile: bool = False
-    # With compile on CUDA: replay the compiled forward and backward as CUDA graphs (torch.compile's
-    # "reduce-overhead" mode), which removes the per-kernel launch gaps; one GPU or DDP.
+    # With compile, on one CUDA device: replay the compiled forward and backward as CUDA graphs
+    # (torch.compile's "reduce-overhead" mode), for models small enough that the host falls behind the
+    # GPU; the 800M ones at micro-batch 8 gained nothing (docs/training.md).
     cuda_graphs: bool = False
     activation_checkpointing: bool = False
     # Several ranks (torchrun): "ddp" replicates the model; "fsdp" shards parameters, gradients and
