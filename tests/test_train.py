@@ -310,7 +310,7 @@ def test_cuda_graphs_are_checked_against_the_other_settings():
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     assert cuda_graphs_wanted(True, compiled=True, ranks=1, device=cuda)
     assert not cuda_graphs_wanted(False, compiled=True, ranks=2, device=cuda)
-    assert not cuda_graphs_wanted(True, compiled=True, ranks=1, device=cpu)
+    assert not cuda_graphs_wanted(True, compiled=True, ranks=1, device=cpu)  # the trainer says so in its log
     with pytest.raises(NatslError, match="set train.compile=true or pass --compile"):
         cuda_graphs_wanted(True, compiled=False, ranks=1, device=cuda)
     with pytest.raises(NatslError, match="is for one GPU and this run has 2 ranks"):

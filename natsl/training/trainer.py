@@ -347,6 +347,8 @@ class Trainer:
         compile_ = self.options.compile if self.options.compile is not None else r.train.compile
         self.sharded = self.info.enabled and r.train.parallel == "fsdp"
         graphs = cuda_graphs_wanted(r.train.cuda_graphs, compile_, self.info.world_size, self.device)
+        if r.train.cuda_graphs and not graphs:
+            self.log(f"train.cuda_graphs: nothing to replay on {self.device.type}; the compiled model runs as is")
         body = HiddenStates(model)
         if compile_:
             body = torch.compile(body, mode="reduce-overhead" if graphs else None)
