@@ -345,7 +345,6 @@ class Trainer:
             raise NatslError(f"loss_chunk must be at least 0, got {self.options.loss_chunk}")
         self.use_bf16 = self.device.type == "cuda" and r.train.dtype == "bf16"
         compile_ = self.options.compile if self.options.compile is not None else r.train.compile
-        self.sharded = self.info.enabled and r.train.parallel == "fsdp"
         graphs = cuda_graphs_wanted(r.train.cuda_graphs, compile_, self.info.world_size, self.device)
         if r.train.cuda_graphs and not graphs:
             self.log(f"train.cuda_graphs: nothing to replay on {self.device.type}; the compiled model runs as is")
@@ -355,6 +354,7 @@ class Trainer:
         self.loss_module = LanguageModelLoss(model, body, self.use_bf16, self.options.loss_chunk)
         plain = no_decay_names(model)  # FSDP's sharded parameters lose the no-decay mark
         self.train_model = D.wrap(self.loss_module, self.info, r.train.parallel, blocks=model.layers)
+        self.sharded = self.info.enabled and r.train.parallel == "fsdp"
         # A replayed backward writes its gradients into the graph's own memory, which the next replay
         # overwrites: autograd would hand that memory to .grad on a first micro-batch and add the
         # second one onto it (torch issue 169545). With accumulation the gradients are therefore kept
