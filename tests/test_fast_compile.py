@@ -9,7 +9,8 @@ import torch.nn.functional as F
 import natsl
 from natsl.fast.block_sparse.function import routed_attention_forward
 from natsl.fast.gated_delta.function import gated_delta_forward
-from natsl.fast.short_conv import short_conv_forward
+from natsl.fast import short_conv
+from natsl.fast.short_conv import short_conv_forward, short_conv_split_forward
 
 
 @pytest.mark.parametrize("with_write", [True, False])
@@ -43,8 +44,26 @@ def test_short_conv_custom_op_passes_opcheck(with_tail):
     torch.library.opcheck(short_conv_forward, (x, weight, tail))
 
 
+def test_split_short_conv_custom_op_passes_opcheck(monkeypatch):
+    monkeypatch.setattr(short_conv, "FORWARD_TILE", (32, 8))
+    monkeypatch.setitem(short_conv.BACKWARD_TILES, "walk", (16, 8, 1))
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(2, 37, 32, generator=gen).requires_grad_()
+    weight = torch.randn(32, 1, 4, generator=gen).requires_grad_()
+    torch.library.opcheck(short_conv_split_forward, (x, weight, 8, 16))
+
+
 @pytest.mark.slow
-def test_whole_model_compiles_around_the_fast_ops():
+@pytest.mark.parametrize("joined_convs", [False, True])
+def test_whole_model_compiles_around_the_fast_ops(joined_convs, monkeypatch):
+    """Also with each layer's q, k, v convs as one op (16-wide channel tiles, so that the tiny
+    model's widths fit them)."""
+    if joined_convs:
+        monkeypatch.setattr(short_conv, "FORWARD_TILE", (32, 16))
+        monkeypatch.setitem(short_conv.BACKWARD_TILES, "walk", (16, 16, 1))
+        calls = []
+        real = short_conv.short_conv_silu_split
+        monkeypatch.setattr(short_conv, "short_conv_silu_split", lambda *args: calls.append(1) or real(*args))
     recipe = natsl.load_recipe("tiny_hybrid")
     torch.manual_seed(0)
     model = natsl.build_model(recipe)
@@ -60,6 +79,8 @@ def test_whole_model_compiles_around_the_fast_ops():
 
     eager_loss, eager_grads = loss_and_grads(model)
     compiled_loss, compiled_grads = loss_and_grads(torch.compile(model, fullgraph=True))
+    if joined_convs:
+        assert len(calls) == 2 * recipe.model.num_layers  # eager, then traced by the compile
     assert torch.allclose(compiled_loss, eager_loss, rtol=1e-5)
     assert compiled_grads.keys() == eager_grads.keys()
     for name, grad in eager_grads.items():

@@ -179,6 +179,155 @@ def test_bad_shapes_and_a_tail_that_wants_a_gradient_are_refused():
                            torch.randn(1, 3, 8, device=DEVICE, requires_grad=True))
 
 
+def small_tiles(monkeypatch, channels=16):
+    """Channel tiles of `channels` in the forward and every backward form, so that small groups fit."""
+    monkeypatch.setattr(sc, "FORWARD_TILE", (32, channels))
+    monkeypatch.setitem(sc.BACKWARD_TILES, "walk", (16, channels, 1))
+    monkeypatch.setitem(sc.BACKWARD_TILES, "two_pass", (16, channels, 2))
+
+
+def run_split(x, weights, dys):
+    x = x.detach().clone().requires_grad_(True)
+    weights = [w.detach().clone().requires_grad_(True) for w in weights]
+    ys = sc.short_conv_silu_split(x, weights)
+    torch.autograd.backward(ys, dys)
+    return [y.detach() for y in ys], x.grad, [w.grad for w in weights]
+
+
+def split_inputs(T, sizes, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed * 1000 + T)
+    x = torch.randn(2, T, sum(sizes), generator=gen).to(DEVICE, dtype)
+    weights = [(0.5 * torch.randn(c, 1, 4, generator=gen)).to(DEVICE) for c in sizes]
+    dys = [torch.randn(2, T, c, generator=gen).to(DEVICE, dtype) for c in sizes]
+    return x, weights, dys
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 3, 37, 100])
+@pytest.mark.parametrize("form", BACKWARD_FORMS)
+def test_split_conv_matches_the_formula_and_separate_convs(T, form, dtype, monkeypatch):
+    """q, k, v convs in one launch (groups 16, 32, 48 on 16-wide tiles): every output, dx and each
+    weight's gradient against the fp64 formula per group, and bitwise the three separate convs."""
+    use_backward_form(monkeypatch, form)
+    small_tiles(monkeypatch)
+    sizes = [16, 32, 48]
+    assert sc.split_fits(sizes)
+    x, weights, dys = split_inputs(T, sizes, dtype)
+    ys, dx, dws = run_split(x, weights, dys)
+    edges = [0, 16, 48, 96]
+    fwd_tol, grad_tol = TOL[dtype]
+    for i, (a, b) in enumerate(zip(edges, edges[1:])):
+        y_ref, dx_ref, dw_ref = oracle(x[..., a:b], weights[i], None, dys[i])
+        assert ys[i].shape == (2, T, b - a) and ys[i].is_contiguous() and ys[i].dtype == dtype
+        assert rel_rms(ys[i], y_ref) < fwd_tol
+        assert rel_rms(dx[..., a:b], dx_ref) < grad_tol
+        assert dws[i].shape == weights[i].shape and rel_rms(dws[i], dw_ref) < grad_tol
+        y_one, dx_one, dw_one = run_fast(x[..., a:b].contiguous(), weights[i], None, dys[i])
+        assert torch.equal(ys[i], y_one) and torch.equal(dx[..., a:b], dx_one) and torch.equal(dws[i], dw_one)
+
+
+def test_split_conv_falls_back_where_a_tile_crosses_a_group_edge(monkeypatch):
+    """Groups of 24 on 16-wide tiles: one conv per group (same values as the joined launch would give)."""
+    small_tiles(monkeypatch)
+    sizes = [24, 24, 48]
+    assert not sc.split_fits(sizes)
+    x, weights, dys = split_inputs(37, sizes, seed=1)
+    ys, dx, dws = run_split(x, weights, dys)
+    for i, (a, b) in enumerate(zip([0, 24, 48], [24, 48, 96])):
+        y_one, dx_one, dw_one = run_fast(x[..., a:b].contiguous(), weights[i], None, dys[i])
+        assert torch.equal(ys[i], y_one) and torch.equal(dx[..., a:b], dx_one) and torch.equal(dws[i], dw_one)
+
+
+def test_split_conv_takes_a_strided_input_and_an_unused_output(monkeypatch):
+    """x as a column slice of a wider product; only the first group's output used: the other groups'
+    input gradient is zero, and the values equal those of the contiguous input."""
+    small_tiles(monkeypatch)
+    sizes = [16, 16, 32]
+    x, weights, dys = split_inputs(45, sizes, seed=2)
+    wide = torch.cat([x, torch.randn(2, 45, 8, device=DEVICE)], dim=-1).requires_grad_(True)
+    strided = wide[..., :64]
+    assert strided.stride(1) == 72
+    ys = sc.short_conv_silu_split(strided, weights)
+    ys[0].backward(dys[0])
+    y_want, dx_want, _ = run_fast(x[..., :16].contiguous(), weights[0], None, dys[0])
+    assert torch.equal(ys[0], y_want) and torch.equal(wide.grad[..., :16], dx_want)
+    assert not wide.grad[..., 16:].any()
+
+
+def test_split_conv_eager_twin_equals_the_custom_op(monkeypatch):
+    from natsl.fast import eager
+
+    small_tiles(monkeypatch)
+    x, weights, dys = split_inputs(37, [16, 16, 32], seed=3)
+    twin = run_split(x, weights, dys)
+    monkeypatch.setattr(eager, "_compiling", lambda: True)
+    op = run_split(x, weights, dys)
+    assert all(torch.equal(a, b) for a, b in zip(twin[0] + [twin[1]] + twin[2], op[0] + [op[1]] + op[2]))
+
+
+def test_split_conv_refuses_mismatched_weights():
+    x = torch.randn(1, 5, 64, device=DEVICE)
+    with pytest.raises(NatslError, match="sum C_i = C"):
+        sc.short_conv_silu_split(x, [torch.randn(16, 1, 4, device=DEVICE)] * 3)
+
+
+def test_a_model_takes_the_joined_convs_and_trains_the_same(monkeypatch):
+    """The tiny hybrid on the fast backend (q, k 64 and v 128 wide fit 16-wide tiles): every GDN and
+    NAtS-L layer runs its q, k, v convs as one op on the joined product, and the logits and every
+    parameter's gradient are bitwise those of one conv per slice (NATSL_JOINED_CONV=0)."""
+    import dataclasses
+
+    import natsl
+    from natsl.models import conv
+
+    small_tiles(monkeypatch)
+    calls = []
+    real = sc.short_conv_silu_split
+    monkeypatch.setattr(sc, "short_conv_silu_split", lambda *args: calls.append(1) or real(*args))
+    config = dataclasses.replace(natsl.load_recipe("tiny_hybrid").model, backend="fast")
+    torch.manual_seed(0)
+    model = natsl.build_model(config).to(DEVICE)
+    ids = torch.randint(0, config.vocab_size, (1, 24), device=DEVICE)
+
+    def logits_and_grads():
+        model.zero_grad()
+        logits = model(ids)
+        logits.square().mean().backward()
+        return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    monkeypatch.setattr(conv, "JOINED", False)
+    apart = logits_and_grads()
+    assert calls == []
+    monkeypatch.setattr(conv, "JOINED", True)
+    joined = logits_and_grads()
+    assert len(calls) == config.num_layers
+    assert torch.equal(joined[0], apart[0]) and joined[1].keys() == apart[1].keys()
+    for name, grad in apart[1].items():
+        assert torch.equal(joined[1][name], grad), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_split_conv_800m_qkv_bf16():
+    """The 800M GDN layer's q, k, v convs (1152, 1152, 2304) in one launch, batch 4 x 4096, bf16:
+    against the formula, and bitwise the three separate convs."""
+    sizes = [1152, 1152, 2304]
+    assert sc.split_fits(sizes)
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(4, 4096, sum(sizes), generator=gen).cuda().bfloat16()
+    weights = [(0.5 * torch.randn(c, 1, 4, generator=gen)).cuda() for c in sizes]
+    dys = [torch.randn(4, 4096, c, generator=gen).cuda().bfloat16() for c in sizes]
+    ys, dx, dws = run_split(x, weights, dys)
+    edges = [0, 1152, 2304, 4608]
+    for i, (a, b) in enumerate(zip(edges, edges[1:])):
+        y_ref, dx_ref, dw_ref = oracle(x[..., a:b], weights[i], None, dys[i])
+        assert rel_rms(ys[i], y_ref) < 5e-3
+        assert rel_rms(dx[..., a:b], dx_ref) < 1e-2
+        assert rel_rms(dws[i], dw_ref) < 1e-2
+        y_one, dx_one, dw_one = run_fast(x[..., a:b].contiguous(), weights[i], None, dys[i])
+        assert torch.equal(ys[i], y_one) and torch.equal(dx[..., a:b], dx_one) and torch.equal(dws[i], dw_one)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("C", [1152, 2304])

@@ -22,8 +22,9 @@ prefill passes the conv state and wants no gradient.
 
 from __future__ import annotations
 
+import itertools
 import os
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import triton
@@ -79,18 +80,40 @@ def _pre_activation(x_base, tail_base, w_ptr, rows, cols, cmask, T, stride_xt, s
 
 
 @triton.jit
-def _conv_fwd_kernel(x_ptr, tail_ptr, w_ptr, y_ptr, T, C, stride_xb, stride_xt, stride_tb, stride_tw,
-                     stride_yb, stride_yt, W: tl.constexpr, HAS_TAIL: tl.constexpr,
+def _group_base(p0, p1, p2, c_start, c1, c2, C, b, T):
+    """Outputs (and their gradients) come as up to three contiguous [B, T, width] tensors, one per
+    channel group [0, c1), [c1, c2), [c2, C) (one group: c1 = c2 = C). For the channel tile starting at
+    c_start (never across a group's edge): the batch row b's base, offset so that global channel
+    numbers index it, and the group's width (its row stride)."""
+    base = p0
+    start = 0
+    width = c1
+    if c_start >= c1:
+        base = p1
+        start = c1
+        width = c2 - c1
+    if c_start >= c2:
+        base = p2
+        start = c2
+        width = C - c2
+    return base + b * T * width - start, width
+
+
+@triton.jit
+def _conv_fwd_kernel(x_ptr, tail_ptr, w_ptr, y0_ptr, y1_ptr, y2_ptr, c1, c2, T, C, stride_xb, stride_xt,
+                     stride_tb, stride_tw, W: tl.constexpr, HAS_TAIL: tl.constexpr,
                      BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_start = tl.program_id(2) * BLOCK_C
+    cols = c_start + tl.arange(0, BLOCK_C)
     cmask = cols < C
     pre = _pre_activation(x_ptr + b * stride_xb, tail_ptr + b * stride_tb, w_ptr, t, cols, cmask, T,
                           stride_xt, stride_tw, W, HAS_TAIL, BLOCK_T, BLOCK_C)
     y = pre / (1.0 + tl.exp(-pre))
-    tl.store(y_ptr + b * stride_yb + t.to(tl.int64)[:, None] * stride_yt + cols[None, :],
-             y.to(y_ptr.dtype.element_ty), mask=(t < T)[:, None] & cmask[None, :])
+    y_base, stride_yt = _group_base(y0_ptr, y1_ptr, y2_ptr, c_start, c1, c2, C, b, T)
+    tl.store(y_base + t.to(tl.int64)[:, None] * stride_yt + cols[None, :],
+             y.to(y0_ptr.dtype.element_ty), mask=(t < T)[:, None] & cmask[None, :])
 
 
 @triton.jit
@@ -112,26 +135,28 @@ def _dsilu(dy, pre):
 
 
 @triton.jit
-def _backward_program(x_ptr, tail_ptr, dy_ptr, C, stride_xb, stride_tb, stride_dyb,
+def _backward_program(x_ptr, tail_ptr, dy0_ptr, dy1_ptr, dy2_ptr, c1, c2, T, C, stride_xb, stride_tb,
                       BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    """A backward program's (batch row, time tile, rows, columns, column mask, and its batch row's x,
-    tail and dy bases)."""
+    """A backward program's (batch row, time tile, rows, columns, column mask, its batch row's x and
+    tail bases, and its output gradient's base and row stride, see _group_base)."""
     b = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
-    return b, tile, t, cols, cols < C, x_ptr + b * stride_xb, tail_ptr + b * stride_tb, dy_ptr + b * stride_dyb
+    c_start = tl.program_id(2) * BLOCK_C
+    cols = c_start + tl.arange(0, BLOCK_C)
+    dy_base, stride_dyt = _group_base(dy0_ptr, dy1_ptr, dy2_ptr, c_start, c1, c2, C, b, T)
+    return b, tile, t, cols, cols < C, x_ptr + b * stride_xb, tail_ptr + b * stride_tb, dy_base, stride_dyt
 
 
 @triton.jit
-def _conv_bwd_kernel(x_ptr, tail_ptr, w_ptr, dy_ptr, dw_part_ptr, dpre_ptr, T, C, n_tiles,
-                     stride_xb, stride_xt, stride_tb, stride_tw, stride_dyb, stride_dyt,
+def _conv_bwd_kernel(x_ptr, tail_ptr, w_ptr, dy0_ptr, dy1_ptr, dy2_ptr, c1, c2, dw_part_ptr, dpre_ptr, T, C,
+                     n_tiles, stride_xb, stride_xt, stride_tb, stride_tw,
                      W: tl.constexpr, W_POW2: tl.constexpr, HAS_TAIL: tl.constexpr,
                      BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     # "two_pass", first pass: dL/d pre-activation at output rows t, stored for _conv_dx_kernel, and
     # this tile's share of dw.
-    b, tile, t, cols, cmask, x_base, tail_base, dy_base = _backward_program(
-        x_ptr, tail_ptr, dy_ptr, C, stride_xb, stride_tb, stride_dyb, BLOCK_T, BLOCK_C)
+    b, tile, t, cols, cmask, x_base, tail_base, dy_base, stride_dyt = _backward_program(
+        x_ptr, tail_ptr, dy0_ptr, dy1_ptr, dy2_ptr, c1, c2, T, C, stride_xb, stride_tb, BLOCK_T, BLOCK_C)
     dpre = _silu_grad(x_base, tail_base, w_ptr, dy_base, t, cols, cmask, T, stride_xt, stride_tw, stride_dyt,
                       W, HAS_TAIL, BLOCK_T, BLOCK_C)
     # This tile's dw partial as one [W, C] tile (taps padded to a power of two), stored once.
@@ -210,8 +235,8 @@ def _walk_row(r, dy, x_below, xa, xb, xc, xd, g1, g2, g3, dw0, dw1, dw2, dw3, w0
 
 
 @triton.jit
-def _conv_bwd_walk_kernel(x_ptr, tail_ptr, w_ptr, dy_ptr, dx_ptr, dw_part_ptr, T, C, n_chunks, n_ctiles,
-                          stride_xb, stride_xt, stride_tb, stride_tw, stride_dyb, stride_dyt, stride_dxb,
+def _conv_bwd_walk_kernel(x_ptr, tail_ptr, w_ptr, dy0_ptr, dy1_ptr, dy2_ptr, c1, c2, dx_ptr, dw_part_ptr, T, C,
+                          n_chunks, n_ctiles, stride_xb, stride_xt, stride_tb, stride_tw, stride_dxb,
                           stride_dxt, HAS_TAIL: tl.constexpr, CHUNK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     # W = 4. A program owns CHUNK_T rows x BLOCK_C channels and walks its rows one at a time from the
     # last to the first, so that everything shifted lives in registers as whole rows: the input rows
@@ -224,11 +249,12 @@ def _conv_bwd_walk_kernel(x_ptr, tail_ptr, w_ptr, dy_ptr, dx_ptr, dw_part_ptr, T
     ctile = pid % n_ctiles  # channel tile fastest: neighbouring programs share the halo rows' lines
     chunk = (pid // n_ctiles) % n_chunks
     b = (pid // (n_ctiles * n_chunks)).to(tl.int64)
-    cols = ctile * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_start = ctile * BLOCK_C
+    cols = c_start + tl.arange(0, BLOCK_C)
     cmask = cols < C
     x_base = x_ptr + b * stride_xb
     tail_base = tail_ptr + b * stride_tb
-    dy_base = dy_ptr + b * stride_dyb
+    dy_base, stride_dyt = _group_base(dy0_ptr, dy1_ptr, dy2_ptr, c_start, c1, c2, C, b, T)
     dx_base = dx_ptr + b * stride_dxb
     w0 = tl.load(w_ptr + cols * 4 + 0, mask=cmask, other=0.0).to(tl.float32)
     w1 = tl.load(w_ptr + cols * 4 + 1, mask=cmask, other=0.0).to(tl.float32)
@@ -307,26 +333,42 @@ def _tail_args(x: torch.Tensor, tail: Optional[torch.Tensor]):
     return tail, tail.stride(0), tail.stride(1), True
 
 
-def forward(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """SiLU(conv) [B, T, C] in x's dtype; x [B, T, C] with contiguous channels, weight [C, 1, W],
-    tail [B, W-1, C] (x's dtype, channels contiguous) or None. No autograd (see short_conv_silu)."""
+def _group_edges(C: int, sizes: Sequence[int]) -> tuple[int, int]:
+    """(c1, c2), the starts of the second and third channel group (C where there is none)."""
+    edges = list(itertools.accumulate(sizes))[:-1] + [C, C]
+    return edges[0], edges[1]
+
+
+def _forward_groups(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor],
+             sizes: Sequence[int]) -> list[torch.Tensor]:
+    """SiLU(conv) of x [B, T, C] as one contiguous [B, T, size] tensor per channel group (1 to 3 groups
+    whose edges the forward tile does not cross, see split_fits)."""
     B, T, C = x.shape
     W = weight.shape[-1]
-    y = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
+    ys = [torch.empty(B, T, size, dtype=x.dtype, device=x.device) for size in sizes]
     if B * T * C == 0:
-        return y
+        return ys
     w = weight.reshape(C, W).contiguous()
     tail_t, stride_tb, stride_tw, has_tail = _tail_args(x, tail)
     block_t, block_c = FORWARD_TILE
+    y0, y1, y2 = (ys + [ys[0]] * 2)[:3]
     grid = (B, -(-T // block_t), -(-C // block_c))
-    _conv_fwd_kernel[grid](x, tail_t, w, y, T, C, x.stride(0), x.stride(1), stride_tb, stride_tw,
-                           y.stride(0), y.stride(1), W=W, HAS_TAIL=has_tail, BLOCK_T=block_t, BLOCK_C=block_c,
+    _conv_fwd_kernel[grid](x, tail_t, w, y0, y1, y2, *_group_edges(C, sizes), T, C, x.stride(0), x.stride(1),
+                           stride_tb, stride_tw, W=W, HAS_TAIL=has_tail, BLOCK_T=block_t, BLOCK_C=block_c,
                            num_warps=4)
-    return y
+    return ys
 
 
-def backward(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor], dy: torch.Tensor):
-    """(dx [B, T, C] in x's dtype, dw [C, 1, W] in weight's dtype) of the forward above."""
+def _backward_form(W: int) -> str:
+    if BACKWARD_FORM not in BACKWARD_FORMS:
+        raise NatslError(f"short conv backward form {BACKWARD_FORM!r} (NATSL_SHORT_CONV_BACKWARD) is not one of "
+                         f"{', '.join(BACKWARD_FORMS)}")
+    return "walk" if BACKWARD_FORM == "walk" and W == 4 else "two_pass"
+
+
+def _backward_groups(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor], dys: Sequence[torch.Tensor]):
+    """(dx [B, T, C] in x's dtype, dw [C, 1, W] in weight's dtype) of _forward_groups, given the gradient of
+    each of its outputs (contiguous)."""
     B, T, C = x.shape
     W = weight.shape[-1]
     dx = torch.empty_like(x)
@@ -334,24 +376,22 @@ def backward(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor]
         return dx, torch.zeros_like(weight)
     w = weight.reshape(C, W).contiguous()
     tail_t, stride_tb, stride_tw, has_tail = _tail_args(x, tail)
-    if BACKWARD_FORM not in BACKWARD_FORMS:
-        raise NatslError(f"short conv backward form {BACKWARD_FORM!r} (NATSL_SHORT_CONV_BACKWARD) is not one of "
-                         f"{', '.join(BACKWARD_FORMS)}")
-    form = "walk" if BACKWARD_FORM == "walk" and W == 4 else "two_pass"
+    form = _backward_form(W)
     block_t, block_c, warps = BACKWARD_TILES[form]
     n_tiles, n_ctiles = -(-T // block_t), -(-C // block_c)
+    dy0, dy1, dy2 = (list(dys) + [dys[0]] * 2)[:3]
+    c1, c2 = _group_edges(C, [dy.shape[-1] for dy in dys])
+    parts = torch.empty(B * n_tiles, W, C, dtype=torch.float32, device=x.device)
     if form == "walk":
-        parts = torch.empty(B * n_tiles, W, C, dtype=torch.float32, device=x.device)
         _conv_bwd_walk_kernel[(B * n_tiles * n_ctiles,)](
-            x, tail_t, w, dy, dx, parts, T, C, n_tiles, n_ctiles, x.stride(0), x.stride(1), stride_tb, stride_tw,
-            dy.stride(0), dy.stride(1), dx.stride(0), dx.stride(1), HAS_TAIL=has_tail, CHUNK_T=block_t,
+            x, tail_t, w, dy0, dy1, dy2, c1, c2, dx, parts, T, C, n_tiles, n_ctiles, x.stride(0), x.stride(1),
+            stride_tb, stride_tw, dx.stride(0), dx.stride(1), HAS_TAIL=has_tail, CHUNK_T=block_t,
             BLOCK_C=block_c, num_warps=warps)
     else:
-        parts = torch.empty(B * n_tiles, W, C, dtype=torch.float32, device=x.device)
         dpre = torch.empty(B, T, C, dtype=torch.float32, device=x.device)
         _conv_bwd_kernel[(B, n_tiles, n_ctiles)](
-            x, tail_t, w, dy, parts, dpre, T, C, n_tiles, x.stride(0), x.stride(1), stride_tb, stride_tw,
-            dy.stride(0), dy.stride(1), W=W, W_POW2=triton.next_power_of_2(W), HAS_TAIL=has_tail,
+            x, tail_t, w, dy0, dy1, dy2, c1, c2, parts, dpre, T, C, n_tiles, x.stride(0), x.stride(1), stride_tb,
+            stride_tw, W=W, W_POW2=triton.next_power_of_2(W), HAS_TAIL=has_tail,
             BLOCK_T=block_t, BLOCK_C=block_c, num_warps=warps)
         bt, bc = FORWARD_TILE
         _conv_dx_kernel[(B, -(-T // bt), -(-C // bc))](dpre, w, dx, T, C, dx.stride(0), dx.stride(1), W=W,
@@ -359,6 +399,25 @@ def backward(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor]
     dw = torch.empty(C, W, dtype=weight.dtype, device=x.device)
     _dw_sum_kernel[(-(-W * C // 128),)](parts, dw, parts.shape[0], C, W=W, BLOCK_P=32, BLOCK_F=128, num_warps=4)
     return dx, dw.view(C, 1, W)
+
+
+def forward(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """SiLU(conv) [B, T, C] in x's dtype; x [B, T, C] with contiguous channels, weight [C, 1, W],
+    tail [B, W-1, C] (x's dtype, channels contiguous) or None. No autograd (see short_conv_silu)."""
+    return _forward_groups(x, weight, tail, [x.shape[2]])[0]
+
+
+def backward(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor], dy: torch.Tensor):
+    """(dx [B, T, C] in x's dtype, dw [C, 1, W] in weight's dtype) of the forward above."""
+    return _backward_groups(x, weight, tail, [dy.contiguous()])
+
+
+def split_fits(sizes: Sequence[int], W: int = 4) -> bool:
+    """Whether three channel groups of these sizes can come out of one launch: every group edge a
+    multiple of the channel tiles of the forward and of the backward form in use."""
+    tiles = (FORWARD_TILE[1], BACKWARD_TILES[_backward_form(W)][1])
+    edges = list(itertools.accumulate(sizes))[:-1]
+    return len(sizes) == 3 and all(edge % tile == 0 for edge in edges for tile in tiles)
 
 
 # The custom-op pair (opaque to torch.compile) and its eager twin, as the other fast ops (eager.py).
@@ -418,3 +477,78 @@ def short_conv_silu(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.
     if x.stride(-1) != 1:
         x = x.contiguous()
     return eager.run(short_conv_forward, _EagerShortConv, forward, x, weight, tail)
+
+
+# The q, k and v convs of a GDN layer in one launch each way (training: no tail). Separate convs of a
+# concatenated projection's column slices hand back three input gradients that autograd then copies
+# into the projection's [B, T, q+k+v] gradient; here the backward writes that gradient itself.
+@torch.library.custom_op("natsl::short_conv_split_forward", mutates_args=())
+def short_conv_split_forward(x: torch.Tensor, weight: torch.Tensor, c1: int,
+                             c2: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return tuple(_forward_groups(x, weight, None, _sizes(x.shape[2], c1, c2)))
+
+
+def _sizes(C: int, c1: int, c2: int) -> list[int]:
+    return [c1, c2 - c1, C - c2]
+
+
+@short_conv_split_forward.register_fake
+def _(x, weight, c1, c2):
+    B, T, C = x.shape
+    return tuple(x.new_empty(B, T, size) for size in _sizes(C, c1, c2))
+
+
+@torch.library.custom_op("natsl::short_conv_split_backward", mutates_args=())
+def short_conv_split_backward(x: torch.Tensor, weight: torch.Tensor, dy0: torch.Tensor, dy1: torch.Tensor,
+                              dy2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _backward_groups(x, weight, None, [dy0, dy1, dy2])
+
+
+@short_conv_split_backward.register_fake
+def _(x, weight, dy0, dy1, dy2):
+    return torch.empty_like(x), torch.empty_like(weight)
+
+
+def _split_forward(x, weight, c1, c2):
+    return tuple(_forward_groups(x, weight, None, _sizes(x.shape[2], c1, c2)))
+
+
+def _split_setup_context(ctx, inputs, output):
+    x, weight, _, _ = inputs
+    ctx.save_for_backward(x, weight)
+
+
+def _split_grads(ctx, *dys, backward_op=short_conv_split_backward):
+    x, weight = ctx.saved_tensors
+    # An output nobody used gets no gradient: zeros of its shape
+    dys = [x.new_zeros(y_shape) if dy is None else dy.contiguous() for dy, y_shape in zip(dys, ctx.y_shapes)]
+    dx, dw = backward_op(x, weight, *dys)
+    return dx, dw, None, None
+
+
+def _split_setup_shapes(ctx, inputs, output):
+    _split_setup_context(ctx, inputs, output)
+    ctx.y_shapes = [tuple(y.shape) for y in output]
+
+
+short_conv_split_forward.register_autograd(_split_grads, setup_context=_split_setup_shapes)
+_EagerSplitConv = eager.twin(_split_forward, _split_setup_shapes, _split_grads,
+                             lambda x, weight, *dys: _backward_groups(x, weight, None, dys))
+
+
+def short_conv_silu_split(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """short_conv_silu of x's consecutive channel groups (one per weight [C_i, 1, W]), no tail: the
+    outputs [B, T, C_i], each contiguous, and the gradient of x [B, T, sum C_i] as one tensor. One
+    launch each way where the groups fit the channel tiles (split_fits), else one conv per group."""
+    sizes = [w.shape[0] for w in weights]
+    if x.dim() != 3 or x.shape[2] != sum(sizes) or any(w.dim() != 3 or w.shape[1] != 1 for w in weights) \
+            or len({w.shape[-1] for w in weights}) != 1:
+        raise NatslError(f"short_conv_silu_split wants x [B, T, C] and weights [C_i, 1, W] with sum C_i = C, got "
+                         f"{tuple(x.shape)} and {[tuple(w.shape) for w in weights]}")
+    if not split_fits(sizes, weights[0].shape[-1]):
+        edges = [0] + list(itertools.accumulate(sizes))
+        return tuple(short_conv_silu(x[..., a:b], w) for a, b, w in zip(edges, edges[1:], weights))
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    c1, c2 = _group_edges(x.shape[2], sizes)
+    return eager.run(short_conv_split_forward, _EagerSplitConv, _split_forward, x, torch.cat(list(weights)), c1, c2)

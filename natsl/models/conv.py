@@ -8,6 +8,8 @@ backward; elsewhere the formula of natsl.models.pointwise.conv_silu (compiled on
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -43,3 +45,28 @@ class ShortConv(nn.Module):
         if fused and not torch.is_grad_enabled():
             return kernels.conv_chunk(x, tail, self.weight), conv_tail(x, tail)
         return conv_silu(x, tail, self.weight), conv_tail(x, tail)
+
+
+# Whether the q, k and v convs of a GDN projection run as one fast op over the joined q|k|v product
+# (natsl.fast.short_conv.short_conv_silu_split) where the shapes allow it; NATSL_JOINED_CONV=0 runs
+# one op per conv on column slices (benchmarks compare the two).
+JOINED = os.environ.get("NATSL_JOINED_CONV", "1") != "0"
+
+
+def joined_conv_fits(convs: list[ShortConv], device: torch.device) -> bool:
+    """Whether `joined_conv_silu` can take these convs (no tails) on inputs on `device`."""
+    if not JOINED or resolve_backend(convs[0].backend, device) != "fast":
+        return False
+    from natsl.fast.short_conv import split_fits  # Triton: imported where used
+
+    widths = {conv.kernel_size for conv in convs}
+    return len(widths) == 1 and split_fits([conv.weight.shape[0] for conv in convs], widths.pop())
+
+
+def joined_conv_silu(convs: list[ShortConv], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each conv's SiLU(conv) of its consecutive channel slice of x [B, T, sum C_i], no tails, as one
+    fast op (see joined_conv_fits): the outputs come back contiguous and the gradient of x as one
+    tensor, where per-conv ops on column slices leave autograd a concatenation to copy."""
+    from natsl.fast.short_conv import short_conv_silu_split
+
+    return short_conv_silu_split(x, [conv.weight for conv in convs])

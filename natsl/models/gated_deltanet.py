@@ -13,9 +13,9 @@ from torch import nn
 
 from natsl import ops
 from natsl.config import ModelConfig
-from natsl.models.conv import ShortConv
+from natsl.models.conv import ShortConv, joined_conv_fits, joined_conv_silu
 from natsl.models.linear import Linear
-from natsl.models.merged import buffer_product, group_product
+from natsl.models.merged import buffer_product, group_product, joined_product
 from natsl.models.norms import RMSNorm
 from natsl.models.pointwise import gated_rms_norm, gdn_gates, l2_normalize
 from natsl.inference import kernels
@@ -55,6 +55,13 @@ class GatedDeltaProjections(nn.Module):
     def forward(self, x: torch.Tensor, conv_tails=None, fused: bool = False):
         """x [B, T, d] -> (q [B,T,H*K], k [B,T,H*K], v [B,T,H*V] post-conv, g [B,T,H] fp32, beta [B,T,H], tails).
         `fused`: the cached path's convs run on the fused inference kernel."""
+        convs = [self.q_conv, self.k_conv, self.v_conv]
+        if conv_tails is None and joined_conv_fits(convs, x.device):
+            qkv = joined_product("gdn_qkv", [self.q_proj, self.k_proj, self.v_proj], x)
+            if qkv is not None:  # the q|k|v product is one tensor: its three convs run as one op
+                q, k, v = joined_conv_silu(convs, qkv)
+                g, beta = self.gates(*group_product("gdn_ab", [self.a_proj, self.b_proj], x))
+                return q, k, v, g, beta, (None, None, None)
         tails = conv_tails or (None, None, None)
         q, k, v, a, b = self.linear(x)
         q, q_tail = self.q_conv(q, tails[0], fused=fused)

@@ -119,17 +119,27 @@ except NatslError as error:
 def group_product(label: str, linears: list[nn.Linear], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The outputs on x of `linears` (no bias, one input size): one product over their concatenated
     weights when `label` is in CONCAT_GRAD (gradients enabled) or CONCAT (not), else one product each."""
+    y = joined_product(label, linears, x)
+    if y is None:
+        return tuple(lin(x) for lin in linears)
+    return y.split([lin.out_features for lin in linears], dim=-1)
+
+
+def joined_product(label: str, linears: list[nn.Linear], x: torch.Tensor) -> torch.Tensor | None:
+    """The outputs on x of `linears` side by side, [..., sum of out_features], as one product over
+    their concatenated weights (rows padded to ALIGN_ROWS, the padding's columns cut off again) when
+    `label` concatenates (see group_product); else None."""
     if _CONCAT_ERROR is not None:
         raise _CONCAT_ERROR
     if label not in (CONCAT_GRAD if torch.is_grad_enabled() else CONCAT):
-        return tuple(lin(x) for lin in linears)
+        return None
     weights = [lin.weight for lin in linears]
-    sizes = [w.shape[0] for w in weights]
-    pad = -sum(sizes) % ALIGN_ROWS
+    width = sum(w.shape[0] for w in weights)
+    pad = -width % ALIGN_ROWS
     if pad:
         weights.append(weights[0].new_zeros(pad, weights[0].shape[1]))
     y = linear(x, torch.cat(weights))
-    return y.split(sizes + [pad], dim=-1)[:len(sizes)]
+    return y[..., :width] if pad else y
 
 
 def shared_linear(owner: nn.Module, name: str, x: torch.Tensor, label: str | None = None) -> tuple[torch.Tensor, ...]:
