@@ -44,6 +44,12 @@
 # fewer or faster kernels close the gap. All five with the current code on one held H200: hybrid 84.8K,
 # GDN Hybrid 89.0K, GDN 90.8K, Transformer 90.4K, NAtS-L 73.0K (0.953x, 0.939x). On a warm machine the
 # Inductor cache makes a repeat compile quick: three recipes fit one call (328 s).
+# The seventeenth session: the q, k, v convs as one op (NATSL_JOINED_CONV=0 turns it off for a side-by-side
+# run): hybrid 84,296 against 83,512 tokens/s (+0.94%), Transformer 88,581 (0.952x), GDN Hybrid 88,014.
+# TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1: cuBLAS won every large product; the compile outran 470 s (not worth it).
+# Not yet run with this code: DDP / FSDP2 (nvidia-h200-x2 not lent), GDN and NAtS-L (RUNS="800m_gdn:170
+# 800m_natsl:210"), a profile of the new step (profile_training_step.py --recipe 800m_hybrid --compile
+# --optimizer --batch 8).
 #   bash benchmarks/device_next.sh      (writes under $OUT; everything printed also lands in $OUT/log.txt)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/natsl_out}; mkdir -p $OUT

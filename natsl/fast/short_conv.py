@@ -18,6 +18,10 @@ dx. Both accumulate dx in fp32 and round it once, and write a partial weight gra
 (or time tile); one kernel sums the partials in a fixed order (deterministic, no atomics) into the
 weight's layout and dtype. The tail is read-only (no gradient): training passes none, the cached
 prefill passes the conv state and wants no gradient.
+
+`short_conv_silu_split` runs the convs of consecutive channel groups of one input (a GDN projection's
+q, k and v on their joined product) as one launch each way: each group's output is its own tensor,
+and the input's gradient comes back whole.
 """
 
 from __future__ import annotations
