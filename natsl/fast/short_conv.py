@@ -344,7 +344,7 @@ def _group_edges(C: int, sizes: Sequence[int]) -> tuple[int, int]:
 
 
 def _forward_groups(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor],
-             sizes: Sequence[int]) -> list[torch.Tensor]:
+                    sizes: Sequence[int]) -> list[torch.Tensor]:
     """SiLU(conv) of x [B, T, C] as one contiguous [B, T, size] tensor per channel group (1 to 3 groups
     whose edges the forward tile does not cross, see split_fits)."""
     B, T, C = x.shape
@@ -370,9 +370,10 @@ def _backward_form(W: int) -> str:
     return "walk" if BACKWARD_FORM == "walk" and W == 4 else "two_pass"
 
 
-def _backward_groups(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor], dys: Sequence[torch.Tensor]):
-    """(dx [B, T, C] in x's dtype, dw [C, 1, W] in weight's dtype) of _forward_groups, given the gradient of
-    each of its outputs (contiguous)."""
+def _backward_groups(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor],
+                     dys: Sequence[torch.Tensor]):
+    """(dx [B, T, C] in x's dtype, dw [C, 1, W] in weight's dtype) of _forward_groups, given the
+    gradient of each of its outputs (contiguous)."""
     B, T, C = x.shape
     W = weight.shape[-1]
     dx = torch.empty_like(x)
@@ -486,14 +487,18 @@ def short_conv_silu(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.
 # The q, k and v convs of a GDN layer in one launch each way (training: no tail). Separate convs of a
 # concatenated projection's column slices hand back three input gradients that autograd then copies
 # into the projection's [B, T, q+k+v] gradient; here the backward writes that gradient itself.
-@torch.library.custom_op("natsl::short_conv_split_forward", mutates_args=())
-def short_conv_split_forward(x: torch.Tensor, weight: torch.Tensor, c1: int,
-                             c2: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _sizes(C: int, c1: int, c2: int) -> list[int]:
+    return [c1, c2 - c1, C - c2]
+
+
+def _split_forward(x: torch.Tensor, weight: torch.Tensor, c1: int, c2: int):
     return tuple(_forward_groups(x, weight, None, _sizes(x.shape[2], c1, c2)))
 
 
-def _sizes(C: int, c1: int, c2: int) -> list[int]:
-    return [c1, c2 - c1, C - c2]
+@torch.library.custom_op("natsl::short_conv_split_forward", mutates_args=())
+def short_conv_split_forward(x: torch.Tensor, weight: torch.Tensor, c1: int,
+                             c2: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _split_forward(x, weight, c1, c2)
 
 
 @short_conv_split_forward.register_fake
@@ -513,30 +518,22 @@ def _(x, weight, dy0, dy1, dy2):
     return torch.empty_like(x), torch.empty_like(weight)
 
 
-def _split_forward(x, weight, c1, c2):
-    return tuple(_forward_groups(x, weight, None, _sizes(x.shape[2], c1, c2)))
-
-
 def _split_setup_context(ctx, inputs, output):
     x, weight, _, _ = inputs
     ctx.save_for_backward(x, weight)
+    ctx.y_shapes = [tuple(y.shape) for y in output]
 
 
 def _split_grads(ctx, *dys, backward_op=short_conv_split_backward):
     x, weight = ctx.saved_tensors
-    # An output nobody used gets no gradient: zeros of its shape
+    # an output that nothing used comes without a gradient: zeros of its shape
     dys = [x.new_zeros(y_shape) if dy is None else dy.contiguous() for dy, y_shape in zip(dys, ctx.y_shapes)]
     dx, dw = backward_op(x, weight, *dys)
     return dx, dw, None, None
 
 
-def _split_setup_shapes(ctx, inputs, output):
-    _split_setup_context(ctx, inputs, output)
-    ctx.y_shapes = [tuple(y.shape) for y in output]
-
-
-short_conv_split_forward.register_autograd(_split_grads, setup_context=_split_setup_shapes)
-_EagerSplitConv = eager.twin(_split_forward, _split_setup_shapes, _split_grads,
+short_conv_split_forward.register_autograd(_split_grads, setup_context=_split_setup_context)
+_EagerSplitConv = eager.twin(_split_forward, _split_setup_context, _split_grads,
                              lambda x, weight, *dys: _backward_groups(x, weight, None, dys))
 
 
