@@ -180,9 +180,10 @@ def test_bad_shapes_and_a_tail_that_wants_a_gradient_are_refused():
 
 
 def small_tiles(monkeypatch, channels=16):
-    """Channel tiles of `channels` in the forward and every backward form, so that small groups fit."""
+    """Channel tiles of `channels` in the forward and every backward form, so that small groups fit
+    ("walk" keeps its 64-row chunks: T = 100 still spans two)."""
     monkeypatch.setattr(sc, "FORWARD_TILE", (32, channels))
-    monkeypatch.setitem(sc.BACKWARD_TILES, "walk", (16, channels, 1))
+    monkeypatch.setitem(sc.BACKWARD_TILES, "walk", (64, channels, 1))
     monkeypatch.setitem(sc.BACKWARD_TILES, "two_pass", (16, channels, 2))
 
 
