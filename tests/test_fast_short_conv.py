@@ -273,7 +273,7 @@ def test_split_conv_refuses_mismatched_weights():
 
 
 def test_a_model_takes_the_joined_convs_and_trains_the_same(monkeypatch):
-    """The tiny hybrid on the fast backend (q, k 64 and v 128 wide fit 16-wide tiles): every GDN and
+    """The tiny hybrid on the fast backend (q, k 64 and v 128 wide fit 64-wide tiles): every GDN and
     NAtS-L layer runs its q, k, v convs as one op on the joined product, and the logits and every
     parameter's gradient are bitwise those of one conv per slice (NATSL_JOINED_CONV=0)."""
     import dataclasses
@@ -281,7 +281,7 @@ def test_a_model_takes_the_joined_convs_and_trains_the_same(monkeypatch):
     import natsl
     from natsl.models import conv
 
-    small_tiles(monkeypatch)
+    small_tiles(monkeypatch, channels=64)
     calls = []
     real = sc.short_conv_silu_split
     monkeypatch.setattr(sc, "short_conv_silu_split", lambda *args: calls.append(1) or real(*args))
