@@ -343,6 +343,11 @@ def _group_edges(C: int, sizes: Sequence[int]) -> tuple[int, int]:
     return edges[0], edges[1]
 
 
+def _three(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The kernels' three group tensors: a missing group repeats the first (never indexed)."""
+    return (list(tensors) + [tensors[0]] * 2)[:3]
+
+
 def _forward_groups(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor],
                     sizes: Sequence[int]) -> list[torch.Tensor]:
     """SiLU(conv) of x [B, T, C] as one contiguous [B, T, size] tensor per channel group (1 to 3 groups
@@ -355,7 +360,7 @@ def _forward_groups(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.
     w = weight.reshape(C, W).contiguous()
     tail_t, stride_tb, stride_tw, has_tail = _tail_args(x, tail)
     block_t, block_c = FORWARD_TILE
-    y0, y1, y2 = (ys + [ys[0]] * 2)[:3]
+    y0, y1, y2 = _three(ys)
     grid = (B, -(-T // block_t), -(-C // block_c))
     _conv_fwd_kernel[grid](x, tail_t, w, y0, y1, y2, *_group_edges(C, sizes), T, C, x.stride(0), x.stride(1),
                            stride_tb, stride_tw, W=W, HAS_TAIL=has_tail, BLOCK_T=block_t, BLOCK_C=block_c,
@@ -384,7 +389,7 @@ def _backward_groups(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch
     form = _backward_form(W)
     block_t, block_c, warps = BACKWARD_TILES[form]
     n_tiles, n_ctiles = -(-T // block_t), -(-C // block_c)
-    dy0, dy1, dy2 = (list(dys) + [dys[0]] * 2)[:3]
+    dy0, dy1, dy2 = _three(dys)
     c1, c2 = _group_edges(C, [dy.shape[-1] for dy in dys])
     parts = torch.empty(B * n_tiles, W, C, dtype=torch.float32, device=x.device)
     if form == "walk":
@@ -420,9 +425,10 @@ def backward(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor]
 def split_fits(sizes: Sequence[int], W: int = 4) -> bool:
     """Whether three channel groups of these sizes can come out of one launch: every group edge a
     multiple of the channel tiles of the forward and of the backward form in use."""
+    if len(sizes) != 3:
+        return False
     tiles = (FORWARD_TILE[1], BACKWARD_TILES[_backward_form(W)][1])
-    edges = list(itertools.accumulate(sizes))[:-1]
-    return len(sizes) == 3 and all(edge % tile == 0 for edge in edges for tile in tiles)
+    return all(edge % tile == 0 for edge in _group_edges(sum(sizes), sizes) for tile in tiles)
 
 
 # The custom-op pair (opaque to torch.compile) and its eager twin, as the other fast ops (eager.py).
