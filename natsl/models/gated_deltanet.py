@@ -60,7 +60,7 @@ class GatedDeltaProjections(nn.Module):
             qkv = joined_product("gdn_qkv", [self.q_proj, self.k_proj, self.v_proj], x)
             if qkv is not None:  # the q|k|v product is one tensor: its three convs run as one op
                 q, k, v = joined_conv_silu(convs, qkv)
-                g, beta = self.gates(*group_product("gdn_ab", [self.a_proj, self.b_proj], x))
+                g, beta = self.gates(*self.gate_inputs(x))
                 return q, k, v, g, beta, (None, None, None)
         tails = conv_tails or (None, None, None)
         q, k, v, a, b = self.linear(x)
@@ -78,8 +78,11 @@ class GatedDeltaProjections(nn.Module):
         if merged is not None:
             return merged
         q, k, v = group_product("gdn_qkv", [self.q_proj, self.k_proj, self.v_proj], x)
-        a, b = group_product("gdn_ab", [self.a_proj, self.b_proj], x)
-        return q, k, v, a, b
+        return (q, k, v, *self.gate_inputs(x))
+
+    def gate_inputs(self, x: torch.Tensor):
+        """x [B, T, d] -> the raw H-wide projections a (decay) and b (write strength)."""
+        return group_product("gdn_ab", [self.a_proj, self.b_proj], x)
 
     def gates(self, a: torch.Tensor, b: torch.Tensor):
         """The a, b projections -> log decay g [B,T,H] (fp32) and write strength beta [B,T,H] (b's dtype)."""
