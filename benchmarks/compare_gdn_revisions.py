@@ -10,6 +10,11 @@ training shape, and B=1, T=32768), their outputs are compared (relative RMS erro
 against the baseline's), and they are timed interleaved (rounds of triton.testing.do_bench medians,
 alternating which goes first). Then the whole gated_delta_rule forward + backward is timed with the
 baseline's kernels swapped into natsl.fast.gated_delta.function and with the current ones.
+--variants times the current kernels also at other launch settings (each a comma list of KEY=VALUE
+overrides of the kernel's dict in config.py, e.g. "DOR_PASS=separate,num_warps=8"), each compared
+with the baseline; --shapes picks the (B, T) shapes. Outputs that hold per-tile partial sums along
+their first dim (grad_qk's dg, p1, p2) are compared as sums over it when the two revisions' tile
+counts differ.
 The baseline's modules import this tree's common.py, so the script refuses a baseline whose
 common.py differs (the comparison would then mix two revisions' helpers).
 """
@@ -37,7 +42,6 @@ from natsl.fast.gated_delta import config, function, gated_delta_rule  # noqa: E
 from natsl.provenance import provenance  # noqa: E402
 
 PACKAGE = ROOT / "natsl" / "fast" / "gated_delta"
-SHAPES = ((4, 4096), (1, 32768))
 ROUNDS = 5
 
 
@@ -46,6 +50,30 @@ def load_baseline(directory: Path, name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def parse_shapes(text: str) -> tuple[tuple[int, int], ...]:
+    """"8x4096,1x32768" -> ((8, 4096), (1, 32768))."""
+    return tuple(tuple(int(n) for n in part.split("x")) for part in text.split(",") if part)
+
+
+def parse_overrides(text: str) -> dict:
+    """"DOR_PASS=separate,num_warps=8,descriptors=true" -> {"DOR_PASS": "separate", "num_warps": 8,
+    "descriptors": True}."""
+    def typed(value: str):
+        if value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        return int(value) if value.lstrip("-").isdigit() else value
+
+    pairs = (item.split("=", 1) for item in text.split(",") if item)
+    return {key: typed(value) for key, value in pairs}
+
+
+def comparable(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two revisions' outputs as tensors of one shape: partial sums along dim 0 summed."""
+    if a.shape != b.shape and a.dim() == b.dim() and a.shape[1:] == b.shape[1:]:
+        return a.sum(0), b.sum(0)
+    return a, b
 
 
 def tensors(out):
@@ -66,8 +94,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--baseline", required=True, type=Path, help="the other revision's natsl/fast/gated_delta folder")
     ap.add_argument("--kernels", default="grad_qk,grad_wy", help="comma list of kernel modules to compare")
+    ap.add_argument("--shapes", default="4x4096,1x32768", help="comma list of BxT shapes")
+    ap.add_argument("--variants", nargs="*", default=[],
+                    help="other launch settings of the current kernels: KEY=VALUE,... overrides of config.py's dicts")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    shapes = parse_shapes(args.shapes)
     names = [n for n in args.kernels.split(",") if n]
     missing = [f for f in ["common"] + names if not (args.baseline / f"{f}.py").is_file()]
     if missing:
@@ -83,7 +115,7 @@ def main() -> None:
     config.INTERMEDIATE = "input"
     results = {"provenance": provenance(), "kernels": names, "stages": [], "whole": []}
     bench = sys.modules["device_gated_delta"]
-    for B, T in SHAPES:
+    for B, T in shapes:
         # The stage runner calls the launchers through device_gated_delta's globals: swap them there.
         for n in names:
             setattr(bench, n, getattr(current[n], n))
@@ -97,15 +129,36 @@ def main() -> None:
                     return stage()
                 return call
 
-            new_fn, old_fn = with_module(current[n]), with_module(baseline[n])
-            new_out, old_out = tensors(new_fn()), tensors(old_fn())
-            errors = [rel(a.float(), b.float()) for a, b in zip(new_out, old_out)]
-            ms = interleaved_ms({"baseline": old_fn, "current": new_fn})
-            row = dict(B=B, T=T, kernel=n, baseline_ms=ms["baseline"], current_ms=ms["current"],
-                       ratio=ms["current"] / ms["baseline"], max_rel_error=max(errors), rel_errors=errors)
-            results["stages"].append(row)
-            print(f"B={B} T={T:6d} {n:8s} baseline {ms['baseline']:.3f} ms  current {ms['current']:.3f} ms  "
-                  f"ratio {row['ratio']:.3f}  max rel error {max(errors):.2e}", flush=True)
+            settings = getattr(config, n.upper())
+            default = dict(settings)
+
+            def with_settings(fn, overrides):
+                def call():
+                    settings.clear()
+                    settings.update(default, **overrides)
+                    try:
+                        return fn()
+                    finally:
+                        settings.clear()
+                        settings.update(default)
+                return call
+
+            old_fn = with_module(baseline[n])
+            fns = {"current": with_module(current[n])}
+            fns.update({v: with_settings(fns["current"], parse_overrides(v)) for v in args.variants})
+            old_out = tensors(old_fn())
+            errors = {}
+            for name, fn in fns.items():
+                pairs = [comparable(a.float(), b.float()) for a, b in zip(tensors(fn()), old_out)]
+                errors[name] = [rel(a, b) for a, b in pairs]
+            ms = interleaved_ms({"baseline": old_fn, **fns})
+            for name in fns:
+                row = dict(B=B, T=T, kernel=n, variant=name, baseline_ms=ms["baseline"], current_ms=ms[name],
+                           ratio=ms[name] / ms["baseline"], max_rel_error=max(errors[name]),
+                           rel_errors=errors[name])
+                results["stages"].append(row)
+                print(f"B={B} T={T:6d} {n:8s} {name:28s} baseline {ms['baseline']:.3f} ms  current {ms[name]:.3f} "
+                      f"ms  ratio {row['ratio']:.3f}  max rel error {max(errors[name]):.2e}", flush=True)
             setattr(bench, n, getattr(current[n], n))
         del runner
         xs = inputs(T, seed=2, requires_grad=True, B=B)

@@ -50,6 +50,11 @@
 # Not yet run with this code: DDP / FSDP2 (nvidia-h200-x2 not lent), GDN and NAtS-L (RUNS="800m_gdn:170
 # 800m_natsl:210"), a profile of the new step (profile_training_step.py --recipe 800m_hybrid --compile
 # --optimizer --batch 8).
+# The eighteenth session: launch settings swept at micro-batch 8 (bash benchmarks/device_sweep_b8.sh): the
+# NAtS-L read's backward on 1 warp / 8 rows and grad_wy through TMA descriptors, hybrid 85,657 against 85,395
+# tokens/s for the previous commit's tree run the same way from a copy (cd copy && TAG=_old OUT=$OUT/old bash
+# benchmarks/device_next.sh); Transformer 89,862 (0.953x), GDN Hybrid 89,459. grad_qk as one program per
+# chunk was 1.49x slower (compare_gdn_revisions.py --variants), not kept.
 #   bash benchmarks/device_next.sh      (writes under $OUT; everything printed also lands in $OUT/log.txt)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/natsl_out}; mkdir -p $OUT

@@ -140,3 +140,37 @@ def test_compare_gdn_revisions_refuses_a_baseline_it_cannot_compare(tmp_path):
     other = subprocess.run(script, capture_output=True, text=True)
     assert other.returncode == 1
     assert "common.py differs" in other.stderr and "Traceback" not in other.stderr
+
+
+def test_compare_gdn_revisions_reads_shapes_settings_and_partial_sums():
+    """--shapes and --variants parse to (B, T) pairs and typed config overrides; outputs whose
+    per-tile partials differ in count along dim 0 are compared as their sums."""
+    import torch
+
+    compare = _bench_module("compare_gdn_revisions")
+    assert compare.parse_shapes("8x4096,1x32768") == ((8, 4096), (1, 32768))
+    assert compare.parse_overrides("DOR_PASS=separate,num_warps=8,descriptors=true") == {
+        "DOR_PASS": "separate", "num_warps": 8, "descriptors": True}
+    parts = torch.arange(24.0).view(3, 2, 4)
+    a, b = compare.comparable(parts.sum(0, keepdim=True), parts)
+    assert torch.equal(a, b)
+    same_shape = compare.comparable(torch.ones(2, 4), torch.full((2, 4), 2.0))
+    assert torch.equal(same_shape[0], torch.ones(2, 4)) and torch.equal(same_shape[1], torch.full((2, 4), 2.0))
+
+
+def test_bench_joined_product_pads_like_the_model_and_needs_a_gpu():
+    """The product benchmark pads output widths as natsl.models.linear does, and without CUDA says so
+    in one line instead of a traceback."""
+    from natsl.models.linear import ALIGN_ROWS
+
+    bench = _bench_module("bench_joined_product")
+    assert bench.ALIGN == ALIGN_ROWS
+    assert [bench.padded(w) for w in (4608, 12, 2304, 36)] == [4608, 16, 2304, 40]
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_joined_product.py")],
+                            capture_output=True, text=True)
+    assert result.returncode == 1
+    assert "CUDA" in result.stderr and "Traceback" not in result.stderr

@@ -145,6 +145,11 @@ def test_block_size_128_and_head_dims_not_powers_of_two():
     check(compare(1, 300, 2, 24, 40, seed=17, block_size=128), FP32_TOL, FP32_TOL)
 
 
+def test_several_k_tiles_with_a_masked_last_one():
+    """K = 80: two K tiles (64 + a masked 16) in grad_qk's grid and the state kernels' rows."""
+    check(compare(1, 70, 1, 80, 32, seed=23, write_kind="binary"), FP32_TOL, FP32_TOL)
+
+
 def test_route_gradient_matches_the_hand_written_oracle():
     """dL/dwrite against natsl.reference.route_grad.gated_delta_write_grad (no autograd inside)."""
     B, T, H, K, V = 1, 150, 2, 16, 32

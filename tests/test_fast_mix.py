@@ -51,7 +51,7 @@ def oracle(inputs, dout, eps):
 def test_fused_mix_matches_the_formula(dtype, b, t, heads, d, monkeypatch):
     """Output and the six gradients; rows not a multiple of the tile, one token, and (few programs)
     the backward's grid-stride loop over several row tiles per program."""
-    monkeypatch.setattr(mix, "PROGRAMS_PER_SM", 1)
+    monkeypatch.setitem(mix.BACKWARD, "PROGRAMS_PER_SM", 1)
     monkeypatch.setattr(mix, "sm_count", lambda device: 1)
     inputs, dout = make_inputs(b, t, heads, d, dtype)
     eps = 1e-6
@@ -63,6 +63,23 @@ def test_fused_mix_matches_the_formula(dtype, b, t, heads, d, monkeypatch):
     for name, grad, ref, x in zip(NAMES, grads, ref_grads, inputs):
         assert grad.dtype == x.dtype, name
         assert rel_rms(grad, ref) < grad_tol, (name, rel_rms(grad, ref))
+
+
+@pytest.mark.parametrize("settings", [{"BLOCK_ROWS": 16, "num_warps": 8}, {"BLOCK_ROWS": 64, "num_stages": 2}])
+def test_fused_mix_backward_settings_give_the_same_gradients(settings, monkeypatch):
+    """Other backward launch settings (bench_mix.py --sweep): the per-row gradients bitwise equal, the
+    norm weights' (summed in another order) within fp32 rounding."""
+    monkeypatch.setattr(mix, "sm_count", lambda device: 1)
+    inputs, dout = make_inputs(2, 37, 3, 32, torch.float32)
+    _, default = run(lambda *xs: mix.mix_branches(*xs, 1e-6), inputs, dout)
+    for key, value in settings.items():
+        monkeypatch.setitem(mix.BACKWARD, key, value)
+    _, other = run(lambda *xs: mix.mix_branches(*xs, 1e-6), inputs, dout)
+    for name, a, b in zip(NAMES, other, default):
+        if name.endswith("weight"):
+            assert rel_rms(a, b) < 1e-6, name
+        else:
+            assert torch.equal(a, b), name
 
 
 def test_fused_mix_rejects_what_it_cannot_take():

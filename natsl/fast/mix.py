@@ -25,8 +25,13 @@ from natsl.fast.block_sparse.forward import cast_to
 
 BLOCK_ROWS = 32
 NUM_WARPS = 4
-# Backward programs per SM (a grid-stride loop over row tiles keeps the weight-gradient buffer small).
-PROGRAMS_PER_SM = 8
+# The backward's launch: rows per tile, warps, software-pipelining stages (None: Triton's default) and
+# programs per SM (a grid-stride loop over row tiles keeps the weight-gradient buffer small).
+# `benchmarks/bench_mix.py --sweep` times other settings in place. Small programs won: one warp on 8
+# rows took 0.368 ms at the 800M training shape (8 x 4096 x 18 heads x 128) against 0.528 ms with the
+# earlier 4 warps on 32 rows; 8 warps on 64 rows 0.648, 4 warps on 64 rows 1.14 (H200, 2026-12-01,
+# docs/results/2026-12-01h/call3; per-row gradients bitwise equal across settings).
+BACKWARD = {"BLOCK_ROWS": 8, "num_warps": 1, "num_stages": None, "PROGRAMS_PER_SM": 8}
 
 
 @triton.jit
@@ -128,14 +133,18 @@ def backward(o_la, o_nla, logits, gate, la_weight, nla_weight, eps: float, dout)
     """(d o_la, d o_nla, d logits, d gate, d la_weight, d nla_weight), each in its input's dtype."""
     d = o_nla.shape[-1]
     n = o_nla.numel() // d
-    n_tiles = triton.cdiv(n, BLOCK_ROWS)
-    programs = max(1, min(n_tiles, PROGRAMS_PER_SM * sm_count(o_nla.device)))
+    block_rows = BACKWARD["BLOCK_ROWS"]
+    n_tiles = triton.cdiv(n, block_rows)
+    programs = max(1, min(n_tiles, BACKWARD["PROGRAMS_PER_SM"] * sm_count(o_nla.device)))
+    launch = {"num_warps": BACKWARD["num_warps"]}
+    if BACKWARD["num_stages"] is not None:
+        launch["num_stages"] = BACKWARD["num_stages"]
     dla, dnla, dlogits, dgate = (torch.empty_like(t) for t in (o_la, o_nla, logits, gate))
     parts = torch.empty(programs, 2, d, dtype=torch.float32, device=o_nla.device)
     if n:
         _mix_bwd_kernel[(programs,)](
             o_la, o_nla, logits, gate, la_weight, nla_weight, dout, dla, dnla, dlogits, dgate, parts,
-            n, n_tiles, eps, D=d, BLOCK_R=BLOCK_ROWS, num_warps=NUM_WARPS)
+            n, n_tiles, eps, D=d, BLOCK_R=block_rows, **launch)
     else:
         parts.zero_()
     # two separate sums: the custom op's outputs may not be views of one tensor

@@ -49,7 +49,10 @@ STATE_BWD = {"BV": 32, "BV_WIDE": 64, "num_warps": 4, "num_stages": 2, "SPLIT_LA
              "PROGRAMS_PER_SM": 2}
 GRAD_QK = {"BV": 32, "num_warps": 4, "num_stages": 3}
 # "descriptors": the loop tiles through host-side TMA descriptors (common.token_descriptors). Offline
-# (Triton 3.9, sm_90) that cuts the kernel's spill stack 1528 -> 216 B, but on the H200 (2026-12-01) it was
-# slower: 0.211 against 0.191 ms at B=4, T=4096 (outputs bitwise equal). Off.
-GRAD_WY = {"num_warps": 4, "num_stages": 3, "descriptors": False}
+# (Triton 3.9, sm_90) that cuts the kernel's spill stack 1528 -> 216 B. On the H200 a first single timing
+# (2026-12-01, sixteenth session) had it slower (0.211 against 0.191 ms at B=4, T=4096); timed interleaved
+# against the pointer tiles (benchmarks/compare_gdn_revisions.py --variants descriptors=true, eighteenth
+# session) it was faster: 0.343 against 0.371 ms at B=8 and 0.177 against 0.190 ms at B=4, T=4096, outputs
+# bitwise equal (docs/results/2026-12-01h/call3). On.
+GRAD_WY = {"num_warps": 4, "num_stages": 3, "descriptors": True}
 DECODE = {"BV": 32, "num_warps": 4}
