@@ -1,6 +1,6 @@
 """The Triton short conv + SiLU (natsl.fast.short_conv) against its formula compiled by Inductor (GPU).
 
-    PYTHONPATH=. python3 benchmarks/bench_short_conv.py [--out bench_short_conv.json]
+    PYTHONPATH=. python3 benchmarks/bench_short_conv.py [--out bench_short_conv.json] [--joined]
 
 Medians of triton.testing.do_bench, bf16, at an 800M training micro-batch [4, 4096, C] for the GDN
 layer's q/k (C = 1152) and v (2304) widths: the op's forward and its backward launcher
@@ -12,6 +12,11 @@ alone; and, with --with-compiled, torch.compile(natsl.models.pointwise.conv_silu
 it before the op, forward and forward+backward through autograd. GB/s counts the bytes a pass must
 move: forward x read and y written; backward dy and x read, dx written (the weight and its gradient
 are negligible).
+
+--joined times instead the op as training runs it since the seventeenth session: the three convs of a
+GDN projection as one launch each way over the joined q|k|v product (natsl.fast.short_conv's split op,
+widths 1152, 1152, 2304) at the recipes' micro-batch [8, 4096], under forward settings (tile, warps) and
+"walk" backward settings, each checked against the defaults' outputs.
 
 The first version (2026-11-30, sixth session) timed the op's forward+backward through
 torch.autograd.grad: at ~0.3-0.6 ms of GPU work that measured autograd's host time as much as the
@@ -34,12 +39,72 @@ TWO_PASS_TILES = ((64, 64, 4), (32, 64, 4))
 WALK_SETTINGS = ((64, 128, 1), (32, 128, 1), (128, 128, 1), (64, 64, 1), (64, 256, 2), (64, 128, 2), (32, 256, 2))
 
 
+# --joined: forward (time, channels, warps); channels must divide the group widths (split_fits)
+JOINED_FORWARD = ((32, 128, 4), (16, 128, 4), (64, 128, 4), (32, 128, 2), (16, 128, 2), (16, 128, 1), (8, 128, 1),
+                  (32, 64, 4), (32, 64, 2), (16, 64, 1), (64, 64, 4), (64, 128, 8))
+JOINED_WALK = ((64, 128, 1), (32, 128, 1), (16, 128, 1), (128, 128, 1), (64, 64, 1), (32, 64, 1), (128, 64, 1),
+               (64, 128, 2), (32, 128, 2), (64, 32, 1))
+
+
+def sweep_joined(path: str) -> None:
+    """The split op's forward and backward at [8, 4096, 1152 + 1152 + 2304] under each setting."""
+    import torch
+    from triton.testing import do_bench
+
+    from natsl.fast import short_conv as sc
+    from natsl.provenance import provenance
+
+    B, T, sizes = 8, 4096, [1152, 1152, 2304]
+    C = sum(sizes)
+    torch.manual_seed(0)
+    x = torch.randn(B, T, C, device="cuda", dtype=torch.bfloat16)
+    w = 0.5 * torch.randn(C, 1, 4, device="cuda")
+    dys = [torch.randn(B, T, c, device="cuda", dtype=torch.bfloat16) for c in sizes]
+    nbytes = {"forward": 2 * x.numel() * 2, "backward": 3 * x.numel() * 2}
+    tile0, warps0, walk0 = sc.FORWARD_TILE, sc.FORWARD_WARPS, sc.BACKWARD_TILES["walk"]
+    rows = []
+
+    def record(kind, setting, fn, expected):
+        """Outputs (forward) and dx (backward) must be bitwise the default's; dw, whose per-program
+        partials follow the rows per program, is compared as a relative difference."""
+        got = fn()
+        exact = got if kind == "forward" else got[:1]
+        equal = all(torch.equal(a, b) for a, b in zip(exact, expected))
+        dw_rel = 0.0 if kind == "forward" else ((got[1] - expected[1]).norm() / expected[1].norm()).item()
+        ms = do_bench(fn, warmup=25, rep=100)
+        rows.append({"pass": kind, "setting": setting, "ms": ms, "GB/s": nbytes[kind] / ms / 1e6, "equal": equal,
+                     "dw_rel": dw_rel})
+        print(f"{kind:8s} {str(setting):16s} {ms:7.3f} ms {nbytes[kind] / ms / 1e6:6.0f} GB/s  equal to default "
+              f"{equal}  dw rel {dw_rel:.0e}", flush=True)
+
+    forward = lambda: sc._forward_groups(x, w, None, sizes)  # noqa: E731
+    expected = forward()
+    for bt, bc, warps in JOINED_FORWARD:
+        sc.FORWARD_TILE, sc.FORWARD_WARPS = (bt, bc), warps
+        record("forward", (bt, bc, warps), forward, expected)
+    sc.FORWARD_TILE, sc.FORWARD_WARPS = tile0, warps0
+    backward = lambda: sc._backward_groups(x, w, None, dys)  # noqa: E731
+    expected = backward()
+    for setting in JOINED_WALK:
+        sc.BACKWARD_TILES["walk"] = setting
+        record("backward", setting, backward, expected)
+    sc.BACKWARD_TILES["walk"] = walk0
+    with open(path, "w") as fh:
+        json.dump({"provenance": provenance(), "B": B, "T": T, "sizes": sizes, "rows": rows}, fh, indent=1)
+    print(f"wrote {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="bench_short_conv.json")
     parser.add_argument("--with-compiled", action="store_true",
                         help="also time the formula compiled by Inductor (a minute of compiling)")
+    parser.add_argument("--joined", action="store_true",
+                        help="sweep the joined q|k|v op's settings at micro-batch 8 instead")
     args = parser.parse_args()
+    if args.joined:
+        sweep_joined(args.out)
+        return
     import torch
     from triton.testing import do_bench
 

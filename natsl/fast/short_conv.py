@@ -37,11 +37,15 @@ import triton.language as tl
 from natsl.errors import NatslError
 from natsl.fast import eager
 
-FORWARD_TILE = (32, 128)  # (time, channels); 4 warps
+FORWARD_TILE = (32, 128)  # (time, channels)
+FORWARD_WARPS = 4
 # Backward settings per form, the fastest of each at the 800M widths on the H200: "two_pass" (time,
 # channels, warps) of its first kernel (2026-11-30, seventh session); "walk" (rows per program,
-# channels, warps) (ninth session).
-BACKWARD_TILES = {"two_pass": (64, 64, 4), "walk": (64, 128, 1)}
+# channels, warps): 64 rows in the ninth session (separate convs, micro-batch 4); 128 rows since the
+# eighteenth, for the joined q|k|v op at micro-batch 8: 0.342 against 0.366 ms at [8, 4096, 4608], dx
+# bitwise equal (benchmarks/bench_short_conv.py --joined, docs/results/2026-12-01h/call6). The forward's
+# settings were within 1% of each other there (0.199-0.203 ms for 32 x 128 on 1-4 warps), so they stay.
+BACKWARD_TILES = {"two_pass": (64, 64, 4), "walk": (128, 128, 1)}
 # How the backward forms dx (each input row feeds the W output rows after it):
 #   "walk":     one kernel for W = 4 whose programs walk their rows one by one from the last, holding
 #               the shifted input rows and dL/d(pre-activation) rows in registers (other widths fall
@@ -364,7 +368,7 @@ def _forward_groups(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.
     grid = (B, -(-T // block_t), -(-C // block_c))
     _conv_fwd_kernel[grid](x, tail_t, w, y0, y1, y2, *_group_edges(C, sizes), T, C, x.stride(0), x.stride(1),
                            stride_tb, stride_tw, W=W, HAS_TAIL=has_tail, BLOCK_T=block_t, BLOCK_C=block_c,
-                           num_warps=4)
+                           num_warps=FORWARD_WARPS)
     return ys
 
 
