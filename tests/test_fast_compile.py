@@ -95,7 +95,10 @@ def test_trainer_with_compile_gives_the_eager_losses(tmp_path):
     from natsl.config import apply_overrides
     from natsl.training import TrainOptions, train
 
+    # One GDN and one NAtS-L layer (the tiny recipe has two of each): compiling is most of this test's
+    # CPU time, and it grows with the layers.
     recipe = apply_overrides(natsl.load_recipe("tiny_hybrid"), [
+        "model.num_layers=2", "model.natsl_layers=[1]",
         "train.seq_len=128", "train.micro_batch_size=2", "train.tokens_per_step=256", "train.eval_every=1000",
         "train.eval_tokens=128", "train.save_every=1000"])
     runs = {}
