@@ -47,6 +47,7 @@ SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 RECORD = r'''
 import importlib, json, os, sys
 os.environ["TRITON_INTERPRET"] = "1"
+os.environ["NATSL_SHORT_CONV_BACKWARD"] = "walk"  # the GPU default (the interpreter's is two passes)
 import torch
 import torch.nn.functional as F
 kernels = json.loads(sys.argv[1])

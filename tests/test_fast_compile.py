@@ -46,6 +46,7 @@ def test_short_conv_custom_op_passes_opcheck(with_tail):
 
 def test_split_short_conv_custom_op_passes_opcheck(monkeypatch):
     monkeypatch.setattr(short_conv, "FORWARD_TILE", (32, 8))
+    monkeypatch.setattr(short_conv, "BACKWARD_FORM", "walk")
     monkeypatch.setitem(short_conv.BACKWARD_TILES, "walk", (16, 8, 1))
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(2, 37, 32, generator=gen).requires_grad_()

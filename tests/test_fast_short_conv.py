@@ -272,6 +272,20 @@ def test_split_conv_refuses_mismatched_weights():
         sc.short_conv_silu_split(x, [torch.randn(16, 1, 4, device=DEVICE)] * 3)
 
 
+@pytest.mark.parametrize("form", BACKWARD_FORMS)
+def test_split_launches_refuse_tiles_that_straddle_a_group_edge(form, monkeypatch):
+    """Called past short_conv_silu_split's check (the custom op itself), a channel tile that would read
+    across a group edge is a clear error, not another group's values."""
+    use_backward_form(monkeypatch, form)
+    small_tiles(monkeypatch, channels=16)
+    x, weights, dys = split_inputs(5, [8, 8, 16])
+    weight = torch.cat(weights)
+    with pytest.raises(NatslError, match="not multiples"):
+        sc._forward_groups(x, weight, None, [8, 8, 16])
+    with pytest.raises(NatslError, match="not multiples"):
+        sc._backward_groups(x, weight, None, dys)
+
+
 def test_a_model_takes_the_joined_convs_and_trains_the_same(monkeypatch):
     """The tiny hybrid on the fast backend (q, k 64 and v 128 wide fit 64-wide tiles): every GDN and
     NAtS-L layer runs its q, k, v convs as one op on the joined product, and the logits and every

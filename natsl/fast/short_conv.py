@@ -352,6 +352,15 @@ def _group_edges(C: int, sizes: Sequence[int]) -> tuple[int, int]:
     return edges[0], edges[1]
 
 
+def _check_edges(edges: Sequence[int], C: int, block_c: int, where: str) -> None:
+    """A channel tile must not straddle two groups (it reads one group's tensor): refuse edges that are
+    not multiples of the tile, which split_fits keeps the public entry point from passing."""
+    bad = [edge for edge in edges if edge < C and edge % block_c]
+    if bad:
+        raise NatslError(f"short conv: group edges {bad} are not multiples of {where}'s {block_c}-channel tiles; "
+                         "call short_conv_silu_split, which falls back to one conv per group")
+
+
 def _three(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The kernels' three group tensors: a missing group repeats the first (never indexed)."""
     return (list(tensors) + [tensors[0]] * 2)[:3]
@@ -369,6 +378,7 @@ def _forward_groups(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.
     w = weight.reshape(C, W).contiguous()
     tail_t, stride_tb, stride_tw, has_tail = _tail_args(x, tail)
     block_t, block_c = FORWARD_TILE
+    _check_edges(_group_edges(C, sizes), C, block_c, "the forward")
     y0, y1, y2 = _three(ys)
     grid = (B, -(-T // block_t), -(-C // block_c))
     _conv_fwd_kernel[grid](x, tail_t, w, y0, y1, y2, *_group_edges(C, sizes), T, C, x.stride(0), x.stride(1),
@@ -400,6 +410,7 @@ def _backward_groups(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch
     n_tiles, n_ctiles = -(-T // block_t), -(-C // block_c)
     dy0, dy1, dy2 = _three(dys)
     c1, c2 = _group_edges(C, [dy.shape[-1] for dy in dys])
+    _check_edges((c1, c2), C, block_c, f"the {form} backward")
     parts = torch.empty(B * n_tiles, W, C, dtype=torch.float32, device=x.device)
     if form == "walk":
         _conv_bwd_walk_kernel[(B * n_tiles * n_ctiles,)](
