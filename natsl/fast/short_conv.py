@@ -378,10 +378,11 @@ def _forward_groups(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.
     w = weight.reshape(C, W).contiguous()
     tail_t, stride_tb, stride_tw, has_tail = _tail_args(x, tail)
     block_t, block_c = FORWARD_TILE
-    _check_edges(_group_edges(C, sizes), C, block_c, "the forward")
+    edges = _group_edges(C, sizes)
+    _check_edges(edges, C, block_c, "the forward")
     y0, y1, y2 = _three(ys)
     grid = (B, -(-T // block_t), -(-C // block_c))
-    _conv_fwd_kernel[grid](x, tail_t, w, y0, y1, y2, *_group_edges(C, sizes), T, C, x.stride(0), x.stride(1),
+    _conv_fwd_kernel[grid](x, tail_t, w, y0, y1, y2, *edges, T, C, x.stride(0), x.stride(1),
                            stride_tb, stride_tw, W=W, HAS_TAIL=has_tail, BLOCK_T=block_t, BLOCK_C=block_c,
                            num_warps=FORWARD_WARPS)
     return ys
