@@ -153,8 +153,8 @@ def stage_runner(T, B=1):
     scale = K**-0.5
     st = {}
     st["gc"], st["ai"], st["w"], st["u"] = prepare_chunks(k, v, g, beta, C, config.PREPARE, wdt)
-    st["h"], st["r"], _, _ = state_forward(st["w"], st["u"], k, st["gc"], w32, None, False, C, True, prec,
-                                           config.STATE_FWD)
+    st["h"], st["r"], _ = state_forward(st["w"], st["u"], k, st["gc"], w32, None, False, C, True, prec,
+                                        config.STATE_FWD)
     st["drl"] = local_dr(q, k, st["gc"], do, scale, C, prec, config.LOCAL_DR, wdt)
     st["dh"], st["dr"], _ = state_backward(q, k, st["w"], st["gc"], w32, do, st["drl"], None, False, scale, C, True,
                                            prec, config.STATE_BWD)

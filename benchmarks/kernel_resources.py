@@ -34,8 +34,8 @@ KERNELS = (("natsl.fast.gated_delta.prepare", "_prepare_kernel"), ("natsl.fast.g
            ("natsl.fast.gated_delta.grad_wy", "_grad_wy_kernel"), ("natsl.fast.short_conv", "_conv_bwd_walk_kernel"),
            ("natsl.fast.short_conv", "_conv_fwd_kernel"))
 # Launch settings beside the defaults: (kernel, constexpr overrides, num_warps, num_stages).
-VARIANTS = (("_state_fwd_kernel", {"BV": 32}, 4, 3), ("_state_fwd_kernel", {"FOLD_OUTPUT": False}, 4, 3),
-            ("_state_bwd_kernel", {"BV": 32}, 4, 2), ("_state_bwd_kernel", {"BV": 32}, 8, 2), ("_grad_wy_kernel", {}, 8, 3), ("_grad_qk_kernel", {}, 8, 3),
+VARIANTS = (("_state_fwd_kernel", {"BV": 32}, 4, 3), ("_state_bwd_kernel", {"BV": 32}, 4, 2),
+            ("_state_bwd_kernel", {"BV": 32}, 8, 2), ("_grad_wy_kernel", {}, 8, 3), ("_grad_qk_kernel", {}, 8, 3),
             ("_conv_bwd_walk_kernel", {"BLOCK_C": 64}, 1, 3), ("_grad_wy_kernel", {"DESC": True}, 4, 3))
 # Kernels whose tiles can come through TMA tensor descriptors (DESC=True; recorded with them off, as
 # None): argument -> the constexpr giving the block's width; the block is [1, C, 1, width] of a
@@ -76,9 +76,6 @@ q, k = (F.normalize(torch.randn(B, T, H, K), dim=-1).bfloat16().requires_grad_()
 v = torch.randn(B, T, H, V).bfloat16().requires_grad_()
 g = F.logsigmoid(torch.randn(B, T, H) + 2).requires_grad_()
 beta = torch.sigmoid(torch.randn(B, T, H)).bfloat16().requires_grad_()
-config.STATE_FWD["FOLD_OUTPUT"] = False  # first a forward with the output kernel (the prefill's form) ...
-gated_delta_rule(q, k, v, g, beta, torch.ones(B, 1, H))
-config.STATE_FWD["FOLD_OUTPUT"] = True  # ... then the training form, the recurrence writing the output
 o, _ = gated_delta_rule(q, k, v, g, beta, torch.ones(B, 1, H))
 o.float().sum().backward()
 x = torch.randn(1, 8, 128).bfloat16().requires_grad_()

@@ -289,43 +289,6 @@ def test_wide_state_slices_give_the_same_result(monkeypatch):
     check(errors, *TOL_SATURATED_BF16)
 
 
-def test_output_folds_into_the_recurrence_only_with_wide_slices():
-    """state.folds_output: the recurrence writes the output where it runs the wide slices (the training
-    shape), not at batch 1 (prefill: 72 programs on 132 SMs), not for fp32 intermediates, not when off."""
-    from natsl.fast.gated_delta.state import folds_output
-
-    cfg = {"BV": 32, "BV_WIDE": 64, "FOLD_OUTPUT": True}
-    assert folds_output(8, 6, 384, cfg, 132, torch.bfloat16)
-    assert not folds_output(1, 6, 384, cfg, 132, torch.bfloat16)
-    assert not folds_output(8, 6, 384, cfg, 132, torch.float32)
-    assert not folds_output(8, 6, 384, {**cfg, "FOLD_OUTPUT": False}, 132, torch.bfloat16)
-    assert not folds_output(8, 6, 32, cfg, 132, torch.bfloat16)  # one 32-wide slice: nothing wider to take
-
-
-@pytest.mark.parametrize("B,T,split,write_kind,scores", [
-    (1, 1, False, None, False), (2, 37, False, "binary", False), (1, 130, False, "binary", False),
-    (3, 70, True, "random", False), (2, 37, False, "binary", True), (3, 70, True, "random", True)])
-def test_output_folded_into_the_recurrence_equals_the_output_kernel(B, T, split, write_kind, scores, monkeypatch):
-    """config.STATE_FWD["FOLD_OUTPUT"]: the forward recurrence writing the output itself gives bitwise the
-    output kernel's result (same operands, same sums), so every gradient is unchanged too; T = 1, a
-    partial chunk, several chunks, and the split last round (both launches fold); with the intra-chunk
-    weights formed in the recurrence or read from their own pass (SCORES_PASS); near the reference (no
-    write mask at T = 1, where the bf16 route gradient of one token is noise either way)."""
-    from natsl.fast.gated_delta import state
-
-    monkeypatch.setattr(config, "INTERMEDIATE", "input")
-    monkeypatch.setitem(config.STATE_FWD, "SPLIT_LAST_ROUND", split)
-    sms = 2 if split else 1
-    monkeypatch.setattr(state, "sm_count", lambda device: sms)
-    assert state.folds_output(B, 1, 80, {**config.STATE_FWD, "FOLD_OUTPUT": True}, sms, torch.bfloat16)
-    if split:
-        assert len(state.batch_launches(B, 1, 80, config.STATE_FWD, sms, torch.bfloat16)) == 2
-    errors = outputs_equal_both_ways(monkeypatch, [(config.STATE_FWD, "FOLD_OUTPUT", (False, True)),
-                                                   (config.STATE_FWD, "SCORES_PASS", (False, scores))],
-                                     B, T, 1, 16, 80, seed=59, dtype=torch.bfloat16, write_kind=write_kind)
-    check(errors, *TOL_SATURATED_BF16)
-
-
 @pytest.mark.parametrize("T,dtype", [(1, torch.float32), (37, torch.float32), (200, torch.bfloat16)])
 def test_grad_wy_through_tensor_descriptors_equals_pointer_tiles(T, dtype, monkeypatch):
     """config.GRAD_WY["descriptors"] reads and writes grad_wy's loop tiles through 4-D tensor descriptors:
@@ -465,28 +428,6 @@ def test_gpu_grad_wy_through_tensor_descriptors(monkeypatch):
                             route_grad=route_grad, decay_skipped_blocks=decay, oracle=chunk_oracle, keep=True))
     (_, out_off), (errors_on, out_on) = runs
     assert all(torch.equal(a, b) for a, b in zip(out_off, out_on))
-    check(errors_on, *TOL[torch.bfloat16])
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("B,scores", [(4, False), (8, False), (8, True)])
-def test_gpu_output_folded_into_the_recurrence(B, scores, monkeypatch):
-    """config.STATE_FWD["FOLD_OUTPUT"] at the training shapes (B = 8 also splits the last round: both
-    launches fold; with and without SCORES_PASS) against the chunk oracle, and equal to the separate
-    output kernel's result (bitwise in
-    the interpreter; here within 1e-3, a bf16 rounding step, in case the compiler contracts the two
-    kernels' arithmetic differently)."""
-    _, T, seed, write_kind, route_grad, decay = GPU_CASES["training-shape-B4"]
-    runs = []
-    monkeypatch.setitem(config.STATE_FWD, "SCORES_PASS", scores)
-    for on in (False, True):
-        monkeypatch.setitem(config.STATE_FWD, "FOLD_OUTPUT", on)
-        runs.append(compare(B, T, 6, 192, 384, seed=seed, dtype=torch.bfloat16, write_kind=write_kind,
-                            route_grad=route_grad, decay_skipped_blocks=decay, oracle=chunk_oracle, keep=True))
-    (_, out_off), (errors_on, out_on) = runs
-    differences = [rel_rms(a, b) for a, b in zip(out_on, out_off)]
-    assert max(differences) <= 1e-3, differences
     check(errors_on, *TOL[torch.bfloat16])
 
 

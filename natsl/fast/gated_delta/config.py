@@ -37,14 +37,8 @@ PREPARE = {"num_warps": 2, "num_stages": 3}
 # 0.686 ms, outputs bitwise equal.
 # NATSL_STATE_SPLIT=0 turns the split off in both kernels (for side-by-side runs).
 SPLIT_LAST_ROUND = os.environ.get("NATSL_STATE_SPLIT", "1") != "0"
-# FOLD_OUTPUT (state.folds_output): where the recurrence runs the wide slices, it also writes the output
-# (the output kernel's formula on the S and R it holds) instead of a separate output pass rereading h and R.
-# NATSL_FOLD_OUTPUT=0 / 1 sets it for a whole run (side-by-side benchmarks). SCORES_PASS: the folded output's
-# intra-chunk weights (decayed, causal Q K^T) come from a pass of their own (output.chunk_scores) instead of
-# being formed in the recurrence, which then holds fewer registers.
-FOLD_OUTPUT = os.environ.get("NATSL_FOLD_OUTPUT", "1") != "0"
 STATE_FWD = {"BV": 32, "BV_WIDE": 64, "num_warps": 4, "num_stages": 3, "SPLIT_LAST_ROUND": SPLIT_LAST_ROUND,
-             "PROGRAMS_PER_SM": 2, "FOLD_OUTPUT": FOLD_OUTPUT, "SCORES_PASS": False, "FOLD_NUM_STAGES": 1}
+             "PROGRAMS_PER_SM": 2}
 OUTPUT = {"BV": 64, "num_warps": 4, "num_stages": 2}
 LOCAL_DR = {"BV": 64, "num_warps": 4, "num_stages": 3}
 # BV_WIDE as in the forward: at the training shapes the 64-wide slices took 0.481 against 0.538 ms

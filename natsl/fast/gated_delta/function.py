@@ -1,7 +1,6 @@
 """The op's custom-op pair with its autograd formula, and the public entry point with the reference's exact signature.
 
-Forward: prepare (gc, T, W, U per chunk) -> state recurrence (h, R, final state) -> output (or the
-recurrence writes the output itself, state.folds_output).
+Forward: prepare (gc, T, W, U per chunk) -> state recurrence (h, R, final state) -> output.
 Backward: local dR -> reverse state pass (dh, dR, d initial state) -> grad_qk -> grad_wy; the route
 gradient dL/dwrite_b = <dL/dS_start(b+1), S_end(b) - c S_start(b)> is p1 + (Gamma_b - c) p2.
 """
@@ -54,10 +53,9 @@ def _forward_impl(q, k, v, g, beta, write, initial_state, scale: float, output_f
     w32 = q.new_ones(B, NB, H, dtype=torch.float32) if write is None else write.to(torch.float32, copy=True)
     h0 = None if initial_state is None else initial_state.float().contiguous()
     gc, ai, w, u = prepare_chunks(k, v, g, beta, block_size, config.PREPARE, wdt)
-    h, r, final, o = state_forward(w, u, k, gc, w32, h0, output_final_state, block_size, decay_skipped_blocks,
-                                   prec, config.STATE_FWD, q=q, scale=scale)
-    if o is None:  # the recurrence did not write it (state.folds_output)
-        o = chunk_output(q, k, gc, h, r, scale, block_size, prec, config.OUTPUT)
+    h, r, final = state_forward(w, u, k, gc, w32, h0, output_final_state, block_size, decay_skipped_blocks,
+                                prec, config.STATE_FWD)
+    o = chunk_output(q, k, gc, h, r, scale, block_size, prec, config.OUTPUT)
     return o, (final if final is not None else q.new_empty(_EMPTY, dtype=torch.float32)), w32, gc, ai, w, h, r
 
 

@@ -54,34 +54,6 @@ def _output_kernel(
 
 
 @triton.jit(do_not_specialize=["T"])
-def _scores_kernel(
-    q_ptr, k_ptr, gc_ptr, p_ptr,
-    T, H,
-    K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
-):
-    # P = (Q K^T * exp(gc_i - gc_j) * [j <= i]) per chunk, as _output_kernel forms it, rounded to p's dtype.
-    n = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    t0 = n * C
-    row0 = b.to(tl.int64) * T * H + h
-    q_ptr += row0 * K
-    k_ptr += row0 * K
-    p_ptr += row0 * C
-    gc_ptr += row0
-    qk = tl.zeros([C, C], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        q = load_tile(q_ptr, t0, k0, T, H * K, K, C, BK)
-        k = load_tile(k_ptr, t0, k0, T, H * K, K, C, BK)
-        qk += mm(q, tl.trans(k), PREC)
-    gc = load_vec(gc_ptr, t0, T, H, C)
-    rows = tl.arange(0, C)
-    p = tl.where(rows[:, None] >= rows[None, :], qk * tl.exp(gc[:, None] - gc[None, :]), 0.0)
-    store_tile(p_ptr, p, t0, 0, T, H * C, C, C, C)
-
-
-@triton.jit(do_not_specialize=["T"])
 def _local_dr_kernel(
     q_ptr, k_ptr, gc_ptr, do_ptr, drl_ptr,
     scale, T, H,
@@ -128,18 +100,6 @@ def chunk_output(q, k, gc, h, r, scale: float, block_size: int, precision: str, 
         **launch_options(cfg, block_size, r.dtype),
     )
     return o
-
-
-def chunk_scores(q, k, gc, block_size: int, precision: str, cfg: dict, dtype) -> torch.Tensor:
-    """P [B,T,H,C] in `dtype`: each chunk's decayed, causal Q K^T (the output's intra-chunk weights), for a
-    recurrence that writes the output without forming them itself (state.state_forward)."""
-    B, T, H, K = q.shape
-    p = torch.empty(B, T, H, block_size, device=q.device, dtype=dtype)
-    _scores_kernel[(triton.cdiv(T, block_size), B * H)](
-        q, k, gc, p, T, H, K=K, C=block_size, BK=dim_tile(K), PREC=precision,
-        **launch_options(cfg, block_size, dtype),
-    )
-    return p
 
 
 def local_dr(q, k, gc, do, scale: float, block_size: int, precision: str, cfg: dict, work_dtype) -> torch.Tensor:

@@ -7,12 +7,6 @@ up to four BK-row register tiles (K = 192 is three tiles of 64; a tile past K is
 Forward, chunk n (S = S_start(n), stored as h[n] for the output and backward kernels):
     R = U - W S                               (pseudo values, stored)
     S <- a S + write * K_dec^T R              (the route commit; a, K_dec: common.chunk_decay)
-With FOLD_OUTPUT the forward also writes the chunk's output slice, the output kernel's formula
-(output.py) on the S and R it already holds: O = scale (diag(exp(gc)) Q S + (Q K^T * decay) R). The
-products Q S and Q K^T do not wait on the recurrence, so where the GPU is full of these latency-bound
-programs (the wide slices of training) they fill its gaps instead of rereading h and R in a pass of
-their own (config.STATE_FWD["FOLD_OUTPUT"]). With SCORES_PASS the chunk's decayed Q K^T comes from a
-pass of its own (output.chunk_scores) instead of from the recurrence (fewer registers held there).
 Backward, chunk n from last to first (D = dL/dS_start(n+1), stored as dh[n]):
     dR = dR_local + write * K_dec D           (stored)
     D  <- a D + scale (diag(exp(gc)) Q)^T dO - W^T dR
@@ -26,7 +20,6 @@ import triton.language as tl
 
 from natsl.devices import sm_count
 from natsl.fast.gated_delta.common import chunk_decay, dim_tile, launch_options, load_tile, load_tile_t, mm, store_tile
-from natsl.fast.gated_delta.output import chunk_scores
 
 
 @triton.jit
@@ -44,26 +37,12 @@ def _commit_tile(s, a, k_ptr, rd, t0, k0, T, H, K: tl.constexpr, C: tl.constexpr
     return a * s + mm(kt, rd, PREC)
 
 
-@triton.jit
-def _output_tile(qs, qk, q_ptr, k_ptr, s, t0, k0, T, H, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-                 PREC: tl.constexpr, SCORES: tl.constexpr):
-    """Adds one K tile's Q S and (unless SCORES: read ready-made) Q K^T: the output kernel's two sums, with
-    S as h stores it, in k's dtype."""
-    q = load_tile(q_ptr, t0, k0, T, H * K, K, C, BK)
-    qs += mm(q, s.to(q.dtype), PREC)
-    if not SCORES:
-        kt = load_tile_t(k_ptr, t0, k0, T, H * K, K, C, BK)
-        qk += mm(q, kt, PREC)
-    return qs, qk
-
-
 @triton.jit(do_not_specialize=["T", "NB"])  # one compile for every sequence length
 def _state_fwd_kernel(
-    w_ptr, u_ptr, k_ptr, gc_ptr, write_ptr, h0_ptr, h_ptr, r_ptr, ht_ptr, q_ptr, o_ptr, p_ptr,
-    scale, T, H, NB,
+    w_ptr, u_ptr, k_ptr, gc_ptr, write_ptr, h0_ptr, h_ptr, r_ptr, ht_ptr,
+    T, H, NB,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, DECAY_SKIPPED: tl.constexpr, PREC: tl.constexpr,
-    FOLD_OUTPUT: tl.constexpr, SCORES: tl.constexpr,
 ):
     iv = tl.program_id(0)
     bh = tl.program_id(1)
@@ -77,10 +56,6 @@ def _state_fwd_kernel(
     r_ptr += row0 * V
     gc_ptr += row0
     write_ptr += b.to(tl.int64) * NB * H + h
-    if FOLD_OUTPUT:
-        q_ptr += row0 * K
-        o_ptr += row0 * V
-        p_ptr += row0 * C
     wd = w_ptr.dtype.element_ty  # the intermediates' dtype: operands of both products
 
     s0 = tl.zeros([BK, BV], dtype=tl.float32)
@@ -118,30 +93,10 @@ def _state_fwd_kernel(
             ws += _ws_tile(w_ptr, s3, t0, 3 * BK, T, H, K, C, BK, PREC)
         r = load_tile(u_ptr, t0, v0, T, H * V, V, C, BV).to(tl.float32) - ws
         store_tile(r_ptr, r, t0, v0, T, H * V, V, C, BV)
-        if FOLD_OUTPUT:  # Q S and Q K^T on S_start, before the commit moves S on
-            qs = tl.zeros([C, BV], dtype=tl.float32)
-            qk = tl.zeros([C, C], dtype=tl.float32)
-            qs, qk = _output_tile(qs, qk, q_ptr, k_ptr, s0, t0, 0, T, H, K, C, BK, PREC, SCORES)
-            if NK > 1:
-                qs, qk = _output_tile(qs, qk, q_ptr, k_ptr, s1, t0, BK, T, H, K, C, BK, PREC, SCORES)
-            if NK > 2:
-                qs, qk = _output_tile(qs, qk, q_ptr, k_ptr, s2, t0, 2 * BK, T, H, K, C, BK, PREC, SCORES)
-            if NK > 3:
-                qs, qk = _output_tile(qs, qk, q_ptr, k_ptr, s3, t0, 3 * BK, T, H, K, C, BK, PREC, SCORES)
 
         # Commit: S <- a S + K^T (write * exp(G_last - gc) * R); the decay scales R's C rows, not K.
         gc, dec, wt, a = chunk_decay(gc_ptr, write_ptr, t0, n, T, H, C, DECAY_SKIPPED)
         rd = ((wt * dec)[:, None] * r).to(wd)
-        if FOLD_OUTPUT:
-            # R as the output kernel reads it back: rounded to the stored dtype
-            rs = r.to(r_ptr.dtype.element_ty)
-            if SCORES:  # P from output.chunk_scores, already in R's dtype
-                p = load_tile(p_ptr, t0, 0, T, H * C, C, C, C)
-            else:
-                rows = tl.arange(0, C)
-                p = tl.where(rows[:, None] >= rows[None, :], qk * tl.exp(gc[:, None] - gc[None, :]), 0.0)
-            o = scale * (tl.exp(gc)[:, None] * qs + mm(p.to(rs.dtype), rs, PREC))
-            store_tile(o_ptr, o, t0, v0, T, H * V, V, C, BV)
         s0 = _commit_tile(s0, a, k_ptr, rd, t0, 0, T, H, K, C, BK, PREC)
         if NK > 1:
             s1 = _commit_tile(s1, a, k_ptr, rd, t0, BK, T, H, K, C, BK, PREC)
@@ -303,17 +258,9 @@ def _rows(t, b0: int, b1: int):
     return None if t is None else t[b0:b1]
 
 
-def folds_output(B: int, H: int, V: int, cfg: dict, sms: int, work_dtype) -> bool:
-    """Whether the forward recurrence writes the output itself (cfg["FOLD_OUTPUT"]): only where it runs
-    the wide slices, i.e. where its programs fill the GPU anyway. At batch 1 (prefill) the recurrence is
-    the critical path on part of the SMs, and the output kernel's chunk-parallel programs use the rest."""
-    return bool(cfg.get("FOLD_OUTPUT")) and state_slice(V, cfg, B * H, sms, work_dtype) > min(cfg["BV"], dim_tile(V))
-
-
 def state_forward(w, u, k, gc, write, initial_state, output_final_state: bool, block_size: int,
-                  decay_skipped_blocks: bool, precision: str, cfg: dict, q=None, scale: float = 1.0):
-    """(h [B,NB,H,K,V] in k's dtype, R [B,T,H,V] in u's dtype, final state [B,H,K,V] fp32 or None, o):
-    o [B,T,H,V] in q's dtype when `q` is given and `folds_output`, else None (run output.chunk_output)."""
+                  decay_skipped_blocks: bool, precision: str, cfg: dict):
+    """(h [B,NB,H,K,V] in k's dtype, R [B,T,H,V] in u's dtype, final state [B,H,K,V] fp32 or None)."""
     B, T, H, K = k.shape
     V = u.shape[-1]
     NB = triton.cdiv(T, block_size)
@@ -321,24 +268,14 @@ def state_forward(w, u, k, gc, write, initial_state, output_final_state: bool, b
     h = torch.empty(B, NB, H, K, V, device=k.device, dtype=k.dtype)
     r = torch.empty(B, T, H, V, device=k.device, dtype=u.dtype)
     final = torch.empty(B, H, K, V, device=k.device, dtype=torch.float32) if output_final_state else None
-    sms = sm_count(k.device)
-    fold = q is not None and folds_output(B, H, V, cfg, sms, u.dtype)
-    o = torch.empty(B, T, H, V, device=k.device, dtype=q.dtype) if fold else None
-    scores = fold and bool(cfg.get("SCORES_PASS"))
-    # the fold's extra tiles need more shared memory per pipeline stage (3 stages: 353 KB on the H200)
-    settings = {**cfg, "num_stages": cfg["FOLD_NUM_STAGES"]} if fold else cfg
-    p = chunk_scores(q, k, gc, block_size, precision, cfg, u.dtype) if scores else None
-    for b0, b1, BV in batch_launches(B, H, V, cfg, sms, u.dtype):
-        rows = (_rows(t, b0, b1) for t in (w, u, k, gc, write, initial_state, h, r, final))
-        # q, o and p are never read without the fold (p: without the scores pass)
-        q_o_p = (_rows(q, b0, b1), _rows(o, b0, b1), _rows(p, b0, b1) if scores else k) if fold else (k, k, k)
+    for b0, b1, BV in batch_launches(B, H, V, cfg, sm_count(k.device), u.dtype):
         _state_fwd_kernel[(triton.cdiv(V, BV), (b1 - b0) * H)](
-            *rows, *q_o_p, scale, T, H, NB,
+            *(_rows(t, b0, b1) for t in (w, u, k, gc, write, initial_state, h, r, final)), T, H, NB,
             K=K, V=V, C=block_size, BK=BK, BV=BV, NK=NK,
             HAS_H0=initial_state is not None, STORE_HT=output_final_state, DECAY_SKIPPED=decay_skipped_blocks,
-            PREC=precision, FOLD_OUTPUT=fold, SCORES=scores, **launch_options(settings, block_size, u.dtype),
+            PREC=precision, **launch_options(cfg, block_size, u.dtype),
         )
-    return h, r, final, o
+    return h, r, final
 
 
 def state_backward(q, k, w, gc, write, do, dr_local, d_final, want_dh0: bool, scale: float, block_size: int,
