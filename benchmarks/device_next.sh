@@ -55,6 +55,11 @@
 # tokens/s for the previous commit's tree run the same way from a copy (cd copy && TAG=_old OUT=$OUT/old bash
 # benchmarks/device_next.sh); Transformer 89,862 (0.953x), GDN Hybrid 89,459. grad_qk as one program per
 # chunk was 1.49x slower (compare_gdn_revisions.py --variants), not kept.
+# The nineteenth session: all five with this code on one held H200 (calls 3-6, each recipe in a call of its own
+# after the first two): hybrid 88,300, Transformer 92,217 (0.958x), GDN Hybrid 91,789 (0.962x), GDN 93,783,
+# NAtS-L 76,147 tokens/s. nvidia-smi sampled beside the runs (--query-gpu=clocks.sm,power.draw -lms 1000):
+# every training step runs at the ~690 W power limit, SM clock ~1.7 GHz. The GDN output folded into the
+# forward recurrence was slower (its code is in commit 1c9ae28). Not yet run with this code: DDP / FSDP2.
 #   bash benchmarks/device_next.sh      (writes under $OUT; everything printed also lands in $OUT/log.txt)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/natsl_out}; mkdir -p $OUT
