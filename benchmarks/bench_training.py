@@ -11,8 +11,10 @@ the cache), with `--max-steps` steps of one micro-batch per rank each (set --tok
 gradient accumulation), no checkpoint and a one-window evaluation. The first `--warmup-steps`
 steps (allocation, autotuning, compilation) are left out of the averages. MFU uses
 natsl.training.flops (6 N per token plus attention/GDN terms, measured keep fraction) over the
-bf16 peak of the GPU (989 TFLOP/s for H100/H200). Results: OUT/bench_training.json, .png, and a
-table on stdout.
+bf16 peak of the GPU (989 TFLOP/s for H100/H200). Where NVML can tell (nvidia-ml-py; gpu_meter.py),
+each result also holds the timed steps' energy per step, mean power and SM clock: the H200 trains at
+its power limit, so joules per step are what a step costs. Results: OUT/bench_training.json, .png, and
+a table on stdout.
 """
 
 from __future__ import annotations
@@ -27,9 +29,13 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from gpu_meter import GpuMeter  # noqa: E402
 SYSTEMS_800M = ["800m_hybrid", "800m_gdn_hybrid", "800m_transformer", "800m_gdn", "800m_natsl"]
 
 
@@ -62,17 +68,19 @@ def worker(args) -> None:
               "cuda_graphs": args.cuda_graphs,
               "parallel": args.parallel,
               "activation_checkpointing": args.activation_checkpointing}
-    with tempfile.TemporaryDirectory(prefix="natsl-bench-") as out:
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    step_ends: list[float] = []  # host time at the end of each step (its GPU work done)
+    with tempfile.TemporaryDirectory(prefix="natsl-bench-") as out, GpuMeter.for_device(device) as meter:
         try:
             run = train(recipe, TrainOptions(out_dir=out, resume="never", device=args.device, backend=args.backend,
                                              compile=args.compile, max_steps=args.max_steps, save_final=False,
-                                             progress=False, log=lambda *_: None))
+                                             progress=False, log=lambda *_: None,
+                                             on_step=lambda record: step_ends.append(time.perf_counter())))
         except torch.cuda.OutOfMemoryError as err:
             result.update(status="oom", error=str(err).splitlines()[0])
         else:
             steps = [r for r in run.history[args.warmup_steps:] if not r["skipped"]]
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() \
-                else torch.device("cpu")
             seconds = sum(r["time_s"] for r in steps)
             tps = len(steps) * tokens_per_step / seconds if seconds else float("nan")
             keeps = [v for r in steps for v in r["keep"].values()]
@@ -90,6 +98,17 @@ def worker(args) -> None:
                                            if device.type == "cuda" else None),
                           device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                           params=None)
+            # Energy of the timed steps (from the end of the last warm-up step), where NVML can tell: the
+            # H200 trains at its power limit, so joules per step are what a step costs (gpu_meter.py)
+            timed = len(run.history) - args.warmup_steps
+            first = args.warmup_steps - 1
+            if timed > 0 and len(step_ends) == len(run.history):
+                start = step_ends[first] if first >= 0 else step_ends[0] - run.history[0]["time_s"]
+                power = meter.window(start, step_ends[-1])
+                if power is not None:
+                    result.update(energy_j_per_step=power["energy_j"] / timed,
+                                  tokens_per_joule=timed * tokens_per_step / power["energy_j"],
+                                  **{k: v for k, v in power.items() if k != "energy_j"})
             from torch._dynamo.utils import counters
 
             # compiled regions that fell back to plain launches (each also logged with its reason)
@@ -221,7 +240,7 @@ def main() -> None:
         (out / "bench_training.json").write_text(json.dumps(results, indent=2))
     plot(results, out / "bench_training.png")
     print(f"\n{'recipe':<20} {'params':>8} {'mbs':>4} {'tok/s':>10} {'tok/s/GPU':>10} {'MFU':>7} {'keep':>5} "
-          f"{'step ms':>8} {'median':>7} {'mem GiB':>8}")
+          f"{'step ms':>8} {'median':>7} {'mem GiB':>8} {'J/step':>7} {'W':>5} {'SM MHz':>6}")
     for r in results:
         if r.get("status") != "ok":
             print(f"{r['recipe']:<20} {r.get('status')}: {r.get('error', '')}")
@@ -229,9 +248,11 @@ def main() -> None:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
         mem = f"{r['peak_memory_gib']:.1f}" if r["peak_memory_gib"] is not None else "n/a"
         median = f"{r['step_ms_median']:.0f}" if r.get("step_ms_median") is not None else "n/a"
+        energy = (f"{r['energy_j_per_step']:>7.1f} {r['power_w_mean']:>5.0f} {r['sm_clock_mhz_median']:>6.0f}"
+                  if r.get("energy_j_per_step") is not None else f"{'n/a':>7} {'n/a':>5} {'n/a':>6}")
         print(f"{r['recipe']:<20} {r['params'] / 1e6:>7.1f}M {r['micro_batch_size']:>4} {r['tokens_per_s']:>10,.0f} "
               f"{r['tokens_per_s_per_gpu']:>10,.0f} {mfu:>7} {r['keep_fraction']:>5.2f} {r['step_ms']:>8.0f} "
-              f"{median:>7} {mem:>8}")
+              f"{median:>7} {mem:>8} {energy}")
     print(f"\nwrote {out / 'bench_training.json'} and {out / 'bench_training.png'}")
 
 

@@ -374,6 +374,25 @@ def test_cuda_graphs_train_as_the_plain_compiled_model(tmp_path, accumulate, mon
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3)
 
 
+def test_on_step_sees_each_step_record_as_it_ends(tmp_path, cache_env, monkeypatch):
+    """TrainOptions.on_step (what benchmarks hang meters on): called once per step, in order, with the very
+    records the history holds."""
+    from natsl.config import apply_overrides
+    from natsl.training import TrainOptions, train
+
+    for key, value in cache_env.items():
+        monkeypatch.setenv(key, value)
+    recipe = apply_overrides(natsl.load_recipe("tiny_hybrid"), [
+        "train.seq_len=128", "train.micro_batch_size=4", "train.tokens_per_step=512", "train.eval_every=1000",
+        "train.save_every=1000", "data.path=builtin"])
+    seen = []
+    run = train(recipe, TrainOptions(out_dir=str(tmp_path / "run"), resume="never", device="cpu", backend="chunked",
+                                     max_steps=3, save_final=False, progress=False, log=lambda *_: None,
+                                     on_step=seen.append))
+    assert [r["step"] for r in seen] == [1, 2, 3] and len(run.history) == 3
+    assert all(a is b for a, b in zip(seen, run.history))
+
+
 def test_fused_step_with_clip_equals_clip_then_step():
     """In process on fused CPU AdamW: clipping active and inactive, no clipping, and a non-finite step
     skipped on the device (parameters, moments and the step count untouched)."""

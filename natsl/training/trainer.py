@@ -54,6 +54,9 @@ class TrainOptions:
     loss_chunk: int = DEFAULT_CHUNK  # tokens per chunk of logits in the loss; 0: the full logits (for checks)
     progress: bool = True
     log: Callable[[str], None] = print
+    # called on every rank with each step's metrics record, right after the step (whose GPU work is then
+    # done: the record's loss was read back); benchmarks hang their meters on it
+    on_step: Optional[Callable[[dict], None]] = None
 
 
 @dataclass
@@ -549,6 +552,8 @@ class Trainer:
                     record = self.optimizer_step(samples)
                     step = record["step"]
                     result.history.append(record)
+                    if self.options.on_step is not None:
+                        self.options.on_step(record)
                     if info.is_main:
                         self.metrics.write(record)
                     if not record["skipped"]:

@@ -1,0 +1,87 @@
+"""benchmarks/gpu_meter.py: energy over a window from NVML's cumulative counter, here against a fake NVML
+whose board draws a known constant power (the real one needs a GPU and nvidia-ml-py)."""
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+from gpu_meter import GpuMeter, interpolate  # noqa: E402
+
+
+class ConstantBoard:
+    """NVML's calls for one board that draws `watts` from the first read on, at a fixed SM clock."""
+    NVML_CLOCK_SM = 1
+
+    def __init__(self, watts: float, mhz: int):
+        self.watts, self.mhz, self.t0 = watts, mhz, time.perf_counter()
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle):  # mJ, as NVML counts them (an integer)
+        return int(1000 * self.watts * (time.perf_counter() - self.t0)) + 5_000_000
+
+    def nvmlDeviceGetPowerUsage(self, handle):  # mW
+        return int(1000 * self.watts)
+
+    def nvmlDeviceGetClockInfo(self, handle, which):
+        assert which == self.NVML_CLOCK_SM
+        return self.mhz
+
+
+def test_interpolate_is_linear_between_samples_and_none_outside():
+    samples = [(0.0, 10.0), (1.0, 20.0), (3.0, 60.0)]
+    assert interpolate(samples, 0.5) == pytest.approx(15.0)
+    assert interpolate(samples, 2.0) == pytest.approx(40.0)
+    assert interpolate(samples, 1.0) == 20.0
+    assert interpolate(samples, -0.1) is None and interpolate(samples, 3.5) is None and interpolate([], 1.0) is None
+
+
+def test_window_gives_the_energy_power_and_clock_of_a_stretch():
+    board = ConstantBoard(watts=690.0, mhz=1700)
+    with GpuMeter(handle=object(), nvml=board, interval_s=0.01) as meter:
+        time.sleep(0.05)
+        t0 = time.perf_counter()
+        time.sleep(0.3)
+        t1 = time.perf_counter()
+        time.sleep(0.05)
+    window = meter.window(t0, t1)
+    assert window["energy_j"] == pytest.approx(690.0 * (t1 - t0), rel=0.02)
+    assert window["power_w_mean"] == pytest.approx(690.0, rel=0.02)
+    assert window["sm_clock_mhz_median"] == 1700 and window["samples"] >= 5
+    assert meter.window(t0 - 10, t1) is None  # before the first sample: no guess
+
+
+def test_no_meter_off_cuda_and_the_fields_are_left_out():
+    meter = GpuMeter.for_device(torch.device("cpu"))
+    assert not meter.available
+    with meter:
+        pass
+    assert meter.window(0.0, 1.0) is None
+
+
+def test_bench_training_reports_the_timed_steps_energy(tmp_path, monkeypatch):
+    """bench_training's worker with a meter on a fake 690 W board (on the CPU): the timed steps' joules per
+    step are the board's power times their mean step time, and tokens per joule follow from them."""
+    import argparse
+    import json
+
+    import bench_training
+
+    monkeypatch.setenv("NATSL_CACHE_DIR", str(tmp_path / "cache"))
+    board = ConstantBoard(watts=690.0, mhz=1700)
+    monkeypatch.setattr(bench_training.GpuMeter, "for_device",
+                        classmethod(lambda cls, device, interval_s=0.05: cls(object(), board, 0.005)))
+    result = tmp_path / "result.json"
+    args = argparse.Namespace(worker="tiny_hybrid", tokens_per_step=None, micro_batch_size=2, seq_len=64,
+                              activation_checkpointing=False, parallel="ddp", cuda_graphs=False, max_steps=4,
+                              warmup_steps=1, device="cpu", backend="chunked", compile=False, result=str(result))
+    bench_training.worker(args)
+    r = json.loads(result.read_text())
+    assert r["status"] == "ok" and r["steps_timed"] == 3
+    # the window runs from the end of the warm-up step to the end of the last one: the timed steps' own time
+    assert r["energy_j_per_step"] == pytest.approx(690.0 * r["step_ms"] / 1000, rel=0.1)
+    assert r["tokens_per_joule"] == pytest.approx(r["tokens_per_step"] / r["energy_j_per_step"], rel=1e-6)
+    assert r["power_w_mean"] == pytest.approx(690.0, rel=0.1) and r["sm_clock_mhz_median"] == 1700
