@@ -174,3 +174,22 @@ def test_bench_joined_product_pads_like_the_model_and_needs_a_gpu():
                             capture_output=True, text=True)
     assert result.returncode == 1
     assert "CUDA" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_energy_blocks_adds_up_each_recipes_stack_on_a_cpu(tmp_path):
+    """benchmarks/energy_blocks.py as a CPU smoke run: one block of each of the tiny hybrid's kinds timed
+    forward + backward, and the recipe's stack the layer counts times them; no meter off CUDA, so no joules."""
+    import json
+
+    out = tmp_path / "blocks.json"
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "energy_blocks.py"), "--recipes", "tiny_hybrid",
+                             "--batch", "1", "--seq-len", "70", "--device", "cpu", "--backend", "chunked",
+                             "--no-compile", "--rounds", "1", "--seconds", "0.05", "--out", str(out)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    data = json.loads(out.read_text())
+    blocks = {b["layer_type"]: b for b in data["blocks"]}
+    assert set(blocks) == {"gdn", "natsl"} and all(b["ms"] > 0 and b["j"] is None for b in blocks.values())
+    (stack,) = data["stacks"]
+    assert stack["layers"] == {"gdn": 2, "natsl": 2} and stack["j"] is None
+    assert stack["ms"] == 2 * blocks["gdn"]["ms"] + 2 * blocks["natsl"]["ms"]

@@ -61,6 +61,16 @@ def add_then_norm(x: torch.Tensor, residual, norm: RMSNorm):
     return x, kernels.rms_norm(x, norm.weight, norm.eps)
 
 
+def rope_table_for(c: ModelConfig, length: int, device) -> RopeTable | None:
+    """The RoPE angles that every rotating layer of a model of config `c` shares in one full-sequence
+    forward, for each rotating head dim (None: no layer rotates). See RopeTable: a compiled model gains
+    only from a table made outside it."""
+    types = c.layer_types()
+    dims = ([c.attn_head_dim] if c.attn_rope and "attention" in types else []) + \
+        ([c.softmax_k_dim] if c.natsl_rope and "natsl" in types else [])
+    return RopeTable(length, c.rope_theta, device, dims) if dims else None
+
+
 class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig, device=None):
         super().__init__()
@@ -121,14 +131,8 @@ class CausalLM(nn.Module):
         return self.norm(x)
 
     def rope_table(self, length: int, device) -> RopeTable | None:
-        """The RoPE angles every rotating layer of one full-sequence forward shares, for each rotating
-        head dim (None: no layer rotates). See RopeTable: a compiled model gains only from a table
-        made outside it."""
-        c = self.config
-        types = c.layer_types()
-        dims = ([c.attn_head_dim] if c.attn_rope and "attention" in types else []) + \
-            ([c.softmax_k_dim] if c.natsl_rope and "natsl" in types else [])
-        return RopeTable(length, c.rope_theta, device, dims) if dims else None
+        """The RoPE angles every rotating layer of one full-sequence forward shares (rope_table_for)."""
+        return rope_table_for(self.config, length, device)
 
     # -- incremental inference (contract section 4; natsl/inference, docs/inference.md) -------
 
