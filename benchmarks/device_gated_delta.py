@@ -238,6 +238,22 @@ SWEEP_TRAIN = {  # in order of the stages' share of the hybrid's step (call 6 of
 }
 
 
+# The two sequential kernels with a register cap (`maxnreg`): at the 255-register cap two programs share an
+# SM, so at B=8 they hold ~2.2 latency-bound recurrences per SM. Offline (Triton 3.6, sm_90,
+# benchmarks/kernel_resources.py) a cap of 168 fits three programs per SM and 128 four, at more spill stack
+# (state forward BV 32: 144 -> 992 / 1704 B; state backward BV 32: 336 -> 1408 / 2296 B). PROGRAMS_PER_SM
+# follows the cap so that the last round's split (state.batch_launches) counts the right slots. Not yet
+# run on the GPU (2026-12-02): `--sweep-set regcap`.
+SWEEP_REGCAP = {
+    "input": {
+        stage: [dict(BV=bv, BV_WIDE=wide, num_warps=4, num_stages=stages, SPLIT_LAST_ROUND=split,
+                     PROGRAMS_PER_SM=per_sm, maxnreg=cap)
+                for bv, wide in ((32, 64), (32, 32)) for cap, per_sm in ((168, 3), (128, 4)) for split in (True, False)]
+        for stage, stages in (("STATE_FWD", 3), ("STATE_BWD", 2))
+    },
+}
+
+
 def sweep(results, T, mode, budget_s, B=1, variants=SWEEP, only=None):
     """Time every stage under its variants, each checked against the default settings' output;
     return the fastest verified settings per stage."""
@@ -349,6 +365,8 @@ def main():
     ap.add_argument("--sweep-shape", default=f"1,{LENGTHS[-1]}",
                     help="B,T of the sweep; B > 1 (a training micro-batch, e.g. 4,4096 or 8,4096) widens the variants (SWEEP_TRAIN)")
     ap.add_argument("--stages", default="", help="comma list of the stages to sweep (default: all)")
+    ap.add_argument("--sweep-set", choices=("default", "regcap"), default="default",
+                    help="regcap: the sequential kernels under register caps (SWEEP_REGCAP)")
     args = ap.parse_args()
     modes = tuple(filter(None, args.modes.split(",")))
     skip = set(filter(None, args.skip.split(",")))
@@ -364,6 +382,8 @@ def main():
     steps = [("check", lambda: correctness(results))]
     sweep_b, sweep_t = (int(x) for x in args.sweep_shape.split(","))
     variants = SWEEP_TRAIN if sweep_b > 1 else SWEEP  # batched shapes: training micro-batches
+    if args.sweep_set == "regcap":
+        variants = SWEEP_REGCAP
     for mode in modes:
         steps.append(("sweep", lambda mode=mode: best.__setitem__(
             mode, sweep(results, sweep_t, mode, args.sweep_budget, sweep_b, variants,

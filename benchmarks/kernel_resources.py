@@ -105,6 +105,9 @@ def resources(launch: dict, name: str, overrides: dict, num_warps: int, num_stag
     fn = getattr(importlib.import_module(launch["module"]), name)
     kw = {k: v for k, v in launch["kw"].items() if k not in ("num_warps", "num_stages")}
     kw.update(overrides)
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    if "maxnreg" in kw:  # a compile option (the register cap per thread), not a constexpr
+        options["maxnreg"] = kw.pop("maxnreg")
     signature, constexprs = {}, {}
     for i, arg in enumerate(fn.arg_names):
         kind = launch["types"].get(arg)
@@ -118,7 +121,7 @@ def resources(launch: dict, name: str, overrides: dict, num_warps: int, num_stag
         else:
             signature[arg] = POINTER.get(kind, kind)
     compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+                              target=GPUTarget("cuda", 90, 32), options=options)
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])

@@ -289,6 +289,20 @@ def test_wide_state_slices_give_the_same_result(monkeypatch):
     check(errors, *TOL_SATURATED_BF16)
 
 
+def test_register_caps_reach_the_launch_and_keep_the_result(monkeypatch):
+    """A `maxnreg` in a stage's dict (the register-cap sweep, device_gated_delta.SWEEP_REGCAP) becomes a launch
+    option, none otherwise; the op runs with caps on both sequential kernels and stays near the reference."""
+    from natsl.fast.gated_delta.common import launch_options
+
+    cfg = {"num_warps": 4, "num_stages": 3}
+    assert launch_options(cfg, 64, torch.bfloat16) == {"num_warps": 4, "num_stages": 3}
+    assert launch_options({**cfg, "maxnreg": 128}, 64, torch.bfloat16) == {"num_warps": 4, "num_stages": 3,
+                                                                           "maxnreg": 128}
+    monkeypatch.setitem(config.STATE_FWD, "maxnreg", 128)
+    monkeypatch.setitem(config.STATE_BWD, "maxnreg", 168)
+    check(compare(1, 70, 2, 16, 32, seed=61), FP32_TOL, FP32_TOL)
+
+
 @pytest.mark.parametrize("T,dtype", [(1, torch.float32), (37, torch.float32), (200, torch.bfloat16)])
 def test_grad_wy_through_tensor_descriptors_equals_pointer_tiles(T, dtype, monkeypatch):
     """config.GRAD_WY["descriptors"] reads and writes grad_wy's loop tiles through 4-D tensor descriptors:

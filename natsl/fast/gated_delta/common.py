@@ -170,12 +170,16 @@ def token_descriptors(tensors, rows: int, cols: int, enabled: bool):
 
 
 def launch_options(cfg: dict, block_size: int, work_dtype) -> dict:
-    """num_warps / num_stages of a launch. 128-token chunks take one stage, and 32-bit chunk
-    intermediates (`work_dtype`) at most two: their tiles are twice as wide, and a third stage
-    needs more shared memory than the H200 has (242 KB of 227 KB for prepare)."""
+    """num_warps / num_stages of a launch (and `maxnreg`, a cap on registers per thread, where the dict
+    sets one). 128-token chunks take one stage, and 32-bit chunk intermediates (`work_dtype`) at most
+    two: their tiles are twice as wide, and a third stage needs more shared memory than the H200 has
+    (242 KB of 227 KB for prepare)."""
     stages = cfg["num_stages"]
     if block_size > 64:
         stages = 1
     elif work_dtype.itemsize >= 4:
         stages = min(stages, 2)
-    return {"num_warps": cfg["num_warps"], "num_stages": stages}
+    options = {"num_warps": cfg["num_warps"], "num_stages": stages}
+    if cfg.get("maxnreg"):
+        options["maxnreg"] = cfg["maxnreg"]
+    return options
