@@ -63,7 +63,8 @@
 # Since then bench_training's JSON and table also give joules per step, tokens per joule, mean power and the
 # SM clock (benchmarks/gpu_meter.py, NVML through nvidia-ml-py): first GPU run still to come; so does
 # benchmarks/energy_blocks.py (ms and joules of one GDN / NAtS-L / softmax block, fwd + bwd, at 8 x 4096),
-# and bash benchmarks/device_regcap_b8.sh (the sequential GDN kernels under register caps, 3-4 programs/SM).
+# and bash benchmarks/device_regcap_b8.sh (the sequential GDN kernels under register caps, 3-4 programs/SM);
+# both in one call: bash benchmarks/device_energy_and_regcap.sh.
 #   bash benchmarks/device_next.sh      (writes under $OUT; everything printed also lands in $OUT/log.txt)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/natsl_out}; mkdir -p $OUT
