@@ -55,10 +55,11 @@ class GpuMeter:
 
             pynvml.nvmlInit()
             props = torch.cuda.get_device_properties(device)
-            if hasattr(props, "pci_bus_id"):
-                bus_id = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
-                handle = pynvml.nvmlDeviceGetHandleByPciBusId(bus_id.encode())
-            else:  # an older torch: NVML's order is CUDA's where CUDA_VISIBLE_DEVICES does not reorder
+            try:  # NVML spells bus ids in upper-case hex, e.g. 00000000:3B:00.0
+                bus_id = f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
+                handle = pynvml.nvmlDeviceGetHandleByPciBusId(bus_id)
+            except Exception:  # noqa: BLE001 - an older torch, or no match: NVML's order is CUDA's where
+                # CUDA_VISIBLE_DEVICES does not reorder
                 handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
             pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)  # refuses on boards without the counter
         except Exception:  # noqa: BLE001 - any failure means "no meter", never a failed benchmark

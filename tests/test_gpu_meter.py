@@ -85,3 +85,38 @@ def test_bench_training_reports_the_timed_steps_energy(tmp_path, monkeypatch):
     assert r["energy_j_per_step"] == pytest.approx(690.0 * r["step_ms"] / 1000, rel=0.1)
     assert r["tokens_per_joule"] == pytest.approx(r["tokens_per_step"] / r["energy_j_per_step"], rel=1e-6)
     assert r["power_w_mean"] == pytest.approx(690.0, rel=0.1) and r["sm_clock_mhz_median"] == 1700
+
+
+def test_the_meter_finds_the_cuda_device_by_pci_bus_id_or_else_by_index(monkeypatch):
+    """GpuMeter.for_device on a CUDA device, with NVML and the device's properties faked: the board is looked
+    up by the PCI bus id NVML spells (upper-case hex), and by index where that lookup fails."""
+    import types
+
+    calls = []
+
+    class FakeNvml(ConstantBoard):
+        def __init__(self, bus_ok):
+            super().__init__(watts=500.0, mhz=1500)
+            self.bus_ok = bus_ok
+
+        def nvmlInit(self):
+            calls.append("init")
+
+        def nvmlDeviceGetHandleByPciBusId(self, bus_id):
+            calls.append(bus_id)
+            if not self.bus_ok:
+                raise RuntimeError("NVML_ERROR_NOT_FOUND")
+            return "by-bus"
+
+        def nvmlDeviceGetHandleByIndex(self, index):
+            calls.append(index)
+            return "by-index"
+
+    props = types.SimpleNamespace(pci_domain_id=0, pci_bus_id=0x3B, pci_device_id=0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    for bus_ok, handle in ((True, "by-bus"), (False, "by-index")):
+        calls.clear()
+        monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(bus_ok))
+        meter = GpuMeter.for_device(torch.device("cuda", 1))
+        assert meter.available and meter.handle == handle
+        assert calls[:2] == ["init", "00000000:3B:00.0"] and calls[2:] == ([] if bus_ok else [1])
