@@ -108,14 +108,12 @@ def main() -> None:
     parser.add_argument("--out", default="energy_blocks.json")
     args = parser.parse_args()
     device = torch.device(args.device)
-    kinds = {}  # (recipe, layer type) -> config
-    for name in args.recipes:
-        config = natsl.load_recipe(name).model
-        for layer_type in sorted(set(config.layer_types())):
-            kinds[(name, layer_type)] = config
+    configs = {name: natsl.load_recipe(name).model for name in args.recipes}
+    kinds = {(name, layer_type): config for name, config in configs.items()  # (recipe, layer type) -> config
+             for layer_type in sorted(set(config.layer_types()))}
     steps = {key: block_step(config, key[1], args.batch, args.seq_len, args.keep, device, args.backend,
                              not args.no_compile) for key, config in kinds.items()}
-    measured = {key: {"ms": [], "j": [], "windows": []} for key in kinds}
+    measured = {key: {"ms": [], "windows": []} for key in kinds}
     with GpuMeter.for_device(device, interval_s=0.02) as meter:
         for _ in range(args.rounds):  # round-robin, so that drift in clock and temperature spreads over all
             for key, (step, leaves) in steps.items():
@@ -123,19 +121,19 @@ def main() -> None:
                 measured[key]["ms"].append(ms)
                 energy = energy_j(step, leaves, device, meter, max(3, round(1000 * args.seconds / ms)))
                 if energy is not None:
-                    measured[key]["j"].append(energy["j_per_call"])
                     measured[key]["windows"].append(energy)
                 print(f"{key[0]:18s} {key[1]:10s} {ms:8.3f} ms"
                       + (f"  {energy['j_per_call']:7.3f} J  {energy['power_w_mean']:5.0f} W  "
                          f"{energy['sm_clock_mhz_median']:5.0f} MHz" if energy else ""), flush=True)
     blocks = []
     for (name, layer_type), m in measured.items():
+        joules = [w["j_per_call"] for w in m["windows"]]
         blocks.append({"recipe": name, "layer_type": layer_type, "ms": statistics.median(m["ms"]),
-                       "j": statistics.median(m["j"]) if m["j"] else None, "rounds": m})
+                       "j": statistics.median(joules) if joules else None, "rounds": m})
     stacks = []
-    print(f"\n| recipe | layers | stack ms (fwd + bwd) | stack J |\n|---|---|---|---|")
-    for name in args.recipes:
-        counts = Counter(natsl.load_recipe(name).model.layer_types())
+    print("\n| recipe | layers | stack ms (fwd + bwd) | stack J |\n|---|---|---|---|")
+    for name, config in configs.items():
+        counts = Counter(config.layer_types())
         mine = {b["layer_type"]: b for b in blocks if b["recipe"] == name}
         ms = sum(n * mine[t]["ms"] for t, n in counts.items())
         j = sum(n * mine[t]["j"] for t, n in counts.items()) if all(mine[t]["j"] is not None for t in counts) else None

@@ -98,8 +98,8 @@ class GpuMeter:
         t0 < t1, or None without a meter or samples spanning the window."""
         if not self.available:
             return None
-        e0 = interpolate([(s[0], s[1]) for s in self.samples], t0)
-        e1 = interpolate([(s[0], s[1]) for s in self.samples], t1)
+        energy = [(s[0], s[1]) for s in self.samples]
+        e0, e1 = interpolate(energy, t0), interpolate(energy, t1)
         if e0 is None or e1 is None or t1 <= t0:
             return None
         inside = [s for s in self.samples if t0 <= s[0] <= t1] or [min(self.samples, key=lambda s: abs(s[0] - t0))]
