@@ -72,6 +72,8 @@ def worker(args) -> None:
         else torch.device("cpu")
     step_ends: list[float] = []  # host time at the end of each step (its GPU work done)
     with tempfile.TemporaryDirectory(prefix="natsl-bench-") as out, GpuMeter.for_device(device) as meter:
+        if device.type == "cuda" and not meter.available:
+            print(f"{args.worker}: no energy meter ({meter.reason}): times only", flush=True)
         try:
             run = train(recipe, TrainOptions(out_dir=out, resume="never", device=args.device, backend=args.backend,
                                              compile=args.compile, max_steps=args.max_steps, save_final=False,

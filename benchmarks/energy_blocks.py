@@ -115,6 +115,8 @@ def main() -> None:
                              not args.no_compile) for key, config in kinds.items()}
     measured = {key: {"ms": [], "windows": []} for key in kinds}
     with GpuMeter.for_device(device, interval_s=0.02) as meter:
+        if not meter.available:
+            print(f"no energy meter ({meter.reason}): times only", flush=True)
         for _ in range(args.rounds):  # round-robin, so that drift in clock and temperature spreads over all
             for key, (step, leaves) in steps.items():
                 ms = time_ms(step, leaves, device)

@@ -36,8 +36,9 @@ def interpolate(samples: list[tuple[float, float]], t: float) -> Optional[float]
 
 
 class GpuMeter:
-    def __init__(self, handle=None, nvml=None, interval_s: float = 0.05):
+    def __init__(self, handle=None, nvml=None, interval_s: float = 0.05, reason: str = ""):
         self.handle, self.nvml, self.interval_s = handle, nvml, interval_s
+        self.reason = reason  # why there is no meter (printed by the benchmarks), "" where there is one
         # (time, energy mJ, power W, SM clock MHz)
         self.samples: list[tuple[float, float, float, float]] = []
         self._stop = threading.Event()
@@ -48,7 +49,7 @@ class GpuMeter:
         """A meter on the NVML device that is this CUDA device (matched by PCI bus id), or an unavailable
         one (off CUDA, or without nvidia-ml-py / the driver's NVML)."""
         if getattr(device, "type", "cpu") != "cuda":
-            return cls()
+            return cls(reason="not a CUDA device")
         try:
             import pynvml
             import torch
@@ -62,8 +63,8 @@ class GpuMeter:
                 # CUDA_VISIBLE_DEVICES does not reorder
                 handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
             pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)  # refuses on boards without the counter
-        except Exception:  # noqa: BLE001 - any failure means "no meter", never a failed benchmark
-            return cls()
+        except Exception as error:  # noqa: BLE001 - any failure means "no meter", never a failed benchmark
+            return cls(reason=f"{type(error).__name__}: {error}")
         return cls(handle, pynvml, interval_s)
 
     @property

@@ -71,6 +71,43 @@ def kernel_kind(name: str) -> str:
     return "other (PyTorch elementwise, copies, reductions)"
 
 
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_addmm_activation")
+
+
+def product_dims(shapes: list) -> tuple | None:
+    """(batch, M, K, N) of a matmul op from its recorded input shapes: the first two operands that chain
+    ([.., M, K] then [.., K, N]); None where none do (e.g. shapes not recorded)."""
+    operands = [tuple(s) for s in shapes if isinstance(s, (list, tuple)) and len(s) in (2, 3)]
+    for a, b in zip(operands, operands[1:]):
+        if len(a) == len(b) and a[-1] == b[-2] and a[:-2] == b[:-2]:
+            return (a[0] if len(a) == 3 else 1, a[-2], a[-1], b[-1])
+    return None
+
+
+def matmul_shapes(events, cuda: bool) -> list[dict]:
+    """Matmul time grouped by (M, K, N, kernel): which products run below the others' TFLOP/s. Needs a
+    profile with record_shapes and CPU activity, so that each kernel hangs under the op that launched it."""
+    groups: dict = {}
+    for event in events:
+        if event.name not in MATMUL_OPS:
+            continue
+        dims = product_dims(event.input_shapes)
+        if dims is None:
+            continue
+        kernels = [k for k in getattr(event, "kernels", [])] if cuda else []
+        us = sum(k.duration for k in kernels) if cuda else event.self_cpu_time_total
+        kernel = max(kernels, key=lambda k: k.duration).name[:70] if kernels else event.name
+        row = groups.setdefault((*dims, kernel), {"batch": dims[0], "m": dims[1], "k": dims[2], "n": dims[3],
+                                                  "kernel": kernel, "calls": 0, "ms": 0.0})
+        row["calls"] += 1
+        row["ms"] += us / 1e3
+    rows = sorted(groups.values(), key=lambda r: -r["ms"])
+    for r in rows:
+        r["gflop"] = 2 * r["batch"] * r["m"] * r["k"] * r["n"] * r["calls"] / 1e9
+        r["tflops"] = r["gflop"] / r["ms"] if r["ms"] > 0 else None
+    return rows
+
+
 def idle_gaps(prof, min_us: float = 20.0) -> dict:
     """The GPU's idle time between the first and last kernel of a profiled CUDA timeline: gaps between
     consecutive kernels (by start time) longer than `min_us`, largest first, with their neighbours."""
@@ -134,6 +171,8 @@ def main() -> None:
     parser.add_argument("--host-head", action="store_true",
                         help="also profile one step with host activity: the host's time from the step's start "
                              "to its first kernel launch, and what it did before it")
+    parser.add_argument("--matmul-shapes", action="store_true",
+                        help="also profile one step with shapes recorded and sum matmul time by (M, K, N, kernel)")
     parser.add_argument("--phases", action="store_true",
                         help="also time steps with host clocks and CUDA events at the ends of the forward, the "
                              "backward and the optimizer step (where the wall time beyond the kernels goes)")
@@ -245,6 +284,21 @@ def main() -> None:
             for e in head["before_first_launch"]:
                 print(f"  {e['ms']:8.3f} ms at {e['at_ms']:7.3f} ms  {e['cat']:15s} {e['name']}")
 
+    products = None
+    if args.matmul_shapes:
+        activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+        with torch.profiler.profile(activities=activities, record_shapes=True) as shape_prof:
+            step()
+            sync()
+        products = matmul_shapes(shape_prof.events(), cuda)
+        total_ms, total_gflop = sum(r["ms"] for r in products), sum(r["gflop"] for r in products)
+        print(f"matmuls by shape: {total_ms:.1f} ms, {total_gflop / 1e3:.1f} TFLOP, "
+              f"{total_gflop / max(total_ms, 1e-9):.0f} TFLOP/s overall")
+        print("      ms  calls   TFLOP/s  batch x M x K x N  kernel")
+        for r in products[:args.top]:
+            print(f"{r['ms']:8.2f} {r['calls']:6d} {r['tflops'] or 0:9.1f}  {r['batch']} x {r['m']} x {r['k']} x {r['n']}"
+                  f"  {r['kernel']}")
+
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA if cuda
                                                 else torch.profiler.ProfilerActivity.CPU]) as prof:
         step()
@@ -277,7 +331,7 @@ def main() -> None:
                                               "optimizer": args.optimizer, "kinds_ms": kinds,
                                               "step_ms": step_ms, "kernel_ms_total": total, "kernels": rows,
                                               "idle": gaps, "fold_compare_ms": fold_ms, "phases_ms": phases,
-                                              "host_head": head},
+                                              "host_head": head, "matmul_shapes": products},
                                              indent=1))
 
 

@@ -108,6 +108,31 @@ def test_host_head_is_the_host_time_before_the_first_launch():
     assert profile_training_step.host_head(events[1:]) == {}  # no step mark
 
 
+def test_matmul_shapes_sum_each_product_and_its_rate():
+    """profile_training_step --matmul-shapes: kernels summed under the (M, K, N, kernel) of the op that
+    launched them, with the products' TFLOP/s; ops whose operands do not chain are left out."""
+    from types import SimpleNamespace as Event
+
+    profile_training_step = _bench_module("profile_training_step")
+    assert profile_training_step.product_dims([[32768, 1536], [1536, 4608]]) == (1, 32768, 1536, 4608)
+    assert profile_training_step.product_dims([[4608], [32768, 1536], [1536, 4608], [], []]) == (1, 32768, 1536, 4608)
+    assert profile_training_step.product_dims([[8, 64, 32], [8, 32, 16]]) == (8, 64, 32, 16)
+    assert profile_training_step.product_dims([[3, 4], [5, 6]]) is None
+
+    def kernel(name, us):
+        return Event(name=name, duration=us)
+
+    events = [Event(name="aten::mm", input_shapes=[[1000, 2000], [2000, 500]], kernels=[kernel("nvjet_a", 100.0)]),
+              Event(name="aten::mm", input_shapes=[[1000, 2000], [2000, 500]], kernels=[kernel("nvjet_a", 300.0)]),
+              Event(name="aten::addmm", input_shapes=[[500], [1000, 2000], [2000, 500], [], []],
+                    kernels=[kernel("splitK", 150.0), kernel("reduce", 10.0)]),
+              Event(name="aten::add", input_shapes=[[1000, 2000], [1000, 2000]], kernels=[kernel("add", 50.0)]),
+              Event(name="aten::mm", input_shapes=[], kernels=[kernel("nvjet_b", 70.0)])]
+    rows = profile_training_step.matmul_shapes(events, cuda=True)
+    assert [(r["kernel"], r["calls"], round(r["ms"], 3)) for r in rows] == [("nvjet_a", 2, 0.4), ("splitK", 1, 0.16)]
+    assert rows[0]["gflop"] == 2 * 2 * 1000 * 2000 * 500 / 1e9 and rows[0]["tflops"] == rows[0]["gflop"] / 0.4
+
+
 def test_kernel_resources_compiles_the_fast_kernels_for_hopper_on_a_cpu(tmp_path):
     """benchmarks/kernel_resources.py: the launches recorded from an interpreted run, each compiled for
     sm_90 with a resource line read back (registers within the hardware's 1..255). A process of its
