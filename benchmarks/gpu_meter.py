@@ -99,6 +99,11 @@ class GpuMeter:
         t0 < t1, or None without a meter or samples spanning the window."""
         if not self.available:
             return None
+        # Asked while the meter runs, right after the work: wait for a sample past t1 to interpolate against
+        deadline = time.perf_counter() + 10 * self.interval_s + 1.0
+        while (self._thread is not None and self._thread.is_alive() and time.perf_counter() < deadline
+               and (not self.samples or self.samples[-1][0] < t1)):
+            time.sleep(self.interval_s / 4)
         energy = [(s[0], s[1]) for s in self.samples]
         e0, e1 = interpolate(energy, t0), interpolate(energy, t1)
         if e0 is None or e1 is None or t1 <= t0:

@@ -54,6 +54,20 @@ def test_window_gives_the_energy_power_and_clock_of_a_stretch():
     assert meter.window(t0 - 10, t1) is None  # before the first sample: no guess
 
 
+def test_a_window_asked_while_metering_waits_for_a_sample_past_its_end():
+    """energy_blocks.py asks right after the work, inside the meter: the newest sample is then older than
+    the window's end, and the answer must wait for the next one instead of giving up."""
+    board = ConstantBoard(watts=500.0, mhz=1800)
+    with GpuMeter(handle=object(), nvml=board, interval_s=0.2) as meter:
+        time.sleep(0.05)
+        t0 = time.perf_counter()
+        time.sleep(0.5)
+        t1 = time.perf_counter()
+        assert meter.samples[-1][0] < t1
+        window = meter.window(t0, t1)
+    assert window is not None and window["energy_j"] == pytest.approx(500.0 * (t1 - t0), rel=0.05)
+
+
 def test_no_meter_off_cuda_and_the_fields_are_left_out():
     meter = GpuMeter.for_device(torch.device("cpu"))
     assert not meter.available and meter.reason == "not a CUDA device"
