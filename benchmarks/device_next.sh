@@ -65,6 +65,13 @@
 # benchmarks/energy_blocks.py (ms and joules of one GDN / NAtS-L / softmax block, fwd + bwd, at 8 x 4096),
 # and bash benchmarks/device_regcap_b8.sh (the sequential GDN kernels under register caps, 3-4 programs/SM);
 # both in one call: bash benchmarks/device_energy_and_regcap.sh.
+# The twentieth session ran them: register caps slower everywhere (state fwd 0.399 ms vs 0.524-1.274, bwd 0.686
+# vs 0.891-1.509); joules per block GDN 11.08, NAtS-L 13.52, attention 9.91 J; this script's JSON with joules:
+# hybrid 85,290 tokens/s and 267.6 J/step, Transformer 89,014 and 254.4 J (0.958x; 0.951x per joule). The
+# hybrid's matmuls run at the Transformer's rate (profile_training_step.py --matmul-shapes: 719 vs 724
+# TFLOP/s, 2% more work); the six NAtS-L blocks' ~2.4 J each over a GDN block is more than the whole gap, so
+# the next lever is the routed attention's backward (dq and dk/dv as two kernels that each recompute P; one
+# kernel adding dq through fp32 atomics, as cuDNN and FlashAttention do, would drop 2 of its 7 products).
 #   bash benchmarks/device_next.sh      (writes under $OUT; everything printed also lands in $OUT/log.txt)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/natsl_out}; mkdir -p $OUT
