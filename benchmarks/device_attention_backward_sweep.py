@@ -25,47 +25,9 @@ sys.path.insert(0, os.path.dirname(HERE))
 KEYS = ("BLOCK_N", "BLOCK_M", "num_warps", "num_stages")
 DKDV = [(64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 4), (64, 32, 4, 3), (64, 32, 2, 3), (64, 64, 8, 3),
         (32, 32, 4, 3), (32, 32, 2, 3)]
-# dq inside the dk/dv kernel (--dq-inside): one more product and an fp32 tile of atomic adds per visit
-DKDV_FUSED = [(64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 8, 3), (64, 64, 8, 2), (64, 32, 4, 3), (64, 32, 4, 2),
-              (32, 32, 4, 3), (32, 32, 2, 3)]
 DQ_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
 DQ = [(128, 64, 4, 2), (128, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 4, 3), (128, 128, 8, 2),
       (64, 128, 4, 2)]
-
-
-def dq_inside(run, want, config, result, out_dir, rounds, do_bench) -> None:
-    """The whole backward with the separate dq kernel (defaults) against dq added from the dk/dv programs
-    (fp32 atomics) under each dk/dv setting; outputs checked against the separate kernel's, medians of
-    interleaved rounds."""
-    import statistics
-
-    saved = dict(config.BACKWARD_DKDV)
-    variants = [("separate dq kernel", False, None)] + [("dq inside dk/dv", True, v) for v in DKDV_FUSED]
-    times: dict = {}
-    for _ in range(rounds):
-        for label, fused, values in variants:
-            config.DQ_IN_DKDV = fused
-            config.BACKWARD_DKDV.update(saved if values is None else dict(zip(KEYS, values)))
-            key = (label, values)
-            try:
-                if key not in times:
-                    got = [x.float() for x in run()]
-                    rel = [float((a - b).norm() / b.norm().clamp_min(1e-30)) for a, b in zip(got, want)]
-                    times[key] = {"rel_diff_vs_separate": rel, "ms": []}
-                times[key]["ms"].append(do_bench(run, warmup=25, rep=200, return_mode="median"))
-            except Exception as e:  # a setting that does not compile or fit is reported, not fatal
-                times[key] = {"error": repr(e)[:200], "ms": []}
-    config.DQ_IN_DKDV = False
-    config.BACKWARD_DKDV.clear()
-    config.BACKWARD_DKDV.update(saved)
-    print("\n| dq | dk/dv setting (BLOCK_N BLOCK_M warps stages) | whole backward ms | rel. diff dq, dk, dv, dkeep |\n|---|---|---|---|")
-    for (label, values), row in times.items():
-        ms = statistics.median(row["ms"]) if row["ms"] else None
-        result["rows"].append({"dq": label, "setting": values, **row, "median_ms": ms})
-        diff = ", ".join(f"{d:.1e}" for d in row.get("rel_diff_vs_separate", []))
-        print(f"| {label} | {values or 'default'} | {f'{ms:.3f}' if ms else row.get('error')} | {diff} |")
-    with open(os.path.join(out_dir, "attention_backward_dq_inside.json"), "w") as f:
-        json.dump(result, f, indent=1)
 
 
 def main() -> None:
@@ -73,11 +35,6 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--keep", type=float, default=0.55)
-    parser.add_argument("--dq-inside", action="store_true",
-                        help="the separate dq kernel against dq inside the dk/dv kernel (config.DQ_IN_DKDV) under "
-                             "each dk/dv setting, interleaved rounds")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--device", default="cuda", help="cuda; cpu (TRITON_INTERPRET=1) only smoke-tests the script")
     args = parser.parse_args()
     import torch
     from triton.testing import do_bench
@@ -92,20 +49,16 @@ def main() -> None:
     out_dir = os.environ.get("OUT", "/tmp/attention_backward_sweep")
     os.makedirs(out_dir, exist_ok=True)
     B, T, H, G, DK, DV = args.batch, args.length, 18, 6, 64, 128
-    q, k, v, do = bench.attention_inputs(B, T, H, DK, DV, torch.bfloat16, args.device)
+    q, k, v, do = bench.attention_inputs(B, T, H, DK, DV, torch.bfloat16, "cuda")
     NB = -(-T // 64)
-    lists = build_block_lists(bench.random_keep(B, NB, G, args.keep, args.device), B, NB, G, args.device)
+    lists = build_block_lists(bench.random_keep(B, NB, G, args.keep, "cuda"), B, NB, G, "cuda")
     o, lse = attention_forward(q, k, v, lists, 0.125, 64, G)
 
     def run():
         return attention_backward(q, k, v, o, lse, do, lists, 0.125, 64, G, False)
 
     result = {"provenance": provenance(), "shape": [B, T, H, G, DK, DV], "keep": args.keep, "rows": []}
-    config.DQ_IN_DKDV = False
     want = [x.float() for x in run()]
-    if args.dq_inside:
-        dq_inside(run, want, config, result, out_dir, args.rounds, do_bench)
-        return
     for name, cfg, keys, variants in (("dkdv", config.BACKWARD_DKDV, KEYS, DKDV),
                                       ("dq", config.BACKWARD_DQ, DQ_KEYS, DQ)):
         saved = dict(cfg)

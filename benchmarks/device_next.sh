@@ -70,8 +70,10 @@
 # hybrid 85,290 tokens/s and 267.6 J/step, Transformer 89,014 and 254.4 J (0.958x; 0.951x per joule). The
 # hybrid's matmuls run at the Transformer's rate (profile_training_step.py --matmul-shapes: 719 vs 724
 # TFLOP/s, 2% more work); the six NAtS-L blocks' ~2.4 J each over a GDN block is more than the whole gap, so
-# the next lever is the routed attention's backward (dq and dk/dv as two kernels that each recompute P; one
-# kernel adding dq through fp32 atomics, as cuDNN and FlashAttention do, would drop 2 of its 7 products).
+# the lever is the routed attention's backward. dq added from the dk/dv kernel through fp32 atomics (commit
+# fa38470) was 1.13x slower for the backward and -0.8% in training: the atomic adds cost more than the two
+# products they save. Left: a TMA bulk reduce-add per tile (FA3's way) or flash-attn-4's SM90 kernels with
+# block sparsity (docs/notes/fast_routed_attention.md, "Not done").
 #   bash benchmarks/device_next.sh      (writes under $OUT; everything printed also lands in $OUT/log.txt)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/natsl_out}; mkdir -p $OUT

@@ -110,26 +110,6 @@ def test_tilings_with_many_blocks(monkeypatch, block_m, block_n):
     assert_close(errs, torch.float32)
 
 
-@pytest.mark.parametrize("T,keep_kind,G,route_grad", [(1, "random", 1, "full"), (37, "ones", 2, "active"),
-                                                      (100, "random", 4, "full"), (200, "zeros", 2, "full"),
-                                                      (130, "random", 2, "active")])
-def test_dq_inside_the_dkdv_kernel(monkeypatch, T, keep_kind, G, route_grad):
-    """config.DQ_IN_DKDV: dq summed by the dk/dv programs through fp32 atomic adds, no dq kernel; odd
-    lengths, T = 1 and every keep kind, as the separate kernel is tested."""
-    monkeypatch.setattr(config, "DQ_IN_DKDV", True)
-    assert_close(compare(2, T, 4, G, 16, 32, keep_kind, route_grad, seed=T), torch.float32)
-
-
-def test_dq_inside_the_dkdv_kernel_bf16_and_small_tiles(monkeypatch):
-    """The fused dq with 16-bit inputs, and with query tiles smaller than key tiles (several query
-    tiles' atomic adds per visit row range, many routing blocks)."""
-    monkeypatch.setattr(config, "DQ_IN_DKDV", True)
-    assert_close(compare(1, 150, 4, 2, 32, 64, "random", "full", dtype=torch.bfloat16, seed=3), torch.bfloat16)
-    monkeypatch.setitem(config.BACKWARD_DKDV_32BIT, "BLOCK_N", 32)
-    monkeypatch.setitem(config.BACKWARD_DKDV_32BIT, "BLOCK_M", 16)
-    assert_close(compare(2, 200, 4, 2, 16, 16, "random", "full", block_size=32, seed=5), torch.float32)
-
-
 @pytest.mark.parametrize("heads_first", (True, False))
 def test_both_grid_orders(monkeypatch, heads_first):
     """The kernels' two program orders (every head's heaviest tiles first, or a head's tiles
@@ -255,17 +235,6 @@ def test_bad_arguments():
 def test_gpu_800m_shapes_bf16(route_grad):
     """The 800M layer's softmax heads (18 x (64, 128), groups of 3) at the training length."""
     errs = compare(1, 4096, 18, 6, 64, 128, "random", route_grad, dtype=torch.bfloat16, seed=7,
-                   ref_dtype=torch.float32)
-    assert_close(errs, torch.bfloat16)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("route_grad", ("active", "full"))
-def test_gpu_800m_shapes_bf16_dq_inside_dkdv(monkeypatch, route_grad):
-    """The fused dq (fp32 atomic adds from the dk/dv programs) at the 800M training shapes, batch 2."""
-    monkeypatch.setattr(config, "DQ_IN_DKDV", True)
-    errs = compare(2, 4096, 18, 6, 64, 128, "random", route_grad, dtype=torch.bfloat16, seed=9,
                    ref_dtype=torch.float32)
     assert_close(errs, torch.bfloat16)
 

@@ -7,8 +7,6 @@ which is the contract's sum of P_ij <dO_i, v_j - O_i>. The dk/dv program of key 
 forms every dS_ij of later queries when c is kept, so it sums them on the way ("active" policy:
 no extra visits). Under "full" it also walks the later queries of a dropped block, computing
 only P and dP for that sum (two matmuls instead of four; dk, dv stay zero there).
-With config.DQ_IN_DKDV the dk/dv program also adds each visited query tile's dS K to an fp32 dq
-(atomic adds) and the dq kernel is not launched.
 """
 
 from __future__ import annotations
@@ -129,11 +127,8 @@ def _load_query_tile(q_ptr, do_ptr, lse_ptr, delta_ptr, offs_m, sq_t, sd_t, T, b
 
 
 @triton.jit
-def _dkdv_step(dk, dv, k, v, qT, do, lse, delta, qk_scale, visible, dq_ptrs, rows_ok, scale,
-               MASKED: tl.constexpr, PREC: tl.constexpr, FUSE_DQ: tl.constexpr):
-    """Add one query tile to dk, dv (transposed: key rows first); also return the tile's sum of dS.
-    FUSE_DQ: also add the tile's scale * dS K to the fp32 dq rows at dq_ptrs (atomically: other key
-    tiles' programs add to the same rows)."""
+def _dkdv_step(dk, dv, k, v, qT, do, lse, delta, qk_scale, visible, MASKED: tl.constexpr, PREC: tl.constexpr):
+    """Add one query tile to dk, dv (transposed: key rows first); also return the tile's sum of dS."""
     sT = mm(k, qT, PREC)  # [BLOCK_N, BLOCK_M]
     pT = tl.math.exp2(sT * qk_scale - lse[None, :])
     if MASKED:
@@ -141,11 +136,7 @@ def _dkdv_step(dk, dv, k, v, qT, do, lse, delta, qk_scale, visible, dq_ptrs, row
     dv = mma(cast_to(pT, do.dtype), do, dv, PREC)
     dpT = mm(v, tl.trans(do), PREC)
     dsT = pT * (dpT - delta[None, :])
-    ds_low = cast_to(dsT, qT.dtype)
-    dk = mma(ds_low, tl.trans(qT), dk, PREC)
-    if FUSE_DQ:
-        dq = mm(tl.trans(ds_low), k, PREC)  # [BLOCK_M, DK]
-        tl.atomic_add(dq_ptrs, dq * scale, mask=rows_ok[:, None], sem="relaxed")
+    dk = mma(cast_to(dsT, qT.dtype), tl.trans(qT), dk, PREC)
     return dk, dv, tl.sum(tl.sum(dsT, 1), 0)
 
 
@@ -160,15 +151,14 @@ def _dkeep_only_step(k, v, qT, do, lse, delta, qk_scale, PREC: tl.constexpr):
 
 @triton.jit
 def _dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, dkeep_ptr, lse_ptr, delta_ptr, flags_ptr, dq_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, dkeep_ptr, lse_ptr, delta_ptr, flags_ptr,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sd_b, sd_t, sd_h,
-    sdk_b, sdk_t, sdk_h, sdv_b, sdv_t, sdv_h, sdq_b, sdq_t, sdq_h,
+    sdk_b, sdk_t, sdk_h, sdv_b, sdv_t, sdv_h,
     T, NB, H, R, qk_scale, scale,
     C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    FULL: tl.constexpr, PREC: tl.constexpr, HEADS_FIRST: tl.constexpr, FUSE_DQ: tl.constexpr,
+    FULL: tl.constexpr, PREC: tl.constexpr, HEADS_FIRST: tl.constexpr,
 ):
-    """One program per (key tile inside block c, head): its dk, dv and its share of dkeep_c; with
-    FUSE_DQ also its visits' share of dq, added to the fp32 dq at dq_ptr."""
+    """One program per (key tile inside block c, head): its dk, dv and its share of dkeep_c."""
     # earliest keys (most later queries) are scheduled first; HEADS_FIRST: heads on grid axis 0
     bh, pid_n, n_tiles = head_and_tile(HEADS_FIRST)
     b = bh // H
@@ -181,7 +171,6 @@ def _dkdv_kernel(
     do_ptr += b64 * sd_b + h * sd_h
     dk_ptr += b64 * sdk_b + h * sdk_h
     dv_ptr += b64 * sdv_b + h * sdv_h
-    dq_ptr += b64 * sdq_b + h * sdq_h
 
     n0 = pid_n * BLOCK_N
     c = n0 // C  # BLOCK_N <= C: the whole tile lies in block c
@@ -200,9 +189,7 @@ def _dkdv_kernel(
         offs_m = start + offs_bm
         qT, do, lse, delta = _load_query_tile(q_ptr, do_ptr, lse_ptr, delta_ptr, offs_m, sq_t, sd_t, T, bh, DK, DV)
         visible = offs_m[None, :] >= offs_n[:, None]
-        dk, dv, _ = _dkdv_step(dk, dv, k, v, qT, do, lse, delta, qk_scale, visible,
-                               dq_ptr + offs_m[:, None] * sdq_t + offs_dk[None, :], offs_m < T, scale,
-                               True, PREC, FUSE_DQ)
+        dk, dv, _ = _dkdv_step(dk, dv, k, v, qT, do, lse, delta, qk_scale, visible, True, PREC)
 
     # Later queries see all of block c when it is kept, none of it when it is dropped.
     dkeep = tl.zeros([], dtype=tl.float32)
@@ -211,9 +198,7 @@ def _dkdv_kernel(
         for start in range(c * C + C, T, BLOCK_M):
             offs_m = start + offs_bm
             qT, do, lse, delta = _load_query_tile(q_ptr, do_ptr, lse_ptr, delta_ptr, offs_m, sq_t, sd_t, T, bh, DK, DV)
-            dk, dv, ds_sum = _dkdv_step(dk, dv, k, v, qT, do, lse, delta, qk_scale, None,
-                                        dq_ptr + offs_m[:, None] * sdq_t + offs_dk[None, :], offs_m < T, scale,
-                                        False, PREC, FUSE_DQ)
+            dk, dv, ds_sum = _dkdv_step(dk, dv, k, v, qT, do, lse, delta, qk_scale, None, False, PREC)
             dkeep += ds_sum
     elif FULL:
         for start in range(c * C + C, T, BLOCK_M):
@@ -246,11 +231,7 @@ def attention_backward(q, k, v, o, lse, do, lists, scale: float, block_size: int
         T, H, BLOCK=rows, DV=DV,
     )
 
-    fuse_dq = config.DQ_IN_DKDV
-    dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (k, v))
-    # dq inside the dk/dv kernel: fp32 sums from zero (the dq kernel would write every row itself)
-    dq = (torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fuse_dq
-          else torch.empty(q.shape, dtype=q.dtype, device=q.device))
+    dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     strides = (
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
@@ -262,15 +243,12 @@ def attention_backward(q, k, v, o, lse, do, lists, scale: float, block_size: int
     dkeep = torch.empty(B, H, NB, tiles_per_block, dtype=torch.float32, device=q.device)
     grid, heads_first = config.program_grid(B * H, NB * tiles_per_block, q.device)
     _dkdv_kernel[grid](
-        q, k, v, do, dk, dv, dkeep, lse, delta, lists.flags, dq, *strides,
+        q, k, v, do, dk, dv, dkeep, lse, delta, lists.flags, *strides,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        dq.stride(0), dq.stride(1), dq.stride(2),
         T, NB, H, R, scale * LOG2E, scale,
         C=block_size, BLOCK_N=block_n, BLOCK_M=block_m, DK=DK, DV=DV, FULL=full, PREC=prec,
-        HEADS_FIRST=heads_first, FUSE_DQ=fuse_dq, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        HEADS_FIRST=heads_first, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    if fuse_dq:
-        return dq.to(q.dtype), dk, dv, dkeep.sum(-1)
 
     cfg = config.dq_config(q.element_size(), DK, DV)
     grid, heads_first = config.program_grid(B * H, ceil_div(T, cfg["BLOCK_M"]), q.device)

@@ -14,8 +14,6 @@ benchmarks/device_routed_attention.py overrides these dicts to compare settings.
 
 from __future__ import annotations
 
-import os
-
 from natsl.devices import sm_count
 
 # Key tiles of the forward read through TMA tensor descriptors where they apply (Hopper, 16-bit,
@@ -33,12 +31,6 @@ FORWARD = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 FORWARD_SMALL_DV = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2}
 BACKWARD_DQ = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 BACKWARD_DKDV = {"BLOCK_N": 64, "BLOCK_M": 64, "num_warps": 4, "num_stages": 3}
-
-# dq inside the dk/dv kernel: each (key tile, query tile) visit adds its dS K to an fp32 dq through
-# atomic adds, as cuDNN and FlashAttention do, instead of a dq kernel that recomputes P and dP (2 of the
-# backward's 7 products). Sums land in a run-dependent order, so dq is not bitwise reproducible; the
-# separate kernel (False) is. NATSL_DQ_IN_DKDV=1 / 0 picks one; tests and benchmarks set it directly.
-DQ_IN_DKDV = os.environ.get("NATSL_DQ_IN_DKDV", "0") == "1"
 
 # Head dims over 128 (16-bit).
 FORWARD_LARGE_DIM = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
