@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
+
+
+def triton_interpreted() -> bool:
+    """Whether Triton runs its kernels on the CPU interpreter: TRITON_INTERPRET read as Triton's own knob
+    reads it (1, true, yes, on or y, in any case), so that natsl's checks and Triton never disagree."""
+    return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "yes", "on", "y")
 
 
 @functools.lru_cache(maxsize=None)

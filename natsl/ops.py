@@ -13,6 +13,7 @@ import os
 
 import torch
 
+from natsl.devices import triton_interpreted
 from natsl.errors import NatslError
 
 BACKENDS = ("reference", "chunked", "fast")
@@ -27,7 +28,7 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
         return "fast" if device.type == "cuda" else "reference"
     if backend not in BACKENDS:
         raise NatslError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
-    if backend == "fast" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    if backend == "fast" and device.type == "cpu" and not triton_interpreted():
         raise NatslError("backend 'fast' on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 "
                          "before starting Python, or use backend 'chunked' / 'reference' on the CPU")
     return backend

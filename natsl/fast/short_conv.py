@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from natsl.devices import triton_interpreted
 from natsl.errors import NatslError
 from natsl.fast import eager
 
@@ -62,8 +63,7 @@ BACKWARD_FORMS = ("two_pass", "walk")
 # (1.95 against 0.29 s a call at [2, 128, 128]), and every fast-backend backward in the model tests ran
 # it, so there the default is two passes; both forms keep their own tests (tests/test_fast_short_conv.py
 # names the form), and on a GPU the walk is the default.
-_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
-BACKWARD_FORM = os.environ.get("NATSL_SHORT_CONV_BACKWARD", "two_pass" if _INTERPRETED else "walk")
+BACKWARD_FORM = os.environ.get("NATSL_SHORT_CONV_BACKWARD", "two_pass" if triton_interpreted() else "walk")
 
 
 @triton.jit

@@ -33,7 +33,7 @@ import os
 
 import torch
 
-from natsl.devices import capability, sm_count  # noqa: F401  (sm_count: the launchers' kernels.sm_count)
+from natsl.devices import capability, sm_count, triton_interpreted  # noqa: F401  (sm_count: the launchers' kernels.sm_count)
 
 # Tests set this to True / False to force the choice; None = decide by device and backend.
 FORCE: bool | None = None
@@ -59,7 +59,7 @@ def enabled(backend: str | None, device: torch.device) -> bool:
 
     if device.type == "cuda":
         return resolve_backend(backend, device) == "fast"
-    return backend == "fast" and os.environ.get("TRITON_INTERPRET") == "1"
+    return backend == "fast" and triton_interpreted()
 
 
 @functools.lru_cache(maxsize=None)

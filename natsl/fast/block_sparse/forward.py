@@ -11,20 +11,18 @@ Cost is proportional to the kept blocks: dropped blocks are never loaded.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from natsl.devices import capability
+from natsl.devices import capability, triton_interpreted
 from natsl.fast.block_sparse import config
 
 
 # Triton's interpreter multiplies bf16 operands of tl.dot as raw uint16 bits (Triton 3.9), so on
 # the CPU every dot runs on fp32 copies; that is also what the tensor cores compute (exact
 # products, fp32 sums). Compiled kernels never take this branch.
-_INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+_INTERPRET = tl.constexpr(triton_interpreted())
 
 
 @triton.jit

@@ -6,16 +6,16 @@ Layouts: token-major tensors are [B, T, H, D] (contiguous), so inside one (batch
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from natsl.devices import triton_interpreted
+
 # Triton's interpreter multiplies bf16 dot operands as their raw uint16 bits (seen with 3.9), so under
 # TRITON_INTERPRET the operands are upcast first. bf16 x bf16 products are exact in fp32, so this is
 # what the GPU's fp32-accumulating dot computes.
-INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+INTERPRET = tl.constexpr(triton_interpreted())
 
 MIN_TILE = 16  # tl.dot needs at least 16 along every dimension
 MAX_K = 256  # the sequential kernels hold the state as at most four 64-row tiles
