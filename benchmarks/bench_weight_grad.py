@@ -61,7 +61,8 @@ def main() -> None:
     torch.manual_seed(0)
     rows = []
     libraries = ["cublas", "cublaslt"]
-    print(f"weight gradients at M = {args.tokens} tokens, bf16, medians of {args.rounds} interleaved rounds (ms, TFLOP/s)")
+    print(f"weight gradients at M = {args.tokens} tokens, bf16, medians of {args.rounds} interleaved rounds "
+          "(ms, TFLOP/s)")
     for name, n, k in PRODUCTS:
         dy = torch.randn(args.tokens, n, device="cuda", dtype=torch.bfloat16)
         x = torch.randn(args.tokens, k, device="cuda", dtype=torch.bfloat16)
@@ -86,11 +87,12 @@ def main() -> None:
             ms = statistics.median(ms)
             rows.append({"product": name, "n": n, "k": k, "library": library, "way": way, "ms": ms,
                          "tflops": flop / ms / 1e9, "rel_error": error})
-            print(f"{name:18s} {n:5d} x {k:5d}  {library:9s} {way:11s} {ms:7.3f} ms {flop / ms / 1e9:6.0f}  err {error:.1e}",
-                  flush=True)
+            print(f"{name:18s} {n:5d} x {k:5d}  {library:9s} {way:11s} {ms:7.3f} ms {flop / ms / 1e9:6.0f}  "
+                  f"err {error:.1e}", flush=True)
     torch.backends.cuda.preferred_blas_library("cublas")
     if args.out:
-        Path(args.out).write_text(json.dumps({"provenance": provenance(), "tokens": args.tokens, "rows": rows}, indent=1))
+        Path(args.out).write_text(json.dumps({"provenance": provenance(), "tokens": args.tokens, "rows": rows},
+                                             indent=1))
 
 
 if __name__ == "__main__":

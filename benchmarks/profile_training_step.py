@@ -296,8 +296,8 @@ def main() -> None:
               f"{total_gflop / max(total_ms, 1e-9):.0f} TFLOP/s overall")
         print("      ms  calls   TFLOP/s  batch x M x K x N  kernel")
         for r in products[:args.top]:
-            print(f"{r['ms']:8.2f} {r['calls']:6d} {r['tflops'] or 0:9.1f}  {r['batch']} x {r['m']} x {r['k']} x {r['n']}"
-                  f"  {r['kernel']}")
+            dims = f"{r['batch']} x {r['m']} x {r['k']} x {r['n']}"
+            print(f"{r['ms']:8.2f} {r['calls']:6d} {r['tflops'] or 0:9.1f}  {dims}  {r['kernel']}")
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA if cuda
                                                 else torch.profiler.ProfilerActivity.CPU]) as prof:

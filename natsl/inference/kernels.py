@@ -33,7 +33,8 @@ import os
 
 import torch
 
-from natsl.devices import capability, sm_count, triton_interpreted  # noqa: F401  (sm_count: the launchers' kernels.sm_count)
+from natsl.devices import capability, sm_count  # noqa: F401  (sm_count: the launchers' kernels.sm_count)
+from natsl.devices import triton_interpreted
 
 # Tests set this to True / False to force the choice; None = decide by device and backend.
 FORCE: bool | None = None
