@@ -242,8 +242,9 @@ SWEEP_TRAIN = {  # in order of the stages' share of the hybrid's step (call 6 of
 # SM, so at B=8 they hold ~2.2 latency-bound recurrences per SM. Offline (Triton 3.6, sm_90,
 # benchmarks/kernel_resources.py) a cap of 168 fits three programs per SM and 128 four, at more spill stack
 # (state forward BV 32: 144 -> 992 / 1704 B; state backward BV 32: 336 -> 1408 / 2296 B). PROGRAMS_PER_SM
-# follows the cap so that the last round's split (state.batch_launches) counts the right slots. Not yet
-# run on the GPU (2026-12-02): `--sweep-set regcap`.
+# follows the cap so that the last round's split (state.batch_launches) counts the right slots.
+# `--sweep-set regcap` (twentieth session, 2026-12-02, docs/results/2026-12-02b/call1): every cap slower
+# (state forward 0.399 ms by default against 0.524-1.274, backward 0.686 against 0.891-1.509).
 SWEEP_REGCAP = {
     "input": {
         stage: [dict(BV=bv, BV_WIDE=wide, num_warps=4, num_stages=stages, SPLIT_LAST_ROUND=split,

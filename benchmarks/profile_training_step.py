@@ -94,7 +94,7 @@ def matmul_shapes(events, cuda: bool) -> list[dict]:
         dims = product_dims(event.input_shapes)
         if dims is None:
             continue
-        kernels = [k for k in getattr(event, "kernels", [])] if cuda else []
+        kernels = list(getattr(event, "kernels", [])) if cuda else []
         us = sum(k.duration for k in kernels) if cuda else event.self_cpu_time_total
         kernel = max(kernels, key=lambda k: k.duration).name[:70] if kernels else event.name
         row = groups.setdefault((*dims, kernel), {"batch": dims[0], "m": dims[1], "k": dims[2], "n": dims[3],

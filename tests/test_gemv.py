@@ -1,12 +1,11 @@
 """natsl.inference.gemv (decode-step matrix-vector products) against F.linear, and when
 natsl.models.linear.Linear uses it."""
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
+from natsl.devices import triton_interpreted
 from natsl.inference import gemv
 from natsl.models.linear import Linear
 
@@ -18,7 +17,7 @@ def relative_error(got, want):
 def device():
     if torch.cuda.is_available():
         return "cuda"
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if triton_interpreted():
         return "cpu"
     pytest.skip("needs CUDA or the Triton interpreter")
 

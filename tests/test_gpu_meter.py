@@ -39,13 +39,18 @@ def test_interpolate_is_linear_between_samples_and_none_outside():
     assert interpolate(samples, -0.1) is None and interpolate(samples, 3.5) is None and interpolate([], 1.0) is None
 
 
+def stretch(seconds: float) -> tuple[float, float]:
+    """(start, end) host times of a stretch of `seconds`, begun a little after the meter's first sample."""
+    time.sleep(0.05)
+    t0 = time.perf_counter()
+    time.sleep(seconds)
+    return t0, time.perf_counter()
+
+
 def test_window_gives_the_energy_power_and_clock_of_a_stretch():
     board = ConstantBoard(watts=690.0, mhz=1700)
     with GpuMeter(handle=object(), nvml=board, interval_s=0.01) as meter:
-        time.sleep(0.05)
-        t0 = time.perf_counter()
-        time.sleep(0.3)
-        t1 = time.perf_counter()
+        t0, t1 = stretch(0.3)
         time.sleep(0.05)
     window = meter.window(t0, t1)
     assert window["energy_j"] == pytest.approx(690.0 * (t1 - t0), rel=0.02)
@@ -59,10 +64,7 @@ def test_a_window_asked_while_metering_waits_for_a_sample_past_its_end():
     the window's end, and the answer must wait for the next one instead of giving up."""
     board = ConstantBoard(watts=500.0, mhz=1800)
     with GpuMeter(handle=object(), nvml=board, interval_s=0.2) as meter:
-        time.sleep(0.05)
-        t0 = time.perf_counter()
-        time.sleep(0.5)
-        t1 = time.perf_counter()
+        t0, t1 = stretch(0.5)
         assert meter.samples[-1][0] < t1
         window = meter.window(t0, t1)
     assert window is not None and window["energy_j"] == pytest.approx(500.0 * (t1 - t0), rel=0.05)

@@ -5,13 +5,13 @@ forward logits. Tiny models with block_size 16, so a few dozen tokens cross seve
 """
 
 import dataclasses
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
 import natsl
+from natsl.devices import triton_interpreted
 from natsl.errors import NatslError
 from natsl.inference.cache import read_length
 from natsl.inference.decode import DecodeRunner
@@ -130,7 +130,7 @@ def test_committed_kv_holds_exactly_the_kept_blocks(chunks, fused, monkeypatch):
     """Also with the fused kernels, whose prefill stores K/V block by block (kernels.store_blocks)."""
     from natsl.inference import kernels
 
-    if fused and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    if fused and not torch.cuda.is_available() and not triton_interpreted():
         pytest.skip("needs CUDA or the Triton interpreter")
     model = tiny_model("chunked", **LAYOUTS["natsl"])
     ids = torch.randint(0, 1024, (2, 70), generator=torch.Generator().manual_seed(4))
@@ -350,7 +350,7 @@ def test_fused_inference_kernels_equal_the_full_forward(layout, monkeypatch):
     intra-block variants (with "softmax" the GDN step cannot be the one-kernel GDN decode step)."""
     from natsl.inference import kernels
 
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    if not torch.cuda.is_available() and not triton_interpreted():
         pytest.skip("needs CUDA or the Triton interpreter")
     name, _, intra = layout.partition("-intra-")
     model = tiny_model(**LAYOUTS[name], **({"intra_block_output": intra} if intra else {}))
@@ -372,7 +372,7 @@ def test_fused_block_end_equals_the_plain_decode(fraction, compiled, monkeypatch
     from natsl.inference import gemv, kernels
     from natsl.inference.routing import force_keep_fraction
 
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    if not torch.cuda.is_available() and not triton_interpreted():
         pytest.skip("needs CUDA or the Triton interpreter")
     monkeypatch.setattr(gemv, "FORCE", False)  # the products are not under test here (slow in the interpreter)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU: the compiled kernels
@@ -473,7 +473,7 @@ def test_fused_conv_chunk_kernel_matches_the_formula(dtype):
     from natsl.inference import kernels
     from natsl.models import pointwise as pw
 
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    if not torch.cuda.is_available() and not triton_interpreted():
         pytest.skip("needs CUDA or the Triton interpreter")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(7)
@@ -497,7 +497,7 @@ def test_fused_conv_steps_of_three_widths_in_one_launch():
     from natsl.inference import kernels
     from natsl.models import pointwise as pw
 
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    if not torch.cuda.is_available() and not triton_interpreted():
         pytest.skip("needs CUDA or the Triton interpreter")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(11)
@@ -519,7 +519,7 @@ def test_fused_write_kv_equals_two_scatters():
     from natsl.inference import kernels
     from natsl.inference.functional import write_token
 
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    if not torch.cuda.is_available() and not triton_interpreted():
         pytest.skip("needs CUDA or the Triton interpreter")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(5)
@@ -544,7 +544,7 @@ def test_fused_norm_kernel_matches_the_formulas(width):
     from natsl.inference import kernels
     from natsl.models import pointwise as pw
 
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    if not torch.cuda.is_available() and not triton_interpreted():
         pytest.skip("needs CUDA or the Triton interpreter")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(width)
