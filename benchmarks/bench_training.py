@@ -49,6 +49,10 @@ def worker(args) -> None:
     from natsl.training.flops import flops_per_token, peak_flops
 
     recipe = load_recipe(args.worker)
+    if args.free_attention:  # a bound on what the attention kernel can give (free_attention.py)
+        from free_attention import install
+
+        install()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tokens_per_step = args.tokens_per_step or args.micro_batch_size * args.seq_len * world
     overrides = [f"train.seq_len={args.seq_len}", f"train.tokens_per_step={tokens_per_step}",
@@ -67,7 +71,8 @@ def worker(args) -> None:
               "tokens_per_step": tokens_per_step, "world_size": world, "compile": args.compile,
               "cuda_graphs": args.cuda_graphs,
               "parallel": args.parallel,
-              "activation_checkpointing": args.activation_checkpointing}
+              "activation_checkpointing": args.activation_checkpointing,
+              "free_attention": args.free_attention}
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() \
         else torch.device("cpu")
     step_ends: list[float] = []  # host time at the end of each step (its GPU work done)
@@ -133,6 +138,7 @@ def run_one(recipe: str, mbs: int, args, result_path: Path) -> dict:
     cmd += ["--cuda-graphs"] if args.cuda_graphs else []
     cmd += ["--parallel", args.parallel]
     cmd += ["--activation-checkpointing"] if args.activation_checkpointing else []
+    cmd += ["--free-attention"] if args.free_attention else []
     if args.nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
                *cmd[1:]]
@@ -215,6 +221,8 @@ def main() -> None:
     parser.add_argument("--cuda-graphs", action="store_true", help="with --compile: train.cuda_graphs")
     parser.add_argument("--parallel", choices=["ddp", "fsdp"], default="ddp", help="with --nproc > 1")
     parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--free-attention", action="store_true",
+                        help="a bound: the NAtS-L layers' routed attention costs nothing (free_attention.py)")
     parser.add_argument("--out", default="runs/bench_training")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)

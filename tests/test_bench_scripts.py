@@ -218,3 +218,38 @@ def test_energy_blocks_adds_up_each_recipes_stack_on_a_cpu(tmp_path):
     (stack,) = data["stacks"]
     assert stack["layers"] == {"gdn": 2, "natsl": 2} and stack["j"] is None
     assert stack["ms"] == 2 * blocks["gdn"]["ms"] + 2 * blocks["natsl"]["ms"]
+
+
+def test_free_attention_outputs_zeros_and_leaves_the_rest_of_the_hybrid_training(monkeypatch):
+    """The bound of `bench_training.py --free-attention`: the NAtS-L layers' softmax branch gives zeros
+    and no gradient, the GDN branch and the read still train, and the op passes torch's op checks."""
+    import torch
+
+    import natsl.ops
+    from natsl.config import load_recipe
+    from natsl.models import build_model
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import free_attention
+
+    monkeypatch.setattr(natsl.ops, "routed_attention", natsl.ops.routed_attention)  # restored after the test
+    v = torch.randn(2, 5, 3, 4, requires_grad=True)
+    torch.library.opcheck(free_attention.free_attention, (v,))
+    free_attention.install()
+    q = torch.randn(2, 5, 3, 4, requires_grad=True)
+    out = natsl.ops.routed_attention(q, q, v, None, block_size=64)
+    assert out.shape == v.shape and not out.any()
+    (out.sum() + q.sum()).backward()
+    assert v.grad is None and torch.equal(q.grad, torch.ones_like(q))
+
+    calls = []
+    free = natsl.ops.routed_attention
+    monkeypatch.setattr(natsl.ops, "routed_attention", lambda *a, **kw: calls.append(1) or free(*a, **kw))
+    torch.manual_seed(0)
+    model = build_model(load_recipe("tiny_hybrid"), device="cpu")
+    tokens = torch.randint(0, model.config.vocab_size, (1, 80))
+    model(tokens).float().pow(2).mean().backward()
+    layers = [m for m in model.modules() if type(m).__name__ == "NAtSL"]
+    assert layers and len(calls) == len(layers), "every NAtS-L layer took the free op"
+    for layer in layers:  # the GDN branch and the read still get their gradients
+        assert layer.proj.q_proj.weight.grad.abs().sum() > 0 and layer.mix_proj.weight.grad.abs().sum() > 0
