@@ -74,6 +74,10 @@
 # fa38470) was 1.13x slower for the backward and -0.8% in training: the atomic adds cost more than the two
 # products they save. Left: a TMA bulk reduce-add per tile (FA3's way) or flash-attn-4's SM90 kernels with
 # block sparsity (docs/notes/fast_routed_attention.md, "Not done").
+# The twenty-first session bounded that lever: FLAGS=--free-attention TAG=_free (the routed attention replaced by
+# a free op, benchmarks/free_attention.py) trained the hybrid at 93,455 tokens/s against 88,444 with the real
+# attention, the Transformer 92,152 and GDN 93,649 (one held H200): parity would need the six attentions in
+# 5.0 ms a step, 947 TFLOP/s, so no attention kernel closes the gap; only a faster GDN side could.
 #   bash benchmarks/device_next.sh      (writes under $OUT; everything printed also lands in $OUT/log.txt)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/natsl_out}; mkdir -p $OUT
