@@ -95,7 +95,9 @@ def worker(args) -> None:
             fpt = flops_per_token(recipe.model, args.seq_len, keep)
             peak = peak_flops(device)
             result.update(status="ok", steps_timed=len(steps), tokens_per_s=tps,
-                          tokens_per_s_per_gpu=tps / world, mfu=(tps * fpt / (peak * world)) if peak else None,
+                          tokens_per_s_per_gpu=tps / world,
+                          # the free-attention bound skips work the FLOP count includes: no MFU for it
+                          mfu=(tps * fpt / (peak * world)) if peak and not args.free_attention else None,
                           flops_per_token=fpt, keep_fraction=keep, final_loss=run.loss,
                           step_ms=1000 * seconds / max(len(steps), 1),
                           # the mean above is what tokens/s counts; the median and the steps show outliers
@@ -180,6 +182,11 @@ def run_child(cmd: list[str], **popen_kwargs) -> int:
     return code
 
 
+def label(result: dict) -> str:
+    """The recipe, marked where the run was the free-attention bound rather than the model."""
+    return result["recipe"] + (" (free attn)" if result.get("free_attention") else "")
+
+
 def plot(results: list[dict], png: Path) -> None:
     import matplotlib
 
@@ -190,7 +197,7 @@ def plot(results: list[dict], png: Path) -> None:
     if not ok:
         return
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), dpi=100)
-    names = [r["recipe"] for r in ok]
+    names = [label(r) for r in ok]
     axes[0].bar(names, [r["tokens_per_s"] / 1e3 for r in ok])
     axes[0].set_ylabel("thousand tokens / s")
     axes[1].bar(names, [100 * (r["mfu"] or 0) for r in ok])
@@ -253,14 +260,14 @@ def main() -> None:
           f"{'step ms':>8} {'median':>7} {'mem GiB':>8} {'J/step':>7} {'W':>5} {'SM MHz':>6}")
     for r in results:
         if r.get("status") != "ok":
-            print(f"{r['recipe']:<20} {r.get('status')}: {r.get('error', '')}")
+            print(f"{label(r):<20} {r.get('status')}: {r.get('error', '')}")
             continue
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
         mem = f"{r['peak_memory_gib']:.1f}" if r["peak_memory_gib"] is not None else "n/a"
         median = f"{r['step_ms_median']:.0f}" if r.get("step_ms_median") is not None else "n/a"
         energy = (f"{r['energy_j_per_step']:>7.1f} {r['power_w_mean']:>5.0f} {r['sm_clock_mhz_median']:>6.0f}"
                   if r.get("energy_j_per_step") is not None else f"{'n/a':>7} {'n/a':>5} {'n/a':>6}")
-        print(f"{r['recipe']:<20} {r['params'] / 1e6:>7.1f}M {r['micro_batch_size']:>4} {r['tokens_per_s']:>10,.0f} "
+        print(f"{label(r):<20} {r['params'] / 1e6:>7.1f}M {r['micro_batch_size']:>4} {r['tokens_per_s']:>10,.0f} "
               f"{r['tokens_per_s_per_gpu']:>10,.0f} {mfu:>7} {r['keep_fraction']:>5.2f} {r['step_ms']:>8.0f} "
               f"{median:>7} {mem:>8} {energy}")
     print(f"\nwrote {out / 'bench_training.json'} and {out / 'bench_training.png'}")

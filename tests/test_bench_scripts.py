@@ -253,3 +253,38 @@ def test_free_attention_outputs_zeros_and_leaves_the_rest_of_the_hybrid_training
     assert layers and len(calls) == len(layers), "every NAtS-L layer took the free op"
     for layer in layers:  # the GDN branch and the read still get their gradients
         assert layer.proj.q_proj.weight.grad.abs().sum() > 0 and layer.mix_proj.weight.grad.abs().sum() > 0
+
+
+def test_bench_training_marks_a_free_attention_run_and_gives_it_no_mfu(tmp_path, monkeypatch):
+    """The worker with --free-attention runs the free op in the NAtS-L layers, records that it did, and
+    leaves MFU out (the FLOP count includes attention work that does not run); without it, neither."""
+    import argparse
+    import json
+
+    import natsl.ops
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_training
+    import free_attention
+
+    monkeypatch.setattr(natsl.ops, "routed_attention", natsl.ops.routed_attention)  # restored after the test
+    calls = []
+    free = free_attention.routed_attention_for_free
+    monkeypatch.setattr(free_attention, "routed_attention_for_free", lambda *a, **kw: calls.append(1) or free(*a, **kw))
+    monkeypatch.setenv("NATSL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("NATSL_PEAK_FLOPS", "1e12")  # so that the CPU run has an MFU to leave out
+    results = {}
+    for bound in (False, True):
+        result = tmp_path / f"result_{bound}.json"
+        args = argparse.Namespace(worker="tiny_hybrid", tokens_per_step=None, micro_batch_size=1, seq_len=64,
+                                  activation_checkpointing=False, parallel="ddp", cuda_graphs=False, max_steps=2,
+                                  warmup_steps=1, device="cpu", backend="chunked", compile=False,
+                                  result=str(result), free_attention=bound)
+        bench_training.worker(args)
+        results[bound] = json.loads(result.read_text())
+        assert bool(calls) == bound
+    plain, bound = results[False], results[True]
+    assert plain["status"] == bound["status"] == "ok"
+    assert plain["mfu"] > 0 and bound["mfu"] is None
+    assert bound["free_attention"] and not plain["free_attention"]
+    assert bench_training.label(bound) == "tiny_hybrid (free attn)" and bench_training.label(plain) == "tiny_hybrid"

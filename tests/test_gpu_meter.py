@@ -93,7 +93,8 @@ def test_bench_training_reports_the_timed_steps_energy(tmp_path, monkeypatch):
     result = tmp_path / "result.json"
     args = argparse.Namespace(worker="tiny_hybrid", tokens_per_step=None, micro_batch_size=2, seq_len=64,
                               activation_checkpointing=False, parallel="ddp", cuda_graphs=False, max_steps=4,
-                              warmup_steps=1, device="cpu", backend="chunked", compile=False, result=str(result))
+                              warmup_steps=1, device="cpu", backend="chunked", compile=False, result=str(result),
+                              free_attention=False)
     bench_training.worker(args)
     r = json.loads(result.read_text())
     assert r["status"] == "ok" and r["steps_timed"] == 3
