@@ -38,5 +38,5 @@ def routed_attention_for_free(q, k, v, keep, **_options):
 
 
 def install() -> None:
-    """Every NAtS-L layer built after this call runs the free op (the layer looks it up at each call)."""
+    """From here on every NAtS-L layer's forward runs the free op (the layer looks the function up at each call)."""
     natsl.ops.routed_attention = routed_attention_for_free
