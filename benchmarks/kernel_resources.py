@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the kernels are imported from the checkout, installed or not
 
 # (module, kernel) pairs; the recorder wraps each module attribute during one interpreted run.
 KERNELS = (("natsl.fast.gated_delta.prepare", "_prepare_kernel"), ("natsl.fast.gated_delta.state", "_state_fwd_kernel"),
