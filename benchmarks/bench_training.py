@@ -212,7 +212,8 @@ def plot(results: list[dict], png: Path) -> None:
     plt.close(fig)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The script's options; the worker reads the same namespace (tests build theirs through this too)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipes", nargs="+", default=SYSTEMS_800M)
     parser.add_argument("--max-steps", type=int, default=30)
@@ -233,6 +234,11 @@ def main() -> None:
     parser.add_argument("--out", default="runs/bench_training")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     if args.worker:
         worker(args)

@@ -229,9 +229,7 @@ def test_free_attention_outputs_zeros_and_leaves_the_rest_of_the_hybrid_training
     from natsl.config import load_recipe
     from natsl.models import build_model
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import free_attention
-
+    free_attention = _bench_module("free_attention")
     monkeypatch.setattr(natsl.ops, "routed_attention", natsl.ops.routed_attention)  # restored after the test
     v = torch.randn(2, 5, 3, 4, requires_grad=True)
     torch.library.opcheck(free_attention.free_attention, (v,))
@@ -258,15 +256,11 @@ def test_free_attention_outputs_zeros_and_leaves_the_rest_of_the_hybrid_training
 def test_bench_training_marks_a_free_attention_run_and_gives_it_no_mfu(tmp_path, monkeypatch):
     """The worker with --free-attention runs the free op in the NAtS-L layers, records that it did, and
     leaves MFU out (the FLOP count includes attention work that does not run); without it, neither."""
-    import argparse
     import json
 
     import natsl.ops
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import bench_training
-    import free_attention
-
+    bench_training, free_attention = _bench_module("bench_training"), _bench_module("free_attention")
     monkeypatch.setattr(natsl.ops, "routed_attention", natsl.ops.routed_attention)  # restored after the test
     calls = []
     free = free_attention.routed_attention_for_free
@@ -276,10 +270,10 @@ def test_bench_training_marks_a_free_attention_run_and_gives_it_no_mfu(tmp_path,
     results = {}
     for bound in (False, True):
         result = tmp_path / f"result_{bound}.json"
-        args = argparse.Namespace(worker="tiny_hybrid", tokens_per_step=None, micro_batch_size=1, seq_len=64,
-                                  activation_checkpointing=False, parallel="ddp", cuda_graphs=False, max_steps=2,
-                                  warmup_steps=1, device="cpu", backend="chunked", compile=False,
-                                  result=str(result), free_attention=bound)
+        args = bench_training.build_parser().parse_args([
+            "--worker", "tiny_hybrid", "--result", str(result), "--micro-batch-size", "1", "--seq-len", "64",
+            "--max-steps", "2", "--warmup-steps", "1", "--device", "cpu", "--backend", "chunked",
+            *(["--free-attention"] if bound else [])])
         bench_training.worker(args)
         results[bound] = json.loads(result.read_text())
         assert bool(calls) == bound

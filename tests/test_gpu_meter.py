@@ -81,7 +81,6 @@ def test_no_meter_off_cuda_and_the_fields_are_left_out():
 def test_bench_training_reports_the_timed_steps_energy(tmp_path, monkeypatch):
     """bench_training's worker with a meter on a fake 690 W board (on the CPU): the timed steps' joules per
     step are the board's power times their mean step time, and tokens per joule follow from them."""
-    import argparse
     import json
 
     import bench_training
@@ -91,10 +90,9 @@ def test_bench_training_reports_the_timed_steps_energy(tmp_path, monkeypatch):
     monkeypatch.setattr(bench_training.GpuMeter, "for_device",
                         classmethod(lambda cls, device, interval_s=0.05: cls(object(), board, 0.005)))
     result = tmp_path / "result.json"
-    args = argparse.Namespace(worker="tiny_hybrid", tokens_per_step=None, micro_batch_size=2, seq_len=64,
-                              activation_checkpointing=False, parallel="ddp", cuda_graphs=False, max_steps=4,
-                              warmup_steps=1, device="cpu", backend="chunked", compile=False, result=str(result),
-                              free_attention=False)
+    args = bench_training.build_parser().parse_args([
+        "--worker", "tiny_hybrid", "--result", str(result), "--micro-batch-size", "2", "--seq-len", "64",
+        "--max-steps", "4", "--warmup-steps", "1", "--device", "cpu", "--backend", "chunked"])
     bench_training.worker(args)
     r = json.loads(result.read_text())
     assert r["status"] == "ok" and r["steps_timed"] == 3
