@@ -176,7 +176,7 @@ def mix_weights(logits: torch.Tensor, kind: str) -> torch.Tensor:
 @pointwise
 def mix_branches(o_la: torch.Tensor, o_nla: torch.Tensor, logits, kind: str, gate: torch.Tensor,
                  la_weight, nla_weight, out_weight, eps: float) -> torch.Tensor:
-    """The NAtS-L read (contract section 2, step 6) of the branch outputs o_la, o_nla [B, T, heads, Dv]:
+    """The NAtS-L read (docs/spec.md section 2, step 6) of the branch outputs o_la, o_nla [B, T, heads, Dv]:
     w_la RMSNorm_1(o_la) + w_nla RMSNorm_2(o_nla) with separate norms (la_weight, nla_weight; out_weight
     None), or RMSNorm(w_la o_la + w_nla o_nla) with one (out_weight); w from `logits` [B, T, heads, 2]
     by `kind` (mix_weights), or 1 when logits is None; times silu(gate) [B, T, heads * Dv]. fp32
