@@ -1,4 +1,4 @@
-"""The two NAtS-L ops with backend dispatch (contract, section 5).
+"""The two NAtS-L ops with backend dispatch (docs/spec.md section 5).
 
 `backend="reference"` is pure PyTorch (any device, the definition of correct); `backend="fast"` is
 Triton (on a CPU tensor it runs under TRITON_INTERPRET=1); `backend="chunked"` is the pure-PyTorch

@@ -1,6 +1,6 @@
 """What produced a result: versions, the source revision and the switches that change speed or numerics.
 
-Benchmarks store `provenance()` next to their figures, so that a table in docs/benchmarks.md can be
+Benchmarks store `provenance()` next to their figures, so that a number in docs/performance.md can be
 traced to the code and settings that made it.
 """
 
@@ -40,8 +40,8 @@ def source_hash(root: Path | None = None) -> str:
     """sha256 (first 16 hex digits) of the natsl package's Python sources: their paths and bytes.
 
     Names the code that ran where the git revision cannot: the lent GPU machine receives a copy of
-    the working tree whose .git may be older than the files (2026-11-30: results recorded a commit
-    of hours before). `python -c "from natsl.provenance import source_hash; print(source_hash())"`
+    the working tree whose .git may be older than the files (results then record a commit hours
+    older than the code). `python -c "from natsl.provenance import source_hash; print(source_hash())"`
     at a local commit gives the value to match."""
     package = root or Path(__file__).resolve().parent
     digest = hashlib.sha256()

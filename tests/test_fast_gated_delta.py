@@ -31,9 +31,9 @@ if DEVICE == "cpu" and type(_prepare_kernel).__name__ != "InterpretedFunction":
     pytest.skip("natsl.fast was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
 
 FP32_TOL = 1e-4  # exact fp32 on the CPU (~1e-6 seen); ieee fp32 dots on the GPU
-TOL = {torch.bfloat16: (5e-3, 1e-2), torch.float16: (2e-3, 4e-3)}  # (forward, gradients): the contract
+TOL = {torch.bfloat16: (5e-3, 1e-2), torch.float16: (2e-3, 4e-3)}  # (forward, gradients): the spec's bf16/fp16 bounds
 # bf16 intermediates (the default, config.INTERMEDIATE = "input") on the small-K CPU case, whose state
-# saturates: ~1.1e-2 / 1.2e-2 seen. The contract tolerance for the default is checked at the 800M
+# saturates: ~1.1e-2 / 1.2e-2 seen. The spec tolerance for the default is checked at the 800M
 # shapes by the gpu tests (2.9e-3 / 3.7e-3 seen on the H200).
 TOL_SATURATED_BF16 = (2e-2, 2.5e-2)
 GRADS = ("q", "k", "v", "g", "beta", "write", "initial_state")
@@ -165,7 +165,7 @@ def test_route_gradient_matches_the_hand_written_oracle():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_inputs_fp32_intermediates(dtype, monkeypatch):
-    """The contract tolerance with fp32 intermediates (tf32 products), on a small-K saturating case."""
+    """The spec tolerance with fp32 intermediates (tf32 products), on a small-K saturating case."""
     monkeypatch.setattr(config, "INTERMEDIATE", "fp32")
     check(compare(2, 200, 2, 16, 32, seed=23, dtype=dtype), *TOL[dtype])
 

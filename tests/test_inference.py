@@ -1,6 +1,6 @@
 """Incremental inference: prefill + decode through the cache compute what the full forward computes.
 
-Contract section 4: for any prompt and split point, prefill + decode logits equal the full-sequence
+docs/spec.md section 4: for any prompt and split point, prefill + decode logits equal the full-sequence
 forward logits. Tiny models with block_size 16, so a few dozen tokens cross several blocks.
 """
 
@@ -267,7 +267,7 @@ def test_gpu_fast_prefill_and_decode_equal_the_full_forward(layout):
     """Every system on the fast backend in float32. The bound is 1e-2, not the CPU tests' 1e-4: the
     fast GDN kernels multiply fp32 operands on the tensor cores in TF32 (10 mantissa bits;
     natsl/fast/gated_delta), so the prefill's chunked products and the decode's steps round
-    differently. The 1e-4 contract is held by the PyTorch backends and the fused decode kernels in
+    differently. The 1e-4 bound of docs/spec.md section 4 is held by the PyTorch backends and the fused decode kernels in
     the interpreter (test_prefill_and_decode_equal_the_full_forward, test_fused_inference_kernels_*)."""
     model = gpu_model(layout)
     ids = torch.randint(0, 1024, (2, 300), generator=torch.Generator().manual_seed(7)).cuda()

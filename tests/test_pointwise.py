@@ -52,7 +52,7 @@ def test_norms_and_gates_are_their_formulas():
 
 @pytest.mark.parametrize("kind", ["softmax", "sigmoid", "linear", "none"])
 @pytest.mark.parametrize("separate", [True, False])
-def test_mix_branches_is_the_contract_read(kind, separate):
+def test_mix_branches_is_the_spec_read(kind, separate):
     B, T, Hs, D = 2, 5, 6, 8
     o_la, o_nla = torch.randn(B, T, Hs, D, dtype=torch.float64), torch.randn(B, T, Hs, D, dtype=torch.float64)
     logits = None if kind == "none" else torch.randn(B, T, Hs, 2, dtype=torch.float64)

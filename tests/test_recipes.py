@@ -12,7 +12,7 @@ from natsl.errors import NatslError
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 
-# Paper, Sec. 5 (contract section 6): parameter counts of the 800M systems.
+# Paper, Sec. 5 (docs/spec.md section 6): parameter counts of the 800M systems.
 PAPER_800M = {"gdn": 793e6, "transformer": 778e6, "gdn_hybrid": 802e6, "natsl": 794e6, "hybrid": 793e6}
 
 
@@ -29,7 +29,7 @@ def test_380m_parameter_counts_within_one_percent(system):
 
 
 def test_380m_transformer_is_the_closest_layer_count():
-    # Under the contract's common 380M settings (width 1024, MLP 2816) no whole number of softmax
+    # Under docs/spec.md section 6's common 380M settings (width 1024, MLP 2816) no whole number of softmax
     # layers lands within 1% of 380M: 24 layers give 373.9M (-1.6%), 25 give 386.7M (+1.8%).
     # The recipe takes 24, the closest; this pins both facts (docs/architecture.md says so too).
     recipe = natsl.load_recipe(RECIPES / "380m_transformer.yaml")
@@ -40,7 +40,7 @@ def test_380m_transformer_is_the_closest_layer_count():
     assert abs(n24 - 380e6) / 380e6 < 0.017
 
 
-def test_layouts_match_the_contract():
+def test_layouts_match_the_spec():
     hybrid = natsl.load_recipe(RECIPES / "800m_hybrid.yaml").model
     types = hybrid.layer_types()
     assert [i for i, t in enumerate(types) if t == "natsl"] == [3, 7, 11, 15, 19, 20]

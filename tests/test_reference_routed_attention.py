@@ -42,7 +42,7 @@ def sdpa(q, k, v, **kwargs):
 
 
 def loop_mask(keep, T, C, H):
-    """M [B, H, T, T] of the contract, entry by entry (keep may be fractional)."""
+    """M [B, H, T, T] of docs/spec.md section 3, entry by entry (keep may be fractional)."""
     B, _, G = keep.shape
     M = torch.zeros(B, H, T, T, dtype=F64)
     for h in range(H):
@@ -57,7 +57,7 @@ def loop_mask(keep, T, C, H):
 
 
 def masked_sdpa(q, k, v, keep, C):
-    """exp(A) M = exp(A + log M): a float attn_mask log M gives the contract's output."""
+    """exp(A) M = exp(A + log M): a float attn_mask log M gives the output of docs/spec.md section 3."""
     M = loop_mask(keep, q.shape[1], C, q.shape[2])
     return sdpa(q, k, v, attn_mask=torch.log(M))
 

@@ -1,8 +1,8 @@
 """Greedy decoding for the evaluations.
 
-With the incremental cache of contract section 5 (`model.new_cache`, `model(ids, cache=cache)`)
+With the incremental cache of docs/spec.md section 5 (`model.new_cache`, `model(ids, cache=cache)`)
 the prompt is prefilled once and each new token costs one cached step. `use_cache=False`
-recomputes the full forward over prompt + generated tokens at every step instead; the contract
+recomputes the full forward over prompt + generated tokens at every step instead; the spec
 makes both compute the same function, so both give the same tokens (up to exact ties in the
 logits), which the tests check.
 """

@@ -5,10 +5,9 @@ pointwise part of natsl.training.loss._chunked):
     logits[r] <- (softmax(logits[r]) - onehot(t_r)) * row_scale[r]      (in place, in logits' dtype)
 
 Eagerly the chunk's bf16 logits went through about ten full passes over a [rows, vocab] fp32 buffer
-(cast, max, subtract, exp, sum, divide, scatter, scale, cast back): 2.25 ms per 4096 x 32000 chunk on
-the H200, ~15 ms of the 800M models' step at micro-batch 8. Here each row is read twice (an online
-max / sum of exponentials, then the gradient) and written once, in its own dtype: 0.22 ms per chunk
-(benchmarks/bench_cross_entropy.py, docs/benchmarks.md). One program per row; the vocabulary is walked in BLOCK_V-wide tiles.
+(cast, max, subtract, exp, sum, divide, scatter, scale, cast back). Here each row is read twice (an
+online max / sum of exponentials, then the gradient) and written once, in its own dtype
+(docs/performance.md has the timings). One program per row; the vocabulary is walked in BLOCK_V-wide tiles.
 """
 
 from __future__ import annotations

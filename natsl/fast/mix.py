@@ -5,8 +5,7 @@ natsl.models.pointwise.mix_branches with separate branch norms and softmax mixin
 
 Rows are (token, softmax head) pairs of D = Dv channels. Compiled, Inductor cut this read into
 several kernels around the routed-attention backward and kept fp32 intermediates of [rows, D] in
-memory between them (about 1.5 ms per NAtS-L layer at 8 x 4096 tokens, the 2026-12-01 profile in
-docs/benchmarks.md); here the forward reads o_la, o_nla, gate and writes out once, and the backward
+memory between them; here the forward reads o_la, o_nla, gate and writes out once, and the backward
 reads those and dout and writes their gradients once. The norm weights' gradients are summed per
 program into an fp32 [programs, 2, D] buffer that torch reduces (deterministic, no atomics).
 """
@@ -27,10 +26,10 @@ BLOCK_ROWS = 32
 NUM_WARPS = 4
 # The backward's launch: rows per tile, warps, software-pipelining stages (None: Triton's default) and
 # programs per SM (a grid-stride loop over row tiles keeps the weight-gradient buffer small).
-# `benchmarks/bench_mix.py --sweep` times other settings in place. Small programs won: one warp on 8
-# rows took 0.368 ms at the 800M training shape (8 x 4096 x 18 heads x 128) against 0.528 ms with the
-# earlier 4 warps on 32 rows; 8 warps on 64 rows 0.648, 4 warps on 64 rows 1.14 (H200, 2026-12-01,
-# docs/results/2026-12-01h/call3; per-row gradients bitwise equal across settings).
+# `benchmarks/bench_mix.py --sweep` times other settings in place. Small programs won at the 800M
+# training shape (8 x 4096 x 18 heads x 128): one warp on 8 rows beat 4 warps on 32 and every 64-row
+# setting, since many small programs hide the rows' load latency (per-row gradients bitwise equal
+# across settings).
 BACKWARD = {"BLOCK_ROWS": 8, "num_warps": 1, "num_stages": None, "PROGRAMS_PER_SM": 8}
 
 

@@ -4,8 +4,7 @@
 
 The reference twin is `natsl.models.pointwise.conv_silu` (the same sum, fp32 inside, one rounding
 to x's dtype). Why a kernel: compiled by Inductor from that formula, the conv and its backward took
-~38 ms of a 248 ms training step of the 800M hybrid on the H200 (2026-11-30, sixth session), about
-six times their memory traffic; the weight gradient in particular is a column reduction over all
+several times their memory traffic in the 800M hybrid's training step; the weight gradient in particular is a column reduction over all
 B x T rows.
 
 Forward: one pass over [time, channel] tiles; the W shifted reads of x hit the cache. Backward
@@ -41,26 +40,22 @@ from natsl.fast import eager
 FORWARD_TILE = (32, 128)  # (time, channels)
 FORWARD_WARPS = 4
 # Backward settings per form, the fastest of each at the 800M widths on the H200: "two_pass" (time,
-# channels, warps) of its first kernel (2026-11-30, seventh session); "walk" (rows per program,
-# channels, warps): 64 rows in the ninth session (separate convs, micro-batch 4); 128 rows since the
-# eighteenth, for the joined q|k|v op at micro-batch 8: 0.342 against 0.366 ms at [8, 4096, 4608], dx
-# bitwise equal (benchmarks/bench_short_conv.py --joined, docs/results/2026-12-01h/call6). The forward's
-# settings were within 1% of each other there (0.199-0.203 ms for 32 x 128 on 1-4 warps), so they stay.
+# channels, warps) of its first kernel; "walk" (rows per program, channels, warps): 128 rows for the
+# joined q|k|v op at micro-batch 8 (fewer weight partials; dx bitwise equal to 64 rows,
+# benchmarks/bench_short_conv.py --joined). The forward's tile settings all ran alike there, so they stay.
 BACKWARD_TILES = {"two_pass": (64, 64, 4), "walk": (128, 128, 1)}
 # How the backward forms dx (each input row feeds the W output rows after it):
 #   "walk":     one kernel for W = 4 whose programs walk their rows one by one from the last, holding
 #               the shifted input rows and dL/d(pre-activation) rows in registers (other widths fall
 #               back to "two_pass");
 #   "two_pass": the first kernel stores dL/d(pre-activation) in fp32, a second kernel sums dx from it.
-# Measured and dropped, side by side on the H200 (ms at C = 1152 / 2304): "scratch", whole tiles
-# with g written to a per-program scratch slot and read back shifted (0.135 / 0.238 in the eighth
-# session; 0.160 / 0.283 beside "walk"'s 0.069 / 0.107 in the ninth); recompute at the W rows in one
-# kernel (0.227 / 0.425); "held", all 2W-1 shifted input tiles in registers (0.153 / 0.282);
-# "two_pass" itself runs 0.167 / 0.305.
+# Dropped, all slower than "walk" on the H200 (docs/kernels/short_conv.md): "scratch", whole tiles with
+# g written to a per-program scratch slot and read back shifted (register-bound occupancy); recompute
+# at the W rows in one kernel; "held", all 2W-1 shifted input tiles in registers.
 # NATSL_SHORT_CONV_BACKWARD picks one for a whole run (benchmarks compare them end to end).
 BACKWARD_FORMS = ("two_pass", "walk")
-# Under Triton's CPU interpreter (tests only) the walk's row-by-row loop is ~7x slower than two passes
-# (1.95 against 0.29 s a call at [2, 128, 128]), and every fast-backend backward in the model tests ran
+# Under Triton's CPU interpreter (tests only) the walk's row-by-row loop is far slower than two passes
+# (the interpreter runs each row step in Python), and every fast-backend backward in the model tests ran
 # it, so there the default is two passes; both forms keep their own tests (tests/test_fast_short_conv.py
 # names the form), and on a GPU the walk is the default.
 BACKWARD_FORM = os.environ.get("NATSL_SHORT_CONV_BACKWARD", "two_pass" if triton_interpreted() else "walk")

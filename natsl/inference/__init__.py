@@ -1,4 +1,4 @@
-"""Incremental inference: caches, prefill and decode (contract section 4), generation, latency.
+"""Incremental inference: caches, prefill and decode (docs/spec.md section 4), generation, latency.
 
 - `cache`: the per-layer caches and `ModelCache` (`CausalLM.new_cache` builds one);
 - `functional`: the token step, commit and cached attention the layers' cache paths use;

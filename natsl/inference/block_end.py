@@ -4,7 +4,7 @@ Each decode token of a NAtS-L layer has to (1) find the slots its K/V go to and 
 query sees, and (2) at a block end, route the block on its mean, commit the GDN state and keep or
 drop the block's KV. In eager PyTorch that is ~40 tiny kernels per layer and token (the route alone
 is a matmul, a softmax, an argmax and a one-hot; a fixed keep fraction's hash is ~15 integer ops),
-each a few microseconds in a CUDA-graph replay while the layer's weights take ~10 us to read.
+which together take longer in a CUDA-graph replay than reading the layer's weights.
 The same formulas, wrapped by `natsl.models.pointwise.pointwise`, compile to a handful of kernels
 on CUDA and run eagerly elsewhere; the layer calls them on its fused path (natsl.inference.kernels).
 

@@ -1,4 +1,4 @@
-"""The caches of incremental inference (contract section 4): one object per layer, one per model.
+"""The caches of incremental inference (docs/spec.md section 4): one object per layer, one per model.
 
 Every tensor is allocated once, at `CausalLM.new_cache(batch_size, max_len)`, and updated in place,
 so a decode step never reallocates, a CUDA graph can replay over the same addresses, and a slot view

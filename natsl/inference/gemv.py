@@ -2,8 +2,8 @@
 
 A decode step multiplies one token's vector by every weight matrix, so it is bound by reading the
 weights. cuBLAS picks a different kernel for each shape at one row (gemv, split-K with a separate
-reduction, narrow-tile GEMMs); on the H200 the 2026-11-30 profile of an 800M GDN decode step spent
-0.82 ms in products whose weights read in ~0.38 ms at copy bandwidth. This kernel streams the weight
+reduction, narrow-tile GEMMs), and on the H200 an 800M decode step's products took about twice the
+time their weights take to read at copy bandwidth. This kernel streams the weight
 once: each program owns BLOCK_N output features, walks K in BLOCK_K chunks (or takes it in one
 pass), multiplies in fp32 and reduces once at the end; `tiles` picks the shapes from measurements.
 The kernel takes up to 4 rows; `Linear` sends it at most MAX_ROWS. Results agree with `F.linear`
@@ -23,8 +23,8 @@ import torch
 
 from natsl.inference import kernels
 
-# One and two rows beat cuBLAS at every 800M decode shape on the H200 (benchmarks/bench_gemv.py,
-# 2026-11-30); at four rows cuBLAS was faster for most, so larger batches keep F.linear.
+# One and two rows beat cuBLAS at every 800M decode shape on the H200 (benchmarks/bench_gemv.py); at
+# four rows cuBLAS was faster for most, so larger batches keep F.linear.
 MAX_ROWS = 2
 # Tests set this to True / False to force the choice; None = as natsl.inference.kernels.FORCE where
 # that is set, else CUDA tensors unless NATSL_DECODE_GEMV=0.
@@ -48,10 +48,10 @@ def _kernel():
 def tiles(N: int, K: int, M: int, sm_count: int) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_K). Narrow products (few output rows: o, down) take the whole K in one pass
     (no loop, all loads in flight at once), 8K weights a tile; the others the widest BLOCK_N (<= 16)
-    that still gives >= 2 programs per SM and ~4K weights a tile. Measured with weights read from
-    memory on the H200 (benchmarks/bench_gemv.py, 2026-11-30): one pass took the 1536 x 4096 down
-    product from 7.7 to 5.3 us, but was slower for wide products and for two rows beyond N = 1536;
-    64 x 64 tiles (the first version's choice for the LM head) were slower than cuBLAS."""
+    that still gives >= 2 programs per SM and ~4K weights a tile. With weights read from memory on
+    the H200 (benchmarks/bench_gemv.py) one pass wins for narrow products such as the 1536 x 4096 down
+    product, but loses for wide products and for two rows beyond N = 1536; 64 x 64 tiles (the first
+    version's choice for the LM head) lost to cuBLAS."""
     if (M == 1 and N <= 4608) or (M == 2 and N <= 1536):
         block_k = min(kernels.next_pow2(K), 4096)
         return max(1, 8192 // block_k), block_k

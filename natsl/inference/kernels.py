@@ -2,8 +2,8 @@
 
 At batch 1 a decode step of the 800M models was ~100 tiny kernels per layer (~2000 per token:
 RMSNorm alone is 9 kernels in bf16 -- upcast, pow, mean, add, rsqrt, mul, weight upcast, mul,
-downcast -- and each short conv is cat + conv1d + silu + a tail copy), so a CUDA-graph replay cost
-~4 ms in launch gaps while the weights take ~0.4 ms to read. In prefill the same fp32 chains make
+downcast -- and each short conv is cat + conv1d + silu + a tail copy), so even a CUDA-graph replay
+spent several times the weights' read time in launch gaps. In prefill the same fp32 chains make
 ~10 full passes over every [T, d] activation. These kernels do each of those chains in one pass:
 
 - `rms_norm(x, weight, eps, gate=None)`: RMSNorm in fp32 (optionally times silu(gate)), one kernel;
@@ -247,7 +247,7 @@ def launch_options(on: bool) -> dict:
 
 def next_pow2(n: int) -> int:
     """As triton.next_power_of_2 for n >= 1, as a plain function (Triton's is a constexpr function,
-    ~1.7 us a call on the host: too slow for a decode step's launches)."""
+    microseconds a call on the host: too slow for a decode step's launches)."""
     return 1 << max(0, (n - 1).bit_length())
 
 
@@ -337,8 +337,8 @@ def conv_steps(xs, tails, weights) -> list[torch.Tensor]:
 def conv_chunk(x: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`ShortConv` + SiLU over many tokens (prefill): x [B, T, C], tail [B, W, C] (the W inputs before
     x, read only), weight [C, 1, W+1] -> y [B, T, C] in x's dtype, in one pass at memory speed
-    (Inductor's dynamic-shape kernel for it ran at ~1/6 of the copy bandwidth in a 128K prefill on
-    the H200). The training op natsl.fast.short_conv; ShortConv calls this without autograd, so only
+    (Inductor's dynamic-shape kernel for it ran at a small fraction of the copy bandwidth in a long
+    prefill). The training op natsl.fast.short_conv; ShortConv calls this without autograd, so only
     the op's forward kernel runs."""
     from natsl.fast.short_conv import short_conv_silu
 
@@ -352,8 +352,8 @@ def store_blocks(src: torch.Tensor, mem: torch.Tensor, valid: torch.Tensor, befo
     src [B, T, heads, D] (the chunk; its token 0 sits at offset n of relative block 0); mem
     [B, heads, L, D]; valid [B, R, heads] (bool: the relative block is kept, or unfinished);
     before [B, R, heads] (int64: kept blocks before it); kept0 [B, heads] (int64: slots already
-    used). Blocks go to kept0 + C * before + offset. Replaces the nonzero + index_put of the plain path (a host sync, and ~0.8 ms a call at
-    128K on the H200). No value is read on the host."""
+    used). Blocks go to kept0 + C * before + offset. Replaces the nonzero + index_put of the plain path (a host sync, and slow at long
+    contexts). No value is read on the host."""
     B, T, heads, D = src.shape
     R = valid.shape[1]
     if B * T * heads == 0 or R == 0:

@@ -33,8 +33,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 # cuBLAS wants 16-byte-aligned output rows for its fast Hopper kernels: a 36-wide bf16 product (the
-# NAtS-L mixing weights W_m) fell back to Ampere-era cutlass kernels, 0.82 ms per 800M training step
-# for six layers at micro-batch 8; padded to 40 rows ~0.5 ms (H200, docs/results/2026-12-01e/call3).
+# NAtS-L mixing weights W_m) falls back to Ampere-era cutlass kernels; padded with zero rows to 40 it
+# takes the Hopper kernels.
 ALIGN_ROWS = 8
 
 

@@ -134,7 +134,7 @@ class CausalLM(nn.Module):
         """The RoPE angles every rotating layer of one full-sequence forward shares (rope_table_for)."""
         return rope_table_for(self.config, length, device)
 
-    # -- incremental inference (contract section 4; natsl/inference, docs/inference.md) -------
+    # -- incremental inference (docs/spec.md section 4; natsl/inference, docs/inference.md) -------
 
     def new_cache(self, batch_size: int, max_len: int | None = None, *, device=None, dtype=None):
         """An empty `ModelCache` for `batch_size` sequences of up to `max_len` tokens (default: the

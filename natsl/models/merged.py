@@ -1,9 +1,8 @@
 """Linear maps that read the same input, run as one matmul when their weights share one buffer.
 
 Decoding one token multiplies a vector by every weight matrix: each projection is a separate
-matrix-vector product of a few MB, too small to keep the GPU's memory system busy (the 2026-11-29
-profile of an 800M GDN decode step spent 1.13 ms in products whose weights read in 0.38 ms at full
-bandwidth). `merge_(module)` re-points the weights of each group a module names in its `merge_groups`
+matrix-vector product of a few MB, too small to keep the GPU's memory system busy (separate
+products took several times their weights' read time in an 800M decode step). `merge_(module)` re-points the weights of each group a module names in its `merge_groups`
 attribute (q, k, v, a, b of a GDN layer; q, k, v of attention; gate and up of SwiGLU) into one
 contiguous buffer, as views, so the parameters, their names and the checkpoint layout stay as they are; `shared_linear` then runs a
 group as one product (on the GEMV kernel of natsl.inference.gemv where that is on) and splits the result. The merged product is used only without autograd (the
@@ -105,9 +104,8 @@ def _concat_labels(grad: bool = False) -> frozenset[str]:
 CONCAT_LABELS = ("gdn_qkv", "gdn_ab", "attn_qkv", "gate_up")
 CONCAT_DEFAULT = frozenset({"gdn_ab"})
 # With gradients (training) the GDN projections' q, k and v also run as one product: the compiled 800M
-# hybrid at micro-batch 8 trained 0.64% and 0.66% faster in two same-machine pairs on the H200
-# (2026-12-01e calls 2 and 4-5), while the Transformer's attn_qkv was 2.4% slower (so it stays apart).
-# Without gradients (prefill) q, k, v stay apart: not measured there.
+# hybrid trained faster that way in same-machine pairs on the H200, while the Transformer's attn_qkv
+# was slower (so it stays apart). Without gradients (prefill) q, k, v stay apart: not measured there.
 CONCAT_DEFAULT_GRAD = frozenset({"gdn_ab", "gdn_qkv"})
 # Read once, here; a bad value is reported when a product first needs it (a one-line error at the CLI).
 try:

@@ -1,4 +1,4 @@
-"""The NAtS-L layer (contract section 2): one set of projections read by two memories.
+"""The NAtS-L layer (docs/spec.md section 2): one set of projections read by two memories.
 
     x --W_q,W_k,W_v + conv + SiLU--> q, k, v
       GDN branch:      L2(q), L2(k), v, decay g, beta  --gated_delta_rule(write)--> O_la
@@ -11,7 +11,7 @@
 Table 4 ablations are switches of the config: intra_block_output, decay_skipped_blocks,
 branch_norm, mix_input, mix_weights, block_size.
 
-Incremental inference (contract section 4) is `forward(x, cache=NAtSLCache)`: a call with many
+Incremental inference (docs/spec.md section 4) is `forward(x, cache=NAtSLCache)`: a call with many
 tokens (prefill) runs the ops block-aligned from the cached states, a call with one token per
 sequence (decode) steps the state and attends over the compacted softmax memory; when a block
 completes, the router decides on its mean and the state and memory are committed. Both leave the
@@ -386,7 +386,7 @@ class NAtSL(nn.Module):
         device = ks.device
         keep_heads = self._keep_per_head(keep, B, device)  # [B, completed + 1, heads]
         completed = keep_heads.shape[1] - 1
-        # Exclusive count, scanned along the last dim (an outer-dim scan over 2K blocks took 0.4 ms)
+        # Exclusive count, scanned along the last dim (an outer-dim scan over 2K blocks is slow on CUDA)
         kept = keep_heads.long().transpose(1, 2)
         kept_before = (kept.cumsum(-1) - kept).transpose(1, 2)
         kept0 = cache.kept_len.repeat_interleave(self.groups, dim=1)  # [B, heads]

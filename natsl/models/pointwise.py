@@ -45,7 +45,7 @@ def compile_dynamic() -> bool | None:
     """NATSL_POINTWISE_DYNAMIC: "auto" (default) keeps every tensor's last (feature) dim a constant and
     lets torch.compile make the other sizes symbolic only once they change (automatic dynamic
     shapes); "1" makes every size symbolic from the start, "0" none. Symbolic sizes cost speed: a kernel's index
-    arithmetic then divides by runtime values (on the H200 the short conv's kernel ran at ~1/6 of
+    arithmetic then divides by runtime values (the short conv's kernel ran at a small fraction of
     the copy bandwidth with all sizes symbolic)."""
     mode = os.environ.get("NATSL_POINTWISE_DYNAMIC", "auto")
     return None if mode == "auto" else mode != "0"
@@ -124,7 +124,7 @@ def conv_silu(x: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor) -> torc
     so that the whole of it, and its backward, is a single fused kernel. Input t-W+1+j of output t
     comes from x where t-W+1+j >= 0 and from the tail before that; each shift is a pair of pads
     (masked loads) rather than slices of one concatenation, which Inductor would write to memory in
-    full ([B, T+W-1, C]: a copy kernel beside the conv in the 2026-11-30 prefill profile). The new
+    full ([B, T+W-1, C]: a copy kernel beside the conv in a prefill profile). The new
     tail is not an output either (`conv_tail` makes it): a slice would also force that buffer.
     """
     width = weight.shape[-1]
@@ -176,7 +176,7 @@ def mix_weights(logits: torch.Tensor, kind: str) -> torch.Tensor:
 @pointwise
 def mix_branches(o_la: torch.Tensor, o_nla: torch.Tensor, logits, kind: str, gate: torch.Tensor,
                  la_weight, nla_weight, out_weight, eps: float) -> torch.Tensor:
-    """The NAtS-L read (contract section 2, step 6) of the branch outputs o_la, o_nla [B, T, heads, Dv]:
+    """The NAtS-L read (docs/spec.md section 2, step 6) of the branch outputs o_la, o_nla [B, T, heads, Dv]:
     w_la RMSNorm_1(o_la) + w_nla RMSNorm_2(o_nla) with separate norms (la_weight, nla_weight; out_weight
     None), or RMSNorm(w_la o_la + w_nla o_nla) with one (out_weight); w from `logits` [B, T, heads, 2]
     by `kind` (mix_weights), or 1 when logits is None; times silu(gate) [B, T, heads * Dv]. fp32

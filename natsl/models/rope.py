@@ -18,8 +18,8 @@ class RopeTable:
     full-sequence forward and shared by every layer that rotates.
 
     Why: under torch.compile a layer that computes its own angles gets them recomputed inside its
-    rotation kernels, for every head and batch row; on the H200 the 800M Transformer's compiled
-    training step spent 12.8 of 196 ms there (2026-11-30). Inductor also inlines a table made
+    rotation kernels, for every head and batch row, a visible share of the 800M Transformer's
+    compiled training step on the H200. Inductor also inlines a table made
     inside the compiled graph into each consumer, so the table only helps when it is made outside
     it: `natsl train` (natsl.training.trainer.LanguageModelLoss) makes it eagerly and hands it to
     the compiled hidden states, whose rotations then only read it."""

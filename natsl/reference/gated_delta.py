@@ -1,4 +1,4 @@
-"""Reference Gated DeltaNet with a per-block write mask (contract, section 3).
+"""Reference Gated DeltaNet with a per-block write mask (docs/spec.md section 3).
 
 Token by token, written to be read rather than to be fast. The state S is [K, V] per (batch, head):
 
@@ -26,7 +26,7 @@ from natsl.reference.route_grad import (
 
 
 def validate_layouts(q, k, v, g, beta, write, initial_state, block_size) -> tuple[int, int, int, int, int]:
-    """Check every layout of contract section 5; return (B, T, H, K, V)."""
+    """Check every layout of docs/spec.md section 5; return (B, T, H, K, V)."""
     check_block_size(block_size)
     if q.dim() != 4:
         raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")

@@ -1,4 +1,4 @@
-"""Route gradients of the two NAtS-L ops (contract, section 3).
+"""Route gradients of the two NAtS-L ops (docs/spec.md section 3).
 
 Two things live here:
 

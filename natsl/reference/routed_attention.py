@@ -1,4 +1,4 @@
-"""Reference routed softmax attention with a per-block keep mask (contract, section 3).
+"""Reference routed softmax attention with a per-block keep mask (docs/spec.md section 3).
 
 Dense and explicit: for query i in block a and key j in block c the mask is
 M_ij = [j <= i] if c == a, keep_c (of the query head's routing group) if c < a, 0 if c > a, and
@@ -24,7 +24,7 @@ from natsl.reference.route_grad import (
 
 
 def validate_layouts(q, k, v, keep, block_size) -> tuple[int, int, int, int]:
-    """Check the layouts of contract section 5; return (B, T, Hs, G)."""
+    """Check the layouts of docs/spec.md section 5; return (B, T, Hs, G)."""
     check_block_size(block_size)
     if q.dim() != 4:
         raise ValueError(f"q must be [B, T, Hs, Dk], got shape {tuple(q.shape)}")
@@ -48,7 +48,7 @@ def validate_layouts(q, k, v, keep, block_size) -> tuple[int, int, int, int]:
 
 
 def block_mask(keep: torch.Tensor, seq_len: int, block_size: int, num_heads: int, intra_block: bool = True):
-    """The explicit mask of the contract and where it can be nonzero.
+    """The explicit mask of docs/spec.md section 3 and where it can be nonzero.
 
     keep [B, NB, G] -> (M [B, Hs, T, T] float in keep's dtype, reachable [T, T] bool).
     `reachable` marks the (i, j) pairs M may cover at all: earlier blocks (any keep value) and,

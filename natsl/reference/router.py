@@ -1,4 +1,4 @@
-"""The NAtS-L router (contract section 2, step 4): one hard route per (block, GDN head).
+"""The NAtS-L router (docs/spec.md section 2, step 4): one hard route per (block, GDN head).
 
 `xbar_b` is the mean of the block's hidden states (a partial last block averages what it has),
 `s_b = W_r xbar_b` gives two scores per head, `p = softmax(s_b)` and the route is the one-hot

@@ -3,7 +3,7 @@
 With P_ij = exp(A_ij - lse_i) and dS_ij = P_ij (<dO_i, v_j> - D_i):
   dv_j = sum_i P_ij dO_i,  dk_j = scale sum_i dS_ij q_i,  dq_i = scale sum_j dS_ij k_j,
   dkeep_c (per head) = sum over queries i in blocks after c and keys j in c of dS_ij,
-which is the contract's sum of P_ij <dO_i, v_j - O_i>. The dk/dv program of key block c already
+which is docs/spec.md section 3's sum of P_ij <dO_i, v_j - O_i>. The dk/dv program of key block c already
 forms every dS_ij of later queries when c is kept, so it sums them on the way ("active" policy:
 no extra visits). Under "full" it also walks the later queries of a dropped block, computing
 only P and dP for that sum (two matmuls instead of four; dk, dv stay zero there).

@@ -6,7 +6,7 @@ Tiles are decoupled from the routing block C (all powers of two):
     kept keys, so BLOCK_N may be smaller or larger than C), then over its own blocks;
   dk/dv: a key tile of BLOCK_N <= C rows (inside one routing block, so it has one keep flag)
     walks query tiles of BLOCK_M <= BLOCK_N rows.
-The 16-bit settings were picked on the H200 (docs/notes/fast_routed_attention.md has the sweep);
+The 16-bit settings were picked on the H200 (docs/kernels/routed_attention.md says why);
 32-bit inputs get small tiles and one stage, since their fp32-accurate products ("tf32x3") need
 three times the shared memory; head dims over 128 get smaller tiles to stay in registers.
 benchmarks/device_routed_attention.py overrides these dicts to compare settings.
@@ -18,16 +18,15 @@ from natsl.devices import sm_count
 
 # Key tiles of the forward read through TMA tensor descriptors where they apply (Hopper, 16-bit,
 # BLOCK_N <= C, packed [B, T, H, D] layouts); forward._descriptors says when. Benchmarks and tests
-# set it to False to compare with pointer loads.
-# (2026-11-30 on the H200: ~1% faster than pointer loads of the same tiles at 16K and 64K, equal at 4K.)
+# set it to False to compare with pointer loads (slightly slower at long contexts, equal at 4K).
 USE_DESCRIPTORS = True
 
 # 16-bit inputs, Dv = 128 (the 800M layer: Dk 64, Dv 128). One warp group per 128-row query tile:
-# 440-476 TFLOP/s at 16K-64K against 363-387 for the earlier 128 x 128 tiles on 8 warps, whose two
-# warp groups split the rows (benchmarks/device_attention_variants.py, 2026-11-30).
+# faster than 128 x 128 tiles on 8 warps, whose two warp groups split the rows
+# (benchmarks/device_attention_variants.py).
 FORWARD = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
-# 16-bit inputs, Dv <= 64 (plain 64-dim heads): 128-key tiles (pointer loads), 372-408 TFLOP/s at
-# 16K-128K against 353-381 for 64-key tiles (same script, 2026-11-30).
+# 16-bit inputs, Dv <= 64 (plain 64-dim heads): 128-key tiles (pointer loads) beat 64-key tiles with
+# TMA at every length (same script): twice the keys per softmax step.
 FORWARD_SMALL_DV = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2}
 BACKWARD_DQ = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 BACKWARD_DKDV = {"BLOCK_N": 64, "BLOCK_M": 64, "num_warps": 4, "num_stages": 3}
@@ -51,11 +50,9 @@ def heads_first(n_programs: int, device) -> bool:
     """Program order of a kernel whose tiles are scheduled heaviest first within each head: heads on
     grid axis 0, so that every head's heaviest tiles start first, for grids of at most 8 programs
     per SM (about four waves), where a head's tiles alone would end the grid on one head's heavy
-    tiles; above that a head's tiles together, whose shared keys stay in L2. H200, 2026-11-30, 800M
-    shapes: batch 1 x 4K keep 1 (576 programs) forward 0.196 -> 0.159 ms heads first (calls 2, 3);
-    side by side at keep 0.55 (benchmarks/device_grid_order.py) a head's tiles together were faster
-    at batch 4 x 4K (fwd 0.382 vs 0.400 ms, bwd 1.18 vs 1.22), 16K (1.22 vs 1.23, 3.97 vs 4.06) and
-    64K (bwd 57.2 vs 61.3)."""
+    tiles; above that a head's tiles together, whose shared keys stay in L2. On the H200 heads first
+    wins at batch 1 x 4K, and a head's tiles together at batch 4 x 4K, 16K and 64K, forward and
+    backward (benchmarks/device_grid_order.py compares the two orders)."""
     if HEADS_FIRST is not None:
         return HEADS_FIRST
     return n_programs <= 8 * sm_count(device)

@@ -109,7 +109,7 @@ def _run_forward(q, k, v, keep, scale: float, block_size: int, route_grad: str):
 
 
 def _validate(q, k, v, keep, block_size: int) -> None:
-    """The reference's layout checks (contract section 5), plus the fast path's own limits."""
+    """The reference's layout checks (docs/spec.md section 5), plus the fast path's own limits."""
     validate_layouts(q, k, v, keep, block_size)
     if block_size < MIN_DIM or block_size & (block_size - 1) or block_size > 256:
         raise NatslError(
@@ -149,7 +149,7 @@ def routed_attention(
     q, k [B,T,Hs,Dk]; v [B,T,Hs,Dv]; keep [B,NB,G] with Hs % G == 0 (None = all kept); softmax
     head j is in routing group j // (Hs // G). Returns o [B,T,Hs,Dv] in q's dtype.
     The fast path reads keep as binary: block c is visible iff keep_c > 0.5 (routes are exactly
-    0/1 in the model). dkeep is the contract's continuous-mask gradient at that binary mask;
+    0/1 in the model). dkeep is docs/spec.md section 3's continuous-mask gradient at that binary mask;
     "active" leaves it zero on dropped blocks, "full" also visits them for it.
     """
     check_route_grad(route_grad)

@@ -1,4 +1,4 @@
-"""Triton chunked Gated DeltaNet with a per-block write mask (contract, section 3), forward and backward.
+"""Triton chunked Gated DeltaNet with a per-block write mask (docs/spec.md section 3), forward and backward.
 
 `gated_delta_rule` has the reference's exact signature; `gated_delta_step` is the one-token decode
 kernel and `commit_block` the route commit at a block boundary, both for incremental inference.

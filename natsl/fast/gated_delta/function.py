@@ -168,7 +168,7 @@ def _run_forward(*inputs):
 
 
 def _validate(q, k, v, g, beta, write, initial_state, block_size: int) -> None:
-    """The reference's layout checks (contract section 5), plus the fast path's own limits."""
+    """The reference's layout checks (docs/spec.md section 5), plus the fast path's own limits."""
     _, _, _, K, _ = validate_layouts(q, k, v, g, beta, write, initial_state, block_size)
     if block_size not in BLOCK_SIZES:
         raise NatslError(f"the fast gated_delta_rule supports block_size 64 or 128, got {block_size}; "

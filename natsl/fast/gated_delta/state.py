@@ -225,7 +225,7 @@ def _k_tiles(K: int) -> tuple[int, int]:
 def state_slice(V: int, cfg: dict, batch_heads: int, sms: int, work_dtype=None) -> int:
     """The V slice BV of one program of a sequential kernel (B * H * V / BV programs). cfg["BV"], or the
     wider cfg["BV_WIDE"] where that still gives every SM a program and the intermediates are 16-bit
-    (the measured case): fewer, longer programs beat a second, mostly empty wave (config.STATE_FWD, STATE_BWD)."""
+    (the case the sweeps covered): fewer, longer programs beat a second, mostly empty wave (config.STATE_FWD, STATE_BWD)."""
     bv = min(cfg["BV"], dim_tile(V))
     wide = cfg.get("BV_WIDE")
     if wide and work_dtype is not None and work_dtype.itemsize == 2:
@@ -240,7 +240,7 @@ def batch_launches(B: int, H: int, V: int, cfg: dict, sms: int, work_dtype=None)
     With cfg["SPLIT_LAST_ROUND"], where the programs of the wide slices overfill whole rounds of
     cfg["PROGRAMS_PER_SM"] programs per SM by a part of a round, the rows that fill whole rounds run
     wide and the rest run in a second launch at the narrow cfg["BV"] (more, shorter programs for the
-    last round: docs/notes/fast_gated_delta.md, "The sequential kernels' last round")."""
+    last round: docs/kernels/gated_delta.md)."""
     bv = state_slice(V, cfg, B * H, sms, work_dtype)
     narrow = min(cfg["BV"], dim_tile(V))
     per_row = H * triton.cdiv(V, bv)
