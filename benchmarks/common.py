@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 RESULTS = "bench_results"
+# --shapes names of the recipes whose widths the op and layer entries take
+PRESETS = {"800m": "800m_hybrid", "380m": "380m_hybrid", "tiny": "tiny_hybrid"}
 
 
 def add_out_argument(parser: argparse.ArgumentParser) -> None:

@@ -30,7 +30,6 @@ from typing import Callable, Optional
 
 from benchmarks import common
 
-PRESETS = {"800m": "800m_hybrid", "380m": "380m_hybrid", "tiny": "tiny_hybrid"}
 MODES = ("fwd", "fwdbwd")
 PROVIDERS = ("natsl_fast", "natsl_reference", "fla", "sdpa_flash", "sdpa_cudnn", "cublas")
 LABELS = ("keep", "channels", "product", "piece")  # the variant fields that name a point
@@ -506,7 +505,7 @@ def points(op: Op, args) -> list[Point]:
 
     out = []
     for shape in [s for s in args.shapes.split(",") if s]:
-        model = natsl.load_recipe(PRESETS.get(shape, shape)).model
+        model = natsl.load_recipe(common.PRESETS.get(shape, shape)).model
         sizes = op.points
         if args.lengths or args.batch:
             lengths = args.lengths or sorted({t for _, t in op.points})
