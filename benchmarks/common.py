@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import statistics
-import tempfile
 import threading
 import time
 from bisect import bisect_left
@@ -85,17 +84,10 @@ def rel_rms(a, b) -> float:
 
 def replace_atomically(path: Path, write: Callable[[str], None]) -> Path:
     """Write through `write(temporary path)` next to `path`, then move it into place."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=path.suffix, dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    from natsl.inference.bench import replace_atomically as replace
+
+    replace(Path(path), write)
+    return Path(path)
 
 
 def write_result(name: str, payload: dict, out: str | Path) -> Path:
