@@ -607,11 +607,12 @@ def run(args) -> dict:
                 continue
             for point in points(op, args):
                 rows += run_point(op, point, providers, mode, args, device, dtype)
+                # rewritten after every point: a run cut short by its time cap keeps what it measured
+                common.write_result(f"ops_{name}", {"op": name, "device": str(device), "dtype": str(dtype),
+                                                    "rows": rows}, args.out)
         results[name] = rows
         if not rows:
             continue
-        common.write_result(f"ops_{name}", {"op": name, "device": str(device), "dtype": str(dtype), "rows": rows},
-                            args.out)
         groups: dict = {}
         for r in rows:
             if "ms" in r:
