@@ -1,16 +1,14 @@
-"""benchmarks/gpu_meter.py: energy over a window from NVML's cumulative counter, here against a fake NVML
+"""benchmarks.common.GpuMeter: energy over a window from NVML's cumulative counter, here against a fake NVML
 whose board draws a known constant power (the real one needs a GPU and nvidia-ml-py)."""
 
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-from gpu_meter import GpuMeter, interpolate  # noqa: E402
+from benchmarks import training
+from benchmarks.common import GpuMeter, interpolate
 
 
 class ConstantBoard:
@@ -60,7 +58,7 @@ def test_window_gives_the_energy_power_and_clock_of_a_stretch():
 
 
 def test_a_window_asked_while_metering_waits_for_a_sample_past_its_end():
-    """energy_blocks.py asks right after the work, inside the meter: the newest sample is then older than
+    """layer.py --energy asks right after the work, inside the meter: the newest sample is then older than
     the window's end, and the answer must wait for the next one instead of giving up."""
     board = ConstantBoard(watts=500.0, mhz=1800)
     with GpuMeter(handle=object(), nvml=board, interval_s=0.2) as meter:
@@ -78,22 +76,20 @@ def test_no_meter_off_cuda_and_the_fields_are_left_out():
     assert meter.window(0.0, 1.0) is None
 
 
-def test_bench_training_reports_the_timed_steps_energy(tmp_path, monkeypatch):
-    """bench_training's worker with a meter on a fake 690 W board (on the CPU): the timed steps' joules per
+def test_training_reports_the_timed_steps_energy(tmp_path, monkeypatch):
+    """benchmarks.training's worker with a meter on a fake 690 W board (on the CPU): the timed steps' joules per
     step are the board's power times their mean step time, and tokens per joule follow from them."""
     import json
 
-    import bench_training
-
     monkeypatch.setenv("NATSL_CACHE_DIR", str(tmp_path / "cache"))
     board = ConstantBoard(watts=690.0, mhz=1700)
-    monkeypatch.setattr(bench_training.GpuMeter, "for_device",
+    monkeypatch.setattr(training.GpuMeter, "for_device",
                         classmethod(lambda cls, device, interval_s=0.05: cls(object(), board, 0.005)))
     result = tmp_path / "result.json"
-    args = bench_training.build_parser().parse_args([
+    args = training.build_parser().parse_args([
         "--worker", "tiny_hybrid", "--result", str(result), "--micro-batch-size", "2", "--seq-len", "64",
         "--max-steps", "4", "--warmup-steps", "1", "--device", "cpu", "--backend", "chunked"])
-    bench_training.worker(args)
+    training.worker(args)
     r = json.loads(result.read_text())
     assert r["status"] == "ok" and r["steps_timed"] == 3
     # the window runs from the end of the warm-up step to the end of the last one: the timed steps' own time

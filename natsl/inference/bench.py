@@ -330,7 +330,8 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _replace_atomically(path: Path, write) -> None:
+def replace_atomically(path: Path, write) -> None:
+    """Write `path` through `write(temporary path)` in its folder, then move it into place (benchmarks use it too)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=path.suffix, dir=path.parent)
     os.close(fd)
@@ -347,7 +348,7 @@ def save_json(result: dict, path: Path) -> Path:
         with open(tmp, "w", encoding="utf-8") as fh:
             json.dump(result, fh, indent=1)
 
-    _replace_atomically(Path(path), write)
+    replace_atomically(Path(path), write)
     return Path(path)
 
 
@@ -393,6 +394,6 @@ def plot(result: dict, path: Path) -> Path:
     def write(tmp):
         fig.savefig(tmp, dpi=120)
 
-    _replace_atomically(Path(path), write)
+    replace_atomically(Path(path), write)
     plt.close(fig)
     return Path(path)

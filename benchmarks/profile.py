@@ -1,6 +1,15 @@
-"""Where a training step's GPU time goes: torch.profiler over forward + backward of a recipe's model.
+"""Where a training step's or an inference call's time goes: torch.profiler tables, matmul shapes, launches.
 
-    python benchmarks/profile_training_step.py --recipe 800m_hybrid --batch 4 --seq-len 4096
+    python -m benchmarks.profile --recipe 800m_hybrid --batch 8 --compile --optimizer --phases --matmul-shapes
+    python -m benchmarks.profile --recipe 800m_hybrid --inference prefill --seq-len 131072 --keep 0.5
+    python -m benchmarks.profile --recipe 800m_gdn --inference decode --seq-len 32768
+
+--inference prefill|decode profiles instead one prefill of --seq-len tokens (random weights, the NAtS-L
+routes forced to --keep, as `natsl bench-latency`) or one CUDA-graph decode step after such a prefill
+(steps averaged over --repeats): kernel time by kind, the top kernels, kernels per call and the host's
+kernel launches per call (fewer launches than kernels: a graph replay).
+
+Training (the default):
 
 bf16 autocast and the chunked LM loss as in `natsl train`; with --optimizer also the rest of a
 training step as `natsl train` runs it: gradient clipping, the host reading the loss and gradient
@@ -24,29 +33,26 @@ import argparse
 import json
 import os
 import statistics
-import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from natsl.config import load_recipe  # noqa: E402
-from natsl.models import build_model  # noqa: E402
-from natsl.provenance import provenance  # noqa: E402
-from natsl.training.loss import linear_cross_entropy  # noqa: E402
-from natsl.training.optim import (build_optimizer, clip_and_step, fold_clip_requested,  # noqa: E402
-                                  no_decay_names)
-from natsl.training.trainer import HiddenStates  # noqa: E402
+from benchmarks import common
+from natsl.config import load_recipe
+from natsl.models import build_model
+from natsl.training.loss import linear_cross_entropy
+from natsl.training.optim import build_optimizer, clip_and_step, fold_clip_requested, no_decay_names
+from natsl.training.trainer import HiddenStates
 
 GDN_KERNELS = ("_prepare_kernel", "_state_fwd_kernel", "_output_kernel", "_local_dr_kernel", "_state_bwd_kernel",
                "_grad_qk_kernel", "_grad_wy_kernel")
 ROUTED_KERNELS = ("_forward_kernel", "_dq_kernel", "_dkdv_kernel", "_row_delta_kernel", "_block_lists_kernel")
-# (the dropped "held" and "scratch" kernels stay so that earlier sessions' profiles classify the same)
-SHORT_CONV_KERNELS = ("_conv_fwd_kernel", "_conv_bwd_kernel", "_conv_dx_kernel", "_conv_bwd_held_kernel",
-                      "_conv_bwd_scratch_kernel", "_conv_bwd_walk_kernel", "_dw_sum_kernel")
-MIX_KERNELS = ("_mix_fwd_kernel", "_mix_bwd_kernel")  # natsl.fast.mix, the NAtS-L read (from 2026-12-01)
+# Kernel names as the profiler reports them (matched as text, never imported)
+SHORT_CONV_KERNELS = ("_conv_fwd_kernel", "_conv_bwd_kernel", "_conv_dx_kernel", "_conv_bwd_walk_kernel",
+                      "_dw_sum_kernel")
+MIX_KERNELS = ("_mix_fwd_kernel", "_mix_bwd_kernel")  # natsl.fast.mix, the NAtS-L read
 
 
 def kernel_kind(name: str) -> str:
@@ -108,14 +114,17 @@ def matmul_shapes(events, cuda: bool) -> list[dict]:
     return rows
 
 
-def idle_gaps(prof, min_us: float = 20.0) -> dict:
-    """The GPU's idle time between the first and last kernel of a profiled CUDA timeline: gaps between
-    consecutive kernels (by start time) longer than `min_us`, largest first, with their neighbours."""
-    import tempfile
-
+def trace_events(prof) -> list:
+    """The chrome-trace events of a finished torch.profiler run."""
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        events = json.loads(Path(f.name).read_text())["traceEvents"]
+        return json.loads(Path(f.name).read_text())["traceEvents"]
+
+
+def idle_gaps(events: list, min_us: float = 20.0) -> dict:
+    """The GPU's idle time between the first and last kernel of a profiled CUDA timeline (trace events):
+    gaps between consecutive kernels (by start time) longer than `min_us`, largest first, with their
+    neighbours."""
     kernels = sorted((e for e in events if e.get("cat") == "kernel" and "dur" in e), key=lambda e: e["ts"])
     if not kernels:
         return {"span_ms": 0.0, "idle_ms": 0.0, "kernels": 0, "gaps": [], "n_gaps": 0}
@@ -153,15 +162,19 @@ def host_head(events: list, top: int = 15) -> dict:
                                      "at_ms": (e["ts"] - start) / 1e3} for e in before[:top]]}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.profile", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", default="800m_hybrid")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--inference", choices=["prefill", "decode"], default=None,
+                        help="profile an inference call instead of a training step")
+    parser.add_argument("--keep", type=float, default=0.5, help="with --inference: the NAtS-L layers' forced keep fraction")
+    parser.add_argument("--batch", type=int, default=None, help="default: 8 for training, 1 for inference")
+    parser.add_argument("--seq-len", type=int, default=None, help="default: 4096 for training, 32768 for inference")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--top", type=int, default=25)
-    parser.add_argument("--out", default=None)
     parser.add_argument("--device", default="cuda", help="cuda (the point), or cpu for a smoke run")
+    common.add_out_argument(parser)
     parser.add_argument("--compile", action="store_true", help="torch.compile the whole model (as natsl train --compile)")
     parser.add_argument("--optimizer", action="store_true",
                         help="also clip, read the loss and norm on the host and take the AdamW step, as natsl train")
@@ -176,9 +189,25 @@ def main() -> None:
     parser.add_argument("--phases", action="store_true",
                         help="also time steps with host clocks and CUDA events at the ends of the forward, the "
                              "backward and the optimizer step (where the wall time beyond the kernels goes)")
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv=None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.compare_fold and not args.optimizer:
         parser.error("--compare-fold needs --optimizer")
+    inference = args.inference is not None
+    args.batch = args.batch or (1 if inference else 8)
+    args.seq_len = args.seq_len or (32768 if inference else 4096)
+    if inference:
+        profile_inference(args)
+    else:
+        profile_training(args)
+
+
+def profile_training(args) -> None:
+    """A training step of a recipe's model (see the module's docstring)."""
 
     recipe = load_recipe(args.recipe)
     device = torch.device(args.device)
@@ -267,17 +296,13 @@ def main() -> None:
 
     head = None
     if args.host_head and cuda:
-        import tempfile
-
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as host_prof:
             sync()
             with torch.profiler.record_function(STEP_MARK):
                 step()
             sync()
-        with tempfile.NamedTemporaryFile(suffix=".json") as f:
-            host_prof.export_chrome_trace(f.name)
-            head = host_head(json.loads(Path(f.name).read_text())["traceEvents"])
+        head = host_head(trace_events(host_prof))
         if head:
             print(f"host head (profiled with host activity): first launch {head['host_to_first_launch_ms']:.2f} ms "
                   f"after the step's start, first kernel at {head['first_kernel_ms']:.2f} ms ({head['first_kernel']})")
@@ -303,36 +328,91 @@ def main() -> None:
                                                 else torch.profiler.ProfilerActivity.CPU]) as prof:
         step()
         sync()
-    rows = []
-    for event in prof.key_averages():
-        device_us = event.device_time_total if cuda else event.self_cpu_time_total
-        if device_us > 0:
-            rows.append({"kernel": event.key[:90], "calls": event.count, "ms": device_us / 1e3})
-    rows.sort(key=lambda r: -r["ms"])
-    total = sum(r["ms"] for r in rows)
-    print(f"GPU kernel time in the profiled step: {total:.1f} ms")
-    kinds: dict = {}
-    for r in rows:
-        kind = kernel_kind(r["kernel"])
-        kinds[kind] = kinds.get(kind, 0.0) + r["ms"]
-    for kind, ms in sorted(kinds.items(), key=lambda kv: -kv[1]):
-        print(f"{ms:8.2f} ms {100 * ms / total:5.1f}%  {kind}")
-    for r in rows[:args.top]:
-        print(f"{r['ms']:8.2f} ms {100 * r['ms'] / total:5.1f}% {r['calls']:6d}x  {r['kernel']}")
-    gaps = idle_gaps(prof) if cuda else None
+    kernels = kernel_table(prof, cuda, args.top)
+    gaps = idle_gaps(trace_events(prof)) if cuda else None
     if gaps:
         print(f"GPU timeline of the profiled step: {gaps['span_ms']:.1f} ms from first to last kernel "
               f"({gaps['kernels']} kernels), idle {gaps['idle_ms']:.1f} ms in {gaps['n_gaps']} gaps > 20 us")
         for g in gaps["gaps"][:12]:
             print(f"  {g['us'] / 1e3:7.2f} ms idle at {g['at_ms']:7.1f} ms: after {g['after']} / before {g['before']}")
-    if args.out:
-        Path(args.out).write_text(json.dumps({"recipe": args.recipe, "provenance": provenance(), "batch": args.batch,
-                                              "seq_len": args.seq_len, "compile": args.compile,
-                                              "optimizer": args.optimizer, "kinds_ms": kinds,
-                                              "step_ms": step_ms, "kernel_ms_total": total, "kernels": rows,
-                                              "idle": gaps, "fold_compare_ms": fold_ms, "phases_ms": phases,
-                                              "host_head": head, "matmul_shapes": products},
-                                             indent=1))
+    path = common.write_result(f"profile_train_{Path(args.recipe).stem}", {
+        "recipe": args.recipe, "batch": args.batch, "seq_len": args.seq_len, "compile": args.compile,
+        "optimizer": args.optimizer, "step_ms": step_ms, **kernels, "idle": gaps, "fold_compare_ms": fold_ms,
+        "phases_ms": phases, "host_head": head, "matmul_shapes": products}, args.out)
+    print(f"wrote {path}")
+
+
+def kernel_table(prof, cuda: bool, top: int, calls: int = 1) -> dict:
+    """Kernel time per call (device time on CUDA, host time of each op elsewhere) of a finished profile
+    over `calls` calls: by kind and by kernel, printed and returned; host launches counted on CUDA."""
+    rows, launches = [], 0
+    for event in prof.key_averages():
+        us = event.device_time_total if cuda else event.self_cpu_time_total
+        if cuda and "aunch" in event.key and event.key.startswith("cu"):  # cudaLaunchKernel, cuLaunchKernelEx, ...
+            launches += event.count
+        if us > 0 and not (cuda and event.device_type != torch.autograd.DeviceType.CUDA):
+            rows.append({"kernel": event.key[:90], "calls": event.count / calls, "ms": us / 1e3 / calls})
+    rows.sort(key=lambda r: -r["ms"])
+    total = sum(r["ms"] for r in rows)
+    print(f"kernel time per call: {total:.2f} ms, {sum(r['calls'] for r in rows):.0f} kernels"
+          + (f", {launches / calls:.0f} host launches" if cuda else ""))
+    kinds: dict = {}
+    for r in rows:
+        kind = kernel_kind(r["kernel"])
+        kinds[kind] = kinds.get(kind, 0.0) + r["ms"]
+    for kind, ms in sorted(kinds.items(), key=lambda kv: -kv[1]):
+        print(f"{ms:8.2f} ms {100 * ms / max(total, 1e-9):5.1f}%  {kind}")
+    for r in rows[:top]:
+        print(f"{r['ms']:8.3f} ms {100 * r['ms'] / max(total, 1e-9):5.1f}% {r['calls']:7.1f}x  {r['kernel']}")
+    return {"kernel_ms_total": total, "kinds_ms": kinds, "kernels": rows,
+            "kernels_per_call": sum(r["calls"] for r in rows), "host_launches_per_call": launches / calls if cuda else None}
+
+
+def profile_inference(args) -> None:
+    """One prefill, or one CUDA-graph decode step after a prefill, of a recipe's model (random weights)."""
+    from natsl.inference import bench
+    from natsl.inference.decode import DecodeRunner
+
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    model, name, _ = bench.load_model(bench.BenchModel("recipe", args.recipe, args.keep), device,
+                                      torch.bfloat16 if cuda else torch.float32, "fast" if cuda else "chunked", 0)
+    steps = args.repeats if args.inference == "decode" else 1
+    ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq_len + steps + 8), device=device)
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.no_grad():
+        cache = model.new_cache(args.batch, max_len=args.seq_len + steps + 8)
+        if args.inference == "prefill":
+            model.forward_cached(ids[:, :args.seq_len // 2], cache, last_only=True)  # compile and allocate first
+            cache = model.new_cache(args.batch, max_len=args.seq_len + 8)
+            sync()
+            start = time.perf_counter()
+            with torch.profiler.profile(activities=activities) as prof:
+                model.forward_cached(ids[:, :args.seq_len], cache, last_only=True)
+                sync()
+            wall_ms = 1000 * (time.perf_counter() - start)
+        else:
+            model.forward_cached(ids[:, :args.seq_len], cache, last_only=True)
+            runner = DecodeRunner(model, cache, cuda_graphs=cuda)
+            t = args.seq_len
+            for _ in range(3):  # the eager step and the capture, then replays
+                runner.step(ids[:, t])
+                t += 1
+            sync()
+            start = time.perf_counter()
+            with torch.profiler.profile(activities=activities) as prof:
+                for _ in range(steps):
+                    runner.step(ids[:, t])
+                    t += 1
+                sync()
+            wall_ms = 1000 * (time.perf_counter() - start) / steps
+    print(f"{name} {args.inference} at {args.seq_len} (keep {args.keep}): {wall_ms:.2f} ms per call under the profiler")
+    kernels = kernel_table(prof, cuda, args.top, steps)
+    path = common.write_result(f"profile_{args.inference}_{Path(args.recipe).stem}", {
+        "recipe": args.recipe, "inference": args.inference, "batch": args.batch, "seq_len": args.seq_len,
+        "keep": args.keep, "profiled_wall_ms": wall_ms, **kernels}, args.out)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
-"""Training throughput (tokens/s, MFU, peak memory) of recipes, through the real `natsl train` loop.
+"""Training throughput (tokens/s, MFU, peak memory, energy) of recipes, through the real `natsl train` loop.
 
-    python benchmarks/bench_training.py                      # the five 800M systems, 4096 context, 30 steps
-    python benchmarks/bench_training.py --recipes 800m_hybrid --max-steps 40 --compile
-    python benchmarks/bench_training.py --nproc 8            # each recipe under torchrun on 8 GPUs (DDP)
-    python benchmarks/bench_training.py --nproc 8 --parallel fsdp
+    python -m benchmarks.training                      # the five 800M systems, 4096 context, 30 steps
+    python -m benchmarks.training --recipes 800m_hybrid 800m_transformer --compile --micro-batch-size 8
+    python -m benchmarks.training --nproc 8            # each recipe under torchrun on 8 GPUs (DDP)
+    python -m benchmarks.training --nproc 2 --parallel fsdp
+    python -m benchmarks.training --recipes 800m_hybrid --free-attention    # the bound: attention for free
 
 Each recipe runs in its own process (a fresh CUDA context; an out-of-memory failure is retried with
 half the micro-batch, down to 1) on the embedded corpus at the model's vocabulary (built once in
@@ -11,10 +12,16 @@ the cache), with `--max-steps` steps of one micro-batch per rank each (set --tok
 gradient accumulation), no checkpoint and a one-window evaluation. The first `--warmup-steps`
 steps (allocation, autotuning, compilation) are left out of the averages. MFU uses
 natsl.training.flops (6 N per token plus attention/GDN terms, measured keep fraction) over the
-bf16 peak of the GPU (989 TFLOP/s for H100/H200). Where NVML can tell (nvidia-ml-py; gpu_meter.py),
+bf16 peak of the GPU (989 TFLOP/s for H100/H200). Where NVML can tell (nvidia-ml-py; common.GpuMeter),
 each result also holds the timed steps' energy per step, mean power and SM clock: the H200 trains at
-its power limit, so joules per step are what a step costs. Results: OUT/bench_training.json, .png, and
-a table on stdout.
+its power limit, so joules per step are what a step costs. `--in-process` runs the recipes one after
+the other in this process instead (no fresh CUDA context each, no out-of-memory retry; for the CPU).
+Results: OUT/training.json, .png, and a table on stdout.
+
+`--free-attention` is a bound, not a model: the NAtS-L layers' routed attention is replaced by an op
+that outputs zeros and passes no gradient back, so the hybrid trains with every other piece as it is.
+Its tokens/s are the most any routed-attention kernel could give the hybrid at that shape; MFU is left
+out (the FLOP count includes the skipped work) and the losses are not a NAtS-L model's.
 """
 
 from __future__ import annotations
@@ -32,27 +39,50 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
+import torch
 
-from gpu_meter import GpuMeter  # noqa: E402
+import natsl.ops
+from benchmarks import common
+from benchmarks.common import GpuMeter
+
+ROOT = Path(__file__).resolve().parent.parent
 SYSTEMS_800M = ["800m_hybrid", "800m_gdn_hybrid", "800m_transformer", "800m_gdn", "800m_natsl"]
+
+
+@torch.library.custom_op("natsl_bench::free_attention", mutates_args=())
+def free_attention(v: torch.Tensor) -> torch.Tensor:
+    """Zeros shaped as the attention's output [B, T, H, Dv] (one write of that size, no reads)."""
+    return v.new_zeros(v.shape)
+
+
+@free_attention.register_fake
+def _(v: torch.Tensor) -> torch.Tensor:
+    return v.new_empty(v.shape)
+
+
+# the softmax branch passes nothing back: its q, k, v and keep get no gradient from it
+free_attention.register_autograd(lambda ctx, grad: None)
+
+
+def routed_attention_for_free(q, k, v, keep, **_options):
+    """natsl.ops.routed_attention's signature; q, k and keep are not read."""
+    return free_attention(v)
+
+
+def install_free_attention() -> None:
+    """From here on every NAtS-L layer's forward runs the free op (the layer looks the function up at each call)."""
+    natsl.ops.routed_attention = routed_attention_for_free
 
 
 def worker(args) -> None:
     """One recipe, in this process (or in each torchrun rank); rank 0 writes the result JSON."""
-    sys.path.insert(0, str(ROOT))
-    import torch
-
     from natsl.config import apply_overrides, load_recipe
     from natsl.training import TrainOptions, train
     from natsl.training.flops import flops_per_token, peak_flops
 
     recipe = load_recipe(args.worker)
-    if args.free_attention:  # a bound on what the attention kernel can give (free_attention.py)
-        from free_attention import install
-
-        install()
+    if args.free_attention:  # a bound on what the attention kernel can give
+        install_free_attention()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tokens_per_step = args.tokens_per_step or args.micro_batch_size * args.seq_len * world
     overrides = [f"train.seq_len={args.seq_len}", f"train.tokens_per_step={tokens_per_step}",
@@ -108,7 +138,7 @@ def worker(args) -> None:
                           device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                           params=None)
             # Energy of the timed steps (from the end of the last warm-up step), where NVML can tell: the
-            # H200 trains at its power limit, so joules per step are what a step costs (gpu_meter.py)
+            # H200 trains at its power limit, so joules per step are what a step costs (common.GpuMeter)
             timed = len(run.history) - args.warmup_steps
             first = args.warmup_steps - 1
             if timed > 0 and len(step_ends) == len(run.history):
@@ -130,7 +160,7 @@ def worker(args) -> None:
 
 
 def run_one(recipe: str, mbs: int, args, result_path: Path) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", recipe, "--result", str(result_path),
+    cmd = [sys.executable, "-m", "benchmarks.training", "--worker", recipe, "--result", str(result_path),
            "--micro-batch-size", str(mbs), "--seq-len", str(args.seq_len), "--max-steps", str(args.max_steps),
            "--warmup-steps", str(args.warmup_steps)]
     for flag in ("device", "backend", "tokens_per_step"):
@@ -143,7 +173,7 @@ def run_one(recipe: str, mbs: int, args, result_path: Path) -> dict:
     cmd += ["--free-attention"] if args.free_attention else []
     if args.nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
-               *cmd[1:]]
+               "--module", *cmd[2:]]
     result_path.unlink(missing_ok=True)
     code = run_child(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     if result_path.is_file():
@@ -154,8 +184,7 @@ def run_one(recipe: str, mbs: int, args, result_path: Path) -> dict:
 def run_child(cmd: list[str], **popen_kwargs) -> int:
     """Run `cmd` (a worker, or torchrun and its ranks) in a process group of its own and wait for it;
     a SIGTERM or SIGINT to this script ends the whole group first. Without this, `timeout` around
-    the benchmark killed only this script, and the workers kept the GPU and the output pipe open
-    (2026-11-30: a device call hung to its limit that way)."""
+    the benchmark kills only this script, and the workers keep the GPU and the output pipe open."""
     proc = subprocess.Popen(cmd, start_new_session=True, **popen_kwargs)
     stopped_by = []
 
@@ -208,7 +237,7 @@ def plot(results: list[dict], png: Path) -> None:
     first = ok[0]
     fig.suptitle(f"training throughput, {first['seq_len']} context, {first['world_size']} x {first.get('device')}")
     fig.tight_layout()
-    fig.savefig(png)
+    common.replace_atomically(png, lambda tmp: fig.savefig(tmp, format="png"))
     plt.close(fig)
 
 
@@ -230,16 +259,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--parallel", choices=["ddp", "fsdp"], default="ddp", help="with --nproc > 1")
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--free-attention", action="store_true",
-                        help="a bound: the NAtS-L layers' routed attention costs nothing (free_attention.py)")
-    parser.add_argument("--out", default="runs/bench_training")
+                        help="a bound: the NAtS-L layers' routed attention costs nothing (see above)")
+    parser.add_argument("--in-process", action="store_true",
+                        help="run the recipes one after the other in this process (no out-of-memory retry)")
+    common.add_out_argument(parser)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     return parser
 
 
-def main() -> None:
+def run_in_process(recipe: str, args, result_path: Path) -> dict:
+    """One recipe through `worker` in this process (the same result a worker process writes)."""
+    result_path.unlink(missing_ok=True)
+    worker(argparse.Namespace(**{**vars(args), "worker": recipe, "result": str(result_path)}))
+    return json.loads(result_path.read_text())
+
+
+def main(argv=None) -> None:
     parser = build_parser()
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.worker:
         worker(args)
         return
@@ -254,14 +292,15 @@ def main() -> None:
         mbs = args.micro_batch_size
         while True:
             print(f"== {recipe}: micro-batch {mbs} x {args.seq_len}, {args.max_steps} steps", flush=True)
-            result = run_one(recipe, mbs, args, out / f".{Path(recipe).stem}.json")
-            if result.get("status") != "oom" or mbs == 1:
+            where = out / f".{Path(recipe).stem}.json"
+            result = run_in_process(recipe, args, where) if args.in_process else run_one(recipe, mbs, args, where)
+            if result.get("status") != "oom" or mbs == 1 or args.in_process:
                 break
             mbs //= 2
             print(f"   out of memory; retrying with micro-batch {mbs}", flush=True)
         results.append(result)
-        (out / "bench_training.json").write_text(json.dumps(results, indent=2))
-    plot(results, out / "bench_training.png")
+        common.write_result("training", {"results": results}, out)  # rewritten after each recipe
+    plot(results, out / "training.png")
     print(f"\n{'recipe':<20} {'params':>8} {'mbs':>4} {'tok/s':>10} {'tok/s/GPU':>10} {'MFU':>7} {'keep':>5} "
           f"{'step ms':>8} {'median':>7} {'mem GiB':>8} {'J/step':>7} {'W':>5} {'SM MHz':>6}")
     for r in results:
@@ -276,7 +315,7 @@ def main() -> None:
         print(f"{label(r):<20} {r['params'] / 1e6:>7.1f}M {r['micro_batch_size']:>4} {r['tokens_per_s']:>10,.0f} "
               f"{r['tokens_per_s_per_gpu']:>10,.0f} {mfu:>7} {r['keep_fraction']:>5.2f} {r['step_ms']:>8.0f} "
               f"{median:>7} {mem:>8} {energy}")
-    print(f"\nwrote {out / 'bench_training.json'} and {out / 'bench_training.png'}")
+    print(f"\nwrote {out / 'training.json'} and {out / 'training.png'}")
 
 
 if __name__ == "__main__":
