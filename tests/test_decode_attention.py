@@ -96,7 +96,7 @@ def test_forced_splits(L, num_splits):
                                     dict(block_n=256, num_warps=8, num_stages=2), dict(programs_per_sm=16)])
 @pytest.mark.parametrize("L,splits", [(37, 1), (300, 5), (1000, None)])
 def test_launch_settings(L, splits, launch):
-    """The settings benchmarks/device_decode_sweep.py tries (the per-tile-statistics loop, tile sizes,
+    """The settings `python -m benchmarks.ops --op decode_attention --sweep` tries (the per-tile-statistics loop, tile sizes,
     more programs) compute the same thing, one split or several, fp32 and bf16."""
     assert compare(2, 3, L, 64, 128, seed=L, num_splits=splits, launch=launch) <= TOL[torch.float32]
     assert compare(1, 2, L, 64, 64, seed=L + 1, num_splits=splits, launch=launch,

@@ -67,7 +67,7 @@ def test_fused_mix_matches_the_formula(dtype, b, t, heads, d, monkeypatch):
 
 @pytest.mark.parametrize("settings", [{"BLOCK_ROWS": 16, "num_warps": 8}, {"BLOCK_ROWS": 64, "num_stages": 2}])
 def test_fused_mix_backward_settings_give_the_same_gradients(settings, monkeypatch):
-    """Other backward launch settings (bench_mix.py --sweep): the per-row gradients bitwise equal, the
+    """Other backward launch settings (`python -m benchmarks.ops --op mix --sweep`): the per-row gradients bitwise equal, the
     norm weights' (summed in another order) within fp32 rounding."""
     monkeypatch.setattr(mix, "sm_count", lambda device: 1)
     inputs, dout = make_inputs(2, 37, 3, 32, torch.float32)

@@ -26,7 +26,7 @@ BLOCK_ROWS = 32
 NUM_WARPS = 4
 # The backward's launch: rows per tile, warps, software-pipelining stages (None: Triton's default) and
 # programs per SM (a grid-stride loop over row tiles keeps the weight-gradient buffer small).
-# `benchmarks/bench_mix.py --sweep` times other settings in place. Small programs won at the 800M
+# `python -m benchmarks.ops --op mix --sweep` times other settings in place. Small programs won at the 800M
 # training shape (8 x 4096 x 18 heads x 128): one warp on 8 rows beat 4 warps on 32 and every 64-row
 # setting, since many small programs hide the rows' load latency (per-row gradients bitwise equal
 # across settings).

@@ -42,7 +42,7 @@ FORWARD_WARPS = 4
 # Backward settings per form, the fastest of each at the 800M widths on the H200: "two_pass" (time,
 # channels, warps) of its first kernel; "walk" (rows per program, channels, warps): 128 rows for the
 # joined q|k|v op at micro-batch 8 (fewer weight partials; dx bitwise equal to 64 rows,
-# benchmarks/bench_short_conv.py --joined). The forward's tile settings all ran alike there, so they stay.
+# `python -m benchmarks.ops --op short_conv`). The forward's tile settings all ran alike there, so they stay.
 BACKWARD_TILES = {"two_pass": (64, 64, 4), "walk": (128, 128, 1)}
 # How the backward forms dx (each input row feeds the W output rows after it):
 #   "walk":     one kernel for W = 4 whose programs walk their rows one by one from the last, holding

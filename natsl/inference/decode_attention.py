@@ -30,7 +30,7 @@ FORCE: bool | None = None
 
 MIN_SPLIT_KEYS = 256  # the host never cuts L into chunks shorter than this
 MAX_SPLITS = 64  # bounds the combine kernel's [splits, Dv] tile
-# Launch defaults from benchmarks/device_decode_sweep.py on the H200 (128K keys, batch 1): the per-slot
+# Launch defaults from `python -m benchmarks.ops --op decode_attention --sweep` on the H200 (128K keys, batch 1): the per-slot
 # statistics loop won for both shapes; 24x64 heads were fastest with 128-key tiles and ~16 programs per
 # SM, 18x(64,128) with 64-key tiles and 3 programs per SM (docs/kernels/decode_attention.md).
 PROGRAMS_PER_SM_NARROW = 16  # head dims <= 64
@@ -180,7 +180,7 @@ def decode_attention(q, keys, values, visible, *, scale=None, num_splits: int | 
     sees nothing gives zeros. As `attend_one`, in fp32 throughout. `num_splits` overrides the chunk
     count (tests); `block_n`, `num_warps`, `num_stages`, `slot_stats` (per-slot softmax statistics,
     the kernel's second loop variant) and `programs_per_sm` are launch settings for
-    benchmarks/device_decode_sweep.py, the defaults the fastest it found on the H200.
+    `python -m benchmarks.ops --op decode_attention --sweep`, the defaults the fastest it found on the H200.
     """
     B, T, H, Dk = q.shape
     L, Dv = keys.shape[2], values.shape[-1]

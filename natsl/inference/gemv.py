@@ -23,7 +23,7 @@ import torch
 
 from natsl.inference import kernels
 
-# One and two rows beat cuBLAS at every 800M decode shape on the H200 (benchmarks/bench_gemv.py); at
+# One and two rows beat cuBLAS at every 800M decode shape on the H200 (`python -m benchmarks.ops --op gemv`); at
 # four rows cuBLAS was faster for most, so larger batches keep F.linear.
 MAX_ROWS = 2
 # Tests set this to True / False to force the choice; None = as natsl.inference.kernels.FORCE where
@@ -49,7 +49,7 @@ def tiles(N: int, K: int, M: int, sm_count: int) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_K). Narrow products (few output rows: o, down) take the whole K in one pass
     (no loop, all loads in flight at once), 8K weights a tile; the others the widest BLOCK_N (<= 16)
     that still gives >= 2 programs per SM and ~4K weights a tile. With weights read from memory on
-    the H200 (benchmarks/bench_gemv.py) one pass wins for narrow products such as the 1536 x 4096 down
+    the H200 (`python -m benchmarks.ops --op gemv`) one pass wins for narrow products such as the 1536 x 4096 down
     product, but loses for wide products and for two rows beyond N = 1536; 64 x 64 tiles (the first
     version's choice for the LM head) lost to cuBLAS."""
     if (M == 1 and N <= 4608) or (M == 2 and N <= 1536):
@@ -67,7 +67,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, up: torch.Tensor | None = N
     """x [..., K] with at most 4 rows, weight [N, K] -> x @ weight.T [..., N] in x's dtype.
     `up` (x's shape): the input is SwiGLU's silu(x) * up instead of x, computed on the fly (a decode
     step's down projection without the SwiGLU kernel). `block_n`, `block_k` override the tiles
-    (benchmarks/bench_gemv.py compares settings)."""
+    (`python -m benchmarks.ops --op gemv` compares settings)."""
     K = x.shape[-1]
     N = weight.shape[0]
     x2 = x.reshape(-1, K)

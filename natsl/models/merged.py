@@ -9,7 +9,7 @@ group as one product (on the GEMV kernel of natsl.inference.gemv where that is o
 buffer is not a parameter) and only for inputs of at most `MERGE_MAX_ROWS` rows (decode steps):
 a 128K prefill keeps one product per weight, as cuBLAS runs the separate, 128-aligned widths
 (1152, 2304, ...) faster than one 6924-wide product followed by strided splits
-(benchmarks/device_prefill_profile.py measures both). With gradients, or when a weight no longer
+(`python -m benchmarks.profile --inference prefill` measures both). With gradients, or when a weight no longer
 lies in the buffer (the model was moved or cast after merging), each linear runs on its own.
 """
 

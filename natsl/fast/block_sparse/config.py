@@ -9,7 +9,7 @@ Tiles are decoupled from the routing block C (all powers of two):
 The 16-bit settings were picked on the H200 (docs/kernels/routed_attention.md says why);
 32-bit inputs get small tiles and one stage, since their fp32-accurate products ("tf32x3") need
 three times the shared memory; head dims over 128 get smaller tiles to stay in registers.
-benchmarks/device_routed_attention.py overrides these dicts to compare settings.
+`python -m benchmarks.ops --op routed_attention --sweep` overrides these dicts to compare settings.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ USE_DESCRIPTORS = True
 
 # 16-bit inputs, Dv = 128 (the 800M layer: Dk 64, Dv 128). One warp group per 128-row query tile:
 # faster than 128 x 128 tiles on 8 warps, whose two warp groups split the rows
-# (benchmarks/device_attention_variants.py).
+# (`python -m benchmarks.ops --op routed_attention --sweep`).
 FORWARD = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 # 16-bit inputs, Dv <= 64 (plain 64-dim heads): 128-key tiles (pointer loads) beat 64-key tiles with
 # TMA at every length (same script): twice the keys per softmax step.
@@ -52,7 +52,7 @@ def heads_first(n_programs: int, device) -> bool:
     per SM (about four waves), where a head's tiles alone would end the grid on one head's heavy
     tiles; above that a head's tiles together, whose shared keys stay in L2. On the H200 heads first
     wins at batch 1 x 4K, and a head's tiles together at batch 4 x 4K, 16K and 64K, forward and
-    backward (benchmarks/device_grid_order.py compares the two orders)."""
+    backward."""
     if HEADS_FIRST is not None:
         return HEADS_FIRST
     return n_programs <= 8 * sm_count(device)

@@ -2,7 +2,7 @@
 
 BV is the width of the V slice one program owns. The two sequential kernels (state_fwd,
 state_bwd) get B * H * V / BV programs, so BV trades parallelism against per-step work.
-benchmarks/device_gated_delta.py overrides these dicts in place to compare settings in one call.
+`python -m benchmarks.ops --op gated_delta --sweep` overrides these dicts in place to compare settings in one call.
 """
 
 from __future__ import annotations
