@@ -218,8 +218,9 @@ def hf_recipe(config: dict, tensors: dict[str, torch.Tensor], name: str):
         block_size=_int("nats_block_size", config.get("nats_block_size", 64)),
         natsl_rope=_flag("attn_apply_pos_encoding", config.get("attn_apply_pos_encoding", False)),
         intra_block_output=intra,
-        # The authors' layer defaults to decaying across skipped blocks; their newest model code does not
-        # forward this key to the layer, their released configs set it true (docs/evaluation.md).
+        # The authors' layer defaults to decaying across skipped blocks; their current model code forwards
+        # this key to the layer (their first version did not: the default, true, applied), and their
+        # released configs set it true (docs/evaluation.md).
         decay_skipped_blocks=_flag("decay_for_non_gdn_blocks", config.get("decay_for_non_gdn_blocks", True)),
         branch_norm="separate", mix_input="q", mix_weights="softmax" if weighted else "none",
         norm_eps=_number("norm_eps", config.get("norm_eps", 1e-6)),
