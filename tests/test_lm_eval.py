@@ -126,6 +126,5 @@ def test_eval_lm_runs_local_tasks(ckpt, tmp_path, monkeypatch):
     assert "natsl_tiny_gen" in report["results"]
     assert (tmp_path / "out" / "lm_eval.png").stat().st_size > 0
     assert "natsl_tiny_mc" in (tmp_path / "out" / "lm_eval.md").read_text()
-    bad = CliRunner().invoke(app, ["eval-lm", str(ckpt), "--tasks", "no_such_task", "--include-path", str(tasks),
-                                   "--out", str(tmp_path / "out")])
-    assert bad.exit_code == 2 and "no_such_task" in bad.stderr
+    bad = CliRunner().invoke(app, ["eval-lm", str(ckpt), "--tasks", " ,", "--out", str(tmp_path / "out")])
+    assert bad.exit_code == 2 and "--tasks names no task" in bad.stderr

@@ -27,7 +27,12 @@ def run_tasks(checkpoint, tasks: list[str], out, *, include_path=None, num_fewsh
     from natsl.eval.common import prepare_out_dir, save_figure, write_json, pyplot
 
     out_dir = prepare_out_dir(out)
-    manager = TaskManager(include_path=str(include_path) if include_path else None)
+    manager = None
+    if include_path:  # indexing lm-eval's own task tree takes long: skip it when the local folder has them all
+        manager = TaskManager(include_path=str(include_path), include_defaults=False)
+        if any(not manager.match_tasks([t]) for t in tasks):
+            manager = None
+    manager = manager or TaskManager(include_path=str(include_path) if include_path else None)
     unknown = [t for t in tasks if not manager.match_tasks([t])]
     if unknown:
         where = f" (nor in {include_path})" if include_path else "; pass --include-path for a local task folder"
