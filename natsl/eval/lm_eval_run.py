@@ -3,8 +3,6 @@ written as `lm_eval.json` (lm-eval's results), `lm_eval.md` (its table) and `lm_
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from natsl.errors import NatslError
 
 

@@ -179,6 +179,10 @@ def recipe_from_llama(config: dict, name: str):
     def refuse(what: str):
         raise NatslError(f"cannot import this Llama checkpoint: {what}; natsl's Transformer has no equivalent")
 
+    needed = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    absent = [k for k in needed if not isinstance(config.get(k), int) or isinstance(config.get(k), bool)]
+    if absent:
+        raise NatslError(f"config.json of this Llama checkpoint lacks an integer {absent[0]!r}; fix the config")
     heads = config.get("num_attention_heads")
     if config.get("num_key_value_heads", heads) != heads:
         refuse(f"num_key_value_heads = {config.get('num_key_value_heads')} differs from num_attention_heads = {heads} "
@@ -186,7 +190,7 @@ def recipe_from_llama(config: dict, name: str):
     for key in ("attention_bias", "mlp_bias"):
         if config.get(key):
             refuse(f"{key} = true")
-    if config.get("hidden_act", "silu") != "silu":
+    if config.get("hidden_act", "silu") not in ("silu", "swish"):
         refuse(f"hidden_act = {config['hidden_act']!r} (natsl's MLP is SwiGLU)")
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) != "default":
@@ -217,11 +221,10 @@ def recipe_from_llama(config: dict, name: str):
 
 def import_own_hf(src, out, dtype: torch.dtype | None = None, tokenizer_path=None) -> Path:
     """A Llama or `model_type: natsl` folder -> a natsl inference folder."""
-    from natsl.checkpoint import atomic_folder, check_state_dict, write_model_files
+    from natsl.checkpoint import check_state_dict
     from natsl.config import recipe_from_dict
-    from natsl.eval.convert import DTYPE_NAMES as SHORT_DTYPE, _check_target, read_hf_tensors
+    from natsl.eval.convert import _check_target, read_hf_tensors, write_imported
     from natsl.models import build_model
-    from natsl.tokenizer import Tokenizer
 
     folder = Path(src)
     _check_target(Path(out), folder)
@@ -241,14 +244,4 @@ def import_own_hf(src, out, dtype: torch.dtype | None = None, tokenizer_path=Non
     state = {back.get(h, h): t for h, t in tensors.items()}
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     check_state_dict(folder / "model.safetensors", state, expected, recipe.model.tie_embeddings)
-    if dtype is None:
-        dtype = next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
-    model = model.to_empty(device="cpu").to(dtype)
-    model.load_state_dict(state, strict=not recipe.model.tie_embeddings)
-    if recipe.model.tie_embeddings:
-        model.lm_head.weight = model.embed.weight
-    tok_file = Path(tokenizer_path) if tokenizer_path else folder / "tokenizer.json"
-    tokenizer = Tokenizer.from_file(tok_file) if (tokenizer_path or tok_file.is_file()) else None
-    extra = {"converted_from": str(folder.resolve()), "source_model_type": kind,
-             "dtype": SHORT_DTYPE.get(dtype, str(dtype))}
-    return atomic_folder(Path(out), lambda tmp: write_model_files(tmp, model, recipe, tokenizer, dtype, extra_config=extra))
+    return write_imported(folder, out, recipe, state, dtype, tokenizer_path, kind)
