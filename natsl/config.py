@@ -161,6 +161,8 @@ class TrainConfig:
     keep_last: int = 3
     max_bad_steps: int = 20
     out_dir: str = "runs/{name}"
+    # Also send every metrics.jsonl record to TensorBoard (OUT/tensorboard) or wandb (offline, OUT/wandb).
+    tracker: Literal["none", "tensorboard", "wandb"] = "none"
 
     def validate(self, prefix: str = "train") -> None:
         # Sizes and intervals; the trainer reads none of them as 0 = 'never'.

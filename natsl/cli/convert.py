@@ -1,4 +1,5 @@
-"""`natsl convert SRC OUT`: training checkpoint -> inference folder; `--from-hf`: import the authors' release."""
+"""`natsl convert SRC OUT`: training checkpoint -> inference folder; `--to hf`: a Hugging Face folder;
+`--from-hf`: import a Hugging Face folder (natsl's own export, a Llama checkpoint or the authors' release)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ from natsl.cli.app import command
 def convert(
     src: str = typer.Argument(..., help="A training checkpoint or run folder; with --from-hf, the authors' HF folder."),
     out: str = typer.Argument(..., help="Folder to write (weights, config.json, tokenizer.json)."),
-    from_hf: bool = typer.Option(False, "--from-hf", help="SRC is a Hugging Face checkpoint of model type "
-                                                          "neural_attention_search_linear_attn_gdn (safetensors)."),
+    from_hf: bool = typer.Option(False, "--from-hf", help="SRC is a Hugging Face folder (safetensors): one that "
+                                 "`--to hf` wrote (model type natsl or llama) or the authors' release (model type "
+                                 "neural_attention_search_linear_attn_gdn); config.json's model_type tells them apart."),
+    to: str = typer.Option("natsl", "--to", help="natsl: an inference folder; hf: a Hugging Face folder (a Llama "
+                           "checkpoint for the Transformer, model type natsl with remote code otherwise)."),
     dtype: Optional[str] = typer.Option(None, help="Store the weights as fp32, bf16 or fp16 (default: as in SRC)."),
     tokenizer: Optional[str] = typer.Option(None, help="With --from-hf: tokenizer.json to bundle (default: SRC/tokenizer.json)."),
     force: bool = typer.Option(False, help="Replace OUT if it is a natsl checkpoint folder or empty."),
@@ -35,8 +39,20 @@ def convert(
     if dtype is not None and dtype not in DTYPES:
         raise NatslError(f"unknown dtype {dtype!r}: use one of fp32, bf16, fp16")
     chosen = DTYPES[dtype] if dtype else None
+    if to not in ("natsl", "hf"):
+        raise NatslError(f"unknown --to {to!r}: use natsl or hf")
+    if to == "hf":
+        from natsl.hf.export import export_hf
+
+        if from_hf or tokenizer is not None:
+            raise NatslError("--to hf writes a natsl checkpoint as a Hugging Face folder; drop --from-hf and --tokenizer")
+        print(f"wrote {export_hf(src, target, chosen)}")
+        return
     if from_hf:
-        written = import_hf(src, target, chosen, tokenizer)
+        from natsl.hf.export import OWN_MODEL_TYPES, hf_model_type, import_own_hf
+
+        own = hf_model_type(Path(src)) in OWN_MODEL_TYPES
+        written = (import_own_hf if own else import_hf)(src, target, chosen, tokenizer)
     else:
         if tokenizer is not None:
             raise NatslError("--tokenizer is only for --from-hf; a natsl checkpoint keeps its own tokenizer")

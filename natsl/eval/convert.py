@@ -218,8 +218,9 @@ def hf_recipe(config: dict, tensors: dict[str, torch.Tensor], name: str):
         block_size=_int("nats_block_size", config.get("nats_block_size", 64)),
         natsl_rope=_flag("attn_apply_pos_encoding", config.get("attn_apply_pos_encoding", False)),
         intra_block_output=intra,
-        # The authors' layer defaults to decaying across skipped blocks; their newest model code does not
-        # forward this key to the layer, their released configs set it true (docs/evaluation.md).
+        # The authors' layer defaults to decaying across skipped blocks; their current model code forwards
+        # this key to the layer (their first version did not: the default, true, applied), and their
+        # released configs set it true (docs/evaluation.md).
         decay_skipped_blocks=_flag("decay_for_non_gdn_blocks", config.get("decay_for_non_gdn_blocks", True)),
         branch_norm="separate", mix_input="q", mix_weights="softmax" if weighted else "none",
         norm_eps=_number("norm_eps", config.get("norm_eps", 1e-6)),
@@ -309,10 +310,6 @@ def hf_state_dict(recipe, tensors: dict[str, torch.Tensor]) -> dict[str, torch.T
 
 def import_hf(src, out, dtype: torch.dtype | None = None, tokenizer_path=None) -> Path:
     """An authors' Hugging Face checkpoint folder -> a natsl inference folder."""
-    from natsl.checkpoint import atomic_folder, write_model_files
-    from natsl.models import build_model
-    from natsl.tokenizer import Tokenizer
-
     folder = Path(src)
     if not folder.is_dir():
         raise NatslError(f"{str(folder)!r} is not a folder; pass the folder of a Hugging Face checkpoint")
@@ -321,6 +318,16 @@ def import_hf(src, out, dtype: torch.dtype | None = None, tokenizer_path=None) -
     tensors = read_hf_tensors(folder)
     recipe = hf_recipe(config, tensors, name=f"hf-{folder.resolve().name}")
     state = hf_state_dict(recipe, tensors)
+    return write_imported(folder, out, recipe, state, dtype, tokenizer_path, HF_MODEL_TYPE)
+
+
+def write_imported(folder: Path, out, recipe, state: dict, dtype, tokenizer_path, source_type: str) -> Path:
+    """A natsl inference folder from an imported natsl state dict (dtype None: as stored), with the
+    tokenizer at `tokenizer_path` (default: the source folder's tokenizer.json, if any)."""
+    from natsl.checkpoint import atomic_folder, write_model_files
+    from natsl.models import build_model
+    from natsl.tokenizer import Tokenizer
+
     if dtype is None:
         dtype = next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
     model = build_model(recipe, device="meta").to_empty(device="cpu")
@@ -330,6 +337,6 @@ def import_hf(src, out, dtype: torch.dtype | None = None, tokenizer_path=None) -
         model.lm_head.weight = model.embed.weight
     tok_file = Path(tokenizer_path) if tokenizer_path else folder / "tokenizer.json"
     tokenizer = Tokenizer.from_file(tok_file) if (tokenizer_path or tok_file.is_file()) else None
-    extra = {"converted_from": str(folder.resolve()), "source_model_type": HF_MODEL_TYPE,
+    extra = {"converted_from": str(folder.resolve()), "source_model_type": source_type,
              "dtype": DTYPE_NAMES.get(dtype, str(dtype))}
     return atomic_folder(Path(out), lambda tmp: write_model_files(tmp, model, recipe, tokenizer, dtype, extra_config=extra))

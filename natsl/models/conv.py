@@ -26,10 +26,12 @@ class ShortConv(nn.Module):
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size, device=device))
         self.reset_parameters()
 
-    def reset_parameters(self) -> None:
-        # PyTorch's own Conv1d default (kaiming-uniform over a fan-in of kernel_size).
-        bound = 1.0 / self.kernel_size ** 0.5
-        nn.init.uniform_(self.weight, -bound, bound)
+    def reset_parameters(self, std: float = 0.02) -> None:
+        # Normal(0, std), as the authors' code and flash-linear-attention initialise their short convs
+        # (FLA's models put every nn.Linear and nn.Conv1d, ShortConvolution included, through
+        # normal_(0, initializer_range)); natsl used PyTorch's Conv1d default (kaiming-uniform over a
+        # fan-in of kernel_size, ~10x wider) before, which is not what the paper trained.
+        nn.init.normal_(self.weight, mean=0.0, std=std)
 
     def forward(self, x: torch.Tensor, tail: torch.Tensor | None = None, fused: bool = False):
         """x [B, T, C], tail [B, kernel-1, C] or None (zeros) -> (SiLU(conv(x)) [B, T, C], new tail).

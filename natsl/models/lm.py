@@ -9,6 +9,7 @@ from torch.utils.checkpoint import checkpoint
 from natsl.config import ModelConfig
 from natsl.inference import kernels
 from natsl.models.attention import SoftmaxAttention
+from natsl.models.conv import ShortConv
 from natsl.models.gated_deltanet import GatedDeltaNet
 from natsl.models.linear import Linear
 from natsl.models.mlp import SwiGLU
@@ -85,11 +86,14 @@ class CausalLM(nn.Module):
         self.init_weights()
 
     def init_weights(self) -> None:
-        """Normal(0, init_std) for every linear map and the embeddings; layers reset their own extras."""
+        """Normal(0, init_std) for every linear map, short conv and the embeddings; layers reset their
+        own extras."""
         std = self.config.init_std
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, ShortConv):
+                module.reset_parameters(std)
             elif module is not self and hasattr(module, "reset_parameters"):
                 module.reset_parameters()
 

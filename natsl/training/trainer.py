@@ -36,7 +36,7 @@ from natsl.training import state as S
 from natsl.training.faults import fault_point
 from natsl.training.flops import flops_per_token, peak_flops
 from natsl.training.loss import DEFAULT_CHUNK, linear_cross_entropy
-from natsl.training.metrics import MetricsLog
+from natsl.training.tracking import metrics_log
 from natsl.training.optim import (build_optimizer, clip_and_step, fold_clip_requested, lr_at, no_decay_names,
                                   set_lr)
 
@@ -510,7 +510,7 @@ class Trainer:
             self.check_compatible(ckpt)
         self.open_data()
         self.build(ckpt)
-        self.metrics = MetricsLog(self.out / "metrics.jsonl")
+        self.metrics = metrics_log(self.out / "metrics.jsonl", tc.tracker if info.is_main else "none", self.out, r)
         start = self.state["step"]
         if info.is_main:
             self.metrics.truncate(start)

@@ -1,0 +1,44 @@
+"""`natsl eval-lm CHECKPOINT --tasks ...`: lm-evaluation-harness tasks through natsl's `natsl` model."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from natsl.cli.app import command
+
+
+@command("eval-lm")
+def eval_lm(
+    checkpoint: str = typer.Argument(..., help="A checkpoint folder (or training run folder: newest step)."),
+    tasks: str = typer.Option(..., "--tasks", help="Comma-separated lm-eval task names (e.g. hellaswag,arc_easy)."),
+    include_path: Optional[str] = typer.Option(None, help="A folder of extra lm-eval task YAMLs (local data)."),
+    num_fewshot: Optional[int] = typer.Option(None, help="Few-shot examples per task (default: the task's own)."),
+    limit: Optional[float] = typer.Option(None, help="Documents per task (an integer), or a fraction below 1."),
+    batch_size: int = typer.Option(1, help="Sequences per forward (equal lengths are batched; natsl never pads)."),
+    max_length: Optional[int] = typer.Option(None, help="Tokens per scored window (default: the recipe's training length)."),
+    add_bos: bool = typer.Option(False, help="Prepend the tokenizer's BOS to every text (for models trained that way)."),
+    out: str = typer.Option("eval_lm", help="Folder for lm_eval.json, lm_eval.md and lm_eval.png."),
+    device: Optional[str] = typer.Option(None, help="cpu, cuda or cuda:N (default: cuda when available)."),
+    dtype: Optional[str] = typer.Option(None, help="fp32, bf16 or fp16 (default: bf16 on CUDA, fp32 on the CPU)."),
+    backend: Optional[str] = typer.Option(None, help="reference, chunked or fast (default: fast on CUDA, chunked on the CPU)."),
+) -> None:
+    """Score a checkpoint on lm-eval tasks (loglikelihood, rolling loglikelihood, generation) with natsl's cache."""
+    from natsl.errors import NatslError
+    from natsl.eval.lm_eval_run import run_tasks
+
+    names = [t.strip() for t in tasks.split(",") if t.strip()]
+    if not names:
+        raise NatslError("--tasks names no task; pass e.g. --tasks hellaswag,arc_easy")
+    if batch_size < 1:
+        raise NatslError(f"--batch-size must be at least 1, got {batch_size}")
+    if limit is not None and limit >= 1:
+        limit = int(limit)
+    args = {"device": device, "dtype": dtype, "backend": backend, "add_bos": add_bos}
+    if max_length is not None:
+        args["max_length"] = max_length
+    report = run_tasks(checkpoint, names, out, include_path=include_path, num_fewshot=num_fewshot, limit=limit,
+                       batch_size=batch_size, model_args=args)
+    print(report["table"])
+    print(f"wrote {report['json']} (and lm_eval.md, lm_eval.png)")

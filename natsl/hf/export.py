@@ -1,0 +1,247 @@
+"""natsl checkpoints <-> Hugging Face `transformers` folders.
+
+Export (`natsl convert CKPT OUT --to hf`):
+- a Transformer (every layer softmax attention) becomes a standard Llama folder (`model_type: llama`,
+  no remote code): natsl's attention layer is Llama's (RMSNorm pre-norms, SwiGLU MLP, rotate-half RoPE,
+  no biases, no q/k norm, one KV head per query head), so every tool built for Llama reads it;
+- every other system (GDN, GDN Hybrid, NAtS-L, NAtS-L Hybrid) becomes a `model_type: natsl` folder
+  whose `auto_map` names `modeling_natsl.py` (natsl.hf.modeling_natsl, copied in), for
+  `trust_remote_code=True`; that file runs the installed natsl.
+Both hold the full natsl recipe under `natsl_recipe`, `tokenizer.json` with `tokenizer_config.json`,
+and `generation_config.json`.
+
+Import (`natsl convert HF_FOLDER OUT --from-hf`) tells the formats apart by `model_type`: `llama` and
+`natsl` come here; the authors' release (`neural_attention_search_linear_attn_gdn`) goes to
+natsl.eval.convert. The round trip natsl -> HF -> natsl gives the same tensors, bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from natsl.errors import NatslError
+
+LLAMA = "llama"
+NATSL = "natsl"
+OWN_MODEL_TYPES = (LLAMA, NATSL)
+MODELING_FILE = Path(__file__).with_name("modeling_natsl.py")
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+BOS_CANDIDATES = ("<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>")
+
+
+# ----------------------------------------------------------------------------- names
+
+def llama_name_map(cfg) -> dict[str, str]:
+    """natsl parameter name -> Llama tensor name."""
+    names = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
+    if not cfg.tie_embeddings:
+        names["lm_head.weight"] = "lm_head.weight"
+    for i in range(cfg.num_layers):
+        n, h = f"layers.{i}.", f"model.layers.{i}."
+        names[n + "mixer_norm.weight"] = h + "input_layernorm.weight"
+        names[n + "mlp_norm.weight"] = h + "post_attention_layernorm.weight"
+        for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            names[f"{n}mixer.{p}.weight"] = f"{h}self_attn.{p}.weight"
+        for p in ("gate_proj", "up_proj", "down_proj"):
+            names[f"{n}mlp.{p}.weight"] = f"{h}mlp.{p}.weight"
+    return names
+
+
+def natsl_name_map(model) -> dict[str, str]:
+    """natsl parameter name -> its name in a `model_type: natsl` folder (NatslForCausalLM.model); a tied
+    head is stored once, as the embedding."""
+    tied = model.config.tie_embeddings
+    return {name: f"model.{name}" for name in model.state_dict() if not (tied and name == "lm_head.weight")}
+
+
+# ----------------------------------------------------------------------------- export
+
+def llama_refusal(cfg) -> str | None:
+    """Why a natsl model cannot be a plain Llama checkpoint (None: it can)."""
+    kinds = set(cfg.layer_types())
+    if kinds != {"attention"}:
+        return f"it has {', '.join(sorted(kinds - {'attention'}))} layers"
+    if not cfg.attn_rope:
+        return "its attention has no RoPE (attn_rope: false), and Llama always rotates"
+    return None
+
+
+def llama_config(recipe, tokenizer) -> dict:
+    cfg = recipe.model
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": LLAMA,
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.attn_num_heads,
+        "num_key_value_heads": cfg.attn_num_heads, "head_dim": cfg.attn_head_dim, "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+        # rope_theta for transformers 4, rope_parameters for 5: the same default (unscaled) RoPE
+        "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False, "pretraining_tp": 1,
+        "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std, "use_cache": True,
+        **special_token_ids(tokenizer),
+    }
+
+
+def natsl_config(recipe, tokenizer) -> dict:
+    cfg = recipe.model
+    return {
+        "architectures": ["NatslForCausalLM"], "model_type": NATSL,
+        "auto_map": {"AutoConfig": "modeling_natsl.NatslConfig",
+                     "AutoModelForCausalLM": "modeling_natsl.NatslForCausalLM"},
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
+        "max_position_embeddings": cfg.max_seq_len, "tie_word_embeddings": cfg.tie_embeddings,
+        **special_token_ids(tokenizer),
+    }
+
+
+def special_token_ids(tokenizer) -> dict:
+    if tokenizer is None:
+        return {"bos_token_id": None, "eos_token_id": None}
+    return {"bos_token_id": bos_id(tokenizer), "eos_token_id": tokenizer.eos_id}
+
+
+def bos_id(tokenizer) -> int | None:
+    return next((tokenizer.inner.token_to_id(t) for t in BOS_CANDIDATES
+                 if tokenizer.inner.token_to_id(t) is not None), None)
+
+
+def write_tokenizer_files(folder: Path, tokenizer, max_len: int) -> None:
+    """tokenizer.json as natsl encodes (no special tokens added: natsl's `Tokenizer.encode` adds none, and
+    training data is documents each followed by EOS), plus tokenizer_config.json naming the special tokens,
+    so `AutoTokenizer(text).input_ids` is natsl's encoding."""
+    data = json.loads(tokenizer.to_json())
+    # A post-processor (a Llama tokenizer's "<s> $A") would add tokens that natsl never saw in training.
+    data["post_processor"] = None
+    (folder / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+    bos = bos_id(tokenizer)
+    specials = {"eos_token": tokenizer.eos_token, "bos_token": None if bos is None else tokenizer.inner.id_to_token(bos)}
+    specials["pad_token"] = specials["eos_token"]  # batched evaluation pads (left, with natsl models)
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len,
+              "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
+              "padding_side": "left", **specials}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    (folder / "special_tokens_map.json").write_text(
+        json.dumps({k: v for k, v in specials.items() if v is not None}, indent=2), encoding="utf-8")
+
+
+def export_hf(src, out, dtype: torch.dtype | None = None) -> Path:
+    """A natsl checkpoint (or run folder: newest step) -> a Hugging Face folder (see the module doc)."""
+    from safetensors.torch import save_file
+
+    from natsl.checkpoint import atomic_folder, load_checkpoint, resolve_checkpoint_folder, state_dict_for_saving
+    from natsl.eval.convert import _check_target, stored_dtype
+
+    folder = resolve_checkpoint_folder(src)
+    _check_target(Path(out), folder)
+    model, tokenizer = load_checkpoint(folder)
+    recipe = model.recipe
+    dtype = dtype or stored_dtype(folder) or torch.float32
+    llama = llama_refusal(recipe.model) is None
+    names = llama_name_map(recipe.model) if llama else natsl_name_map(model)
+    state = state_dict_for_saving(model.state_dict(), dtype)
+    tensors = {names[k]: v for k, v in state.items()}
+    config = llama_config(recipe, tokenizer) if llama else natsl_config(recipe, tokenizer)
+    config.update(dtype=DTYPE_NAMES.get(dtype, "float32"), natsl_recipe=recipe.to_dict())
+    generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
+                  "pad_token_id": config["eos_token_id"], "do_sample": False}
+
+    def fill(tmp: Path) -> None:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if tokenizer is not None:
+            write_tokenizer_files(tmp, tokenizer, recipe.model.max_seq_len)
+        if not llama:
+            shutil.copyfile(MODELING_FILE, tmp / MODELING_FILE.name)
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2), encoding="utf-8")
+        (tmp / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+
+    return atomic_folder(Path(out), fill)
+
+
+# ----------------------------------------------------------------------------- import
+
+def hf_model_type(folder: Path) -> str | None:
+    """The `model_type` of a Hugging Face folder's config.json (None when there is none to read)."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return config.get("model_type") if isinstance(config, dict) else None
+
+
+def recipe_from_llama(config: dict, name: str):
+    """The natsl Transformer recipe of a Llama config; settings natsl cannot represent are refused."""
+    from natsl.config import ModelConfig, Recipe, from_dict, recipe_from_dict
+
+    def refuse(what: str):
+        raise NatslError(f"cannot import this Llama checkpoint: {what}; natsl's Transformer has no equivalent")
+
+    needed = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    absent = [k for k in needed if not isinstance(config.get(k), int) or isinstance(config.get(k), bool)]
+    if absent:
+        raise NatslError(f"config.json of this Llama checkpoint lacks an integer {absent[0]!r}; fix the config")
+    heads = config.get("num_attention_heads")
+    if config.get("num_key_value_heads", heads) != heads:
+        refuse(f"num_key_value_heads = {config.get('num_key_value_heads')} differs from num_attention_heads = {heads} "
+               "(grouped-query attention)")
+    for key in ("attention_bias", "mlp_bias"):
+        if config.get(key):
+            refuse(f"{key} = true")
+    if config.get("hidden_act", "silu") not in ("silu", "swish"):
+        refuse(f"hidden_act = {config['hidden_act']!r} (natsl's MLP is SwiGLU)")
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        refuse(f"RoPE scaling {rope.get('rope_type', rope.get('type'))!r}")
+    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    hidden = config["hidden_size"]
+    fields = dict(vocab_size=config["vocab_size"], hidden_size=hidden, intermediate_size=config["intermediate_size"],
+                  num_layers=config["num_hidden_layers"], base_layer="attention", attn_num_heads=heads,
+                  attn_head_dim=config.get("head_dim") or hidden // heads, attn_rope=True, rope_theta=float(theta),
+                  norm_eps=float(config.get("rms_norm_eps", 1e-6)), init_std=float(config.get("initializer_range", 0.02)),
+                  tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+                  max_seq_len=int(config.get("max_position_embeddings", 131072)))
+    saved = config.get("natsl_recipe")
+    if isinstance(saved, dict):  # written by natsl: the recipe back, if the Llama fields still agree with it
+        recipe = recipe_from_dict(saved)
+        differ = [k for k, v in fields.items() if getattr(recipe.model, k) != v]
+        if differ:
+            raise NatslError(f"config.json's Llama settings differ from its natsl_recipe in {', '.join(differ)}; "
+                             "remove natsl_recipe from config.json to import the Llama settings")
+        return recipe
+    try:
+        model = from_dict(ModelConfig, fields, "model")
+        model.validate()
+    except NatslError as err:
+        raise NatslError(f"cannot import this Llama checkpoint: {err}") from None
+    return Recipe(name=name, model=model)
+
+
+def import_own_hf(src, out, dtype: torch.dtype | None = None, tokenizer_path=None) -> Path:
+    """A Llama or `model_type: natsl` folder -> a natsl inference folder."""
+    from natsl.checkpoint import check_state_dict
+    from natsl.config import recipe_from_dict
+    from natsl.eval.convert import _check_target, read_hf_tensors, write_imported
+    from natsl.models import build_model
+
+    folder = Path(src)
+    _check_target(Path(out), folder)
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    kind = config.get("model_type")
+    if kind == LLAMA:
+        recipe = recipe_from_llama(config, name=f"hf-{folder.resolve().name}")
+    else:
+        if not isinstance(config.get("natsl_recipe"), dict):
+            raise NatslError(f"{str(folder / 'config.json')!r} has model type 'natsl' but no natsl_recipe; "
+                             "export the checkpoint again with `natsl convert CKPT OUT --to hf`")
+        recipe = recipe_from_dict(config["natsl_recipe"])
+    tensors = read_hf_tensors(folder)
+    model = build_model(recipe, device="meta")
+    names = llama_name_map(recipe.model) if kind == LLAMA else natsl_name_map(model)
+    back = {h: n for n, h in names.items()}
+    state = {back.get(h, h): t for h, t in tensors.items()}
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    check_state_dict(folder / "model.safetensors", state, expected, recipe.model.tie_embeddings)
+    return write_imported(folder, out, recipe, state, dtype, tokenizer_path, kind)

@@ -1,0 +1,123 @@
+"""`natsl convert --to hf` / `--from-hf`: Llama and remote-code folders that `transformers` loads."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+import natsl
+from natsl.checkpoint import save_model_folder
+from natsl.cli import convert, generate  # noqa: F401  (register the commands)
+from natsl.cli.app import app
+from natsl.config import apply_overrides
+from natsl.eval.haystack import essay_text
+from natsl.inference.generate import generate
+from natsl.inference.sampling import SamplingConfig
+from natsl.tokenizer import train_bpe
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 300
+SYSTEMS = {
+    "transformer": ["model.base_layer=attention", "model.natsl_layers=[]"],
+    "natsl_hybrid": [],  # tiny_hybrid: GDN + NAtS-L layers
+    "gdn_hybrid": ["model.natsl_layers=[]", "model.attention_layers=[1]", "model.tie_embeddings=true"],
+}
+
+
+def run(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return train_bpe([essay_text(100)], vocab_size=VOCAB)
+
+
+def checkpoint(tmp_path, tok, system):
+    recipe = apply_overrides(natsl.load_recipe("tiny_hybrid"), [f"model.vocab_size={VOCAB}", *SYSTEMS[system]])
+    torch.manual_seed(0)
+    model = natsl.build_model(recipe)
+    save_model_folder(tmp_path / system, model, recipe, tok)
+    model.set_backend("chunked")
+    return model, tmp_path / system
+
+
+def load_hf(folder):
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32)
+    if hasattr(model, "set_backend"):
+        model.set_backend("chunked")
+    return model.eval()
+
+
+@pytest.mark.parametrize("system", list(SYSTEMS))
+def test_export_logits_and_round_trip(tmp_path, tok, system):
+    model, ckpt = checkpoint(tmp_path, tok, system)
+    result = run("convert", ckpt, tmp_path / "hf", "--to", "hf")
+    assert result.exit_code == 0, result.output
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    hf = load_hf(tmp_path / "hf")
+    if system == "transformer":  # plain Llama: no remote code, transformers' own classes
+        assert config["model_type"] == "llama" and "auto_map" not in config
+        assert type(hf).__name__ == "LlamaForCausalLM" and type(hf).__module__.startswith("transformers.models.llama")
+    else:
+        assert config["model_type"] == "natsl" and (tmp_path / "hf" / "modeling_natsl.py").is_file()
+        assert isinstance(hf, transformers.GenerationMixin) and isinstance(hf, transformers.PreTrainedModel)
+    ids = torch.randint(0, VOCAB, (2, 140))
+    with torch.no_grad():
+        ours, theirs = model(ids), hf(ids).logits
+    assert ((ours - theirs).norm() / ours.norm()).item() < 1e-5
+    # The tokenizer: same ids, EOS named, nothing added that natsl did not train with.
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf", trust_remote_code=True)
+    text = essay_text(3)[:300]
+    assert hf_tok(text).input_ids == tok.encode(text)
+    assert hf_tok.eos_token_id == tok.eos_id == config["eos_token_id"]
+    # Back to natsl: the same tensors, bit for bit, and the same recipe.
+    result = run("convert", tmp_path / "hf", tmp_path / "back", "--from-hf")
+    assert result.exit_code == 0, result.output
+    before, after = load_file(str(ckpt / "model.safetensors")), load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    back = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert back["recipe"]["model"] == json.loads((ckpt / "config.json").read_text())["recipe"]["model"]
+    assert back["source_model_type"] == config["model_type"]
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.9, top_k=40, seed=3)])
+def test_remote_code_generate_matches_natsl_generate(tmp_path, tok, sampling):
+    model, ckpt = checkpoint(tmp_path, tok, "natsl_hybrid")
+    assert run("convert", ckpt, tmp_path / "hf", "--to", "hf").exit_code == 0
+    hf = load_hf(tmp_path / "hf")
+    prompts = [tok.encode(essay_text(2)[:400]), tok.encode("The garden")]  # two lengths: left padding
+    config = SamplingConfig(max_new_tokens=12, stop_at_eos=False, **sampling)
+    ours = generate(model, tok, prompts, config)
+    width = max(map(len, prompts))
+    ids = torch.tensor([[tok.eos_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    options = (dict(do_sample=False) if config.temperature == 0 else
+               dict(do_sample=True, temperature=config.temperature, top_k=config.top_k, top_p=1.0))
+    torch.manual_seed(config.seed)
+    out = hf.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=None, pad_token_id=tok.eos_id,
+                      **options)
+    assert [row[width:].tolist() for row in out] == [c.tokens for c in ours]
+
+
+def test_from_hf_tells_the_formats_apart(tmp_path, tok):
+    model, ckpt = checkpoint(tmp_path, tok, "transformer")
+    assert run("convert", ckpt, tmp_path / "hf", "--to", "hf").exit_code == 0
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    # A Llama from elsewhere (no natsl_recipe) imports from its Llama settings alone.
+    del config["natsl_recipe"]
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    assert run("convert", tmp_path / "hf", tmp_path / "plain", "--from-hf").exit_code == 0
+    loaded, _ = natsl.load_checkpoint(tmp_path / "plain")
+    loaded.set_backend("chunked")
+    ids = torch.randint(0, VOCAB, (1, 50))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids), model(ids))
+    # What natsl's Transformer cannot be is refused with the reason.
+    config["num_key_value_heads"] = 2
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    result = run("convert", tmp_path / "hf", tmp_path / "gqa", "--from-hf")
+    assert result.exit_code == 2 and "grouped-query" in result.stderr

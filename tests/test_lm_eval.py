@@ -1,0 +1,130 @@
+"""natsl as an lm-evaluation-harness model: scores equal natsl's own, and `natsl eval-lm` runs local tasks."""
+
+import json
+import textwrap
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import natsl
+from natsl.checkpoint import save_model_folder
+from natsl.cli import eval_lm, generate as _generate  # noqa: F401  (register the commands)
+from natsl.cli.app import app
+from natsl.config import apply_overrides
+from natsl.eval.haystack import essay_text
+from natsl.inference.generate import generate
+from natsl.inference.sampling import SamplingConfig
+from natsl.tokenizer import train_bpe
+
+pytest.importorskip("lm_eval")
+
+from lm_eval.api.instance import Instance  # noqa: E402
+
+from natsl.eval.lm_eval_adapter import NatslLM  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    tok = train_bpe([essay_text(100)], vocab_size=300)
+    recipe = apply_overrides(natsl.load_recipe("tiny_hybrid"), ["model.vocab_size=300", "train.seq_len=128"])
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("lm") / "ckpt"
+    save_model_folder(folder, natsl.build_model(recipe), recipe, tok)
+    return folder
+
+
+def request(kind, *args):
+    return Instance(request_type=kind, doc={}, arguments=args, idx=0)
+
+
+def direct_logprob(model, context, continuation):
+    ids = torch.tensor([context + continuation])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids[:, :-1]).float(), -1)[0, -len(continuation):]
+    return logp.gather(-1, torch.tensor(continuation)[:, None]).sum().item()
+
+
+def test_adapter_scores_and_generates_as_natsl(ckpt):
+    lm = NatslLM(pretrained=str(ckpt), device="cpu", batch_size=2, chunk=16)
+    model, tok = lm.model, lm.tokenizer
+    pairs = [("The old house", " stood still"), ("The old house", " was sold"), ("A river", " ran dry")]
+    got = lm.loglikelihood([request("loglikelihood", c, x) for c, x in pairs])
+    for (context, continuation), (logp, _) in zip(pairs, got):
+        whole = tok.encode(context + continuation)
+        n = len(whole) - len(tok.encode(context))
+        assert logp == pytest.approx(direct_logprob(model, whole[:-n], whole[-n:]), rel=1e-5)
+    # Rolling: a text longer than max_length (128) is scored in windows, each after EOS or the prior tokens.
+    text = essay_text(4)[:1500]
+    (rolled,) = lm.loglikelihood_rolling([request("loglikelihood_rolling", text)])
+    ids = tok.encode(text)
+    assert len(ids) > lm.max_length
+    expected = direct_logprob(model, [tok.eos_id], ids[:lm.max_length])
+    for end in range(lm.max_length, len(ids), lm.max_length):
+        window = ids[:min(end + lm.max_length, len(ids))][-(lm.max_length + 1):]
+        n = min(end + lm.max_length, len(ids)) - end
+        expected += direct_logprob(model, window[:-n], window[-n:])
+    assert rolled == pytest.approx(expected, rel=1e-5)
+    # generate_until: natsl generate's greedy text, cut at the stop string.
+    (text_out,) = lm.generate_until([request("generate_until", "The garden", {"until": ["."], "max_gen_toks": 10,
+                                                                                "do_sample": False})])
+    (ours,) = generate(model, tok, [tok.encode("The garden")],
+                       SamplingConfig(max_new_tokens=10, temperature=0.0, stop=["."]))
+    assert text_out == ours.text
+
+
+def test_eval_lm_runs_local_tasks(ckpt, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    rows = [{"question": f"Item {i}:", "choices": [" yes", " no"], "answer": i % 2, "text": essay_text(1)[:200]}
+            for i in range(4)]
+    (tasks / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = f"""
+        dataset_path: json
+        dataset_kwargs:
+          data_files:
+            test: {tasks / 'data.jsonl'}
+        test_split: test
+    """
+    (tasks / "mc.yaml").write_text(textwrap.dedent(f"""
+        task: natsl_tiny_mc
+        output_type: multiple_choice
+        doc_to_text: "{{{{question}}}}"
+        doc_to_choice: "{{{{choices}}}}"
+        doc_to_target: "{{{{answer}}}}"
+        metric_list:
+          - metric: acc
+    """) + textwrap.dedent(common))
+    (tasks / "ppl.yaml").write_text(textwrap.dedent("""
+        task: natsl_tiny_ppl
+        output_type: loglikelihood_rolling
+        doc_to_text: ""
+        doc_to_target: "{{text}}"
+        metric_list:
+          - metric: word_perplexity
+    """) + textwrap.dedent(common))
+    (tasks / "gen.yaml").write_text(textwrap.dedent("""
+        task: natsl_tiny_gen
+        output_type: generate_until
+        doc_to_text: "{{question}}"
+        doc_to_target: " yes"
+        generation_kwargs:
+          until: ["\\n"]
+          max_gen_toks: 4
+          do_sample: false
+        metric_list:
+          - metric: exact_match
+    """) + textwrap.dedent(common))
+    result = CliRunner().invoke(app, ["eval-lm", str(ckpt), "--tasks", "natsl_tiny_mc,natsl_tiny_ppl,natsl_tiny_gen",
+                                      "--include-path", str(tasks), "--out", str(tmp_path / "out"),
+                                      "--batch-size", "2", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "out" / "lm_eval.json").read_text())
+    assert 0.0 <= report["results"]["natsl_tiny_mc"]["acc,none"] <= 1.0
+    assert report["results"]["natsl_tiny_ppl"]["word_perplexity,none"] > 1.0
+    assert "natsl_tiny_gen" in report["results"]
+    assert (tmp_path / "out" / "lm_eval.png").stat().st_size > 0
+    assert "natsl_tiny_mc" in (tmp_path / "out" / "lm_eval.md").read_text()
+    bad = CliRunner().invoke(app, ["eval-lm", str(ckpt), "--tasks", " ,", "--out", str(tmp_path / "out")])
+    assert bad.exit_code == 2 and "--tasks names no task" in bad.stderr
