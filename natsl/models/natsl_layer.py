@@ -65,8 +65,9 @@ class NAtSL(nn.Module):
         self.o_proj = Linear(h * config.head_v_dim, d, bias=False, device=device)
         # Routes of the last forward ([B, NB, H], detached): read by training logs and inspect-routing.
         self.last_keep: torch.Tensor | None = None
-        # Incremental inference only: `(block_index [B, N], groups) -> keep [B, N, groups]` replacing
-        # the router (natsl.inference.routing.force_keep_fraction); None = the router decides.
+        # `(block_index [B, N], groups) -> keep [B, N, groups]` replacing the router in the full-sequence
+        # forward and incremental inference alike (natsl.inference.routing.force_keep_fraction); None =
+        # the router decides.
         self.route_override = None
 
     # -- pieces shared by the full-sequence forward and incremental inference ------------------
@@ -125,7 +126,14 @@ class NAtSL(nn.Module):
         return supports(o_nla)
 
     def route(self, x: torch.Tensor):
-        """x [B,T,d] -> keep, write [B, NB, H] (0/1 values, straight-through gradients)."""
+        """x [B,T,d] -> keep, write [B, NB, H] (0/1 values, straight-through gradients). With a
+        `route_override` (a forced keep fraction) every block takes the override's route for its
+        absolute block index, as the incremental path does, so both paths agree (no gradient)."""
+        if self.route_override is not None:
+            b, nb = x.shape[0], -(-x.shape[1] // self.config.block_size)
+            index = torch.arange(nb, device=x.device)[None].expand(b, nb)
+            keep = self.route_override(index, self.num_heads).to(x.dtype)
+            return keep, 1 - keep
         keep, write, _ = route_blocks(x, self.router.weight, self.num_heads, self.config.block_size)
         return keep, write
 
