@@ -360,16 +360,17 @@ def plot_summary(summary: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     tasks = sorted({p["task"] for p in summary["best"]}) or ["(no results yet)"]
+    colors = {name: f"C{i}" for i, name in enumerate(sorted({p["system"] for p in summary["best"]}))}
     fig, axes = plt.subplots(len(tasks), 2, figsize=(11, 3.8 * len(tasks)), squeeze=False)
     for row, task in enumerate(tasks):
         points = [p for p in summary["best"] if p["task"] == task]
         ax, kx = axes[row]
         for system in sorted({p["system"] for p in points}):
             mine = sorted((p["width"], p["accuracy"], p["keep_fraction"]) for p in points if p["system"] == system)
-            ax.plot([m[0] for m in mine], [m[1] for m in mine], "o-", label=system)
+            ax.plot([m[0] for m in mine], [m[1] for m in mine], "o-", label=system, color=colors[system])
             keeps = [(m[0], m[2]) for m in mine if m[2] is not None]
             if keeps:
-                kx.plot(*zip(*keeps), "o-", label=system)
+                kx.plot(*zip(*keeps), "o-", label=system, color=colors[system])
         for a, ylabel in ((ax, "accuracy (best lr)"), (kx, "kept fraction (softmax KV)")):
             a.set_xscale("log", base=2)
             a.set_xlabel("model width")
