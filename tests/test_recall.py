@@ -126,3 +126,63 @@ def test_sweep_spec_errors(tmp_path):
     bad.write_text("systems: {gdn: recipes/recall/gdn.yaml}\nwidths: [64]\nlrs: [0.001]\ntasks: {t: builtin}\n")
     with pytest.raises(NatslError, match="is not a task"):
         load_spec(bad, tmp_path / "out")
+
+
+def _tiny(**changes):
+    import dataclasses
+
+    import natsl
+
+    base = natsl.load_recipe(ROOT / "recipes" / "tiny_hybrid.yaml").model
+    torch.manual_seed(0)
+    return natsl.build_model(dataclasses.replace(base, backend="chunked", block_size=16, **changes))
+
+
+def test_router_options_are_off_by_default_and_training_only():
+    ids = torch.randint(0, 1024, (2, 96), generator=torch.Generator().manual_seed(0))
+    plain, noisy = _tiny(), _tiny(router_noise=5.0)
+    plain.train()
+    noisy.train()
+    with torch.no_grad():
+        plain(ids)
+        noisy(ids)
+    layers = list(plain.natsl_layers().values())
+    assert all(layer.aux_loss is None for layer in layers)
+    routes = [layer.last_keep for layer in layers]
+    assert any(not torch.equal(a, b.last_keep) for a, b in zip(routes, noisy.natsl_layers().values()))
+    noisy.eval()  # evaluation: the plain router, whatever the training options
+    with torch.no_grad():
+        noisy(ids)
+    assert all(torch.equal(a, b.last_keep) for a, b in zip(routes, noisy.natsl_layers().values()))
+
+
+def test_router_balance_pulls_the_keep_probability_to_its_target():
+    model = _tiny(router_balance=1.0, router_target_keep=0.0)
+    model.train()
+    ids = torch.randint(0, 1024, (2, 96), generator=torch.Generator().manual_seed(1))
+    model(ids)
+    layer = model.natsl_layers()[1]
+    keep_prob = layer.aux_loss.detach()
+    assert keep_prob > 0.1  # the mean keep probability is about 0.5, the target 0
+    layer.aux_loss.backward()
+    grad = layer.router.weight.grad
+    assert grad is not None and grad.abs().sum() > 0
+    with torch.no_grad():  # a step against the gradient moves the keep probability towards the target
+        layer.router.weight -= 5.0 * grad
+    model(ids)
+    assert layer.aux_loss < 0.9 * keep_prob
+
+
+def test_router_option_validation_and_old_checkpoints(tmp_path):
+    import natsl
+    from natsl.checkpoint import checkpoint_recipe
+
+    with pytest.raises(NatslError, match="router_target_keep"):
+        natsl.config.recipe_from_dict({"model": {"router_target_keep": 1.5}})
+    with pytest.raises(NatslError, match="router_noise"):
+        natsl.config.recipe_from_dict({"model": {"router_noise": -1}})
+    recipe = natsl.load_recipe(ROOT / "recipes" / "tiny_hybrid.yaml").to_dict()
+    for key in ("router_noise", "router_balance", "router_target_keep"):  # a checkpoint from before them
+        del recipe["model"][key]
+    loaded = checkpoint_recipe(tmp_path, {"recipe": recipe})
+    assert (loaded.model.router_noise, loaded.model.router_balance) == (0.0, 0.0)

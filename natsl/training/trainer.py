@@ -207,8 +207,13 @@ class LanguageModelLoss(torch.nn.Module):
         rope = self.model.rope_table(input_ids.shape[1], input_ids.device)
         with autocast:
             hidden = self.body(input_ids, rope)
-        return linear_cross_entropy(hidden, self.model.lm_head.weight, targets, chunk_size=self.chunk_size,
+        loss = linear_cross_entropy(hidden, self.model.lm_head.weight, targets, chunk_size=self.chunk_size,
                                     reduction=reduction, compute_dtype=torch.bfloat16 if self.bf16 else None)
+        if self.training:  # the routers' balance losses (model.router_balance > 0), part of the logged loss
+            for layer in self.model.natsl_layers().values():
+                if layer.aux_loss is not None:
+                    loss = loss + layer.aux_loss
+        return loss
 
 
 class Trainer:
