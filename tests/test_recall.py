@@ -108,6 +108,14 @@ def test_sweep_trains_evaluates_and_summarises(tmp_path):
     assert len(hybrid["keep_groups_last_step"]["3"]) == 2  # per routing group
     assert {p["system"] for p in summary["best"]} == {"natsl_hybrid", "gdn"}
     assert (out / "summary.png").stat().st_size > 1000
+    # A forced budget (eval-recall --keep-fraction) rules the routes the evaluation reports.
+    from natsl.cli.eval_recall import run_eval_recall
+
+    for fraction in (0.0, 1.0):
+        report = run_eval_recall(str(out / "runs" / hybrid["id"] / "train"), samples=4, batch_size=4,
+                                 keep_fraction=fraction, out=str(tmp_path / f"budget{fraction}"), device="cpu",
+                                 progress=False, quiet=True)
+        assert report["forced_keep_fraction"] == fraction and report["mean_keep_fraction"] == fraction
     # A second call finds every run done and only rebuilds the summary.
     again = subprocess.run([sys.executable, "-m", "natsl.training.sweep", str(ROOT / "recipes/recall/sweep_cpu.yaml"),
                             "--out", str(out), "--no-progress"], capture_output=True, text=True, cwd=ROOT,
