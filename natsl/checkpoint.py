@@ -165,6 +165,9 @@ def read_config(folder: Path) -> dict:
     return config
 
 
+TRAINING_ONLY_MODEL_FIELDS = {"router_noise": 0.0, "router_balance": 0.0, "router_target_keep": 0.5}
+
+
 def checkpoint_recipe(folder: Path, config: dict) -> Recipe:
     """The recipe in a checkpoint's config. Its model section must name every model field: a default
     filled in for a missing key would silently build another model than the one trained."""
@@ -174,6 +177,10 @@ def checkpoint_recipe(folder: Path, config: dict) -> Recipe:
     if not isinstance(model, dict):
         raise NatslError(f"{path!r} has no recipe with a model section: this is not a complete natsl checkpoint "
                          "config; use a folder written by `natsl train` or `natsl convert`, or fix the file")
+    # Training-only fields added after checkpoints existed: they do not change the trained model, so
+    # their off values reproduce it.
+    for key, value in TRAINING_ONLY_MODEL_FIELDS.items():
+        model.setdefault(key, value)
     missing = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in model]
     if missing:
         raise NatslError(f"{path!r}: the model section lacks {', '.join(missing)}; this is not a complete natsl "

@@ -57,6 +57,13 @@ class ModelConfig:
     mix_input: Literal["q", "x"] = "q"
     mix_weights: Literal["softmax", "sigmoid", "linear", "none"] = "softmax"
     route_grad: Literal["active", "full"] = "active"
+    # Training-only router options against routes that collapse to constants (docs/recall.md); the
+    # defaults are the paper's layer. router_noise: scale of Gumbel noise added to the router's two
+    # scores in training (exploration); router_balance: weight of the auxiliary loss
+    # sum over groups of (mean keep probability - router_target_keep)^2 per NAtS-L layer.
+    router_noise: float = 0.0
+    router_balance: float = 0.0
+    router_target_keep: float = 0.5
     # Common.
     norm_eps: float = 1e-6
     init_std: float = 0.02
@@ -86,6 +93,11 @@ class ModelConfig:
                 if i in seen:
                     raise NatslError(f"layer {i} is listed in both '{prefix}.{seen[i]}' and '{prefix}.{name}'; list each layer once")
                 seen[i] = name
+        for key in ("router_noise", "router_balance"):
+            _require(math.isfinite(getattr(self, key)) and getattr(self, key) >= 0, f"{prefix}.{key}",
+                     getattr(self, key), "a finite number >= 0 (0: off)")
+        _require(0 <= self.router_target_keep <= 1, f"{prefix}.router_target_keep", self.router_target_keep,
+                 "a number in [0, 1]")
         r = self.softmax_heads_per_group
         if "natsl" in self.layer_types():
             for key in ("head_k_dim", "head_v_dim"):

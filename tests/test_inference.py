@@ -200,6 +200,26 @@ def test_forced_keep_fraction_is_reproducible_and_holds_its_fraction():
         assert all(layer.route_override is None for layer in model.natsl_layers().values())
 
 
+@pytest.mark.parametrize("layout", ["natsl_hybrid", "natsl"])
+def test_forced_keep_fraction_full_forward_equals_prefill_and_decode(layout):
+    """A forced budget rules the full-sequence forward (eval-ppl, eval-recall) as it rules the cached
+    path (eval-ruler, generate): the same routes, the same logits, and the router's own routes differ."""
+    model = tiny_model("chunked", torch.float64, **LAYOUTS[layout])
+    ids = torch.randint(0, 1024, (2, 5 * BLOCK + 3), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        free = model(ids)
+        force_keep_fraction(model, 0.5, seed=5)
+        full = model(ids)
+        routes = [layer.last_keep[:, :-1].clone() for layer in model.natsl_layers().values()]
+        assert all(torch.all((r == 0) | (r == 1)) for r in routes) and any(0 < float(r.mean()) < 1 for r in routes)
+        got, cache = prefill_then_decode(model, ids, [BLOCK + 3])
+        force_keep_fraction(model, None)
+    assert relative_error(got, full) < 1e-6
+    assert relative_error(full, free) > 1e-3  # the override changed what the layer computes
+    for r, c in zip(routes, cache.natsl_caches()):  # kept blocks of each (sequence, group) agree
+        assert torch.equal(r.sum(1).long() * BLOCK, c.kept_len)
+
+
 @pytest.mark.parametrize("layout", ["natsl_hybrid", "gdn_hybrid"])
 def test_decode_step_never_reads_the_device_on_the_host(layout):
     """What a CUDA graph needs: on meta tensors any .item() / int() / bool() of a tensor would raise."""

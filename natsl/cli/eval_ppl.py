@@ -21,6 +21,8 @@ def eval_ppl(
     text_key: str = typer.Option("text", help="Field holding the text in a .jsonl file."),
     split: str = typer.Option("auto", help="Split of a `natsl tokenize` folder: validation, train, or auto "
                                            "(validation when it has tokens)."),
+    keep_fraction: Optional[float] = typer.Option(None, help="Force NAtS-L layers to keep this fraction of blocks "
+                                                             "(a fixed KV budget; default: the router decides)."),
     out: str = typer.Option("eval_ppl", help="Folder for ppl.json and ppl.png."),
     device: Optional[str] = typer.Option(None, help="cpu, cuda or cuda:N (default: cuda when available)."),
     dtype: Optional[str] = typer.Option(None, help="fp32, bf16 or fp16 (default: bf16 on CUDA, fp32 on the CPU)."),
@@ -32,7 +34,10 @@ def eval_ppl(
     from natsl.eval.common import load_eval_model, prepare_out_dir, write_json
     from natsl.eval.data import check_vocab, load_token_data, windows as make_windows
     from natsl.eval.ppl import evaluate_windows, plot_curves
+    from natsl.inference.routing import force_keep_fraction
 
+    if keep_fraction is not None and not 0.0 <= keep_fraction <= 1.0:
+        raise NatslError(f"--keep-fraction must lie in [0, 1], got {keep_fraction}")
     if max_len < 2:
         raise NatslError(f"--max-len must be at least 2, got {max_len}")
     if bucket < 1:
@@ -44,6 +49,7 @@ def eval_ppl(
     results, train_lens, cache = [], set(), {}
     for path in checkpoints:
         em = load_eval_model(path, device, dtype, backend)
+        force_keep_fraction(em.model, keep_fraction, 0)
         key = em.tokenizer.sha256() if em.tokenizer is not None else None
         if key not in cache:
             cache[key] = load_token_data(data, em.tokenizer, text_key=text_key, split=split,
@@ -65,7 +71,7 @@ def eval_ppl(
             print(f"  tokens {b['start']:>6}-{b['end']:<6} ppl {b['ppl']:9.3f}  ({b['tokens']} tokens)")
         del em
     report = {"data": str(data), "max_len": max_len, "bucket": bucket, "windows": limit, "concat": concat,
-              "checkpoints": results}
+              "forced_keep_fraction": keep_fraction, "checkpoints": results}
     json_path = write_json(out_dir / "ppl.json", report)
     png_path = plot_curves(results, out_dir / "ppl.png", train_len=train_lens.pop() if len(train_lens) == 1 else None,
                            title=f"perplexity vs. context length: {token_data.name}")

@@ -41,6 +41,8 @@ def eval_ruler(
     seed: int = typer.Option(0, help="Seed of the generated samples (same seed, same prompts)."),
     max_new_tokens: int = typer.Option(128, help="Tokens generated per sample (RULER: 128)."),
     essay_file: Optional[str] = typer.Option(None, help="Plain-text essays for the essay haystack (default: generated prose)."),
+    keep_fraction: Optional[float] = typer.Option(None, help="Force NAtS-L layers to keep this fraction of blocks "
+                                                             "(a fixed KV budget; default: the router decides)."),
     out: str = typer.Option("eval_ruler", help="Folder for ruler.json, ruler_samples.jsonl and ruler.png."),
     device: Optional[str] = typer.Option(None, help="cpu, cuda or cuda:N (default: cuda when available)."),
     dtype: Optional[str] = typer.Option(None, help="fp32, bf16 or fp16 (default: bf16 on CUDA, fp32 on the CPU)."),
@@ -53,7 +55,10 @@ def eval_ruler(
     from natsl.eval.common import load_eval_model, prepare_out_dir, write_json, write_jsonl
     from natsl.eval.haystack import EssaySentences, split_sentences
     from natsl.eval.ruler import TASKS, format_table, plot_scores, run_ruler
+    from natsl.inference.routing import force_keep_fraction
 
+    if keep_fraction is not None and not 0.0 <= keep_fraction <= 1.0:
+        raise NatslError(f"--keep-fraction must lie in [0, 1], got {keep_fraction}")
     length_list = parse_lengths(lengths)
     task_list = list(TASKS) if tasks.strip() == "all" else [t.strip() for t in tasks.split(",") if t.strip()]
     unknown = [t for t in task_list if t not in TASKS]
@@ -78,6 +83,7 @@ def eval_ruler(
         essay = EssaySentences(sentences=sentences)
     out_dir = prepare_out_dir(out)
     em = load_eval_model(checkpoint, device, dtype, backend)
+    force_keep_fraction(em.model, keep_fraction, 0)
     limit = em.model.config.max_seq_len
     too_long = [n for n in length_list if n > limit]
     if too_long:
@@ -85,6 +91,7 @@ def eval_ruler(
     summary, rows = run_ruler(em, task_list, length_list, samples, seed=seed, max_new_tokens=max_new_tokens, essay=essay)
     report = {"checkpoint": str(em.folder), "name": em.name, "seed": seed, "samples": samples,
               "max_new_tokens": max_new_tokens, "haystack_essay": essay_file or "generated",
+              "forced_keep_fraction": keep_fraction,
               "decoding": "greedy, incremental cache" if hasattr(em.model, "new_cache") else "greedy, full recompute",
               **summary}
     print(format_table(summary, task_list, length_list))

@@ -17,6 +17,8 @@ from natsl.cli import tokenize  # noqa: F401,E402
 from natsl.cli import train  # noqa: F401,E402
 from natsl.cli import eval_ppl  # noqa: F401,E402
 from natsl.cli import eval_ruler  # noqa: F401,E402
+from natsl.cli import eval_recall  # noqa: F401,E402
+from natsl.cli import sweep  # noqa: F401,E402
 from natsl.cli import inspect_routing  # noqa: F401,E402
 from natsl.cli import convert  # noqa: F401,E402
 from natsl.cli import eval_lm  # noqa: F401,E402

@@ -5,7 +5,9 @@ the cost of a trained model. `force_keep_fraction(model, 0.5, seed)` makes every
 incremental path (prefill and decode) keep each (block, routing group) with probability 0.5, by a
 hash of (seed, layer, block index, group): the same block gets the same route whether it is
 prefilled or decoded, and the hash is plain integer tensor arithmetic, so it runs inside a CUDA
-graph. The full-sequence forward (training) never reads the override.
+graph. The full-sequence forward applies the same rule to all its blocks (`NAtSL.route`), so a forced
+budget gives the same outputs on either path (evaluations by full forward, such as eval-ppl and
+eval-recall, and those that decode, such as eval-ruler); it carries no gradient, so never train with it.
 """
 
 from __future__ import annotations

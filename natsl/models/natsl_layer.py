@@ -38,7 +38,7 @@ from natsl.models.norms import RMSNorm
 from natsl.models.pointwise import mix_branches
 from natsl.models.rope import RopeTable, apply_rope
 from natsl.ops import resolve_backend
-from natsl.reference.router import route_blocks, router_scores, straight_through_route
+from natsl.reference.router import block_mean, route_blocks, router_scores, straight_through_route
 
 
 class NAtSL(nn.Module):
@@ -65,8 +65,11 @@ class NAtSL(nn.Module):
         self.o_proj = Linear(h * config.head_v_dim, d, bias=False, device=device)
         # Routes of the last forward ([B, NB, H], detached): read by training logs and inspect-routing.
         self.last_keep: torch.Tensor | None = None
-        # Incremental inference only: `(block_index [B, N], groups) -> keep [B, N, groups]` replacing
-        # the router (natsl.inference.routing.force_keep_fraction); None = the router decides.
+        # The router's balance loss of the last training forward (config.router_balance > 0), else None.
+        self.aux_loss: torch.Tensor | None = None
+        # `(block_index [B, N], groups) -> keep [B, N, groups]` replacing the router in the full-sequence
+        # forward and incremental inference alike (natsl.inference.routing.force_keep_fraction); None =
+        # the router decides.
         self.route_override = None
 
     # -- pieces shared by the full-sequence forward and incremental inference ------------------
@@ -125,9 +128,33 @@ class NAtSL(nn.Module):
         return supports(o_nla)
 
     def route(self, x: torch.Tensor):
-        """x [B,T,d] -> keep, write [B, NB, H] (0/1 values, straight-through gradients)."""
-        keep, write, _ = route_blocks(x, self.router.weight, self.num_heads, self.config.block_size)
+        """x [B,T,d] -> keep, write [B, NB, H] (0/1 values, straight-through gradients). With a
+        `route_override` (a forced keep fraction) every block takes the override's route for its
+        absolute block index, as the incremental path does, so both paths agree (no gradient)."""
+        if self.route_override is not None:
+            b, nb = x.shape[0], -(-x.shape[1] // self.config.block_size)
+            index = torch.arange(nb, device=x.device)[None].expand(b, nb)
+            keep = self.route_override(index, self.num_heads).to(x.dtype)
+            return keep, 1 - keep
+        c = self.config
+        if self.training and (c.router_noise > 0 or c.router_balance > 0):
+            return self._route_for_training(x)
+        keep, write, _ = route_blocks(x, self.router.weight, self.num_heads, c.block_size)
         return keep, write
+
+    def _route_for_training(self, x: torch.Tensor):
+        """The router with the training-only options (docs/recall.md): Gumbel noise on the scores,
+        and the balance loss towards router_target_keep, left in `self.aux_loss` for the trainer."""
+        c = self.config
+        scores = router_scores(block_mean(x, c.block_size), self.router.weight, self.num_heads)
+        if c.router_noise > 0:
+            u = torch.rand_like(scores, dtype=torch.float32).clamp_(1e-6, 1 - 1e-6)
+            scores = scores.float() - c.router_noise * torch.log(-torch.log(u))
+        m, probs = straight_through_route(scores)
+        if c.router_balance > 0:
+            keep_prob = probs[..., 0].mean(dim=(0, 1))  # [H]: mean keep probability per routing group
+            self.aux_loss = c.router_balance * ((keep_prob - c.router_target_keep) ** 2).sum()
+        return m[..., 0], m[..., 1]
 
     # -- full-sequence forward -----------------------------------------------------------------
 
@@ -136,6 +163,7 @@ class NAtSL(nn.Module):
         if cache is not None:
             return self.forward_cached(x, cache)
         c = self.config
+        self.aux_loss = None
         q, k, v, g, beta, _ = self.proj(x)
         keep, write = self.route(x)
         self.last_keep = keep.detach()

@@ -1,4 +1,5 @@
-"""`OUT/metrics.jsonl` (one JSON record per step, plus eval records) and the `metrics.png` loss curve."""
+"""`OUT/metrics.jsonl` (one JSON record per step, plus eval records) and the `metrics.png` loss curve
+(beside it, the kept fraction per NAtS-L layer and routing group)."""
 
 from __future__ import annotations
 
@@ -44,7 +45,9 @@ class MetricsLog:
             self._fh = None
 
     def plot(self, png: Path, title: str = "") -> None:
-        """Training loss per step and validation loss, written atomically as a PNG."""
+        """Training loss per step and validation loss, and (with NAtS-L layers) the kept fraction per
+        layer and routing group over training, so a router that collapses to constant routes shows;
+        written atomically as a PNG."""
         import matplotlib
 
         matplotlib.use("Agg")
@@ -53,7 +56,9 @@ class MetricsLog:
         records = self.records()
         train = [(r["step"], r["loss"]) for r in records if "loss" in r and _finite(r["loss"])]
         val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r and _finite(r["val_loss"])]
-        fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+        routes = keep_series(records)
+        fig, axes = plt.subplots(1, 2 if routes else 1, figsize=(12 if routes else 7, 4), dpi=100, squeeze=False)
+        ax = axes[0][0]
         if train:
             ax.plot(*zip(*train), label="train loss", linewidth=1)
         if val:
@@ -63,11 +68,40 @@ class MetricsLog:
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend()
+        if routes:
+            ax = axes[0][1]
+            for label, points in routes.items():
+                ax.plot(*zip(*points), label=label, linewidth=1)
+            ax.set_xlabel("step")
+            ax.set_ylabel("kept fraction (softmax KV)")
+            ax.set_ylim(-0.03, 1.03)
+            ax.set_title("routing per NAtS-L layer / group")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7, ncol=2)
         fig.tight_layout()
         tmp = png.with_name(f".{png.stem}.tmp-{os.getpid()}.png")
         fig.savefig(tmp)
         plt.close(fig)
         os.replace(tmp, png)
+
+
+def keep_series(records: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    """{"layer L group G": [(step, kept fraction)]} from the step records' `keep_groups` (or, for
+    records written before it existed, {"layer L": ...} from `keep`)."""
+    out: dict[str, list[tuple[int, float]]] = {}
+    for r in records:
+        if "loss" not in r:
+            continue
+        if isinstance(r.get("keep_groups"), dict):
+            for layer, groups in r["keep_groups"].items():
+                for g, value in enumerate(groups):
+                    if _finite(value):
+                        out.setdefault(f"layer {layer} group {g}", []).append((r["step"], value))
+        elif isinstance(r.get("keep"), dict):
+            for layer, value in r["keep"].items():
+                if _finite(value):
+                    out.setdefault(f"layer {layer}", []).append((r["step"], value))
+    return out
 
 
 def _finite(x) -> bool:

@@ -31,6 +31,7 @@ import yaml
 from natsl import __version__
 from natsl.config import Recipe
 from natsl.errors import NatslError
+from natsl.data.tasks import IGNORE, TaskData, answer_hits, is_task
 from natsl.training import distributed as D
 from natsl.training import state as S
 from natsl.training.faults import fault_point
@@ -206,8 +207,13 @@ class LanguageModelLoss(torch.nn.Module):
         rope = self.model.rope_table(input_ids.shape[1], input_ids.device)
         with autocast:
             hidden = self.body(input_ids, rope)
-        return linear_cross_entropy(hidden, self.model.lm_head.weight, targets, chunk_size=self.chunk_size,
+        loss = linear_cross_entropy(hidden, self.model.lm_head.weight, targets, chunk_size=self.chunk_size,
                                     reduction=reduction, compute_dtype=torch.bfloat16 if self.bf16 else None)
+        if self.training:  # the routers' balance losses (model.router_balance > 0), part of the logged loss
+            for layer in self.model.natsl_layers().values():
+                if layer.aux_loss is not None:
+                    loss = loss + layer.aux_loss
+        return loss
 
 
 class Trainer:
@@ -297,6 +303,12 @@ class Trainer:
         from natsl.data.dataset import TokenData, WindowSampler, eval_windows
 
         r = self.recipe
+        if is_task(r.data.path):  # a synthetic recall task, made on the device (natsl.data.tasks)
+            self.data = self.sampler = TaskData(r.data.path, r.model.vocab_size, r.train.seq_len, r.train.seed,
+                                                self.device)
+            self.tokenizer, self.val_stream = None, None
+            self.val_windows = max(1, r.train.eval_tokens // r.train.seq_len)
+            return
         if r.data.path == "builtin":
             if self.info.is_main:
                 folder = builtin_data(r.model.vocab_size, r.data.tokenizer, self.options.progress, self.log)
@@ -387,19 +399,26 @@ class Trainer:
     # ------------------------------------------------------------------------- steps
 
     def train_step(self, step_samples: list[list[int]]) -> torch.Tensor:
-        """Forward/backward every micro-batch, all-reduce; returns the stats [loss, keep fraction per
-        NAtS-L layer] on the device."""
-        stats = torch.zeros(1 + len(self.natsl_layers), dtype=torch.float64, device=self.device)
+        """Forward/backward every micro-batch, all-reduce; returns the stats [loss, then the keep
+        fraction of each routing group of each NAtS-L layer] on the device."""
+        stats = torch.zeros(1 + sum(layer.num_heads for _, layer in self.natsl_layers), dtype=torch.float64,
+                            device=self.device)
         for m, indices in enumerate(step_samples):
-            batch = self.sampler.batch(indices).to(self.device, non_blocking=True)
-            inputs, targets = batch[:, :-1], batch[:, 1:]
+            batch = self.sampler.batch(indices)
+            if isinstance(batch, tuple):  # a task: (inputs, targets with -100 off the answers)
+                inputs, targets = batch
+            else:
+                batch = batch.to(self.device, non_blocking=True)
+                inputs, targets = batch[:, :-1], batch[:, 1:]
             with D.no_sync(self.train_model, m < self.accum - 1):
                 loss = self.train_model(inputs, targets)
                 (loss / self.accum).backward()
             stats[0] += loss.detach().double()
-            for j, (_, layer) in enumerate(self.natsl_layers):
-                if layer.last_keep is not None:
-                    stats[1 + j] += layer.last_keep.double().mean()
+            at = 1
+            for _, layer in self.natsl_layers:
+                if layer.last_keep is not None:  # [B, NB, H]: the mean per routing group
+                    stats[at:at + layer.num_heads] += layer.last_keep.double().mean(dim=(0, 1))
+                at += layer.num_heads
         D.all_reduce_sum(stats, self.info)
         stats /= self.accum * self.info.world_size
         return stats
@@ -415,7 +434,12 @@ class Trainer:
         grad_norm = clip_and_step(self.optimizer, self.model.parameters(), r.optim.grad_clip, stats[0],
                                   self.fold_clip, D.full_tensor)
         values, grad_norm = stats.tolist(), float(grad_norm)
-        loss, keep = values[0], values[1:]
+        loss, groups = values[0], values[1:]
+        keep_groups, at = {}, 0
+        for i, layer in self.natsl_layers:
+            keep_groups[str(i)] = groups[at:at + layer.num_heads]
+            at += layer.num_heads
+        keep = [sum(g) / len(g) for g in keep_groups.values()]
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         if finite:
             self.state["bad_in_row"] = 0
@@ -436,13 +460,16 @@ class Trainer:
         return {"step": self.state["step"], "tokens": self.state["tokens_seen"], "loss": loss, "lr": lr,
                 "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
                 "mfu": tokens_per_s * fpt / (self.peak * self.info.world_size) if self.peak else None,
-                "keep": {str(i): k for (i, _), k in zip(self.natsl_layers, keep)}, "skipped": not finite,
+                "keep": {str(i): k for (i, _), k in zip(self.natsl_layers, keep)}, "keep_groups": keep_groups,
+                "skipped": not finite,
                 "bad_steps": self.state["bad_steps"], "time_s": dt, "flops_per_token": fpt}
 
     @torch.no_grad()
     def evaluate(self) -> Optional[float]:
         if self.val_windows == 0:
             return None
+        if isinstance(self.data, TaskData):
+            return self.evaluate_task()
         seq, mbs, world = self.recipe.train.seq_len, self.recipe.train.micro_batch_size, self.info.world_size
         mine = list(range(self.info.rank, self.val_windows, world))
         # FSDP gathers each block's weights inside the forward, a collective: every rank must run as
@@ -463,6 +490,31 @@ class Trainer:
             self.loss_module.train()
         D.all_reduce_sum(totals, self.info)
         return (totals[0] / totals[1]).item()
+
+    @torch.no_grad()
+    def evaluate_task(self) -> float:
+        """Loss over the answers of held-out task samples; the answer accuracy goes to
+        self.task_accuracy (one process: the sweep's runs; under several ranks it is left None)."""
+        tc = self.recipe.train
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        hits, counted = 0, 0
+        self.loss_module.eval()
+        try:
+            for inputs, targets in self.data.eval_batches(self.val_windows, tc.micro_batch_size):
+                totals[0] += self.train_model(inputs, targets, reduction="sum").double()
+                totals[1] += (targets != IGNORE).sum()
+                if not self.info.enabled:
+                    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.use_bf16 \
+                        else contextlib.nullcontext()
+                    with autocast:
+                        hidden = self.model.hidden_states(inputs)
+                    h, c = answer_hits(hidden, self.model.lm_head.weight, targets)
+                    hits, counted = hits + h, counted + c
+        finally:
+            self.loss_module.train()
+        D.all_reduce_sum(totals, self.info)
+        self.task_accuracy = hits / counted if counted else None
+        return (totals[0] / totals[1].clamp(min=1)).item()
 
     def save(self, step: int) -> Path:
         rng = D.gather_objects(S.capture_rng(self.device), self.info)
@@ -490,6 +542,11 @@ class Trainer:
             raise NatslError(error)
         D.barrier(self.info)
         return path
+
+    def _data_size(self) -> str:
+        if isinstance(self.data, TaskData):
+            return "generated on the fly"
+        return f"{self.sampler.stream.n_tokens:,} train tokens"
 
     # ------------------------------------------------------------------------- the loop
 
@@ -525,7 +582,7 @@ class Trainer:
                  f"{self.total_steps}, {tc.tokens_per_step:,} tokens each ({tc.micro_batch_size} x {tc.seq_len} x "
                  f"{self.accum} accum x {world} rank{'s' if world > 1 else ''}"
                  f"{', ' + tc.parallel if world > 1 else ''}); {self.device.type}, backend "
-                 f"{self.backend}; data {self.data.folder} ({self.sampler.stream.n_tokens:,} train tokens); out {self.out}")
+                  f"{self.backend}; data {self.data.folder} ({self._data_size()}); out {self.out}")
         debug_dir = os.environ.get("NATSL_DEBUG_DIR")
         seen_samples: list[int] = []
         result = TrainResult(self.out, start, self.end_step, None, None, ckpt.folder if ckpt else None, None,
@@ -579,7 +636,9 @@ class Trainer:
                         val_loss = self.evaluate()
                         if val_loss is not None:
                             if info.is_main:
-                                self.metrics.write({"step": step, "val_loss": val_loss})
+                                self.metrics.write({"step": step, "val_loss": val_loss,
+                                                    **({"val_accuracy": self.task_accuracy}
+                                                       if getattr(self, "task_accuracy", None) is not None else {})})
                             say(f"step {step}: validation loss {val_loss:.4f}")
                             result.val_loss = val_loss
                     if step % tc.save_every == 0 or (step == self.end_step and self.options.save_final):

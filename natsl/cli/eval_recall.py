@@ -1,0 +1,88 @@
+"""`natsl eval-recall CHECKPOINT`: synthetic recall accuracy per (sequence length, pairs) and routing."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from natsl.cli.app import command
+
+
+def run_eval_recall(checkpoint: str, task: Optional[str] = None, lengths: Optional[str] = None,
+                    pairs: Optional[str] = None, samples: int = 256, batch_size: int = 32, seed: int = 0,
+                    vocab: Optional[int] = None, keep_fraction: Optional[float] = None, out: str = "eval_recall",
+                    device=None, dtype=None, backend=None, progress: bool = True, quiet: bool = False) -> dict:
+    """The command's work (the sweep's workers call it too): returns the report written to recall.json."""
+    from natsl.cli.eval_ruler import parse_lengths
+    from natsl.data.tasks import TaskSpec, is_task, parse_task
+    from natsl.errors import NatslError
+    from natsl.eval.common import load_eval_model, prepare_out_dir, write_json
+    from natsl.eval.recall import evaluate_recall, format_table, grid_points, plot_recall
+    from natsl.inference.routing import force_keep_fraction
+
+    if samples < 1 or batch_size < 1:
+        raise NatslError("--samples and --batch-size must be at least 1")
+    if keep_fraction is not None and not 0.0 <= keep_fraction <= 1.0:
+        raise NatslError(f"--keep-fraction must lie in [0, 1], got {keep_fraction}")
+    out_dir = prepare_out_dir(out)
+    em = load_eval_model(checkpoint, device, dtype, backend)
+    model_vocab = em.recipe.model.vocab_size
+    trained = em.recipe.data.path
+    # The checkpoint's own task (its data.path) gives the defaults: task, vocabulary, grid, power law.
+    base = parse_task(trained, model_vocab, 1 << 30) if is_task(trained) else None
+    name = task or (base.name if base else "mqar")
+    if name not in ("mqar", "passkey"):
+        raise NatslError(f"unknown --task {name!r}; choose mqar or passkey")
+    same = base is not None and base.name == name
+    spec = TaskSpec(name, vocab or (base.vocab if same else model_vocab))
+    if same:
+        spec.power_a, spec.random_non_queries = base.power_a, base.random_non_queries
+    if spec.vocab > model_vocab:
+        raise NatslError(f"--vocab {spec.vocab} is more than the model's vocabulary {model_vocab}")
+    length_list = parse_lengths(lengths) if lengths else sorted({p.seq_len for p in base.parts}) if same else None
+    count_list = parse_lengths(pairs) if pairs else sorted({p.pairs for p in base.parts}) if same else None
+    if not length_list or not count_list:
+        raise NatslError(f"the checkpoint was not trained on a {name} task; pass --lengths and --pairs "
+                         "(e.g. --lengths 512,1024 --pairs 32,64)")
+    too_long = [n for n in length_list if n > em.recipe.model.max_seq_len]
+    if too_long:
+        raise NatslError(f"--lengths: {too_long[0]} is beyond the model's max_seq_len {em.recipe.model.max_seq_len}")
+    points = grid_points(name, length_list, count_list, spec.vocab)
+    force_keep_fraction(em.model, keep_fraction, seed)
+    report = evaluate_recall(em, spec, points, samples, batch_size, seed, progress=progress)
+    report = {"checkpoint": str(em.folder), "name": em.name, "trained_on": trained, "seed": seed,
+              "forced_keep_fraction": keep_fraction, **report}
+    json_path = write_json(out_dir / "recall.json", report)
+    budget = f", kept fraction forced to {keep_fraction}" if keep_fraction is not None else ""
+    png_path = plot_recall(report, out_dir / "recall.png", f"{em.name}{budget}")
+    if not quiet:
+        print(format_table(report))
+        print(f"mean accuracy {report['mean_accuracy']:.3f}")
+        print(f"wrote {json_path} and {png_path}")
+    return report
+
+
+@command("eval-recall")
+def eval_recall(
+    checkpoint: str = typer.Argument(..., help="Checkpoint folder (or a training run folder: newest step)."),
+    task: Optional[str] = typer.Option(None, help="mqar or passkey (default: the task the checkpoint trained on, else mqar)."),
+    lengths: Optional[str] = typer.Option(None, help="Sequence lengths, comma separated (4k = 4096); default: "
+                                                     "those of the checkpoint's training task."),
+    pairs: Optional[str] = typer.Option(None, help="Key-value pairs (mqar) or digits (passkey), comma separated; "
+                                                   "every fitting (length, pairs) of the grid is evaluated."),
+    samples: int = typer.Option(256, help="Samples per (length, pairs) point."),
+    batch_size: int = typer.Option(32, help="Samples per forward."),
+    seed: int = typer.Option(0, help="Seed of the evaluation samples (same seed, same inputs)."),
+    vocab: Optional[int] = typer.Option(None, help="Task vocabulary (default: the training task's, else the model's)."),
+    keep_fraction: Optional[float] = typer.Option(None, help="Force NAtS-L layers to keep this fraction of blocks "
+                                                             "(a fixed KV budget; default: the router decides)."),
+    out: str = typer.Option("eval_recall", help="Folder for recall.json and recall.png."),
+    device: Optional[str] = typer.Option(None, help="cpu, cuda or cuda:N (default: cuda when available)."),
+    dtype: Optional[str] = typer.Option(None, help="fp32, bf16 or fp16 (default: bf16 on CUDA, fp32 on the CPU)."),
+    backend: Optional[str] = typer.Option(None, help="reference, chunked or fast (default: fast on CUDA, chunked on the CPU)."),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Show the progress bar."),
+) -> None:
+    """Answer accuracy on MQAR (Zoology) or passkey per (length, pairs), with the kept fraction per layer and group."""
+    run_eval_recall(checkpoint, task, lengths, pairs, samples, batch_size, seed, vocab, keep_fraction, out,
+                    device, dtype, backend, progress)

@@ -1,0 +1,106 @@
+"""`natsl sweep SPEC --out OUT`: small-model sweeps in parallel processes (natsl.training.sweep), and
+the worker one run is (`python -m natsl.cli.sweep RUN.json`): train, then evaluate recall."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from natsl.cli.app import command
+
+
+@command("sweep")
+def sweep(
+    spec: str = typer.Argument(..., help="Sweep spec YAML (e.g. recipes/recall/sweep_h200.yaml)."),
+    out: str = typer.Option(..., help="Folder for runs/, summary.json and summary.png."),
+    max_parallel: Optional[int] = typer.Option(None, help="Worker processes at once (default: the spec's)."),
+    deadline: Optional[float] = typer.Option(None, help="Seconds for the whole sweep (default: the spec's)."),
+    device: Optional[str] = typer.Option(None, help="cpu or cuda (default: the spec's, else cuda when there is one)."),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Show the progress bar."),
+) -> None:
+    """Train many small models (systems x widths x learning rates x tasks) in parallel; summary JSON + PNG."""
+    from natsl.training.sweep import load_spec, run_sweep
+
+    run_sweep(load_spec(spec, out, max_parallel, deadline, device), progress=progress)
+
+
+def run_worker(run_file: str) -> int:
+    """One run: train its recipe within its budget, write result.json, evaluate recall, write it again."""
+    from natsl.cli.eval_recall import run_eval_recall
+    from natsl.config import apply_overrides, load_recipe
+    from natsl.training.sweep import _write_json
+    from natsl.training.trainer import TrainOptions, train
+
+    run = json.loads(Path(run_file).read_text(encoding="utf-8"))
+    folder = Path(run["out"])
+    recipe = apply_overrides(load_recipe(run["recipe"]), run["overrides"])
+    started = time.time()
+    stop_at = started + run["run_s"]
+    if run.get("train_deadline"):
+        stop_at = min(stop_at, run["train_deadline"])
+    asked = {"stop": False}
+
+    def on_step(record: dict) -> None:
+        # The trainer ends the run after this step with a checkpoint when it sees SIGTERM.
+        if not asked["stop"] and time.time() > stop_at:
+            asked["stop"] = True
+            signal.raise_signal(signal.SIGTERM)
+
+    result = {"status": "training", "parameters": None}
+    try:
+        outcome = train(recipe, TrainOptions(out_dir=str(folder / "train"), device=run.get("device"),
+                                             compile=run["compile"], max_steps=run["max_steps"], progress=False,
+                                             on_step=on_step))
+        steps, loss = outcome.step, outcome.loss
+    except KeyboardInterrupt:  # stopped at the wall-clock budget, checkpoint written
+        steps, loss = None, None
+    train_s = time.time() - started
+    records = [json.loads(line) for line in (folder / "train" / "metrics.jsonl").read_text().splitlines() if line]
+    step_records = [r for r in records if "loss" in r]
+    evals = [r for r in records if "val_accuracy" in r]
+    from natsl.models import build_model
+
+    result = {"status": "trained", "steps": steps or (step_records[-1]["step"] if step_records else 0),
+              "max_steps": run["max_steps"], "stopped_by_budget": asked["stop"], "train_s": train_s,
+              "loss": loss if loss is not None else (step_records[-1]["loss"] if step_records else None),
+              "val_accuracy": evals[-1]["val_accuracy"] if evals else None,
+              "parameters": build_model(recipe.model, device="meta").num_parameters(),
+              "keep_groups_last_step": step_records[-1].get("keep_groups") if step_records else None,
+              "recall_accuracy": None, "keep_fraction": None}
+    _write_json(folder / "result.json", result)
+    ev = run["eval"]
+    report = run_eval_recall(str(folder / "train"), None, ev.get("lengths"), ev.get("pairs"), int(ev["samples"]),
+                             int(ev["batch_size"]), int(ev.get("seed", 0)), ev.get("vocab"), None,
+                             str(folder / "eval"), run.get("device"), progress=False, quiet=True)
+    result.update(status="done", recall_accuracy=report["mean_accuracy"], keep_fraction=report["mean_keep_fraction"],
+                  recall_points=[{k: p[k] for k in ("seq_len", "count", "accuracy")} for p in report["points"]],
+                  total_s=time.time() - started)
+    _write_json(folder / "result.json", result)
+    print(f"done: {run['id']} recall accuracy {report['mean_accuracy']:.3f} after {result['steps']} steps")
+    return 0
+
+
+def _record_failure(run_file: str, error: BaseException) -> None:
+    """Keep what the run had (result.json of its training, if any) and say why it stopped."""
+    from natsl.training.sweep import _read_json, _write_json
+
+    folder = Path(json.loads(Path(run_file).read_text(encoding="utf-8"))["out"])
+    result = _read_json(folder / "result.json") or {}
+    result.update(status="failed", error=f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+    _write_json(folder / "result.json", result)
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(run_worker(sys.argv[1]))
+    except Exception as err:
+        traceback.print_exc()
+        _record_failure(sys.argv[1], err)
+        sys.exit(1)

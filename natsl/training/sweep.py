@@ -1,0 +1,411 @@
+"""Small-model sweeps: many short trainings in parallel processes on one device (Zoology's figure).
+
+    python -m natsl.training.sweep recipes/recall/sweep_h200.yaml --max-parallel 16 --out OUT
+    natsl sweep recipes/recall/sweep_cpu.yaml --out OUT          (the same, as a subcommand)
+
+A spec (YAML) names systems (a recipe each), model widths, learning rates (one list for all systems
+or one per system) and training tasks; every combination is one run. A run is one worker process
+(`python -m natsl.cli.sweep RUN.json`): it trains its recipe, scaled to the width, within its step
+and wall-clock budget, then evaluates recall (`natsl eval-recall`) on the spec's grid, and writes
+OUT/runs/ID/result.json. A model of width 128 leaves a GPU almost idle, so up to --max-parallel
+workers share it.
+
+Results are written as they come: a worker writes result.json after training and again after its
+evaluation; the runner rebuilds OUT/summary.json and OUT/summary.png whenever a run ends, from
+whatever has finished (a run cut off mid-training is summarised from its metrics.jsonl). The global
+deadline (`budget.deadline_s`, --deadline) stops starting runs that could not finish, tells running
+workers when their training must end (leaving `budget.eval_reserve_s` for the evaluation), and kills
+what still runs at the deadline; the summary is always written last.
+
+The spec:
+
+    systems: {gdn: recipes/recall/gdn.yaml, natsl_hybrid: recipes/recall/natsl_hybrid.yaml}
+    widths: [128, 64, 256]         # hidden size; head dims, MLP and attention heads scale with it
+    lrs: [0.001, 0.003]            # or {gdn: [...], natsl_hybrid: [...]}
+    tasks:                         # training tasks: name -> data.path (train.seq_len follows the task)
+      mqar512: task:mqar?seq_len=512&pairs=8,16,32,64
+    eval: {lengths: "512,1024", pairs: "32,64,128", samples: 128, batch_size: 32}
+    budget: {max_steps: 2000, run_s: 150, deadline_s: 470, eval_reserve_s: 40}
+    set: [train.log_every=50]      # overrides for every run (natsl train --set)
+    compile: false
+    max_parallel: 16
+
+Runs start in the order task, width, learning rate, system, so a sweep cut short still has every
+system at the first widths listed.
+
+This module starts workers as processes and reads their files; it imports no evaluation code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from natsl.errors import NatslError
+
+SCALED = ("hidden_size", "intermediate_size", "head_k_dim", "head_v_dim", "attn_head_dim")
+SPEC_KEYS = {"name", "systems", "widths", "lrs", "tasks", "eval", "budget", "set", "compile", "max_parallel",
+             "device", "seed"}
+
+
+@dataclass
+class RunSpec:
+    id: str
+    system: str
+    recipe: str
+    width: int
+    lr: float
+    task: str
+    data: str
+    overrides: list[str]
+    max_steps: int
+    run_s: float
+    eval: dict
+    compile: bool
+    device: Optional[str]
+    out: str
+    train_deadline: Optional[float] = None  # absolute time.time() at which training must stop
+
+
+@dataclass
+class Sweep:
+    name: str
+    runs: list[RunSpec]
+    max_parallel: int
+    deadline_s: Optional[float]
+    eval_reserve_s: float
+    out: Path
+    spec: dict = field(default_factory=dict)
+
+
+def _spec_error(path, message: str) -> NatslError:
+    return NatslError(f"sweep spec {str(path)!r}: {message}")
+
+
+def load_spec(path: str | Path, out: str | Path, max_parallel: Optional[int] = None,
+              deadline_s: Optional[float] = None, device: Optional[str] = None) -> Sweep:
+    """Read and check a sweep spec; expand it into runs (every recipe loads and validates here)."""
+    from natsl.config import apply_overrides, load_recipe
+
+    path = Path(path)
+    if not path.is_file():
+        raise NatslError(f"sweep spec {str(path)!r} does not exist; pass a file such as recipes/recall/sweep_cpu.yaml")
+    try:
+        spec = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise _spec_error(path, f"not valid YAML ({str(err).splitlines()[0]}); fix the file") from None
+    if not isinstance(spec, dict):
+        raise _spec_error(path, "must be a mapping with systems, widths, lrs, tasks")
+    unknown = sorted(set(spec) - SPEC_KEYS)
+    if unknown:
+        raise _spec_error(path, f"unknown key {unknown[0]!r}; allowed: {', '.join(sorted(SPEC_KEYS))}")
+    systems = spec.get("systems")
+    if not isinstance(systems, dict) or not systems:
+        raise _spec_error(path, "'systems' must map names to recipe files")
+    widths = spec.get("widths")
+    if not isinstance(widths, list) or not widths or not all(isinstance(w, int) and w > 0 for w in widths):
+        raise _spec_error(path, "'widths' must be a list of positive integers (hidden sizes)")
+    lrs = spec.get("lrs")
+    per_system = lrs if isinstance(lrs, dict) else {name: lrs for name in systems}
+    tasks = spec.get("tasks")
+    if not isinstance(tasks, dict) or not tasks or not all(isinstance(v, str) for v in tasks.values()):
+        raise _spec_error(path, "'tasks' must map names to data paths such as task:mqar?seq_len=512&pairs=64")
+    budget = spec.get("budget") or {}
+    evals = {"samples": 128, "batch_size": 32, **(spec.get("eval") or {})}
+    overrides = [str(s) for s in spec.get("set") or []]
+    root = Path.cwd()
+    runs = []
+    for task_name, data in tasks.items():
+        task_len = _task_seq_len(data, path)
+        for width in widths:
+            for lr_index in range(max(len(v) if isinstance(v, list) else 0 for v in per_system.values())):
+                for system, recipe_path in systems.items():
+                    values = per_system.get(system)
+                    if not isinstance(values, list) or not values or not all(
+                            isinstance(x, (int, float)) and x > 0 for x in values):
+                        raise _spec_error(path, f"'lrs' for {system!r} must be a list of positive numbers")
+                    if lr_index >= len(values):
+                        continue
+                    lr = float(values[lr_index])
+                    recipe_file = Path(recipe_path)
+                    if not recipe_file.is_absolute() and not recipe_file.is_file():
+                        recipe_file = path.parent / recipe_path
+                    recipe = load_recipe(recipe_file)
+                    mbs = recipe.train.micro_batch_size
+                    for item in overrides:
+                        if item.startswith("train.micro_batch_size="):
+                            mbs = int(item.split("=", 1)[1])
+                    tokens = mbs * task_len  # one micro-batch per step
+                    max_steps = int(budget.get("max_steps", recipe.train.max_steps
+                                               or recipe.train.total_tokens // recipe.train.tokens_per_step))
+                    # the cosine schedule ends at max_steps, after a warmup of a tenth of it at most
+                    run_overrides = width_overrides(recipe, width) + [
+                        f"optim.lr={lr}", f"optim.min_lr={lr / 10}", f"data.path={data}", f"train.seq_len={task_len}",
+                        f"train.tokens_per_step={tokens}", f"train.total_tokens={tokens * max_steps}",
+                        f"optim.warmup_tokens={min(recipe.optim.warmup_tokens, tokens * max_steps // 10)}"] + overrides
+                    apply_overrides(recipe, run_overrides)  # a bad combination fails here, not in a worker
+                    run_id = f"{task_name}-{system}-d{width}-lr{lr:g}"
+                    runs.append(RunSpec(run_id, system, str(recipe_file if recipe_file.is_absolute() else root / recipe_file),
+                                        width, lr, task_name, data, run_overrides, max_steps,
+                                        float(budget.get("run_s", 1e9)), evals, bool(spec.get("compile", False)),
+                                        device or spec.get("device"), str(Path(out) / "runs" / run_id)))
+    if len({r.id for r in runs}) != len(runs):
+        raise _spec_error(path, "two runs share an id (the same system, width, lr and task twice)")
+    return Sweep(str(spec.get("name", path.stem)), runs, int(max_parallel or spec.get("max_parallel", 1)),
+                 deadline_s if deadline_s is not None else budget.get("deadline_s"),
+                 float(budget.get("eval_reserve_s", 30)), Path(out), spec)
+
+
+def _task_seq_len(data: str, path) -> int:
+    from natsl.data.tasks import is_task, parse_task
+
+    if not is_task(data):
+        raise _spec_error(path, f"task {data!r} is not a task: path; write e.g. task:mqar?seq_len=512&pairs=64")
+    return parse_task(data, 1 << 30, 1 << 30).max_len
+
+
+def width_overrides(recipe, width: int) -> list[str]:
+    """`--set` items that scale the recipe's model to hidden size `width` (its dims in proportion)."""
+    m = recipe.model
+    scale = width / m.hidden_size
+    out = []
+    for key in SCALED:
+        value = getattr(m, key) * scale
+        if value < 1 or value != int(value):
+            raise NatslError(f"width {width} scales model.{key} = {getattr(m, key)} of {recipe.name} to {value:g}, "
+                             "not a whole number; pick widths that divide the recipe's dims")
+        out.append(f"model.{key}={int(value)}")
+    return out
+
+
+# ----------------------------------------------------------------------------- running
+
+def _write_json(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def run_sweep(sweep: Sweep, progress: bool = True, log=print) -> dict:
+    """Run every run of `sweep` (at most max_parallel at once) within its deadline; returns the summary."""
+    from tqdm import tqdm
+
+    if sweep.max_parallel < 1:
+        raise NatslError(f"--max-parallel must be at least 1, got {sweep.max_parallel}")
+    start = time.time()
+    end = start + sweep.deadline_s if sweep.deadline_s else None
+    sweep.out.mkdir(parents=True, exist_ok=True)
+    _write_json(sweep.out / "sweep.json", {"name": sweep.name, "spec": sweep.spec, "started": start,
+                                          "runs": [asdict(r) for r in sweep.runs]})
+    pending = [r for r in sweep.runs if not _finished(r)]
+    running: dict[str, tuple[subprocess.Popen, RunSpec, Any]] = {}
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
+                                                       os.environ.get("PYTHONPATH")]))}
+    bar = tqdm(total=len(sweep.runs), initial=len(sweep.runs) - len(pending), unit="run", desc="sweep",
+               disable=not progress, dynamic_ncols=True)
+    skipped = []
+    try:
+        while pending or running:
+            now = time.time()
+            while pending and len(running) < sweep.max_parallel:
+                run = pending.pop(0)
+                if end is not None and end - now < sweep.eval_reserve_s + 10:
+                    skipped.append(run.id)  # no time left to train and evaluate it
+                    continue
+                if end is not None:
+                    run.train_deadline = end - sweep.eval_reserve_s
+                running[run.id] = _launch(run, env)
+            for run_id, (proc, run, fh) in list(running.items()):
+                if proc.poll() is not None:
+                    fh.close()
+                    del running[run_id]
+                    bar.update(1)
+                    status = _status(run)
+                    bar.write(f"{run_id}: {status}")
+                    write_summary(sweep)
+            if end is not None and time.time() > end:
+                for run_id, (proc, run, fh) in running.items():
+                    _stop(proc)
+                    fh.close()
+                    bar.write(f"{run_id}: killed at the sweep deadline")
+                running.clear()
+                skipped.extend(r.id for r in pending)
+                pending = []
+                break
+            time.sleep(0.5)
+    finally:
+        for proc, _, fh in running.values():  # interrupted: take the workers down with us
+            _stop(proc)
+            fh.close()
+        bar.close()
+    if skipped:
+        log(f"not started (no time left before the deadline): {len(skipped)} runs")
+    summary = write_summary(sweep, skipped)
+    log(f"wrote {sweep.out / 'summary.json'} and {sweep.out / 'summary.png'} "
+        f"({sum(1 for r in summary['runs'] if r['status'] == 'done')} of {len(sweep.runs)} runs done, "
+        f"{time.time() - start:.0f} s)")
+    return summary
+
+
+def _finished(run: RunSpec) -> bool:
+    return _status(run) == "done"
+
+
+def _status(run: RunSpec) -> str:
+    result = _read_json(Path(run.out) / "result.json")
+    return result.get("status", "unknown") if result else "no result"
+
+
+def _launch(run: RunSpec, env: dict) -> tuple[subprocess.Popen, RunSpec, Any]:
+    folder = Path(run.out)
+    folder.mkdir(parents=True, exist_ok=True)
+    _write_json(folder / "run.json", asdict(run))
+    fh = open(folder / "log.txt", "a", encoding="utf-8")
+    proc = subprocess.Popen([sys.executable, "-m", "natsl.cli.sweep", str(folder / "run.json")], stdout=fh,
+                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return proc, run, fh
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """End a worker and whatever it started (its own process group)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10)
+
+
+def _read_json(path: Path) -> Optional[dict]:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+# ----------------------------------------------------------------------------- summary
+
+def run_record(run: RunSpec) -> dict:
+    """What is known about one run: its result.json, else what its metrics.jsonl holds."""
+    folder = Path(run.out)
+    base = {"id": run.id, "system": run.system, "width": run.width, "lr": run.lr, "task": run.task}
+    result = _read_json(folder / "result.json")
+    if result:
+        return {**base, **result}
+    records = []
+    metrics = folder / "train" / "metrics.jsonl"
+    if metrics.is_file():
+        for line in metrics.read_text(encoding="utf-8").splitlines():
+            with contextlib.suppress(json.JSONDecodeError):
+                records.append(json.loads(line))
+    evals = [r for r in records if "val_accuracy" in r]
+    steps = [r for r in records if "loss" in r]
+    return {**base, "status": "cut off" if records else "not run", "steps": steps[-1]["step"] if steps else 0,
+            "val_accuracy": evals[-1]["val_accuracy"] if evals else None, "recall_accuracy": None}
+
+
+def score(record: dict) -> Optional[float]:
+    """The accuracy a run is ranked by: its recall evaluation, else its last validation accuracy."""
+    for key in ("recall_accuracy", "val_accuracy"):
+        value = record.get(key)
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            return float(value)
+    return None
+
+
+def write_summary(sweep: Sweep, skipped: Optional[list[str]] = None) -> dict:
+    records = [run_record(r) for r in sweep.runs]
+    if skipped:
+        for r in records:
+            if r["id"] in skipped and r["status"] == "not run":
+                r["status"] = "skipped (deadline)"
+    best: dict[tuple, dict] = {}
+    for r in records:
+        s = score(r)
+        if s is None:
+            continue
+        key = (r["task"], r["system"], r["width"])
+        if key not in best or s > score(best[key]):
+            best[key] = r
+    points = [{"task": t, "system": s, "width": w, "best_lr": r["lr"], "accuracy": score(r),
+               "recall_accuracy": r.get("recall_accuracy"), "val_accuracy": r.get("val_accuracy"),
+               "keep_fraction": r.get("keep_fraction"), "parameters": r.get("parameters"), "run": r["id"]}
+              for (t, s, w), r in sorted(best.items())]
+    summary = {"name": sweep.name, "runs": records, "best": points,
+               "note": "accuracy: mean MQAR answer accuracy over the eval grid (recall_accuracy), or the last "
+                       "validation accuracy of a run cut off before its evaluation; best over learning rates"}
+    _write_json(sweep.out / "summary.json", summary)
+    plot_summary(summary, sweep.out / "summary.png")
+    return summary
+
+
+def plot_summary(summary: dict, path: Path) -> None:
+    """Zoology's figure: accuracy vs model width per system (best LR per point); beside it the kept
+    fraction of the NAtS-L systems at the same points."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = sorted({p["task"] for p in summary["best"]}) or ["(no results yet)"]
+    colors = {name: f"C{i}" for i, name in enumerate(sorted({p["system"] for p in summary["best"]}))}
+    fig, axes = plt.subplots(len(tasks), 2, figsize=(11, 3.8 * len(tasks)), squeeze=False)
+    for row, task in enumerate(tasks):
+        points = [p for p in summary["best"] if p["task"] == task]
+        ax, kx = axes[row]
+        for system in sorted({p["system"] for p in points}):
+            mine = sorted((p["width"], p["accuracy"], p["keep_fraction"]) for p in points if p["system"] == system)
+            ax.plot([m[0] for m in mine], [m[1] for m in mine], "o-", label=system, color=colors[system])
+            keeps = [(m[0], m[2]) for m in mine if m[2] is not None]
+            if keeps:
+                kx.plot(*zip(*keeps), "o-", label=system, color=colors[system])
+        for a, ylabel in ((ax, "accuracy (best lr)"), (kx, "kept fraction (softmax KV)")):
+            a.set_xscale("log", base=2)
+            a.set_xlabel("model width")
+            a.set_ylabel(ylabel)
+            a.set_ylim(-0.03, 1.03)
+            a.grid(alpha=0.3)
+            if a.get_legend_handles_labels()[0]:
+                a.legend(fontsize=8)
+        ax.set_title(f"{task}: recall accuracy")
+        kx.set_title(f"{task}: NAtS-L kept fraction")
+    fig.suptitle(summary["name"])
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m natsl.training.sweep", description=__doc__.splitlines()[0])
+    parser.add_argument("spec", help="sweep spec YAML, e.g. recipes/recall/sweep_h200.yaml")
+    parser.add_argument("--out", required=True, help="folder for runs/, summary.json and summary.png")
+    parser.add_argument("--max-parallel", type=int, default=None, help="worker processes at once (default: the spec's)")
+    parser.add_argument("--deadline", type=float, default=None, help="seconds for the whole sweep (default: the spec's)")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: the spec's, else cuda when there is one)")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        sweep = load_spec(args.spec, args.out, args.max_parallel, args.deadline, args.device)
+        run_sweep(sweep, progress=not args.no_progress)
+    except NatslError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""Synthetic recall: the MQAR / passkey generators, training on a task, eval-recall and the sweep runner."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from natsl.data.tasks import IGNORE, TaskData, parse_task
+from natsl.errors import NatslError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_mqar_follows_zoology():
+    """Keys from [1, V/2), values from [V/2, V), the pairs first, each key asked once after them at an
+    even offset, the answer (its value) the only target; reproducible from (seed, indices)."""
+    vocab, length, pairs = 64, 48, 6
+    data = TaskData(f"task:mqar?vocab={vocab}&seq_len={length}&pairs={pairs}&random_non_queries=0", 128, 64, 3, "cpu")
+    x, y = data.batch(list(range(16)))
+    assert x.shape == y.shape == (16, 64)
+    assert (y[:, length:] == IGNORE).all() and (x[:, length:] == 0).all()  # padding
+    for row_x, row_y in zip(x, y):
+        keys, values = row_x[0:2 * pairs:2], row_x[1:2 * pairs:2]
+        assert keys.unique().numel() == pairs and values.unique().numel() == pairs
+        assert ((keys >= 1) & (keys < vocab // 2)).all() and ((values >= vocab // 2) & (values < vocab)).all()
+        asked = (row_y != IGNORE).nonzero().flatten()
+        assert len(asked) == pairs and ((asked - 2 * pairs) % 2 == 0).all() and (asked >= 2 * pairs).all()
+        answer = dict(zip(keys.tolist(), values.tolist()))
+        assert sorted(row_x[asked].tolist()) == sorted(keys.tolist())
+        assert all(answer[k] == v for k, v in zip(row_x[asked].tolist(), row_y[asked].tolist()))
+        rest = torch.ones(64, dtype=torch.bool)
+        rest[:2 * pairs] = False
+        rest[asked] = False
+        assert (row_x[rest] == 0).all()  # random_non_queries=0 leaves the filler at 0
+    again, _ = data.batch(list(range(16)))
+    other, _ = data.batch(list(range(16, 32)))
+    assert torch.equal(again, x) and not torch.equal(other, x)
+
+
+def test_mqar_power_law_gaps_and_noise():
+    def mean_gap(power):
+        data = TaskData(f"task:mqar?vocab=256&seq_len=256&pairs=8&power_a={power}", 256, 256, 0, "cpu")
+        x, y = data.batch(list(range(64)))
+        return float(((y != IGNORE).nonzero()[:, 1] - 16).float().mean()), x
+    near, x = mean_gap(0.01)
+    far, _ = mean_gap(1.0)
+    assert near < 0.6 * far  # power law: queries come soon after the pairs; 1.0 is uniform
+    assert (x[:, 16:] != 0).float().mean() > 0.9  # random filler by default (Zoology's random_non_queries)
+
+
+def test_mixture_and_passkey():
+    data = TaskData("task:mqar?vocab=128&seq_len=32,64&pairs=4,16&weights=1,3", 128, 64, 0, "cpu")
+    _, y = data.batch(list(range(64)))
+    counts = (y != IGNORE).sum(1)
+    assert set(counts.tolist()) == {4, 16} and (counts == 16).sum() > (counts == 4).sum()
+    assert ((counts == 4) <= (y[:, 32:] == IGNORE).all(1)).all()  # the short part is padded
+    key = TaskData("task:passkey?vocab=64&seq_len=40&digits=4", 64, 40, 0, "cpu")
+    x, y = key.batch([0, 1, 2])
+    for row_x, row_y in zip(x, y):
+        needle = (row_x == 1).nonzero().flatten()
+        assert len(needle) == 1 and row_x[36] == 2  # the question, then the digits again
+        code = row_x[needle + 1:needle + 5]
+        assert ((code >= 3) & (code < 13)).all()
+        assert torch.equal(row_y[36:40], code) and torch.equal(row_x[37:40], code[:3]) and (row_y[:36] == IGNORE).all()
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("task:mqar?seq_len=64&pairs=32", "at least 4 x pairs"),
+    ("task:mqar?seq_len=128&pairs=4", "more than train.seq_len"),
+    ("task:mqar?seq_len=64", "needs pairs"),
+    ("task:mqar?seq_len=64&pairs=4&colour=red", "unknown key 'colour'"),
+    ("task:mqar?seq_len=64&pairs=4&vocab=4096", "more than model.vocab_size"),
+    ("task:copy?seq_len=64", "unknown task 'copy'"),
+    ("task:mqar?mix=zoology&pairs=4", "mix=zoology"),
+])
+def test_bad_task_specs_name_the_problem(spec, message):
+    with pytest.raises(NatslError, match=message.replace("(", r"\(")):
+        parse_task(spec, 1024, 64)
+
+
+def test_zoology_mixture():
+    task = parse_task("task:mqar?mix=zoology", 8192, 256)
+    assert [(p.seq_len, p.pairs, p.weight) for p in task.parts] == [
+        (64, 4, 100000.0), (128, 8, 20000.0), (256, 16, 20000.0), (256, 32, 20000.0), (256, 64, 20000.0)]
+
+
+def test_sweep_trains_evaluates_and_summarises(tmp_path):
+    """The CPU sweep (2 runs x 4 steps) through the module entry point: results and summary."""
+    out = tmp_path / "sweep"
+    proc = subprocess.run([sys.executable, "-m", "natsl.training.sweep", str(ROOT / "recipes/recall/sweep_cpu.yaml"),
+                           "--out", str(out), "--no-progress"], capture_output=True, text=True, cwd=ROOT,
+                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert {r["status"] for r in summary["runs"]} == {"done"} and len(summary["runs"]) == 2
+    for run in summary["runs"]:
+        assert run["steps"] == 4 and 0.0 <= run["recall_accuracy"] <= 1.0 and run["parameters"] > 0
+        assert [(p["seq_len"], p["count"]) for p in run["recall_points"]] == [(64, 4), (64, 8), (128, 4), (128, 8)]
+        recall = json.loads((out / "runs" / run["id"] / "eval" / "recall.json").read_text())
+        assert recall["trained_on"].startswith("task:mqar") and recall["points"][0]["samples"] == 8
+        records = [json.loads(line) for line in (out / "runs" / run["id"] / "train" / "metrics.jsonl").open()]
+        assert any("val_accuracy" in r for r in records)
+    hybrid = next(r for r in summary["runs"] if r["system"] == "natsl_hybrid")
+    assert hybrid["keep_fraction"] is not None and set(hybrid["keep_groups_last_step"]) == {"3"}
+    assert len(hybrid["keep_groups_last_step"]["3"]) == 2  # per routing group
+    assert {p["system"] for p in summary["best"]} == {"natsl_hybrid", "gdn"}
+    assert (out / "summary.png").stat().st_size > 1000
+    # A forced budget (eval-recall --keep-fraction) rules the routes the evaluation reports.
+    from natsl.cli.eval_recall import run_eval_recall
+
+    for fraction in (0.0, 1.0):
+        report = run_eval_recall(str(out / "runs" / hybrid["id"] / "train"), samples=4, batch_size=4,
+                                 keep_fraction=fraction, out=str(tmp_path / f"budget{fraction}"), device="cpu",
+                                 progress=False, quiet=True)
+        assert report["forced_keep_fraction"] == fraction and report["mean_keep_fraction"] == fraction
+    # A second call finds every run done and only rebuilds the summary.
+    again = subprocess.run([sys.executable, "-m", "natsl.training.sweep", str(ROOT / "recipes/recall/sweep_cpu.yaml"),
+                            "--out", str(out), "--no-progress"], capture_output=True, text=True, cwd=ROOT,
+                           env={**__import__("os").environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert again.returncode == 0 and "2 of 2 runs done" in again.stdout
+
+
+def test_sweep_spec_errors(tmp_path):
+    from natsl.training.sweep import load_spec
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("systems: {gdn: recipes/recall/gdn.yaml}\nwidths: [10]\nlrs: [0.001]\n"
+                   "tasks: {t: 'task:mqar?seq_len=64&pairs=4'}\n")
+    with pytest.raises(NatslError, match="not a whole number"):
+        load_spec(bad, tmp_path / "out")
+    bad.write_text("systems: {gdn: recipes/recall/gdn.yaml}\nwidths: [64]\nlrs: [0.001]\ntasks: {t: builtin}\n")
+    with pytest.raises(NatslError, match="is not a task"):
+        load_spec(bad, tmp_path / "out")
+
+
+def _tiny(**changes):
+    import dataclasses
+
+    import natsl
+
+    base = natsl.load_recipe(ROOT / "recipes" / "tiny_hybrid.yaml").model
+    torch.manual_seed(0)
+    return natsl.build_model(dataclasses.replace(base, backend="chunked", block_size=16, **changes))
+
+
+def test_router_options_are_off_by_default_and_training_only():
+    ids = torch.randint(0, 1024, (2, 96), generator=torch.Generator().manual_seed(0))
+    plain, noisy = _tiny(), _tiny(router_noise=5.0)
+    plain.train()
+    noisy.train()
+    with torch.no_grad():
+        plain(ids)
+        noisy(ids)
+    layers = list(plain.natsl_layers().values())
+    assert all(layer.aux_loss is None for layer in layers)
+    routes = [layer.last_keep for layer in layers]
+    assert any(not torch.equal(a, b.last_keep) for a, b in zip(routes, noisy.natsl_layers().values()))
+    noisy.eval()  # evaluation: the plain router, whatever the training options
+    with torch.no_grad():
+        noisy(ids)
+    assert all(torch.equal(a, b.last_keep) for a, b in zip(routes, noisy.natsl_layers().values()))
+
+
+def test_router_balance_pulls_the_keep_probability_to_its_target():
+    model = _tiny(router_balance=1.0, router_target_keep=0.0)
+    model.train()
+    ids = torch.randint(0, 1024, (2, 96), generator=torch.Generator().manual_seed(1))
+    model(ids)
+    layer = model.natsl_layers()[1]
+    keep_prob = layer.aux_loss.detach()
+    assert keep_prob > 0.1  # the mean keep probability is about 0.5, the target 0
+    layer.aux_loss.backward()
+    grad = layer.router.weight.grad
+    assert grad is not None and grad.abs().sum() > 0
+    with torch.no_grad():  # a step against the gradient moves the keep probability towards the target
+        layer.router.weight -= 5.0 * grad
+    model(ids)
+    assert layer.aux_loss < 0.9 * keep_prob
+
+
+def test_router_option_validation_and_old_checkpoints(tmp_path):
+    import natsl
+    from natsl.checkpoint import checkpoint_recipe
+
+    with pytest.raises(NatslError, match="router_target_keep"):
+        natsl.config.recipe_from_dict({"model": {"router_target_keep": 1.5}})
+    with pytest.raises(NatslError, match="router_noise"):
+        natsl.config.recipe_from_dict({"model": {"router_noise": -1}})
+    recipe = natsl.load_recipe(ROOT / "recipes" / "tiny_hybrid.yaml").to_dict()
+    for key in ("router_noise", "router_balance", "router_target_keep"):  # a checkpoint from before them
+        del recipe["model"][key]
+    loaded = checkpoint_recipe(tmp_path, {"recipe": recipe})
+    assert (loaded.model.router_noise, loaded.model.router_balance) == (0.0, 0.0)
