@@ -18,6 +18,7 @@ from typing import Any, Literal, Optional
 import yaml
 
 from natsl.errors import NatslError
+from natsl.seeding import check_seed
 
 LAYER_TYPES = ("gdn", "attention", "natsl", "mamba2")
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
@@ -169,8 +170,7 @@ class TrainConfig:
             _require(getattr(self, key) >= 1, f"{prefix}.{key}", getattr(self, key), "at least 1")
         _require(self.max_steps is None or self.max_steps >= 1, f"{prefix}.max_steps", self.max_steps,
                  "at least 1 (null: no limit)")
-        # The seed feeds numpy's and torch's generators, which take 0 to 2**64 - 1.
-        _require(0 <= self.seed < 2**64, f"{prefix}.seed", self.seed, "an integer from 0 to 2**64 - 1")
+        check_seed(self.seed, f"recipe key '{prefix}.seed'")  # the one seed rule of every command
         # Checkpoint pruning keeps every step folder when keep_last is 0.
         _require(self.keep_last >= 0, f"{prefix}.keep_last", self.keep_last, "at least 0 (0 keeps every checkpoint)")
         if self.tokens_per_step % self.seq_len:

@@ -45,7 +45,7 @@ BAD = {
     "max_steps zero": ({"train.max_steps": 0}, "train.max_steps"),
     "keep_last negative": ({"train.keep_last": -1}, "train.keep_last"),
     "seed negative": ({"train.seed": -1}, "train.seed"),
-    "seed too large": ({"train.seed": 2**64}, "train.seed"),
+    "seed too large": ({"train.seed": 2**63}, "train.seed"),
     "beta1 above 1": ({"optim.betas": [1.5, 0.9]}, "optim.betas"),
     "beta2 equal 1": ({"optim.betas": [0.9, 1.0]}, "optim.betas"),
     "beta negative": ({"optim.betas": [-0.1, 0.9]}, "optim.betas"),
