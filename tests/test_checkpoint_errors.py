@@ -139,7 +139,7 @@ def test_force_refuses_what_is_not_a_checkpoint(ckpt, tmp_path):
 
     plain = tmp_path / "plain.txt"
     plain.write_text("keep me too")
-    assert_one_line_error(run("convert", ckpt, plain, "--force"), "not a natsl checkpoint folder")
+    assert_one_line_error(run("convert", ckpt, plain, "--force"), "names a file, not a folder")
     assert plain.read_text() == "keep me too"
 
     # A checkpoint folder with one extra file of the user's, and a Hugging Face folder, are not ours either.
