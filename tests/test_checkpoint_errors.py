@@ -5,6 +5,7 @@ get the usual permissions."""
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -215,3 +216,29 @@ def test_a_step_folder_is_checked_against_its_manifest_on_load(tmp_path):
     with pytest.raises(NatslError, match="model.safetensors' is damaged: its SHA-256 differs"):
         natsl.load_checkpoint(folder)
     assert_one_line_error(run("convert", folder, tmp_path / "out"), "SHA-256")
+
+
+def test_write_errors_name_the_target_not_the_hidden_temporary(tmp_path, monkeypatch):
+    import errno
+    import tempfile
+
+    from natsl.checkpoint import atomic_folder
+    from natsl.files import atomic_write_text
+
+    def read_only(*args, dir=None, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", str(Path(dir) / ".x.tmp-abc"))
+
+    monkeypatch.setattr(tempfile, "mkdtemp", read_only)
+    with pytest.raises(PermissionError) as err:
+        atomic_folder(tmp_path / "model", lambda tmp: None)
+    assert err.value.filename == str(tmp_path / "model")
+    monkeypatch.undo()
+
+    def full(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device", str(src))
+
+    monkeypatch.setattr(os, "replace", full)
+    with pytest.raises(OSError) as err:
+        atomic_write_text(tmp_path / "notes.json", "{}")
+    assert err.value.filename == str(tmp_path / "notes.json") and err.value.errno == errno.ENOSPC
+    assert list(tmp_path.iterdir()) == []  # no temporary file left behind
