@@ -8,8 +8,10 @@ names the format so that a folder of another model type is refused with a clear 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -20,10 +22,12 @@ import yaml
 from natsl import __version__
 from natsl.config import ModelConfig, Recipe, from_dict
 from natsl.errors import NatslError
+from natsl.files import os_error_at
 
 FORMAT = "natsl"
 FORMAT_VERSION = 1
 COMPLETE_MARKER = "config.json"  # written last inside the temporary folder
+MANIFEST_FILE = "manifest.json"  # a training step folder's sizes and SHA-256 (natsl.training.state)
 # Every file a checkpoint folder holds: the model files (write_model_files) and a training step's
 # state (natsl/training/state.py). A folder with anything else is not ours to replace.
 CHECKPOINT_FILES = frozenset({"config.json", "model.safetensors", "tokenizer.json", "recipe.yaml",
@@ -45,6 +49,34 @@ def fsync_tree(folder: Path) -> None:
 def atomic_folder(target: Path, fill) -> Path:
     """Create `target` atomically: `fill(tmp_folder)` writes the files, then one rename publishes it."""
     target = Path(target)
+    try:
+        return _atomic_folder(target, fill)
+    except OSError as err:  # name what the user asked for, not the hidden temporary sibling
+        raise os_error_at(err, target) from None
+
+
+def save_tensors(tensors: dict, path: Path) -> None:
+    """safetensors' save_file, whose I/O failures (a full disk) come as SafetensorError with the OS
+    error in the text: raised here as the OSError they are, so that the CLI says it in one line."""
+    import errno as errno_
+
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    except SafetensorError as err:
+        text = str(err)
+        code = re.search(r"(?:code: |os error )(\d+)", text)
+        if code:
+            number = int(code.group(1))
+            raise OSError(number, os.strerror(number), str(path)) from None
+        if "No space left" in text:
+            raise OSError(errno_.ENOSPC, os.strerror(errno_.ENOSPC), str(path)) from None
+        raise
+
+
+def _atomic_folder(target: Path, fill) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
@@ -129,9 +161,7 @@ def state_dict_for_saving(model, dtype: torch.dtype | None = None) -> dict[str, 
 def write_model_files(folder: Path, model, recipe: Recipe, tokenizer=None, dtype: torch.dtype | None = None,
                       extra_config: dict | None = None) -> None:
     """Write the model files into an existing folder (config.json last)."""
-    from safetensors.torch import save_file
-
-    save_file(state_dict_for_saving(model, dtype), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    save_tensors(state_dict_for_saving(model, dtype), folder / "model.safetensors")
     if tokenizer is not None:
         tokenizer.save(folder)
     (folder / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False), encoding="utf-8")
@@ -154,11 +184,14 @@ def read_config(folder: Path) -> dict:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise NatslError(f"{str(path)!r} is corrupt (not JSON); use another checkpoint") from None
-    if not isinstance(config, dict) or config.get("format") != FORMAT:
-        if isinstance(config, dict) and "recipe" in config:  # ours, with its format field damaged
+    if not isinstance(config, dict):
+        raise NatslError(f"{str(path)!r} holds {json.dumps(config)[:40]}, not a natsl config (a JSON object): the "
+                         "file is damaged; use another checkpoint")
+    if config.get("format") != FORMAT:
+        if "recipe" in config:  # ours, with its format field damaged
             raise NatslError(f"{str(path)!r} has format {config.get('format')!r}, not {FORMAT!r}: the file is "
                              "damaged; use another checkpoint")
-        kind = config.get("model_type") if isinstance(config, dict) else None
+        kind = config.get("model_type")
         hint = (f" (model type {kind!r}: import it with `natsl convert --from-hf`)" if kind else "")
         raise NatslError(f"{str(folder)!r} holds a checkpoint of another model type{hint}; natsl reads folders "
                          "written by `natsl train` or `natsl convert`")
@@ -206,6 +239,9 @@ def check_state_dict(weights: Path, state: dict, expected: dict, tied: bool) -> 
                 problems.append(f"lacks tensor {name} (the config needs shape {shape})")
         elif tuple(state[name].shape) != shape:
             problems.append(f"tensor {name} has shape {tuple(state[name].shape)}, the config needs {shape}")
+        elif not state[name].is_floating_point():  # load_state_dict would cast it silently
+            problems.append(f"tensor {name} is {str(state[name].dtype).removeprefix('torch.')}, not a "
+                            "floating-point type")
     problems += [f"has tensor {name} that the config's model does not have" for name in state
                  if name not in expected]
     if problems:
@@ -229,6 +265,41 @@ def resolve_checkpoint_folder(path) -> Path:
     return folder  # read_config explains what is missing
 
 
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 24), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def verify_manifest(folder: Path, hashed=None) -> dict:
+    """Check a step folder's files against its manifest.json (written last by natsl.training.state):
+    every listed file present with its size, and the SHA-256 of those in `hashed` (all when None), so
+    that a flipped byte is found too. Returns the manifest's sizes; NatslError names the first problem."""
+    manifest_path = folder / MANIFEST_FILE
+    if not manifest_path.is_file():
+        raise NatslError(f"{str(folder)!r} is not a complete training checkpoint (no {MANIFEST_FILE})")
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        sizes = manifest["files"]
+        hashes = manifest.get("sha256", {})  # the first manifests held sizes only
+        sizes.items(), hashes.items()
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
+        raise NatslError(f"{str(manifest_path)!r} is corrupt") from None
+    for name, size in sizes.items():
+        path = folder / name
+        if not path.is_file():
+            raise NatslError(f"{str(folder)!r} is incomplete: {name} is missing")
+        if path.stat().st_size != size:
+            raise NatslError(f"{str(path)!r} is damaged: {path.stat().st_size} bytes, the manifest says {size}")
+    for name, size in sizes.items():
+        if name in hashes and (hashed is None or name in hashed) and sha256_file(folder / name) != hashes[name]:
+            raise NatslError(f"{str(folder / name)!r} is damaged: its SHA-256 differs from the manifest's; use "
+                             "another checkpoint")
+    return sizes
+
+
 def load_checkpoint(path, device=None, dtype: torch.dtype | None = None):
     """(model, tokenizer or None) from a folder that `natsl train` or `natsl convert` wrote."""
     from safetensors import SafetensorError
@@ -242,6 +313,11 @@ def load_checkpoint(path, device=None, dtype: torch.dtype | None = None):
     weights = folder / "model.safetensors"
     if not weights.is_file():
         raise NatslError(f"{str(folder)!r} has no model.safetensors; the checkpoint is incomplete, use another one")
+    if (folder / MANIFEST_FILE).is_file():
+        # A training step folder: the files the model is built from must match their manifest. Their
+        # SHA-256 is one more pass over files the load reads next anyway (then from the page cache);
+        # the optimizer and RNG states, not read here, are checked by size only.
+        verify_manifest(folder, hashed=("model.safetensors", COMPLETE_MARKER))
     try:
         state = load_file(str(weights), device="cpu")
     except (SafetensorError, OSError) as err:

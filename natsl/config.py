@@ -18,6 +18,7 @@ from typing import Any, Literal, Optional
 import yaml
 
 from natsl.errors import NatslError
+from natsl.seeding import check_seed
 
 LAYER_TYPES = ("gdn", "attention", "natsl", "mamba2")
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
@@ -80,11 +81,7 @@ class ModelConfig:
         return types_
 
     def validate(self, prefix: str = "model") -> None:
-        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                    "head_k_dim", "head_v_dim", "conv_size", "attn_num_heads", "attn_head_dim",
-                    "softmax_heads_per_group", "block_size", "max_seq_len"):
-            if getattr(self, key) < 1:
-                raise NatslError(f"recipe key '{prefix}.{key}' must be at least 1, got {getattr(self, key)}")
+        check_ranges(self, prefix, MODEL_RULES)
         seen: dict[int, str] = {}
         for name in ("natsl_layers", "attention_layers", "gdn_layers"):
             for i in getattr(self, name):
@@ -133,19 +130,11 @@ class OptimConfig:
     warmup_tokens: int = 1_000_000_000
 
     def validate(self, prefix: str = "optim") -> None:
-        _require(math.isfinite(self.lr) and self.lr > 0, f"{prefix}.lr", self.lr, "a finite number > 0")
-        _require(math.isfinite(self.min_lr) and 0 <= self.min_lr <= self.lr, f"{prefix}.min_lr", self.min_lr,
+        check_ranges(self, prefix, OPTIM_RULES)
+        _require(self.min_lr <= self.lr, f"{prefix}.min_lr", self.min_lr,
                  f"a finite number from 0 to {prefix}.lr = {self.lr}")
-        # nan and inf fail the range test too
         _require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), f"{prefix}.betas", self.betas,
-                 "two numbers [beta1, beta2], each in [0, 1)")
-        _require(math.isfinite(self.eps) and self.eps > 0, f"{prefix}.eps", self.eps, "a finite number > 0")
-        _require(math.isfinite(self.weight_decay) and self.weight_decay >= 0, f"{prefix}.weight_decay",
-                 self.weight_decay, "a finite number >= 0")
-        # The trainer clips at grad_clip when it is > 0; 0 turns clipping off.
-        _require(math.isfinite(self.grad_clip) and self.grad_clip >= 0, f"{prefix}.grad_clip", self.grad_clip,
-                 "a finite number >= 0 (0 turns clipping off)")
-        _require(self.warmup_tokens >= 0, f"{prefix}.warmup_tokens", self.warmup_tokens, "at least 0")
+                 "two numbers [beta1, beta2], each in [0, 1)")  # nan fails the range test too
 
 
 @dataclass
@@ -183,8 +172,7 @@ class TrainConfig:
             _require(getattr(self, key) >= 1, f"{prefix}.{key}", getattr(self, key), "at least 1")
         _require(self.max_steps is None or self.max_steps >= 1, f"{prefix}.max_steps", self.max_steps,
                  "at least 1 (null: no limit)")
-        # The seed feeds numpy's and torch's generators, which take 0 to 2**64 - 1.
-        _require(0 <= self.seed < 2**64, f"{prefix}.seed", self.seed, "an integer from 0 to 2**64 - 1")
+        check_seed(self.seed, f"recipe key '{prefix}.seed'")  # the one seed rule of every command
         # Checkpoint pruning keeps every step folder when keep_last is 0.
         _require(self.keep_last >= 0, f"{prefix}.keep_last", self.keep_last, "at least 0 (0 keeps every checkpoint)")
         if self.tokens_per_step % self.seq_len:
@@ -209,6 +197,55 @@ class Recipe:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _finite(low: float, high: float = math.inf, *, open_low: bool = True) -> tuple:
+    """A rule: a finite number above `low` (or from `low`, with open_low=False) and at most `high`."""
+    def ok(v):
+        return math.isfinite(v) and (v > low if open_low else v >= low) and v <= high
+    bound = f"> {low:g}" if open_low else f">= {low:g}"
+    return ok, f"a finite number {bound}" + (f" and <= {high:g}" if high != math.inf else "")
+
+
+def _count(low: int, high: Optional[int] = None) -> tuple:
+    """A rule: an integer from `low` (to `high`)."""
+    if high is None:
+        return (lambda v: v >= low), f"at least {low}"
+    return (lambda v: low <= v <= high), f"an integer from {low} to {high}"
+
+
+# The range of every numeric field, as (rule, what is allowed). Values outside them either crash
+# deep inside the model or train quietly on NaN (norm_eps < 0, rope_theta <= 0, init_std < 0).
+MODEL_RULES = {
+    # token ids are stored as uint16 or uint32 (natsl.data.tokenize.token_dtype)
+    "vocab_size": _count(1, 2**32),
+    "hidden_size": _count(1), "intermediate_size": _count(1), "num_layers": _count(1),
+    "num_heads": _count(1), "head_k_dim": _count(1), "head_v_dim": _count(1),
+    # A *short* conv: the Triton kernels unroll their loop over its width (a width in the thousands
+    # compiles and runs for many minutes per step), and the decode cache keeps width - 1 rows per layer.
+    "conv_size": _count(1, 64),
+    "attn_num_heads": _count(1), "attn_head_dim": _count(1),
+    "rope_theta": _finite(0),  # the angles are position * theta**(-2i/d): theta <= 0 gives NaN
+    "softmax_heads_per_group": _count(1), "block_size": _count(1),
+    "norm_eps": _finite(0),  # rsqrt(mean(x^2) + eps): a negative eps gives NaN on small activations
+    "init_std": _finite(0),  # normal_(std=...) refuses < 0 and 0 makes every unit the same
+    "max_seq_len": _count(1),
+}
+OPTIM_RULES = {
+    "lr": _finite(0),
+    "min_lr": _finite(0, open_low=False),  # the initial (warmup start) and final (cosine end) rate
+    "eps": _finite(0),
+    "weight_decay": _finite(0, open_low=False),
+    # The trainer clips at grad_clip when it is > 0; 0 turns clipping off.
+    "grad_clip": (_finite(0, open_low=False)[0], "a finite number >= 0 (0 turns clipping off)"),
+    "warmup_tokens": _count(0),
+}
+
+
+def check_ranges(section: Any, prefix: str, rules: dict) -> None:
+    """Check every field of `section` named in `rules` (see MODEL_RULES); a one-line NatslError names the key."""
+    for key, (ok, allowed) in rules.items():
+        _require(ok(getattr(section, key)), f"{prefix}.{key}", getattr(section, key), allowed)
 
 
 def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
@@ -322,6 +359,28 @@ def recipe_from_dict(data: Any) -> Recipe:
     return recipe
 
 
+def check_unique_keys(text: str, where: str) -> None:
+    """Refuse a mapping that names a key twice: yaml.safe_load silently keeps the last value, so a
+    recipe with two `lr:` lines would train with whichever came last. Only the node tree is built
+    (yaml.compose constructs no objects)."""
+    root = yaml.compose(text, Loader=yaml.SafeLoader)
+    stack = [root] if root is not None else []
+    while stack:  # a loop, not recursion: a deep file must not exhaust the stack here
+        node = stack.pop()
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, int] = {}
+            for key, value in node.value:
+                name = key.value if isinstance(key, yaml.ScalarNode) else None
+                if name is not None and name in seen:
+                    raise NatslError(f"{where} gives key {name!r} twice (lines {seen[name]} and "
+                                     f"{key.start_mark.line + 1}); keep one")
+                if name is not None:
+                    seen[name] = key.start_mark.line + 1
+                stack.append(value)
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend(node.value)
+
+
 def load_recipe(path: str | Path) -> Recipe:
     """Read and validate a recipe YAML file (yaml.safe_load; nothing is executed)."""
     path = Path(path)
@@ -334,10 +393,15 @@ def load_recipe(path: str | Path) -> Recipe:
         raise NatslError(f"recipe file {str(path)!r} does not exist; pass a path such as recipes/tiny_hybrid.yaml "
                          f"or a name from {RECIPES_DIR}")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+        check_unique_keys(text, f"recipe file {str(path)!r}")
+        data = yaml.safe_load(text)
     except (yaml.YAMLError, UnicodeDecodeError) as err:
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise NatslError(f"recipe file {str(path)!r} is not valid YAML ({first}); fix the file") from None
+    except RecursionError:
+        raise NatslError(f"recipe file {str(path)!r} is nested too deeply to be a recipe (sections hold keys and "
+                         "values, at most a list of numbers); fix the file") from None
     if data is None:  # from_dict would read it as {}: silently the 800M defaults
         raise NatslError(f"recipe file {str(path)!r} is empty; a recipe needs at least a model section "
                          "(see recipes/tiny_hybrid.yaml)")
@@ -363,6 +427,7 @@ def apply_overrides(recipe: Recipe, overrides: list[str]) -> Recipe:
             node = node[part]
         try:
             node[parts[-1]] = yaml.safe_load(raw)
-        except yaml.YAMLError:
-            raise NatslError(f"override value {raw!r} for '{dotted}' is not valid YAML") from None
+        except (yaml.YAMLError, RecursionError):
+            raise NatslError(f"override value {raw[:80]!r} for '{dotted}' is not valid YAML (or nested too "
+                             "deeply)") from None
     return recipe_from_dict(data)

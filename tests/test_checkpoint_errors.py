@@ -5,6 +5,7 @@ get the usual permissions."""
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -139,7 +140,7 @@ def test_force_refuses_what_is_not_a_checkpoint(ckpt, tmp_path):
 
     plain = tmp_path / "plain.txt"
     plain.write_text("keep me too")
-    assert_one_line_error(run("convert", ckpt, plain, "--force"), "not a natsl checkpoint folder")
+    assert_one_line_error(run("convert", ckpt, plain, "--force"), "names a file, not a folder")
     assert plain.read_text() == "keep me too"
 
     # A checkpoint folder with one extra file of the user's, and a Hugging Face folder, are not ours either.
@@ -177,3 +178,67 @@ def test_converted_folder_has_the_usual_permissions(ckpt, tmp_path):
     assert out.stat().st_mode & 0o777 == 0o755
     for path in out.iterdir():
         assert path.stat().st_mode & 0o777 == 0o644, path.name
+
+
+# ----------------------------------------------------------------------------- issue 31
+
+def test_an_integer_weight_is_refused_not_cast(ckpt, tmp_path):
+    name = "embed.weight"
+    bad = variant(ckpt, tmp_path / "bad", tensors=lambda s: s.update({name: s[name].to(torch.int64)}))
+    with pytest.raises(NatslError, match=rf"tensor {name} is int64, not a floating-point type"):
+        natsl.load_checkpoint(bad)
+
+
+@pytest.mark.parametrize("value", [None, [1, 2]], ids=["null", "list"])
+def test_a_config_that_is_not_an_object_is_called_damaged(ckpt, tmp_path, value):
+    bad = variant(ckpt, tmp_path / "bad")
+    (bad / "config.json").write_text(json.dumps(value))
+    with pytest.raises(NatslError) as err:
+        natsl.load_checkpoint(bad)
+    assert "not a natsl config (a JSON object): the file is damaged" in str(err.value)
+    assert "another model type" not in str(err.value)
+
+
+def test_a_step_folder_is_checked_against_its_manifest_on_load(tmp_path):
+    """A flipped byte in a training step folder's weights: refused for inference too, not only on resume."""
+    from natsl.training import state as S
+
+    recipe = natsl.load_recipe("tiny_hybrid")
+    torch.manual_seed(0)
+    model = natsl.build_model(recipe)
+    folder = S.save_checkpoint(tmp_path, 3, model.state_dict(), ({}, []), recipe, None,
+                               {"step": 3, "tokens_seen": 0}, {}, keep_last=0)
+    natsl.load_checkpoint(folder)  # intact
+    weights = folder / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-7] ^= 0x01
+    weights.write_bytes(bytes(data))
+    with pytest.raises(NatslError, match="model.safetensors' is damaged: its SHA-256 differs"):
+        natsl.load_checkpoint(folder)
+    assert_one_line_error(run("convert", folder, tmp_path / "out"), "SHA-256")
+
+
+def test_write_errors_name_the_target_not_the_hidden_temporary(tmp_path, monkeypatch):
+    import errno
+    import tempfile
+
+    from natsl.checkpoint import atomic_folder
+    from natsl.files import atomic_write_text
+
+    def read_only(*args, dir=None, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", str(Path(dir) / ".x.tmp-abc"))
+
+    monkeypatch.setattr(tempfile, "mkdtemp", read_only)
+    with pytest.raises(PermissionError) as err:
+        atomic_folder(tmp_path / "model", lambda tmp: None)
+    assert err.value.filename == str(tmp_path / "model")
+    monkeypatch.undo()
+
+    def full(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device", str(src))
+
+    monkeypatch.setattr(os, "replace", full)
+    with pytest.raises(OSError) as err:
+        atomic_write_text(tmp_path / "notes.json", "{}")
+    assert err.value.filename == str(tmp_path / "notes.json") and err.value.errno == errno.ENOSPC
+    assert list(tmp_path.iterdir()) == []  # no temporary file left behind

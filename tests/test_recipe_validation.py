@@ -45,7 +45,7 @@ BAD = {
     "max_steps zero": ({"train.max_steps": 0}, "train.max_steps"),
     "keep_last negative": ({"train.keep_last": -1}, "train.keep_last"),
     "seed negative": ({"train.seed": -1}, "train.seed"),
-    "seed too large": ({"train.seed": 2**64}, "train.seed"),
+    "seed too large": ({"train.seed": 2**63}, "train.seed"),
     "beta1 above 1": ({"optim.betas": [1.5, 0.9]}, "optim.betas"),
     "beta2 equal 1": ({"optim.betas": [0.9, 1.0]}, "optim.betas"),
     "beta negative": ({"optim.betas": [-0.1, 0.9]}, "optim.betas"),
@@ -64,6 +64,17 @@ BAD = {
     "grad_clip negative": ({"optim.grad_clip": -1}, "optim.grad_clip"),
     "grad_clip inf": ({"optim.grad_clip": INF}, "optim.grad_clip"),
     "warmup_tokens negative": ({"optim.warmup_tokens": -5}, "optim.warmup_tokens"),
+    # the model section: values that trained on NaN or ran for minutes per step
+    "norm_eps negative": ({"model.norm_eps": -1}, "model.norm_eps"),
+    "norm_eps nan": ({"model.norm_eps": NAN}, "model.norm_eps"),
+    "rope_theta zero": ({"model.rope_theta": 0}, "model.rope_theta"),
+    "rope_theta negative": ({"model.rope_theta": -10000}, "model.rope_theta"),
+    "init_std negative": ({"model.init_std": -1}, "model.init_std"),
+    "init_std nan": ({"model.init_std": NAN}, "model.init_std"),
+    "init_std inf": ({"model.init_std": INF}, "model.init_std"),
+    "conv_size huge": ({"model.conv_size": 100000}, "model.conv_size"),
+    "conv_size zero": ({"model.conv_size": 0}, "model.conv_size"),
+    "vocab_size beyond uint32": ({"model.vocab_size": 2**32 + 1}, "model.vocab_size"),
 }
 
 
@@ -120,3 +131,46 @@ def test_train_on_an_empty_recipe_exits_2_without_a_traceback(tmp_path):
     assert proc.stderr.strip().splitlines() == [f"error: recipe file {str(path)!r} is empty; a recipe needs at "
                                                 "least a model section (see recipes/tiny_hybrid.yaml)"]
     assert not (tmp_path / "run").exists()
+
+
+def test_every_numeric_model_and_optim_field_has_a_range_rule():
+    from natsl.config import MODEL_RULES, OPTIM_RULES, ModelConfig, OptimConfig
+    import dataclasses
+    import typing
+
+    for cls, rules in ((ModelConfig, MODEL_RULES), (OptimConfig, OPTIM_RULES)):
+        hints = typing.get_type_hints(cls)
+        numeric = {f.name for f in dataclasses.fields(cls) if hints[f.name] in (int, float)}
+        assert numeric == set(rules), (cls.__name__, numeric ^ set(rules))
+
+
+def test_a_key_given_twice_in_a_recipe_is_refused_with_its_lines(tmp_path):
+    text = (RECIPES / "tiny_hybrid.yaml").read_text().replace("  lr: 0.003\n", "  lr: 0.003\n  lr: 0.1\n")
+    path = tmp_path / "twice.yaml"
+    path.write_text(text)
+    line = text.splitlines().index("  lr: 0.003") + 1
+    with pytest.raises(NatslError) as err:
+        natsl.load_recipe(path)
+    assert str(err.value) == (f"recipe file {str(path)!r} gives key 'lr' twice (lines {line} and {line + 1}); "
+                              "keep one")
+
+
+def test_the_same_key_in_two_sections_is_fine(tmp_path):
+    path = tmp_path / "ok.yaml"
+    path.write_text("model: {vocab_size: 300, hidden_size: 8}\ntrain: {seed: 1}\noptim: {lr: 0.1}\ndata: {}\n")
+    assert natsl.load_recipe(path).train.seed == 1
+
+
+def test_a_recipe_nested_thousands_deep_is_one_line(tmp_path):
+    path = tmp_path / "deep.yaml"
+    path.write_text("model: " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(NatslError, match="nested too deeply"):
+        natsl.load_recipe(path)
+
+
+def test_an_override_nested_thousands_deep_is_one_line():
+    from natsl.config import apply_overrides
+
+    recipe = recipe_from_dict(_tiny_with())
+    with pytest.raises(NatslError, match="nested too deeply"):
+        apply_overrides(recipe, ["model.natsl_layers=" + "[" * 5000 + "]" * 5000])

@@ -220,3 +220,26 @@ def test_hub_datasets_are_streamed(tmp_path, monkeypatch):
     assert calls[-1] == ("someone/corpus", "en", "train", True)
     assert meta["source"]["kind"] == "hub" and meta["splits"]["validation"]["tokens"] == 0
     assert split_documents(TokenData(tmp_path / "out"), "train") == DOCS_JSONL
+
+
+def test_out_naming_a_file_and_an_option_without_dashes_are_named(tmp_path):
+    (tmp_path / "a.txt").write_text("hello world\n")
+    (tmp_path / "file").write_text("x")
+    code, _, err = run_inproc("tokenize", str(tmp_path / "a.txt"), "--out", str(tmp_path / "file"),
+                              "--train-tokenizer", "--vocab-size", "300", "--no-progress")
+    assert_one_line_error(code, err, "--out", "names a file, not a folder")
+    code, _, err = run_inproc("tokenize", str(tmp_path / "a.txt"), "shard_tokens", "5", "--out", str(tmp_path / "o"),
+                              "--train-tokenizer", "--vocab-size", "300", "--no-progress")
+    assert_one_line_error(code, err, "'shard_tokens'", "looks like the option --shard-tokens")
+    assert (tmp_path / "file").read_text() == "x" and not (tmp_path / "o").exists()
+
+
+def test_an_empty_validation_split_is_warned_about(tmp_path):
+    (tmp_path / "a.txt").write_text("one small document\n\nand another\n")
+    code, out, err = run_inproc("tokenize", str(tmp_path / "a.txt"), "--out", str(tmp_path / "o"), "--txt-docs",
+                                "paragraph", "--train-tokenizer", "--vocab-size", "300", "--no-progress")
+    assert code == 0, err
+    (warning,) = [line for line in out.splitlines() if line.startswith("warning: ")]
+    assert "validation split is empty: 2 document(s) at --val-fraction 0.01" in warning
+    assert "the first held out is document 100" in warning
+    assert TokenData(tmp_path / "o").meta["splits"]["validation"]["tokens"] == 0

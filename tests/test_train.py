@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -484,3 +485,185 @@ def test_ranks_take_disjoint_samples_and_the_step_does_not_depend_on_world_size(
     two = [[i for mb in step_sample_indices(32, 4, 2, r, 2) for i in mb] for r in range(2)]
     assert sorted(one) == list(range(32, 48))
     assert not set(two[0]) & set(two[1]) and sorted(two[0] + two[1]) == sorted(one)
+
+
+# ----------------------------------------------------------------------------- faults (issue 31)
+
+def test_branching_from_an_older_step_sets_the_later_ones_aside(run_copy, cache_env):
+    """Resuming step 25 of a run that reached 50, with keep_last=1 and another lr: the new step is kept,
+    step 50 and its metrics move to superseded/, and --resume auto then continues the new branch."""
+    old_steps, _ = train_records(run_copy)
+    keep_one = [a if a != "train.keep_last=3" else "train.keep_last=1" for a in BASE]
+    args = ["train", *keep_one, "optim.lr=0.002", "--out", str(run_copy)]
+    result = natsl_inproc([*args, "--max-steps", "27",
+                           "--resume", str(run_copy / "checkpoints" / "step_000025")], cache_env)
+    assert result.exit_code == 0, result.stderr
+    assert "branching at step 25" in result.stdout and "step_000027" in result.stdout.splitlines()[-1]
+    assert [p.name for p in (run_copy / "checkpoints").iterdir()] == ["step_000027"]
+    (aside,) = (run_copy / "superseded").iterdir()
+    assert aside.name.endswith("-after-step_000025")
+    assert [p.name for p in (aside / "checkpoints").iterdir()] == ["step_000050"]
+    aside_steps = [json.loads(line) for line in (aside / "metrics.jsonl").read_text().splitlines()]
+    assert [r for r in aside_steps if "loss" in r] == old_steps[25:]  # the old branch's records, whole
+    steps, _ = train_records(run_copy)
+    assert [r["step"] for r in steps] == list(range(1, 28)) and steps[:25] == old_steps[:25]
+    assert natsl.load_checkpoint(aside)[0] is not None  # the old branch is a run folder of its own
+
+    result = natsl_inproc([*args, "--max-steps", "28"], cache_env)
+    assert result.exit_code == 0, result.stderr
+    assert f"resuming from {run_copy / 'checkpoints' / 'step_000027'}" in result.stdout
+    steps, _ = train_records(run_copy)
+    assert [r["step"] for r in steps] == list(range(1, 29))
+    assert not (run_copy / ".train.lock").exists()
+
+
+def test_pruning_never_deletes_a_later_step_than_the_one_written(tmp_path):
+    from natsl.training import state as S
+
+    for step in (3, 9, 20):
+        S.step_folder(tmp_path, step).mkdir(parents=True)
+    S.prune(tmp_path, keep_last=1, written=9)
+    assert [s for s, _ in S.list_checkpoints(tmp_path)] == [9, 20]
+
+
+def test_the_lock_file_goes_with_the_run_but_still_guards_it(base_run, tmp_path):
+    from natsl.errors import NatslError
+    from natsl.training.trainer import run_lock
+
+    assert not (base_run[0] / ".train.lock").exists()  # a finished run
+    out = tmp_path / "run"
+    with run_lock(out, True):
+        assert (out / ".train.lock").is_file()
+        with pytest.raises(NatslError, match="another `natsl train` is writing to"):
+            with run_lock(out, True):
+                pass
+        (out / "keep").write_text("x")
+    assert not (out / ".train.lock").exists()
+    with pytest.raises(KeyboardInterrupt):  # Ctrl-C
+        with run_lock(out, True):
+            raise KeyboardInterrupt
+    assert sorted(p.name for p in out.iterdir()) == ["keep"]
+
+
+def test_a_full_disk_while_saving_is_one_line_and_loses_nothing(run_copy, cache_env, monkeypatch):
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    def full(*args, **kwargs):
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
+                              '"No space left on device" })')
+
+    before = folder_digest(run_copy)
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    result = natsl_inproc(["train", *BASE, "--max-steps", "51", "--out", str(run_copy)], cache_env)
+    assert result.exit_code == 2, result.stderr
+    target = run_copy / "checkpoints" / "step_000051"
+    assert result.stderr.strip().splitlines() == [f"error: {target}: no space left on device; free some space and "
+                                                  "run the command again (files written completely before are kept)"]
+    assert folder_digest(run_copy) == before
+    assert sorted(p.name for p in (run_copy / "checkpoints").iterdir()) == ["step_000025", "step_000050"]
+    assert not (run_copy / ".train.lock").exists()
+
+
+def test_a_full_disk_at_resume_names_the_file_and_leaves_no_temporary_one(run_copy, cache_env, monkeypatch):
+    import errno
+
+    real = os.replace
+
+    def replace(src, dst):
+        if Path(dst).name == "metrics.jsonl":
+            raise OSError(errno.ENOSPC, "No space left on device", str(src))
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    result = natsl_inproc(["train", *BASE, "--max-steps", "51", "--out", str(run_copy)], cache_env)
+    assert result.exit_code == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"error: {run_copy / 'metrics.jsonl'}: no space left on device"), line
+    assert not [p.name for p in run_copy.iterdir() if ".tmp-" in p.name]
+
+
+@pytest.fixture(scope="module")
+def token_folder(tmp_path_factory):
+    from natsl.data.builtin import generated_documents
+
+    folder = tmp_path_factory.mktemp("tokens")
+    (folder / "docs.txt").write_text("\n".join(generated_documents(200)), encoding="utf-8")
+    result = natsl_inproc(["tokenize", str(folder / "docs.txt"), "--out", str(folder / "tok"), "--txt-docs", "line",
+                           "--train-tokenizer", "--vocab-size", "300", "--no-progress"], {})
+    assert result.exit_code == 0, result.stderr
+    return folder / "tok"
+
+
+def _damaged(token_folder, tmp_path, meta=None, shard=None):
+    copy = tmp_path / "tok"
+    shutil.copytree(token_folder, copy)
+    if meta:
+        data = json.loads((copy / "meta.json").read_text())
+        meta(data)
+        (copy / "meta.json").write_text(json.dumps(data))
+    if shard:
+        path = copy / "train_00000.bin"
+        path.write_bytes(shard(path.read_bytes()))
+    return copy
+
+
+DAMAGED_DATA = {
+    "random bytes": (dict(shard=lambda b: np.random.default_rng(0).integers(0, 256, len(b), dtype=np.uint8).tobytes()),
+                     "train_00000.bin' holds token id"),
+    "dtype uint12": (dict(meta=lambda m: m.update(dtype="uint12")), "dtype 'uint12' is not one of uint16, uint32"),
+    "negative shard size": (dict(meta=lambda m: m["splits"]["train"]["shards"][0].update(tokens=-5)),
+                            "is not a file name with a token count >= 0"),
+    "vocab_size not a count": (dict(meta=lambda m: m.update(vocab_size="many")), "vocab_size 'many' is not a count"),
+}
+
+
+@pytest.mark.parametrize("edit, needle", DAMAGED_DATA.values(), ids=DAMAGED_DATA.keys())
+def test_damaged_token_data_is_one_line(token_folder, tmp_path, cache_env, edit, needle):
+    data = _damaged(token_folder, tmp_path, **edit)
+    result = natsl_inproc(["train", *TINY, f"data.path={data}", "model.vocab_size=300", "--max-steps", "1",
+                           "--out", str(tmp_path / "run")], cache_env)
+    assert result.exit_code == 2, result.stdout + result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert needle in line, line
+    assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / ".train.lock").exists()
+
+
+def test_data_path_naming_a_file_says_so(token_folder, tmp_path, cache_env):
+    result = natsl_inproc(["train", *TINY, f"data.path={token_folder / 'meta.json'}", "--out",
+                           str(tmp_path / "run")], cache_env)
+    assert result.exit_code == 2
+    assert "is a file, not a folder; set data.path to the folder" in result.stderr
+
+
+def test_out_naming_a_file_says_so(tmp_path, cache_env):
+    (tmp_path / "file").write_text("x")
+    result = natsl_inproc(["train", *TINY, "--out", str(tmp_path / "file")], cache_env)
+    assert result.exit_code == 2 and "names a file, not a folder" in result.stderr
+
+
+def test_ctrl_c_before_any_command_runs_is_one_line_and_130():
+    """The CLI's first module installs the handling, and nothing heavy is imported before it."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    code = "import sys, natsl.cli.main; assert 'torch' not in sys.modules, 'torch imported'; raise KeyboardInterrupt"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert (proc.returncode, proc.stderr) == (130, "interrupted\n")
+
+
+def test_ctrl_c_during_start_up_is_one_line_and_130(tmp_path, cache_env):
+    import signal
+    import time
+
+    env = {**os.environ, **cache_env}
+    env.pop("NATSL_FAULT", None)
+    proc = subprocess.Popen([sys.executable, "-m", "natsl.cli.main", "train", *TINY, "--out", str(tmp_path / "run")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    # once torch's libraries load (the first seconds; earlier the interpreter itself is starting)
+    maps, deadline = Path(f"/proc/{proc.pid}/maps"), time.time() + 60
+    while time.time() < deadline and "libtorch" not in maps.read_text():
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and stderr.strip().splitlines()[-1] == "interrupted", stderr
+    assert "Traceback" not in stderr
+    assert not (tmp_path / "run" / ".train.lock").exists()

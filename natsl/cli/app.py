@@ -2,10 +2,31 @@
 
 from __future__ import annotations
 
-import functools
+import os
 import sys
 
-import typer
+
+def _interrupted(exc_type, exc, tb, _previous=sys.excepthook):
+    """Ctrl-C outside a command's body (e.g. while the interpreter imports typer or torch): one line
+    and exit code 130, as a shell reports an interrupted command. Installed when the CLI's first
+    module loads, before any heavy import (natsl/__init__ imports torch only on first use)."""
+    if issubclass(exc_type, KeyboardInterrupt):
+        print("interrupted", file=sys.stderr)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(130)  # the interpreter would otherwise re-raise SIGINT on itself after a traceback
+    _previous(exc_type, exc, tb)
+
+
+sys.excepthook = _interrupted
+
+import errno  # noqa: E402
+import functools  # noqa: E402
+
+import typer  # noqa: E402
 
 from natsl.errors import NatslError
 
@@ -44,6 +65,9 @@ def command(*args, **kwargs):
                 fail(f"{err.filename or err}: no such file; check the path")
             except OSError as err:  # permissions, a file where a folder should be, a full disk, ...
                 where = f"{err.filename}: " if err.filename else ""
+                if err.errno in (errno.ENOSPC, errno.EDQUOT):
+                    fail(f"{where}no space left on device; free some space and run the command again (files "
+                         "written completely before are kept)")
                 fail(f"{where}{err.strerror or err}; check the path and its permissions")
             except RuntimeError as err:
                 if not _out_of_memory(err):

@@ -32,8 +32,10 @@ def convert(
     from natsl.cli.common import DTYPES
     from natsl.errors import NatslError
     from natsl.eval.convert import convert_checkpoint, import_hf
+    from natsl.files import check_output_folder
 
     target = Path(out)
+    check_output_folder(target, "OUT")
     if target.exists() and not force:
         raise NatslError(f"{out!r} exists; pass --force to replace it or choose another folder")
     if dtype is not None and dtype not in DTYPES:

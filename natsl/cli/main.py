@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Optional
 
-import typer
+from natsl.cli.app import app  # first: it installs the Ctrl-C handling before the heavier imports
 
-from natsl import __version__
-from natsl.cli.app import app
+import typer  # noqa: E402
+
+from natsl import __version__  # noqa: E402
 
 # Each import registers its subcommands on `app`.
 from natsl.cli import info  # noqa: F401,E402

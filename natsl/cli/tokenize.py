@@ -37,5 +37,26 @@ def tokenize(
                                 tokenizer_train_docs=tokenizer_train_docs, eos_token=eos_token,
                                 val_fraction=val_fraction, shard_tokens=shard_tokens, max_documents=max_documents)
     settings.validate()
+    check_option_typos(inputs)
     source = open_source(inputs, text_field=text_field, txt_docs=txt_docs, hub_config=hf_config, hub_split=hf_split)
     tokenize_corpus(source, out, settings, progress=progress)
+
+
+def check_option_typos(inputs: List[str]) -> None:
+    """An input that does not exist but is the name of an option without its dashes (`shard_tokens
+    5` for `--shard-tokens 5`): say so, instead of "input 'shard_tokens' does not exist"."""
+    import inspect
+    from pathlib import Path
+
+    from natsl.errors import NatslError
+
+    options = set()
+    for name, param in inspect.signature(tokenize).parameters.items():
+        if isinstance(param.default, typer.models.OptionInfo):
+            declared = [d for d in (param.default.param_decls or ()) if d.startswith("--")]
+            options.update(declared or ["--" + name.replace("_", "-")])
+    for item in inputs:
+        guess = "--" + item.lstrip("-").replace("_", "-")
+        if guess in options and not Path(item).exists():
+            raise NatslError(f"input {item!r} does not exist, and it looks like the option {guess}: write "
+                             f"{guess} VALUE")

@@ -10,33 +10,39 @@ set of samples that makes a step does not depend on the number of ranks.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from natsl.data.tokenize import SPLITS, read_meta
+from natsl.data.tokenize import SPLITS, TOKEN_DTYPES, read_meta
 from natsl.errors import NatslError
 
 
 class TokenStream:
     """The concatenated shards of one split, read through numpy memmaps."""
 
-    def __init__(self, folder: Path, shards: list[dict], dtype: np.dtype):
-        self.arrays = []
+    def __init__(self, folder: Path, shards: list[dict], dtype: np.dtype, vocab_size: int):
+        self.arrays, self.paths, self.vocab_size = [], [], vocab_size
         for shard in shards:
             path = folder / shard["file"]
             want = shard["tokens"] * dtype.itemsize
-            if not path.is_file() or path.stat().st_size != want:
-                raise NatslError(f"token shard {str(path)!r} is missing or has the wrong size (expected {want} bytes); "
-                                 "tokenize the data again")
+            if not path.is_file():
+                raise NatslError(f"token shard {str(path)!r} is missing; tokenize the data again")
+            if path.stat().st_size != want:
+                raise NatslError(f"token shard {str(path)!r} has {path.stat().st_size} bytes but meta.json says "
+                                 f"{shard['tokens']} tokens = {want} bytes; tokenize the data again")
             if shard["tokens"]:
                 self.arrays.append(np.memmap(path, dtype=dtype, mode="r", shape=(shard["tokens"],)))
+                self.paths.append(path)
         self.starts = np.cumsum([0] + [len(a) for a in self.arrays])
         self.n_tokens = int(self.starts[-1])
 
     def read(self, start: int, length: int) -> np.ndarray:
-        """Tokens [start, start + length) as int64 (crossing shard boundaries where needed)."""
+        """Tokens [start, start + length) as int64 (crossing shard boundaries where needed), each
+        checked against the vocabulary: an id beyond it (a damaged shard) would index past the
+        embedding. The max of the ids read is a small cost next to the step that uses them."""
         out = np.empty(length, dtype=np.int64)
         filled = 0
         shard = int(np.searchsorted(self.starts, start, side="right")) - 1
@@ -45,9 +51,43 @@ class TokenStream:
             offset = start + filled - int(self.starts[shard])
             take = min(length - filled, len(array) - offset)
             out[filled:filled + take] = array[offset:offset + take]
+            check_token_ids(out[filled:filled + take], self.vocab_size, f"token shard {str(self.paths[shard])!r}")
             filled += take
             shard += 1
         return out
+
+
+def check_token_ids(ids: np.ndarray, vocab_size: int, where: str) -> None:
+    """NatslError if `ids` (non-negative: the shards are unsigned) hold an id >= vocab_size."""
+    top = int(ids.max()) if ids.size else -1
+    if top >= vocab_size:
+        raise NatslError(f"{where} holds token id {top} but the vocabulary has {vocab_size} entries: the data is "
+                         "damaged or was tokenized for another model; tokenize it again")
+
+
+def check_meta(meta: dict, path: Path) -> None:
+    """The fields of meta.json that reading relies on, with their types and ranges (a hand-edited or
+    damaged file would otherwise fail deep inside numpy)."""
+    def bad(what: str) -> NatslError:
+        return NatslError(f"{str(path)!r} is damaged: {what}; tokenize the data again")
+
+    if meta.get("dtype") not in TOKEN_DTYPES:
+        raise bad(f"dtype {meta.get('dtype')!r} is not one of {', '.join(TOKEN_DTYPES)}")
+    for key in ("vocab_size", "eos_id"):
+        if not isinstance(meta.get(key), int) or isinstance(meta.get(key), bool) or meta[key] < 0:
+            raise bad(f"{key} {meta.get(key)!r} is not a count")
+    if meta["vocab_size"] > np.iinfo(meta["dtype"]).max + 1 or meta["eos_id"] >= meta["vocab_size"]:
+        raise bad(f"vocab_size {meta['vocab_size']} and eos_id {meta['eos_id']} do not fit dtype {meta['dtype']}")
+    splits = meta.get("splits")
+    for name in SPLITS:
+        shards = splits.get(name, {}).get("shards") if isinstance(splits, dict) and isinstance(splits.get(name), dict) \
+            else None
+        if not isinstance(shards, list):
+            raise bad(f"it lists no shards for the {name} split")
+        for shard in shards:
+            if not (isinstance(shard, dict) and isinstance(shard.get("file"), str) and "/" not in shard["file"]
+                    and isinstance(shard.get("tokens"), int) and shard["tokens"] >= 0):
+                raise bad(f"a {name} shard entry {json.dumps(shard)[:80]} is not a file name with a token count >= 0")
 
 
 class TokenData:
@@ -55,6 +95,9 @@ class TokenData:
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
+        if self.folder.exists() and not self.folder.is_dir():
+            raise NatslError(f"data.path {str(folder)!r} is a file, not a folder; set data.path to the folder that "
+                             "`natsl tokenize --out` wrote (it holds meta.json)")
         if not self.folder.is_dir():
             raise NatslError(f"data folder {str(folder)!r} does not exist; run `natsl tokenize` to make it, "
                              "or set data.path: builtin for the embedded smoke-test corpus")
@@ -63,6 +106,7 @@ class TokenData:
             hint = (" (an unfinished `natsl tokenize` run: run the same command again to finish it)"
                     if (self.folder / ".progress.json").is_file() else "")
             raise NatslError(f"{str(folder)!r} has no meta.json, so it is not a finished `natsl tokenize` folder{hint}")
+        check_meta(meta, self.folder / "meta.json")
         self.meta = meta
         self.dtype = np.dtype(meta["dtype"])
         self.eos_id = meta["eos_id"]
@@ -73,7 +117,8 @@ class TokenData:
         if name not in SPLITS:
             raise ValueError(name)
         if name not in self._streams:
-            self._streams[name] = TokenStream(self.folder, self.meta["splits"][name]["shards"], self.dtype)
+            self._streams[name] = TokenStream(self.folder, self.meta["splits"][name]["shards"], self.dtype,
+                                              self.vocab_size)
         return self._streams[name]
 
     def tokenizer(self):

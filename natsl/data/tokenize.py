@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import math
 import os
 import shutil
 from dataclasses import asdict, dataclass
@@ -31,6 +32,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from natsl.errors import NatslError
+from natsl.files import atomic_write_text, check_output_folder
 from natsl.tokenizer import Tokenizer, train_bpe
 from natsl.training.faults import fault_point
 
@@ -69,6 +71,9 @@ class TokenizeSettings:
         for flag, value in (("--max-documents", self.max_documents), ("--tokenizer-train-docs", self.tokenizer_train_docs)):
             if value is not None and value < 1:
                 raise NatslError(f"{flag} must be at least 1, got {value}")
+
+
+TOKEN_DTYPES = ("uint16", "uint32")  # what token_dtype writes, and all that a reader takes
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -110,12 +115,7 @@ def set_eos(tok: Tokenizer, eos_token: str | None) -> Tokenizer:
 
 
 def _write_json_atomic(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(data, fh, indent=2)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(data, indent=2), fsync=True)
 
 
 def read_meta(folder: Path) -> dict | None:
@@ -204,6 +204,7 @@ def tokenize_corpus(source, out: str | Path, settings: TokenizeSettings, progres
     nothing behind; an interrupted run keeps its committed work for the next call.
     """
     out = Path(out)
+    check_output_folder(out, "--out")
     created = not out.exists()
     try:
         return _tokenize(source, out, settings, progress, log)
@@ -336,6 +337,12 @@ def _tokenize(source, out: Path, settings: TokenizeSettings, progress: bool, log
     }
     _write_json_atomic(out / META, meta)
     progress_path.unlink()
+    if splits["validation"]["tokens"] == 0 and settings.val_fraction > 0:
+        needed = math.ceil(1 / fraction) if fraction else 0
+        log(f"warning: the validation split is empty: {documents} document(s) at --val-fraction "
+            f"{settings.val_fraction} hold out none (the first held out is document {needed}), so `natsl train` "
+            "will report no validation loss; give more documents, a larger --val-fraction, or --txt-docs "
+            "paragraph/line to cut .txt files into more documents")
     log(f"tokenized {documents:,} documents into {total:,} tokens ({dtype.name}): train "
         f"{splits['train']['tokens']:,} tokens in {len(splits['train']['shards'])} shard(s), validation "
         f"{splits['validation']['tokens']:,}; wrote {out}")

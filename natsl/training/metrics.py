@@ -8,6 +8,8 @@ import math
 import os
 from pathlib import Path
 
+from natsl.files import atomic_write_text, os_error_at
+
 
 class MetricsLog:
     def __init__(self, path: Path):
@@ -29,9 +31,7 @@ class MetricsLog:
     def truncate(self, last_step: int) -> None:
         """Drop the records after `last_step` (written by a run that died before its next checkpoint)."""
         kept = [r for r in self.records() if r.get("step", 0) <= last_step]
-        tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
-        os.replace(tmp, self.path)
+        atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
 
     def write(self, record: dict) -> None:
         if self._fh is None:
@@ -80,9 +80,14 @@ class MetricsLog:
             ax.legend(fontsize=7, ncol=2)
         fig.tight_layout()
         tmp = png.with_name(f".{png.stem}.tmp-{os.getpid()}.png")
-        fig.savefig(tmp)
-        plt.close(fig)
-        os.replace(tmp, png)
+        try:
+            fig.savefig(tmp)
+            os.replace(tmp, png)
+        except OSError as err:
+            tmp.unlink(missing_ok=True)
+            raise os_error_at(err, png) from None
+        finally:
+            plt.close(fig)
 
 
 def keep_series(records: list[dict]) -> dict[str, list[tuple[int, float]]]:

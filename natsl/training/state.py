@@ -19,8 +19,8 @@ so a diverged run cannot push its last good checkpoints out of keep-last-k.
 
 from __future__ import annotations
 
-import hashlib
 import json
+import os
 import re
 import shutil
 from dataclasses import dataclass
@@ -28,15 +28,16 @@ from pathlib import Path
 
 import torch
 
-from natsl.checkpoint import atomic_folder, checkpoint_recipe, read_config, write_model_files
+from natsl.checkpoint import (MANIFEST_FILE, atomic_folder, checkpoint_recipe, read_config, save_tensors, sha256_file,
+                              verify_manifest, write_model_files)
 from natsl.errors import NatslError
 from natsl.training.faults import fault_point
 
 CHECKPOINTS = "checkpoints"
+SUPERSEDED = "superseded"  # checkpoints of an abandoned branch (set_aside_later)
 OPTIMIZER_FILE = "optimizer.safetensors"
 RNG_FILE = "rng.safetensors"
 STATE_FILE = "trainer_state.json"
-MANIFEST_FILE = "manifest.json"
 STEP_RE = re.compile(r"^step_(\d+)$")
 PARTIAL_RE = re.compile(r"^\.step_\d+\.(tmp|old)-")
 
@@ -65,12 +66,48 @@ def remove_partial_writes(out: Path, log) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def prune(out: Path, keep_last: int) -> None:
-    """Keep the newest `keep_last` step folders (all of them when keep_last < 1)."""
+def prune(out: Path, keep_last: int, written: int) -> None:
+    """Keep the newest `keep_last` step folders up to step `written`, the one just saved (all of them
+    when keep_last < 1). A folder of a later step is never counted nor deleted: the run that wrote
+    `written` did not write it (and `set_aside_later` has moved such folders away before training)."""
     if keep_last < 1:
         return
-    for _, path in list_checkpoints(out)[:-keep_last]:
+    mine = [path for step, path in list_checkpoints(out) if step <= written]
+    for path in mine[:-keep_last]:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def set_aside_later(out: Path, step: int, metrics_name: str = "metrics.jsonl") -> Path | None:
+    """A run that starts at `step` while OUT holds checkpoints of later steps (resuming an older
+    checkpoint: a branch) moves those step folders, and the metrics records after `step`, into
+    OUT/superseded/<time>-after-step_NNNNNN/ (a run folder of its own: `--resume`, `natsl convert` and the
+    eval commands take it), so that `--resume auto` continues the new branch and no file mixes the two.
+    Returns that folder, or None when there was nothing later."""
+    import datetime
+
+    later = [path for s, path in list_checkpoints(out) if s > step]
+    if not later:
+        return None
+    stamp = datetime.datetime.now().strftime("%Y%m%dT%H%M%S")
+    aside = Path(out) / SUPERSEDED / f"{stamp}-after-step_{step:06d}"
+    (aside / CHECKPOINTS).mkdir(parents=True)
+    for path in later:
+        os.replace(path, aside / CHECKPOINTS / path.name)
+    metrics = Path(out) / metrics_name
+    if metrics.is_file():
+        records = metrics.read_text(encoding="utf-8").splitlines(keepends=True)
+        dropped = [line for line in records if _record_step(line) > step]
+        (aside / metrics_name).write_text("".join(dropped), encoding="utf-8")
+    if (Path(out) / "recipe.yaml").is_file():
+        shutil.copy2(Path(out) / "recipe.yaml", aside / "recipe.yaml")
+    return aside
+
+
+def _record_step(line: str) -> int:
+    try:
+        return int(json.loads(line).get("step", 0))
+    except (json.JSONDecodeError, AttributeError, TypeError, ValueError):
+        return 0
 
 
 # ----------------------------------------------------------------------------- optimizer state
@@ -125,8 +162,6 @@ def save_checkpoint(out: Path, step: int, model_state: dict, optimizer_state: tu
                     recipe, tokenizer, trainer_state: dict, rng: dict[str, torch.Tensor], keep_last: int) -> Path:
     """Write OUT/checkpoints/step_NNNNNN atomically, then prune to the newest `keep_last`.
     `model_state`: the full state dict; `optimizer_state`: `optimizer_to_tensors(...)`."""
-    from safetensors.torch import save_file
-
     bad = next((name for name, t in model_state.items() if t.is_floating_point() and not torch.isfinite(t).all()), None)
     if bad is not None:
         raise NatslError(f"step {step}: weight {bad} holds a non-finite value, so no checkpoint was written (the "
@@ -134,28 +169,20 @@ def save_checkpoint(out: Path, step: int, model_state: dict, optimizer_state: tu
 
     def fill(tmp: Path) -> None:
         tensors, groups = optimizer_state
-        save_file(tensors, str(tmp / OPTIMIZER_FILE), metadata={"format": "pt"})
+        save_tensors(tensors, tmp / OPTIMIZER_FILE)
         fault_point("kill_in_checkpoint", step)  # the crash test: the temporary folder is half written
-        save_file(rng, str(tmp / RNG_FILE), metadata={"format": "pt"})
+        save_tensors(rng, tmp / RNG_FILE)
         state = {**trainer_state, "optimizer_groups": groups}
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=2), encoding="utf-8")
         write_model_files(tmp, model_state, recipe, tokenizer,
                           extra_config={"training": {k: trainer_state[k] for k in ("step", "tokens_seen")}})
         files = [p for p in sorted(tmp.iterdir()) if p.is_file()]
-        manifest = {"files": {p.name: p.stat().st_size for p in files}, "sha256": {p.name: _sha256(p) for p in files}}
+        manifest = {"files": {p.name: p.stat().st_size for p in files}, "sha256": {p.name: sha256_file(p) for p in files}}
         (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
 
     target = atomic_folder(step_folder(out, step), fill)
-    prune(out, keep_last)
+    prune(out, keep_last, step)
     return target
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 24), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 @dataclass
@@ -177,23 +204,7 @@ def load_training_checkpoint(folder: Path) -> LoadedCheckpoint:
     if not folder.is_dir():
         raise NatslError(f"checkpoint {str(folder)!r} does not exist; pass a step folder such as "
                          "runs/NAME/checkpoints/step_000050")
-    manifest_path = folder / MANIFEST_FILE
-    if not manifest_path.is_file():
-        raise NatslError(f"{str(folder)!r} is not a complete training checkpoint (no {MANIFEST_FILE})")
-    try:
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-        sizes = manifest["files"]
-        hashes = manifest.get("sha256", {})  # manifests before 2026-11-30 hold sizes only
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
-        raise NatslError(f"{str(manifest_path)!r} is corrupt") from None
-    for name, size in sizes.items():
-        path = folder / name
-        if not path.is_file():
-            raise NatslError(f"{str(folder)!r} is incomplete: {name} is missing")
-        if path.stat().st_size != size:
-            raise NatslError(f"{str(path)!r} is damaged: {path.stat().st_size} bytes, the manifest says {size}")
-        if name in hashes and _sha256(path) != hashes[name]:
-            raise NatslError(f"{str(path)!r} is damaged: its SHA-256 differs from the manifest's")
+    sizes = verify_manifest(folder)
     for name in (OPTIMIZER_FILE, RNG_FILE, STATE_FILE, "model.safetensors"):
         if name not in sizes:
             raise NatslError(f"{str(folder)!r} is incomplete: the manifest lists no {name}")
@@ -211,6 +222,11 @@ def load_training_checkpoint(folder: Path) -> LoadedCheckpoint:
         except (SafetensorError, OSError, ValueError) as err:
             first = str(err).splitlines()[0] if str(err) else type(err).__name__
             raise NatslError(f"{str(folder / name)!r} is corrupt ({first})") from None
+    bad = next((name for name, t in loaded["model.safetensors"].items() if not t.is_floating_point()), None)
+    if bad is not None:  # load_state_dict would cast it silently
+        raise NatslError(f"{str(folder / 'model.safetensors')!r}: tensor {bad} is "
+                         f"{str(loaded['model.safetensors'][bad].dtype).removeprefix('torch.')}, not a floating-point "
+                         "type; the file was not written by natsl: use another checkpoint")
     return LoadedCheckpoint(folder, recipe, loaded["model.safetensors"], loaded[OPTIMIZER_FILE], state,
                             loaded[RNG_FILE])
 

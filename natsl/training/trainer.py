@@ -32,6 +32,7 @@ from natsl import __version__
 from natsl.config import Recipe
 from natsl.errors import NatslError
 from natsl.data.tasks import IGNORE, TaskData, answer_hits, is_task
+from natsl.files import atomic_write_text, check_output_folder
 from natsl.training import distributed as D
 from natsl.training import state as S
 from natsl.training.faults import fault_point
@@ -139,7 +140,13 @@ def stop_signals(enabled: bool):
 
 @contextlib.contextmanager
 def run_lock(out: Path, enabled: bool):
-    """One `natsl train` per output folder (an advisory lock; released when the process dies)."""
+    """One `natsl train` per output folder: an advisory lock on OUT/.train.lock, released when the
+    process dies, and the file removed when the run ends (done, failed or interrupted; only a killed
+    process leaves it, harmlessly: nobody holds its lock).
+
+    Removing a lock file races with a run that opened it just before: that run would lock the removed
+    file while a third locks a new one. So a run that gets the lock checks that the path still names
+    the file it locked, and tries again otherwise."""
     if not enabled:
         yield
         return
@@ -148,21 +155,29 @@ def run_lock(out: Path, enabled: bool):
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     lock = out / ".train.lock"
+    while True:
+        fh = open(lock, "a+")
+        try:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.close()
+            raise NatslError(f"another `natsl train` is writing to {str(out)!r}; wait for it or pass another "
+                             "--out") from None
+        try:
+            if os.stat(lock).st_ino == os.fstat(fh.fileno()).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        fh.close()  # the run before removed it after we opened it: lock the new file
     try:
-        with open(lock, "a+") as fh:
-            try:
-                fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise NatslError(f"another `natsl train` is writing to {str(out)!r}; wait for it or pass another "
-                                 "--out") from None
-            yield
-    except NatslError:
+        yield
+    finally:
+        lock.unlink(missing_ok=True)  # while still holding the lock (see above)
+        fh.close()
         # Bad input found after the lock (the data, a --resume checkpoint): leave no trace of a folder
-        # this run made and wrote nothing else into.
-        if created and [p.name for p in out.iterdir()] == [lock.name]:
-            lock.unlink()
+        # this run made and wrote nothing into.
+        if created and out.is_dir() and not any(out.iterdir()):
             out.rmdir()
-        raise
 
 
 def cuda_graphs_wanted(requested: bool, compiled: bool, ranks: int, device: torch.device) -> bool:
@@ -553,6 +568,7 @@ class Trainer:
     def run(self) -> TrainResult:
         self.plan()
         self.out = _out_dir(self.recipe, self.options)
+        check_output_folder(self.out, "--out")
         with run_lock(self.out, self.info.is_main):
             return self._run()
 
@@ -570,9 +586,12 @@ class Trainer:
         self.metrics = metrics_log(self.out / "metrics.jsonl", tc.tracker if info.is_main else "none", self.out, r)
         start = self.state["step"]
         if info.is_main:
+            aside = S.set_aside_later(self.out, start)
+            if aside is not None:
+                self.log(f"branching at step {start}: the later checkpoints and their metrics moved to {aside} "
+                         "(--resume auto now continues this branch)")
             self.metrics.truncate(start)
-            (self.out / "recipe.yaml").write_text(yaml.safe_dump(r.to_dict(), sort_keys=False),
-                                                  encoding="utf-8")
+            atomic_write_text(self.out / "recipe.yaml", yaml.safe_dump(r.to_dict(), sort_keys=False))
         if ckpt is not None:
             self.log(f"resuming from {ckpt.folder} (step {start}, {self.state['tokens_seen']:,} tokens seen)")
         if self.device.type == "cpu" and tc.dtype == "bf16":
