@@ -48,6 +48,7 @@ def eval_ruler(
     device: Optional[str] = typer.Option(None, help="cpu, cuda or cuda:N (default: cuda when available)."),
     dtype: Optional[str] = typer.Option(None, help="fp32, bf16 or fp16 (default: bf16 on CUDA, fp32 on the CPU)."),
     backend: Optional[str] = typer.Option(None, help="reference, chunked or fast (default: fast on CUDA, chunked on the CPU)."),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Show the progress bar."),
 ) -> None:
     """Generate RULER's retrieval tasks with the checkpoint's tokenizer, decode greedily, score by string match."""
     from pathlib import Path
@@ -107,7 +108,7 @@ def eval_ruler(
                        f"the first prompt: {stats['prefill_s']:.1f} s prefill, {per_step * 1e3:.0f} ms per new token")
 
     summary, rows = run_ruler(em, task_list, length_list, samples, seed=seed, max_new_tokens=max_new_tokens,
-                              essay=essay, on_first=on_first if samples * len(task_list) * len(length_list) > 1 else None)
+                              essay=essay, progress=progress, on_first=on_first if samples * len(task_list) * len(length_list) > 1 else None)
     report = {"checkpoint": str(em.folder), "name": em.name, "seed": seed, "samples": samples,
               "max_new_tokens": max_new_tokens, "haystack_essay": essay_file or "generated",
               "decoding": "greedy, incremental cache" if hasattr(em.model, "new_cache") else "greedy, full recompute",

@@ -281,7 +281,7 @@ def run_ruler(em, tasks: list[str], lengths: list[int], samples: int, *, seed: i
     todo = [make_sample(task, length, index, tokenizer, seed=seed, max_new_tokens=max_new_tokens, essay=essay)
             for length in lengths for task in tasks for index in range(samples)]
     rows = []
-    bar = tqdm(total=len(todo), desc=f"ruler {em.name}", unit="sample", disable=not progress)
+    bar = tqdm(total=len(todo), desc=f"ruler {em.name}", unit="sample", disable=not progress, leave=False)
     try:
         for number, sample in enumerate(todo):
             stats: dict = {}
