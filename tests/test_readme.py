@@ -13,6 +13,6 @@ def test_readme_python_example_runs(monkeypatch):
     monkeypatch.chdir(ROOT)  # it loads recipes/ by a relative path
     for block in blocks:
         scope: dict = {}
-        exec(compile(block, "README.md", "exec"), scope)
-    assert tuple(scope["logits"].shape) == (1, 256, 1024)
-    assert tuple(scope["o"].shape) == (1, 128, 2, 64) and tuple(scope["state"].shape) == (1, 2, 32, 64)
+        exec(compile(block, "README.md", "exec"), scope)  # a name it never defines fails here
+        # the example ends with the ops' outputs: real tensors, no NaN
+        assert scope["o"].isfinite().all() and scope["state"].isfinite().all()
