@@ -82,11 +82,12 @@ def rel_rms(a, b) -> float:
     return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30)).item()
 
 
-def replace_atomically(path: Path, write: Callable[[str], None]) -> Path:
-    """Write through `write(temporary path)` next to `path`, then move it into place."""
-    from natsl.inference.bench import replace_atomically as replace
+def replace_atomically(path: Path, write: Callable[[object], None]) -> Path:
+    """Write `path` atomically through `write(open binary file)` (natsl.atomic: umask, no temporary left)."""
+    from natsl.atomic import atomic_open
 
-    replace(Path(path), write)
+    with atomic_open(path, "wb") as fh:
+        write(fh)
     return Path(path)
 
 
@@ -96,10 +97,9 @@ def write_result(name: str, payload: dict, out: str | Path) -> Path:
 
     data = {"benchmark": name, "provenance": provenance(), **payload}
 
-    def write(tmp):
-        Path(tmp).write_text(json.dumps(data, indent=1, default=str))
+    from natsl.atomic import write_text
 
-    return replace_atomically(Path(out) / f"{name}.json", write)
+    return write_text(Path(out) / f"{name}.json", json.dumps(data, indent=1, default=str))
 
 
 def bar_png(path: str | Path, groups: dict[str, dict[str, float]], ylabel: str, title: str) -> Optional[Path]:
@@ -125,7 +125,7 @@ def bar_png(path: str | Path, groups: dict[str, dict[str, float]], ylabel: str, 
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    written = replace_atomically(Path(path), lambda tmp: fig.savefig(tmp, format="png"))
+    written = replace_atomically(Path(path), lambda fh: fig.savefig(fh, format="png"))
     plt.close(fig)
     return written
 

@@ -237,7 +237,7 @@ def plot(results: list[dict], png: Path) -> None:
     first = ok[0]
     fig.suptitle(f"training throughput, {first['seq_len']} context, {first['world_size']} x {first.get('device')}")
     fig.tight_layout()
-    common.replace_atomically(png, lambda tmp: fig.savefig(tmp, format="png"))
+    common.replace_atomically(png, lambda fh: fig.savefig(fh, format="png"))
     plt.close(fig)
 
 

@@ -223,7 +223,7 @@ def test_write_errors_name_the_target_not_the_hidden_temporary(tmp_path, monkeyp
     import tempfile
 
     from natsl.checkpoint import atomic_folder
-    from natsl.files import atomic_write_text
+    from natsl.atomic import write_text as atomic_write_text
 
     def read_only(*args, dir=None, **kwargs):
         raise PermissionError(errno.EACCES, "Permission denied", str(Path(dir) / ".x.tmp-abc"))

@@ -147,3 +147,44 @@ def test_natsl_tokenize_folders(trained, tmp_path):
     assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-6)
     other = tokenize_folder(tmp_path / "other", docs, train_tokenizer=True, vocab_size=300, val_fraction=0.0)
     assert_one_line_error(run("eval-ppl", ckpt, "--data", other, "--out", tmp_path / "o"), "different tokenizer")
+
+
+def test_lengths_buckets_defaults_and_nan_weights(trained, tmp_path):
+    import os
+    import stat
+
+    root, ckpt, text = trained
+    out = tmp_path / "o"
+    assert_one_line_error(run("eval-ppl", ckpt, "--data", text, "--max-len", 200000, "--out", out),
+                          "--max-len 200000 is beyond the max_seq_len 131072")
+    # A bucket wider than the windows is one bucket of the window length, and says so.
+    result = run("eval-ppl", ckpt, "--data", text, "--max-len", 256, "--bucket", 1024, "--windows", 2,
+                 "--device", "cpu", "--out", out, "--no-progress")
+    assert result.exit_code == 0, result.output
+    assert "note: --bucket 1024 is wider than --max-len 256" in result.stderr
+    report = json.loads((out / "ppl.json").read_text())
+    assert report["bucket"] == 256
+    assert [(b["start"], b["end"]) for b in report["checkpoints"][0]["buckets"]] == [(0, 256)]
+    assert "tokens      0-256 " in result.stdout
+    # Defaults on the CPU: 4x the training length (tiny_hybrid: 256), 32 buckets; an estimate first.
+    old = os.umask(0o022)
+    try:
+        result = run("eval-ppl", ckpt, "--data", text, "--windows", 2, "--device", "cpu", "--out", out, "--no-progress")
+    finally:
+        os.umask(old)
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "ppl.json").read_text())
+    assert (report["max_len"], report["bucket"]) == (1024, 32)
+    assert "eval-ppl: 1 checkpoint(s) x 2 windows of up to 1024 tokens" in result.stderr
+    assert stat.S_IMODE(os.stat(out / "ppl.json").st_mode) == 0o644
+    assert stat.S_IMODE(os.stat(out / "ppl.png").st_mode) == 0o644
+    # NaN weights: refused with one line naming the checkpoint, not "ppl nan" and exit 0.
+    model, tokenizer = natsl.load_checkpoint(ckpt)
+    with torch.no_grad():
+        model.embed.weight[0, 0] = float("nan")
+        model.lm_head.weight.fill_(float("nan"))
+    from natsl.checkpoint import save_model_folder
+
+    nan_ckpt = save_model_folder(tmp_path / "nan", model, model.recipe, tokenizer)
+    assert_one_line_error(run("eval-ppl", nan_ckpt, "--data", text, "--max-len", 128, "--windows", 1, "--out", out,
+                              "--no-progress"), str(nan_ckpt), "non-finite losses")

@@ -201,3 +201,76 @@ def test_bench_latency_below_1024_needs_no_min_len(tmp_path):
     assert result.exit_code == 0, result.output + result.stderr
     (model,) = json.loads((tmp_path / "latency.json").read_text())["models"]
     assert [p["context"] for p in model["points"]] == [64]
+
+
+@pytest.fixture(scope="module")
+def nan_checkpoint(checkpoint, tmp_path_factory) -> Path:
+    model, tokenizer = natsl.load_checkpoint(checkpoint)
+    with torch.no_grad():
+        model.lm_head.weight.fill_(float("nan"))
+    return save_model_folder(tmp_path_factory.mktemp("nan") / "nan", model, model.recipe, tokenizer)
+
+
+def test_generate_edges_of_seed_temperature_and_nan_weights(checkpoint, nan_checkpoint):
+    for seed in (-1, 2**63, 2**70):
+        assert_one_line_error(run("generate", checkpoint, "--prompt", "the cat", "--seed", seed, "--device", "cpu"),
+                              "--seed must be an integer from 0 to 2**63-1")
+    args = ("--prompt", "the cat sat on", "--max-new-tokens", "8", "--ignore-eos")
+    # Below the greedy floor a temperature is greedy, not a division that overflows into NaN.
+    assert generate(checkpoint, *args, "--temperature", "1e-45") == generate(checkpoint, *args, "--temperature", "0")
+    for temperature in ("0", "0.8"):  # greedy would "choose" token 0; sampling would fail on a NaN distribution
+        result = run("generate", nan_checkpoint, *args, "--temperature", temperature, "--device", "cpu")
+        assert_one_line_error(result, str(nan_checkpoint), "non-finite logits")
+
+
+def test_generate_warns_when_the_model_produces_nothing(checkpoint, monkeypatch):
+    import natsl.inference.generate as gen
+
+    _, tokenizer = natsl.load_checkpoint(checkpoint)
+    monkeypatch.setattr(gen, "sample", lambda logits, config, generator: torch.full((logits.shape[0],), tokenizer.eos_id))
+    result = run("generate", checkpoint, "--prompt", "the cat", "--device", "cpu", "--temperature", "0")
+    assert result.exit_code == 0, result.output
+    assert "warning: the prompt: the model produced no tokens" in result.stderr
+
+
+def test_generate_output_keeps_the_umask(checkpoint, tmp_path):
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        generate(checkpoint, "--prompt", "the cat", "--max-new-tokens", "2", "--output", tmp_path / "out.jsonl")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "out.jsonl").st_mode) == 0o644
+
+
+def test_info_seed_backend_and_length(tmp_path):
+    recipe = RECIPES / "tiny_hybrid.yaml"
+    assert "chunked" in run("info", "--help").stdout
+    assert_one_line_error(run("info", recipe, "--seed", 2**70), "--seed must be an integer from 0 to 2**63-1")
+    assert_one_line_error(run("info", recipe, "--seq-len", 10**9), "--seq-len 1000000000 is beyond the max_seq_len")
+    assert_one_line_error(run("info", recipe, "--backend", "nope"), "unknown backend")
+    result = run("info", recipe, "--seq-len", "64", "--backend", "chunked")
+    assert result.exit_code == 0, result.output
+    assert "NAtS-L routing" in result.stdout
+
+
+def test_bench_latency_seed_and_decode_floor_in_sight(tmp_path, monkeypatch):
+    assert_one_line_error(run("bench-latency", "--recipe", RECIPES / "tiny_hybrid.yaml", "--max-len", "64",
+                              "--seed", 2**70, "--device", "cpu", "--out", tmp_path), "--seed must be an integer")
+    from natsl.inference import bench
+
+    figures = []
+    monkeypatch.setattr(bench, "save_figure", lambda fig, path, **kw: figures.append(fig))
+    points = [{"context": c, "prefill_s": 0.5, "prefill_floor_s": 0.001, "decode_ms": 20.0, "decode_floor_ms": 0.01}
+              for c in (1024, 2048)]
+    bench.plot({"models": [{"name": "m", "points": points}], "device": "cpu", "dtype": "fp32", "batch": 1},
+               tmp_path / "l.png")
+    (fig,) = figures
+    decode_axis = fig.axes[1]
+    floor = decode_axis.get_lines()[1].get_ydata()
+    bottom, top = decode_axis.get_ylim()
+    # On a linear axis from 0 the floor (2000x below the step) would lie on the x-axis.
+    assert decode_axis.get_yscale() == "log" and bottom < min(floor) and max(floor) < top
+    assert (min(floor) / bottom) > 1.01

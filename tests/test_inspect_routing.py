@@ -107,3 +107,18 @@ def test_time_bins_cover_every_block_once():
             assert ranges[0][0] == 0 and ranges[-1][1] == blocks
             assert all(a < b for a, b in ranges) and all(r[1] == s[0] for r, s in zip(ranges, ranges[1:]))
             assert len(ranges) == min(blocks, bins)
+
+
+def test_seed_length_and_cpu_defaults(setup, tmp_path):
+    from cli_checks import assert_one_line_error
+
+    root, ckpt, _, _ = setup
+    out = tmp_path / "o"
+    assert_one_line_error(run("inspect-routing", ckpt, "--seed", -1, "--out", out), "--seed must be an integer")
+    assert_one_line_error(run("inspect-routing", ckpt, "--seq-len", 200000, "--out", out),
+                          "--seq-len 200000 is beyond the max_seq_len 131072")
+    result = run("inspect-routing", ckpt, "--device", "cpu", "--out", out)
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "routing.json").read_text())
+    assert (report["seq_len"], report["samples"]) == (256, 2)  # tiny_hybrid trains at 256
+    assert "inspect-routing: 4 windows of 256 tokens (2 dataset(s))" in result.stderr

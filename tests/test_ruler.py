@@ -15,6 +15,8 @@ from natsl.eval.ruler import NOISE, TASKS, make_sample, postprocess, string_matc
 from natsl.eval.smoke import save_tiny_checkpoint
 from natsl.tokenizer import train_bpe
 
+from cli_checks import assert_one_line_error
+
 
 @pytest.fixture(scope="module")
 def tok():
@@ -97,13 +99,82 @@ def test_eval_ruler_end_to_end(tmp_path):
         assert row["prompt_tokens"] + 3 <= 512
     assert (out / "ruler.png").stat().st_size > 1000
     assert "niah_multiquery" in result.stdout and "mean" in result.stdout
+    # The estimate comes once, after the first sample, before the rest.
+    assert result.stderr.count("eval-ruler: 8 tasks x 1 lengths x 1 samples = 8 prompts") == 1
+    assert "in all on this device" in result.stderr
     bad = CliRunner().invoke(app, ["eval-ruler", str(ckpt), "--tasks", "niah_single_9", "--out", str(out)])
     assert bad.exit_code == 2 and "unknown RULER task" in bad.stderr and "Traceback" not in bad.output
     short = CliRunner().invoke(app, ["eval-ruler", str(ckpt), "--lengths", "100", "--out", str(out)])
     assert short.exit_code == 2 and "too short" in short.stderr
     long = CliRunner().invoke(app, ["eval-ruler", str(ckpt), "--lengths", "256k", "--out", str(out)])
-    assert long.exit_code == 2 and "beyond the model's max_seq_len" in long.stderr, long.output
+    assert_one_line_error(long, "--lengths 262144 is beyond the max_seq_len")
     latin1 = tmp_path / "essays.txt"
     latin1.write_bytes("caf\u00e9 cr\u00e8me. Une autre phrase ici.\n".encode("latin-1"))
     essays = CliRunner().invoke(app, ["eval-ruler", str(ckpt), "--essay-file", str(latin1), "--out", str(out)])
     assert essays.exit_code == 2 and "not UTF-8" in essays.stderr, essays.output
+
+
+def test_eval_ruler_edges_are_one_line_and_results_keep_the_umask(tmp_path, monkeypatch):
+    import os
+    import stat
+
+    ckpt = save_tiny_checkpoint(tmp_path / "ckpt", steps=2, seed=0)
+    out = tmp_path / "out"
+
+    def run(*args):
+        return CliRunner().invoke(app, ["eval-ruler", str(ckpt), "--out", str(out), "--device", "cpu", *map(str, args)])
+
+    for bad in ("inf", "nan", "-inf", "1e400"):
+        assert_one_line_error(run("--lengths", bad), "--lengths", "is not a length")
+    assert_one_line_error(run("--seed", -1), "--seed must be an integer from 0 to 2**63-1")
+    assert_one_line_error(run("--seed", 2**70), "--seed must be an integer from 0 to 2**63-1")
+
+    # NaN weights: one line naming the checkpoint, not a score of 0.
+    model, tokenizer = natsl.load_checkpoint(ckpt)
+    with torch.no_grad():
+        model.lm_head.weight.fill_(float("nan"))
+    from natsl.checkpoint import save_model_folder
+
+    nan_ckpt = save_model_folder(tmp_path / "nan", model, model.recipe, tokenizer)
+    result = CliRunner().invoke(app, ["eval-ruler", str(nan_ckpt), "--lengths", "512", "--samples", "1", "--tasks",
+                                      "niah_single_1", "--max-new-tokens", "2", "--out", str(out), "--no-progress"])
+    assert_one_line_error(result, str(nan_ckpt), "non-finite logits")
+
+    old = os.umask(0o022)
+    try:
+        result = run("--lengths", "512", "--samples", "1", "--tasks", "niah_single_1", "--max-new-tokens", "2")
+    finally:
+        os.umask(old)
+    assert result.exit_code == 0, result.output
+    for name in ("ruler.json", "ruler_samples.jsonl", "ruler.png"):
+        assert stat.S_IMODE(os.stat(out / name).st_mode) == 0o644, name
+
+
+def test_default_lengths_follow_the_training_length(tmp_path, monkeypatch):
+    """No --lengths: 1x, 2x, 4x the training length (at least 1024), never beyond max_seq_len; the
+    CPU default takes 2 samples."""
+    import natsl.eval.ruler as ruler
+
+    seen = {}
+
+    def fake_run(em, tasks, lengths, samples, **kwargs):
+        seen.update(lengths=lengths, samples=samples)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(ruler, "run_ruler", fake_run)
+    ckpt = save_tiny_checkpoint(tmp_path / "ckpt", steps=1, seed=0)  # tiny_hybrid: trained at 256
+    CliRunner().invoke(app, ["eval-ruler", str(ckpt), "--device", "cpu", "--out", str(tmp_path / "out")])
+    assert seen == {"lengths": [1024, 2048, 4096], "samples": 2}
+
+
+def test_ruler_colour_bar_has_a_label(monkeypatch, tmp_path):
+    import natsl.eval.common as common
+
+    figures = []
+    monkeypatch.setattr(common, "save_figure", lambda fig, path: figures.append(fig))
+    summary = {"tasks": {"niah_single_1": {"512": 0.5}}, "lengths": {"512": 0.5}, "mean": 0.5}
+    from natsl.eval.ruler import plot_scores
+
+    plot_scores(summary, ["niah_single_1"], [512], tmp_path / "r.png", "t")
+    (fig,) = figures
+    assert "score" in fig.axes[-1].get_ylabel()

@@ -24,7 +24,7 @@ def bench_latency(
     batch_size: int = typer.Option(1, help="Sequences per prefill / decode step."),
     decode_tokens: int = typer.Option(32, help="Timed decode steps per point (the median is reported)."),
     repeats: int = typer.Option(3, help="Prefills per point (the fastest is reported)."),
-    seed: int = typer.Option(0, help="Seed for the weights, the tokens and the forced routes."),
+    seed: int = typer.Option(0, help="Seed for the weights, the tokens and the forced routes (0 to 2**63-1)."),
     out: str = typer.Option("bench_latency", help="Folder for latency.json and latency.png."),
     backend: Optional[str] = typer.Option(None, help="reference, chunked or fast (default: fast on CUDA, chunked on CPU)."),
     device: Optional[str] = typer.Option(None, help="cpu, cuda or cuda:N (default: cuda if present)."),
@@ -36,10 +36,11 @@ def bench_latency(
 ) -> None:
     """Measure latency for recipes (default: the 800M NAtS-L Hybrid, Transformer and GDN) or checkpoints."""
     import natsl
-    from natsl.checkpoint import checkpoint_recipe, read_config, resolve_checkpoint_folder
-    from natsl.cli.common import pick_backend, pick_device, pick_dtype
+    from natsl.cli.common import check_length, checkpoint_recipe_of, pick_backend, pick_device, pick_dtype
     from natsl.inference import bench
+    from natsl.seeding import check_seed
 
+    check_seed(seed, "--seed")
     if min_len is None:
         min_len = min(1024, max_len)
     if min_len < 1 or max_len < min_len:
@@ -63,13 +64,10 @@ def bench_latency(
         limits.append((path, natsl.load_recipe(path).model.max_seq_len))  # validates the recipe now
         specs.append(bench.BenchModel("recipe", path, keep_fraction))
     for path in checkpoint or []:
-        folder = resolve_checkpoint_folder(path)
-        config = checkpoint_recipe(folder, read_config(folder))
-        limits.append((path, config.model.max_seq_len))
+        limits.append((path, checkpoint_recipe_of(path)[1].model.max_seq_len))
         specs.append(bench.BenchModel("checkpoint", path, keep_fraction if force_keep else None))
     for path, limit in limits:
-        if max_len > limit:
-            raise NatslError(f"--max-len {max_len} is beyond the max_seq_len {limit} of {path}; lower --max-len")
+        check_length("--max-len", max_len, limit, path)
 
     folder = Path(out)
     json_path, png_path = folder / "latency.json", folder / "latency.png"

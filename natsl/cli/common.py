@@ -39,3 +39,23 @@ def pick_backend(name: str | None, device: torch.device) -> str:
     if name not in ("reference", "chunked", "fast"):
         raise NatslError(f"unknown backend {name!r}: use reference, chunked or fast")
     return name
+
+
+def check_length(option: str, length: int, limit: int, source) -> None:
+    """One rule for every command: a length beyond the model's `max_seq_len` is refused before any work."""
+    if length > limit:
+        raise NatslError(f"{option} {length} is beyond the max_seq_len {limit} of {source}; lower {option}")
+
+
+def checkpoint_recipe_of(path):
+    """(folder, recipe) of a checkpoint or run folder, read from its config.json without loading weights."""
+    from natsl.checkpoint import checkpoint_recipe, read_config, resolve_checkpoint_folder
+
+    folder = resolve_checkpoint_folder(path)
+    return folder, checkpoint_recipe(folder, read_config(folder))
+
+
+def on_cuda(device: str | None) -> bool:
+    """Whether `--device` (None / auto: cuda when there is one) runs on a GPU; for the defaults that
+    fit the device."""
+    return pick_device(device).type == "cuda"

@@ -13,8 +13,11 @@ from natsl.cli.app import command
 def eval_ppl(
     checkpoints: List[str] = typer.Argument(..., help="One or more checkpoint folders (or training run folders: newest step)."),
     data: str = typer.Option(..., "--data", help="A `natsl tokenize` folder, or a .txt / .jsonl file tokenized on the fly."),
-    max_len: int = typer.Option(65536, help="Window length in tokens (paper: 65536; training length 4096)."),
-    bucket: int = typer.Option(2048, help="Position bucket width of the curve, in tokens."),
+    max_len: Optional[int] = typer.Option(None, help="Window length in tokens (default: 16x the training length on "
+                                                     "CUDA, as the paper's 65536 for 4096, 4x on the CPU; at most "
+                                                     "the checkpoint's max_seq_len)."),
+    bucket: Optional[int] = typer.Option(None, help="Position bucket width of the curve, in tokens (default: "
+                                                    "--max-len / 32; at most --max-len)."),
     windows: int = typer.Option(8, help="Evaluate at most this many windows per checkpoint (0 = all)."),
     concat: bool = typer.Option(False, help="Join all documents (EOS between) before cutting windows, as for "
                                             "collections of short files; default: each document on its own."),
@@ -30,24 +33,40 @@ def eval_ppl(
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show the progress bar."),
 ) -> None:
     """Per-token loss over full-length windows, bucketed by position; perplexity and bits per byte."""
+    import sys
+
+    from natsl.atomic import write_json
+    from natsl.cli.common import check_length, checkpoint_recipe_of, on_cuda
     from natsl.errors import NatslError
-    from natsl.eval.common import load_eval_model, prepare_out_dir, write_json
+    from natsl.eval.common import human_count, load_eval_model, prepare_out_dir, print_estimate
     from natsl.eval.data import check_vocab, load_token_data, windows as make_windows
     from natsl.eval.ppl import evaluate_windows, plot_curves
     from natsl.inference.routing import force_keep_fraction
 
     if keep_fraction is not None and not 0.0 <= keep_fraction <= 1.0:
         raise NatslError(f"--keep-fraction must lie in [0, 1], got {keep_fraction}")
-    if max_len < 2:
-        raise NatslError(f"--max-len must be at least 2, got {max_len}")
-    if bucket < 1:
-        raise NatslError(f"--bucket must be at least 1, got {bucket}")
     if windows < 0:
         raise NatslError(f"--windows must be 0 (all) or more, got {windows}")
+    recipes = [checkpoint_recipe_of(path) for path in checkpoints]  # config.json only: refuse before loading
+    if max_len is None:
+        factor = 16 if on_cuda(device) else 4
+        max_len = min(min(factor * r.train.seq_len, r.model.max_seq_len) for _, r in recipes)
+    if max_len < 2:
+        raise NatslError(f"--max-len must be at least 2, got {max_len}")
+    for folder, r in recipes:
+        check_length("--max-len", max_len, r.model.max_seq_len, folder)
+    if bucket is None:
+        bucket = max(1, max_len // 32)
+    if bucket < 1:
+        raise NatslError(f"--bucket must be at least 1, got {bucket}")
+    if bucket > max_len:
+        print(f"note: --bucket {bucket} is wider than --max-len {max_len}; using one bucket of {max_len} tokens",
+              file=sys.stderr)
+        bucket = max_len
     limit = windows or None
     out_dir = prepare_out_dir(out)
     results, train_lens, cache = [], set(), {}
-    for path in checkpoints:
+    for number, path in enumerate(checkpoints):
         em = load_eval_model(path, device, dtype, backend)
         force_keep_fraction(em.model, keep_fraction, 0)
         key = em.tokenizer.sha256() if em.tokenizer is not None else None
@@ -60,7 +79,17 @@ def eval_ppl(
         wins = make_windows(token_data, max_len, limit, concat=concat, eos_id=eos)
         if not wins:
             raise NatslError(f"data {data!r} has no window of at least 2 tokens")
-        summary = evaluate_windows(em, wins, bucket, progress=progress)
+        on_first = None
+        if number == 0 and (len(wins) > 1 or len(checkpoints) > 1):
+            tokens = sum(len(w) for w in wins)
+
+            def on_first(seconds, first_tokens, tokens=tokens):
+                plan = (f"eval-ppl: {len(checkpoints)} checkpoint(s) x {len(wins)} windows of up to {max_len} tokens, "
+                        f"{human_count(tokens * len(checkpoints))} forward tokens")
+                print_estimate(plan, seconds * tokens / first_tokens * len(checkpoints),
+                               f"the first window of {first_tokens} tokens took {seconds:.1f} s")
+
+        summary = evaluate_windows(em, wins, bucket, progress=progress, on_first=on_first)
         summary.update(name=em.name, path=str(em.folder), train_seq_len=em.recipe.train.seq_len)
         train_lens.add(em.recipe.train.seq_len)
         results.append(summary)

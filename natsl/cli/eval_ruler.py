@@ -10,6 +10,7 @@ from natsl.cli.app import command
 
 
 def parse_lengths(text: str) -> list[int]:
+    """"4k,8k,16k" or "4096,8192" -> [4096, 8192, ...]."""
     from natsl.errors import NatslError
 
     out = []
@@ -22,7 +23,7 @@ def parse_lengths(text: str) -> list[int]:
             part, scale = part[:-1], 1024
         try:
             value = int(float(part) * scale)
-        except ValueError:
+        except (ValueError, OverflowError):  # "abc", "nan", "inf"
             raise NatslError(f"--lengths {text!r}: {part!r} is not a length; use e.g. 4k,8k,16k or 4096,8192") from None
         if value < 1:
             raise NatslError(f"--lengths {text!r}: lengths must be positive")
@@ -35,10 +36,12 @@ def parse_lengths(text: str) -> list[int]:
 @command("eval-ruler")
 def eval_ruler(
     checkpoint: str = typer.Argument(..., help="Checkpoint folder (or a training run folder: newest step)."),
-    lengths: str = typer.Option("4k,8k,16k", help="Context lengths in tokens, comma separated (4k = 4096)."),
+    lengths: Optional[str] = typer.Option(None, help="Context lengths in tokens, comma separated (4k = 4096; default: "
+                                                     "1x, 2x and 4x the training length, at least 1024 -- the paper's "
+                                                     "4k,8k,16k for 4096 -- and at most max_seq_len)."),
     tasks: str = typer.Option("all", help="Comma-separated RULER NIAH tasks, or 'all' (the 8 of Table 2)."),
-    samples: int = typer.Option(20, help="Samples per task and length."),
-    seed: int = typer.Option(0, help="Seed of the generated samples (same seed, same prompts)."),
+    samples: Optional[int] = typer.Option(None, help="Samples per task and length (default: 20 on CUDA, 2 on the CPU)."),
+    seed: int = typer.Option(0, help="Seed of the generated samples (same seed, same prompts; 0 to 2**63-1)."),
     max_new_tokens: int = typer.Option(128, help="Tokens generated per sample (RULER: 128)."),
     essay_file: Optional[str] = typer.Option(None, help="Plain-text essays for the essay haystack (default: generated prose)."),
     keep_fraction: Optional[float] = typer.Option(None, help="Force NAtS-L layers to keep this fraction of blocks "
@@ -47,19 +50,34 @@ def eval_ruler(
     device: Optional[str] = typer.Option(None, help="cpu, cuda or cuda:N (default: cuda when available)."),
     dtype: Optional[str] = typer.Option(None, help="fp32, bf16 or fp16 (default: bf16 on CUDA, fp32 on the CPU)."),
     backend: Optional[str] = typer.Option(None, help="reference, chunked or fast (default: fast on CUDA, chunked on the CPU)."),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Show the progress bar."),
 ) -> None:
     """Generate RULER's retrieval tasks with the checkpoint's tokenizer, decode greedily, score by string match."""
     from pathlib import Path
 
+    from natsl.atomic import write_json, write_jsonl
+    from natsl.cli.common import check_length, checkpoint_recipe_of, on_cuda
     from natsl.errors import NatslError
-    from natsl.eval.common import load_eval_model, prepare_out_dir, write_json, write_jsonl
+    from natsl.eval.common import human_count, load_eval_model, prepare_out_dir, print_estimate
     from natsl.eval.haystack import EssaySentences, split_sentences
     from natsl.eval.ruler import TASKS, format_table, plot_scores, run_ruler
     from natsl.inference.routing import force_keep_fraction
+    from natsl.seeding import check_seed
 
     if keep_fraction is not None and not 0.0 <= keep_fraction <= 1.0:
         raise NatslError(f"--keep-fraction must lie in [0, 1], got {keep_fraction}")
-    length_list = parse_lengths(lengths)
+    check_seed(seed, "--seed")
+    folder, recipe = checkpoint_recipe_of(checkpoint)  # config.json only: refuse before loading
+    limit = recipe.model.max_seq_len
+    if lengths is None:
+        base = max(recipe.train.seq_len, 1024)
+        length_list = sorted({min(n * base, limit) for n in (1, 2, 4)})
+    else:
+        length_list = parse_lengths(lengths)
+    for n in length_list:
+        check_length("--lengths", n, limit, folder)
+    if samples is None:
+        samples = 20 if on_cuda(device) else 2
     task_list = list(TASKS) if tasks.strip() == "all" else [t.strip() for t in tasks.split(",") if t.strip()]
     unknown = [t for t in task_list if t not in TASKS]
     if unknown or not task_list:
@@ -82,13 +100,21 @@ def eval_ruler(
             raise NatslError(f"--essay-file {essay_file!r} holds no sentences")
         essay = EssaySentences(sentences=sentences)
     out_dir = prepare_out_dir(out)
-    em = load_eval_model(checkpoint, device, dtype, backend)
+    em = load_eval_model(folder, device, dtype, backend)
     force_keep_fraction(em.model, keep_fraction, 0)
-    limit = em.model.config.max_seq_len
-    too_long = [n for n in length_list if n > limit]
-    if too_long:
-        raise NatslError(f"--lengths: {too_long[0]} is beyond the model's max_seq_len {limit}; drop the longer lengths")
-    summary, rows = run_ruler(em, task_list, length_list, samples, seed=seed, max_new_tokens=max_new_tokens, essay=essay)
+
+    def on_first(stats, todo):
+        prompt_tokens = sum(len(s.prompt_ids) for s in todo)
+        per_token = stats["prefill_s"] / len(todo[0].prompt_ids)
+        per_step = stats["decode_s"] / stats["decode_steps"] if stats["decode_steps"] else stats["prefill_s"]
+        plan = (f"eval-ruler: {len(task_list)} tasks x {len(length_list)} lengths x {samples} samples = {len(todo)} "
+                f"prompts, {human_count(prompt_tokens)} prompt tokens + up to {human_count(len(todo) * max_new_tokens)} "
+                "generated")
+        print_estimate(plan, prompt_tokens * per_token + len(todo) * (max_new_tokens - 1) * per_step,
+                       f"the first prompt: {stats['prefill_s']:.1f} s prefill, {per_step * 1e3:.0f} ms per new token")
+
+    summary, rows = run_ruler(em, task_list, length_list, samples, seed=seed, max_new_tokens=max_new_tokens,
+                              essay=essay, progress=progress, on_first=on_first if samples * len(task_list) * len(length_list) > 1 else None)
     report = {"checkpoint": str(em.folder), "name": em.name, "seed": seed, "samples": samples,
               "max_new_tokens": max_new_tokens, "haystack_essay": essay_file or "generated",
               "forced_keep_fraction": keep_fraction,

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import List, Optional
 
 import typer
 
 from natsl.cli.app import command
-from natsl.errors import NatslError
+from natsl.errors import NatslError, NonFiniteError
 
 
 def read_prompts(prompt: str | None, prompt_file: str | None) -> list[str]:
@@ -50,26 +48,16 @@ def read_prompts(prompt: str | None, prompt_file: str | None) -> list[str]:
     return prompts
 
 
-def write_jsonl(path: Path, rows: list[dict]) -> None:
-    """Write rows atomically (temporary file + rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        for row in rows:
-            fh.write(json.dumps(row, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
-
-
 @command("generate")
 def generate(
     checkpoint: str = typer.Argument(..., help="Model folder written by `natsl train` or `natsl convert` (or a run folder)."),
     prompt: Optional[str] = typer.Option(None, help="The prompt text."),
     prompt_file: Optional[str] = typer.Option(None, help="A text file (one prompt) or .jsonl (field 'prompt' or 'text' per line)."),
     max_new_tokens: int = typer.Option(128, help="Tokens to generate at most per prompt."),
-    temperature: float = typer.Option(1.0, help="Sampling temperature; 0 = greedy."),
+    temperature: float = typer.Option(1.0, help="Sampling temperature; 0 = greedy (so is anything below 1e-4)."),
     top_k: int = typer.Option(0, help="Sample from the k most likely tokens only (0 = all)."),
     top_p: float = typer.Option(1.0, help="Sample from the smallest set of tokens holding this probability (1 = all)."),
-    seed: int = typer.Option(0, help="Seed of the sampler: the same seed gives the same text."),
+    seed: int = typer.Option(0, help="Seed of the sampler: the same seed gives the same text (0 to 2**63-1)."),
     stop: Optional[List[str]] = typer.Option(None, help="Stop when this string appears (not printed); repeatable."),
     ignore_eos: bool = typer.Option(False, help="Keep going past the end-of-text token."),
     batch_size: int = typer.Option(8, help="Prompts of a .jsonl file decoded together."),
@@ -126,8 +114,14 @@ def generate(
             sys.stdout.write(text)
             sys.stdout.flush()
 
-        completions = run_generate(model, tokenizer, chunk, config, on_text=stream if single else None,
-                                   cuda_graphs=cuda_graphs, stats=stats)
+        try:
+            completions = run_generate(model, tokenizer, chunk, config, on_text=stream if single else None,
+                                       cuda_graphs=cuda_graphs, stats=stats)
+        except NonFiniteError as err:
+            if single:
+                sys.stdout.write("\n")
+            raise NatslError(f"checkpoint {checkpoint!r}: {err}: its weights hold NaN/inf or overflow in "
+                             f"{str(torch_dtype).replace('torch.', '')}; check the checkpoint or try --dtype fp32") from None
         for key in totals:
             totals[key] += stats[key]
         for offset, completion in enumerate(completions):
@@ -137,11 +131,16 @@ def generate(
             else:
                 print(f"--- prompt {index + 1} ({completion.stop_reason}) ---")
                 print(completion.text)
+            if not completion.tokens:
+                print(f"warning: {'the prompt' if single else f'prompt {index + 1}'}: the model produced no tokens "
+                      "(its first choice was the end-of-text token; --ignore-eos goes on past it)", file=sys.stderr)
             rows.append({"prompt": texts[index], "completion": completion.text,
                          "prompt_tokens": completion.prompt_tokens, "new_tokens": len(completion.tokens),
                          "stop_reason": completion.stop_reason})
         sys.stdout.flush()
     if output:
+        from natsl.atomic import write_jsonl
+
         write_jsonl(Path(output), rows)
     rate = totals["new_tokens"] / totals["decode_s"] if totals["decode_s"] > 0 else float("nan")
     reason = f", stop: {rows[0]['stop_reason']}" if single else ""

@@ -20,18 +20,24 @@ def info(
     recipe: str = typer.Argument(..., help="Recipe YAML (e.g. recipes/tiny_hybrid.yaml) or a recipe name."),
     seq_len: int = typer.Option(256, help="Tokens in the forward pass (random ids)."),
     forward: bool = typer.Option(True, help="Run a forward pass and print the routing of every NAtS-L layer."),
-    backend: Optional[str] = typer.Option(None, help="reference or fast (default: fast on CUDA, else reference)."),
-    seed: int = typer.Option(0, help="Seed for the weights and the random tokens."),
+    backend: Optional[str] = typer.Option(None, help="reference, chunked or fast (default: chunked; the forward pass "
+                                                     "runs on the CPU, where fast needs TRITON_INTERPRET=1)."),
+    seed: int = typer.Option(0, help="Seed for the weights and the random tokens (0 to 2**63-1)."),
 ) -> None:
     """Print what a recipe builds; with --forward, run random tokens through it and show the routing."""
     import torch
 
     import natsl
+    from natsl.cli.common import check_length, pick_backend
     from natsl.errors import NatslError
+    from natsl.seeding import check_seed
 
+    check_seed(seed, "--seed")
     rec = natsl.load_recipe(recipe)
     if seq_len < 1:
         raise NatslError(f"--seq-len must be at least 1, got {seq_len}")
+    check_length("--seq-len", seq_len, rec.model.max_seq_len, f"recipe {rec.name}")
+    chosen_backend = pick_backend(backend, torch.device("cpu"))
     cfg = rec.model
     layout = Counter(cfg.layer_types())
     meta = natsl.build_model(rec, device="meta")
@@ -43,7 +49,7 @@ def info(
         return
     torch.manual_seed(seed)
     model = natsl.build_model(rec)
-    model.set_backend(backend)
+    model.set_backend(chosen_backend)
     ids = torch.randint(0, cfg.vocab_size, (1, seq_len))
     with torch.no_grad():
         logits = model(ids)

@@ -16,11 +16,13 @@ def inspect_routing(
     checkpoint: str = typer.Argument(..., help="Checkpoint folder (or a training run folder: newest step)."),
     data: Optional[List[str]] = typer.Argument(None, help="Datasets (`natsl tokenize` folders, .txt, .jsonl); "
                                                           "none: the embedded corpus and random tokens."),
-    seq_len: int = typer.Option(4096, help="Tokens per sample (the length the memory is reported at)."),
-    samples: int = typer.Option(8, help="Samples (windows) per dataset."),
+    seq_len: Optional[int] = typer.Option(None, help="Tokens per sample, the length the memory is reported at "
+                                                     "(default: the checkpoint's training length; at most its "
+                                                     "max_seq_len)."),
+    samples: Optional[int] = typer.Option(None, help="Samples (windows) per dataset (default: 8 on CUDA, 2 on the CPU)."),
     bins: int = typer.Option(32, help="Position bins of the over-time view (Fig. 6)."),
     kv_dtype: str = typer.Option("bf16", help="Element type of the KV cache for the memory figures: fp32, bf16, fp16, fp8."),
-    seed: int = typer.Option(0, help="Seed of the random tokens used when no DATA is given."),
+    seed: int = typer.Option(0, help="Seed of the random tokens used when no DATA is given (0 to 2**63-1)."),
     text_key: str = typer.Option("text", help="Field holding the text in a .jsonl file."),
     split: str = typer.Option("auto", help="Split of a `natsl tokenize` folder: validation, train or auto."),
     out: str = typer.Option("routing", help="Folder for routing.json, routing_groups.png and routing_time.png."),
@@ -31,17 +33,27 @@ def inspect_routing(
     """Fraction of blocks kept in softmax memory per NAtS-L layer and routing group, per dataset and over position."""
     import numpy as np
 
+    from natsl.atomic import write_json
+    from natsl.cli.common import check_length, checkpoint_recipe_of, on_cuda
     from natsl.errors import NatslError
-    from natsl.eval.common import load_eval_model, prepare_out_dir, write_json
+    from natsl.eval.common import human_count, load_eval_model, prepare_out_dir, print_estimate
     from natsl.eval.data import check_vocab, load_token_data, windows as make_windows
     from natsl.eval.routing import collect_keep, plot_groups, plot_time, summarize_dataset
+    from natsl.seeding import check_seed
 
+    check_seed(seed, "--seed")
+    folder, recipe = checkpoint_recipe_of(checkpoint)  # config.json only: refuse before loading
+    if seq_len is None:
+        seq_len = min(recipe.train.seq_len, recipe.model.max_seq_len)
+    if samples is None:
+        samples = 8 if on_cuda(device) else 2
     if seq_len < 1 or samples < 1 or bins < 1:
         raise NatslError("--seq-len, --samples and --bins must be at least 1")
+    check_length("--seq-len", seq_len, recipe.model.max_seq_len, folder)
     if kv_dtype not in KV_BYTES:
         raise NatslError(f"unknown --kv-dtype {kv_dtype!r}: use one of {', '.join(KV_BYTES)}")
     out_dir = prepare_out_dir(out)
-    em = load_eval_model(checkpoint, device, dtype, backend)
+    em = load_eval_model(folder, device, dtype, backend)
     config = em.recipe.model
     if not em.model.natsl_layers():
         raise NatslError(f"checkpoint {str(em.folder)!r} has no NAtS-L layers, so there is no routing to inspect")
@@ -64,8 +76,16 @@ def inspect_routing(
         rng = np.random.default_rng(seed)
         sources.append(("random tokens", [rng.integers(0, config.vocab_size, seq_len) for _ in range(samples)]))
     summaries = []
-    for name, wins in sources:
-        keeps = collect_keep(em.model, wins, em.device, desc=f"routing {name}")
+    count = sum(len(wins) for _, wins in sources)
+
+    def on_first(seconds):
+        plan = (f"inspect-routing: {count} windows of {seq_len} tokens ({len(sources)} dataset(s)), "
+                f"{human_count(count * seq_len)} forward tokens")
+        print_estimate(plan, seconds * count, f"the first window took {seconds:.1f} s")
+
+    for number, (name, wins) in enumerate(sources):
+        keeps = collect_keep(em.model, wins, em.device, desc=f"routing {name}",
+                             on_first=on_first if number == 0 and count > 1 else None)
         summary = summarize_dataset(name, keeps, seq_len, config, KV_BYTES[kv_dtype], bins)
         summaries.append(summary)
         mem = summary["memory"]

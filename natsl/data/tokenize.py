@@ -32,7 +32,8 @@ from typing import Callable, Optional
 import numpy as np
 
 from natsl.errors import NatslError
-from natsl.files import atomic_write_text, check_output_folder
+from natsl.atomic import write_text as atomic_write_text
+from natsl.files import check_output_folder
 from natsl.tokenizer import Tokenizer, train_bpe
 from natsl.training.faults import fault_point
 
@@ -115,7 +116,7 @@ def set_eos(tok: Tokenizer, eos_token: str | None) -> Tokenizer:
 
 
 def _write_json_atomic(path: Path, data: dict) -> None:
-    atomic_write_text(path, json.dumps(data, indent=2), fsync=True)
+    atomic_write_text(path, json.dumps(data, indent=2))
 
 
 def read_meta(folder: Path) -> dict | None:

@@ -1,19 +1,17 @@
 """Pieces the evaluation commands share: loading a checkpoint for evaluation, the final hidden
-states without the full-vocabulary logits, and atomic JSON / PNG writers."""
+states without the full-vocabulary logits, and the PNG writer of the evaluation figures."""
 
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import tempfile
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from natsl.errors import NatslError
+from natsl.errors import NatslError, NonFiniteError
 
 
 @dataclass
@@ -68,37 +66,6 @@ def final_hidden_states(model):
         model.lm_head = head
 
 
-def _atomic_write(path: Path, write) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    return path
-
-
-def write_json(path, obj) -> Path:
-    def write(tmp):
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(obj, fh, indent=2)
-            fh.write("\n")
-    return _atomic_write(Path(path), write)
-
-
-def write_jsonl(path, rows) -> Path:
-    def write(tmp):
-        with open(tmp, "w", encoding="utf-8") as fh:
-            for row in rows:
-                fh.write(json.dumps(row) + "\n")
-    return _atomic_write(Path(path), write)
-
-
 def pyplot():
     """matplotlib's pyplot on the Agg backend (no display needed)."""
     import matplotlib
@@ -110,11 +77,10 @@ def pyplot():
 
 
 def save_figure(fig, path) -> Path:
-    plt = pyplot()
-    try:
-        return _atomic_write(Path(path), lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
-    finally:
-        plt.close(fig)
+    """The evaluation figures' PNG, written atomically (`natsl.atomic`); closes the figure."""
+    from natsl.atomic import save_figure as save
+
+    return save(fig, path, dpi=120, bbox_inches="tight")
 
 
 def prepare_out_dir(out) -> Path:
@@ -123,3 +89,35 @@ def prepare_out_dir(out) -> Path:
         raise NatslError(f"--out {str(out)!r} is a file; pass a folder for the results")
     out.mkdir(parents=True, exist_ok=True)
     return out
+
+
+def human_duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def human_count(n: float) -> str:
+    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.1f}{suffix}"
+    return f"{n:.0f}"
+
+
+def print_estimate(plan: str, total_s: float, measured: str) -> None:
+    """The one line a long evaluation prints once its first piece is done: what runs, about how long
+    in all (extrapolated from that measured piece, which also carries the start-up), and what was measured."""
+    from tqdm import tqdm
+
+    # tqdm.write keeps the line off a progress bar that is being drawn.
+    tqdm.write(f"{plan}; about {human_duration(total_s)} in all on this device ({measured})", file=sys.stderr)
+
+
+def require_finite(values: torch.Tensor, em: EvalModel, what: str) -> None:
+    """Refuse non-finite numbers from a model with one line naming its checkpoint."""
+    if not bool(torch.isfinite(values).all()):
+        raise NonFiniteError(f"checkpoint {str(em.folder)!r} gives non-finite {what} (nan or inf): its weights hold "
+                         f"NaN/inf or overflow in {str(em.dtype).replace('torch.', '')}; check the checkpoint or "
+                         "try --dtype fp32")

@@ -9,11 +9,20 @@ logits), which the tests check.
 
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 import torch
 
+from natsl.errors import NonFiniteError
 from natsl.eval.common import final_hidden_states
+
+
+def _pick(logits: torch.Tensor) -> int:
+    token = int(logits.argmax(dim=-1).item())
+    if not bool(torch.isfinite(logits).all()):  # argmax of NaN logits would silently "choose" token 0
+        raise NonFiniteError("the model produced non-finite logits (nan or inf)")
+    return token
 
 
 @torch.inference_mode()
@@ -26,10 +35,12 @@ def last_logits(model, ids: torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 def greedy_generate(model, prompt: Sequence[int], max_new_tokens: int, eos_id: int | None = None,
-                    use_cache: bool = True, device=None) -> list[int]:
+                    use_cache: bool = True, device=None, stats: dict | None = None) -> list[int]:
     """Greedy continuation of `prompt` (token ids): up to `max_new_tokens` ids, stopping after EOS.
 
-    `use_cache` decodes through the incremental cache; False recomputes the full forward.
+    `use_cache` decodes through the incremental cache; False recomputes the full forward. `stats`,
+    if given, receives the prefill and decode seconds and the decode steps. Non-finite logits raise
+    NonFiniteError.
     """
     if max_new_tokens <= 0:
         return []
@@ -37,21 +48,32 @@ def greedy_generate(model, prompt: Sequence[int], max_new_tokens: int, eos_id: i
         device = next(model.parameters()).device
     ids = torch.as_tensor(list(prompt), dtype=torch.long, device=device)[None]
     out: list[int] = []
+    started = time.perf_counter()
+    prefilled = None
+
+    def done() -> list[int]:
+        if stats is not None:
+            end = time.perf_counter()
+            stats.update(prefill_s=prefilled - started, decode_s=end - prefilled, decode_steps=len(out) - 1)
+        return out
+
     if use_cache:
         # Allocate only what this sequence needs: the cache takes its whole capacity up front.
         cache = model.new_cache(1, max_len=ids.shape[1] + max_new_tokens)
         logits = model.forward_cached(ids, cache, last_only=True)[:, -1].float()
         while True:
-            token = int(logits.argmax(dim=-1).item())
+            token = _pick(logits)
+            prefilled = prefilled or time.perf_counter()
             out.append(token)
             if token == eos_id or len(out) >= max_new_tokens:
-                return out
+                return done()
             step = torch.tensor([[token]], dtype=torch.long, device=device)
             logits = model(step, cache=cache)[:, -1].float()
     seq = ids
     while True:
-        token = int(last_logits(model, seq).argmax(dim=-1).item())
+        token = _pick(last_logits(model, seq))
+        prefilled = prefilled or time.perf_counter()
         out.append(token)
         if token == eos_id or len(out) >= max_new_tokens:
-            return out
+            return done()
         seq = torch.cat([seq, torch.tensor([[token]], dtype=torch.long, device=device)], dim=1)

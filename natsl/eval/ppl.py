@@ -8,13 +8,15 @@ curve is the length-extrapolation curve. The first token of a window is only con
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from natsl.eval.common import EvalModel, final_hidden_states
+from natsl.eval.common import EvalModel, final_hidden_states, require_finite
 
 LN2 = math.log(2.0)
 
@@ -47,10 +49,12 @@ class PplAccumulator:
     total_tokens: int = 0
     total_bytes: int = 0
     windows: int = 0
+    last_position: int = 0
 
     def add(self, losses: np.ndarray, num_bytes: int | None) -> None:
         """`losses[i]` is the loss of the token at position i + 1 of its window."""
         positions = np.arange(1, len(losses) + 1)
+        self.last_position = max(self.last_position, len(losses))
         buckets = positions // self.bucket
         sums = np.bincount(buckets, weights=losses.astype(np.float64))
         counts = np.bincount(buckets)
@@ -70,7 +74,9 @@ class PplAccumulator:
         buckets = []
         for b in sorted(self.count):
             mean = self.loss_sum[b] / self.count[b]
-            buckets.append({"start": b * self.bucket, "end": (b + 1) * self.bucket, "tokens": self.count[b],
+            # A bucket ends at the last position it holds, not past the longest window.
+            end = min((b + 1) * self.bucket, self.last_position + 1)
+            buckets.append({"start": b * self.bucket, "end": end, "tokens": self.count[b],
                             "loss": mean, "ppl": math.exp(mean)})
         bpb = None
         if self.total_bytes:
@@ -80,17 +86,24 @@ class PplAccumulator:
 
 
 def evaluate_windows(em: EvalModel, wins: list[np.ndarray], bucket: int, progress: bool = True,
-                     head_chunk: int = 4096) -> dict:
-    """Loss summary of `em` on `wins` (each a 1-D array of token ids)."""
+                     head_chunk: int = 4096, on_first: Callable[[float, int], None] | None = None) -> dict:
+    """Loss summary of `em` on `wins` (each a 1-D array of token ids). `on_first(seconds, tokens)` is
+    called once the first window is done (for an estimate of the rest). Non-finite losses (NaN
+    weights, an overflowing dtype) are refused with one line naming the checkpoint."""
     from tqdm import tqdm
 
     acc = PplAccumulator(bucket)
     total = sum(len(w) - 1 for w in wins)
     bar = tqdm(total=total, unit="tok", unit_scale=True, desc=f"ppl {em.name}", disable=not progress, leave=False)
+    started = time.perf_counter()
     try:
-        for win in wins:
+        for index, win in enumerate(wins):
             ids = torch.as_tensor(win, dtype=torch.long, device=em.device)[None]
-            losses = token_losses(em.model, ids, head_chunk).cpu().numpy()
+            losses = token_losses(em.model, ids, head_chunk)
+            require_finite(losses, em, "losses")
+            losses = losses.cpu().numpy()
+            if index == 0 and on_first is not None:
+                on_first(time.perf_counter() - started, len(win))
             num_bytes = None
             if em.tokenizer is not None:
                 # Bytes of the text the predicted tokens spell (the first token is context only).

@@ -18,8 +18,12 @@ from natsl.eval.common import final_hidden_states
 
 
 @torch.inference_mode()
-def collect_keep(model, wins: list[np.ndarray], device, progress: bool = True, desc: str = "routing") -> dict[int, np.ndarray]:
-    """Run every window through the model; {layer index: keep [num_windows, NB, H]} (float 0/1)."""
+def collect_keep(model, wins: list[np.ndarray], device, progress: bool = True, desc: str = "routing",
+                 on_first=None) -> dict[int, np.ndarray]:
+    """Run every window through the model; {layer index: keep [num_windows, NB, H]} (float 0/1).
+    `on_first(seconds)` is called once the first window is done (for an estimate of the rest)."""
+    import time
+
     from tqdm import tqdm
 
     layers = model.natsl_layers()
@@ -29,7 +33,8 @@ def collect_keep(model, wins: list[np.ndarray], device, progress: bool = True, d
     if len(lengths) != 1:
         raise NatslError(f"routing windows must share one length, got {sorted(lengths)}")
     keeps: dict[int, list[np.ndarray]] = {i: [] for i in layers}
-    for win in tqdm(wins, desc=desc, unit="window", disable=not progress, leave=False):
+    started = time.perf_counter()
+    for number, win in enumerate(tqdm(wins, desc=desc, unit="window", disable=not progress, leave=False)):
         ids = torch.as_tensor(win, dtype=torch.long, device=device)[None]
         for layer in layers.values():
             layer.last_keep = None
@@ -39,6 +44,8 @@ def collect_keep(model, wins: list[np.ndarray], device, progress: bool = True, d
             if layer.last_keep is None:
                 raise NatslError(f"NAtS-L layer {i} recorded no routing (last_keep) in its forward")
             keeps[i].append(layer.last_keep.float().cpu().numpy())
+        if number == 0 and on_first is not None:
+            on_first(time.perf_counter() - started)
     return {i: np.concatenate(v, axis=0) for i, v in keeps.items()}
 
 

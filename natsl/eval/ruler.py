@@ -29,7 +29,7 @@ import re
 import uuid
 from dataclasses import asdict, dataclass, field
 
-from natsl.errors import NatslError
+from natsl.errors import NatslError, NonFiniteError
 from natsl.eval.haystack import KEY_WORDS, EssaySentences
 
 NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."
@@ -264,8 +264,11 @@ def string_match_all(prediction: str, answers: list[str]) -> float:
 
 def run_ruler(em, tasks: list[str], lengths: list[int], samples: int, *, seed: int = 0,
               max_new_tokens: int = TOKENS_TO_GENERATE, essay: EssaySentences | None = None,
-              use_cache: bool = True, progress: bool = True) -> tuple[dict, list[dict]]:
-    """Generate, decode greedily and score every (length, task, sample). Returns (summary, rows)."""
+              use_cache: bool = True, progress: bool = True, on_first=None) -> tuple[dict, list[dict]]:
+    """Generate, decode greedily and score every (length, task, sample). Returns (summary, rows).
+
+    `on_first(stats, samples)` is called once the first sample is decoded, with its timings (see
+    `greedy_generate`) and every sample to run (for an estimate of the rest)."""
     from tqdm import tqdm
 
     from natsl.eval.decode import greedy_generate
@@ -278,11 +281,17 @@ def run_ruler(em, tasks: list[str], lengths: list[int], samples: int, *, seed: i
     todo = [make_sample(task, length, index, tokenizer, seed=seed, max_new_tokens=max_new_tokens, essay=essay)
             for length in lengths for task in tasks for index in range(samples)]
     rows = []
-    bar = tqdm(total=len(todo), desc=f"ruler {em.name}", unit="sample", disable=not progress)
+    bar = tqdm(total=len(todo), desc=f"ruler {em.name}", unit="sample", disable=not progress, leave=False)
     try:
-        for sample in todo:
-            out = greedy_generate(em.model, sample.prompt_ids, max_new_tokens, tokenizer.eos_id,
-                                  use_cache=use_cache, device=em.device)
+        for number, sample in enumerate(todo):
+            stats: dict = {}
+            try:
+                out = greedy_generate(em.model, sample.prompt_ids, max_new_tokens, tokenizer.eos_id,
+                                      use_cache=use_cache, device=em.device, stats=stats)
+            except NonFiniteError as err:
+                raise NatslError(f"checkpoint {str(em.folder)!r}: {err}; check its weights or try --dtype fp32") from None
+            if number == 0 and on_first is not None:
+                on_first(stats, todo)
             if out and out[-1] == tokenizer.eos_id:
                 out = out[:-1]
             prediction = tokenizer.decode(out)
@@ -335,5 +344,5 @@ def plot_scores(summary: dict, tasks: list[str], lengths: list[int], path, title
             ax.text(j, i, f"{v:.2f}", ha="center", va="center", color="white" if v < 0.6 else "black", fontsize=8)
     ax.set_xlabel("context length (tokens)")
     ax.set_title(title, fontsize=10)
-    fig.colorbar(image, ax=ax, fraction=0.05)
+    fig.colorbar(image, ax=ax, fraction=0.05, label="score (fraction of the expected values found)")
     return save_figure(fig, path)

@@ -21,17 +21,15 @@ of that model are skipped.
 from __future__ import annotations
 
 import gc
-import json
 import math
-import os
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from natsl.atomic import save_figure, write_json
 from natsl.provenance import provenance
 
 from natsl.inference.decode import DecodeRunner
@@ -330,26 +328,8 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def replace_atomically(path: Path, write) -> None:
-    """Write `path` through `write(temporary path)` in its folder, then move it into place (benchmarks use it too)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=path.suffix, dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def save_json(result: dict, path: Path) -> Path:
-    def write(tmp):
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(result, fh, indent=1)
-
-    replace_atomically(Path(path), write)
-    return Path(path)
+    return write_json(path, result, indent=1)
 
 
 def plot(result: dict, path: Path) -> Path:
@@ -383,17 +363,11 @@ def plot(result: dict, path: Path) -> Path:
         ax.set_title(title)
         ax.grid(True, alpha=0.3)
     left.set_yscale("log")
-    right.set_ylim(bottom=0)
+    right.set_yscale("log")  # the memory floor sits decades below the measured step on a linear axis
     handles, labels = left.get_legend_handles_labels()
     if handles:
         left.legend(fontsize=8)
     fig.suptitle(f"{result['device']}, {result['dtype']}, batch {result['batch']} (dotted: compute / memory floor)",
                  fontsize=9)
     fig.tight_layout()
-
-    def write(tmp):
-        fig.savefig(tmp, dpi=120)
-
-    replace_atomically(Path(path), write)
-    plt.close(fig)
-    return Path(path)
+    return save_figure(fig, path, dpi=120)

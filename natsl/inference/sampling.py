@@ -11,20 +11,27 @@ from dataclasses import dataclass, field
 
 import torch
 
-from natsl.errors import NatslError
+from natsl.errors import NatslError, NonFiniteError
+
+# Temperatures below this count as greedy (0): logits / T overflows float32 for T near its smallest
+# numbers, and long before that the softmax puts all its mass on the most likely token.
+GREEDY_BELOW = 1e-4
 
 
 @dataclass
 class SamplingConfig:
     max_new_tokens: int = 128
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # 0 (or below GREEDY_BELOW) = greedy
     top_k: int = 0  # 0 = no limit
     top_p: float = 1.0  # 1 = no limit
-    seed: int = 0
+    seed: int = 0  # 0 to 2**63-1 (natsl.seeding)
     stop: list[str] = field(default_factory=list)  # stop strings (not included in the output)
     stop_at_eos: bool = True
 
     def validate(self) -> None:
+        from natsl.seeding import check_seed
+
+        check_seed(self.seed, "--seed")
         if self.max_new_tokens < 1:
             raise NatslError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
         if not 0.0 <= self.temperature < math.inf:  # also refuses nan
@@ -52,9 +59,14 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
 
 
 def sample(logits: torch.Tensor, config: SamplingConfig, generator: torch.Generator) -> torch.Tensor:
-    """logits [B, V] (any device) -> next tokens [B] (int64, on the CPU)."""
+    """logits [B, V] (any device) -> next tokens [B] (int64, on the CPU).
+
+    Non-finite logits (NaN weights, an overflowing dtype) raise NonFiniteError rather than letting
+    argmax pick token 0 or multinomial fail on a NaN distribution."""
     logits = logits.detach().float().cpu()
-    if config.temperature == 0:
+    if not bool(torch.isfinite(logits).all()):
+        raise NonFiniteError("the model produced non-finite logits (nan or inf)")
+    if config.temperature < GREEDY_BELOW:
         return logits.argmax(dim=-1)
     logits = filter_logits(logits / config.temperature, config.top_k, config.top_p)
     probs = torch.softmax(logits, dim=-1)

@@ -8,7 +8,8 @@ import math
 import os
 from pathlib import Path
 
-from natsl.files import atomic_write_text, os_error_at
+from natsl.atomic import write_text as atomic_write_text
+from natsl.files import os_error_at
 
 
 class MetricsLog:

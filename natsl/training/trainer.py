@@ -32,7 +32,8 @@ from natsl import __version__
 from natsl.config import Recipe
 from natsl.errors import NatslError
 from natsl.data.tasks import IGNORE, TaskData, answer_hits, is_task
-from natsl.files import atomic_write_text, check_output_folder
+from natsl.atomic import write_text as atomic_write_text
+from natsl.files import check_output_folder
 from natsl.training import distributed as D
 from natsl.training import state as S
 from natsl.training.faults import fault_point
