@@ -29,8 +29,8 @@ def main() -> None:
     import torch.nn.functional as F
     from triton.testing import do_bench
 
-    from natsl.inference.decode_attention import decode_attention
-    from natsl.inference.functional import attend_one
+    from natsl.fast.decode_attention import decode_attention
+    from natsl.reference.cached import attend_one
     from natsl.provenance import provenance
 
     H, D, dev, dt = args.heads, args.head_dim, "cuda", torch.bfloat16

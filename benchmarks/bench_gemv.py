@@ -50,7 +50,7 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
-    from natsl.inference import gemv
+    from natsl.fast import gemv
     from natsl.provenance import provenance
 
     rows_out = []

@@ -1,4 +1,4 @@
-"""The fused inference norms (natsl.inference.kernels.rms_kernel) at the shapes of a 128K prefill of the
+"""The fused inference norms (natsl.fast.cached.rms_kernel) at the shapes of a 128K prefill of the
 800M models, under several launch settings, against a plain copy of the same bytes (GPU).
 
     PYTHONPATH=. python3 benchmarks/bench_inference_norms.py [--length 131072] [--out bench_inference_norms.json]
@@ -38,7 +38,7 @@ def main() -> None:
     import torch
     from triton.testing import do_bench
 
-    from natsl.inference import kernels
+    from natsl.fast import cached as kernels
     from natsl.provenance import provenance
 
     dev, bf, T = "cuda", torch.bfloat16, args.length

@@ -6,7 +6,7 @@ Medians of triton.testing.do_bench, bf16, at an 800M training micro-batch ([4, 4
 and forward+backward) and a 128K prefill ([1, 131072, C]: forward): the short conv + SiLU for
 C = 1152 (q, k) and 2304 (v), RMSNorm at d = 1536 and SwiGLU at 4096, each compiled with
 dynamic=True (every size symbolic, natsl before 2026-11-30) and dynamic=False (specialised), and the
-conv's Triton prefill kernel (natsl.inference.kernels.conv_chunk). GB/s counts the bytes the
+conv's Triton prefill kernel (natsl.fast.cached.conv_chunk). GB/s counts the bytes the
 forward must move (inputs read + output written) over the time.
 """
 
@@ -27,7 +27,7 @@ def main() -> None:
     import torch
     from triton.testing import do_bench
 
-    from natsl.inference import kernels
+    from natsl.fast import cached as kernels
     from natsl.models import pointwise as pw
     from natsl.provenance import provenance
 

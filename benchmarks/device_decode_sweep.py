@@ -1,4 +1,4 @@
-"""Launch-setting sweep of the split-K decode attention (natsl.inference.decode_attention) on the GPU:
+"""Launch-setting sweep of the split-K decode attention (natsl.fast.decode_attention) on the GPU:
 each setting checked against `attend_one` and timed by CUDA-graph replay (the way a decode step
 runs it, no host time), beside SDPA's flash kernel (no mask) at the same shape.
 
@@ -43,8 +43,8 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
-    from natsl.inference.decode_attention import decode_attention
-    from natsl.inference.functional import attend_one
+    from natsl.fast.decode_attention import decode_attention
+    from natsl.reference.cached import attend_one
     from natsl.provenance import provenance
 
     began = time.monotonic()

@@ -3,7 +3,7 @@
     PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/device_profile_inference.py
 
 1. Correctness: a short prefill + decode of 800m_hybrid and 800m_gdn with the fused kernels
-   (natsl.inference.kernels) against NATSL_FUSED_INFERENCE=0 (the old cached path): max relative
+   (natsl.fast.cached) against NATSL_FUSED_INFERENCE=0 (the old cached path): max relative
    logit difference (bf16).
 2. Profile (torch.profiler) of one CUDA-graph decode step and one 32K prefill of 800m_gdn and
    800m_hybrid (keep 0.5, bf16, fast): top-15 CUDA and CPU ops; kernel launches per decode step
@@ -53,7 +53,7 @@ def tables(text: str) -> None:
 
 
 def set_fused(on: bool) -> None:
-    from natsl.inference import kernels
+    from natsl.ops import fused as kernels
 
     kernels.FORCE = None if on else False
 

@@ -37,7 +37,7 @@ def bench_latency(
     """Measure latency for recipes (default: the 800M NAtS-L Hybrid, Transformer and GDN) or checkpoints."""
     import natsl
     from natsl.checkpoint import checkpoint_recipe, read_config, resolve_checkpoint_folder
-    from natsl.cli.common import pick_backend, pick_device, pick_dtype
+    from natsl.runtime import pick_backend, pick_device, pick_dtype
     from natsl.inference import bench
 
     if min_len is None:

@@ -35,7 +35,7 @@ import torch
 from natsl.provenance import provenance
 
 from natsl.inference.decode import DecodeRunner
-from natsl.inference.routing import force_keep_fraction
+from natsl.models.routing import force_keep_fraction
 
 DEFAULT_RECIPES = ("800m_hybrid", "800m_transformer", "800m_gdn")
 

@@ -1,4 +1,4 @@
-"""Helpers shared by the subcommands: device, dtype and backend choices."""
+"""Device, dtype and backend choices shared by the commands, training and evaluation (below the CLI)."""
 
 from __future__ import annotations
 
