@@ -33,9 +33,12 @@ def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
 
 
 def pick_backend(name: str | None, device: torch.device) -> str:
-    """`--backend`: Triton kernels on CUDA, the chunked PyTorch form on the CPU by default."""
+    """`--backend`: Triton kernels on CUDA, the chunked PyTorch form on the CPU by default
+    (`natsl.ops.default_backend`)."""
+    from natsl.ops import BACKENDS, default_backend
+
     if name is None or name == "auto":
-        return "fast" if device.type == "cuda" else "chunked"
-    if name not in ("reference", "chunked", "fast"):
+        return default_backend(device, command=True)
+    if name not in BACKENDS:
         raise NatslError(f"unknown backend {name!r}: use reference, chunked or fast")
     return name
