@@ -279,9 +279,9 @@ def decode_natsl(fast):
         args = [x["q"], x["keys"], x["values"], x["visible"]]
         if fast:
             _needs_cuda(x["q"].device)
-            from natsl.inference.decode_attention import decode_attention as fn
+            from natsl.fast.decode_attention import decode_attention as fn
         else:
-            from natsl.inference.functional import attend_one as fn
+            from natsl.reference.cached import attend_one as fn
         return Call(fn, args)
     return build
 
@@ -334,7 +334,7 @@ def gemv_build(fast):
         torch = _torch()
         if fast:
             _needs_cuda(x["x"].device)
-            from natsl.inference.gemv import linear
+            from natsl.fast.gemv import linear
         else:
             linear = torch.nn.functional.linear
         call = gemv_call(linear)(x["x"], x["weights"])
@@ -365,7 +365,7 @@ def norm_fast(x, p, mode):
     _needs_cuda(x["x"].device)
     if mode == "fwdbwd":
         raise Skip("the fused norms are inference kernels (no backward)")
-    from natsl.inference import kernels
+    from natsl.fast import cached as kernels
 
     return Call(lambda t: kernels.rms_norm(t, x["weight"], EPS, x["gate"], mean=not p.variant["l2"]), [x["x"]])
 
@@ -423,12 +423,12 @@ REGISTRY = {op.name: op for op in (
     Op("decode_attention", {"natsl_fast": decode_natsl(True), "natsl_reference": decode_natsl(False),
                             "sdpa_flash": decode_sdpa("FLASH_ATTENTION"), "sdpa_cudnn": decode_sdpa("CUDNN_ATTENTION")},
        decode_inputs, points=((1, 4096), (1, 16384), (1, 65536), (1, 131072)), modes=("fwd",),
-       sweep=("natsl.inference.decode_attention", _settings(PROGRAMS_PER_SM_NARROW=[8, 32], PROGRAMS_PER_SM=[2, 4]))),
+       sweep=("natsl.fast.decode_attention", _settings(PROGRAMS_PER_SM_NARROW=[8, 32], PROGRAMS_PER_SM=[2, 4]))),
     Op("gemv", {"natsl_fast": gemv_build(True), "cublas": gemv_build(False)}, gemv_inputs,
        points=((1, 1), (2, 1)), variants=gemv_products, modes=("fwd",)),
     Op("pointwise", {"natsl_fast": norm_fast, "natsl_reference": norm_reference}, norm_inputs,
        points=((1, 131072), (8, 4096)), variants=norm_pieces,
-       sweep=("natsl.inference.kernels", _settings(RMS_LAUNCH=[{"pdl": False}, {"rows": 4}, {"rows": 32},
+       sweep=("natsl.fast.cached", _settings(RMS_LAUNCH=[{"pdl": False}, {"rows": 4}, {"rows": 32},
                                                                {"rows": 64, "warps": 8}]))),
 )}
 

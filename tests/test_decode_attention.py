@@ -1,4 +1,4 @@
-"""The split-K Triton decode attention (natsl.inference.decode_attention) against `attend_one`.
+"""The split-K Triton decode attention (natsl.fast.decode_attention) against `attend_one`.
 
 On a machine without CUDA the kernels run under TRITON_INTERPRET=1 (set below, before anything
 imports Triton), so the shapes stay small. Keys and values are views of a larger cache buffer whose
@@ -21,8 +21,8 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from natsl.inference.cuda_graph import capture  # noqa: E402
-from natsl.inference.decode_attention import choose_splits, decode_attention  # noqa: E402
-from natsl.inference.functional import attend_one  # noqa: E402
+from natsl.fast.decode_attention import choose_splits, decode_attention  # noqa: E402
+from natsl.reference.cached import attend_one  # noqa: E402
 from numerics import rel_rms  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

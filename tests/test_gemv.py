@@ -1,4 +1,4 @@
-"""natsl.inference.gemv (decode-step matrix-vector products) against F.linear, and when
+"""natsl.fast.gemv (decode-step matrix-vector products) against F.linear, and when
 natsl.models.linear.Linear uses it."""
 
 import pytest
@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from natsl.devices import triton_interpreted
-from natsl.inference import gemv
 from natsl.models.linear import Linear
+from natsl.ops import gemv
 
 
 def relative_error(got, want):
@@ -106,7 +106,7 @@ def test_gpu_pdl_chain_in_a_cuda_graph_equals_plain_launches(monkeypatch):
     results of plain launches: each kernel waits for its inputs before it reads them."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("needs a CUDA device of compute capability >= 9")
-    from natsl.inference import kernels
+    from natsl.fast import cached as kernels
 
     gen = torch.Generator(device="cuda").manual_seed(1)
     d, f = 1536, 4096
@@ -147,7 +147,7 @@ def test_gpu_pdl_chain_in_a_cuda_graph_equals_plain_launches(monkeypatch):
 def test_pdl_switch(monkeypatch):
     """PDL only on CUDA devices of compute capability >= 9, off with NATSL_DECODE_PDL=0 or on the CPU
     (where the launch takes no PDL keyword at all); kernels.PDL overrides the rule."""
-    from natsl.inference import kernels
+    from natsl.fast import cached as kernels
 
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(kernels, "PDL", None)

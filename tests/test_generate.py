@@ -171,14 +171,14 @@ CPU_OOM = ("DefaultCPUAllocator: can't allocate memory: you tried to allocate 68
 def test_running_out_of_memory_is_one_line(checkpoint, monkeypatch):
     """Out of memory anywhere in a command (here: while picking the device) is a one-line error, exit 2;
     any other RuntimeError stays a bug with its traceback."""
-    import natsl.cli.common
+    import natsl.runtime
 
     def out_of_memory(name):
         raise RuntimeError(CPU_OOM)
 
-    monkeypatch.setattr(natsl.cli.common, "pick_device", out_of_memory)
+    monkeypatch.setattr(natsl.runtime, "pick_device", out_of_memory)
     assert_one_line_error(run("generate", checkpoint, "--prompt", "hi"), "out of memory", "lower the length")
-    monkeypatch.setattr(natsl.cli.common, "pick_device", lambda name: (_ for _ in ()).throw(RuntimeError("a bug")))
+    monkeypatch.setattr(natsl.runtime, "pick_device", lambda name: (_ for _ in ()).throw(RuntimeError("a bug")))
     result = run("generate", checkpoint, "--prompt", "hi")
     assert result.exit_code == 1 and isinstance(result.exception, RuntimeError)
 

@@ -13,10 +13,10 @@ import torch
 import natsl
 from natsl.devices import triton_interpreted
 from natsl.errors import NatslError
-from natsl.inference.cache import read_length
+from natsl.models.cache import read_length
 from natsl.inference.decode import DecodeRunner
 from natsl.inference.generate import TextStream
-from natsl.inference.routing import force_keep_fraction
+from natsl.models.routing import force_keep_fraction
 from natsl.inference.sampling import filter_logits
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
@@ -130,7 +130,7 @@ def softmax_kv_of_full_forward(model, ids):
                                            ([70], True), ([16, 40], True)])
 def test_committed_kv_holds_exactly_the_kept_blocks(chunks, fused, monkeypatch):
     """Also with the fused kernels, whose prefill stores K/V block by block (kernels.store_blocks)."""
-    from natsl.inference import kernels
+    from natsl.ops import fused as kernels
 
     if fused and not torch.cuda.is_available() and not triton_interpreted():
         pytest.skip("needs CUDA or the Triton interpreter")
@@ -304,7 +304,7 @@ def test_gpu_prefill_with_branches_on_two_streams_equals_one_stream(monkeypatch)
     """The GDN branch on a side stream (inference/overlap.py) runs the same kernels in the same order
     within each branch: logits and every cache tensor bitwise equal to the one-stream prefill, for a
     prefill from empty and one that continues inside a block, at batch 2."""
-    from natsl.inference import overlap
+    from natsl.models import overlap
 
     model = gpu_model("natsl_hybrid", torch.bfloat16)
     force_keep_fraction(model, 0.5, seed=2)
@@ -327,7 +327,7 @@ def test_gpu_prefill_with_branches_on_two_streams_equals_one_stream(monkeypatch)
 
 
 def test_prefill_overlap_stays_off_the_cpu_and_short_calls(monkeypatch):
-    from natsl.inference import overlap
+    from natsl.models import overlap
 
     x = torch.zeros(1, 8)
     assert overlap.side_stream(x, 10**6) is None  # CPU tensors: one stream
@@ -364,13 +364,13 @@ def test_gpu_cuda_graph_decode_equals_eager_decode():
     assert all(torch.equal(a, b) for a, b in zip(logits[True, "kept"], logits[False, "kept"]))
 
 
-# -- the fused Triton kernels of the cached paths (natsl.inference.kernels), in Triton's interpreter -----
+# -- the fused Triton kernels of the cached paths (natsl.fast.cached), in Triton's interpreter -----
 
 @pytest.mark.parametrize("layout", [*LAYOUTS, "natsl_hybrid-intra-softmax", "natsl_hybrid-intra-gdn"])
 def test_fused_inference_kernels_equal_the_full_forward(layout, monkeypatch):
     """The fused decode kernels through prefill + decode, for every layout and for the NAtS-L
     intra-block variants (with "softmax" the GDN step cannot be the one-kernel GDN decode step)."""
-    from natsl.inference import kernels
+    from natsl.ops import fused as kernels
 
     if not torch.cuda.is_available() and not triton_interpreted():
         pytest.skip("needs CUDA or the Triton interpreter")
@@ -388,11 +388,11 @@ def test_fused_inference_kernels_equal_the_full_forward(layout, monkeypatch):
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("fraction", [None, 0.5])
 def test_fused_block_end_equals_the_plain_decode(fraction, compiled, monkeypatch):
-    """natsl.inference.block_end (the fused path's decode bookkeeping: slots, route, state commit,
+    """natsl.models.block_end (the fused path's decode bookkeeping: slots, route, state commit,
     kept lengths) against the plain path, with the router and with a fixed keep fraction; across
     several block ends (two sequences at different positions); eager and compiled (as on a GPU)."""
-    from natsl.inference import gemv, kernels
-    from natsl.inference.routing import force_keep_fraction
+    from natsl.ops import fused as kernels, gemv
+    from natsl.models.routing import force_keep_fraction
 
     if not torch.cuda.is_available() and not triton_interpreted():
         pytest.skip("needs CUDA or the Triton interpreter")
@@ -489,10 +489,10 @@ def test_compiled_pointwise_pieces_through_prefill_and_decode(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_conv_chunk_kernel_matches_the_formula(dtype):
-    """natsl.inference.kernels.conv_chunk (prefill's short conv + SiLU) against the pointwise formula,
+    """natsl.fast.cached.conv_chunk (prefill's short conv + SiLU) against the pointwise formula,
     with a random tail, for chunks shorter than the tail (T = 1, 2), odd T and C, and tiles cut at
     both edges; the tail is left as it was."""
-    from natsl.inference import kernels
+    from natsl.fast import cached as kernels
     from natsl.models import pointwise as pw
 
     if not torch.cuda.is_available() and not triton_interpreted():
@@ -514,9 +514,9 @@ def test_fused_conv_chunk_kernel_matches_the_formula(dtype):
 
 
 def test_fused_conv_steps_of_three_widths_in_one_launch():
-    """natsl.inference.kernels.conv_steps (a GDN layer's q, k, v decode convs in one launch, widths
+    """natsl.fast.cached.conv_steps (a GDN layer's q, k, v decode convs in one launch, widths
     1152/1152/2304 scaled down) against the formula; each tail shifted by one with x appended."""
-    from natsl.inference import kernels
+    from natsl.fast import cached as kernels
     from natsl.models import pointwise as pw
 
     if not torch.cuda.is_available() and not triton_interpreted():
@@ -536,10 +536,10 @@ def test_fused_conv_steps_of_three_widths_in_one_launch():
 
 
 def test_fused_write_kv_equals_two_scatters():
-    """natsl.inference.kernels.write_kv (a decode token's K and V rows into their caches, one launch)
+    """natsl.fast.cached.write_kv (a decode token's K and V rows into their caches, one launch)
     against functional.write_token, with strided rows, odd widths and per-row slots."""
-    from natsl.inference import kernels
-    from natsl.inference.functional import write_token
+    from natsl.fast import cached as kernels
+    from natsl.reference.cached import write_token
 
     if not torch.cuda.is_available() and not triton_interpreted():
         pytest.skip("needs CUDA or the Triton interpreter")
@@ -560,10 +560,10 @@ def test_fused_write_kv_equals_two_scatters():
 
 @pytest.mark.parametrize("width", [64, 100, 192, 1536])
 def test_fused_norm_kernel_matches_the_formulas(width):
-    """natsl.inference.kernels.rms_norm (several rows per program for narrow rows) against the
+    """natsl.fast.cached.rms_norm (several rows per program for narrow rows) against the
     pointwise formulas: RMSNorm with weight, with weight x silu(gate), and L2 normalisation, for row
     counts that leave the last program's tile part-full."""
-    from natsl.inference import kernels
+    from natsl.fast import cached as kernels
     from natsl.models import pointwise as pw
 
     if not torch.cuda.is_available() and not triton_interpreted():

@@ -36,7 +36,7 @@ def bench_latency(
 ) -> None:
     """Measure latency for recipes (default: the 800M NAtS-L Hybrid, Transformer and GDN) or checkpoints."""
     import natsl
-    from natsl.cli.common import check_length, checkpoint_recipe_of, pick_backend, pick_device, pick_dtype
+    from natsl.runtime import check_length, checkpoint_recipe_of, pick_backend, pick_device, pick_dtype
     from natsl.inference import bench
     from natsl.seeding import check_seed
 

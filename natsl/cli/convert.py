@@ -29,7 +29,7 @@ def convert(
 
     import torch
 
-    from natsl.cli.common import DTYPES
+    from natsl.runtime import DTYPES
     from natsl.errors import NatslError
     from natsl.eval.convert import convert_checkpoint, import_hf
     from natsl.files import check_output_folder

@@ -36,12 +36,12 @@ def eval_ppl(
     import sys
 
     from natsl.atomic import write_json
-    from natsl.cli.common import check_length, checkpoint_recipe_of, on_cuda
+    from natsl.runtime import check_length, checkpoint_recipe_of, on_cuda
     from natsl.errors import NatslError
     from natsl.eval.common import human_count, load_eval_model, prepare_out_dir, print_estimate
     from natsl.eval.data import check_vocab, load_token_data, windows as make_windows
     from natsl.eval.ppl import evaluate_windows, plot_curves
-    from natsl.inference.routing import force_keep_fraction
+    from natsl.models.routing import force_keep_fraction
 
     if keep_fraction is not None and not 0.0 <= keep_fraction <= 1.0:
         raise NatslError(f"--keep-fraction must lie in [0, 1], got {keep_fraction}")

@@ -19,7 +19,7 @@ def run_eval_recall(checkpoint: str, task: Optional[str] = None, lengths: Option
     from natsl.errors import NatslError
     from natsl.eval.common import load_eval_model, prepare_out_dir, write_json
     from natsl.eval.recall import evaluate_recall, format_table, grid_points, plot_recall
-    from natsl.inference.routing import force_keep_fraction
+    from natsl.models.routing import force_keep_fraction
 
     if samples < 1 or batch_size < 1:
         raise NatslError("--samples and --batch-size must be at least 1")

@@ -56,12 +56,12 @@ def eval_ruler(
     from pathlib import Path
 
     from natsl.atomic import write_json, write_jsonl
-    from natsl.cli.common import check_length, checkpoint_recipe_of, on_cuda
+    from natsl.runtime import check_length, checkpoint_recipe_of, on_cuda
     from natsl.errors import NatslError
     from natsl.eval.common import human_count, load_eval_model, prepare_out_dir, print_estimate
     from natsl.eval.haystack import EssaySentences, split_sentences
     from natsl.eval.ruler import TASKS, format_table, plot_scores, run_ruler
-    from natsl.inference.routing import force_keep_fraction
+    from natsl.models.routing import force_keep_fraction
     from natsl.seeding import check_seed
 
     if keep_fraction is not None and not 0.0 <= keep_fraction <= 1.0:

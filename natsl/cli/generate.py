@@ -69,7 +69,7 @@ def generate(
 ) -> None:
     """Continue prompts with a checkpoint; one prompt streams to the terminal as it is generated."""
     from natsl.checkpoint import load_checkpoint
-    from natsl.cli.common import pick_backend, pick_device, pick_dtype
+    from natsl.runtime import pick_backend, pick_device, pick_dtype
     from natsl.inference.generate import generate as run_generate
     from natsl.inference.sampling import SamplingConfig
 

@@ -28,7 +28,7 @@ def info(
     import torch
 
     import natsl
-    from natsl.cli.common import check_length, pick_backend
+    from natsl.runtime import check_length, pick_backend
     from natsl.errors import NatslError
     from natsl.seeding import check_seed
 

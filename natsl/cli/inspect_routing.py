@@ -34,7 +34,7 @@ def inspect_routing(
     import numpy as np
 
     from natsl.atomic import write_json
-    from natsl.cli.common import check_length, checkpoint_recipe_of, on_cuda
+    from natsl.runtime import check_length, checkpoint_recipe_of, on_cuda
     from natsl.errors import NatslError
     from natsl.eval.common import human_count, load_eval_model, prepare_out_dir, print_estimate
     from natsl.eval.data import check_vocab, load_token_data, windows as make_windows

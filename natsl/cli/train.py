@@ -36,7 +36,7 @@ def train(
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show the progress bar."),
 ) -> None:
     """Train from a recipe: AdamW, warmup + cosine, checkpoints you can resume, metrics.jsonl + metrics.png."""
-    from natsl.cli.common import pick_backend, pick_device
+    from natsl.runtime import pick_backend, pick_device
     from natsl.config import apply_overrides, load_recipe
     from natsl.errors import NatslError
     from natsl.training import TrainOptions, train as run_training

@@ -39,9 +39,9 @@ def checkpoint_name(folder: Path) -> str:
 
 def load_eval_model(path, device=None, dtype=None, backend=None) -> EvalModel:
     """A checkpoint ready for evaluation: eval mode, on `device` in `dtype`, ops on `backend`
-    (the `natsl.cli.common` defaults: cuda/bf16/fast when there is a GPU, else cpu/fp32/chunked)."""
+    (the `natsl.runtime` defaults: cuda/bf16/fast when there is a GPU, else cpu/fp32/chunked)."""
     from natsl.checkpoint import load_checkpoint, resolve_checkpoint_folder
-    from natsl.cli.common import pick_backend, pick_device, pick_dtype
+    from natsl.runtime import pick_backend, pick_device, pick_dtype
 
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)

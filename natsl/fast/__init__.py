@@ -6,7 +6,19 @@ Subpackages: `gated_delta` (chunked Gated DeltaNet with the write mask, and the 
 op's so that `natsl.fast.<op>` is always the function.
 """
 
-from natsl.fast.gated_delta import gated_delta_rule
-from natsl.fast.block_sparse import routed_attention
 
 __all__ = ["gated_delta_rule", "routed_attention"]
+
+
+def __getattr__(name):
+    # Imported on first use: a submodule without Triton at import time (natsl.fast.cached,
+    # decode_attention, gemv) must not pull in every kernel package through this one.
+    if name == "gated_delta_rule":
+        from natsl.fast.gated_delta import gated_delta_rule
+
+        return gated_delta_rule
+    if name == "routed_attention":
+        from natsl.fast.block_sparse import routed_attention
+
+        return routed_attention
+    raise AttributeError(f"module 'natsl.fast' has no attribute {name!r}")

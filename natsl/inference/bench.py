@@ -33,7 +33,7 @@ from natsl.atomic import save_figure, write_json
 from natsl.provenance import provenance
 
 from natsl.inference.decode import DecodeRunner
-from natsl.inference.routing import force_keep_fraction
+from natsl.models.routing import force_keep_fraction
 
 DEFAULT_RECIPES = ("800m_hybrid", "800m_transformer", "800m_gdn")
 

@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from natsl.config import ModelConfig
-from natsl.inference import kernels
-from natsl.inference.functional import attend_cached, write_kv
+from natsl.ops import fused as kernels
+from natsl.ops.cached import attend_cached, write_kv
 from natsl.models.linear import Linear
 from natsl.models.merged import shared_linear
 from natsl.models.rope import RopeTable, apply_rope

@@ -13,7 +13,7 @@ import os
 import torch
 from torch import nn
 
-from natsl.inference import kernels
+from natsl.ops import fused as kernels
 from natsl.models.pointwise import conv_silu, conv_tail
 from natsl.ops import resolve_backend
 
@@ -36,11 +36,11 @@ class ShortConv(nn.Module):
     def forward(self, x: torch.Tensor, tail: torch.Tensor | None = None, fused: bool = False):
         """x [B, T, C], tail [B, kernel-1, C] or None (zeros) -> (SiLU(conv(x)) [B, T, C], new tail).
         The new tail is None where no tail was given (the full-sequence forward keeps none).
-        `fused` (cached prefill): the Triton kernel of natsl.inference.kernels, where no gradient is
+        `fused` (cached prefill): the Triton kernel of natsl.fast.cached, where no gradient is
         wanted (it has no backward)."""
         if tail is None:
             if resolve_backend(self.backend, x.device) == "fast":
-                from natsl.fast.short_conv import short_conv_silu  # Triton: imported where used
+                from natsl.ops.short_conv import short_conv_silu  # Triton: imported where used
 
                 return short_conv_silu(x, self.weight), None
             return conv_silu(x, x.new_zeros(x.shape[0], self.kernel_size - 1, x.shape[2]), self.weight), None
@@ -59,7 +59,7 @@ def joined_conv_fits(convs: list[ShortConv], device: torch.device) -> bool:
     """Whether `joined_conv_silu` can take these convs (no tails) on inputs on `device`."""
     if not JOINED or resolve_backend(convs[0].backend, device) != "fast":
         return False
-    from natsl.fast.short_conv import split_fits  # Triton: imported where used
+    from natsl.ops.short_conv import split_fits  # Triton: imported where used
 
     widths = {conv.kernel_size for conv in convs}
     return len(widths) == 1 and split_fits([conv.weight.shape[0] for conv in convs], widths.pop())
@@ -69,6 +69,6 @@ def joined_conv_silu(convs: list[ShortConv], x: torch.Tensor) -> tuple[torch.Ten
     """Each conv's SiLU(conv) of its consecutive channel slice of x [B, T, sum C_i], no tails, as one
     fast op (see joined_conv_fits): the outputs come back contiguous and the gradient of x as one
     tensor, where per-conv ops on column slices leave autograd a concatenation to copy."""
-    from natsl.fast.short_conv import short_conv_silu_split
+    from natsl.ops.short_conv import short_conv_silu_split
 
     return short_conv_silu_split(x, [conv.weight for conv in convs])

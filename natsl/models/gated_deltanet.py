@@ -18,8 +18,8 @@ from natsl.models.linear import Linear
 from natsl.models.merged import buffer_product, group_product, joined_product
 from natsl.models.norms import RMSNorm
 from natsl.models.pointwise import gated_rms_norm, gdn_gates, l2_normalize
-from natsl.inference import kernels
-from natsl.inference.functional import gdn_token_step, use_fast
+from natsl.ops import fused as kernels
+from natsl.ops.cached import gdn_token_step, use_fast
 
 
 class GatedDeltaProjections(nn.Module):
@@ -91,7 +91,7 @@ class GatedDeltaProjections(nn.Module):
     def decode_conv(self, x: torch.Tensor, conv_tails):
         """One token [B, 1, d] -> q, k, v (projection + conv + SiLU with the fused kernel; the cached
         tails are shifted in place) and the raw a, b projections (cached paths only, see
-        natsl.inference.kernels)."""
+        natsl.fast.cached)."""
         q, k, v, a, b = self.linear(x)
         q, k, v = kernels.conv_steps([q, k, v], conv_tails, [self.q_conv.weight, self.k_conv.weight,
                                                              self.v_conv.weight])

@@ -1,7 +1,7 @@
 """`Linear`: nn.Linear whose grad-free products of a few rows (decode steps) run on a GEMV kernel.
 
 Same parameters, names and checkpoint layout as nn.Linear (it is one); only the kernel behind a
-decode-sized, grad-free call changes (`natsl.inference.gemv`, where that says it is enabled).
+decode-sized, grad-free call changes (`natsl.fast.gemv`, where that says it is enabled).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from natsl.inference import gemv
+from natsl.ops import gemv
 
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:

@@ -7,7 +7,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from natsl.config import ModelConfig
-from natsl.inference import kernels
+from natsl.ops import fused as kernels
 from natsl.models.attention import SoftmaxAttention
 from natsl.models.conv import ShortConv
 from natsl.models.gated_deltanet import GatedDeltaNet
@@ -143,7 +143,7 @@ class CausalLM(nn.Module):
     def new_cache(self, batch_size: int, max_len: int | None = None, *, device=None, dtype=None):
         """An empty `ModelCache` for `batch_size` sequences of up to `max_len` tokens (default: the
         config's max_seq_len); all of it is allocated now, so decoding never reallocates."""
-        from natsl.inference.cache import new_model_cache
+        from natsl.models.cache import new_model_cache
 
         return new_model_cache(self, batch_size, max_len, device=device, dtype=dtype)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from natsl.inference import gemv
+from natsl.ops import gemv
 from natsl.models.linear import Linear, decode_sized
 from natsl.models.merged import shared_linear
 from natsl.models.pointwise import swiglu

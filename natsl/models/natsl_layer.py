@@ -15,7 +15,7 @@ Incremental inference (docs/spec.md section 4) is `forward(x, cache=NAtSLCache)`
 tokens (prefill) runs the ops block-aligned from the cached states, a call with one token per
 sequence (decode) steps the state and attends over the compacted softmax memory; when a block
 completes, the router decides on its mean and the state and memory are committed. Both leave the
-cache as the other would (see natsl/inference/cache.py for the layout, docs/inference.md).
+cache as the other would (see natsl/models/cache.py for the layout, docs/inference.md).
 """
 
 from __future__ import annotations
@@ -27,11 +27,12 @@ from torch import nn
 
 from natsl import ops
 from natsl.config import ModelConfig
-from natsl.inference import kernels, overlap
-from natsl.inference.block_end import close_block, decode_slots
-from natsl.inference.functional import (attend_cached, commit_state, gdn_token_step, masked_attention, read_state,
+from natsl.ops import fused as kernels
+from natsl.models import overlap
+from natsl.models.block_end import close_block, decode_slots
+from natsl.ops.cached import (attend_cached, commit_state, gdn_token_step, masked_attention, read_state,
                                         use_fast, write_kv)
-from natsl.inference.routing import KeepFraction
+from natsl.models.routing import KeepFraction
 from natsl.models.gated_deltanet import GatedDeltaProjections
 from natsl.models.linear import Linear, aligned_linear
 from natsl.models.norms import RMSNorm
@@ -68,7 +69,7 @@ class NAtSL(nn.Module):
         # The router's balance loss of the last training forward (config.router_balance > 0), else None.
         self.aux_loss: torch.Tensor | None = None
         # `(block_index [B, N], groups) -> keep [B, N, groups]` replacing the router in the full-sequence
-        # forward and incremental inference alike (natsl.inference.routing.force_keep_fraction); None =
+        # forward and incremental inference alike (natsl.models.routing.force_keep_fraction); None =
         # the router decides.
         self.route_override = None
 
@@ -110,7 +111,7 @@ class NAtSL(nn.Module):
             norms = (None, None, self.out_norm.weight, self.out_norm.eps)
         gate = self.g_proj(x)
         if self._fused_mix(o_nla, logits):
-            from natsl.fast.mix import mix_branches as fused  # Triton: imported where used
+            from natsl.ops.mix import mix_branches as fused  # Triton: imported where used
 
             return self.o_proj(fused(o_la, o_nla, logits, gate, norms[0], norms[1], norms[3]))
         return self.o_proj(mix_branches(o_la, o_nla, logits, c.mix_weights, gate, *norms))
@@ -123,7 +124,7 @@ class NAtSL(nn.Module):
                 or os.environ.get("NATSL_FUSED_MIX", "1") == "0"
                 or resolve_backend(self.backend, o_nla.device) != "fast"):
             return False
-        from natsl.fast.mix import supports
+        from natsl.ops.mix import supports
 
         return supports(o_nla)
 
@@ -214,7 +215,7 @@ class NAtSL(nn.Module):
         pos = cache.positions.pos  # [B]: this token's position
         fast = use_fast(self.backend, x.device)
         override = self.route_override
-        # The block-end bookkeeping in a few compiled kernels (natsl.inference.block_end)?
+        # The block-end bookkeeping in a few compiled kernels (natsl.models.block_end)?
         compiled_end = fused and (override is None or isinstance(override, KeepFraction))
 
         # GDN branch: step the running state; without intra-block output read the committed one.

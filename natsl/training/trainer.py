@@ -78,7 +78,7 @@ class TrainResult:
 
 def train(recipe: Recipe, options: TrainOptions) -> TrainResult:
     """Run (or continue) the training a recipe describes; see the module doc."""
-    from natsl.cli.common import pick_device
+    from natsl.runtime import pick_device
 
     info = D.setup(pick_device(options.device))
     if info.device.type == "cpu":
@@ -353,7 +353,7 @@ class Trainer:
                      f"= {r.train.seq_len + 1} tokens (tokenize with a larger --val-fraction to get one)")
 
     def build(self, ckpt: Optional[S.LoadedCheckpoint]) -> None:
-        from natsl.cli.common import pick_backend
+        from natsl.runtime import pick_backend
         from natsl.models import build_model
 
         r = self.recipe

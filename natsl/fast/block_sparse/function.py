@@ -143,6 +143,7 @@ def routed_attention(
     scale: float | None = None,
     block_size: int = 64,
     route_grad: str = "active",
+    intra_block: bool = True,
 ) -> torch.Tensor:
     """Causal softmax attention in which earlier blocks are visible only where `keep` is 1.
 
@@ -150,8 +151,14 @@ def routed_attention(
     head j is in routing group j // (Hs // G). Returns o [B,T,Hs,Dv] in q's dtype.
     The fast path reads keep as binary: block c is visible iff keep_c > 0.5 (routes are exactly
     0/1 in the model). dkeep is docs/spec.md section 3's continuous-mask gradient at that binary mask;
-    "active" leaves it zero on dropped blocks, "full" also visits them for it.
+    "active" leaves it zero on dropped blocks, "full" also visits them for it. `intra_block=False`
+    (the Table 4 ablation, a research switch with no kernel of its own) runs the reference, so that
+    both twins take the same arguments.
     """
+    if not intra_block:
+        from natsl.reference.routed_attention import routed_attention as reference
+
+        return reference(q, k, v, keep, scale=scale, block_size=block_size, route_grad=route_grad, intra_block=False)
     check_route_grad(route_grad)
     _validate(q, k, v, keep, block_size)
     B, T, Hs, Dk = q.shape

@@ -203,14 +203,23 @@ def gated_delta_rule(
     block_size: int = 64,
     decay_skipped_blocks: bool = True,
     route_grad: str = "active",
+    intra_block: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated DeltaNet whose block content writes are committed only where `write` is 1 (Triton).
 
     q, k [B,T,H,K] (already normalised); v [B,T,H,V]; g (log decay), beta [B,T,H] (any float
     dtype); write [B,NB,H] (None = all ones), any float values; initial_state [B,H,K,V].
     Returns o [B,T,H,V] in q's dtype (k, v compute in q's dtype) and, if `output_final_state`,
-    S_start(NB) [B,H,K,V] in fp32. Chunk size = block_size (64 or 128).
+    S_start(NB) [B,H,K,V] in fp32. Chunk size = block_size (64 or 128). `intra_block=False` (the
+    Table 4 ablation, a research switch with no kernel of its own) runs the reference, so that both
+    twins take the same arguments.
     """
+    if not intra_block:
+        from natsl.reference.gated_delta import gated_delta_rule as reference
+
+        return reference(q, k, v, g, beta, write, scale=scale, initial_state=initial_state,
+                         output_final_state=output_final_state, block_size=block_size,
+                         decay_skipped_blocks=decay_skipped_blocks, route_grad=route_grad, intra_block=False)
     check_route_grad(route_grad)
     _validate(q, k, v, g, beta, write, initial_state, block_size)
     B, T, H, K = q.shape

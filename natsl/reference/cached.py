@@ -1,49 +1,25 @@
 """Small tensor functions the layers' cache paths share: one GDN token step, the route commit, and
 softmax attention over cached keys with per-row lengths or an explicit mask.
 
-Everything here works on any device; on CUDA with the fast backend the GDN step and the commit use
-`natsl.fast.gated_delta` (`gated_delta_step`, `commit_block`) when that package provides them.
-Nothing here reads a device value on the host, so a decode step built from these functions can be
-captured in a CUDA graph.
+Everything here works on any device and is the reference twin of the fast decode pieces
+(`natsl.fast.gated_delta.gated_delta_step` and `commit_block`, `natsl.fast.decode_attention`);
+`natsl.ops.cached` picks between them. Nothing here reads a device value on the host, so a decode
+step built from these functions can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
-from natsl.inference import decode_attention, kernels
-from natsl.ops import resolve_backend
 
-
-@functools.lru_cache(maxsize=None)
-def _fast_gated_delta():
-    """(gated_delta_step, commit_block) from natsl.fast, or None where that package lacks them."""
-    try:
-        from natsl.fast.gated_delta import commit_block, gated_delta_step
-    except ImportError:
-        return None
-    return gated_delta_step, commit_block
-
-
-def use_fast(backend: str | None, device: torch.device) -> bool:
-    """Whether a layer on `backend` should use the fast decode pieces on `device` (CUDA + fast only)."""
-    return device.type == "cuda" and resolve_backend(backend, device) == "fast" and _fast_gated_delta() is not None
-
-
-def gdn_token_step(state, q, k, v, g, beta, *, scale=None, fast=False):
+def gdn_token_step(state, q, k, v, g, beta, *, scale=None):
     """One delta-rule token: state [B,H,K,V]; q, k [B,H,K]; v [B,H,V]; g, beta [B,H].
 
     S' = alpha (I - beta k k^T) S + beta k v^T,  o = scale S'^T q. Returns (o [B,H,V] in q's dtype,
     S' in the state's dtype); the input state is not modified.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if fast and q.shape[-1] <= 256:
-        step = _fast_gated_delta()[0]
-        o, new_state = step(q, k, v, g.float(), beta, state, scale=scale)
-        return o, new_state.to(state.dtype)
     dt, out_dtype = state.dtype, q.dtype
     q, k, v, g, beta = (t.to(dt) for t in (q, k, v, g, beta))
     k_state = torch.einsum("bhk,bhkv->bhv", k, state)
@@ -61,15 +37,13 @@ def read_state(state, q, *, scale=None):
     return scale * torch.einsum("bhkv,bthk->bthv", state, q.to(state.dtype))
 
 
-def commit_state(start, end, decay_sum, write, decay_skipped_blocks: bool = True, *, fast=False):
+def commit_state(start, end, decay_sum, write, decay_skipped_blocks: bool = True):
     """S_start(b+1) = c S_start(b) + write (S_end(b) - c S_start(b)), c = exp(decay_sum) or 1.
 
     start, end [B,H,K,V]; decay_sum (the block's sum of g) and write [B,H]. Returns a new tensor.
     """
     gamma = decay_sum.to(start.dtype).exp()
     write = write.to(start.dtype)
-    if fast:
-        return _fast_gated_delta()[1](start, end, gamma, write, decay_skipped_blocks)
     base = gamma[..., None, None] * start if decay_skipped_blocks else start
     return base + write[..., None, None] * (end.to(start.dtype) - base)
 
@@ -78,15 +52,6 @@ def write_token(buffer, slots, values) -> None:
     """buffer [B, heads, L, D]; slots [B, heads] (int64); values [B, heads, D]: buffer[b, h, slots[b, h]] = values[b, h]."""
     index = slots[:, :, None, None].expand(-1, -1, 1, buffer.shape[-1])
     buffer.scatter_(2, index, values[:, :, None, :].to(buffer.dtype))
-
-
-def write_kv(k_buf, v_buf, slots, k, v, *, fused: bool = False) -> None:
-    """`write_token` of a decode token's K and V; `fused`: both in one Triton launch (kernels.write_kv)."""
-    if fused and k.stride(-1) == 1 and v.stride(-1) == 1:
-        kernels.write_kv(k_buf, v_buf, slots, k, v)
-    else:
-        write_token(k_buf, slots, k)
-        write_token(v_buf, slots, v)
 
 
 def attend_one(q, keys, values, visible, *, scale=None):
@@ -103,14 +68,6 @@ def attend_one(q, keys, values, visible, *, scale=None):
     probs = torch.where(visible[..., None, None] > 0, probs, torch.zeros_like(probs))
     out = torch.matmul(probs.to(values.dtype), values)  # [B, heads, 1, Dv]
     return out.transpose(1, 2).to(q.dtype)
-
-
-def attend_cached(q, keys, values, visible, *, backend=None):
-    """`attend_one` for a decode step: on the split-K Triton kernel (natsl.inference.decode_attention)
-    where the fused inference kernels are on (CUDA + fast backend), else `attend_one` itself."""
-    if decode_attention.enabled(backend, q.device):
-        return decode_attention.decode_attention(q, keys, values, visible)
-    return attend_one(q, keys, values, visible)
 
 
 def masked_attention(q, keys, values, mask, *, scale=None):

@@ -4,7 +4,11 @@
 Triton (on a CPU tensor it runs under TRITON_INTERPRET=1); `backend="chunked"` is the pure-PyTorch
 chunk-parallel form of the same function (one sequential step per block instead of per token: the
 practical choice for training or evaluating on a CPU); `backend=None` reads the environment
-variable NATSL_BACKEND and otherwise picks fast on CUDA and reference elsewhere.
+variable NATSL_BACKEND and otherwise takes `default_backend`.
+
+The ops of the cached paths are modules of this package, one per family: `cached` (GDN token step,
+block commit, cached attention, K/V writes), `fused` (the cached paths' norms, conv steps and GDN
+decode step, and whether they run), `gemv`, `short_conv`, `mix`. Models reach kernels only here.
 """
 
 from __future__ import annotations
@@ -20,12 +24,22 @@ BACKENDS = ("reference", "chunked", "fast")
 ROUTE_GRAD_POLICIES = ("active", "full")
 
 
+def default_backend(device: torch.device, *, command: bool = False) -> str:
+    """The backend when none is chosen, the one place this rule lives: fast on CUDA; on the CPU the
+    reference for a library call (the definition of correct) and chunked for a command
+    (`natsl.runtime.pick_backend`: the same function in one sequential step per block instead of per
+    token, tested equal in tests/test_chunked_backend.py, the CPU's speed for training and evaluation)."""
+    if device.type == "cuda":
+        return "fast"
+    return "chunked" if command else "reference"
+
+
 def resolve_backend(backend: str | None, device: torch.device) -> str:
     """The backend a call runs on, given the caller's choice and the tensors' device."""
     if backend is None:
         backend = os.environ.get("NATSL_BACKEND") or None
     if backend is None:
-        return "fast" if device.type == "cuda" else "reference"
+        return default_backend(device)
     if backend not in BACKENDS:
         raise NatslError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
     if backend == "fast" and device.type == "cpu" and not triton_interpreted():
@@ -70,20 +84,15 @@ def gated_delta_rule(
         decay_skipped_blocks=decay_skipped_blocks,
         route_grad=route_grad,
     )
-    # The intra-block ablation (Table 4) exists only in the reference: it is a research switch,
-    # not a production path, so it never reaches the kernels.
+    # The intra-block ablation (Table 4) has no kernel: the fast twin hands it to the reference.
     chosen = resolve_backend(backend, q.device)
-    if chosen == "fast" and intra_block:
+    if chosen == "fast":
         from natsl.fast import gated_delta_rule as impl
     elif chosen == "chunked":
         from natsl.reference.gated_delta_chunked import gated_delta_rule as impl
-
-        kwargs["intra_block"] = intra_block
     else:
         from natsl.reference.gated_delta import gated_delta_rule as impl
-
-        kwargs["intra_block"] = intra_block
-    return impl(q, k, v, g, beta, write, **kwargs)
+    return impl(q, k, v, g, beta, write, intra_block=intra_block, **kwargs)
 
 
 def routed_attention(
@@ -105,12 +114,21 @@ def routed_attention(
     a row with nothing visible outputs zeros).
     """
     _check_route_grad(route_grad)
-    kwargs = dict(scale=scale, block_size=block_size, route_grad=route_grad)
     # "chunked" has no attention of its own: the dense reference is already one batched matmul.
-    if resolve_backend(backend, q.device) == "fast" and intra_block:
+    if resolve_backend(backend, q.device) == "fast":
         from natsl.fast import routed_attention as impl
     else:
         from natsl.reference.routed_attention import routed_attention as impl
+    return impl(q, k, v, keep, scale=scale, block_size=block_size, route_grad=route_grad, intra_block=intra_block)
 
-        kwargs["intra_block"] = intra_block
-    return impl(q, k, v, keep, **kwargs)
+
+# Each family whose two twins take the same arguments: family -> (reference, fast) as
+# "module:function". tests/test_twins.py checks their signatures and agreement on tiny shapes.
+# The chunked form is a second reference of gated_delta_rule (CPU speed), checked the same way.
+TWINS = {
+    "gated_delta_rule": ("natsl.reference.gated_delta:gated_delta_rule", "natsl.fast.gated_delta.function:gated_delta_rule"),
+    "gated_delta_rule_chunked": ("natsl.reference.gated_delta:gated_delta_rule",
+                                 "natsl.reference.gated_delta_chunked:gated_delta_rule"),
+    "routed_attention": ("natsl.reference.routed_attention:routed_attention",
+                         "natsl.fast.block_sparse.function:routed_attention"),
+}

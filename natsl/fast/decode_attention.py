@@ -1,5 +1,5 @@
 """Split-K ("flash-decoding") Triton attention for one query token per sequence: the twin of
-`natsl.inference.functional.attend_one` for the decode step.
+`natsl.reference.cached.attend_one` for the decode step.
 
 At decode time a row (b, h) has one query and up to L cached keys, so one program per row leaves
 most of the GPU idle (24 heads at batch 1 fill 24 of 132 SMs) and serialises the whole key range.
@@ -19,14 +19,10 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 
-from natsl.inference import kernels
-
-# Tests set this to True / False to force the choice; None = as `kernels.enabled`.
-FORCE: bool | None = None
+from natsl.fast import cached as kernels
 
 MIN_SPLIT_KEYS = 256  # the host never cuts L into chunks shorter than this
 MAX_SPLITS = 64  # bounds the combine kernel's [splits, Dv] tile
@@ -35,16 +31,6 @@ MAX_SPLITS = 64  # bounds the combine kernel's [splits, Dv] tile
 # SM, 18x(64,128) with 64-key tiles and 3 programs per SM (docs/kernels/decode_attention.md).
 PROGRAMS_PER_SM_NARROW = 16  # head dims <= 64
 PROGRAMS_PER_SM = 3  # wider heads
-
-
-def enabled(backend: str | None, device: torch.device) -> bool:
-    """Whether the decode step of a layer on `backend` uses this kernel on `device`: as the other fused
-    inference kernels, unless NATSL_DECODE_ATTENTION=0."""
-    if FORCE is not None:
-        return FORCE and kernels._triton()
-    if os.environ.get("NATSL_DECODE_ATTENTION", "1") == "0":
-        return False
-    return kernels.enabled(backend, device)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,4 +1,4 @@
-"""The Triton kernel of `natsl.inference.gemv` (a module of its own so that its helper is a
+"""The Triton kernel of `natsl.fast.gemv` (a module of its own so that its helper is a
 module-level jit function; importing it imports Triton)."""
 
 import triton

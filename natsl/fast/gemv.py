@@ -10,36 +10,23 @@ The kernel takes up to 4 rows; `Linear` sends it at most MAX_ROWS. Results agree
 to rounding (fp32 sums in a different order, one rounding to the input dtype). With `up=` it reads
 SwiGLU's two halves and multiplies by silu(gate) * up instead (the decode step's down product).
 
-`enabled(x)`: CUDA tensors (or the Triton interpreter when FORCE is set, for tests), unless
-NATSL_DECODE_GEMV=0. `natsl.models.linear.Linear` calls it for grad-free inputs of <= MAX_ROWS rows.
+`natsl.ops.gemv` decides when it runs (`enabled`, `MAX_ROWS`); `natsl.models.linear.Linear` calls it
+through that door for grad-free inputs of <= MAX_ROWS rows.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-from natsl.inference import kernels
+from natsl.fast import cached as kernels
 
 # One and two rows beat cuBLAS at every 800M decode shape on the H200 (`python -m benchmarks.ops --op gemv`); at
 # four rows cuBLAS was faster for most, so larger batches keep F.linear.
 MAX_ROWS = 2
-# Tests set this to True / False to force the choice; None = as natsl.inference.kernels.FORCE where
-# that is set, else CUDA tensors unless NATSL_DECODE_GEMV=0.
-FORCE: bool | None = None
-
-
-def enabled(x: torch.Tensor) -> bool:
-    force = FORCE if FORCE is not None else kernels.FORCE  # the fused-kernel tests force both
-    if force is not None:
-        return force and kernels._triton()
-    return x.is_cuda and os.environ.get("NATSL_DECODE_GEMV", "1") != "0" and kernels._triton()
-
-
 def _kernel():
-    from natsl.inference.gemv_kernel import gemv_kernel  # imports Triton: only where a kernel runs
+    from natsl.fast.gemv_kernel import gemv_kernel  # imports Triton: only where a kernel runs
 
     return gemv_kernel
 

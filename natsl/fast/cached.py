@@ -21,9 +21,8 @@ spent several times the weights' read time in launch gaps. In prefill the same f
 
 They compute the same formulas as the modules (fp32 math, the same intermediate roundings to the
 activation dtype) with a different reduction order, so results agree to rounding, not bitwise. The
-full-sequence forward (training) never uses them. `enabled(backend, device)` says whether the cached
-paths use them: CUDA with the fast backend (or the Triton interpreter with backend fast on the CPU),
-unless NATSL_FUSED_INFERENCE=0.
+full-sequence forward (training) never uses them. Whether the cached paths use them is decided in
+`natsl.ops.fused.enabled`, the layers' only door to these kernels.
 """
 
 from __future__ import annotations
@@ -34,34 +33,6 @@ import os
 import torch
 
 from natsl.devices import capability, sm_count  # noqa: F401  (sm_count: the launchers' kernels.sm_count)
-from natsl.devices import triton_interpreted
-
-# Tests set this to True / False to force the choice; None = decide by device and backend.
-FORCE: bool | None = None
-
-
-@functools.lru_cache(maxsize=None)
-def _triton():
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def enabled(backend: str | None, device: torch.device) -> bool:
-    """Whether the cached paths of a layer on `backend` use the fused kernels on `device`."""
-    if FORCE is not None:
-        return FORCE and _triton()
-    if os.environ.get("NATSL_FUSED_INFERENCE", "1") == "0" or not _triton():
-        return False
-    from natsl.ops import resolve_backend
-
-    if device.type == "cuda":
-        return resolve_backend(backend, device) == "fast"
-    return backend == "fast" and triton_interpreted()
-
 
 @functools.lru_cache(maxsize=None)
 def _kernels():

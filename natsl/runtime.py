@@ -1,4 +1,4 @@
-"""Helpers shared by the subcommands: device, dtype and backend choices."""
+"""Device, dtype and backend choices shared by the commands, training and evaluation (below the CLI)."""
 
 from __future__ import annotations
 
@@ -33,10 +33,13 @@ def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
 
 
 def pick_backend(name: str | None, device: torch.device) -> str:
-    """`--backend`: Triton kernels on CUDA, the chunked PyTorch form on the CPU by default."""
+    """`--backend`: Triton kernels on CUDA, the chunked PyTorch form on the CPU by default
+    (`natsl.ops.default_backend`)."""
+    from natsl.ops import BACKENDS, default_backend
+
     if name is None or name == "auto":
-        return "fast" if device.type == "cuda" else "chunked"
-    if name not in ("reference", "chunked", "fast"):
+        return default_backend(device, command=True)
+    if name not in BACKENDS:
         raise NatslError(f"unknown backend {name!r}: use reference, chunked or fast")
     return name
 

@@ -6,18 +6,18 @@ drop the block's KV. In eager PyTorch that is ~40 tiny kernels per layer and tok
 is a matmul, a softmax, an argmax and a one-hot; a fixed keep fraction's hash is ~15 integer ops),
 which together take longer in a CUDA-graph replay than reading the layer's weights.
 The same formulas, wrapped by `natsl.models.pointwise.pointwise`, compile to a handful of kernels
-on CUDA and run eagerly elsewhere; the layer calls them on its fused path (natsl.inference.kernels).
+on CUDA and run eagerly elsewhere; the layer calls them on its fused path (natsl.fast.cached).
 
 The route is computed exactly as `NAtSLLayer.decide_routes` does (router on the block mean, ties to
-keep, or the layer's KeepFraction hash), and the commit as `natsl.inference.functional.commit_state`.
+keep, or the layer's KeepFraction hash), and the commit as `natsl.reference.cached.commit_state`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from natsl.inference.functional import commit_state
-from natsl.inference.routing import keep_hash
+from natsl.ops.cached import commit_state
+from natsl.models.routing import keep_hash
 from natsl.models.pointwise import pointwise
 from natsl.reference.router import router_scores, straight_through_route
 

@@ -1,0 +1,62 @@
+"""The layers' door to the fused Triton kernels of their cached paths (prefill and decode).
+
+The kernels live in `natsl.fast.cached` (norms, short-conv steps, K/V writes, the GDN decode
+step), `natsl.fast.decode_attention` and `natsl.fast.gemv`; they import Triton only when they
+launch, so re-exporting them here costs nothing at import. This module decides when they run:
+
+- `enabled(backend, device)`: the cached paths of a layer on `backend` use the fused kernels:
+  CUDA with the fast backend (or the Triton interpreter with backend fast on the CPU), unless
+  NATSL_FUSED_INFERENCE=0;
+- `decode_attention_enabled(backend, device)`: as `enabled`, unless NATSL_DECODE_ATTENTION=0.
+
+`FORCE` and `DECODE_ATTENTION_FORCE` (tests set them to True / False) override the choice;
+None decides by device and backend.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from natsl.devices import triton_interpreted
+from natsl.fast.cached import (add_rms_norm, conv_chunk, conv_step, conv_steps, gdn_decode_step,  # noqa: F401
+                               l2_normalize, rms_norm, store_blocks, write_kv)
+from natsl.ops import resolve_backend
+
+# Tests set this to True / False to force the choice; None = decide by device and backend.
+FORCE: bool | None = None
+# Tests set this to True / False to force the decode attention's choice; None = as `enabled`.
+DECODE_ATTENTION_FORCE: bool | None = None
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def enabled(backend: str | None, device: torch.device) -> bool:
+    """Whether the cached paths of a layer on `backend` use the fused kernels on `device`."""
+    if FORCE is not None:
+        return FORCE and triton_available()
+    if os.environ.get("NATSL_FUSED_INFERENCE", "1") == "0" or not triton_available():
+        return False
+    if device.type == "cuda":
+        return resolve_backend(backend, device) == "fast"
+    return backend == "fast" and triton_interpreted()
+
+
+def decode_attention_enabled(backend: str | None, device: torch.device) -> bool:
+    """Whether the decode step of a layer on `backend` uses the split-K decode attention on `device`:
+    as the other fused inference kernels, unless NATSL_DECODE_ATTENTION=0."""
+    if DECODE_ATTENTION_FORCE is not None:
+        return DECODE_ATTENTION_FORCE and triton_available()
+    if os.environ.get("NATSL_DECODE_ATTENTION", "1") == "0":
+        return False
+    return enabled(backend, device)
