@@ -17,7 +17,8 @@ def run_eval_recall(checkpoint: str, task: Optional[str] = None, lengths: Option
     from natsl.cli.eval_ruler import parse_lengths
     from natsl.data.tasks import TaskSpec, is_task, parse_task
     from natsl.errors import NatslError
-    from natsl.eval.common import load_eval_model, prepare_out_dir, write_json
+    from natsl.atomic import write_json
+    from natsl.eval.common import load_eval_model, prepare_out_dir
     from natsl.eval.recall import evaluate_recall, format_table, grid_points, plot_recall
     from natsl.models.routing import force_keep_fraction
 

@@ -22,7 +22,8 @@ def run_tasks(checkpoint, tasks: list[str], out, *, include_path=None, num_fewsh
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from natsl.eval.common import prepare_out_dir, save_figure, write_json, pyplot
+    from natsl.atomic import write_json
+    from natsl.eval.common import prepare_out_dir, pyplot, save_figure
 
     out_dir = prepare_out_dir(out)
     manager = None
