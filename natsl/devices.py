@@ -15,6 +15,18 @@ def triton_interpreted() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    """Whether Triton imports. It is optional (`pip install 'natsl[fast]'`): only the fast backend and the
+    fused inference kernels need it; the reference and chunked backends run on PyTorch alone."""
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
 def sm_count(device: torch.device) -> int:
     """SMs of a CUDA device; on the CPU (Triton's interpreter) a nominal 4, so that small test shapes
     still take the multi-program paths that launch settings derive from it."""

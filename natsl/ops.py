@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from natsl.devices import triton_interpreted
+from natsl.devices import triton_available, triton_interpreted
 from natsl.errors import NatslError
 
 BACKENDS = ("reference", "chunked", "fast")
@@ -25,9 +25,12 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
     if backend is None:
         backend = os.environ.get("NATSL_BACKEND") or None
     if backend is None:
-        return "fast" if device.type == "cuda" else "reference"
+        backend = "fast" if device.type == "cuda" else "reference"
     if backend not in BACKENDS:
         raise NatslError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
+    if backend == "fast" and not triton_available():
+        raise NatslError("backend 'fast' needs triton: pip install 'natsl[fast]', or use backend 'chunked' / "
+                         "'reference'")
     if backend == "fast" and device.type == "cpu" and not triton_interpreted():
         raise NatslError("backend 'fast' on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 "
                          "before starting Python, or use backend 'chunked' / 'reference' on the CPU")

@@ -42,7 +42,7 @@ def enabled(backend: str | None, device: torch.device) -> bool:
     """Whether the decode step of a layer on `backend` uses this kernel on `device`: as the other fused
     inference kernels, unless NATSL_DECODE_ATTENTION=0."""
     if FORCE is not None:
-        return FORCE and kernels._triton()
+        return FORCE and kernels.triton_available()
     if os.environ.get("NATSL_DECODE_ATTENTION", "1") == "0":
         return False
     return kernels.enabled(backend, device)

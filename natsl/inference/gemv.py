@@ -34,8 +34,8 @@ FORCE: bool | None = None
 def enabled(x: torch.Tensor) -> bool:
     force = FORCE if FORCE is not None else kernels.FORCE  # the fused-kernel tests force both
     if force is not None:
-        return force and kernels._triton()
-    return x.is_cuda and os.environ.get("NATSL_DECODE_GEMV", "1") != "0" and kernels._triton()
+        return force and kernels.triton_available()
+    return x.is_cuda and os.environ.get("NATSL_DECODE_GEMV", "1") != "0" and kernels.triton_available()
 
 
 def _kernel():

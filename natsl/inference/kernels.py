@@ -34,27 +34,17 @@ import os
 import torch
 
 from natsl.devices import capability, sm_count  # noqa: F401  (sm_count: the launchers' kernels.sm_count)
-from natsl.devices import triton_interpreted
+from natsl.devices import triton_available, triton_interpreted
 
 # Tests set this to True / False to force the choice; None = decide by device and backend.
 FORCE: bool | None = None
 
 
-@functools.lru_cache(maxsize=None)
-def _triton():
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def enabled(backend: str | None, device: torch.device) -> bool:
     """Whether the cached paths of a layer on `backend` use the fused kernels on `device`."""
     if FORCE is not None:
-        return FORCE and _triton()
-    if os.environ.get("NATSL_FUSED_INFERENCE", "1") == "0" or not _triton():
+        return FORCE and triton_available()
+    if os.environ.get("NATSL_FUSED_INFERENCE", "1") == "0" or not triton_available():
         return False
     from natsl.ops import resolve_backend
 
