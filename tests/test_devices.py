@@ -84,3 +84,8 @@ def test_the_cpu_paths_run_without_triton(tmp_path):
     done = subprocess.run([sys.executable, "-c", _WITHOUT_TRITON, str(tmp_path / "bench")], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr
+
+
+def test_each_test_process_runs_on_one_thread():
+    """conftest's torch.set_num_threads(1) holds in every pytest-xdist worker too (each imports conftest)."""
+    assert torch.get_num_threads() == 1
