@@ -28,3 +28,12 @@ def pytest_configure(config):
         if older and tuple(int(part) for part in numpy.__version__.split(".")[:2]) >= (2, 4):
             raise pytest.UsageError(f"Triton {triton.__version__}'s CPU interpreter fails with numpy "
                                     f"{numpy.__version__}: pip install 'numpy<2.4' or 'triton>=3.7'")
+
+
+@pytest.fixture(scope="session")
+def natsl_cache_dir(tmp_path_factory):
+    """A private cache for the embedded corpus (NATSL_CACHE_DIR), shared by every test of the run: under
+    pytest-xdist the folder above the workers' own temporary folders, so the corpus is built once for all
+    of them (natsl.data.builtin locks the folder while one process builds it)."""
+    base = tmp_path_factory.getbasetemp()
+    return str((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "natsl-cache")
