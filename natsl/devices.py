@@ -14,16 +14,23 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "yes", "on", "y")
 
 
-@functools.lru_cache(maxsize=None)
+_TRITON: bool | None = None
+
+
 def triton_available() -> bool:
     """Whether Triton imports. It is optional (`pip install 'natsl[fast]'`): only the fast backend and the
-    fused inference kernels need it; the reference and chunked backends run on PyTorch alone."""
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    fused inference kernels need it; the reference and chunked backends run on PyTorch alone. Cached in a
+    module global rather than by functools.lru_cache, which torch.compile traces through with a warning."""
+    global _TRITON
+    if _TRITON is None:
+        try:
+            import triton  # noqa: F401
+            import triton.language  # noqa: F401
+
+            _TRITON = True
+        except ImportError:
+            _TRITON = False
+    return _TRITON
 
 
 @functools.lru_cache(maxsize=None)

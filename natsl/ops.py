@@ -28,7 +28,9 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
         backend = "fast" if device.type == "cuda" else "reference"
     if backend not in BACKENDS:
         raise NatslError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
-    if backend == "fast" and not triton_available():
+    # Inside torch.compile the check is skipped (dynamo would trace the import): the eager calls before
+    # it, and the command line's backend choice, have made it.
+    if backend == "fast" and not torch.compiler.is_compiling() and not triton_available():
         raise NatslError("backend 'fast' needs triton: pip install 'natsl[fast]', or use backend 'chunked' / "
                          "'reference'")
     if backend == "fast" and device.type == "cpu" and not triton_interpreted():

@@ -118,6 +118,10 @@ def check(errors, fwd_tol, grad_tol):
 
 
 # ----------------------------------------------------------------------------- CPU-sized tests
+# The length sweep runs batch 2 (each row's strides into q, k, v, g, beta, the write mask and the
+# states); the other fp32 cases run batch 1, as the interpreter's time grows with the batch and a
+# second row takes the same paths again. The half-precision cases keep batch 2: their route gradient's
+# relative error is measured over B x blocks x heads values, too few at batch 1 for the contract's bound.
 @pytest.mark.parametrize("T", [1, 37, 64, 100, 200])
 def test_fp32_matches_reference_across_lengths(T):
     check(compare(2, T, 2, 16, 32, seed=T), FP32_TOL, FP32_TOL)
@@ -126,19 +130,19 @@ def test_fp32_matches_reference_across_lengths(T):
 @pytest.mark.parametrize("write_kind", ["ones", "zeros", None, "binary"])
 @pytest.mark.parametrize("route_grad", ["active", "full"])
 def test_write_masks_and_route_grad_policies(write_kind, route_grad):
-    errors = compare(2, 130, 2, 16, 32, seed=7, write_kind=write_kind, route_grad=route_grad)
+    errors = compare(1, 130, 2, 16, 32, seed=7, write_kind=write_kind, route_grad=route_grad)
     check(errors, FP32_TOL, FP32_TOL)
 
 
 @pytest.mark.parametrize("write_kind,route_grad", [("random", "full"), ("binary", "active")])
 def test_no_decay_across_skipped_blocks(write_kind, route_grad):
-    errors = compare(2, 150, 2, 16, 32, seed=11, write_kind=write_kind, route_grad=route_grad,
+    errors = compare(1, 150, 2, 16, 32, seed=11, write_kind=write_kind, route_grad=route_grad,
                      decay_skipped_blocks=False)
     check(errors, FP32_TOL, FP32_TOL)
 
 
 def test_without_initial_or_final_state():
-    check(compare(2, 100, 2, 16, 32, seed=13, with_h0=False, with_final=False), FP32_TOL, FP32_TOL)
+    check(compare(1, 100, 2, 16, 32, seed=13, with_h0=False, with_final=False), FP32_TOL, FP32_TOL)
 
 
 def test_block_size_128_and_head_dims_not_powers_of_two():

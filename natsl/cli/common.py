@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from natsl.errors import NatslError
+from natsl.ops import resolve_backend
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
@@ -35,7 +36,9 @@ def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
 def pick_backend(name: str | None, device: torch.device) -> str:
     """`--backend`: Triton kernels on CUDA, the chunked PyTorch form on the CPU by default."""
     if name is None or name == "auto":
-        return "fast" if device.type == "cuda" else "chunked"
+        name = "fast" if device.type == "cuda" else "chunked"
     if name not in ("reference", "chunked", "fast"):
         raise NatslError(f"unknown backend {name!r}: use reference, chunked or fast")
-    return name
+    # What the backend needs (Triton, on a CPU its interpreter) is checked here, before any work starts
+    # and outside torch.compile, which never runs that check (natsl.ops.resolve_backend).
+    return resolve_backend(name, device)
