@@ -350,7 +350,9 @@ def test_gpu_cuda_graph_decode_equals_eager_decode():
 @pytest.mark.parametrize("layout", [*LAYOUTS, "natsl_hybrid-intra-softmax", "natsl_hybrid-intra-gdn"])
 def test_fused_inference_kernels_equal_the_full_forward(layout, monkeypatch):
     """The fused decode kernels through prefill + decode, for every layout and for the NAtS-L
-    intra-block variants (with "softmax" the GDN step cannot be the one-kernel GDN decode step)."""
+    intra-block variants (with "softmax" the GDN step cannot be the one-kernel GDN decode step). An odd
+    prefill of 33 tokens, then 7 decode steps inside the same block (each one a fused step in the
+    interpreter on a CPU; the decode across a block end is test_fused_block_end_equals_the_plain_decode's)."""
     from natsl.inference import kernels
 
     if not torch.cuda.is_available() and not triton_interpreted():
@@ -362,7 +364,7 @@ def test_fused_inference_kernels_equal_the_full_forward(layout, monkeypatch):
     with torch.no_grad():
         full = model(ids)
         monkeypatch.setattr(kernels, "FORCE", True)
-        got, _ = prefill_then_decode(model, ids, [21])
+        got, _ = prefill_then_decode(model, ids, [33])
     assert relative_error(got, full) < 1e-4
 
 
