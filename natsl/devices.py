@@ -14,6 +14,25 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "yes", "on", "y")
 
 
+_TRITON: bool | None = None
+
+
+def triton_available() -> bool:
+    """Whether Triton imports. It is optional (`pip install 'natsl[fast]'`): only the fast backend and the
+    fused inference kernels need it; the reference and chunked backends run on PyTorch alone. Cached in a
+    module global rather than by functools.lru_cache, which torch.compile traces through with a warning."""
+    global _TRITON
+    if _TRITON is None:
+        try:
+            import triton  # noqa: F401
+            import triton.language  # noqa: F401
+
+            _TRITON = True
+        except ImportError:
+            _TRITON = False
+    return _TRITON
+
+
 @functools.lru_cache(maxsize=None)
 def sm_count(device: torch.device) -> int:
     """SMs of a CUDA device; on the CPU (Triton's interpreter) a nominal 4, so that small test shapes

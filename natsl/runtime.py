@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from natsl.errors import NatslError
+from natsl.ops import resolve_backend
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
@@ -39,9 +40,9 @@ def pick_backend(name: str | None, device: torch.device) -> str:
 
     if name is None or name == "auto":
         return default_backend(device, command=True)
-    if name not in BACKENDS:
-        raise NatslError(f"unknown backend {name!r}: use reference, chunked or fast")
-    return name
+    # What the backend needs (Triton, on a CPU its interpreter) is checked here, before any work starts
+    # and outside torch.compile, which never runs that check (natsl.ops.resolve_backend).
+    return resolve_backend(name, device)
 
 
 def check_length(option: str, length: int, limit: int, source) -> None:

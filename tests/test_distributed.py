@@ -18,8 +18,8 @@ ARGS = [str(ROOT / "recipes" / "tiny_hybrid.yaml"), "--set", "train.seq_len=128"
 
 
 @pytest.fixture(scope="session")
-def cache_env(tmp_path_factory):
-    return {"NATSL_CACHE_DIR": str(tmp_path_factory.getbasetemp() / "natsl-cache"), "OMP_NUM_THREADS": "1"}
+def cache_env(natsl_cache_dir):
+    return {"NATSL_CACHE_DIR": natsl_cache_dir, "OMP_NUM_THREADS": "1"}
 
 
 def losses(out: Path) -> list[float]:

@@ -118,6 +118,10 @@ def check(errors, fwd_tol, grad_tol):
 
 
 # ----------------------------------------------------------------------------- CPU-sized tests
+# The length sweep runs batch 2 (each row's strides into q, k, v, g, beta, the write mask and the
+# states); the other fp32 cases run batch 1, as the interpreter's time grows with the batch and a
+# second row takes the same paths again. The half-precision cases keep batch 2: their route gradient's
+# relative error is measured over B x blocks x heads values, too few at batch 1 for the contract's bound.
 @pytest.mark.parametrize("T", [1, 37, 64, 100, 200])
 def test_fp32_matches_reference_across_lengths(T):
     check(compare(2, T, 2, 16, 32, seed=T), FP32_TOL, FP32_TOL)
@@ -126,19 +130,19 @@ def test_fp32_matches_reference_across_lengths(T):
 @pytest.mark.parametrize("write_kind", ["ones", "zeros", None, "binary"])
 @pytest.mark.parametrize("route_grad", ["active", "full"])
 def test_write_masks_and_route_grad_policies(write_kind, route_grad):
-    errors = compare(2, 130, 2, 16, 32, seed=7, write_kind=write_kind, route_grad=route_grad)
+    errors = compare(1, 130, 2, 16, 32, seed=7, write_kind=write_kind, route_grad=route_grad)
     check(errors, FP32_TOL, FP32_TOL)
 
 
 @pytest.mark.parametrize("write_kind,route_grad", [("random", "full"), ("binary", "active")])
 def test_no_decay_across_skipped_blocks(write_kind, route_grad):
-    errors = compare(2, 150, 2, 16, 32, seed=11, write_kind=write_kind, route_grad=route_grad,
+    errors = compare(1, 150, 2, 16, 32, seed=11, write_kind=write_kind, route_grad=route_grad,
                      decay_skipped_blocks=False)
     check(errors, FP32_TOL, FP32_TOL)
 
 
 def test_without_initial_or_final_state():
-    check(compare(2, 100, 2, 16, 32, seed=13, with_h0=False, with_final=False), FP32_TOL, FP32_TOL)
+    check(compare(1, 100, 2, 16, 32, seed=13, with_h0=False, with_final=False), FP32_TOL, FP32_TOL)
 
 
 def test_block_size_128_and_head_dims_not_powers_of_two():
@@ -218,18 +222,35 @@ def test_eager_path_equals_the_custom_op(monkeypatch):
     assert torch.equal(o, runs[False][0]) and torch.equal(final, runs[False][1])
 
 
-def outputs_equal_both_ways(monkeypatch, switches, *args, **kw):
+def outputs_equal_both_ways(monkeypatch, switches, *args, agree=None, **kw):
     """compare(*args, **kw) with every (config table, key, (first, second)) of `switches` set to its first
     value, then to its second: the fast outputs and gradients must be bitwise equal between the two
-    runs; returns the second run's errors against the reference."""
+    runs (or pass `agree(first, second)` for each tensor); returns the second run's errors against the
+    reference."""
     runs = []
     for i in (0, 1):
         for table, key, values in switches:
             monkeypatch.setitem(table, key, values[i])
         runs.append(compare(*args, keep=True, **kw))
     (_, out_a), (errors_b, out_b) = runs
-    assert all(torch.equal(a, b) for a, b in zip(out_a, out_b))
+    for a, b in zip(out_a, out_b):
+        if agree is None:
+            assert torch.equal(a, b)
+        else:
+            agree(a, b)
     return errors_b
+
+
+def equal_up_to_rounding(a, b):
+    """For two settings that run the same sums with another V-slice width: tl.dot leaves its
+    accumulation order to the implementation (the MMA tiling on a GPU; under the interpreter numpy's
+    matmul, whose BLAS kernel may depend on the tile shape: Triton 3.8 and 3.9 differ in the last bit of
+    the fp32 final state and dinitial_state), so the results agree to rounding, not bitwise: fp32 within
+    a few ulps (rel RMS <= 8 eps), a half-precision tensor within one ulp of its dtype (an fp32
+    difference of an ulp can flip its rounding)."""
+    assert a.dtype == b.dtype and a.shape == b.shape
+    eps = torch.finfo(a.dtype).eps
+    assert rel_rms(a, b) <= (8 * eps if a.dtype == torch.float32 else eps), (a.dtype, rel_rms(a, b))
 
 
 def test_state_slice_widens_only_where_every_sm_keeps_a_program():
@@ -262,30 +283,38 @@ def test_batch_launches_split_the_last_round_only_when_asked_and_it_fits():
 
 def test_split_last_round_gives_the_same_result(monkeypatch):
     """The two sequential kernels launched as rows 0-1 at 64-wide slices and row 2 at 32 (2 SMs: 6 wide
-    programs, 4 at a time) equal one launch over all rows bitwise, forward and every gradient."""
+    programs, 4 at a time) equal one launch over all rows, forward and every gradient: rows 0-1 run the
+    same programs either way, so they are bitwise equal; row 2 changes its slice width, so it agrees to
+    rounding (equal_up_to_rounding)."""
     from natsl.fast.gated_delta import state
 
     monkeypatch.setattr(config, "INTERMEDIATE", "input")
     monkeypatch.setattr(state, "sm_count", lambda device: 2)
     assert state.batch_launches(3, 1, 80, {**config.STATE_FWD, "SPLIT_LAST_ROUND": True}, 2,
                                 torch.bfloat16) == [(0, 2, 64), (2, 3, 32)]
+
+    def agree(a, b):  # every output and gradient has the batch first
+        assert torch.equal(a[:2], b[:2])
+        equal_up_to_rounding(a[2:], b[2:])
+
     both = (False, True)
     errors = outputs_equal_both_ways(monkeypatch, [(config.STATE_FWD, "SPLIT_LAST_ROUND", both),
                                                    (config.STATE_BWD, "SPLIT_LAST_ROUND", both)],
                                      3, 70, 1, 16, 80, seed=37, dtype=torch.bfloat16, write_kind="binary",
-                                     route_grad="full")
+                                     route_grad="full", agree=agree)
     check(errors, *TOL_SATURATED_BF16)
 
 
 def test_wide_state_slices_give_the_same_result(monkeypatch):
     """The two sequential kernels with 64-wide V slices (BV_WIDE in STATE_FWD and STATE_BWD) equal the
-    32-wide ones bitwise (the slices never interact), forward and every gradient, bf16 intermediates;
-    both near the reference."""
+    32-wide ones up to rounding (the slices never interact, but each dot's accumulation order may follow
+    the tile width: equal_up_to_rounding), forward and every gradient, bf16 intermediates; both near the
+    reference."""
     monkeypatch.setattr(config, "INTERMEDIATE", "input")
     errors = outputs_equal_both_ways(monkeypatch, [(config.STATE_FWD, "BV_WIDE", (None, 64)),
                                                    (config.STATE_BWD, "BV_WIDE", (None, 64))],
                                      1, 130, 2, 16, 80, seed=31, dtype=torch.bfloat16, write_kind="binary",
-                                     route_grad="full")
+                                     route_grad="full", agree=equal_up_to_rounding)
     check(errors, *TOL_SATURATED_BF16)
 
 

@@ -119,7 +119,7 @@ def test_model_hidden_states_and_parameter_gradients():
         assert rel(a, b) <= 1e-10, [n for n, q in model.named_parameters() if q is p]
 
 
-def test_trainer_losses_unchanged(tmp_path, tmp_path_factory, monkeypatch):
+def test_trainer_losses_unchanged(tmp_path, natsl_cache_dir, monkeypatch):
     """A few steps of the tiny recipe (CPU, chunked backend): the chunked loss (chunks that do not divide
     the 512 tokens of a micro-batch, and the default) trains to the same losses as the full logits."""
     from natsl.config import apply_overrides, load_recipe
@@ -127,7 +127,7 @@ def test_trainer_losses_unchanged(tmp_path, tmp_path_factory, monkeypatch):
 
     from pathlib import Path
 
-    monkeypatch.setenv("NATSL_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "natsl-cache"))
+    monkeypatch.setenv("NATSL_CACHE_DIR", natsl_cache_dir)
     recipe = apply_overrides(load_recipe(Path(__file__).resolve().parent.parent / "recipes" / "tiny_hybrid.yaml"),
                              ["train.seq_len=128", "train.micro_batch_size=4", "train.tokens_per_step=1024",
                               "train.eval_every=2", "train.eval_tokens=2048"])

@@ -25,9 +25,9 @@ TINY = [str(ROOT / "recipes" / "tiny_hybrid.yaml"), "--set", "train.seq_len=128"
 
 
 @pytest.fixture(scope="session")
-def cache_env(tmp_path_factory):
+def cache_env(natsl_cache_dir):
     """A private cache for the embedded corpus, shared by every test of the session."""
-    return {"NATSL_CACHE_DIR": str(tmp_path_factory.getbasetemp() / "natsl-cache"), "OMP_NUM_THREADS": "1"}
+    return {"NATSL_CACHE_DIR": natsl_cache_dir, "OMP_NUM_THREADS": "1"}
 
 
 def natsl_cli(args, env, fault=None, timeout=300):

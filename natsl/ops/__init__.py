@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from natsl.devices import triton_interpreted
+from natsl.devices import triton_available, triton_interpreted
 from natsl.errors import NatslError
 
 BACKENDS = ("reference", "chunked", "fast")
@@ -42,6 +42,11 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
         return default_backend(device)
     if backend not in BACKENDS:
         raise NatslError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
+    # Inside torch.compile the check is skipped (dynamo would trace the import): the eager calls before
+    # it, and the command line's backend choice, have made it.
+    if backend == "fast" and not torch.compiler.is_compiling() and not triton_available():
+        raise NatslError("backend 'fast' needs triton: pip install 'natsl[fast]', or use backend 'chunked' / "
+                         "'reference'")
     if backend == "fast" and device.type == "cpu" and not triton_interpreted():
         raise NatslError("backend 'fast' on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 "
                          "before starting Python, or use backend 'chunked' / 'reference' on the CPU")

@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from natsl.devices import triton_interpreted
+from natsl.devices import triton_available, triton_interpreted  # noqa: F401  (triton_available: ops.gemv's)
 from natsl.fast.cached import (add_rms_norm, conv_chunk, conv_step, conv_steps, gdn_decode_step,  # noqa: F401
                                l2_normalize, rms_norm, store_blocks, write_kv)
 from natsl.ops import resolve_backend
@@ -29,16 +29,6 @@ from natsl.ops import resolve_backend
 FORCE: bool | None = None
 # Tests set this to True / False to force the decode attention's choice; None = as `enabled`.
 DECODE_ATTENTION_FORCE: bool | None = None
-
-
-@functools.lru_cache(maxsize=None)
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def enabled(backend: str | None, device: torch.device) -> bool:
