@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
-import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 

@@ -36,10 +36,10 @@ def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
 def pick_backend(name: str | None, device: torch.device) -> str:
     """`--backend`: Triton kernels on CUDA, the chunked PyTorch form on the CPU by default
     (`natsl.ops.default_backend`)."""
-    from natsl.ops import BACKENDS, default_backend
+    from natsl.ops import default_backend
 
     if name is None or name == "auto":
-        return default_backend(device, command=True)
+        name = default_backend(device, command=True)
     # What the backend needs (Triton, on a CPU its interpreter) is checked here, before any work starts
     # and outside torch.compile, which never runs that check (natsl.ops.resolve_backend).
     return resolve_backend(name, device)

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 import natsl
 from natsl.checkpoint import save_model_folder
-from natsl.cli import convert, generate  # noqa: F401  (register the commands)
+from natsl.cli import convert, generate as _generate_command  # noqa: F401  (register the commands)
 from natsl.cli.app import app
 from natsl.config import apply_overrides
 from natsl.eval.haystack import essay_text

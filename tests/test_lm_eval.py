@@ -87,12 +87,12 @@ def test_eval_lm_runs_local_tasks(ckpt, tmp_path, monkeypatch):
             test: {tasks / 'data.jsonl'}
         test_split: test
     """
-    (tasks / "mc.yaml").write_text(textwrap.dedent(f"""
+    (tasks / "mc.yaml").write_text(textwrap.dedent("""
         task: natsl_tiny_mc
         output_type: multiple_choice
-        doc_to_text: "{{{{question}}}}"
-        doc_to_choice: "{{{{choices}}}}"
-        doc_to_target: "{{{{answer}}}}"
+        doc_to_text: "{{question}}"
+        doc_to_choice: "{{choices}}"
+        doc_to_target: "{{answer}}"
         metric_list:
           - metric: acc
     """) + textwrap.dedent(common))

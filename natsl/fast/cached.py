@@ -230,7 +230,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, gate: tor
              *, mean: bool = True) -> torch.Tensor:
     """RMSNorm of the last dim in fp32 (as `natsl.models.norms.rms_norm`), optionally times silu(gate)
     (gate: same shape as x); one kernel. `mean=False` divides by the sum (L2 normalisation)."""
-    D = x.shape[-1]
     xr = _rows(x)
     y = torch.empty_like(xr)
     g = _rows(gate.reshape(x.shape)) if gate is not None else xr

@@ -15,7 +15,6 @@ None decides by device and backend.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
