@@ -121,7 +121,7 @@ def test_bench_latency_runs_on_the_cpu_and_writes_json_and_png(tmp_path):
     assert [p["context"] for p in model["points"]] == [64, 128]
     for point in model["points"]:
         assert "error" not in point, point
-        assert point["prefill_s"] > 0 and point["decode_ms"] > 0
+        assert point["prefill_s"] > 0 and point["decode_ms"] > 0 and point["cold_prefill_s"] > 0
         assert point["prefill_floor_s"] > 0 and point["decode_floor_ms"] > 0
         assert 0 < point["cache_bytes"] <= point["cache_allocated_bytes"]
     assert data["rates"]["matmul_flops_per_s"] > 0 and data["rates"]["copy_bytes_per_s"] > 0
@@ -132,7 +132,35 @@ def test_bench_latency_runs_on_the_cpu_and_writes_json_and_png(tmp_path):
 
     assert data["provenance"]["source_sha256"] == source_hash()
     assert (tmp_path / "latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "tiny_hybrid" in result.stdout and "decode ms" in result.stdout
+    assert model["warmup_s"] > 0
+    assert "tiny_hybrid" in result.stdout and "decode ms" in result.stdout and "cold s" in result.stdout
+
+
+def test_bench_latency_never_times_the_first_call_at_a_length(monkeypatch):
+    """The first prefill at each length is timed apart (cold_prefill_s); prefill_s is the median of the
+    `repeats` calls after it, so --repeats 1 is one warm call."""
+    from natsl.inference import bench
+
+    spec = bench.BenchModel("recipe", str(RECIPES / "tiny_hybrid.yaml"), 0.5)
+    model, _, _ = bench.load_model(spec, torch.device("cpu"), torch.float32, "chunked", 0)
+    calls = []
+    forward = type(model).forward_cached
+
+    def slow_first(self, ids, cache, **kwargs):  # the first prefill of each length "compiles" for 0.2 s
+        if ids.shape[1] > 1:
+            if ids.shape[1] not in calls:
+                __import__("time").sleep(0.2)
+            calls.append(ids.shape[1])
+        return forward(self, ids, cache, **kwargs)
+
+    monkeypatch.setattr(type(model), "forward_cached", slow_first)
+    monkeypatch.setattr(bench, "load_model", lambda *a, **k: (model, "tiny", 1))
+    result = bench.run_benchmark([spec], [64, 96], device=torch.device("cpu"), dtype=torch.float32,
+                                 backend="chunked", decode_tokens=2, repeats=1, progress=False)
+    assert [c for c in calls if c in (64, 96)] == [64, 64, 96, 96]  # one cold + one warm call per length
+    for point in result["models"][0]["points"]:
+        assert point["cold_prefill_s"] >= 0.2 > point["prefill_s"], point
+    assert "cold s" in bench.format_table(result)
 
 
 def test_bench_latency_time_budget_gives_each_model_a_first_point(monkeypatch):
