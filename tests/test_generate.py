@@ -59,6 +59,16 @@ def test_generate_streams_text_and_is_deterministic_with_a_seed(checkpoint):
     assert len(others | {first}) > 1  # the seed matters
 
 
+def test_generate_reports_time_to_first_token_and_decode_rate_in_one_line(checkpoint):
+    result = run("generate", checkpoint, "--device", "cpu", "--backend", "chunked", "--prompt", "the cat",
+                 "--max-new-tokens", "5", "--temperature", "0", "--ignore-eos")
+    assert result.exit_code == 0, result.output + result.stderr
+    (line,) = [x for x in result.stderr.splitlines() if "time to first token" in x]
+    first = float(re.search(r"time to first token ([0-9.]+) s", line).group(1))
+    prefill = float(re.search(r"prefilled in ([0-9.]+) s", line).group(1))
+    assert first >= prefill - 0.005 and re.search  # prefill is printed to 0.01 s(r"\(([0-9.]+) tok/s decode\)", line)
+
+
 def test_generate_stops_at_a_stop_string(checkpoint):
     greedy = ("--prompt", "a dog ran", "--max-new-tokens", "30", "--temperature", "0", "--ignore-eos")
     text = generate(checkpoint, *greedy).rstrip("\n")
@@ -74,9 +84,12 @@ def test_jsonl_prompts_decode_in_a_batch_as_they_would_alone(checkpoint, tmp_pat
     path.write_text("\n".join(json.dumps({"prompt" if i % 2 else "text": p}) for i, p in enumerate(prompts)) + "\n")
     out = tmp_path / "out.jsonl"
     common = ("--max-new-tokens", "12", "--temperature", "0", "--ignore-eos")
-    generate(checkpoint, "--prompt-file", path, "--batch-size", "3", "--output", out, *common)
+    generate(checkpoint, "--prompt-file", path, "--batch-size", "2", "--output", out, *common)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["prompt"] for r in rows] == prompts and all(r["new_tokens"] == 12 for r in rows)
+    # each row carries its batch's time to first token and decode rate (batches of 2, then 1)
+    assert rows[0]["time_to_first_token_s"] == rows[1]["time_to_first_token_s"] > 0
+    assert all(r["decode_tokens_per_s"] > 0 for r in rows)
     for row in rows:
         alone = generate(checkpoint, "--prompt", row["prompt"], *common).rstrip("\n")
         assert row["completion"] == alone
