@@ -66,7 +66,8 @@ def test_generate_reports_time_to_first_token_and_decode_rate_in_one_line(checkp
     (line,) = [x for x in result.stderr.splitlines() if "time to first token" in x]
     first = float(re.search(r"time to first token ([0-9.]+) s", line).group(1))
     prefill = float(re.search(r"prefilled in ([0-9.]+) s", line).group(1))
-    assert first >= prefill - 0.005 and re.search  # prefill is printed to 0.01 s(r"\(([0-9.]+) tok/s decode\)", line)
+    assert first >= prefill - 0.005  # prefill is printed to 0.01 s
+    assert re.search(r"\(([0-9.]+) tok/s decode\)", line)
 
 
 def test_generate_stops_at_a_stop_string(checkpoint):
