@@ -226,6 +226,14 @@ def test_sweep_mps_flag_starts_and_stops_the_daemon(tmp_path, monkeypatch):
     monkeypatch.setattr(S, "run_sweep", lambda sweep, progress, mps: seen.append(mps))
     assert S.main(["spec.yaml", "--out", str(tmp_path)]) == 0 and S.main(["spec.yaml", "--out", str(tmp_path), "--mps"]) == 0
     assert seen == [False, True]
+    from typer.testing import CliRunner
+
+    from natsl.cli.main import app
+
+    for flags in ([], ["--mps"]):
+        result = CliRunner().invoke(app, ["sweep", "spec.yaml", "--out", str(tmp_path), *flags])
+        assert result.exit_code == 0, result.output
+    assert seen == [False, True, False, True]  # `natsl sweep` passes --mps on the same way
     monkeypatch.undo()
 
     sweep = S.load_spec(ROOT / "recipes/recall/sweep_cpu.yaml", tmp_path / "out", device="cuda")
