@@ -70,6 +70,15 @@ def test_generate_reports_time_to_first_token_and_decode_rate_in_one_line(checkp
     assert re.search(r"\(([0-9.]+) tok/s decode\)", line)
 
 
+def test_warmup_takes_a_checkpoint_folder(checkpoint):
+    result = run("warmup", checkpoint, "--lengths", "16,40", "--decode-tokens", "2", "--device", "cpu")
+    assert result.exit_code == 0, result.output + result.stderr
+    assert result.stdout.startswith("warming up tiny on cpu")
+    assert [line.split()[0] for line in result.stdout.splitlines()[3:5]] == ["16", "40"]
+    assert_one_line_error(run("warmup", checkpoint, "--lengths", str(MAX_SEQ_LEN), "--device", "cpu"),
+                          "--decode-tokens", "max_seq_len")
+
+
 def test_generate_stops_at_a_stop_string(checkpoint):
     greedy = ("--prompt", "a dog ran", "--max-new-tokens", "30", "--temperature", "0", "--ignore-eos")
     text = generate(checkpoint, *greedy).rstrip("\n")

@@ -28,7 +28,7 @@ def warmup(
     Triton keeps its kernels in TRITON_CACHE_DIR (default ~/.triton/cache), Inductor in
     TORCHINDUCTOR_CACHE_DIR (default /tmp/torchinductor_$USER); a later process with the same model,
     dtype, backend, batch size, torch, Triton and GPU (and the same two variables) loads them from
-    there instead of compiling. On the CPU (chunked backend) nothing is compiled: the calls just run.
+    there instead of compiling. On the CPU nothing is compiled: the calls just run.
     """
     from natsl.cli.eval_ruler import parse_lengths
     from natsl.runtime import check_length, checkpoint_recipe_of, pick_backend, pick_device, pick_dtype
@@ -75,9 +75,9 @@ def warmup(
           f"in the Triton cache ({dirs['triton']}, TRITON_CACHE_DIR), {sum(r['new_inductor_files'] for r in records)} "
           f"in the Inductor cache ({dirs['inductor']}, TORCHINDUCTOR_CACHE_DIR); "
           f"{sum(r['graphs_compiled'] for r in records)} graphs compiled by torch.compile")
-    if torch_device.type == "cpu" and chosen_backend != "fast":
-        print(f"on the CPU with the {chosen_backend} backend nothing is compiled (the elementwise pieces run eagerly "
-              "there): the calls just ran")
+    if torch_device.type == "cpu" and not any(r["graphs_compiled"] for r in records):
+        print("on the CPU nothing is compiled (the elementwise pieces run eagerly there, Triton kernels only in its "
+              "interpreter): the calls just ran")
     else:
         print("a later process with the same model, dtype, backend, batch size and cache folders loads these "
               "kernels instead of compiling them")
