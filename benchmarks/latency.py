@@ -5,8 +5,9 @@
     python -m benchmarks.latency --recipes tiny_hybrid --max-len 256 --device cpu    # a CPU smoke run
 
 Each keep fraction is one run of `natsl.inference.bench.run_benchmark` (what `natsl bench-latency`
-runs: random weights, the NAtS-L routes forced to keep that fraction, best-of prefill, median CUDA-graph
-decode, each beside its compute / memory floor); the fraction only changes the NAtS-L models, so the
+runs: random weights, the NAtS-L routes forced to keep that fraction, the first (cold) prefill at each
+length timed apart, the median of the warm prefills after it, median CUDA-graph decode, each beside its
+compute / memory floor); the fraction only changes the NAtS-L models, so the
 others are measured in the first run only. OUT/latency.json is rewritten after every point (a run cut
 short keeps what it measured); at the end come OUT/latency.png and a table of each model's prefill and
 decode time over the first recipe's ("x first": the Transformer over the hybrid, e.g.) per context.
@@ -55,7 +56,8 @@ def side_by_side(runs: list[dict]) -> list[dict]:
             for p in entry["points"]:
                 if "error" not in p:
                     rows.append({"model": entry["name"], "keep": entry["forced_keep_fraction"], "context": p["context"],
-                                 "prefill_s": p["prefill_s"], "decode_ms": p["decode_ms"],
+                                 "cold_prefill_s": p.get("cold_prefill_s"), "prefill_s": p["prefill_s"],
+                                 "decode_ms": p["decode_ms"],
                                  "prefill_floor_s": p["prefill_floor_s"], "decode_floor_ms": p["decode_floor_ms"]})
     first = {}
     for r in rows:
@@ -106,7 +108,7 @@ def main(argv=None) -> None:
         if entry["forced_keep_fraction"] is not None:
             entry["name"] = f"{entry['name']} keep {entry['forced_keep_fraction']}"
     bench.plot(merged, f"{args.out}/latency.png")
-    print(common.table(rows, ["model", "keep", "context", "prefill_s", "prefill_x_first", "decode_ms",
+    print(common.table(rows, ["model", "keep", "context", "cold_prefill_s", "prefill_s", "prefill_x_first", "decode_ms",
                               "decode_x_first"]))
 
 

@@ -141,8 +141,8 @@ def test_results_are_written_with_provenance_and_tables_fill_missing_cells(tmp_p
 
 def test_latency_side_by_side_divides_by_the_first_model_at_each_context():
     def point(context, prefill, decode):
-        return {"context": context, "prefill_s": prefill, "decode_ms": decode, "prefill_floor_s": 0.1,
-                "decode_floor_ms": 0.1}
+        return {"context": context, "cold_prefill_s": 3 * prefill, "prefill_s": prefill, "decode_ms": decode,
+                "prefill_floor_s": 0.1, "decode_floor_ms": 0.1}
 
     runs = [{"models": [{"name": "hybrid", "forced_keep_fraction": 0.5, "points": [point(4096, 1.0, 2.0)]},
                         {"name": "transformer", "forced_keep_fraction": None,
@@ -151,6 +151,7 @@ def test_latency_side_by_side_divides_by_the_first_model_at_each_context():
     rows = latency.side_by_side(runs)
     assert [(r["model"], r["keep"], r["prefill_x_first"], r["decode_x_first"]) for r in rows] == [
         ("hybrid", 0.5, 1.0, 1.0), ("transformer", None, 4.0, 4.0), ("hybrid", 0.25, 0.5, 0.5)]
+    assert [r["cold_prefill_s"] for r in rows] == [3.0, 12.0, 1.5]  # the cold first call rides along
 
 
 def test_idle_gaps_are_the_gpu_timeline_holes_between_kernels():

@@ -21,7 +21,7 @@ def test_importing_the_cli_loads_no_heavy_module():
 def test_help_of_every_command_loads_no_heavy_module():
     code = ("from typer.testing import CliRunner\nfrom natsl.cli.main import app\n"
             "for cmd in ([], ['info'], ['generate'], ['eval-ppl'], ['eval-ruler'], ['inspect-routing'],\n"
-            "            ['bench-latency'], ['train'], ['tokenize'], ['convert']):\n"
+            "            ['bench-latency'], ['train'], ['tokenize'], ['convert'], ['warmup']):\n"
             "    result = CliRunner().invoke(app, cmd + ['--help'])\n"
             "    assert result.exit_code == 0, (cmd, result.output)")
     assert loaded_after(code) == []

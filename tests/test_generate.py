@@ -59,6 +59,26 @@ def test_generate_streams_text_and_is_deterministic_with_a_seed(checkpoint):
     assert len(others | {first}) > 1  # the seed matters
 
 
+def test_generate_reports_time_to_first_token_and_decode_rate_in_one_line(checkpoint):
+    result = run("generate", checkpoint, "--device", "cpu", "--backend", "chunked", "--prompt", "the cat",
+                 "--max-new-tokens", "5", "--temperature", "0", "--ignore-eos")
+    assert result.exit_code == 0, result.output + result.stderr
+    (line,) = [x for x in result.stderr.splitlines() if "time to first token" in x]
+    first = float(re.search(r"time to first token ([0-9.]+) s", line).group(1))
+    prefill = float(re.search(r"prefilled in ([0-9.]+) s", line).group(1))
+    assert first >= prefill - 0.005  # prefill is printed to 0.01 s
+    assert re.search(r"\(([0-9.]+) tok/s decode\)", line)
+
+
+def test_warmup_takes_a_checkpoint_folder(checkpoint):
+    result = run("warmup", checkpoint, "--lengths", "16,40", "--decode-tokens", "2", "--device", "cpu")
+    assert result.exit_code == 0, result.output + result.stderr
+    assert result.stdout.startswith("warming up tiny on cpu")
+    assert [line.split()[0] for line in result.stdout.splitlines()[3:5]] == ["16", "40"]
+    assert_one_line_error(run("warmup", checkpoint, "--lengths", str(MAX_SEQ_LEN), "--device", "cpu"),
+                          "--decode-tokens", "max_seq_len")
+
+
 def test_generate_stops_at_a_stop_string(checkpoint):
     greedy = ("--prompt", "a dog ran", "--max-new-tokens", "30", "--temperature", "0", "--ignore-eos")
     text = generate(checkpoint, *greedy).rstrip("\n")
@@ -74,9 +94,12 @@ def test_jsonl_prompts_decode_in_a_batch_as_they_would_alone(checkpoint, tmp_pat
     path.write_text("\n".join(json.dumps({"prompt" if i % 2 else "text": p}) for i, p in enumerate(prompts)) + "\n")
     out = tmp_path / "out.jsonl"
     common = ("--max-new-tokens", "12", "--temperature", "0", "--ignore-eos")
-    generate(checkpoint, "--prompt-file", path, "--batch-size", "3", "--output", out, *common)
+    generate(checkpoint, "--prompt-file", path, "--batch-size", "2", "--output", out, *common)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["prompt"] for r in rows] == prompts and all(r["new_tokens"] == 12 for r in rows)
+    # each row carries its batch's time to first token and decode rate (batches of 2, then 1)
+    assert rows[0]["time_to_first_token_s"] == rows[1]["time_to_first_token_s"] > 0
+    assert all(r["decode_tokens_per_s"] > 0 for r in rows)
     for row in rows:
         alone = generate(checkpoint, "--prompt", row["prompt"], *common).rstrip("\n")
         assert row["completion"] == alone
@@ -121,7 +144,7 @@ def test_bench_latency_runs_on_the_cpu_and_writes_json_and_png(tmp_path):
     assert [p["context"] for p in model["points"]] == [64, 128]
     for point in model["points"]:
         assert "error" not in point, point
-        assert point["prefill_s"] > 0 and point["decode_ms"] > 0
+        assert point["prefill_s"] > 0 and point["decode_ms"] > 0 and point["cold_prefill_s"] > 0
         assert point["prefill_floor_s"] > 0 and point["decode_floor_ms"] > 0
         assert 0 < point["cache_bytes"] <= point["cache_allocated_bytes"]
     assert data["rates"]["matmul_flops_per_s"] > 0 and data["rates"]["copy_bytes_per_s"] > 0
@@ -132,7 +155,35 @@ def test_bench_latency_runs_on_the_cpu_and_writes_json_and_png(tmp_path):
 
     assert data["provenance"]["source_sha256"] == source_hash()
     assert (tmp_path / "latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "tiny_hybrid" in result.stdout and "decode ms" in result.stdout
+    assert model["warmup_s"] > 0
+    assert "tiny_hybrid" in result.stdout and "decode ms" in result.stdout and "cold s" in result.stdout
+
+
+def test_bench_latency_never_times_the_first_call_at_a_length(monkeypatch):
+    """The first prefill at each length is timed apart (cold_prefill_s); prefill_s is the median of the
+    `repeats` calls after it, so --repeats 1 is one warm call."""
+    from natsl.inference import bench
+
+    spec = bench.BenchModel("recipe", str(RECIPES / "tiny_hybrid.yaml"), 0.5)
+    model, _, _ = bench.load_model(spec, torch.device("cpu"), torch.float32, "chunked", 0)
+    calls = []
+    forward = type(model).forward_cached
+
+    def slow_first(self, ids, cache, **kwargs):  # the first prefill of each length "compiles" for 0.2 s
+        if ids.shape[1] > 1:
+            if ids.shape[1] not in calls:
+                __import__("time").sleep(0.2)
+            calls.append(ids.shape[1])
+        return forward(self, ids, cache, **kwargs)
+
+    monkeypatch.setattr(type(model), "forward_cached", slow_first)
+    monkeypatch.setattr(bench, "load_model", lambda *a, **k: (model, "tiny", 1))
+    result = bench.run_benchmark([spec], [64, 96], device=torch.device("cpu"), dtype=torch.float32,
+                                 backend="chunked", decode_tokens=2, repeats=1, progress=False)
+    assert [c for c in calls if c in (64, 96)] == [64, 64, 96, 96]  # one cold + one warm call per length
+    for point in result["models"][0]["points"]:
+        assert point["cold_prefill_s"] >= 0.2 > point["prefill_s"], point
+    assert "cold s" in bench.format_table(result)
 
 
 def test_bench_latency_time_budget_gives_each_model_a_first_point(monkeypatch):

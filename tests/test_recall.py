@@ -1,5 +1,6 @@
 """Synthetic recall: the MQAR / passkey generators, training on a task, eval-recall and the sweep runner."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -194,3 +195,67 @@ def test_router_option_validation_and_old_checkpoints(tmp_path):
         del recipe["model"][key]
     loaded = checkpoint_recipe(tmp_path, {"recipe": recipe})
     assert (loaded.model.router_noise, loaded.model.router_balance) == (0.0, 0.0)
+
+
+def test_sweep_compiles_with_cuda_graphs_on_cuda_unless_the_spec_says_compile(tmp_path):
+    """No `compile:` key: compile + CUDA graphs for runs on CUDA (before the spec's `set:`, which may
+    undo it), eager on the CPU; `compile: false` is kept as written."""
+    from natsl.training.sweep import load_spec
+
+    spec = ROOT / "recipes/recall/sweep_cpu.yaml"
+    for run in load_spec(spec, tmp_path / "a", device="cuda").runs:
+        assert run.compile and run.device == "cuda"
+        at = run.overrides.index("train.cuda_graphs=true")
+        assert at < run.overrides.index("train.log_every=2")  # the spec's set: items come after it
+    assert not any(r.compile or "train.cuda_graphs=true" in r.overrides for r in load_spec(spec, tmp_path / "b").runs)
+    written = tmp_path / "compile_off.yaml"
+    written.write_text(spec.read_text().replace("device: cpu", "device: cuda\ncompile: false"))
+    written_runs = load_spec(written, tmp_path / "c").runs
+    assert not any(r.compile or "train.cuda_graphs=true" in r.overrides for r in written_runs)
+    assert {r.device for r in written_runs} == {"cuda"}
+
+
+def test_sweep_mps_flag_starts_and_stops_the_daemon(tmp_path, monkeypatch):
+    """--mps is off by default; on, a sweep of several CUDA workers runs `nvidia-cuda-mps-control -d` with
+    its own pipe folder (given to the workers) and sends it `quit` at the end; here against a stand-in
+    program that records its calls. With one worker, CPU runs or no program, no daemon is started."""
+    import natsl.training.sweep as S
+
+    seen = []
+    monkeypatch.setattr(S, "load_spec", lambda *a, **k: "sweep")
+    monkeypatch.setattr(S, "run_sweep", lambda sweep, progress, mps: seen.append(mps))
+    assert S.main(["spec.yaml", "--out", str(tmp_path)]) == 0 and S.main(["spec.yaml", "--out", str(tmp_path), "--mps"]) == 0
+    assert seen == [False, True]
+    from typer.testing import CliRunner
+
+    from natsl.cli.main import app
+
+    for flags in ([], ["--mps"]):
+        result = CliRunner().invoke(app, ["sweep", "spec.yaml", "--out", str(tmp_path), *flags])
+        assert result.exit_code == 0, result.output
+    assert seen == [False, True, False, True]  # `natsl sweep` passes --mps on the same way
+    monkeypatch.undo()
+
+    sweep = S.load_spec(ROOT / "recipes/recall/sweep_cpu.yaml", tmp_path / "out", device="cuda")
+    calls = tmp_path / "calls.txt"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / S.MPS_CONTROL
+    fake.write_text(f'#!/bin/sh\nif [ "$1" = "-d" ]; then echo "start $CUDA_MPS_PIPE_DIRECTORY" >> {calls}; '
+                    f'else read line; echo "$line" >> {calls}; fi\n')
+    fake.chmod(0o755)
+    monkeypatch.setattr(S, "MPS_DEFAULT_PIPE", tmp_path / "no-daemon-here")
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin"}
+    logged = []
+    with S.mps_daemon(sweep, env, logged.append) as worker_env:
+        pipe = Path(worker_env["CUDA_MPS_PIPE_DIRECTORY"])
+        assert pipe.is_dir() and Path(worker_env["CUDA_MPS_LOG_DIRECTORY"]).is_dir()
+    assert calls.read_text().splitlines() == [f"start {pipe}", "quit"]
+    assert not pipe.exists()  # its temporary folder is removed afterwards
+    one = S.Sweep(sweep.name, sweep.runs, 1, None, 30.0, tmp_path)
+    cpu = S.Sweep(sweep.name, [dataclasses.replace(r, device="cpu") for r in sweep.runs], 2, None, 30.0, tmp_path)
+    assert "one worker" in S.mps_skip_reason(one, env) and "CPU" in S.mps_skip_reason(cpu, env)
+    assert "not on the PATH" in S.mps_skip_reason(sweep, {"PATH": "/nowhere"})
+    with S.mps_daemon(sweep, {"PATH": "/nowhere"}, logged.append) as worker_env:
+        assert "CUDA_MPS_PIPE_DIRECTORY" not in worker_env
+    assert logged[-1].startswith("--mps: nvidia-cuda-mps-control is not on the PATH")

@@ -23,7 +23,8 @@ def bench_latency(
     force_keep: bool = typer.Option(False, help="Force --keep-fraction on checkpoints too (default: their router decides)."),
     batch_size: int = typer.Option(1, help="Sequences per prefill / decode step."),
     decode_tokens: int = typer.Option(32, help="Timed decode steps per point (the median is reported)."),
-    repeats: int = typer.Option(3, help="Prefills per point (the fastest is reported)."),
+    repeats: int = typer.Option(3, help="Warm prefills per point, timed after an untimed first call whose "
+                                        "(cold) time is reported apart; the median is reported."),
     seed: int = typer.Option(0, help="Seed for the weights, the tokens and the forced routes (0 to 2**63-1)."),
     out: str = typer.Option("bench_latency", help="Folder for latency.json and latency.png."),
     backend: Optional[str] = typer.Option(None, help="reference, chunked or fast (default: fast on CUDA, chunked on CPU)."),

@@ -48,6 +48,10 @@ def read_prompts(prompt: str | None, prompt_file: str | None) -> list[str]:
     return prompts
 
 
+def tokens_per_s(tokens: int, seconds: float) -> float:
+    return tokens / seconds if seconds > 0 else float("nan")
+
+
 @command("generate")
 def generate(
     checkpoint: str = typer.Argument(..., help="Model folder written by `natsl train` or `natsl convert` (or a run folder)."),
@@ -67,7 +71,11 @@ def generate(
     dtype: Optional[str] = typer.Option(None, help="fp32, bf16 or fp16 (default: bf16 on CUDA, fp32 on CPU)."),
     cuda_graphs: bool = typer.Option(True, help="Replay decode steps as CUDA graphs (CUDA only)."),
 ) -> None:
-    """Continue prompts with a checkpoint; one prompt streams to the terminal as it is generated."""
+    """Continue prompts with a checkpoint; one prompt streams to the terminal as it is generated.
+
+    The last line (stderr) gives the time to first token (from the start of generation, the model
+    loaded, to the first sampled token of the first batch) and the decode rate in tokens/s; --output
+    rows carry both for their batch (time_to_first_token_s, decode_tokens_per_s)."""
     from natsl.checkpoint import load_checkpoint
     from natsl.runtime import pick_backend, pick_device, pick_dtype
     from natsl.inference.generate import generate as run_generate
@@ -106,6 +114,7 @@ def generate(
     single = len(prompts) == 1
     rows = []
     totals = {"new_tokens": 0, "decode_s": 0.0, "prefill_s": 0.0, "prompt_tokens": 0}
+    first_token_s = None  # of the first batch: what a user waits before any text appears
     for first in range(0, len(prompts), batch_size):
         chunk = prompts[first:first + batch_size]
         stats: dict = {}
@@ -124,6 +133,10 @@ def generate(
                              f"{str(torch_dtype).replace('torch.', '')}; check the checkpoint or try --dtype fp32") from None
         for key in totals:
             totals[key] += stats[key]
+        if first_token_s is None:
+            first_token_s = stats["first_token_s"]
+        timing = {"time_to_first_token_s": stats["first_token_s"],
+                  "decode_tokens_per_s": tokens_per_s(stats["new_tokens"], stats["decode_s"])}
         for offset, completion in enumerate(completions):
             index = first + offset
             if single:
@@ -136,14 +149,15 @@ def generate(
                       "(its first choice was the end-of-text token; --ignore-eos goes on past it)", file=sys.stderr)
             rows.append({"prompt": texts[index], "completion": completion.text,
                          "prompt_tokens": completion.prompt_tokens, "new_tokens": len(completion.tokens),
-                         "stop_reason": completion.stop_reason})
+                         "stop_reason": completion.stop_reason, **timing})
         sys.stdout.flush()
     if output:
         from natsl.atomic import write_jsonl
 
         write_jsonl(Path(output), rows)
-    rate = totals["new_tokens"] / totals["decode_s"] if totals["decode_s"] > 0 else float("nan")
+    rate = tokens_per_s(totals["new_tokens"], totals["decode_s"])
     reason = f", stop: {rows[0]['stop_reason']}" if single else ""
     print(f"[{len(rows)} prompt(s), {totals['prompt_tokens']} prompt tokens prefilled in {totals['prefill_s']:.2f} s, "
-          f"{totals['new_tokens']} new tokens in {totals['decode_s']:.2f} s ({rate:.1f} tok/s) on {torch_device}, "
+          f"time to first token {first_token_s:.3f} s, "
+          f"{totals['new_tokens']} new tokens in {totals['decode_s']:.2f} s ({rate:.1f} tok/s decode) on {torch_device}, "
           f"{str(torch_dtype).replace('torch.', '')}, backend {chosen_backend}{reason}]", file=sys.stderr)

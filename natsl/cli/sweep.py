@@ -23,12 +23,14 @@ def sweep(
     max_parallel: Optional[int] = typer.Option(None, help="Worker processes at once (default: the spec's)."),
     deadline: Optional[float] = typer.Option(None, help="Seconds for the whole sweep (default: the spec's)."),
     device: Optional[str] = typer.Option(None, help="cpu or cuda (default: the spec's, else cuda when there is one)."),
+    mps: bool = typer.Option(False, help="Start the CUDA MPS daemon (nvidia-cuda-mps-control -d) while several "
+                                         "workers share a GPU."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show the progress bar."),
 ) -> None:
     """Train many small models (systems x widths x learning rates x tasks) in parallel; summary JSON + PNG."""
     from natsl.training.sweep import load_spec, run_sweep
 
-    run_sweep(load_spec(spec, out, max_parallel, deadline, device), progress=progress)
+    run_sweep(load_spec(spec, out, max_parallel, deadline, device), progress=progress, mps=mps)
 
 
 def run_worker(run_file: str) -> int:

@@ -1,10 +1,14 @@
 """Latency against context length (the paper's Fig. 4): prefill seconds and decode ms per token.
 
 For each model and each context length L (1K doubling to the maximum) one cache is made for
-L + the decode tokens; a prompt of L random tokens is prefilled (best of `repeats`, chunk mode, the
-last token's logits only), then `decode_tokens` single-token steps run through `DecodeRunner`
-(CUDA graphs on CUDA) and the median step time is reported. Beside each time stands a floor
-measured on the same device in the same run:
+L + the decode tokens. The first call at a length is never timed as a warm one: a prompt of L random
+tokens is prefilled once and a few tokens decoded (`first_call`), and that prefill's time is
+reported on its own as `cold_prefill_s` (it pays the Triton JIT compiles and torch.compile
+(re)compiles a process meets at a new length). Then the prompt is prefilled `repeats` more times
+(chunk mode, the last token's logits only; the median is `prefill_s`), and `decode_tokens`
+single-token steps run through `DecodeRunner` (CUDA graphs on CUDA) after a few untimed ones; their
+median step time is reported. A model's `warmup_s` is its first calls at a short length, before any
+point. Beside each time stands a floor measured on the same device in the same run:
 
 - compute floor of prefill = model FLOPs / measured matmul rate (`prefill_flops`: every linear
   map, causal softmax attention, NAtS-L attention over its own block and kept blocks, the chunked
@@ -21,7 +25,6 @@ of that model are skipped.
 from __future__ import annotations
 
 import gc
-import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -155,15 +158,35 @@ def load_model(spec: BenchModel, device: torch.device, dtype: torch.dtype, backe
 
 
 def time_prefill(model, ids, cache, repeats: int, device) -> float:
-    best = math.inf
+    """Median seconds of `repeats` prefills of `ids` into `cache` (reset before each)."""
+    times = []
     for _ in range(repeats):
         cache.reset()
         synchronize(device)
         start = time.perf_counter()
         model.forward_cached(ids, cache, last_only=True)
         synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return best
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def first_call(model, ids, cache, decode_steps: int, device, cuda_graphs: bool = False) -> dict:
+    """Prefill `ids` into `cache` (reset first) and decode `decode_steps` tokens, timing each part:
+    the call that pays the compiles of a new length, so that later calls at that length are warm.
+    Returns prefill_s and decode_s (the whole of the decode steps)."""
+    cache.reset()
+    synchronize(device)
+    start = time.perf_counter()
+    logits = model.forward_cached(ids, cache, last_only=True)
+    synchronize(device)
+    prefilled = time.perf_counter()
+    runner = DecodeRunner(model, cache, cuda_graphs=cuda_graphs)
+    token = logits[:, -1].argmax(-1)
+    for _ in range(decode_steps):
+        token = runner.step(token).argmax(-1)
+    synchronize(device)
+    return {"prefill_s": prefilled - start, "decode_s": time.perf_counter() - prefilled}
 
 
 def time_decode(model, cache, steps: int, warmup: int, device, generator, cuda_graphs: bool) -> tuple[float, DecodeRunner]:
@@ -207,7 +230,7 @@ def free_memory(device: torch.device) -> None:
 @torch.no_grad()
 def measure_point(model, length: int, *, batch: int, decode_tokens: int, repeats: int, device, seed: int,
                   cuda_graphs: bool, rates: dict, weights: int) -> dict:
-    """One (model, context) point: prefill s, decode ms/token, floors, memory, keep fraction."""
+    """One (model, context) point: cold and warm prefill s, decode ms/token, floors, memory, keep fraction."""
     warmup = 3
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.config.vocab_size, (batch, length), generator=generator).to(device)
@@ -215,12 +238,14 @@ def measure_point(model, length: int, *, batch: int, decode_tokens: int, repeats
         torch.cuda.reset_peak_memory_stats(device)
     cache = model.new_cache(batch, max_len=length + warmup + decode_tokens)
     try:
+        # Untimed as a warm call: the first prefill at a new length compiles; reported on its own.
+        cold = first_call(model, ids, cache, warmup, device)
         prefill_s = time_prefill(model, ids, cache, repeats, device)
         keep = cache.kept_fraction()
         live = cache.live_bytes()
         decode_ms, runner = time_decode(model, cache, decode_tokens, warmup, device, generator, cuda_graphs)
         point = {
-            "context": length, "prefill_s": prefill_s, "decode_ms": decode_ms,
+            "context": length, "cold_prefill_s": cold["prefill_s"], "prefill_s": prefill_s, "decode_ms": decode_ms,
             "prefill_floor_s": prefill_flops(model, length, batch, 1.0 if keep is None else keep) / rates["matmul_flops_per_s"],
             "decode_floor_ms": 1000 * (weights + live) / rates["copy_bytes_per_s"],
             "keep_fraction": keep, "cache_bytes": live, "cache_allocated_bytes": cache.allocated_bytes(),
@@ -230,6 +255,22 @@ def measure_point(model, length: int, *, batch: int, decode_tokens: int, repeats
     finally:
         del cache
     return point
+
+
+@torch.no_grad()
+def warm_up_model(model, n: int, batch: int, device) -> float:
+    """Compile kernels and settle the allocator before the first point; returns the seconds it took.
+    Two prefill calls (whole blocks + a partial one, then the rest of that block), so that every
+    piece of a block-aligned prefill has been compiled, then one decode step."""
+    synchronize(device)
+    start = time.perf_counter()
+    warm = model.new_cache(batch, max_len=n + 4)
+    for piece in filter(None, (n - min(n // 2, 27), min(n // 2, 27))):
+        model.forward_cached(torch.zeros(batch, piece, dtype=torch.long, device=device), warm)
+    DecodeRunner(model, warm, cuda_graphs=False).step(torch.zeros(batch, dtype=torch.long, device=device))
+    del warm
+    synchronize(device)
+    return time.perf_counter() - start
 
 
 def run_benchmark(specs: list[BenchModel], lengths: list[int], *, device: torch.device, dtype: torch.dtype,
@@ -260,15 +301,7 @@ def run_benchmark(specs: list[BenchModel], lengths: list[int], *, device: torch.
         entry = {"name": name, "source": spec.kind, "path": spec.path, "parameters": params,
                  "forced_keep_fraction": spec.force_keep, "weight_bytes": weight_bytes(model), "points": []}
         result["models"].append(entry)
-        with torch.no_grad():  # compile kernels and settle the allocator before the first timed point
-            # Two prefill calls (whole blocks + a partial one, then the rest of that block), so that
-            # every piece of a block-aligned prefill has been compiled before anything is timed.
-            n = min(lengths[0], 256)
-            warm = model.new_cache(batch, max_len=n + 4)
-            for piece in filter(None, (n - min(n // 2, 27), min(n // 2, 27))):
-                model.forward_cached(torch.zeros(batch, piece, dtype=torch.long, device=device), warm)
-            DecodeRunner(model, warm, cuda_graphs=False).step(torch.zeros(batch, dtype=torch.long, device=device))
-            del warm
+        entry["warmup_s"] = warm_up_model(model, min(lengths[0], 256), batch, device)
         failed = None
         for length in lengths:
             bar.set_postfix_str(f"{name} @ {length}")
@@ -313,7 +346,7 @@ def format_table(result: dict) -> str:
     rates = result["rates"]
     lines = [f"device {result['device']}, {result['dtype']}, batch {result['batch']}, backend {result['backend']}; "
              f"measured matmul {rates['matmul_flops_per_s'] / 1e12:.2f} TFLOP/s, copy {rates['copy_bytes_per_s'] / 1e9:.1f} GB/s"]
-    header = f"{'model':<22} {'context':>8} {'prefill s':>10} {'floor s':>9} {'decode ms':>10} {'floor ms':>9} " \
+    header = f"{'model':<22} {'context':>8} {'cold s':>9} {'prefill s':>10} {'floor s':>9} {'decode ms':>10} {'floor ms':>9} " \
              f"{'keep':>5} {'cache':>10} {'peak mem':>10}"
     lines += [header, "-" * len(header)]
     for entry in result["models"]:
@@ -322,7 +355,8 @@ def format_table(result: dict) -> str:
                 lines.append(f"{entry['name']:<22} {p['context']:>8} {p['error']}")
                 continue
             keep = "-" if p["keep_fraction"] is None else f"{p['keep_fraction']:.2f}"
-            lines.append(f"{entry['name']:<22} {p['context']:>8} {p['prefill_s']:>10.4f} {p['prefill_floor_s']:>9.4f} "
+            lines.append(f"{entry['name']:<22} {p['context']:>8} {p['cold_prefill_s']:>9.4f} {p['prefill_s']:>10.4f} "
+                         f"{p['prefill_floor_s']:>9.4f} "
                          f"{p['decode_ms']:>10.3f} {p['decode_floor_ms']:>9.3f} {keep:>5} "
                          f"{human_bytes(p['cache_bytes']):>10} {human_bytes(p['peak_memory_bytes']):>10}")
     return "\n".join(lines)
@@ -333,7 +367,8 @@ def save_json(result: dict, path: Path) -> Path:
 
 
 def plot(result: dict, path: Path) -> Path:
-    """Two panels as the paper's Fig. 4: prefill s and decode ms per token against context; dotted: floors."""
+    """Two panels as the paper's Fig. 4: prefill s and decode ms per token against context; dotted: floors;
+    dashed with crosses: the first (cold) prefill at each length."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -349,6 +384,8 @@ def plot(result: dict, path: Path) -> Path:
         color = colors[i % len(colors)]
         left.plot(x, [p["prefill_s"] for p in ok], "o-", color=color, label=entry["name"])
         left.plot(x, [p["prefill_floor_s"] for p in ok], ":", color=color, linewidth=1)
+        if all("cold_prefill_s" in p for p in ok):  # results written before the cold call was kept have none
+            left.plot(x, [p["cold_prefill_s"] for p in ok], "x--", color=color, linewidth=1, alpha=0.6)
         right.plot(x, [p["decode_ms"] for p in ok], "o-", color=color, label=entry["name"])
         right.plot(x, [p["decode_floor_ms"] for p in ok], ":", color=color, linewidth=1)
     contexts = sorted({p["context"] for e in result["models"] for p in e["points"] if "error" not in p})
@@ -367,7 +404,8 @@ def plot(result: dict, path: Path) -> Path:
     handles, labels = left.get_legend_handles_labels()
     if handles:
         left.legend(fontsize=8)
-    fig.suptitle(f"{result['device']}, {result['dtype']}, batch {result['batch']} (dotted: compute / memory floor)",
+    fig.suptitle(f"{result['device']}, {result['dtype']}, batch {result['batch']} (dotted: compute / memory floor; "
+                 "dashed: first, cold prefill)",
                  fontsize=9)
     fig.tight_layout()
     return save_figure(fig, path, dpi=120)

@@ -82,7 +82,8 @@ def generate(model, tokenizer, prompts: list[list[int]], config: SamplingConfig,
              stats: dict | None = None) -> list[Completion]:
     """Continue each token list in `prompts`; `on_text(i, text)` receives sequence i's text as it comes.
 
-    `stats`, if given, is filled with prefill and decode seconds and token counts.
+    `stats`, if given, is filled with prefill and decode seconds, token counts and `first_token_s`:
+    seconds from the call to the first sampled token of every sequence (the time to first token).
     """
     config.validate()
     if not prompts:
@@ -112,6 +113,8 @@ def generate(model, tokenizer, prompts: list[list[int]], config: SamplingConfig,
             out = model.forward_cached(tokens[:, start:start + piece], cache.slot(i), last_only=True)
         last.append(out[:, -1])
     logits = torch.cat(last, dim=0)
+    if device.type == "cuda":
+        torch.cuda.synchronize()  # the prefill's GPU work belongs to prefill_s, not to the decode's time
     prefilled = time.perf_counter()
 
     runner = DecodeRunner(model, cache, cuda_graphs=cuda_graphs)
@@ -119,8 +122,12 @@ def generate(model, tokenizer, prompts: list[list[int]], config: SamplingConfig,
     streams = [TextStream(tokenizer, config.stop) for _ in prompts]
     reasons: list[str | None] = [None] * batch
     steps = 0
+    first_token = None
     while True:
         chosen = sample(logits, config, generator)
+        if first_token is None:
+            chosen = chosen.cpu()  # waits for the prefill's and the sampler's GPU work
+            first_token = time.perf_counter()
         for i in range(batch):
             if reasons[i] is not None:
                 continue
@@ -148,6 +155,7 @@ def generate(model, tokenizer, prompts: list[list[int]], config: SamplingConfig,
     finished = time.perf_counter()
     if stats is not None:
         stats.update(prefill_s=prefilled - started, decode_s=finished - prefilled, decode_steps=steps,
+                     first_token_s=first_token - started,
                      prompt_tokens=sum(len(p) for p in prompts), new_tokens=sum(len(s.ids) for s in streams),
                      cuda_graphs=runner.cuda_graphs)
     return [Completion(len(p), s.ids, s.text, r) for p, s, r in zip(prompts, streams, reasons)]

@@ -27,8 +27,19 @@ The spec:
     eval: {lengths: "512,1024", pairs: "32,64,128", samples: 128, batch_size: 32}
     budget: {max_steps: 2000, run_s: 150, deadline_s: 470, eval_reserve_s: 40}
     set: [train.log_every=50]      # overrides for every run (natsl train --set)
-    compile: false
+    compile: false                 # default (key absent): compile + CUDA graphs on CUDA, eager on the CPU
     max_parallel: 16
+
+Without a `compile:` key a run on CUDA trains with `train.compile` and `train.cuda_graphs` (a small
+model's step is launch-bound: fewer, fused kernels replayed from a graph), and on the CPU eagerly;
+a `set:` item (e.g. `train.cuda_graphs=false`) still overrides it. `compile: true|false` says it
+for every device (and leaves train.cuda_graphs to the recipe).
+
+With `--mps`, a runner that starts several workers on a GPU first starts the CUDA MPS control
+daemon (`nvidia-cuda-mps-control -d`, when that program is on the PATH), so that the workers'
+kernels share the GPU at once rather than time-slicing it, and stops it at the end. Its pipe and
+log folders are a fresh temporary folder (CUDA_MPS_PIPE_DIRECTORY / CUDA_MPS_LOG_DIRECTORY, handed
+to the workers), unless those variables are set already.
 
 Runs start in the order task, width, learning rate, system, so a sweep cut short still has every
 system at the first widths listed.
@@ -43,13 +54,15 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import yaml
 
@@ -94,6 +107,25 @@ def _spec_error(path, message: str) -> NatslError:
     return NatslError(f"sweep spec {str(path)!r}: {message}")
 
 
+def runs_on_cuda(device: Optional[str]) -> bool:
+    """Whether a worker given `device` (None: cuda when there is one) trains on a GPU."""
+    if device is not None and device != "auto":
+        return device.startswith("cuda")
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def compile_settings(spec_compile, device: Optional[str]) -> tuple[bool, list[str]]:
+    """(compile, overrides) of a run: the spec's `compile:` when it has one, else compile + CUDA graphs
+    on CUDA and eager on the CPU."""
+    if spec_compile is not None:
+        return bool(spec_compile), []
+    if runs_on_cuda(device):
+        return True, ["train.cuda_graphs=true"]
+    return False, []
+
+
 def load_spec(path: str | Path, out: str | Path, max_parallel: Optional[int] = None,
               deadline_s: Optional[float] = None, device: Optional[str] = None) -> Sweep:
     """Read and check a sweep spec; expand it into runs (every recipe loads and validates here)."""
@@ -125,6 +157,8 @@ def load_spec(path: str | Path, out: str | Path, max_parallel: Optional[int] = N
     budget = spec.get("budget") or {}
     evals = {"samples": 128, "batch_size": 32, **(spec.get("eval") or {})}
     overrides = [str(s) for s in spec.get("set") or []]
+    device = device or spec.get("device")
+    compile_, compile_overrides = compile_settings(spec.get("compile"), device)
     root = Path.cwd()
     runs = []
     for task_name, data in tasks.items():
@@ -154,13 +188,14 @@ def load_spec(path: str | Path, out: str | Path, max_parallel: Optional[int] = N
                     run_overrides = width_overrides(recipe, width) + [
                         f"optim.lr={lr}", f"optim.min_lr={lr / 10}", f"data.path={data}", f"train.seq_len={task_len}",
                         f"train.tokens_per_step={tokens}", f"train.total_tokens={tokens * max_steps}",
-                        f"optim.warmup_tokens={min(recipe.optim.warmup_tokens, tokens * max_steps // 10)}"] + overrides
+                        f"optim.warmup_tokens={min(recipe.optim.warmup_tokens, tokens * max_steps // 10)}"
+                    ] + compile_overrides + overrides  # the spec's `set:` last: it may undo the default
                     apply_overrides(recipe, run_overrides)  # a bad combination fails here, not in a worker
                     run_id = f"{task_name}-{system}-d{width}-lr{lr:g}"
                     runs.append(RunSpec(run_id, system, str(recipe_file if recipe_file.is_absolute() else root / recipe_file),
                                         width, lr, task_name, data, run_overrides, max_steps,
-                                        float(budget.get("run_s", 1e9)), evals, bool(spec.get("compile", False)),
-                                        device or spec.get("device"), str(Path(out) / "runs" / run_id)))
+                                        float(budget.get("run_s", 1e9)), evals, compile_,
+                                        device, str(Path(out) / "runs" / run_id)))
     if len({r.id for r in runs}) != len(runs):
         raise _spec_error(path, "two runs share an id (the same system, width, lr and task twice)")
     return Sweep(str(spec.get("name", path.stem)), runs, int(max_parallel or spec.get("max_parallel", 1)),
@@ -199,12 +234,77 @@ def _write_json(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
-def run_sweep(sweep: Sweep, progress: bool = True, log=print) -> dict:
-    """Run every run of `sweep` (at most max_parallel at once) within its deadline; returns the summary."""
-    from tqdm import tqdm
+MPS_CONTROL = "nvidia-cuda-mps-control"
+MPS_DEFAULT_PIPE = Path("/tmp/nvidia-mps")  # where the daemon listens when CUDA_MPS_PIPE_DIRECTORY is unset
 
+
+def mps_skip_reason(sweep: Sweep, env: dict) -> Optional[str]:
+    """Why `--mps` starts no daemon for this sweep (None: start one)."""
+    if min(sweep.max_parallel, len(sweep.runs)) < 2:
+        return "one worker at a time shares nothing"
+    if not any(runs_on_cuda(r.device) for r in sweep.runs):
+        return "the runs train on the CPU"
+    if shutil.which(MPS_CONTROL, path=env.get("PATH")) is None:
+        return f"{MPS_CONTROL} is not on the PATH"
+    if "CUDA_MPS_PIPE_DIRECTORY" not in env and (MPS_DEFAULT_PIPE / "control").exists():
+        return f"an MPS daemon already listens in {MPS_DEFAULT_PIPE}; the workers use it"
+    return None
+
+
+@contextlib.contextmanager
+def mps_daemon(sweep: Sweep, env: dict, log=print) -> Iterator[dict]:
+    """Start the CUDA MPS control daemon for the sweep's workers and stop it afterwards; yields the
+    workers' environment (with the daemon's pipe and log folders). A daemon that will not start is
+    reported and the sweep runs without it."""
+    reason = mps_skip_reason(sweep, env)
+    if reason is not None:
+        log(f"--mps: {reason}; no MPS daemon started")
+        yield env
+        return
+    program = shutil.which(MPS_CONTROL, path=env.get("PATH"))
+    own = None
+    if "CUDA_MPS_PIPE_DIRECTORY" not in env:
+        own = Path(tempfile.mkdtemp(prefix="natsl-mps-"))  # short: the pipe is a socket path (108 bytes at most)
+        env = {**env, "CUDA_MPS_PIPE_DIRECTORY": str(own / "pipe"), "CUDA_MPS_LOG_DIRECTORY": str(own / "log")}
+    for key in ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"):
+        if key in env:
+            Path(env[key]).mkdir(parents=True, exist_ok=True)
+    started = subprocess.run([program, "-d"], env=env, capture_output=True, text=True, timeout=60)
+    if started.returncode != 0:
+        message = (started.stderr or started.stdout).strip().splitlines()
+        log(f"--mps: {MPS_CONTROL} -d failed ({message[0] if message else f'exit code {started.returncode}'}); "
+            "running without starting one")
+        if own is not None:
+            shutil.rmtree(own, ignore_errors=True)
+        yield env
+        return
+    log(f"--mps: started the MPS control daemon (pipe {env['CUDA_MPS_PIPE_DIRECTORY']})")
+    try:
+        yield env
+    finally:
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+            subprocess.run([program], input="quit\n", env=env, capture_output=True, text=True, timeout=60)
+        if own is not None:
+            shutil.rmtree(own, ignore_errors=True)
+
+
+def run_sweep(sweep: Sweep, progress: bool = True, log=print, mps: bool = False) -> dict:
+    """Run every run of `sweep` (at most max_parallel at once) within its deadline; returns the summary.
+    `mps`: start the CUDA MPS daemon for the workers when several share a GPU (`mps_daemon`)."""
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
+                                                       os.environ.get("PYTHONPATH")]))}
     if sweep.max_parallel < 1:
         raise NatslError(f"--max-parallel must be at least 1, got {sweep.max_parallel}")
+    if not mps:
+        return _run_sweep(sweep, env, progress, log)
+    with mps_daemon(sweep, env, log) as mps_env:
+        return _run_sweep(sweep, mps_env, progress, log)
+
+
+def _run_sweep(sweep: Sweep, env: dict, progress: bool, log) -> dict:
+    from tqdm import tqdm
+
     start = time.time()
     end = start + sweep.deadline_s if sweep.deadline_s else None
     sweep.out.mkdir(parents=True, exist_ok=True)
@@ -212,9 +312,6 @@ def run_sweep(sweep: Sweep, progress: bool = True, log=print) -> dict:
                                           "runs": [asdict(r) for r in sweep.runs]})
     pending = [r for r in sweep.runs if not _finished(r)]
     running: dict[str, tuple[subprocess.Popen, RunSpec, Any]] = {}
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
-                                                       os.environ.get("PYTHONPATH")]))}
     bar = tqdm(total=len(sweep.runs), initial=len(sweep.runs) - len(pending), unit="run", desc="sweep",
                disable=not progress, dynamic_ncols=True)
     skipped = []
@@ -396,11 +493,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--max-parallel", type=int, default=None, help="worker processes at once (default: the spec's)")
     parser.add_argument("--deadline", type=float, default=None, help="seconds for the whole sweep (default: the spec's)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: the spec's, else cuda when there is one)")
+    parser.add_argument("--mps", action="store_true",
+                        help=f"start the CUDA MPS daemon ({MPS_CONTROL} -d) while several workers share a GPU")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     try:
         sweep = load_spec(args.spec, args.out, args.max_parallel, args.deadline, args.device)
-        run_sweep(sweep, progress=not args.no_progress)
+        run_sweep(sweep, progress=not args.no_progress, mps=args.mps)
     except NatslError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -1,0 +1,78 @@
+"""Filling the on-disk compile caches before the first real call (`natsl warmup`).
+
+The first prefill of a process at a new length pays Triton's JIT compiles (the fast backend's
+kernels and the cached paths' fused kernels) and torch.compile's (the layers' elementwise pieces,
+`natsl.models.pointwise`, compiled on CUDA). Both keep what they built on disk: Triton in
+TRITON_CACHE_DIR (default ~/.triton/cache), Inductor in TORCHINDUCTOR_CACHE_DIR (default
+/tmp/torchinductor_$USER), and a later process with the same model shapes, dtype, backend,
+batch size, torch, Triton and GPU loads from there instead of compiling again. `warm_up` runs
+each length once (a prefill and a few decode steps) and says what each call added to those caches.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from natsl.inference.bench import first_call, time_prefill
+
+
+def cache_dirs() -> dict[str, Path]:
+    """Where Triton and Inductor keep their compiled kernels (as this process resolves them)."""
+    dirs = {}
+    try:
+        from triton import knobs
+
+        dirs["triton"] = Path(knobs.cache.dir)
+    except (ImportError, AttributeError):  # Triton absent, or older than its knobs module
+        dirs["triton"] = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    dirs["inductor"] = Path(cache_dir())
+    return dirs
+
+
+def count_files(folder: Path) -> int:
+    """Files under `folder` (0 when it does not exist yet)."""
+    if not folder.is_dir():
+        return 0
+    return sum(len(files) for _, _, files in os.walk(folder))
+
+
+def graphs_compiled() -> int:
+    """Graphs torch.compile has built in this process so far (dynamo's own counter)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+@torch.no_grad()
+def warm_up(model, lengths: list[int], *, device: torch.device, batch: int = 1, decode_steps: int = 4, seed: int = 0,
+            on_length: Callable[[dict], None] | None = None) -> list[dict]:
+    """Prefill `batch` x L random tokens and decode `decode_steps` tokens at each L of `lengths`, then
+    prefill once more (warm). One record per length: first (cold) and warm prefill seconds, the
+    decode steps' seconds, new files in the Triton and Inductor caches and graphs torch.compile built."""
+    dirs = cache_dirs()
+    generator = torch.Generator().manual_seed(seed)
+    records = []
+    for length in lengths:
+        before = {name: count_files(folder) for name, folder in dirs.items()}
+        graphs = graphs_compiled()
+        ids = torch.randint(0, model.config.vocab_size, (batch, length), generator=generator).to(device)
+        cache = model.new_cache(batch, max_len=length + decode_steps)
+        start = time.perf_counter()
+        # CUDA graphs are not kept on disk: the decode steps run plain, which compiles the same kernels.
+        cold = first_call(model, ids, cache, decode_steps, device)
+        record = {"length": length, "first_prefill_s": cold["prefill_s"], "decode_s": cold["decode_s"],
+                  "warm_prefill_s": time_prefill(model, ids, cache, 1, device),
+                  "seconds": time.perf_counter() - start, "graphs_compiled": graphs_compiled() - graphs,
+                  **{f"new_{name}_files": count_files(folder) - before[name] for name, folder in dirs.items()}}
+        del cache
+        records.append(record)
+        if on_length is not None:
+            on_length(record)
+    return records
