@@ -39,7 +39,7 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
     if backend is None:
         backend = os.environ.get("NATSL_BACKEND") or None
     if backend is None:
-        return default_backend(device)
+        backend = default_backend(device)
     if backend not in BACKENDS:
         raise NatslError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
     # Inside torch.compile the check is skipped (dynamo would trace the import): the eager calls before
