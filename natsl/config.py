@@ -90,11 +90,6 @@ class ModelConfig:
                 if i in seen:
                     raise NatslError(f"layer {i} is listed in both '{prefix}.{seen[i]}' and '{prefix}.{name}'; list each layer once")
                 seen[i] = name
-        for key in ("router_noise", "router_balance"):
-            _require(math.isfinite(getattr(self, key)) and getattr(self, key) >= 0, f"{prefix}.{key}",
-                     getattr(self, key), "a finite number >= 0 (0: off)")
-        _require(0 <= self.router_target_keep <= 1, f"{prefix}.router_target_keep", self.router_target_keep,
-                 "a number in [0, 1]")
         r = self.softmax_heads_per_group
         if "natsl" in self.layer_types():
             for key in ("head_k_dim", "head_v_dim"):
@@ -230,6 +225,9 @@ MODEL_RULES = {
     "norm_eps": _finite(0),  # rsqrt(mean(x^2) + eps): a negative eps gives NaN on small activations
     "init_std": _finite(0),  # normal_(std=...) refuses < 0 and 0 makes every unit the same
     "max_seq_len": _count(1),
+    # training-only router options (docs/recall.md); 0 turns noise and balance off
+    "router_noise": _finite(0, open_low=False), "router_balance": _finite(0, open_low=False),
+    "router_target_keep": _finite(0, 1, open_low=False),
 }
 OPTIM_RULES = {
     "lr": _finite(0),

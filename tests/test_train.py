@@ -267,7 +267,8 @@ def test_non_finite_steps_are_skipped_on_the_device_with_the_folded_clip(tmp_pat
 
 def test_the_folded_clip_trains_as_the_plain_one(tmp_path, cache_env, monkeypatch):
     """The same run with the clip inside the fused AdamW step and with clip_grad_norm_ + foreach AdamW:
-    the same gradient norms and losses up to rounding (grad_clip 1.0 is active at the start)."""
+    the same gradient norms and losses up to rounding (grad_clip 0.25 is active at every step: the
+    tiny model's gradient norm starts near 1 with the short convs' N(0, 0.02) init)."""
     from natsl.training import optim
 
     calls = []
@@ -276,13 +277,13 @@ def test_the_folded_clip_trains_as_the_plain_one(tmp_path, cache_env, monkeypatc
     runs = {}
     for fold in ("0", "1"):
         out = tmp_path / f"fold{fold}"
-        result = natsl_inproc(["train", *TINY, "--max-steps", "6", "--out", str(out)],
-                              {**cache_env, "NATSL_FOLD_CLIP": fold})
+        result = natsl_inproc(["train", *TINY, "--set", "optim.grad_clip=0.25", "--max-steps", "6", "--out",
+                               str(out)], {**cache_env, "NATSL_FOLD_CLIP": fold})
         assert result.exit_code == 0, result.stderr
         runs[fold], _ = train_records(out)
         assert len(calls) == (6 if fold == "1" else 0)  # the fold is taken only when asked for
     plain, folded = runs["0"], runs["1"]
-    assert len(plain) == len(folded) == 6 and plain[0]["grad_norm"] > 1.0  # clipping at work
+    assert len(plain) == len(folded) == 6 and min(r["grad_norm"] for r in plain) > 0.25  # clipping at work
     for a, b in zip(plain, folded):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3)
