@@ -19,7 +19,7 @@ from natsl.inference.generate import TextStream
 from natsl.models.routing import force_keep_fraction
 from natsl.inference.sampling import filter_logits
 
-RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+RECIPES = Path(__file__).resolve().parent.parent / "natsl" / "recipes"
 BLOCK = 16
 
 LAYOUTS = {

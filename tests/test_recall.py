@@ -90,7 +90,7 @@ def test_zoology_mixture():
 def test_sweep_trains_evaluates_and_summarises(tmp_path):
     """The CPU sweep (2 runs x 4 steps) through the module entry point: results and summary."""
     out = tmp_path / "sweep"
-    proc = subprocess.run([sys.executable, "-m", "natsl.training.sweep", str(ROOT / "recipes/recall/sweep_cpu.yaml"),
+    proc = subprocess.run([sys.executable, "-m", "natsl.training.sweep", str(ROOT / "natsl/recipes/recall/sweep_cpu.yaml"),
                            "--out", str(out), "--no-progress"], capture_output=True, text=True, cwd=ROOT,
                           env={**__import__("os").environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -117,7 +117,7 @@ def test_sweep_trains_evaluates_and_summarises(tmp_path):
                                  progress=False, quiet=True)
         assert report["forced_keep_fraction"] == fraction and report["mean_keep_fraction"] == fraction
     # A second call finds every run done and only rebuilds the summary.
-    again = subprocess.run([sys.executable, "-m", "natsl.training.sweep", str(ROOT / "recipes/recall/sweep_cpu.yaml"),
+    again = subprocess.run([sys.executable, "-m", "natsl.training.sweep", str(ROOT / "natsl/recipes/recall/sweep_cpu.yaml"),
                             "--out", str(out), "--no-progress"], capture_output=True, text=True, cwd=ROOT,
                            env={**__import__("os").environ, "PYTHONPATH": str(ROOT)}, timeout=300)
     assert again.returncode == 0 and "2 of 2 runs done" in again.stdout
@@ -127,11 +127,11 @@ def test_sweep_spec_errors(tmp_path):
     from natsl.training.sweep import load_spec
 
     bad = tmp_path / "bad.yaml"
-    bad.write_text("systems: {gdn: recipes/recall/gdn.yaml}\nwidths: [10]\nlrs: [0.001]\n"
+    bad.write_text("systems: {gdn: recall/gdn}\nwidths: [10]\nlrs: [0.001]\n"
                    "tasks: {t: 'task:mqar?seq_len=64&pairs=4'}\n")
     with pytest.raises(NatslError, match="not a whole number"):
         load_spec(bad, tmp_path / "out")
-    bad.write_text("systems: {gdn: recipes/recall/gdn.yaml}\nwidths: [64]\nlrs: [0.001]\ntasks: {t: builtin}\n")
+    bad.write_text("systems: {gdn: recall/gdn}\nwidths: [64]\nlrs: [0.001]\ntasks: {t: builtin}\n")
     with pytest.raises(NatslError, match="is not a task"):
         load_spec(bad, tmp_path / "out")
 
@@ -141,7 +141,7 @@ def _tiny(**changes):
 
     import natsl
 
-    base = natsl.load_recipe(ROOT / "recipes" / "tiny_hybrid.yaml").model
+    base = natsl.load_recipe(ROOT / "natsl" / "recipes" / "tiny_hybrid.yaml").model
     torch.manual_seed(0)
     return natsl.build_model(dataclasses.replace(base, backend="chunked", block_size=16, **changes))
 
@@ -189,7 +189,7 @@ def test_router_option_validation_and_old_checkpoints(tmp_path):
         natsl.config.recipe_from_dict({"model": {"router_target_keep": 1.5}})
     with pytest.raises(NatslError, match="router_noise"):
         natsl.config.recipe_from_dict({"model": {"router_noise": -1}})
-    recipe = natsl.load_recipe(ROOT / "recipes" / "tiny_hybrid.yaml").to_dict()
+    recipe = natsl.load_recipe(ROOT / "natsl" / "recipes" / "tiny_hybrid.yaml").to_dict()
     for key in ("router_noise", "router_balance", "router_target_keep"):  # a checkpoint from before them
         del recipe["model"][key]
     loaded = checkpoint_recipe(tmp_path, {"recipe": recipe})

@@ -20,7 +20,7 @@ from natsl.data.dataset import step_sample_indices
 from natsl.training.optim import lr_at, param_groups
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY = [str(ROOT / "recipes" / "tiny_hybrid.yaml"), "--set", "train.seq_len=128", "train.micro_batch_size=4",
+TINY = [str(ROOT / "natsl" / "recipes" / "tiny_hybrid.yaml"), "--set", "train.seq_len=128", "train.micro_batch_size=4",
         "train.tokens_per_step=512", "--device", "cpu", "--backend", "chunked", "--no-progress"]
 
 
