@@ -17,12 +17,10 @@ Incremental inference (docs/spec.md section 4: prefill and decode from a NAtSLCa
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
-from natsl import ops
+from natsl import ops, switches
 from natsl.config import ModelConfig
 from natsl.models.gated_deltanet import GatedDeltaProjections
 from natsl.models.linear import Linear, aligned_linear
@@ -164,10 +162,10 @@ class NAtSL(CachedNAtSL, nn.Module):
 
     def _fused_mix(self, o_nla: torch.Tensor, logits) -> bool:
         """The read on its Triton kernels (natsl.fast.mix): fast backend, softmax weights, separate
-        norms (the paper's layer); NATSL_FUSED_MIX=0 keeps the compiled formula (for comparisons)."""
+        norms (the paper's layer); the switch fused_mix off (NATSL_FUSED_MIX=0) keeps the compiled formula."""
         c = self.config
         if (logits is None or c.mix_weights != "softmax" or c.branch_norm != "separate"
-                or os.environ.get("NATSL_FUSED_MIX", "1") == "0"
+                or not switches.current().fused_mix
                 or resolve_backend(self.backend, o_nla.device) != "fast"):
             return False
         from natsl.ops.mix import supports
