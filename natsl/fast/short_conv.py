@@ -8,7 +8,7 @@ several times their memory traffic in the 800M hybrid's training step; the weigh
 B x T rows.
 
 Forward: one pass over [time, channel] tiles; the W shifted reads of x hit the cache. Backward
-(`BACKWARD_FORM`): dL/d(pre-activation) needs the pre-activation, which is recomputed from x rather
+(`backward_form_setting()`): dL/d(pre-activation) needs the pre-activation, which is recomputed from x rather
 than saved (a second [B, T, C] tensor per conv); dx[t] needs it at the W output rows t .. t+W-1,
 that is shifted by up to W-1 rows, which a register tile cannot be. "walk" (W = 4, the default on GPUs) has
 each program walk its rows one at a time from the last, so that the shifted rows are whole rows held
@@ -54,7 +54,6 @@ BACKWARD_TILES = {"two_pass": (64, 64, 4), "walk": (128, 128, 1)}
 # at the W rows in one kernel; "held", all 2W-1 shifted input tiles in registers.
 # The switch short_conv_backward (NATSL_SHORT_CONV_BACKWARD, natsl.switches) picks one for a whole run
 # (benchmarks compare them end to end).
-BACKWARD_FORMS = ("two_pass", "walk")
 # Under Triton's CPU interpreter (tests only) the walk's row-by-row loop is far slower than two passes
 # (the interpreter runs each row step in Python), and every fast-backend backward in the model tests ran
 # it, so there the default is two passes; both forms keep their own tests (tests/test_fast_short_conv.py
