@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -40,6 +39,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import common
+from natsl import switches
 from natsl.config import load_recipe
 from natsl.models import build_model
 from natsl.training.loss import linear_cross_entropy
@@ -291,7 +291,7 @@ def profile_training(args) -> None:
         print(f"whole step, median of {args.repeats} interleaved: clip then step {fold_ms['clip then step']:.1f} ms, "
               f"folded into the fused AdamW step {fold_ms['folded']:.1f} ms")
     print(f"{args.recipe} B={args.batch} T={args.seq_len} compile_pointwise="
-          f"{os.environ.get('NATSL_COMPILE_POINTWISE', '1')} compile={args.compile}: "
+          f"{switches.current().compile_pointwise} compile={args.compile}: "
           f"{'step' if args.optimizer else 'fwd+bwd'} {step_ms:.1f} ms, {tokens / step_ms * 1e3:,.0f} tok/s")
 
     head = None

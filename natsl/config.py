@@ -8,6 +8,7 @@ the key and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+from importlib import resources
 import math
 import types
 import typing
@@ -21,7 +22,9 @@ from natsl.errors import NatslError
 from natsl.seeding import check_seed
 
 LAYER_TYPES = ("gdn", "attention", "natsl", "mamba2")
-RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+# The shipped recipes are package data (natsl/recipes/, read through importlib.resources so a wheel
+# finds them too); `load_recipe("800m_hybrid")` or `load_recipe("recall/gdn")` names one.
+RECIPES_PACKAGE = "natsl"
 
 
 @dataclass
@@ -379,17 +382,42 @@ def check_unique_keys(text: str, where: str) -> None:
             stack.extend(node.value)
 
 
+def recipe_names() -> list[str]:
+    """Names of the recipes shipped with natsl ("tiny_hybrid", "recall/gdn", ...), sorted."""
+    names = []
+    folders = [("", resources.files(RECIPES_PACKAGE) / "recipes")]
+    while folders:
+        prefix, folder = folders.pop()
+        for entry in folder.iterdir():
+            if entry.is_dir():
+                folders.append((f"{prefix}{entry.name}/", entry))
+            elif entry.name.endswith(".yaml") and not entry.name.startswith("sweep_"):
+                names.append(prefix + entry.name[:-len(".yaml")])
+    return sorted(names)
+
+
+def shipped_recipe(name: str):
+    """The packaged recipe file called `name` (a Traversable), or None."""
+    if not name or name.startswith(("/", ".")) or "\\" in name or ".." in name.split("/"):
+        return None
+    entry = resources.files(RECIPES_PACKAGE) / "recipes"
+    for part in f"{name}.yaml".split("/"):
+        entry = entry / part
+    return entry if entry.is_file() else None
+
+
 def load_recipe(path: str | Path) -> Recipe:
-    """Read and validate a recipe YAML file (yaml.safe_load; nothing is executed)."""
+    """Read and validate a recipe: a YAML file, or the name of a shipped one such as `800m_hybrid` or
+    `recall/gdn` (yaml.safe_load; nothing is executed)."""
     path = Path(path)
-    if not path.is_file() and path.suffix == "" and (RECIPES_DIR / f"{path}.yaml").is_file():
-        path = RECIPES_DIR / f"{path}.yaml"  # a bare name such as `800m_hybrid`
-    if path.is_dir():
-        raise NatslError(f"recipe {str(path)!r} is a folder; pass a recipe file such as recipes/tiny_hybrid.yaml "
+    if not path.is_file() and path.suffix == "" and (shipped := shipped_recipe(path.as_posix())) is not None:
+        path = shipped
+    elif path.is_dir():
+        raise NatslError(f"recipe {str(path)!r} is a folder; pass a recipe file or name such as tiny_hybrid "
                          "(to continue a run, pass its recipe and --out FOLDER)")
-    if not path.is_file():
-        raise NatslError(f"recipe file {str(path)!r} does not exist; pass a path such as recipes/tiny_hybrid.yaml "
-                         f"or a name from {RECIPES_DIR}")
+    elif not path.is_file():
+        raise NatslError(f"recipe file {str(path)!r} does not exist; pass a path to a YAML file or a recipe name "
+                         f"({', '.join(recipe_names())})")
     try:
         text = path.read_text(encoding="utf-8")
         check_unique_keys(text, f"recipe file {str(path)!r}")
@@ -402,10 +430,10 @@ def load_recipe(path: str | Path) -> Recipe:
                          "values, at most a list of numbers); fix the file") from None
     if data is None:  # from_dict would read it as {}: silently the 800M defaults
         raise NatslError(f"recipe file {str(path)!r} is empty; a recipe needs at least a model section "
-                         "(see recipes/tiny_hybrid.yaml)")
+                         "(see natsl/recipes/tiny_hybrid.yaml)")
     recipe = recipe_from_dict(data)
     if recipe.name == "unnamed":
-        recipe.name = path.stem
+        recipe.name = Path(path.name).stem
     return recipe
 
 

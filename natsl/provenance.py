@@ -1,4 +1,5 @@
-"""What produced a result: versions, the source revision and the switches that change speed or numerics.
+"""What produced a result: versions, the source revision, every speed switch (natsl.switches) and the
+environment variables that change how natsl runs.
 
 Benchmarks store `provenance()` next to their figures, so that a number in docs/performance.md can be
 traced to the code and settings that made it.
@@ -11,15 +12,13 @@ import os
 import subprocess
 from pathlib import Path
 
-# Environment switches read by natsl (and the two that change how Triton runs).
-SWITCHES = ("NATSL_BACKEND", "NATSL_COMPILE_POINTWISE", "NATSL_POINTWISE_DYNAMIC", "NATSL_FUSED_INFERENCE",
-            "NATSL_DECODE_ATTENTION", "NATSL_DECODE_GEMV", "NATSL_DECODE_PDL", "NATSL_PREFILL_OVERLAP",
-            "NATSL_SHORT_CONV_BACKWARD", "NATSL_FOLD_CLIP", "NATSL_CONCAT_LINEARS", "NATSL_FUSED_MIX",
-            "NATSL_FUSED_LOSS", "NATSL_STATE_SPLIT", "NATSL_JOINED_CONV",
-            "NATSL_PEAK_FLOPS", "TRITON_INTERPRET", "TORCH_COMPILE_DISABLE")
+from natsl import switches
+
+# Variables that change how natsl runs but are not its speed switches (natsl/switches.py says why):
+# recorded where set, beside every speed switch.
+ENVIRONMENT = ("NATSL_BACKEND", "NATSL_PEAK_FLOPS", "TRITON_INTERPRET", "TORCH_COMPILE_DISABLE")
 # NATSL_ variables that change neither speed nor numerics (where files go; the crash tests' hook).
 NOT_SWITCHES = ("NATSL_CACHE_DIR", "NATSL_DEBUG_DIR", "NATSL_FAULT")
-
 
 def git_revision(root: Path | None = None) -> str | None:
     """The checked-out commit of the natsl source tree (with "+dirty" for local changes), or None."""
@@ -63,4 +62,5 @@ def provenance() -> dict:
         triton_version = None
     return {"natsl": __version__, "git": git_revision(), "source_sha256": source_hash(), "torch": torch.__version__,
             "triton": triton_version,
-            "switches": {name: os.environ[name] for name in SWITCHES if name in os.environ}}
+            "switches": switches.as_dict(),
+            "environment": {name: os.environ[name] for name in ENVIRONMENT if name in os.environ}}

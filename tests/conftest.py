@@ -37,3 +37,15 @@ def natsl_cache_dir(tmp_path_factory):
     of them (natsl.data.builtin locks the folder while one process builds it)."""
     base = tmp_path_factory.getbasetemp()
     return str((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "natsl-cache")
+
+
+@pytest.fixture
+def use_switches():
+    """`use_switches(name=value, ...)` sets speed switches (natsl.switches.override) until the test ends;
+    calls stack, the last one on top."""
+    import contextlib
+
+    from natsl import switches
+
+    with contextlib.ExitStack() as stack:
+        yield lambda **changes: stack.enter_context(switches.override(**changes))

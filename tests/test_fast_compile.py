@@ -44,9 +44,9 @@ def test_short_conv_custom_op_passes_opcheck(with_tail):
     torch.library.opcheck(short_conv_forward, (x, weight, tail))
 
 
-def test_split_short_conv_custom_op_passes_opcheck(monkeypatch):
+def test_split_short_conv_custom_op_passes_opcheck(monkeypatch, use_switches):
     monkeypatch.setattr(short_conv, "FORWARD_TILE", (32, 8))
-    monkeypatch.setattr(short_conv, "BACKWARD_FORM", "walk")
+    use_switches(short_conv_backward="walk")
     monkeypatch.setitem(short_conv.BACKWARD_TILES, "walk", (16, 8, 1))
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(2, 37, 32, generator=gen).requires_grad_()

@@ -122,7 +122,7 @@ def test_chunked_loss_on_the_kernel_matches_full_logits(reduction, chunk):
                                         fused=True).item() - ref.item()) <= 1e-5 * abs(ref.item())
 
 
-def test_the_loss_takes_the_kernel_only_on_cuda_and_not_when_switched_off(monkeypatch):
+def test_the_loss_takes_the_kernel_only_on_cuda_and_not_when_switched_off(monkeypatch, use_switches):
     calls = []
     real = xent.softmax_cross_entropy_
     monkeypatch.setattr(xent, "softmax_cross_entropy_", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -131,7 +131,7 @@ def test_the_loss_takes_the_kernel_only_on_cuda_and_not_when_switched_off(monkey
     targets = torch.randint(0, 11, (2, 5), device=DEVICE)
     linear_cross_entropy(hidden, weight, targets, chunk_size=4).backward()
     assert len(calls) == (3 if DEVICE == "cuda" else 0)
-    monkeypatch.setenv("NATSL_FUSED_LOSS", "0")
+    use_switches(fused_loss=False)
     linear_cross_entropy(hidden, weight, targets, chunk_size=4).backward()
     linear_cross_entropy(hidden.double(), weight.double(), targets, chunk_size=4, fused=True).backward()
     assert len(calls) == (3 if DEVICE == "cuda" else 0)

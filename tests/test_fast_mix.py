@@ -107,15 +107,15 @@ def test_gpu_fused_mix_at_the_800m_shape():
 @pytest.mark.parametrize("changes,env,expected", [({}, None, 2), ({}, "0", 0), ({"mix_weights": "sigmoid"}, None, 0),
                                                   ({"branch_norm": "after_sum"}, None, 0)],
                          ids=["default", "switched-off", "sigmoid-weights", "one-norm"])
-def test_the_layer_takes_the_fused_read_only_where_it_applies(changes, env, expected, monkeypatch):
+def test_the_layer_takes_the_fused_read_only_where_it_applies(changes, env, expected, monkeypatch, use_switches):
     """The tiny hybrid's two NAtS-L layers read through natsl.fast.mix on the fast backend with softmax
-    weights and separate norms; NATSL_FUSED_MIX=0 and the other Table 4 variants keep the formula."""
+    weights and separate norms; the switch fused_mix off and the other Table 4 variants keep the formula."""
     import dataclasses
 
     import natsl
 
     if env is not None:
-        monkeypatch.setenv("NATSL_FUSED_MIX", env)
+        use_switches(fused_mix=env != "0")
     calls = []
     real = mix.mix_branches
     monkeypatch.setattr(mix, "mix_branches", lambda *args: calls.append(1) or real(*args))

@@ -39,12 +39,12 @@ def oracle(x, weight, tail, dy):
     return y.detach(), x64.grad, w64.grad
 
 
-# natsl.fast.short_conv.BACKWARD_FORM for every backward form.
+# The switch short_conv_backward (natsl.switches) for every backward form.
 BACKWARD_FORMS = {"two passes": "two_pass", "walk": "walk"}
 
 
-def use_backward_form(monkeypatch, form):
-    monkeypatch.setattr(sc, "BACKWARD_FORM", BACKWARD_FORMS[form])
+def use_backward_form(use_switches, form):
+    use_switches(short_conv_backward=BACKWARD_FORMS[form])
 
 
 def run_fast(x, weight, tail, dy):
@@ -59,10 +59,10 @@ def run_fast(x, weight, tail, dy):
 @pytest.mark.parametrize("with_tail", [False, True])
 @pytest.mark.parametrize("T, C", [(1, 7), (3, 40), (37, 130), (64, 64), (100, 72)])
 @pytest.mark.parametrize("form", BACKWARD_FORMS)
-def test_forward_and_gradients_match_the_formula(T, C, with_tail, dtype, form, monkeypatch):
+def test_forward_and_gradients_match_the_formula(T, C, with_tail, dtype, form, monkeypatch, use_switches):
     """Odd lengths (T = 1 and T < W - 1 read the tail only), widths that cut the channel tiles and
     lengths that cut the time tiles (forward 32, backward 64 rows); every backward form."""
-    use_backward_form(monkeypatch, form)
+    use_backward_form(use_switches, form)
     gen = torch.Generator().manual_seed(T * 1000 + C)
     B, W = 2, 4
     x = torch.randn(B, T, C, generator=gen).to(DEVICE, dtype)
@@ -81,9 +81,9 @@ def test_forward_and_gradients_match_the_formula(T, C, with_tail, dtype, form, m
 
 @pytest.mark.parametrize("W", [2, 3, 5])
 @pytest.mark.parametrize("form", BACKWARD_FORMS)
-def test_other_conv_widths(W, form, monkeypatch):
+def test_other_conv_widths(W, form, monkeypatch, use_switches):
     """Widths other than the GDN's 4 ("walk" falls back to two passes there), with a tail."""
-    use_backward_form(monkeypatch, form)
+    use_backward_form(use_switches, form)
     gen = torch.Generator().manual_seed(W)
     x = torch.randn(2, 37, 40, generator=gen).to(DEVICE)
     weight = (0.5 * torch.randn(40, 1, W, generator=gen)).to(DEVICE)
@@ -95,12 +95,12 @@ def test_other_conv_widths(W, form, monkeypatch):
 
 @pytest.mark.parametrize("tile", [(8, 16, 1), (16, 32, 2), (5, 16, 1)])
 @pytest.mark.parametrize("T", [1, 3, 37])
-def test_walk_chunks_cut_the_sequence(T, tile, monkeypatch):
+def test_walk_chunks_cut_the_sequence(T, tile, monkeypatch, use_switches):
     """"walk" with short chunks so that a sequence spans many programs: every chunk boundary needs the
     3 rows after it (read, never written), a chunk not a multiple of the 4 rows per step (5), a last
     chunk cut short, T < 4 reading the tail only; channels that cut the tiles. T = 37 already spans 3-8
     chunks with a short last one for every tile: a longer sequence only adds chunks of the same kind."""
-    monkeypatch.setattr(sc, "BACKWARD_FORM", "walk")
+    use_switches(short_conv_backward="walk")
     monkeypatch.setitem(sc.BACKWARD_TILES, "walk", tile)
     gen = torch.Generator().manual_seed(T + tile[0])
     x = torch.randn(3, T, 40, generator=gen).to(DEVICE)
@@ -161,12 +161,14 @@ def test_eager_path_equals_the_custom_op(monkeypatch):
         assert torch.equal(a, b)
 
 
-def test_an_unknown_backward_form_is_named(monkeypatch):
-    monkeypatch.setattr(sc, "BACKWARD_FORM", "fastest")
-    x = torch.randn(1, 5, 8, device=DEVICE, requires_grad=True)
-    y = sc.short_conv_silu(x, torch.randn(8, 1, 4, device=DEVICE))
-    with pytest.raises(NatslError, match="'fastest'.*NATSL_SHORT_CONV_BACKWARD.*two_pass, walk"):
-        y.sum().backward()
+def test_an_unknown_backward_form_is_named():
+    from natsl import switches
+
+    with pytest.raises(NatslError, match="NATSL_SHORT_CONV_BACKWARD='fastest' is not one of walk, two_pass"):
+        switches.from_environ({"NATSL_SHORT_CONV_BACKWARD": "fastest"})
+    with pytest.raises(NatslError, match="short_conv_backward='fastest' is not one of walk, two_pass"):
+        with switches.override(short_conv_backward="fastest"):
+            pass
 
 
 def test_bad_shapes_and_a_tail_that_wants_a_gradient_are_refused():
@@ -208,10 +210,10 @@ def split_inputs(T, sizes, dtype=torch.float32, seed=0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T", [1, 3, 37])
 @pytest.mark.parametrize("form", BACKWARD_FORMS)
-def test_split_conv_matches_the_formula_and_separate_convs(T, form, dtype, monkeypatch):
+def test_split_conv_matches_the_formula_and_separate_convs(T, form, dtype, monkeypatch, use_switches):
     """q, k, v convs in one launch (groups 16, 32, 48 on 16-wide tiles): every output, dx and each
     weight's gradient against the fp64 formula per group, and bitwise the three separate convs."""
-    use_backward_form(monkeypatch, form)
+    use_backward_form(use_switches, form)
     small_tiles(monkeypatch)
     sizes = [16, 32, 48]
     assert sc.split_fits(sizes)
@@ -275,10 +277,10 @@ def test_split_conv_refuses_mismatched_weights():
 
 
 @pytest.mark.parametrize("form", BACKWARD_FORMS)
-def test_split_launches_refuse_tiles_that_straddle_a_group_edge(form, monkeypatch):
+def test_split_launches_refuse_tiles_that_straddle_a_group_edge(form, monkeypatch, use_switches):
     """Called past short_conv_silu_split's check (the custom op itself), a channel tile that would read
     across a group edge is a clear error, not another group's values."""
-    use_backward_form(monkeypatch, form)
+    use_backward_form(use_switches, form)
     small_tiles(monkeypatch, channels=16)
     x, weights, dys = split_inputs(5, [8, 8, 16])
     weight = torch.cat(weights)
@@ -288,14 +290,13 @@ def test_split_launches_refuse_tiles_that_straddle_a_group_edge(form, monkeypatc
         sc._backward_groups(x, weight, None, dys)
 
 
-def test_a_model_takes_the_joined_convs_and_trains_the_same(monkeypatch):
+def test_a_model_takes_the_joined_convs_and_trains_the_same(monkeypatch, use_switches):
     """The tiny hybrid on the fast backend (q, k 64 and v 128 wide fit 64-wide tiles): every GDN and
     NAtS-L layer runs its q, k, v convs as one op on the joined product, and the logits and every
-    parameter's gradient are bitwise those of one conv per slice (NATSL_JOINED_CONV=0)."""
+    parameter's gradient are bitwise those of one conv per slice (the switch joined_conv off)."""
     import dataclasses
 
     import natsl
-    from natsl.models import conv
 
     small_tiles(monkeypatch, channels=64)
     calls = []
@@ -312,10 +313,10 @@ def test_a_model_takes_the_joined_convs_and_trains_the_same(monkeypatch):
         logits.square().mean().backward()
         return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
-    monkeypatch.setattr(conv, "JOINED", False)
+    use_switches(joined_conv=False)
     apart = logits_and_grads()
     assert calls == []
-    monkeypatch.setattr(conv, "JOINED", True)
+    use_switches(joined_conv=True)
     joined = logits_and_grads()
     assert len(calls) == config.num_layers
     assert torch.equal(joined[0], apart[0]) and joined[1].keys() == apart[1].keys()
@@ -349,9 +350,9 @@ def test_gpu_split_conv_800m_qkv_bf16():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("C", [1152, 2304])
 @pytest.mark.parametrize("form", BACKWARD_FORMS)
-def test_gpu_800m_widths_bf16(C, form, monkeypatch):
+def test_gpu_800m_widths_bf16(C, form, monkeypatch, use_switches):
     """The 800M GDN layer's q/k (1152) and v (2304) widths at batch 4 x 4096 in bf16, every backward form."""
-    use_backward_form(monkeypatch, form)
+    use_backward_form(use_switches, form)
     gen = torch.Generator().manual_seed(C)
     x = torch.randn(4, 4096, C, generator=gen).cuda().bfloat16()
     weight = (0.5 * torch.randn(C, 1, 4, generator=gen)).cuda()

@@ -64,11 +64,11 @@ def test_gemv_keeps_leading_dims():
     assert relative_error(gemv.linear(x, weight), F.linear(x, weight)) < 1e-5
 
 
-def test_linear_uses_gemv_only_for_grad_free_decode_sized_inputs(monkeypatch):
+def test_linear_uses_gemv_only_for_grad_free_decode_sized_inputs(monkeypatch, use_switches):
     dev = device()
     calls = []
     real = gemv.linear
-    monkeypatch.setattr(gemv, "FORCE", True)
+    use_switches(force_decode_gemv=True)
     monkeypatch.setattr(gemv, "linear", lambda x, w: calls.append(x.shape) or real(x, w))
     layer = Linear(40, 24, bias=False, device=dev)
     small = torch.randn(gemv.MAX_ROWS, 1, 40, device=dev)
@@ -80,7 +80,7 @@ def test_linear_uses_gemv_only_for_grad_free_decode_sized_inputs(monkeypatch):
     assert relative_error(out_large, F.linear(large, layer.weight)) < 1e-6
     layer(small).sum().backward()  # with autograd: F.linear, gradients as nn.Linear's
     assert len(calls) == 1 and layer.weight.grad is not None
-    monkeypatch.setattr(gemv, "FORCE", False)
+    use_switches(force_decode_gemv=False)
     with torch.no_grad():
         layer(small)
     assert len(calls) == 1
@@ -100,7 +100,7 @@ def test_gpu_gemv_at_the_800m_shapes():
 
 
 @pytest.mark.gpu
-def test_gpu_pdl_chain_in_a_cuda_graph_equals_plain_launches(monkeypatch):
+def test_gpu_pdl_chain_in_a_cuda_graph_equals_plain_launches(monkeypatch, use_switches):
     """A decode-like chain (norm, products, SwiGLU down product, residual add + norm, one more
     product) replayed from a CUDA graph with programmatic dependent launch gives bitwise the
     results of plain launches: each kernel waits for its inputs before it reads them."""
@@ -124,13 +124,13 @@ def test_gpu_pdl_chain_in_a_cuda_graph_equals_plain_launches(monkeypatch):
         return total, gemv.linear(h2, w_o)
 
     def plain(new_x):
-        monkeypatch.setattr(kernels, "PDL", False)
+        use_switches(force_decode_pdl=False)
         x.copy_(new_x)
         return [t.clone() for t in chain()]
 
     from natsl.inference.cuda_graph import capture
 
-    monkeypatch.setattr(kernels, "PDL", True)
+    use_switches(force_decode_pdl=True)
     graph, got = capture(chain, warmups=2)
     # A fresh input each replay: a kernel that read a buffer before the kernel writing it had
     # finished would see the previous replay's values, which differ.
@@ -144,21 +144,20 @@ def test_gpu_pdl_chain_in_a_cuda_graph_equals_plain_launches(monkeypatch):
             assert torch.equal(a, b), i
 
 
-def test_pdl_switch(monkeypatch):
-    """PDL only on CUDA devices of compute capability >= 9, off with NATSL_DECODE_PDL=0 or on the CPU
-    (where the launch takes no PDL keyword at all); kernels.PDL overrides the rule."""
+def test_pdl_switch(monkeypatch, use_switches):
+    """PDL only on CUDA devices of compute capability >= 9, off with the switch decode_pdl off or on the
+    CPU (where the launch takes no PDL keyword at all); the switch force_decode_pdl overrides the rule."""
+    from natsl import switches
     from natsl.fast import cached as kernels
 
     cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(kernels, "PDL", None)
-    monkeypatch.delenv("NATSL_DECODE_PDL", raising=False)
+    use_switches(force_decode_pdl=None, decode_pdl=True)
     monkeypatch.setattr(kernels, "capability", lambda device: (9, 0))
     assert kernels.pdl(cuda) and kernels.launch_options(True) == {"launch_pdl": True}
-    monkeypatch.setenv("NATSL_DECODE_PDL", "0")
-    assert not kernels.pdl(cuda)
-    monkeypatch.delenv("NATSL_DECODE_PDL")
+    with switches.override(decode_pdl=False):
+        assert not kernels.pdl(cuda)
     monkeypatch.setattr(kernels, "capability", lambda device: (8, 0))
     assert not kernels.pdl(cuda)
-    monkeypatch.setattr(kernels, "PDL", True)
+    use_switches(force_decode_pdl=True)
     assert kernels.pdl(cuda) and not kernels.pdl(torch.device("cpu"))
     assert kernels.launch_options(False) == {}

@@ -19,7 +19,7 @@ from natsl.inference.generate import TextStream
 from natsl.models.routing import force_keep_fraction
 from natsl.inference.sampling import filter_logits
 
-RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+RECIPES = Path(__file__).resolve().parent.parent / "natsl" / "recipes"
 BLOCK = 16
 
 LAYOUTS = {
@@ -129,9 +129,8 @@ def softmax_kv_of_full_forward(model, ids):
 # steps); not the 49-token decode.
 @pytest.mark.parametrize("chunks, fused", [([70], False), ([21], False), ([16, 45], False),
                                            ([70], True), ([16, 45], True)])
-def test_committed_kv_holds_exactly_the_kept_blocks(chunks, fused, monkeypatch):
+def test_committed_kv_holds_exactly_the_kept_blocks(chunks, fused, monkeypatch, use_switches):
     """Also with the fused kernels, whose prefill stores K/V block by block (kernels.store_blocks)."""
-    from natsl.ops import fused as kernels
 
     if fused and not torch.cuda.is_available() and not triton_interpreted():
         pytest.skip("needs CUDA or the Triton interpreter")
@@ -139,7 +138,7 @@ def test_committed_kv_holds_exactly_the_kept_blocks(chunks, fused, monkeypatch):
     ids = torch.randint(0, 1024, (2, 70), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         expected = softmax_kv_of_full_forward(model, ids)
-        monkeypatch.setattr(kernels, "FORCE", fused)
+        use_switches(force_fused_inference=fused)
         _, cache = prefill_then_decode(model, ids, chunks)
     R = model.config.softmax_heads_per_group
     complete, rest = divmod(70, BLOCK)
@@ -301,7 +300,7 @@ def test_gpu_fast_prefill_and_decode_equal_the_full_forward(layout):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_prefill_with_branches_on_two_streams_equals_one_stream(monkeypatch):
+def test_gpu_prefill_with_branches_on_two_streams_equals_one_stream(monkeypatch, use_switches):
     """The GDN branch on a side stream (inference/overlap.py) runs the same kernels in the same order
     within each branch: logits and every cache tensor bitwise equal to the one-stream prefill, for a
     prefill from empty and one that continues inside a block, at batch 2."""
@@ -314,7 +313,7 @@ def test_gpu_prefill_with_branches_on_two_streams_equals_one_stream(monkeypatch)
     results = {}
     with torch.no_grad():
         for flag in ("0", "1"):
-            monkeypatch.setenv("NATSL_PREFILL_OVERLAP", flag)
+            use_switches(prefill_overlap=flag == "1")
             cache = model.new_cache(2, max_len=800)
             first = model(ids[:, :437], cache=cache)
             second = model(ids[:, 437:], cache=cache)
@@ -327,14 +326,14 @@ def test_gpu_prefill_with_branches_on_two_streams_equals_one_stream(monkeypatch)
     assert len(one[2]) > 5 and all(torch.equal(a, b) for a, b in zip(one[2], two[2]))
 
 
-def test_prefill_overlap_stays_off_the_cpu_and_short_calls(monkeypatch):
+def test_prefill_overlap_stays_off_the_cpu_and_short_calls(monkeypatch, use_switches):
     from natsl.models import overlap
 
     x = torch.zeros(1, 8)
     assert overlap.side_stream(x, 10**6) is None  # CPU tensors: one stream
-    monkeypatch.setenv("NATSL_PREFILL_OVERLAP", "0")
+    use_switches(prefill_overlap=False)
     assert not overlap.enabled()
-    monkeypatch.setenv("NATSL_PREFILL_OVERLAP", "1")
+    use_switches(prefill_overlap=True)
     assert overlap.enabled()
     with overlap.running_on(None):  # the one-stream path is a no-op context
         pass
@@ -368,12 +367,11 @@ def test_gpu_cuda_graph_decode_equals_eager_decode():
 # -- the fused Triton kernels of the cached paths (natsl.fast.cached), in Triton's interpreter -----
 
 @pytest.mark.parametrize("layout", [*LAYOUTS, "natsl_hybrid-intra-softmax", "natsl_hybrid-intra-gdn"])
-def test_fused_inference_kernels_equal_the_full_forward(layout, monkeypatch):
+def test_fused_inference_kernels_equal_the_full_forward(layout, monkeypatch, use_switches):
     """The fused decode kernels through prefill + decode, for every layout and for the NAtS-L
     intra-block variants (with "softmax" the GDN step cannot be the one-kernel GDN decode step). An odd
     prefill of 33 tokens, then 7 decode steps inside the same block (each one a fused step in the
     interpreter on a CPU; the decode across a block end is test_fused_block_end_equals_the_plain_decode's)."""
-    from natsl.ops import fused as kernels
 
     if not torch.cuda.is_available() and not triton_interpreted():
         pytest.skip("needs CUDA or the Triton interpreter")
@@ -383,24 +381,23 @@ def test_fused_inference_kernels_equal_the_full_forward(layout, monkeypatch):
     ids = torch.randint(0, model.config.vocab_size, (2, 40))
     with torch.no_grad():
         full = model(ids)
-        monkeypatch.setattr(kernels, "FORCE", True)
+        use_switches(force_fused_inference=True)
         got, _ = prefill_then_decode(model, ids, [33])
     assert relative_error(got, full) < 1e-4
 
 
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("fraction", [None, 0.5])
-def test_fused_block_end_equals_the_plain_decode(fraction, compiled, monkeypatch):
+def test_fused_block_end_equals_the_plain_decode(fraction, compiled, monkeypatch, use_switches):
     """natsl.models.block_end (the fused path's decode bookkeeping: slots, route, state commit,
     kept lengths) against the plain path, with the router and with a fixed keep fraction; across
     two block ends (decoding tokens 57-132: each decoded token is a fused step in the interpreter on a
     CPU); eager and compiled (as on a GPU)."""
-    from natsl.ops import fused as kernels, gemv
     from natsl.models.routing import force_keep_fraction
 
     if not torch.cuda.is_available() and not triton_interpreted():
         pytest.skip("needs CUDA or the Triton interpreter")
-    monkeypatch.setattr(gemv, "FORCE", False)  # the products are not under test here (slow in the interpreter)
+    use_switches(force_decode_gemv=False)  # the products are not under test here (slow in the interpreter)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU: the compiled kernels
     model = tiny_model("chunked", **LAYOUTS["natsl"]).to(device)  # the fast GDN op wants blocks of 64+
     force_keep_fraction(model, fraction, seed=3)
@@ -408,9 +405,9 @@ def test_fused_block_end_equals_the_plain_decode(fraction, compiled, monkeypatch
     results = {}
     with torch.no_grad():
         for fused in (False, True):
-            monkeypatch.setattr(kernels, "FORCE", fused)
+            use_switches(force_fused_inference=fused)
             if fused and compiled:
-                monkeypatch.setenv("NATSL_COMPILE_POINTWISE", "all")
+                use_switches(compile_pointwise="all")
             logits, cache = prefill_then_decode(model, ids, [BLOCK - 7])
             results[fused] = (logits, [(c.kept_len.clone(), c.state_start.clone(), c.x_sum.clone())
                                        for c in cache.natsl_caches()])
@@ -473,8 +470,8 @@ def test_merged_projections_change_no_value(layout, monkeypatch):
 
 
 @pytest.mark.slow
-def test_compiled_pointwise_pieces_through_prefill_and_decode(monkeypatch):
-    """What a GPU runs (NATSL_COMPILE_POINTWISE=all compiles on the CPU too): the compiled pieces
+def test_compiled_pointwise_pieces_through_prefill_and_decode(monkeypatch, use_switches):
+    """What a GPU runs (the switch compile_pointwise="all" compiles on the CPU too): the compiled pieces
     through a full forward, prefills of odd lengths and token-by-token decoding, against eager."""
     from torch._dynamo.utils import counters
 
@@ -482,7 +479,7 @@ def test_compiled_pointwise_pieces_through_prefill_and_decode(monkeypatch):
     ids = torch.randint(0, 1024, (2, 50), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         eager = model(ids)
-        monkeypatch.setenv("NATSL_COMPILE_POINTWISE", "all")
+        use_switches(compile_pointwise="all")
         graphs = counters["stats"]["unique_graphs"]
         full = model(ids)
         got, _ = prefill_then_decode(model, ids, [21, 37])

@@ -11,7 +11,7 @@ from natsl.config import ModelConfig
 from natsl.models.natsl_layer import NAtSL
 from natsl.reference.router import block_mean, route_blocks
 
-RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+RECIPES = Path(__file__).resolve().parent.parent / "natsl" / "recipes"
 
 
 def tiny_config(**changes) -> ModelConfig:
@@ -158,7 +158,7 @@ def test_compiled_hidden_states_read_a_table_made_outside():
 
 
 @pytest.mark.parametrize("base_layer", ["gdn", "attention"])
-def test_concatenated_projections_give_the_separate_products(base_layer, monkeypatch):
+def test_concatenated_projections_give_the_separate_products(base_layer, monkeypatch, use_switches):
     """Every group run as one product over its concatenated (zero-padded) weights gives, in fp32, the
     logits and every parameter's gradient of one product per weight; a padded concatenation is
     really taken (the H-wide gate inputs: 2 x 2 rows padded to 8)."""
@@ -177,11 +177,10 @@ def test_concatenated_projections_give_the_separate_products(base_layer, monkeyp
     products = []
     real_linear = merged.linear
     monkeypatch.setattr(merged, "linear", lambda x, w: products.append(tuple(w.shape)) or real_linear(x, w))
-    monkeypatch.setattr(merged, "CONCAT", frozenset())
-    monkeypatch.setattr(merged, "CONCAT_GRAD", frozenset())
+    use_switches(concat_linears="none")
     separate = logits_and_grads()
     assert products == []  # one nn.Linear call each
-    monkeypatch.setattr(merged, "CONCAT_GRAD", frozenset(merged.CONCAT_LABELS))
+    use_switches(concat_linears="all")
     together = logits_and_grads()
     if base_layer == "gdn":
         assert (8, 64) in products and (2 * 32 + 2 * 32 + 2 * 64, 64) in products  # a, b; q, k, v
@@ -192,33 +191,32 @@ def test_concatenated_projections_give_the_separate_products(base_layer, monkeyp
         torch.testing.assert_close(together[1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_concat_labels_from_the_environment(monkeypatch):
+def test_concat_labels_from_the_switch(use_switches):
     from natsl.errors import NatslError
     from natsl.models import merged
 
-    monkeypatch.setenv("NATSL_CONCAT_LINEARS", "gate_up, gdn_ab")
+    use_switches(concat_linears="gate_up, gdn_ab")
     assert merged._concat_labels() == {"gate_up", "gdn_ab"}
-    monkeypatch.setenv("NATSL_CONCAT_LINEARS", "all")
+    use_switches(concat_linears="all")
     assert merged._concat_labels() == set(merged.CONCAT_LABELS)
-    monkeypatch.setenv("NATSL_CONCAT_LINEARS", "none")
+    use_switches(concat_linears="none")
     assert merged._concat_labels() == set()
-    monkeypatch.setenv("NATSL_CONCAT_LINEARS", "gate_up,qkvab")
+    use_switches(concat_linears="gate_up,qkvab")
     with pytest.raises(NatslError, match="unknown groups \\['qkvab'\\]"):
         merged._concat_labels()
-    monkeypatch.setenv("NATSL_CONCAT_LINEARS", "gdn_ab")
-    assert merged._concat_labels(grad=True) == {"gdn_ab"}  # a set variable holds with and without gradients
-    monkeypatch.delenv("NATSL_CONCAT_LINEARS")
+    use_switches(concat_linears="gdn_ab")
+    assert merged._concat_labels(grad=True) == {"gdn_ab"}  # a set switch holds with and without gradients
+    use_switches(concat_linears=None)
     assert merged._concat_labels() == merged.CONCAT_DEFAULT == {"gdn_ab"}
     assert merged._concat_labels(grad=True) == merged.CONCAT_DEFAULT_GRAD == {"gdn_ab", "gdn_qkv"}
 
 
-def test_gdn_qkv_concatenates_by_default_only_with_gradients(monkeypatch):
+def test_gdn_qkv_concatenates_by_default_only_with_gradients(monkeypatch, use_switches):
     """The defaults: a GDN layer's q, k, v run as one product when autograd records (training), apart
     without gradients (prefill); a and b together in both."""
     from natsl.models import merged
 
-    monkeypatch.setattr(merged, "CONCAT", merged.CONCAT_DEFAULT)
-    monkeypatch.setattr(merged, "CONCAT_GRAD", merged.CONCAT_DEFAULT_GRAD)
+    use_switches(concat_linears=None)
     torch.manual_seed(5)
     linears = [torch.nn.Linear(16, n, bias=False) for n in (8, 8, 12)]
     x = torch.randn(3, 16)

@@ -82,17 +82,14 @@ def test_cpu_tensors_never_compile(monkeypatch):
 
 
 @pytest.mark.parametrize("setting,dynamic", [(None, None), ("auto", None), ("1", True), ("0", False)])
-def test_compile_dynamic_setting(setting, dynamic, monkeypatch):
-    """NATSL_POINTWISE_DYNAMIC picks torch.compile's `dynamic`; in the default ("auto") every tensor
+def test_compile_dynamic_setting(setting, dynamic, monkeypatch, use_switches):
+    """The switch pointwise_dynamic picks torch.compile's `dynamic`; in the default ("auto") every tensor
     argument's feature dim is marked static before the compiled call."""
-    if setting is None:
-        monkeypatch.delenv("NATSL_POINTWISE_DYNAMIC", raising=False)
-    else:
-        monkeypatch.setenv("NATSL_POINTWISE_DYNAMIC", setting)
+    use_switches(pointwise_dynamic=setting or "auto")
     assert pw.compile_dynamic() is dynamic
     marked = []
     monkeypatch.setattr(torch._dynamo, "mark_static", lambda t, dim: marked.append((tuple(t.shape), dim)))
-    monkeypatch.setenv("NATSL_COMPILE_POINTWISE", "all")
+    use_switches(compile_pointwise="all")
     monkeypatch.setattr(torch, "compile", lambda fn, dynamic=None: fn)  # the call path, not Inductor
     fn = pw.pointwise(lambda x, w, eps: x * w)
     fn(torch.ones(2, 3, 8), torch.ones(8), 1e-6)
@@ -145,12 +142,12 @@ def test_compiled_equals_eager_on_gpu(dtype):
 
 
 @pytest.mark.slow
-def test_compiled_equals_eager_on_cpu(monkeypatch):
+def test_compiled_equals_eager_on_cpu(use_switches):
     """The same check through Inductor's CPU backend: dynamo traces every function without a graph
     break or a recompile storm (the GPU run of 2026-11-30 first hit dynamo's recompile limit)."""
     from torch._dynamo.utils import counters
 
-    monkeypatch.setenv("NATSL_COMPILE_POINTWISE", "all")
+    use_switches(compile_pointwise="all")
     compiled_before = counters["stats"]["unique_graphs"]
     _check_compiled_against_eager("cpu", torch.float32)
     assert counters["stats"]["unique_graphs"] >= compiled_before + len(_cases("cpu", torch.float32, 4))

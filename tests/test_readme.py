@@ -10,7 +10,7 @@ def test_readme_python_example_runs(monkeypatch):
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
     assert blocks, "the README has no python example"
-    monkeypatch.chdir(ROOT)  # it loads recipes/ by a relative path
+    monkeypatch.chdir(ROOT)  # run from the checkout root, as a reader would
     for block in blocks:
         scope: dict = {}
         exec(compile(block, "README.md", "exec"), scope)  # a name it never defines fails here

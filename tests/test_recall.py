@@ -91,7 +91,7 @@ def test_zoology_mixture():
 def test_sweep_trains_evaluates_and_summarises(tmp_path):
     """The CPU sweep (2 runs x 4 steps) through the module entry point: results and summary."""
     out = tmp_path / "sweep"
-    proc = subprocess.run([sys.executable, "-m", "natsl.training.sweep", str(ROOT / "recipes/recall/sweep_cpu.yaml"),
+    proc = subprocess.run([sys.executable, "-m", "natsl.training.sweep", str(ROOT / "natsl/recipes/recall/sweep_cpu.yaml"),
                            "--out", str(out), "--no-progress"], capture_output=True, text=True, cwd=ROOT,
                           env={**__import__("os").environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -118,7 +118,7 @@ def test_sweep_trains_evaluates_and_summarises(tmp_path):
                                  progress=False, quiet=True)
         assert report["forced_keep_fraction"] == fraction and report["mean_keep_fraction"] == fraction
     # A second call finds every run done and only rebuilds the summary.
-    again = subprocess.run([sys.executable, "-m", "natsl.training.sweep", str(ROOT / "recipes/recall/sweep_cpu.yaml"),
+    again = subprocess.run([sys.executable, "-m", "natsl.training.sweep", str(ROOT / "natsl/recipes/recall/sweep_cpu.yaml"),
                             "--out", str(out), "--no-progress"], capture_output=True, text=True, cwd=ROOT,
                            env={**__import__("os").environ, "PYTHONPATH": str(ROOT)}, timeout=300)
     assert again.returncode == 0 and "2 of 2 runs done" in again.stdout
@@ -128,11 +128,11 @@ def test_sweep_spec_errors(tmp_path):
     from natsl.training.sweep import load_spec
 
     bad = tmp_path / "bad.yaml"
-    bad.write_text("systems: {gdn: recipes/recall/gdn.yaml}\nwidths: [10]\nlrs: [0.001]\n"
+    bad.write_text("systems: {gdn: recall/gdn}\nwidths: [10]\nlrs: [0.001]\n"
                    "tasks: {t: 'task:mqar?seq_len=64&pairs=4'}\n")
     with pytest.raises(NatslError, match="not a whole number"):
         load_spec(bad, tmp_path / "out")
-    bad.write_text("systems: {gdn: recipes/recall/gdn.yaml}\nwidths: [64]\nlrs: [0.001]\ntasks: {t: builtin}\n")
+    bad.write_text("systems: {gdn: recall/gdn}\nwidths: [64]\nlrs: [0.001]\ntasks: {t: builtin}\n")
     with pytest.raises(NatslError, match="is not a task"):
         load_spec(bad, tmp_path / "out")
 
@@ -142,7 +142,7 @@ def _tiny(**changes):
 
     import natsl
 
-    base = natsl.load_recipe(ROOT / "recipes" / "tiny_hybrid.yaml").model
+    base = natsl.load_recipe(ROOT / "natsl" / "recipes" / "tiny_hybrid.yaml").model
     torch.manual_seed(0)
     return natsl.build_model(dataclasses.replace(base, backend="chunked", block_size=16, **changes))
 
@@ -190,7 +190,7 @@ def test_router_option_validation_and_old_checkpoints(tmp_path):
         natsl.config.recipe_from_dict({"model": {"router_target_keep": 1.5}})
     with pytest.raises(NatslError, match="router_noise"):
         natsl.config.recipe_from_dict({"model": {"router_noise": -1}})
-    recipe = natsl.load_recipe(ROOT / "recipes" / "tiny_hybrid.yaml").to_dict()
+    recipe = natsl.load_recipe(ROOT / "natsl" / "recipes" / "tiny_hybrid.yaml").to_dict()
     for key in ("router_noise", "router_balance", "router_target_keep"):  # a checkpoint from before them
         del recipe["model"][key]
     loaded = checkpoint_recipe(tmp_path, {"recipe": recipe})
@@ -202,7 +202,7 @@ def test_sweep_compiles_with_cuda_graphs_on_cuda_unless_the_spec_says_compile(tm
     undo it), eager on the CPU; `compile: false` is kept as written."""
     from natsl.training.sweep import load_spec
 
-    spec = ROOT / "recipes/recall/sweep_cpu.yaml"
+    spec = ROOT / "natsl/recipes/recall/sweep_cpu.yaml"
     for run in load_spec(spec, tmp_path / "a", device="cuda").runs:
         assert run.compile and run.device == "cuda"
         at = run.overrides.index("train.cuda_graphs=true")
@@ -236,7 +236,7 @@ def test_sweep_mps_flag_starts_and_stops_the_daemon(tmp_path, monkeypatch):
     assert seen == [False, True, False, True]  # `natsl sweep` passes --mps on the same way
     monkeypatch.undo()
 
-    sweep = S.load_spec(ROOT / "recipes/recall/sweep_cpu.yaml", tmp_path / "out", device="cuda")
+    sweep = S.load_spec(ROOT / "natsl/recipes/recall/sweep_cpu.yaml", tmp_path / "out", device="cuda")
     calls = tmp_path / "calls.txt"
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

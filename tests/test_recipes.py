@@ -1,6 +1,11 @@
 """Recipes load, validate, and build models of the paper's sizes."""
 
 import glob
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -10,7 +15,7 @@ import natsl
 from natsl.config import apply_overrides, recipe_from_dict
 from natsl.errors import NatslError
 
-RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+RECIPES = Path(__file__).resolve().parent.parent / "natsl" / "recipes"
 
 # Paper, Sec. 5 (docs/spec.md section 6): parameter counts of the 800M systems.
 PAPER_800M = {"gdn": 793e6, "transformer": 778e6, "gdn_hybrid": 802e6, "natsl": 794e6, "hybrid": 793e6}
@@ -114,4 +119,35 @@ def test_missing_and_invalid_files(tmp_path):
     bad.write_text("model: [unclosed\n")
     with pytest.raises(NatslError, match="not valid YAML"):
         natsl.load_recipe(bad)
-    assert natsl.load_recipe("tiny_hybrid").name == "tiny_hybrid"  # a bare name finds recipes/
+    assert natsl.load_recipe("tiny_hybrid").name == "tiny_hybrid"  # a bare name finds natsl/recipes/
+
+
+def test_recipe_names_include_the_recall_systems_and_load_by_name():
+    names = natsl.config.recipe_names()
+    assert {"tiny_hybrid", "800m_hybrid", "recall/gdn"} <= set(names)
+    assert not any(name.startswith("recall/sweep_") for name in names)  # sweep specs are not recipes
+    assert natsl.load_recipe("recall/gdn").name == "recall_gdn"
+    with pytest.raises(NatslError, match="tiny_hybrid"):  # the error lists the shipped names
+        natsl.load_recipe("no_such_recipe")
+
+
+def test_a_built_wheel_ships_the_recipes(tmp_path):
+    """From the wheel alone (no checkout on sys.path), recipes load by name."""
+    root = RECIPES.parent.parent
+    source = tmp_path / "src"  # a copy, so the build's egg-info and build/ stay out of the checkout
+    shutil.copytree(root / "natsl", source / "natsl", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(root / name, source / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path / "wheel"), str(source)], check=True, capture_output=True, timeout=300)
+    (wheel,) = (tmp_path / "wheel").glob("natsl-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(tmp_path / "unpacked")
+    script = ("import natsl, natsl.config as c; print(natsl.__file__); "
+              "print(c.load_recipe('tiny_hybrid').name, c.load_recipe('recall/gdn').name)")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(tmp_path / "unpacked")})
+    assert proc.returncode == 0, proc.stderr
+    where, names = proc.stdout.strip().splitlines()
+    assert where.startswith(str(tmp_path / "unpacked"))
+    assert names == "tiny_hybrid recall_gdn"

@@ -15,12 +15,13 @@ import pytest
 import torch
 
 import natsl
+from natsl import switches
 from natsl.config import OptimConfig
 from natsl.data.dataset import step_sample_indices
 from natsl.training.optim import lr_at, param_groups
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY = [str(ROOT / "recipes" / "tiny_hybrid.yaml"), "--set", "train.seq_len=128", "train.micro_batch_size=4",
+TINY = [str(ROOT / "natsl" / "recipes" / "tiny_hybrid.yaml"), "--set", "train.seq_len=128", "train.micro_batch_size=4",
         "train.tokens_per_step=512", "--device", "cpu", "--backend", "chunked", "--no-progress"]
 
 
@@ -244,8 +245,9 @@ def test_a_run_whose_every_checkpoint_is_damaged_is_refused_not_restarted(run_co
 
 def test_non_finite_steps_are_skipped_then_stop(tmp_path, cache_env):
     out = tmp_path / "nan"
-    result = natsl_inproc(["train", *TINY, "optim.lr=1e30", "optim.min_lr=1e30", "train.max_bad_steps=3",
-                           "--max-steps", "20", "--out", str(out)], cache_env)
+    with switches.override(fold_clip=True):
+        result = natsl_inproc(["train", *TINY, "optim.lr=1e30", "optim.min_lr=1e30", "train.max_bad_steps=3",
+                               "--max-steps", "20", "--out", str(out)], cache_env)
     assert result.exit_code == 2, result.stderr
     assert "3 steps in a row had a non-finite loss or gradient" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
@@ -255,10 +257,11 @@ def test_non_finite_steps_are_skipped_then_stop(tmp_path, cache_env):
 
 
 def test_non_finite_steps_are_skipped_on_the_device_with_the_folded_clip(tmp_path, cache_env):
-    """NATSL_FOLD_CLIP=1 (the fused AdamW clips and skips): same stop, same records."""
+    """The switch fold_clip on (the fused AdamW clips and skips): same stop, same records."""
     out = tmp_path / "nan"
-    result = natsl_inproc(["train", *TINY, "optim.lr=1e30", "optim.min_lr=1e30", "train.max_bad_steps=3",
-                           "--max-steps", "20", "--out", str(out)], {**cache_env, "NATSL_FOLD_CLIP": "1"})
+    with switches.override(fold_clip=True):
+        result = natsl_inproc(["train", *TINY, "optim.lr=1e30", "optim.min_lr=1e30", "train.max_bad_steps=3",
+                               "--max-steps", "20", "--out", str(out)], cache_env)
     assert result.exit_code == 2, result.stderr
     assert "3 steps in a row had a non-finite loss or gradient" in result.stderr
     steps, _ = train_records(out)
@@ -277,8 +280,9 @@ def test_the_folded_clip_trains_as_the_plain_one(tmp_path, cache_env, monkeypatc
     runs = {}
     for fold in ("0", "1"):
         out = tmp_path / f"fold{fold}"
-        result = natsl_inproc(["train", *TINY, "--set", "optim.grad_clip=0.25", "--max-steps", "6", "--out",
-                               str(out)], {**cache_env, "NATSL_FOLD_CLIP": fold})
+        with switches.override(fold_clip=fold == "1"):
+            result = natsl_inproc(["train", *TINY, "--set", "optim.grad_clip=0.25", "--max-steps", "6", "--out",
+                                   str(out)], cache_env)
         assert result.exit_code == 0, result.stderr
         runs[fold], _ = train_records(out)
         assert len(calls) == (6 if fold == "1" else 0)  # the fold is taken only when asked for
@@ -290,18 +294,17 @@ def test_the_folded_clip_trains_as_the_plain_one(tmp_path, cache_env, monkeypatc
     assert plain[-1]["loss"] != plain[0]["loss"]  # the steps were taken
 
 
-def test_the_folded_clip_is_the_cuda_default_and_the_setting_is_checked(monkeypatch):
+def test_the_folded_clip_is_the_cuda_default_and_the_setting_is_checked(use_switches):
     from natsl.errors import NatslError
     from natsl.training.optim import fold_clip_requested
 
-    monkeypatch.delenv("NATSL_FOLD_CLIP", raising=False)
+    use_switches(fold_clip=None)
     assert fold_clip_requested(torch.device("cuda")) and not fold_clip_requested(torch.device("cpu"))
     for value, expect in (("0", False), ("1", True)):
-        monkeypatch.setenv("NATSL_FOLD_CLIP", value)
+        use_switches(fold_clip=switches.from_environ({"NATSL_FOLD_CLIP": value}).fold_clip)
         assert fold_clip_requested(torch.device("cuda")) is expect and fold_clip_requested("cpu") is expect
-    monkeypatch.setenv("NATSL_FOLD_CLIP", "yes")
     with pytest.raises(NatslError, match="NATSL_FOLD_CLIP='yes' is not 0 or 1"):
-        fold_clip_requested("cpu")
+        switches.from_environ({"NATSL_FOLD_CLIP": "yes"})
 
 
 def test_cuda_graphs_are_checked_against_the_other_settings():

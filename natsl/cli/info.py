@@ -17,7 +17,7 @@ def routing_map(keep) -> list[str]:
 
 @command("info")
 def info(
-    recipe: str = typer.Argument(..., help="Recipe YAML (e.g. recipes/tiny_hybrid.yaml) or a recipe name."),
+    recipe: str = typer.Argument(..., help="Recipe YAML file or the name of a shipped recipe (e.g. tiny_hybrid, recall/gdn)."),
     seq_len: int = typer.Option(256, help="Tokens in the forward pass (random ids)."),
     forward: bool = typer.Option(True, help="Run a forward pass and print the routing of every NAtS-L layer."),
     backend: Optional[str] = typer.Option(None, help="reference, chunked or fast (default: chunked; the forward pass "

@@ -17,7 +17,7 @@ from natsl.cli.app import command
 
 @command("train")
 def train(
-    recipe: str = typer.Argument(..., help="Recipe YAML (e.g. recipes/tiny_hybrid.yaml) or a recipe name."),
+    recipe: str = typer.Argument(..., help="Recipe YAML file or the name of a shipped recipe (e.g. tiny_hybrid, recall/gdn)."),
     more: Optional[List[str]] = typer.Argument(None, metavar="[KEY=VALUE]...",
                                                help="More overrides, so that `--set a=1 b=2` works."),
     set_: Optional[List[str]] = typer.Option(None, "--set", metavar="SECTION.KEY=VALUE",

@@ -28,10 +28,10 @@ full-sequence forward (training) never uses them. Whether the cached paths use t
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
+from natsl import switches
 from natsl.devices import capability, sm_count  # noqa: F401  (sm_count: the launchers' kernels.sm_count)
 
 @functools.lru_cache(maxsize=None)
@@ -191,10 +191,6 @@ def _kernels():
     return rms_kernel, conv_step_kernel, gdn_step_kernel, store_blocks_kernel, write_kv_kernel
 
 
-# Tests and benchmarks set this to True / False; None = NATSL_DECODE_PDL (default on) on Hopper or newer.
-PDL: bool | None = None
-
-
 def pdl(device: torch.device) -> bool:
     """Whether the inference kernels launch with programmatic dependent launch (PDL) on `device`.
 
@@ -203,12 +199,14 @@ def pdl(device: torch.device) -> bool:
     reads anything the earlier kernel wrote, and lets the next kernel start once all of its own
     programs have passed that wait. At batch 1 a decode step is ~300 short kernels whose ramp-up
     and tail are otherwise serial. CUDA devices of compute capability 9.0 or newer (the interpreter
-    cannot run the instructions); NATSL_DECODE_PDL=0 turns it off."""
+    cannot run the instructions); the switch decode_pdl (NATSL_DECODE_PDL=0) turns it off,
+    force_decode_pdl forces it."""
     if device.type != "cuda":
         return False
-    if PDL is not None:
-        return PDL
-    return capability(device)[0] >= 9 and os.environ.get("NATSL_DECODE_PDL", "1") != "0"
+    s = switches.current()
+    if s.force_decode_pdl is not None:
+        return s.force_decode_pdl
+    return capability(device)[0] >= 9 and s.decode_pdl
 
 
 def launch_options(on: bool) -> dict:

@@ -8,7 +8,7 @@ several times their memory traffic in the 800M hybrid's training step; the weigh
 B x T rows.
 
 Forward: one pass over [time, channel] tiles; the W shifted reads of x hit the cache. Backward
-(`BACKWARD_FORM`): dL/d(pre-activation) needs the pre-activation, which is recomputed from x rather
+(`backward_form_setting()`): dL/d(pre-activation) needs the pre-activation, which is recomputed from x rather
 than saved (a second [B, T, C] tensor per conv); dx[t] needs it at the W output rows t .. t+W-1,
 that is shifted by up to W-1 rows, which a register tile cannot be. "walk" (W = 4, the default on GPUs) has
 each program walk its rows one at a time from the last, so that the shifted rows are whole rows held
@@ -26,13 +26,13 @@ and the input's gradient comes back whole.
 from __future__ import annotations
 
 import itertools
-import os
 from typing import Optional, Sequence
 
 import torch
 import triton
 import triton.language as tl
 
+from natsl import switches
 from natsl.devices import triton_interpreted
 from natsl.errors import NatslError
 from natsl.fast import eager
@@ -52,13 +52,15 @@ BACKWARD_TILES = {"two_pass": (64, 64, 4), "walk": (128, 128, 1)}
 # Dropped, all slower than "walk" on the H200 (docs/kernels/short_conv.md): "scratch", whole tiles with
 # g written to a per-program scratch slot and read back shifted (register-bound occupancy); recompute
 # at the W rows in one kernel; "held", all 2W-1 shifted input tiles in registers.
-# NATSL_SHORT_CONV_BACKWARD picks one for a whole run (benchmarks compare them end to end).
-BACKWARD_FORMS = ("two_pass", "walk")
+# The switch short_conv_backward (NATSL_SHORT_CONV_BACKWARD, natsl.switches) picks one for a whole run
+# (benchmarks compare them end to end).
 # Under Triton's CPU interpreter (tests only) the walk's row-by-row loop is far slower than two passes
 # (the interpreter runs each row step in Python), and every fast-backend backward in the model tests ran
 # it, so there the default is two passes; both forms keep their own tests (tests/test_fast_short_conv.py
 # names the form), and on a GPU the walk is the default.
-BACKWARD_FORM = os.environ.get("NATSL_SHORT_CONV_BACKWARD", "two_pass" if triton_interpreted() else "walk")
+def backward_form_setting() -> str:
+    """The backward form in force: the switch, else two passes under the interpreter, else the walk."""
+    return switches.current().short_conv_backward or ("two_pass" if triton_interpreted() else "walk")
 
 
 @triton.jit
@@ -384,10 +386,7 @@ def _forward_groups(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.
 
 
 def _backward_form(W: int) -> str:
-    if BACKWARD_FORM not in BACKWARD_FORMS:
-        raise NatslError(f"short conv backward form {BACKWARD_FORM!r} (NATSL_SHORT_CONV_BACKWARD) is not one of "
-                         f"{', '.join(BACKWARD_FORMS)}")
-    return "walk" if BACKWARD_FORM == "walk" and W == 4 else "two_pass"
+    return "walk" if backward_form_setting() == "walk" and W == 4 else "two_pass"
 
 
 def _backward_groups(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor],

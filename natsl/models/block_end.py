@@ -8,7 +8,7 @@ which together take longer in a CUDA-graph replay than reading the layer's weigh
 The same formulas, wrapped by `natsl.models.pointwise.pointwise`, compile to a handful of kernels
 on CUDA and run eagerly elsewhere; the layer calls them on its fused path (natsl.fast.cached).
 
-The route is computed exactly as `NAtSLLayer.decide_routes` does (router on the block mean, ties to
+The route is computed exactly as `CachedNAtSL.decide_routes` (natsl/models/natsl_cached.py) does (router on the block mean, ties to
 keep, or the layer's KeepFraction hash), and the commit as `natsl.reference.cached.commit_state`.
 """
 

@@ -8,11 +8,10 @@ backward; elsewhere the formula of natsl.models.pointwise.conv_silu (compiled on
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
+from natsl import switches
 from natsl.ops import fused as kernels
 from natsl.models.pointwise import conv_silu, conv_tail
 from natsl.ops import resolve_backend
@@ -51,13 +50,12 @@ class ShortConv(nn.Module):
 
 # Whether the q, k and v convs of a GDN projection run as one fast op over the joined q|k|v product
 # (natsl.fast.short_conv.short_conv_silu_split) where the shapes allow it; NATSL_JOINED_CONV=0 runs
-# one op per conv on column slices (benchmarks compare the two).
-JOINED = os.environ.get("NATSL_JOINED_CONV", "1") != "0"
+# one op per conv on column slices (benchmarks compare the two); the switch joined_conv (natsl.switches).
 
 
 def joined_conv_fits(convs: list[ShortConv], device: torch.device) -> bool:
     """Whether `joined_conv_silu` can take these convs (no tails) on inputs on `device`."""
-    if not JOINED or resolve_backend(convs[0].backend, device) != "fast":
+    if not switches.current().joined_conv or resolve_backend(convs[0].backend, device) != "fast":
         return False
     from natsl.ops.short_conv import split_fits  # Triton: imported where used
 

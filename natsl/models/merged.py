@@ -15,11 +15,10 @@ lies in the buffer (the model was moved or cast after merging), each linear runs
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
+from natsl import switches
 from natsl.errors import NatslError
 from natsl.models.linear import ALIGN_ROWS, linear
 
@@ -80,9 +79,10 @@ def buffer_product(owner: nn.Module, name: str, x: torch.Tensor) -> tuple[torch.
 
 
 def _concat_labels(grad: bool = False) -> frozenset[str]:
-    """The groups that concatenate: NATSL_CONCAT_LINEARS where set (with and without gradients alike),
-    else the default for products with (`grad`) or without gradients."""
-    value = os.environ.get("NATSL_CONCAT_LINEARS")
+    """The groups that concatenate: the switch concat_linears (NATSL_CONCAT_LINEARS) where set (with
+    and without gradients alike), else the default for products with (`grad`) or without gradients.
+    A bad value is reported when a product first needs it (a one-line error at the CLI)."""
+    value = switches.current().concat_linears
     if value is None:
         return CONCAT_DEFAULT_GRAD if grad else CONCAT_DEFAULT
     parts = {part.strip() for part in value.split(",")} - {"", "none"}
@@ -100,23 +100,19 @@ def _concat_labels(grad: bool = False) -> frozenset[str]:
 # gradients come back as slices of one product) and its rows are padded with zeros to a multiple of
 # ALIGN_ROWS, so that the output's rows stay 16-byte aligned for cuBLAS; the outputs are strided views.
 # Labels: "gdn_qkv" and "gdn_ab" (a GDN or NAtS-L layer's q, k, v and its two H-wide gate inputs),
-# "attn_qkv", "gate_up" (SwiGLU). NATSL_CONCAT_LINEARS (comma list, "all" or "none") overrides the defaults.
+# "attn_qkv", "gate_up" (SwiGLU). The switch concat_linears (NATSL_CONCAT_LINEARS: comma list, "all" or "none")
+# overrides the defaults.
 CONCAT_LABELS = ("gdn_qkv", "gdn_ab", "attn_qkv", "gate_up")
 CONCAT_DEFAULT = frozenset({"gdn_ab"})
 # With gradients (training) the GDN projections' q, k and v also run as one product: the compiled 800M
 # hybrid trained faster that way in same-machine pairs on the H200, while the Transformer's attn_qkv
 # was slower (so it stays apart). Without gradients (prefill) q, k, v stay apart: not measured there.
 CONCAT_DEFAULT_GRAD = frozenset({"gdn_ab", "gdn_qkv"})
-# Read once, here; a bad value is reported when a product first needs it (a one-line error at the CLI).
-try:
-    CONCAT, CONCAT_GRAD, _CONCAT_ERROR = _concat_labels(), _concat_labels(grad=True), None
-except NatslError as error:
-    CONCAT, CONCAT_GRAD, _CONCAT_ERROR = CONCAT_DEFAULT, CONCAT_DEFAULT_GRAD, error
 
 
 def group_product(label: str, linears: list[nn.Linear], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The outputs on x of `linears` (no bias, one input size): one product over their concatenated
-    weights when `label` is in CONCAT_GRAD (gradients enabled) or CONCAT (not), else one product each."""
+    weights when `label` concatenates (natsl.switches concat_linears, else the defaults below), else one product each."""
     y = joined_product(label, linears, x)
     if y is None:
         return tuple(lin(x) for lin in linears)
@@ -127,9 +123,7 @@ def joined_product(label: str, linears: list[nn.Linear], x: torch.Tensor) -> tor
     """The outputs on x of `linears` side by side, [..., sum of out_features], as one product over
     their concatenated weights (rows padded to ALIGN_ROWS, the padding's columns cut off again) when
     `label` concatenates (see group_product); else None."""
-    if _CONCAT_ERROR is not None:
-        raise _CONCAT_ERROR
-    if label not in (CONCAT_GRAD if torch.is_grad_enabled() else CONCAT):
+    if label not in _concat_labels(torch.is_grad_enabled()):
         return None
     weights = [lin.weight for lin in linears]
     width = sum(w.shape[0] for w in weights)

@@ -11,38 +11,32 @@
 Table 4 ablations are switches of the config: intra_block_output, decay_skipped_blocks,
 branch_norm, mix_input, mix_weights, block_size.
 
-Incremental inference (docs/spec.md section 4) is `forward(x, cache=NAtSLCache)`: a call with many
-tokens (prefill) runs the ops block-aligned from the cached states, a call with one token per
-sequence (decode) steps the state and attends over the compacted softmax memory; when a block
-completes, the router decides on its mean and the state and memory are committed. Both leave the
-cache as the other would (see natsl/models/cache.py for the layout, docs/inference.md).
+Incremental inference (docs/spec.md section 4: prefill and decode from a NAtSLCache) is
+`forward(x, cache=...)`, in natsl/models/natsl_cached.py beside the cache.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
-from natsl import ops
+from natsl import ops, switches
 from natsl.config import ModelConfig
-from natsl.ops import fused as kernels
-from natsl.models import overlap
-from natsl.models.block_end import close_block, decode_slots
-from natsl.ops.cached import (attend_cached, commit_state, gdn_token_step, masked_attention, read_state,
-                                        use_fast, write_kv)
-from natsl.models.routing import KeepFraction
 from natsl.models.gated_deltanet import GatedDeltaProjections
 from natsl.models.linear import Linear, aligned_linear
+from natsl.models.natsl_cached import CachedNAtSL
 from natsl.models.norms import RMSNorm
 from natsl.models.pointwise import mix_branches
 from natsl.models.rope import RopeTable, apply_rope
+from natsl.ops import fused as kernels
 from natsl.ops import resolve_backend
 from natsl.reference.router import block_mean, route_blocks, router_scores, straight_through_route
 
 
-class NAtSL(nn.Module):
+class NAtSL(CachedNAtSL, nn.Module):
+    """The NAtS-L layer: the parameters and the full-sequence forward; the cached prefill and decode
+    (`forward(x, cache=...)`) come from `CachedNAtSL` (natsl/models/natsl_cached.py)."""
+
     def __init__(self, config: ModelConfig, device=None):
         super().__init__()
         self.config = config
@@ -73,60 +67,8 @@ class NAtSL(nn.Module):
         # the router decides.
         self.route_override = None
 
-    # -- pieces shared by the full-sequence forward and incremental inference ------------------
-
-    def softmax_views(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int = 0,
-                      positions: torch.Tensor | None = None, fused: bool = False, rope: RopeTable | None = None):
-        """Flat post-conv q, k, v -> softmax-branch heads [B, T, H*R, K/R or V/R] (normed, RoPE at
-        positions start..start+T-1, or at `positions` [B, T], one row per sequence; or from the
-        shared table `rope`, positions 0..T-1)."""
-        b, t = q.shape[:2]
-        c = self.config
-        qv = q.view(b, t, self.softmax_heads, c.softmax_k_dim)
-        kv = k.view(b, t, self.softmax_heads, c.softmax_k_dim)
-        if fused:
-            qs = kernels.rms_norm(qv, self.q_norm.weight, self.q_norm.eps)
-            ks = kernels.rms_norm(kv, self.k_norm.weight, self.k_norm.eps)
-        else:
-            qs, ks = self.q_norm(qv), self.k_norm(kv)
-        vs = v.view(b, t, self.softmax_heads, c.softmax_v_dim)
-        if c.natsl_rope:
-            if positions is None and rope is None:
-                positions = torch.arange(start, start + t, device=q.device)
-            qs = apply_rope(qs, positions, c.rope_theta, rope)
-            ks = apply_rope(ks, positions, c.rope_theta, rope)
-        return qs, ks, vs
-
-    def mix(self, o_la: torch.Tensor, o_nla: torch.Tensor, q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Both branch outputs (per softmax head) -> W_o(mixed * silu(W_g x)) [B, T, d]."""
-        c = self.config
-        b, t = x.shape[:2]
-        o_la = o_la.reshape(b, t, self.softmax_heads, c.softmax_v_dim)
-        logits = None
-        if c.mix_weights != "none":
-            logits = aligned_linear(q if c.mix_input == "q" else x, self.mix_proj).view(b, t, self.softmax_heads, 2)
-        if c.branch_norm == "separate":
-            norms = (self.la_norm.weight, self.nla_norm.weight, None, self.la_norm.eps)
-        else:
-            norms = (None, None, self.out_norm.weight, self.out_norm.eps)
-        gate = self.g_proj(x)
-        if self._fused_mix(o_nla, logits):
-            from natsl.ops.mix import mix_branches as fused  # Triton: imported where used
-
-            return self.o_proj(fused(o_la, o_nla, logits, gate, norms[0], norms[1], norms[3]))
-        return self.o_proj(mix_branches(o_la, o_nla, logits, c.mix_weights, gate, *norms))
-
-    def _fused_mix(self, o_nla: torch.Tensor, logits) -> bool:
-        """The read on its Triton kernels (natsl.fast.mix): fast backend, softmax weights, separate
-        norms (the paper's layer); NATSL_FUSED_MIX=0 keeps the compiled formula (for comparisons)."""
-        c = self.config
-        if (logits is None or c.mix_weights != "softmax" or c.branch_norm != "separate"
-                or os.environ.get("NATSL_FUSED_MIX", "1") == "0"
-                or resolve_backend(self.backend, o_nla.device) != "fast"):
-            return False
-        from natsl.ops.mix import supports
-
-        return supports(o_nla)
+    # -- the layer, in the order of its equations (docs/spec.md section 2) -----------------------
+    # route, the softmax branch's views and mix are shared with incremental inference (natsl_cached).
 
     def route(self, x: torch.Tensor):
         """x [B,T,d] -> keep, write [B, NB, H] (0/1 values, straight-through gradients). With a
@@ -157,7 +99,27 @@ class NAtSL(nn.Module):
             self.aux_loss = c.router_balance * ((keep_prob - c.router_target_keep) ** 2).sum()
         return m[..., 0], m[..., 1]
 
-    # -- full-sequence forward -----------------------------------------------------------------
+    def softmax_views(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int = 0,
+                      positions: torch.Tensor | None = None, fused: bool = False, rope: RopeTable | None = None):
+        """Flat post-conv q, k, v -> softmax-branch heads [B, T, H*R, K/R or V/R] (normed, RoPE at
+        positions start..start+T-1, or at `positions` [B, T], one row per sequence; or from the
+        shared table `rope`, positions 0..T-1)."""
+        b, t = q.shape[:2]
+        c = self.config
+        qv = q.view(b, t, self.softmax_heads, c.softmax_k_dim)
+        kv = k.view(b, t, self.softmax_heads, c.softmax_k_dim)
+        if fused:
+            qs = kernels.rms_norm(qv, self.q_norm.weight, self.q_norm.eps)
+            ks = kernels.rms_norm(kv, self.k_norm.weight, self.k_norm.eps)
+        else:
+            qs, ks = self.q_norm(qv), self.k_norm(kv)
+        vs = v.view(b, t, self.softmax_heads, c.softmax_v_dim)
+        if c.natsl_rope:
+            if positions is None and rope is None:
+                positions = torch.arange(start, start + t, device=q.device)
+            qs = apply_rope(qs, positions, c.rope_theta, rope)
+            ks = apply_rope(ks, positions, c.rope_theta, rope)
+        return qs, ks, vs
 
     def forward(self, x: torch.Tensor, cache=None, rope: RopeTable | None = None) -> torch.Tensor:
         """`rope`: the forward's shared angle table (natsl.models.rope.RopeTable), full sequences only."""
@@ -179,258 +141,33 @@ class NAtSL(nn.Module):
             intra_block=c.intra_block_output != "gdn")
         return self.mix(o_la, o_nla, q, x)
 
-    # -- incremental inference -----------------------------------------------------------------
-
-    def decide_routes(self, block_sums: torch.Tensor, count: int, block_index: torch.Tensor):
-        """Sums of x over complete blocks [B, N, d], their token count and absolute indices [B|1, N]
-        -> keep, write [B, N, H] (0/1): the router on the block mean, exactly as `route_blocks`."""
-        xbar = block_sums.to(self.router.weight.dtype) / count
-        if self.route_override is not None:
-            keep = self.route_override(block_index.expand(xbar.shape[0], -1), self.num_heads).to(xbar.dtype)
-        else:
-            keep = straight_through_route(router_scores(xbar, self.router.weight, self.num_heads))[0][..., 0]
-            keep = keep.to(xbar.dtype)
-        return keep, 1 - keep
-
-    def forward_cached(self, x: torch.Tensor, cache) -> torch.Tensor:
-        """Tokens that follow those in `cache` (a NAtSLCache): decode when positions.start is None."""
-        fused = kernels.enabled(self.backend, x.device) and cache.state_run.dtype == torch.float32
-        if fused and cache.positions.start is None:
-            q, k, v, a, b = self.proj.decode_conv(x, cache.conv)  # tails shifted in place
-            o_la, o_nla = self._decode(x, q, k, v, cache, raw_gates=(a, b), fused=True)
-            return self.mix(o_la, o_nla, q, x)
-        q, k, v, g, beta, tails = self.proj(x, cache.conv, fused=fused)
-        cache.store_conv(tails)
-        if cache.positions.start is None:
-            o_la, o_nla = self._decode(x, q, k, v, cache, gates=(g, beta), fused=fused)
-        else:
-            o_la, o_nla = self._prefill(x, q, k, v, g, beta, cache, cache.positions.start, fused)
-        return self.mix(o_la, o_nla, q, x)
-
-    def _decode(self, x, q, k, v, cache, gates=None, raw_gates=None, fused: bool = False):
-        """One token per sequence, each at its own position; no host reads (CUDA-graph safe).
-        `gates` = (g, beta), or `raw_gates` = the a, b projections (fused kernels only)."""
+    def mix(self, o_la: torch.Tensor, o_nla: torch.Tensor, q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Both branch outputs (per softmax head) -> W_o(mixed * silu(W_g x)) [B, T, d]."""
         c = self.config
-        C = c.block_size
-        pos = cache.positions.pos  # [B]: this token's position
-        fast = use_fast(self.backend, x.device)
-        override = self.route_override
-        # The block-end bookkeeping in a few compiled kernels (natsl.models.block_end)?
-        compiled_end = fused and (override is None or isinstance(override, KeepFraction))
-
-        # GDN branch: step the running state; without intra-block output read the committed one.
-        if raw_gates is not None and c.intra_block_output != "softmax":
-            # As a GDN layer's decode: L2 norms, g, beta and the step in one kernel, state in place.
-            a, b = raw_gates
-            o_run, g_token = kernels.gdn_decode_step(q[:, 0], k[:, 0], v[:, 0], a[:, 0], b[:, 0], self.proj.A_log,
-                                                     self.proj.dt_bias, cache.state_run)
-            o_la = o_run[:, None]
+        b, t = x.shape[:2]
+        o_la = o_la.reshape(b, t, self.softmax_heads, c.softmax_v_dim)
+        logits = None
+        if c.mix_weights != "none":
+            logits = aligned_linear(q if c.mix_input == "q" else x, self.mix_proj).view(b, t, self.softmax_heads, 2)
+        if c.branch_norm == "separate":
+            norms = (self.la_norm.weight, self.nla_norm.weight, None, self.la_norm.eps)
         else:
-            g, beta = gates if gates is not None else self.proj.gates(*raw_gates)
-            ql, kl, vl = self.proj.split_heads(q, k, v, fused=fused)
-            o_run, run = gdn_token_step(cache.state_run, ql[:, 0], kl[:, 0], vl[:, 0], g[:, 0], beta[:, 0],
-                                        fast=fast)
-            cache.state_run.copy_(run)
-            g_token = g[:, 0]
-            if c.intra_block_output != "softmax":
-                o_la = o_run[:, None]
-            else:
-                cache.decay_sum.add_(g_token)  # read now: the committed state decayed to this token
-                g_token = None
-                o_la = (cache.decay_sum.exp()[:, None, :, None] * read_state(cache.state_start, ql)).to(x.dtype)
+            norms = (None, None, self.out_norm.weight, self.out_norm.eps)
+        gate = self.g_proj(x)
+        if self._fused_mix(o_nla, logits):
+            from natsl.ops.mix import mix_branches as fused  # Triton: imported where used
 
-        # Softmax branch: the token's K/V go after its group's kept blocks and its block's earlier tokens.
-        qs, ks, vs = self.softmax_views(q, k, v, positions=pos[:, None], fused=fused)
-        # "gdn" intra-block output: the own block is GDN-only, the query reads the kept blocks alone
-        slots, visible = decode_slots(cache.kept_len, pos, self.groups, C, c.intra_block_output != "gdn")
-        write_kv(cache.k_mem, cache.v_mem, slots, ks[:, 0], vs[:, 0], fused=fused)
-        n = cache.positions.natsl_read
-        o_nla = attend_cached(qs, cache.k_mem[:, :, :n], cache.v_mem[:, :, :n], visible, backend=self.backend)
+            return self.o_proj(fused(o_la, o_nla, logits, gate, norms[0], norms[1], norms[3]))
+        return self.o_proj(mix_branches(o_la, o_nla, logits, c.mix_weights, gate, *norms))
 
-        # Block end (where the token's offset is C-1): route on the block mean, commit the state, keep
-        # or drop the KV; first the token's decay joins its block's sum (unless read above).
-        if compiled_end:
-            close_block(cache.x_sum, x[:, 0], pos, self.router.weight, cache.state_start, cache.state_run,
-                        cache.decay_sum, cache.kept_len, C, c.decay_skipped_blocks,
-                        None if override is None else override.fraction, 0 if override is None else override.seed,
-                        g_token)
-            return o_la, o_nla
-        if g_token is not None:
-            cache.decay_sum.add_(g_token)
-        cache.x_sum.add_(x[:, 0].to(cache.x_sum.dtype))
-        done = pos % C == C - 1
-        keep, write = self.decide_routes(cache.x_sum[:, None], C, (pos // C)[:, None])
-        keep, write = keep[:, 0], write[:, 0]
-        committed = commit_state(cache.state_start, cache.state_run, cache.decay_sum, write,
-                                 c.decay_skipped_blocks, fast=fast)
-        at_end = done[:, None, None, None]
-        cache.state_start.copy_(torch.where(at_end, committed, cache.state_start))
-        cache.state_run.copy_(torch.where(at_end, committed, cache.state_run))
-        cache.kept_len.add_(C * keep.long() * done[:, None])
-        cache.decay_sum.masked_fill_(done[:, None], 0)
-        cache.x_sum.masked_fill_(done[:, None], 0)
-        return o_la, o_nla
-
-    def _prefill(self, x, q, k, v, g, beta, cache, start: int, fused: bool = False):
-        """T tokens for sequences that all stand at `start`, in up to three block-aligned pieces:
-        `head` finishes the block in progress, `full` whole blocks, `tail` starts the next one."""
+    def _fused_mix(self, o_nla: torch.Tensor, logits) -> bool:
+        """The read on its Triton kernels (natsl.fast.mix): fast backend, softmax weights, separate
+        norms (the paper's layer); the switch fused_mix off (NATSL_FUSED_MIX=0) keeps the compiled formula."""
         c = self.config
-        C = c.block_size
-        B, T = x.shape[:2]
-        n = start % C
-        head = min(T, C - n) if n else 0
-        full = (T - head) // C
-        tail = T - head - full * C
-        closes_head = n > 0 and n + head == C
-        fast = use_fast(self.backend, x.device)
+        if (logits is None or c.mix_weights != "softmax" or c.branch_norm != "separate"
+                or not switches.current().fused_mix
+                or resolve_backend(self.backend, o_nla.device) != "fast"):
+            return False
+        from natsl.ops.mix import supports
 
-        # Routes of the blocks this call completes (relative block 0 is the one holding token 0).
-        acc = cache.x_sum.dtype
-        sums = []
-        if closes_head:
-            sums.append((cache.x_sum + x[:, :head].sum(1, dtype=acc))[:, None])
-        if full:
-            # sum(dtype=) reads x once; x.to(acc) first wrote an fp32 copy (0.8 GB at 128K)
-            sums.append(x[:, head:head + full * C].view(B, full, C, -1).sum(2, dtype=acc))
-        completed = int(closes_head) + full
-        keep = write = None
-        if completed:
-            index = torch.arange(start // C, start // C + completed, device=x.device)[None]
-            keep, write = self.decide_routes(torch.cat(sums, 1), C, index)
-
-        # GDN branch, on a second stream beside the softmax branch for long calls (inference/overlap.py).
-        side = overlap.side_stream(x, T)
-        with overlap.running_on(side):
-            o_la, s_start, s_run, decay = self._prefill_gdn(x, q, k, v, g, beta, cache, head, full, tail,
-                                                            closes_head, write, fast, fused)
-
-        # Softmax branch: attention first (it reads the cached block), then the KV goes into the memory.
-        qs, ks, vs = self.softmax_views(q, k, v, start=start, fused=fused)
-        if start == 0:
-            nb = -(-T // C)
-            keep_all = torch.ones(B, nb, self.num_heads, dtype=x.dtype, device=x.device)
-            if keep is not None:
-                keep_all[:, :completed] = keep
-            o_nla = ops.routed_attention(qs, ks, vs, keep_all, block_size=C, backend=self.backend,
-                                         intra_block=c.intra_block_output != "gdn")
-        else:
-            o_nla = self._attend_after_prefix(qs, ks, vs, cache, n, keep)
-        self._store_kv(ks, vs, cache, n, keep, fused)
-        overlap.join(side, x.device)
-
-        # Commit the new states and the router's running sum of the unfinished block.
-        cache.state_start.copy_(s_start)
-        cache.state_run.copy_(s_run)
-        cache.decay_sum.copy_(decay)
-        if completed == 0:
-            cache.x_sum.add_(x.sum(1, dtype=acc))
-        else:
-            cache.x_sum.copy_(x[:, T - tail:].sum(1, dtype=acc))
-        return o_la, o_nla
-
-    def _prefill_gdn(self, x, q, k, v, g, beta, cache, head: int, full: int, tail: int, closes_head: bool, write,
-                     fast: bool, fused: bool):
-        """The GDN branch of `_prefill` over its head / full / tail pieces: (o_la, the committed
-        state, the running state, the running decay sum), the cache itself untouched."""
-        c = self.config
-        C = c.block_size
-        T = x.shape[1]
-        ql, kl, vl = self.proj.split_heads(q, k, v, fused=fused)
-        intra = c.intra_block_output != "softmax"
-        rule = dict(block_size=C, decay_skipped_blocks=c.decay_skipped_blocks, backend=self.backend,
-                    output_final_state=True)
-        s_start, s_run, decay = cache.state_start, cache.state_run, cache.decay_sum
-        outs = []
-        if head:
-            piece = slice(0, head)
-            o, s_run = ops.gated_delta_rule(ql[:, piece], kl[:, piece], vl[:, piece], g[:, piece], beta[:, piece],
-                                            initial_state=s_run, **rule)
-            cumulative = decay[:, None] + g[:, piece].to(decay.dtype).cumsum(1)
-            decay = cumulative[:, -1]
-            if not intra:  # the committed state, decayed to each token's position
-                o = (cumulative.exp()[..., None] * read_state(s_start, ql[:, piece])).to(x.dtype)
-            outs.append(o)
-            if closes_head:
-                s_start = commit_state(s_start, s_run, decay, write[:, 0], c.decay_skipped_blocks, fast=fast)
-                s_run, decay = s_start, torch.zeros_like(decay)
-        if full:
-            piece = slice(head, head + full * C)
-            o, s_start = ops.gated_delta_rule(ql[:, piece], kl[:, piece], vl[:, piece], g[:, piece], beta[:, piece],
-                                              write[:, int(closes_head):], initial_state=s_start, intra_block=intra,
-                                              **rule)
-            s_run = s_start
-            outs.append(o)
-        if tail:
-            piece = slice(T - tail, T)
-            o, s_run = ops.gated_delta_rule(ql[:, piece], kl[:, piece], vl[:, piece], g[:, piece], beta[:, piece],
-                                            initial_state=s_start, intra_block=intra, **rule)
-            decay = decay + g[:, piece].to(decay.dtype).sum(1)
-            outs.append(o)
-        o_la = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)  # a lone piece is not copied
-        return o_la, s_start, s_run, decay
-
-    def _keep_per_head(self, keep, B, device):
-        """keep [B, completed, H] or None -> bool [B, completed + 1, heads]; the extra last row is
-        False and stands for the unfinished block (so indexing by relative block is always safe)."""
-        if keep is None:
-            keep = torch.zeros(B, 0, self.num_heads, device=device)
-        heads = keep.repeat_interleave(self.groups, dim=2) > 0.5
-        return torch.cat([heads, heads.new_zeros(B, 1, heads.shape[2])], dim=1)
-
-    def _attend_after_prefix(self, qs, ks, vs, cache, n: int, keep, chunk: int = 1024):
-        """Softmax branch of a prefill that continues a cache: the new queries see the kept memory,
-        the cached tokens of the block in progress and the new keys, as routed_attention would."""
-        C = self.config.block_size
-        intra = self.config.intra_block_output != "gdn"
-        B, T = qs.shape[:2]
-        device = qs.device
-        kept0 = cache.kept_len.repeat_interleave(self.groups, dim=1)[..., None, None]  # [B, heads, 1, 1]
-        prefix = int(cache.kept_len.max()) + n
-        keys = torch.cat([cache.k_mem[:, :, :prefix], ks.transpose(1, 2)], dim=2)
-        values = torch.cat([cache.v_mem[:, :, :prefix], vs.transpose(1, 2)], dim=2)
-        keep_heads = self._keep_per_head(keep, B, device)  # [B, completed + 1, heads]
-        rel = (n + torch.arange(T, device=device)) // C  # relative block of each new token
-        key_kept = keep_heads[:, rel].permute(0, 2, 1)[:, :, None, :]  # [B, heads, 1, T]
-        slots = torch.arange(prefix, device=device)
-        committed = slots < kept0  # kept blocks: earlier than every new token
-        cached_block = (slots >= kept0) & (slots < kept0 + n)  # the block in progress (relative block 0)
-        block0_kept = keep_heads[:, 0][:, :, None, None]  # [B, heads, 1, 1]
-        outputs = []
-        for t0 in range(0, T, chunk):
-            t = torch.arange(t0, min(T, t0 + chunk), device=device)
-            a = rel[t][:, None]  # [tq, 1]
-            sees_block0 = ((a == 0) & intra) | ((a > 0) & block0_kept)  # [B, heads, tq, 1]
-            prefix_mask = committed | (cached_block & sees_block0)
-            same_block = (rel[None, :] == a) & (torch.arange(T, device=device)[None, :] <= t[:, None]) & intra
-            new_mask = same_block | ((rel[None, :] < a) & key_kept)
-            mask = torch.cat([prefix_mask.expand(B, -1, len(t), -1), new_mask.expand(B, keys.shape[1], -1, -1)], -1)
-            outputs.append(masked_attention(qs[:, t0:t0 + len(t)], keys, values, mask))
-        return torch.cat(outputs, dim=1)
-
-    def _store_kv(self, ks, vs, cache, n: int, keep, fused: bool = False) -> None:
-        """Write the new tokens' K/V into the compacted memory: tokens of kept blocks and of the
-        unfinished block, each at its group's kept length + C * (kept blocks before it) + offset."""
-        C = self.config.block_size
-        B, T = ks.shape[:2]
-        device = ks.device
-        keep_heads = self._keep_per_head(keep, B, device)  # [B, completed + 1, heads]
-        completed = keep_heads.shape[1] - 1
-        # Exclusive count, scanned along the last dim (an outer-dim scan over 2K blocks is slow on CUDA)
-        kept = keep_heads.long().transpose(1, 2)
-        kept_before = (kept.cumsum(-1) - kept).transpose(1, 2)
-        kept0 = cache.kept_len.repeat_interleave(self.groups, dim=1)  # [B, heads]
-        if fused:  # block by block, one kernel per tensor, no host sync
-            blocks = torch.arange(completed + 1, device=device)
-            valid_blocks = keep_heads | (blocks >= completed)[None, :, None]
-            kernels.store_blocks(ks, cache.k_mem, valid_blocks, kept_before, kept0, n, C)
-            kernels.store_blocks(vs, cache.v_mem, valid_blocks, kept_before, kept0, n, C)
-        else:
-            position = n + torch.arange(T, device=device)
-            rel, offset = position // C, position % C
-            dest = kept0[:, None, :] + C * kept_before[:, rel] + offset[None, :, None]  # [B, T, heads]
-            valid = keep_heads[:, rel] | (rel >= completed)[None, :, None]
-            b, t, h = valid.nonzero(as_tuple=True)
-            cache.k_mem[b, h, dest[b, t, h]] = ks[b, t, h].to(cache.k_mem.dtype)
-            cache.v_mem[b, h, dest[b, t, h]] = vs[b, t, h].to(cache.v_mem.dtype)
-        if keep is not None:
-            cache.kept_len.add_(C * (keep > 0.5).long().sum(1))
+        return supports(o_nla)

@@ -17,23 +17,24 @@ block it allocates can only be reused after all earlier work of the caller's str
     ...softmax branch...
     overlap.join(side, x.device)
 
-NATSL_PREFILL_OVERLAP=0 turns it off (one stream, as before); `MIN_TOKENS` is the shortest call it
+The switch prefill_overlap (NATSL_PREFILL_OVERLAP=0) turns it off (one stream, as before); `MIN_TOKENS` is the shortest call it
 is used for (short calls are launch-bound: a second stream only adds events).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
+
+from natsl import switches
 
 MIN_TOKENS = 4096
 _streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def enabled() -> bool:
-    return os.environ.get("NATSL_PREFILL_OVERLAP", "1") != "0"
+    return switches.current().prefill_overlap
 
 
 def side_stream(x: torch.Tensor, n_tokens: int) -> torch.cuda.Stream | None:

@@ -15,9 +15,9 @@ forms against the eager ones (on the GPU, and on the CPU with NATSL_COMPILE_POIN
 
 from __future__ import annotations
 
-import functools
-import os
+from natsl import switches
 
+import functools
 import torch
 import torch.nn.functional as F
 
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 def compile_for(x: torch.Tensor) -> bool:
     """NATSL_COMPILE_POINTWISE: "1" (default) compiles for CUDA tensors, "0" never, "all" on every
     device (the CPU tests use it to check the compiled forms without a GPU)."""
-    mode = os.environ.get("NATSL_COMPILE_POINTWISE", "1")
+    mode = switches.current().compile_pointwise
     return mode == "all" or (mode != "0" and x.is_cuda)
 
 
@@ -47,7 +47,7 @@ def compile_dynamic() -> bool | None:
     shapes); "1" makes every size symbolic from the start, "0" none. Symbolic sizes cost speed: a kernel's index
     arithmetic then divides by runtime values (the short conv's kernel ran at a small fraction of
     the copy bandwidth with all sizes symbolic)."""
-    mode = os.environ.get("NATSL_POINTWISE_DYNAMIC", "auto")
+    mode = switches.current().pointwise_dynamic
     return None if mode == "auto" else mode != "0"
 
 

@@ -6,35 +6,30 @@ launch, so re-exporting them here costs nothing at import. This module decides w
 
 - `enabled(backend, device)`: the cached paths of a layer on `backend` use the fused kernels:
   CUDA with the fast backend (or the Triton interpreter with backend fast on the CPU), unless
-  NATSL_FUSED_INFERENCE=0;
-- `decode_attention_enabled(backend, device)`: as `enabled`, unless NATSL_DECODE_ATTENTION=0.
+  the switch `fused_inference` is off (NATSL_FUSED_INFERENCE=0);
+- `decode_attention_enabled(backend, device)`: as `enabled`, unless `decode_attention` is off.
 
-`FORCE` and `DECODE_ATTENTION_FORCE` (tests set them to True / False) override the choice;
-None decides by device and backend.
+The switches `force_fused_inference` and `force_decode_attention` (natsl.switches, set by tests
+with `override`) force the choice; None decides by device and backend.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
 from natsl.devices import triton_available, triton_interpreted  # noqa: F401  (triton_available: ops.gemv's)
 from natsl.fast.cached import (add_rms_norm, conv_chunk, conv_step, conv_steps, gdn_decode_step,  # noqa: F401
                                l2_normalize, rms_norm, store_blocks, write_kv)
+from natsl import switches
 from natsl.ops import resolve_backend
-
-# Tests set this to True / False to force the choice; None = decide by device and backend.
-FORCE: bool | None = None
-# Tests set this to True / False to force the decode attention's choice; None = as `enabled`.
-DECODE_ATTENTION_FORCE: bool | None = None
 
 
 def enabled(backend: str | None, device: torch.device) -> bool:
     """Whether the cached paths of a layer on `backend` use the fused kernels on `device`."""
-    if FORCE is not None:
-        return FORCE and triton_available()
-    if os.environ.get("NATSL_FUSED_INFERENCE", "1") == "0" or not triton_available():
+    s = switches.current()
+    if s.force_fused_inference is not None:
+        return s.force_fused_inference and triton_available()
+    if not s.fused_inference or not triton_available():
         return False
     if device.type == "cuda":
         return resolve_backend(backend, device) == "fast"
@@ -43,9 +38,10 @@ def enabled(backend: str | None, device: torch.device) -> bool:
 
 def decode_attention_enabled(backend: str | None, device: torch.device) -> bool:
     """Whether the decode step of a layer on `backend` uses the split-K decode attention on `device`:
-    as the other fused inference kernels, unless NATSL_DECODE_ATTENTION=0."""
-    if DECODE_ATTENTION_FORCE is not None:
-        return DECODE_ATTENTION_FORCE and triton_available()
-    if os.environ.get("NATSL_DECODE_ATTENTION", "1") == "0":
+    as the other fused inference kernels, unless the switch decode_attention is off."""
+    s = switches.current()
+    if s.force_decode_attention is not None:
+        return s.force_decode_attention and triton_available()
+    if not s.decode_attention:
         return False
     return enabled(backend, device)

@@ -22,12 +22,12 @@ Not twice differentiable. `chunk_size` 0 (or None) runs the plain formula instea
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
+from natsl import switches
 from natsl.devices import triton_available
 
 DEFAULT_CHUNK = 4096
@@ -71,7 +71,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive (or 0 for the plain formula), got {chunk_size}")
     if fused is None:
-        fused = h.is_cuda and os.environ.get("NATSL_FUSED_LOSS", "1") != "0" and triton_available()
+        fused = h.is_cuda and switches.current().fused_loss and triton_available()
     args = (int(chunk_size), int(ignore_index), reduction == "sum", cdtype, bool(fused) and cdtype != torch.float64)
     if not (torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)):
         return _chunked(h, weight, t, *args, need_h=False, need_w=False)[0]  # no gradient work (evaluation)

@@ -7,12 +7,10 @@ biases; everything else (linear maps, embeddings, conv filters) decays by `optim
 from __future__ import annotations
 
 import math
-import os
-
 import torch
 
+from natsl import switches
 from natsl.config import OptimConfig
-from natsl.errors import NatslError
 
 
 def no_decay(name: str, param: torch.nn.Parameter) -> bool:
@@ -48,14 +46,11 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, device: torch.devi
 
 
 def fold_clip_requested(device: torch.device) -> bool:
-    """Clip and check the gradients inside the fused AdamW step (fused_step_with_clip)? NATSL_FOLD_CLIP=1
-    or 0 decides; unset, on CUDA devices (the fused kernel's home), where it saves the separate
+    """Clip and check the gradients inside the fused AdamW step (fused_step_with_clip)? The switch
+    fold_clip (NATSL_FOLD_CLIP=1 or 0) decides; unset, on CUDA devices (the fused kernel's home), where it saves the separate
     clipping and finite-check passes over every gradient."""
-    setting = os.environ.get("NATSL_FOLD_CLIP", "")
-    if setting not in ("", "0", "1"):
-        raise NatslError(f"NATSL_FOLD_CLIP={setting!r} is not 0 or 1: set 1 to clip inside the fused AdamW step, "
-                         "0 to clip before it, or unset it (on for CUDA)")
-    return setting == "1" if setting else torch.device(device).type == "cuda"
+    setting = switches.current().fold_clip
+    return setting if setting is not None else torch.device(device).type == "cuda"
 
 
 def total_grad_norm(parameters) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Small-model sweeps: many short trainings in parallel processes on one device (Zoology's figure).
 
-    python -m natsl.training.sweep recipes/recall/sweep_h200.yaml --max-parallel 16 --out OUT
-    natsl sweep recipes/recall/sweep_cpu.yaml --out OUT          (the same, as a subcommand)
+    python -m natsl.training.sweep natsl/recipes/recall/sweep_h200.yaml --max-parallel 16 --out OUT
+    natsl sweep natsl/recipes/recall/sweep_cpu.yaml --out OUT          (the same, as a subcommand)
 
 A spec (YAML) names systems (a recipe each), model widths, learning rates (one list for all systems
 or one per system) and training tasks; every combination is one run. A run is one worker process
@@ -19,7 +19,7 @@ what still runs at the deadline; the summary is always written last.
 
 The spec:
 
-    systems: {gdn: recipes/recall/gdn.yaml, natsl_hybrid: recipes/recall/natsl_hybrid.yaml}
+    systems: {gdn: gdn.yaml, natsl_hybrid: natsl_hybrid.yaml}    (recipe files beside the spec, or names)
     widths: [128, 64, 256]         # hidden size; head dims, MLP and attention heads scale with it
     lrs: [0.001, 0.003]            # or {gdn: [...], natsl_hybrid: [...]}
     tasks:                         # training tasks: name -> data.path (train.seq_len follows the task)
@@ -133,7 +133,7 @@ def load_spec(path: str | Path, out: str | Path, max_parallel: Optional[int] = N
 
     path = Path(path)
     if not path.is_file():
-        raise NatslError(f"sweep spec {str(path)!r} does not exist; pass a file such as recipes/recall/sweep_cpu.yaml")
+        raise NatslError(f"sweep spec {str(path)!r} does not exist; pass a file such as natsl/recipes/recall/sweep_cpu.yaml")
     try:
         spec = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError) as err:
@@ -175,7 +175,9 @@ def load_spec(path: str | Path, out: str | Path, max_parallel: Optional[int] = N
                     lr = float(values[lr_index])
                     recipe_file = Path(recipe_path)
                     if not recipe_file.is_absolute() and not recipe_file.is_file():
-                        recipe_file = path.parent / recipe_path
+                        recipe_file = path.parent / recipe_path  # beside the spec
+                    if not recipe_file.is_file():
+                        recipe_file = Path(recipe_path)  # a shipped recipe's name, such as recall/gdn
                     recipe = load_recipe(recipe_file)
                     mbs = recipe.train.micro_batch_size
                     for item in overrides:
@@ -192,7 +194,7 @@ def load_spec(path: str | Path, out: str | Path, max_parallel: Optional[int] = N
                     ] + compile_overrides + overrides  # the spec's `set:` last: it may undo the default
                     apply_overrides(recipe, run_overrides)  # a bad combination fails here, not in a worker
                     run_id = f"{task_name}-{system}-d{width}-lr{lr:g}"
-                    runs.append(RunSpec(run_id, system, str(recipe_file if recipe_file.is_absolute() else root / recipe_file),
+                    runs.append(RunSpec(run_id, system, str(recipe_file if recipe_file.is_absolute() or not recipe_file.is_file() else root / recipe_file),
                                         width, lr, task_name, data, run_overrides, max_steps,
                                         float(budget.get("run_s", 1e9)), evals, compile_,
                                         device, str(Path(out) / "runs" / run_id)))
@@ -488,7 +490,7 @@ def plot_summary(summary: dict, path: Path) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m natsl.training.sweep", description=__doc__.splitlines()[0])
-    parser.add_argument("spec", help="sweep spec YAML, e.g. recipes/recall/sweep_h200.yaml")
+    parser.add_argument("spec", help="sweep spec YAML, e.g. natsl/recipes/recall/sweep_h200.yaml")
     parser.add_argument("--out", required=True, help="folder for runs/, summary.json and summary.png")
     parser.add_argument("--max-parallel", type=int, default=None, help="worker processes at once (default: the spec's)")
     parser.add_argument("--deadline", type=float, default=None, help="seconds for the whole sweep (default: the spec's)")

@@ -7,7 +7,7 @@ state_bwd) get B * H * V / BV programs, so BV trades parallelism against per-ste
 
 from __future__ import annotations
 
-import os
+from natsl import switches
 
 # dtype of the chunk intermediates W, U, R, dR_local, dR (the per-chunk state h is always in the
 # inputs' dtype; fp32 inputs keep everything fp32):
@@ -31,8 +31,9 @@ PREPARE = {"num_warps": 2, "num_stages": 3}
 # programs per SM (two at the 255-register cap with 4 warps) by part of a round -- B=8: 288 programs,
 # 264 at a time -- the leftover batch rows run in a second launch at BV, so the second round is not
 # one mostly empty wave of slow wide programs; outputs bitwise equal.
-# NATSL_STATE_SPLIT=0 turns the split off in both kernels (for side-by-side runs).
-SPLIT_LAST_ROUND = os.environ.get("NATSL_STATE_SPLIT", "1") != "0"
+# The switch state_split (NATSL_STATE_SPLIT=0, natsl.switches) turns the split off in both kernels (for
+# side-by-side runs); read here, once, when the launch tables are built.
+SPLIT_LAST_ROUND = switches.current().state_split
 STATE_FWD = {"BV": 32, "BV_WIDE": 64, "num_warps": 4, "num_stages": 3, "SPLIT_LAST_ROUND": SPLIT_LAST_ROUND,
              "PROGRAMS_PER_SM": 2}
 OUTPUT = {"BV": 64, "num_warps": 4, "num_stages": 2}
