@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from natsl.data.tasks import IGNORE, TaskData, parse_task
 from natsl.errors import NatslError
@@ -208,8 +209,11 @@ def test_sweep_compiles_with_cuda_graphs_on_cuda_unless_the_spec_says_compile(tm
         at = run.overrides.index("train.cuda_graphs=true")
         assert at < run.overrides.index("train.log_every=2")  # the spec's set: items come after it
     assert not any(r.compile or "train.cuda_graphs=true" in r.overrides for r in load_spec(spec, tmp_path / "b").runs)
+    data = yaml.safe_load(spec.read_text())
+    data.update(device="cuda", compile=False,  # the recipes are named relative to the spec's folder: made absolute
+                systems={name: str(spec.parent / path) for name, path in data["systems"].items()})
     written = tmp_path / "compile_off.yaml"
-    written.write_text(spec.read_text().replace("device: cpu", "device: cuda\ncompile: false"))
+    written.write_text(yaml.safe_dump(data))
     written_runs = load_spec(written, tmp_path / "c").runs
     assert not any(r.compile or "train.cuda_graphs=true" in r.overrides for r in written_runs)
     assert {r.device for r in written_runs} == {"cuda"}
