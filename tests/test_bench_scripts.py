@@ -246,7 +246,7 @@ def test_free_attention_outputs_zeros_and_leaves_the_rest_of_the_hybrid_training
         assert layer.proj.q_proj.weight.grad.abs().sum() > 0 and layer.mix_proj.weight.grad.abs().sum() > 0
 
 
-def test_training_marks_a_free_attention_run_and_gives_it_no_mfu(tmp_path, monkeypatch):
+def test_training_marks_a_free_attention_run_and_gives_it_no_mfu(tmp_path, monkeypatch, natsl_cache_dir):
     """The worker with --free-attention runs the free op in the NAtS-L layers, records that it did, and
     leaves MFU out (the FLOP count includes attention work that does not run); without it, neither."""
     import natsl.ops
@@ -255,7 +255,7 @@ def test_training_marks_a_free_attention_run_and_gives_it_no_mfu(tmp_path, monke
     calls = []
     free = training.routed_attention_for_free
     monkeypatch.setattr(training, "routed_attention_for_free", lambda *a, **kw: calls.append(1) or free(*a, **kw))
-    monkeypatch.setenv("NATSL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("NATSL_CACHE_DIR", natsl_cache_dir)  # the run's shared corpus cache
     monkeypatch.setenv("NATSL_PEAK_FLOPS", "1e12")  # so that the CPU run has an MFU to leave out
     results = {}
     for bound in (False, True):
@@ -274,8 +274,9 @@ def test_training_marks_a_free_attention_run_and_gives_it_no_mfu(tmp_path, monke
     assert training.label(bound) == "tiny_hybrid (free attn)" and training.label(plain) == "tiny_hybrid"
 
 
-def test_the_training_entry_runs_the_tiny_recipe_in_process_and_writes_json_and_png(tmp_path, monkeypatch):
-    monkeypatch.setenv("NATSL_CACHE_DIR", str(tmp_path / "cache"))
+def test_the_training_entry_runs_the_tiny_recipe_in_process_and_writes_json_and_png(
+        tmp_path, monkeypatch, natsl_cache_dir):
+    monkeypatch.setenv("NATSL_CACHE_DIR", natsl_cache_dir)  # the run's shared corpus cache
     training.main(["--recipes", "tiny_hybrid", "--in-process", "--max-steps", "2", "--warmup-steps", "1",
                    "--seq-len", "64", "--micro-batch-size", "1", "--device", "cpu", "--backend", "chunked",
                    "--out", str(tmp_path / "out")])

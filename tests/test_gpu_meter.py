@@ -76,12 +76,12 @@ def test_no_meter_off_cuda_and_the_fields_are_left_out():
     assert meter.window(0.0, 1.0) is None
 
 
-def test_training_reports_the_timed_steps_energy(tmp_path, monkeypatch):
+def test_training_reports_the_timed_steps_energy(tmp_path, monkeypatch, natsl_cache_dir):
     """benchmarks.training's worker with a meter on a fake 690 W board (on the CPU): the timed steps' joules per
     step are the board's power times their mean step time, and tokens per joule follow from them."""
     import json
 
-    monkeypatch.setenv("NATSL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("NATSL_CACHE_DIR", natsl_cache_dir)  # the run's shared corpus cache
     board = ConstantBoard(watts=690.0, mhz=1700)
     monkeypatch.setattr(training.GpuMeter, "for_device",
                         classmethod(lambda cls, device, interval_s=0.05: cls(object(), board, 0.005)))

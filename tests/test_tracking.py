@@ -22,13 +22,13 @@ def test_unknown_tracker_is_refused(tmp_path):
         apply_overrides(natsl.load_recipe("tiny_hybrid"), ["train.tracker=mlflow"])
 
 
-def test_training_logs_to_tensorboard(tmp_path, monkeypatch):
+def test_training_logs_to_tensorboard(tmp_path, monkeypatch, natsl_cache_dir):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from natsl.training import TrainOptions, train
 
-    monkeypatch.setenv("NATSL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("NATSL_CACHE_DIR", natsl_cache_dir)  # the run's shared corpus cache
     recipe = apply_overrides(natsl.load_recipe("tiny_hybrid"), [
         "train.seq_len=128", "train.micro_batch_size=4", "train.tokens_per_step=512", "train.eval_every=2",
         "train.save_every=1000", "train.eval_tokens=512", "train.tracker=tensorboard"])
