@@ -82,15 +82,6 @@ def rel_rms(a, b) -> float:
     return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30)).item()
 
 
-def replace_atomically(path: Path, write: Callable[[object], None]) -> Path:
-    """Write `path` atomically through `write(open binary file)` (natsl.atomic: umask, no temporary left)."""
-    from natsl.atomic import atomic_open
-
-    with atomic_open(path, "wb") as fh:
-        write(fh)
-    return Path(path)
-
-
 def write_result(name: str, payload: dict, out: str | Path) -> Path:
     """OUT/name.json holding `payload` and the provenance of the code that produced it."""
     from natsl.provenance import provenance
@@ -125,9 +116,9 @@ def bar_png(path: str | Path, groups: dict[str, dict[str, float]], ylabel: str, 
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    written = replace_atomically(Path(path), lambda fh: fig.savefig(fh, format="png"))
-    plt.close(fig)
-    return written
+    from natsl.atomic import save_figure
+
+    return save_figure(fig, path)
 
 
 def table(rows: list[dict], columns: list[str]) -> str:

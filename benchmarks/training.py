@@ -237,8 +237,9 @@ def plot(results: list[dict], png: Path) -> None:
     first = ok[0]
     fig.suptitle(f"training throughput, {first['seq_len']} context, {first['world_size']} x {first.get('device')}")
     fig.tight_layout()
-    common.replace_atomically(png, lambda fh: fig.savefig(fh, format="png"))
-    plt.close(fig)
+    from natsl.atomic import save_figure
+
+    save_figure(fig, png)
 
 
 def build_parser() -> argparse.ArgumentParser:
