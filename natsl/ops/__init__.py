@@ -133,7 +133,9 @@ def gated_linear_rule(
         route_grad=route_grad,
     )
     chosen = resolve_backend(backend, q.device)
-    if chosen in ("fast", "chunked"):  # the Triton twin is not in yet: "fast" runs the chunked form
+    if chosen == "fast":
+        from natsl.fast import gated_linear_rule as impl
+    elif chosen == "chunked":
         from natsl.reference.gated_linear_chunked import gated_linear_rule as impl
     else:
         from natsl.reference.gated_linear import gated_linear_rule as impl
@@ -169,11 +171,14 @@ def routed_attention(
 
 # Each family whose two twins take the same arguments: family -> (reference, fast) as
 # "module:function". tests/test_twins.py checks their signatures and agreement on tiny shapes.
-# The chunked form is a second reference of gated_delta_rule (CPU speed), checked the same way.
+# The chunked forms are second references of gated_delta_rule and gated_linear_rule (CPU speed),
+# checked the same way.
 TWINS = {
     "gated_delta_rule": ("natsl.reference.gated_delta:gated_delta_rule", "natsl.fast.gated_delta.function:gated_delta_rule"),
     "gated_delta_rule_chunked": ("natsl.reference.gated_delta:gated_delta_rule",
                                  "natsl.reference.gated_delta_chunked:gated_delta_rule"),
+    "gated_linear_rule": ("natsl.reference.gated_linear:gated_linear_rule",
+                          "natsl.fast.gated_linear.function:gated_linear_rule"),
     "gated_linear_rule_chunked": ("natsl.reference.gated_linear:gated_linear_rule",
                                   "natsl.reference.gated_linear_chunked:gated_linear_rule"),
     "routed_attention": ("natsl.reference.routed_attention:routed_attention",
