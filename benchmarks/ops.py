@@ -5,8 +5,9 @@
     python -m benchmarks.ops --op mix --provider natsl_fast --mode fwdbwd --sweep      # launch settings
     python -m benchmarks.ops --list                                                     # the registry
 
-Ops: gated_delta, routed_attention, short_conv, mix, cross_entropy, decode_attention, gemv, pointwise.
-Providers: natsl_fast (the Triton path), natsl_reference (natsl's PyTorch path: the chunked GDN, the
+Ops: gated_delta, gated_linear (Mamba2's SSD), routed_attention, short_conv, mix, cross_entropy, decode_attention, gemv, pointwise.
+Providers: natsl_fast (the Triton path), natsl_fast_dense (gated_linear without a write mask, as fla
+runs it), natsl_reference (natsl's PyTorch path: the chunked GDN, the
 dense routed attention, the model's pointwise formulas -- compiled on CUDA), fla
 (flash-linear-attention), sdpa_flash and sdpa_cudnn (causal SDPA with that backend), cublas
 (F.linear). A provider that is not installed, or does not apply to an op, mode or shape, is skipped
@@ -30,7 +31,7 @@ from typing import Callable, Optional
 from benchmarks import common
 
 MODES = ("fwd", "fwdbwd")
-PROVIDERS = ("natsl_fast", "natsl_reference", "fla", "sdpa_flash", "sdpa_cudnn", "cublas")
+PROVIDERS = ("natsl_fast", "natsl_fast_dense", "natsl_reference", "fla", "sdpa_flash", "sdpa_cudnn", "cublas")
 LABELS = ("keep", "channels", "product", "piece")  # the variant fields that name a point
 SEQUENCE_POINTS = ((1, 4096), (1, 16384), (1, 65536), (8, 4096))
 EPS = 1e-6
@@ -389,6 +390,45 @@ def keep_variants(m, args) -> list[dict]:
     return [{"keep": k} for k in args.keep]
 
 
+# ---------------------------------------------------------------------------------------------- gated_linear
+# Mamba2's SSD at the model's width: expand 2, head dim 64 (V), state dim 128 (K), as the Mamba2 paper and
+# flash-linear-attention's layer; q = C, k = B, v = x dt, g = A dt, scale 1.
+SSD_EXPAND, SSD_HEAD_DIM, SSD_STATE = 2, 64, 128
+
+
+def gla_inputs(p: Point, device, dtype):
+    torch, F = _torch(), _torch().nn.functional
+    m, (B, T) = p.model, (p.batch, p.length)
+    H, K, V = SSD_EXPAND * m.hidden_size // SSD_HEAD_DIM, SSD_STATE, SSD_HEAD_DIM
+    dt = F.softplus(torch.randn(B, T, H, device=device) - 4.0)
+    return {"q": (torch.randn(B, T, H, K, device=device) * K**-0.5).to(dtype),
+            "k": (torch.randn(B, T, H, K, device=device) * K**-0.5).to(dtype),
+            "v": (torch.randn(B, T, H, V, device=device) * dt[..., None]).to(dtype),
+            "g": -torch.rand(H, device=device).mul(15).add(1) * dt,
+            "write": torch.randint(0, 2, (B, -(-T // m.block_size), H), device=device).float()}
+
+
+def gla_natsl(backend, masked=True):
+    def build(x, p, mode):
+        import natsl
+
+        if backend == "fast":
+            _needs_cuda(x["q"].device)
+        args = [x["q"], x["k"], x["v"], x["g"]]
+        write = x["write"] if masked else None
+        return Call(lambda *a: natsl.ops.gated_linear_rule(*a, write, scale=1.0, block_size=p.model.block_size,
+                                                           backend=backend)[0], args, grads=args)
+    return build
+
+
+def gla_fla(x, p, mode):
+    _needs_cuda(x["q"].device)
+    fla = _module("fla.ops.simple_gla", "flash-linear-attention")
+    args = [x["q"], x["k"], x["v"], x["g"]]
+    # FLA's chunk_simple_gla has no write mask: every block writes (compare natsl_fast_dense)
+    return Call(lambda *a: fla.chunk_simple_gla(*a, scale=1.0)[0], args, grads=args)
+
+
 def _settings(**groups) -> list[dict]:
     """{attribute: [update, ...]} -> one setting per update."""
     return [{name: update} for name, updates in groups.items() for update in updates]
@@ -401,6 +441,12 @@ REGISTRY = {op.name: op for op in (
            PREPARE=[{"num_warps": 4}], STATE_FWD=[{"num_stages": 2}, {"BV_WIDE": 32}],
            OUTPUT=[{"BV": 32}, {"num_warps": 8}], LOCAL_DR=[{"BV": 32}],
            STATE_BWD=[{"BV_WIDE": 32}], GRAD_QK=[{"num_warps": 8}, {"BV": 64}], GRAD_WY=[{"descriptors": False}]))),
+    Op("gated_linear", {"natsl_fast": gla_natsl("fast"), "natsl_fast_dense": gla_natsl("fast", masked=False),
+                        "natsl_reference": gla_natsl("chunked"), "fla": gla_fla},
+       gla_inputs,
+       sweep=("natsl.fast.gated_linear.config", _settings(
+           STATE_FWD=[{"BV": 64}, {"num_stages": 2}], STATE_BWD=[{"BV": 64}], OUTPUT=[{"BV": 32}],
+           LOCAL_DV=[{"BV": 32}], GRAD_QK=[{"num_warps": 8}, {"BV": 64}]))),
     Op("routed_attention", {"natsl_fast": routed_natsl("fast"), "natsl_reference": routed_natsl("chunked"),
                             "sdpa_flash": sdpa("FLASH_ATTENTION"), "sdpa_cudnn": sdpa("CUDNN_ATTENTION")},
        routed_inputs, variants=keep_variants,

@@ -64,11 +64,12 @@ def test_ops_options_are_checked_by_name():
         assert exit_info.value.code == 2
     args = ops.parse(["--op", "all", "--provider", "fla,cublas", "--mode", "fwd"])
     assert args.ops == list(ops.REGISTRY)
-    assert ops.enumerate_cases(args) == [("gated_delta", "fla", "fwd"), ("gemv", "cublas", "fwd")]
+    assert ops.enumerate_cases(args) == [("gated_delta", "fla", "fwd"), ("gated_linear", "fla", "fwd"),
+                                         ("gemv", "cublas", "fwd")]
 
 
 def test_the_registry_holds_every_op_and_its_points_take_the_recipes_widths():
-    assert set(ops.REGISTRY) == {"gated_delta", "routed_attention", "short_conv", "mix", "cross_entropy",
+    assert set(ops.REGISTRY) == {"gated_delta", "gated_linear", "routed_attention", "short_conv", "mix", "cross_entropy",
                                  "decode_attention", "gemv", "pointwise"}
     for op in ops.REGISTRY.values():
         assert set(op.providers) <= set(ops.PROVIDERS) and "natsl_fast" in op.providers and op.modes
@@ -286,3 +287,15 @@ def test_the_training_entry_runs_the_tiny_recipe_in_process_and_writes_json_and_
     assert result["tokens_per_s"] > 0 and (tmp_path / "out" / "training.png").is_file()
     with pytest.raises(SystemExit):
         training.main(["--max-steps", "3", "--warmup-steps", "3"])
+
+
+def test_the_gated_linear_entry_builds_mamba2_shaped_inputs_and_times_its_chunked_path(tmp_path):
+    """Mamba2's SSD at the tiny recipe's width: heads of 64 values and a 128-wide state, g <= 0."""
+    args = ops.parse(["--op", "gated_linear", "--provider", "natsl_reference", "--shapes", "tiny",
+                      "--lengths", "70", "--mode", "fwdbwd", "--device", "cpu", "--out", str(tmp_path)])
+    point = ops.points(ops.REGISTRY["gated_linear"], args)[0]
+    x = ops.gla_inputs(point, torch.device("cpu"), torch.float32)
+    assert x["q"].shape[-1] == ops.SSD_STATE and x["v"].shape[-1] == ops.SSD_HEAD_DIM and (x["g"] <= 0).all()
+    assert x["write"].shape[1] == 2
+    rows = ops.run(args)["gated_linear"]
+    assert [r["provider"] for r in rows] == ["natsl_reference"] and rows[0]["ms"] > 0

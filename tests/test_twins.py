@@ -59,3 +59,12 @@ def test_routed_attention_twins_agree(intra_block):
     keep = torch.tensor([[[1.0], [0.0]]])
     o_ref, o = (fn(q, k, v, keep, intra_block=intra_block) for fn in (reference, fast))
     assert rel_rms(o, o_ref) < 1e-4
+
+
+@pytest.mark.parametrize("family", ["gated_linear_rule", "gated_linear_rule_chunked"])
+@pytest.mark.parametrize("intra_block", [True, False])
+def test_gated_linear_twins_agree(family, intra_block):
+    reference, twin = (load(path) for path in ops.TWINS[family])
+    (q, k, v, g, _, write), kwargs = gdn_inputs()
+    (o_ref, s_ref), (o, s) = (fn(q, k, v, g, write, intra_block=intra_block, **kwargs) for fn in (reference, twin))
+    assert rel_rms(o, o_ref) < 1e-4 and rel_rms(s, s_ref) < 1e-4

@@ -1,0 +1,17 @@
+"""Launch settings of the gated-linear kernels (Hopper defaults, not yet swept on this op).
+
+The chunk-parallel kernels are the gated-delta package's (output, local dR = intra-chunk dV, grad_qk)
+and start from its settings; the two sequential state kernels are this package's own. BV is the
+width of the V slice one program owns: the state kernels get B * H * V / BV programs.
+`python -m benchmarks.ops --op gated_linear --sweep` overrides these dicts in place.
+"""
+
+from __future__ import annotations
+
+from natsl.fast.gated_delta import config as _gdn
+
+STATE_FWD = {"BV": 32, "num_warps": 4, "num_stages": 3}
+STATE_BWD = {"BV": 32, "num_warps": 4, "num_stages": 2}
+OUTPUT = dict(_gdn.OUTPUT)
+LOCAL_DV = dict(_gdn.LOCAL_DR)
+GRAD_QK = dict(_gdn.GRAD_QK)

@@ -1,0 +1,223 @@
+"""The op's custom-op pair with its autograd formula, and the public entry point with the reference's exact signature.
+
+Forward: gc (in-chunk cumulative log decay) -> state recurrence (h, final state) -> output.
+Backward: intra-chunk dV -> reverse state pass (dh, dV, d initial state) -> grad_qk (dq, dk, dg terms,
+route products). The gated-delta kernels do the chunk-parallel work with the pseudo values R = V
+(natsl/fast/gated_delta: output.chunk_output, output.local_dr, grad_qk.grad_qk); the route gradient is
+p1 + (Gamma_b - c) p2 as there.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from natsl.errors import NatslError
+from natsl.fast import eager
+from natsl.fast.gated_delta.common import MAX_K, fp32_precision
+from natsl.fast.gated_delta.function import _EMPTY, BLOCK_SIZES, DTYPES, _chunk_gamma
+from natsl.fast.gated_delta.grad_qk import grad_qk
+from natsl.fast.gated_delta.output import chunk_output, local_dr
+from natsl.fast.gated_linear import config
+from natsl.fast.gated_linear.state import _state_fwd_kernel, state_backward, state_forward
+from natsl.reference.gated_delta import validate_layouts
+from natsl.reference.route_grad import check_route_grad, chosen
+
+
+def chunk_cumsum(g: torch.Tensor, block_size: int) -> torch.Tensor:
+    """gc [B,T,H] fp32: the cumulative sum of g inside each chunk of `block_size` tokens."""
+    B, T, H = g.shape
+    NB = triton.cdiv(T, block_size)
+    padded = F.pad(g.float(), (0, 0, 0, NB * block_size - T))
+    return padded.view(B, NB, block_size, H).cumsum(2).view(B, NB * block_size, H)[:, :T].contiguous()
+
+
+def _forward_impl(q, k, v, g, write, initial_state, scale: float, output_final_state: bool, block_size: int,
+                  decay_skipped_blocks: bool, route_grad: str):
+    """(o, final state or empty, and what the backward reads: write as fp32, gc, h)."""
+    B, T, H, _ = q.shape
+    NB = triton.cdiv(T, block_size)
+    prec = fp32_precision(q.dtype)
+    # a copy even when write is fp32 already: a custom op may not return (an alias of) its input
+    w32 = q.new_ones(B, NB, H, dtype=torch.float32) if write is None else write.to(torch.float32, copy=True)
+    h0 = None if initial_state is None else initial_state.float().contiguous()
+    gc = chunk_cumsum(g, block_size)
+    h, final = state_forward(k, v, gc, w32, h0, output_final_state, block_size, decay_skipped_blocks, prec,
+                             config.STATE_FWD)
+    o = chunk_output(q, k, gc, h, v, scale, block_size, prec, config.OUTPUT)
+    return o, (final if final is not None else q.new_empty(_EMPTY, dtype=torch.float32)), w32, gc, h
+
+
+@torch.library.custom_op("natsl::gated_linear_forward", mutates_args=())
+def gated_linear_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, write: Optional[torch.Tensor],
+    initial_state: Optional[torch.Tensor], scale: float, output_final_state: bool, block_size: int,
+    decay_skipped_blocks: bool, route_grad: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _forward_impl(q, k, v, g, write, initial_state, scale, output_final_state, block_size,
+                         decay_skipped_blocks, route_grad)
+
+
+@gated_linear_forward.register_fake
+def _(q, k, v, g, write, initial_state, scale, output_final_state, block_size, decay_skipped_blocks, route_grad):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    NB = triton.cdiv(T, block_size)
+    f32 = dict(dtype=torch.float32)
+    return (q.new_empty(B, T, H, V), q.new_empty((B, H, K, V) if output_final_state else _EMPTY, **f32),
+            q.new_empty(B, NB, H, **f32), q.new_empty(B, T, H, **f32), q.new_empty(B, NB, H, K, V, dtype=k.dtype))
+
+
+def _backward_impl(q, k, v, w32, gc, h, do, d_final, scale: float, block_size: int, decay_skipped_blocks: bool,
+                   route_grad: str, want_dh0: bool, want_dwrite: bool):
+    """(dq, dk, dv, dg fp32, dwrite fp32 or empty, d initial state fp32 or empty)."""
+    C = block_size
+    T = q.shape[1]
+    prec = fp32_precision(q.dtype)
+    do = do.to(q.dtype).contiguous()
+    d_final = None if d_final is None else d_final.float().contiguous()
+    dvl = local_dr(q, k, gc, do, scale, C, prec, config.LOCAL_DV, q.dtype)
+    dh, dv, dh0 = state_backward(q, k, gc, w32, do, dvl, d_final, want_dh0, scale, C, decay_skipped_blocks, prec,
+                                 config.STATE_BWD)
+    # grad_qk's R is V and its dR is dV; its dW output (-dR S^T, a delta-rule term) is not used here.
+    dq, dk, _, dgp, p1, p2 = grad_qk(q, k, gc, w32, h, dh, v, dv, do, scale, C, prec, config.GRAD_QK)
+    p1, p2 = p1.sum(0), p2.sum(0)
+    gamma = _chunk_gamma(gc, C)
+    # G_last enters through the commit's a = Gamma (or 1 - write + write Gamma): da/dG_last, and
+    # G_last is the sum of every g of the chunk.
+    dg_last = gamma * p2 if decay_skipped_blocks else gamma * p2 * w32
+    dg = dgp.sum(0) + dg_last.repeat_interleave(C, dim=1)[:, :T]
+    dwrite = q.new_empty(_EMPTY, dtype=torch.float32)  # (returns may not alias one another)
+    if want_dwrite:
+        dwrite = p1 if decay_skipped_blocks else p1 + (gamma - 1.0) * p2
+        if route_grad == "active":
+            dwrite = dwrite * chosen(w32).to(dwrite.dtype)
+    return (dq, dk.to(k.dtype), dv, dg, dwrite,
+            dh0 if dh0 is not None else q.new_empty(_EMPTY, dtype=torch.float32))
+
+
+@torch.library.custom_op("natsl::gated_linear_backward", mutates_args=())
+def gated_linear_backward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w32: torch.Tensor, gc: torch.Tensor, h: torch.Tensor,
+    do: torch.Tensor, d_final: Optional[torch.Tensor], scale: float, block_size: int, decay_skipped_blocks: bool,
+    route_grad: str, want_dh0: bool, want_dwrite: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward_impl(q, k, v, w32, gc, h, do, d_final, scale, block_size, decay_skipped_blocks, route_grad,
+                          want_dh0, want_dwrite)
+
+
+@gated_linear_backward.register_fake
+def _(q, k, v, w32, gc, h, do, d_final, scale, block_size, decay_skipped_blocks, route_grad, want_dh0, want_dwrite):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    f32 = dict(dtype=torch.float32)
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), q.new_empty(B, T, H, **f32),
+            q.new_empty(w32.shape if want_dwrite else _EMPTY, **f32),
+            q.new_empty((B, H, K, V) if want_dh0 else _EMPTY, **f32))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, g, write, initial_state, scale, _, block_size, decay_skipped_blocks, route_grad = inputs
+    _, _, w32, gc, h = output
+    ctx.save_for_backward(q, k, v, w32, gc, h)
+    ctx.mark_non_differentiable(w32, gc, h)
+    ctx.set_materialize_grads(False)  # no zero gradient for an unused final state
+    ctx.meta = (scale, block_size, decay_skipped_blocks, route_grad, g.dtype,
+                None if write is None else write.dtype, None if initial_state is None else initial_state.dtype)
+
+
+def _backward(ctx, do, d_final, *_, backward_op=gated_linear_backward):
+    q, k, v, w32, gc, h = ctx.saved_tensors
+    scale, C, decay_skipped_blocks, route_grad, g_dtype, write_dtype, h0_dtype = ctx.meta
+    want_dwrite = write_dtype is not None and ctx.needs_input_grad[4]
+    want_dh0 = h0_dtype is not None and ctx.needs_input_grad[5]
+    if do is None:
+        do = torch.zeros_like(v)
+    if d_final is not None and d_final.numel() == 0:
+        d_final = None
+    dq, dk, dv, dg, dwrite, dh0 = backward_op(q, k, v, w32, gc, h, do, d_final, scale, C, decay_skipped_blocks,
+                                              route_grad, want_dh0, want_dwrite)
+    return (dq, dk, dv, dg.to(g_dtype), dwrite.to(write_dtype) if want_dwrite else None,
+            dh0.to(h0_dtype) if want_dh0 else None, None, None, None, None, None)
+
+
+gated_linear_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+# Eager calls skip the dispatcher (natsl/fast/eager.py).
+_EagerGatedLinear = eager.twin(_forward_impl, _setup_context, _backward, _backward_impl)
+
+
+def _run_forward(*inputs):
+    return eager.run(gated_linear_forward, _EagerGatedLinear, _forward_impl, *inputs)
+
+
+def _validate(q, k, v, g, write, initial_state, block_size: int) -> None:
+    """The reference's layout checks (docs/spec.md section 5), plus the fast path's own limits."""
+    _, _, _, K, _ = validate_layouts(q, k, v, g, None, write, initial_state, block_size)
+    if block_size not in BLOCK_SIZES:
+        raise NatslError(f"the fast gated_linear_rule supports block_size 64 or 128, got {block_size}; "
+                         "use backend='chunked'")
+    if K > MAX_K:
+        raise NatslError(f"the fast gated_linear_rule supports K <= {MAX_K}, got {K}; use backend='chunked'")
+    if q.dtype not in DTYPES:
+        raise NatslError(f"the fast gated_linear_rule supports fp32, bf16 and fp16 inputs, got {q.dtype}; "
+                         "use backend='chunked'")
+    if block_size > 64 and q.device.type == "cuda" and torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, g, write, initial_state)
+    ):
+        # grad_qk (shared with gated_delta_rule) is sized for 64-token chunks in the backward.
+        raise NatslError("the fast gated_linear_rule backward supports block_size 64 on the GPU (128 runs "
+                         "forward only, e.g. under torch.no_grad()); use backend='chunked' to train with 128")
+    if q.device.type != "cuda" and type(_state_fwd_kernel).__name__ != "InterpretedFunction":
+        raise NatslError("the fast gated_linear_rule on a CPU tensor needs TRITON_INTERPRET=1 set before "
+                         "natsl.fast is imported")
+
+
+def gated_linear_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    write: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    block_size: int = 64,
+    decay_skipped_blocks: bool = True,
+    route_grad: str = "active",
+    intra_block: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gated linear attention (Mamba2's SSD) whose block writes are committed only where `write` is 1 (Triton).
+
+    q, k [B,T,H,K]; v [B,T,H,V]; g (log decay) [B,T,H] (any float dtype); write [B,NB,H] (None = all
+    ones), any float values; initial_state [B,H,K,V]. Returns o [B,T,H,V] in q's dtype (k, v compute
+    in q's dtype) and, if `output_final_state`, S_start(NB) [B,H,K,V] in fp32. Chunk size = block_size
+    (64 or 128). `intra_block=False` (the Table 4 ablation, with no kernel of its own) runs the
+    chunked reference, so that both twins take the same arguments.
+    """
+    if not intra_block:
+        from natsl.reference.gated_linear_chunked import gated_linear_rule as reference
+
+        return reference(q, k, v, g, write, scale=scale, initial_state=initial_state,
+                         output_final_state=output_final_state, block_size=block_size,
+                         decay_skipped_blocks=decay_skipped_blocks, route_grad=route_grad, intra_block=False)
+    check_route_grad(route_grad)
+    _validate(q, k, v, g, write, initial_state, block_size)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    scale = K**-0.5 if scale is None else float(scale)
+    if T == 0:  # nothing to read; the state passes through untouched
+        final = None
+        if output_final_state:
+            final = q.new_zeros(B, H, K, V, dtype=torch.float32) if initial_state is None else initial_state.float()
+        return q.new_zeros(B, 0, H, V), final
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    q, k, v, g = (x.contiguous() for x in (q, k, v, g))
+    o, final, *_ = _run_forward(q, k, v, g, write, initial_state, scale, output_final_state, block_size,
+                                decay_skipped_blocks, route_grad)
+    return o, (final if output_final_state else None)

@@ -1,0 +1,204 @@
+"""The two sequential kernels of the gated linear rule: the chunk-state recurrence and its reverse pass.
+
+As in the gated-delta package (natsl/fast/gated_delta/state.py), one program owns a BV-wide column
+slice of the [K, V] state of one (batch, head), its K rows held as up to four BK-row register tiles.
+Without the delta erase the chunk's pseudo values are V itself, so no W S product is needed.
+
+Forward, chunk n (S = S_start(n), stored as h[n] for the output and backward kernels):
+    S <- a S + write * K_dec^T V              (the route commit; a, K_dec: common.chunk_decay)
+Backward, chunk n from last to first (D = dL/dS_start(n+1), stored as dh[n]):
+    dV = dV_local + write * K_dec D           (stored: the whole of dL/dV)
+    D  <- a D + scale (diag(exp(gc)) Q)^T dO
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from natsl.fast.gated_delta.common import chunk_decay, dim_tile, launch_options, load_tile, load_tile_t, mm, store_tile
+from natsl.fast.gated_delta.state import _commit_tile, _k_tiles, _kd_tile
+
+
+@triton.jit
+def _store_state(ptr, s0, s1, s2, s3, v0, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                 NK: tl.constexpr):
+    """The K-row tiles of a [K, V] state slice to `ptr` (a [K, V] matrix)."""
+    store_tile(ptr, s0, 0, v0, K, V, V, BK, BV)
+    if NK > 1:
+        store_tile(ptr, s1, BK, v0, K, V, V, BK, BV)
+    if NK > 2:
+        store_tile(ptr, s2, 2 * BK, v0, K, V, V, BK, BV)
+    if NK > 3:
+        store_tile(ptr, s3, 3 * BK, v0, K, V, V, BK, BV)
+
+
+@triton.jit
+def _load_state(ptr, v0, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr):
+    """The K-row tiles (fp32) of a [K, V] state slice; tiles past NK are zeros."""
+    s0 = load_tile(ptr, 0, v0, K, V, V, BK, BV).to(tl.float32)
+    s1 = tl.zeros([BK, BV], dtype=tl.float32)
+    s2 = tl.zeros([BK, BV], dtype=tl.float32)
+    s3 = tl.zeros([BK, BV], dtype=tl.float32)
+    if NK > 1:
+        s1 = load_tile(ptr, BK, v0, K, V, V, BK, BV).to(tl.float32)
+    if NK > 2:
+        s2 = load_tile(ptr, 2 * BK, v0, K, V, V, BK, BV).to(tl.float32)
+    if NK > 3:
+        s3 = load_tile(ptr, 3 * BK, v0, K, V, V, BK, BV).to(tl.float32)
+    return s0, s1, s2, s3
+
+
+@triton.jit(do_not_specialize=["T", "NB"])  # one compile for every sequence length
+def _state_fwd_kernel(
+    k_ptr, v_ptr, gc_ptr, write_ptr, h0_ptr, h_ptr, ht_ptr,
+    T, H, NB,
+    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr,
+    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, DECAY_SKIPPED: tl.constexpr, PREC: tl.constexpr,
+):
+    iv = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    v0 = iv * BV
+    row0 = b.to(tl.int64) * T * H + h
+    k_ptr += row0 * K
+    v_ptr += row0 * V
+    gc_ptr += row0
+    write_ptr += b.to(tl.int64) * NB * H + h
+    vd = v_ptr.dtype.element_ty  # the inputs' dtype: operands of the commit product
+
+    if HAS_H0:
+        s0, s1, s2, s3 = _load_state(h0_ptr + bh.to(tl.int64) * K * V, v0, K, V, BK, BV, NK)
+    else:
+        s0 = tl.zeros([BK, BV], dtype=tl.float32)
+        s1 = tl.zeros([BK, BV], dtype=tl.float32)
+        s2 = tl.zeros([BK, BV], dtype=tl.float32)
+        s3 = tl.zeros([BK, BV], dtype=tl.float32)
+
+    for n in range(NB):
+        t0 = n * C
+        _store_state(h_ptr + ((b * NB + n) * H + h).to(tl.int64) * K * V, s0, s1, s2, s3, v0, K, V, BK, BV, NK)
+        # Commit: S <- a S + K^T (write * exp(G_last - gc) * V); the decay scales V's C rows, not K.
+        gc, dec, wt, a = chunk_decay(gc_ptr, write_ptr, t0, n, T, H, C, DECAY_SKIPPED)
+        vv = load_tile(v_ptr, t0, v0, T, H * V, V, C, BV).to(tl.float32)
+        rd = ((wt * dec)[:, None] * vv).to(vd)
+        s0 = _commit_tile(s0, a, k_ptr, rd, t0, 0, T, H, K, C, BK, PREC)
+        if NK > 1:
+            s1 = _commit_tile(s1, a, k_ptr, rd, t0, BK, T, H, K, C, BK, PREC)
+        if NK > 2:
+            s2 = _commit_tile(s2, a, k_ptr, rd, t0, 2 * BK, T, H, K, C, BK, PREC)
+        if NK > 3:
+            s3 = _commit_tile(s3, a, k_ptr, rd, t0, 3 * BK, T, H, K, C, BK, PREC)
+
+    if STORE_HT:
+        _store_state(ht_ptr + bh.to(tl.int64) * K * V, s0, s1, s2, s3, v0, K, V, BK, BV, NK)
+
+
+@triton.jit
+def _reverse_tile(d, a, q_ptr, dos, t0, k0, T, H, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+                  PREC: tl.constexpr):
+    """a D + Q^T dos for one K tile; Q^T is read transposed from memory."""
+    qt = load_tile_t(q_ptr, t0, k0, T, H * K, K, C, BK).to(dos.dtype)
+    return a * d + mm(qt, dos, PREC)
+
+
+@triton.jit(do_not_specialize=["T", "NB"])
+def _state_bwd_kernel(
+    q_ptr, k_ptr, gc_ptr, write_ptr, do_ptr, dvl_ptr, dht_ptr, dh_ptr, dv_ptr, dh0_ptr,
+    scale, T, H, NB,
+    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr,
+    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, DECAY_SKIPPED: tl.constexpr, PREC: tl.constexpr,
+):
+    iv = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    v0 = iv * BV
+    row0 = b.to(tl.int64) * T * H + h
+    q_ptr += row0 * K
+    k_ptr += row0 * K
+    do_ptr += row0 * V
+    dvl_ptr += row0 * V
+    dv_ptr += row0 * V
+    gc_ptr += row0
+    write_ptr += b.to(tl.int64) * NB * H + h
+    wd: tl.constexpr = q_ptr.dtype.element_ty
+
+    if HAS_DHT:
+        d0, d1, d2, d3 = _load_state(dht_ptr + bh.to(tl.int64) * K * V, v0, K, V, BK, BV, NK)
+    else:
+        d0 = tl.zeros([BK, BV], dtype=tl.float32)
+        d1 = tl.zeros([BK, BV], dtype=tl.float32)
+        d2 = tl.zeros([BK, BV], dtype=tl.float32)
+        d3 = tl.zeros([BK, BV], dtype=tl.float32)
+
+    for m in range(NB):
+        n = NB - 1 - m
+        t0 = n * C
+        _store_state(dh_ptr + ((b * NB + n) * H + h).to(tl.int64) * K * V, d0, d1, d2, d3, v0, K, V, BK, BV, NK)
+
+        # dV = dV_local + write * diag(exp(G_last - gc)) K D
+        gc, dec, wt, a = chunk_decay(gc_ptr, write_ptr, t0, n, T, H, C, DECAY_SKIPPED)
+        kd = _kd_tile(k_ptr, d0, t0, 0, T, H, K, C, BK, PREC, wd)
+        if NK > 1:
+            kd += _kd_tile(k_ptr, d1, t0, BK, T, H, K, C, BK, PREC, wd)
+        if NK > 2:
+            kd += _kd_tile(k_ptr, d2, t0, 2 * BK, T, H, K, C, BK, PREC, wd)
+        if NK > 3:
+            kd += _kd_tile(k_ptr, d3, t0, 3 * BK, T, H, K, C, BK, PREC, wd)
+        dv = load_tile(dvl_ptr, t0, v0, T, H * V, V, C, BV).to(tl.float32) + (wt * dec)[:, None] * kd
+        store_tile(dv_ptr, dv, t0, v0, T, H * V, V, C, BV)
+
+        # D <- a D + Q^T (scale exp(gc) dO); the decay scales dO's C rows, not Q.
+        dos = (load_tile(do_ptr, t0, v0, T, H * V, V, C, BV).to(tl.float32) * (scale * tl.exp(gc))[:, None]).to(wd)
+        d0 = _reverse_tile(d0, a, q_ptr, dos, t0, 0, T, H, K, C, BK, PREC)
+        if NK > 1:
+            d1 = _reverse_tile(d1, a, q_ptr, dos, t0, BK, T, H, K, C, BK, PREC)
+        if NK > 2:
+            d2 = _reverse_tile(d2, a, q_ptr, dos, t0, 2 * BK, T, H, K, C, BK, PREC)
+        if NK > 3:
+            d3 = _reverse_tile(d3, a, q_ptr, dos, t0, 3 * BK, T, H, K, C, BK, PREC)
+
+    if STORE_DH0:
+        _store_state(dh0_ptr + bh.to(tl.int64) * K * V, d0, d1, d2, d3, v0, K, V, BK, BV, NK)
+
+
+def state_forward(k, v, gc, write, initial_state, output_final_state: bool, block_size: int,
+                  decay_skipped_blocks: bool, precision: str, cfg: dict):
+    """(h [B,NB,H,K,V] in k's dtype, final state [B,H,K,V] fp32 or None)."""
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    NB = triton.cdiv(T, block_size)
+    BK, NK = _k_tiles(K)
+    BV = min(cfg["BV"], dim_tile(V))
+    h = torch.empty(B, NB, H, K, V, device=k.device, dtype=k.dtype)
+    final = torch.empty(B, H, K, V, device=k.device, dtype=torch.float32) if output_final_state else None
+    _state_fwd_kernel[(triton.cdiv(V, BV), B * H)](
+        k, v, gc, write, initial_state, h, final, T, H, NB,
+        K=K, V=V, C=block_size, BK=BK, BV=BV, NK=NK,
+        HAS_H0=initial_state is not None, STORE_HT=output_final_state, DECAY_SKIPPED=decay_skipped_blocks,
+        PREC=precision, **launch_options(cfg, block_size, v.dtype),
+    )
+    return h, final
+
+
+def state_backward(q, k, gc, write, do, dv_local, d_final, want_dh0: bool, scale: float, block_size: int,
+                   decay_skipped_blocks: bool, precision: str, cfg: dict):
+    """(dh [B,NB,H,K,V] = dL/dS_start(n+1) per chunk, dV [B,T,H,V] in q's dtype, dL/dS_start(0) fp32 or None)."""
+    B, T, H, K = k.shape
+    V = do.shape[-1]
+    NB = triton.cdiv(T, block_size)
+    BK, NK = _k_tiles(K)
+    BV = min(cfg["BV"], dim_tile(V))
+    dh = torch.empty(B, NB, H, K, V, device=k.device, dtype=k.dtype)
+    dv = torch.empty(B, T, H, V, device=k.device, dtype=q.dtype)
+    dh0 = torch.empty(B, H, K, V, device=k.device, dtype=torch.float32) if want_dh0 else None
+    _state_bwd_kernel[(triton.cdiv(V, BV), B * H)](
+        q, k, gc, write, do, dv_local, d_final, dh, dv, dh0, scale, T, H, NB,
+        K=K, V=V, C=block_size, BK=BK, BV=BV, NK=NK,
+        HAS_DHT=d_final is not None, STORE_DH0=want_dh0, DECAY_SKIPPED=decay_skipped_blocks,
+        PREC=precision, **launch_options(cfg, block_size, q.dtype),
+    )
+    return dh, dv, dh0

@@ -1,0 +1,228 @@
+"""gated_linear_rule (Mamba2's SSD with the write mask): the token-by-token reference, the chunked form and
+the Triton twin (natsl.fast.gated_linear) against each other, forward and every gradient.
+
+On a machine without CUDA the kernels run under TRITON_INTERPRET=1 (set below, before anything imports
+Triton), so the shapes stay tiny. The `gpu` tests run a realistic Mamba2 shape on a GPU against the
+chunked form in fp32. Metric: relative RMS error rms(twin - ref) / rms(ref).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import natsl.ops  # noqa: E402
+from natsl.errors import NatslError  # noqa: E402
+from natsl.fast.gated_linear import gated_linear_rule as fast  # noqa: E402
+from natsl.fast.gated_linear.state import _state_fwd_kernel  # noqa: E402
+from natsl.reference.cached import commit_state, gla_token_step  # noqa: E402
+from natsl.reference.gated_linear import gated_linear_rule as reference  # noqa: E402
+from natsl.reference.gated_linear_chunked import gated_linear_rule as chunked  # noqa: E402
+from numerics import rel_rms  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and type(_state_fwd_kernel).__name__ != "InterpretedFunction":
+    pytest.skip("natsl.fast was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
+
+FP32_TOL = 1e-4
+BF16_TOL = (5e-3, 1e-2)  # (forward, gradients): flash-linear-attention's bf16 bounds
+# Triton's interpreter (3.9) casts fp32 to bf16 by truncation, not round-to-nearest as the GPU does: a
+# biased error per cast (6.1e-3 forward, 7.5e-3 gradients seen on the CPU case below), so the CPU run
+# is held to a looser bound and the gpu tests hold the real one.
+INTERPRETED_BF16_TOL = (1e-2, 1.5e-2)
+NAMES = ("q", "k", "v", "g", "write", "initial_state")
+
+
+def make_inputs(B, T, H, K, V, *, seed, write_kind="random", block_size=64, with_h0=True):
+    """Fresh random fp32 inputs shaped like Mamba2's (q = C, k = B, v = x dt, g = A dt <= 0), the route,
+    the initial state, and the upstream gradients of o and of the final state."""
+    gen = torch.Generator().manual_seed(seed)
+    NB = -(-T // block_size)
+    x = dict(q=torch.randn(B, T, H, K, generator=gen), k=torch.randn(B, T, H, K, generator=gen),
+             v=torch.randn(B, T, H, V, generator=gen), g=-F.softplus(torch.randn(B, T, H, generator=gen) - 2.0))
+    x["write"] = {None: None, "ones": torch.ones(B, NB, H), "zeros": torch.zeros(B, NB, H),
+                  "binary": torch.randint(0, 2, (B, NB, H), generator=gen).float(),
+                  "random": torch.rand(B, NB, H, generator=gen)}[write_kind]
+    x["initial_state"] = torch.randn(B, H, K, V, generator=gen) if with_h0 else None
+    do, d_final = torch.randn(B, T, H, V, generator=gen), torch.randn(B, H, K, V, generator=gen)
+    move = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+    return {n: move(t) for n, t in x.items()}, move(do), move(d_final)
+
+
+def run(fn, inputs, do, d_final, dtype=None, **kw):
+    """o, the final state and every input's gradient (None where the input is None); q, k, v cast to
+    `dtype` when given."""
+    leaves = {n: None if t is None else t.detach().clone().to(dtype if n in "qkv" and dtype else t.dtype)
+              .requires_grad_() for n, t in inputs.items()}
+    o, final = fn(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["write"],
+                  initial_state=leaves["initial_state"], output_final_state=True, **kw)
+    ((o.float() * do).sum() + (final * d_final).sum()).backward()
+    return dict(o=o, final=final, **{"d" + n: None if t is None else t.grad for n, t in leaves.items()})
+
+
+def errors(twin, oracle, inputs, do, d_final, dtype=None, **kw):
+    """Relative errors of the twin against the oracle, both on the same input values (q, k, v rounded to
+    `dtype` first when given; the oracle then computes in fp32)."""
+    if dtype is not None:
+        inputs = {n: t.to(dtype).float() if n in ("q", "k", "v") else t for n, t in inputs.items()}
+    got, ref = run(twin, inputs, do, d_final, dtype, **kw), run(oracle, inputs, do, d_final, **kw)
+    if dtype is not None:
+        assert got["o"].dtype == dtype and got["final"].dtype == torch.float32
+    out = {}
+    for name, r in ref.items():
+        if r is None:
+            assert got[name] is None, name
+        elif name == "dwrite" and not r.abs().max() > 0:  # all zero (e.g. active on an all-skip route)
+            assert torch.equal(got[name], torch.zeros_like(got[name])), name
+        else:
+            out[name] = rel_rms(got[name], r)
+    return out
+
+
+def check(errs, fwd_tol, grad_tol):
+    bad = {k: v for k, v in errs.items() if not v <= (fwd_tol if k in ("o", "final") else grad_tol)}
+    assert not bad, f"errors over tolerance: {bad} (all: {errs})"
+
+
+# ----------------------------------------------------------------------------- chunked form vs reference
+@pytest.mark.parametrize("T", [1, 37, 64, 130])
+@pytest.mark.parametrize("decay_skipped_blocks", [True, False])
+def test_chunked_matches_reference(T, decay_skipped_blocks):
+    inputs, do, d_final = make_inputs(2, T, 2, 8, 16, seed=T)
+    kw = dict(decay_skipped_blocks=decay_skipped_blocks, route_grad="full")
+    check(errors(chunked, reference, inputs, do, d_final, **kw), FP32_TOL, FP32_TOL)
+
+
+@pytest.mark.parametrize("write_kind", ["ones", "zeros", None, "binary"])
+@pytest.mark.parametrize("route_grad", ["active", "full"])
+def test_chunked_write_masks_and_policies(write_kind, route_grad):
+    inputs, do, d_final = make_inputs(1, 150, 2, 8, 16, seed=3, write_kind=write_kind)
+    check(errors(chunked, reference, inputs, do, d_final, route_grad=route_grad), FP32_TOL, FP32_TOL)
+
+
+@pytest.mark.parametrize("fn", [chunked, fast], ids=["chunked", "fast"])
+def test_intra_block_ablation(fn):
+    inputs, do, d_final = make_inputs(1, 100, 2, 8, 16, seed=5)
+    check(errors(fn, reference, inputs, do, d_final, intra_block=False), FP32_TOL, FP32_TOL)
+
+
+def test_reference_is_the_recurrence_with_the_commit():
+    """The reference against the formula written out: two blocks, the second's write dropped."""
+    inputs, _, _ = make_inputs(1, 6, 1, 3, 2, seed=11, write_kind=None)
+    q, k, v, g, s0 = (inputs[n].double() for n in ("q", "k", "v", "g", "initial_state"))
+    write = torch.tensor([[[1.0], [0.0]]], dtype=torch.float64)
+    o, final = reference(q, k, v, g, write, initial_state=s0, output_final_state=True, block_size=3, scale=0.5)
+    state, outs = s0[0, 0], []
+    for t in range(6):
+        if t == 3:
+            start = state
+        state = g[0, t, 0].exp() * state + torch.outer(k[0, t, 0], v[0, t, 0])
+        outs.append(0.5 * state.T @ q[0, t, 0])
+    assert torch.allclose(o[0, :, 0], torch.stack(outs), atol=1e-12)
+    assert torch.allclose(final[0, 0], g[0, 3:, 0].sum().exp() * start, atol=1e-12)  # the clock runs
+
+
+def test_token_step_decodes_the_op():
+    """gla_token_step token by token, committing each block, equals the op (the layer cache's path)."""
+    inputs, _, _ = make_inputs(1, 20, 2, 8, 16, seed=13, write_kind="binary", block_size=8)
+    q, k, v, g, write, s0 = (inputs[n] for n in NAMES)
+    o_ref, final_ref = reference(q, k, v, g, write, initial_state=s0, output_final_state=True, block_size=8)
+    start, outs = s0, []
+    for b in range(3):
+        state = start
+        for t in range(8 * b, min(8 * b + 8, 20)):
+            o, state = gla_token_step(state, q[:, t], k[:, t], v[:, t], g[:, t])
+            outs.append(o)
+        start = commit_state(start, state, g[:, 8 * b : 8 * b + 8].sum(1), write[:, b])
+    assert rel_rms(torch.stack(outs, 1), o_ref) < 1e-6 and rel_rms(start, final_ref) < 1e-6
+
+
+def test_ops_door_dispatches_every_backend():
+    inputs, _, _ = make_inputs(1, 70, 2, 8, 16, seed=17)
+    args = [inputs[n] for n in NAMES[:5]]
+    outs = [natsl.ops.gated_linear_rule(*args, scale=1.0, backend=b)[0] for b in ("reference", "chunked", "fast")]
+    assert rel_rms(outs[1], outs[0]) < FP32_TOL and rel_rms(outs[2], outs[0]) < FP32_TOL
+
+
+# ----------------------------------------------------------------------------- Triton twin vs reference
+@pytest.mark.parametrize("T", [1, 37, 64, 100, 200])
+def test_fast_fp32_across_lengths(T):
+    inputs, do, d_final = make_inputs(2, T, 2, 16, 32, seed=T + 1)
+    check(errors(fast, reference, inputs, do, d_final, route_grad="full"), FP32_TOL, FP32_TOL)
+
+
+@pytest.mark.parametrize("write_kind", ["ones", "zeros", None, "binary"])
+@pytest.mark.parametrize("route_grad", ["active", "full"])
+def test_fast_write_masks_and_route_grad_policies(write_kind, route_grad):
+    inputs, do, d_final = make_inputs(1, 130, 2, 16, 32, seed=7, write_kind=write_kind)
+    check(errors(fast, reference, inputs, do, d_final, route_grad=route_grad), FP32_TOL, FP32_TOL)
+
+
+@pytest.mark.parametrize("write_kind,route_grad", [("random", "full"), ("binary", "active")])
+def test_fast_no_decay_across_skipped_blocks(write_kind, route_grad):
+    inputs, do, d_final = make_inputs(1, 150, 2, 16, 32, seed=11, write_kind=write_kind)
+    kw = dict(route_grad=route_grad, decay_skipped_blocks=False)
+    check(errors(fast, reference, inputs, do, d_final, **kw), FP32_TOL, FP32_TOL)
+
+
+def test_fast_without_initial_state_block_128_and_odd_dims():
+    """No initial state, 128-token chunks, K = 80 (two K tiles, the last masked) and V = 40, scale 1."""
+    inputs, do, d_final = make_inputs(1, 300, 1, 80, 40, seed=19, with_h0=False, block_size=128)
+    kw = dict(block_size=128, scale=1.0, route_grad="full")
+    check(errors(fast, chunked, inputs, do, d_final, **kw), FP32_TOL, FP32_TOL)
+
+
+def test_fast_bf16_within_the_bounds():
+    inputs, do, d_final = make_inputs(2, 200, 2, 32, 32, seed=23, write_kind="binary")
+    tol = BF16_TOL if DEVICE == "cuda" else INTERPRETED_BF16_TOL
+    check(errors(fast, reference, inputs, do, d_final, dtype=torch.bfloat16, route_grad="full"), *tol)
+
+
+def test_fast_route_gradient_active_only_where_written():
+    inputs, do, d_final = make_inputs(1, 200, 2, 16, 16, seed=29, write_kind="binary")
+    grads = run(fast, inputs, do, d_final)["dwrite"]
+    assert grads[inputs["write"] < 0.5].abs().max() == 0 and grads[:, :-1][inputs["write"][:, :-1] > 0.5].abs().min() > 0
+    assert grads[:, -1].abs().max() == 0  # the last block's route reaches no output
+
+
+@pytest.mark.parametrize("bad,message", [(dict(block_size=32), "block_size 64 or 128"),
+                                         (dict(K=272), "K <= 256")])
+def test_fast_refuses_what_it_has_no_kernel_for(bad, message):
+    K = bad.pop("K", 16)
+    inputs, _, _ = make_inputs(1, 10, 1, K, 16, seed=31, **{k: v for k, v in bad.items() if k == "block_size"})
+    with pytest.raises(NatslError, match=message):
+        fast(*(inputs[n] for n in NAMES[:5]), **bad)
+
+
+# ----------------------------------------------------------------------------- on the H200
+GPU_CASES = {  # (B, T, H, K, V, seed, write, route_grad, decay_skipped_blocks)
+    "mamba2-binary": (2, 2048 + 17, 8, 128, 64, 41, "binary", "full", True),
+    "mamba2-plain": (2, 2048 + 17, 8, 128, 64, 43, None, "active", True),
+    "random-no-decay": (1, 1000, 4, 64, 64, 47, "random", "full", False),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("case", sorted(GPU_CASES))
+def test_gpu_realistic_shapes_bf16(case):
+    """bf16 Triton against the chunked form in fp32, forward and every gradient."""
+    B, T, H, K, V, seed, write_kind, route_grad, decay = GPU_CASES[case]
+    inputs, do, d_final = make_inputs(B, T, H, K, V, seed=seed, write_kind=write_kind)
+    inputs["q"], inputs["k"] = inputs["q"] * K**-0.5, inputs["k"] * K**-0.5  # keep o near unit scale
+    kw = dict(route_grad=route_grad, decay_skipped_blocks=decay)
+    check(errors(fast, chunked, inputs, do, d_final, dtype=torch.bfloat16, **kw), *BF16_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_fp32_against_the_reference():
+    inputs, do, d_final = make_inputs(1, 700, 2, 128, 64, seed=53, write_kind="binary")
+    check(errors(fast, reference, inputs, do, d_final, route_grad="active"), FP32_TOL, FP32_TOL)
