@@ -8,7 +8,8 @@ variable NATSL_BACKEND and otherwise takes `default_backend`.
 
 The ops of the cached paths are modules of this package, one per family: `cached` (GDN token step,
 block commit, cached attention, K/V writes), `fused` (the cached paths' norms, conv steps and GDN
-decode step, and whether they run), `gemv`, `short_conv`, `mix`. Models reach kernels only here.
+decode step, and whether they run), `gemv`, `short_conv`, `mix`, `cross_entropy`. Models reach kernels
+only here. `TWINS` names every kernel family's reference and fast function; `twin` loads one.
 """
 
 from __future__ import annotations
