@@ -202,7 +202,7 @@ def conv_fast(x, p, mode):
 def conv_reference(x, p, mode):
     from natsl.models import pointwise
 
-    return Call(pointwise.conv_silu, [x["x"], x["tail"], x["w"]], grads=[x["x"], x["w"]])
+    return Call(pointwise.conv_silu, [x["x"], x["w"], x["tail"]], grads=[x["x"], x["w"]])
 
 
 # ---------------------------------------------------------------------------------------------------- mix
@@ -233,7 +233,7 @@ def mix_reference(x, p, mode):
     from natsl.models import pointwise
 
     args = mix_args(x)
-    return Call(lambda la, nla, lg, gt, w1, w2: pointwise.mix_branches(la, nla, lg, "softmax", gt, w1, w2, None, EPS),
+    return Call(lambda la, nla, lg, gt, w1, w2: pointwise.mix_read(la, nla, lg, "softmax", gt, w1, w2, None, EPS),
                 args, grads=args)
 
 

@@ -1,7 +1,7 @@
 """The fused NAtS-L read (natsl.fast.mix) against its reference twin, forward and every gradient.
 
 On a machine without CUDA the kernels run under TRITON_INTERPRET=1 (set before Triton is imported).
-Reference: natsl.models.pointwise.mix_branches run eagerly in fp64 on the same inputs (softmax
+Reference: natsl.reference.mix.mix_branches (the reference twin) run in fp64 on the same inputs (softmax
 weights, separate norms). Metric: relative RMS error. The `gpu` test runs the 800M layer's shape.
 """
 
@@ -18,7 +18,7 @@ import pytest  # noqa: E402
 
 from natsl.errors import NatslError  # noqa: E402
 from natsl.fast import mix  # noqa: E402
-from natsl.models import pointwise as pw  # noqa: E402
+from natsl.reference.mix import mix_branches as mix_reference  # noqa: E402
 from numerics import output_and_grads as run, rel_rms  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -42,7 +42,7 @@ def make_inputs(b, t, heads, d, dtype, device=DEVICE, seed=0):
 
 
 def oracle(inputs, dout, eps):
-    return run(lambda la, nla, lg, gt, w1, w2: pw.mix_branches.eager(la, nla, lg, "softmax", gt, w1, w2, None, eps),
+    return run(lambda la, nla, lg, gt, w1, w2: mix_reference(la, nla, lg, gt, w1, w2, eps),
                inputs, dout, torch.float64)
 
 

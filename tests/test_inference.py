@@ -506,7 +506,7 @@ def test_fused_conv_chunk_kernel_matches_the_formula(dtype):
         weight = torch.randn(C, 1, 4, generator=gen).to(device)
         before = tail.clone()
         got = kernels.conv_chunk(x, tail, weight)
-        want = pw.conv_silu.__wrapped__(x.float(), tail.float(), weight)  # fp32 math on the same inputs
+        want = pw.conv_silu.__wrapped__(x.float(), weight, tail.float())  # fp32 math on the same inputs
         assert got.shape == want.shape and got.dtype == dtype
         # bf16: only the final rounding differs, at most one ulp (< 2^-7 of the largest value; Triton's
         # interpreter truncates where the GPU rounds to nearest)
@@ -528,7 +528,7 @@ def test_fused_conv_steps_of_three_widths_in_one_launch():
     xs = [torch.randn(2, 1, C, generator=gen).to(device) for C in widths]
     tails = [torch.randn(2, 3, C, generator=gen).to(device) for C in widths]
     weights = [torch.randn(C, 1, 4, generator=gen).to(device) for C in widths]
-    expected = [pw.conv_silu.__wrapped__(x, t, w) for x, t, w in zip(xs, tails, weights)]
+    expected = [pw.conv_silu.__wrapped__(x, w, t) for x, t, w in zip(xs, tails, weights)]
     expected_tails = [torch.cat([t[:, 1:], x], dim=1) for x, t in zip(xs, tails)]
     got = kernels.conv_steps(xs, tails, weights)
     for y, want, tail, want_tail in zip(got, expected, tails, expected_tails):

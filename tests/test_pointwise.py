@@ -23,7 +23,7 @@ def test_conv_silu_is_the_depthwise_conv(length):
     x = torch.randn(2, length, 5, dtype=torch.float64, requires_grad=True)
     tail = torch.randn(2, 3, 5, dtype=torch.float64, requires_grad=True)
     w = torch.randn(5, 1, 4, dtype=torch.float64, requires_grad=True)
-    y = pw.conv_silu(x, tail, w)
+    y = pw.conv_silu(x, w, tail)
     full = torch.cat([tail, x], 1)
     want = F.silu(F.conv1d(full.transpose(1, 2), w, groups=5).transpose(1, 2))
     assert rel(y, want) < 1e-12
@@ -65,10 +65,10 @@ def test_mix_branches_is_the_spec_read(kind, separate):
         wn, wl = mix[..., :1], mix[..., 1:]
     if separate:
         want = wl * plain_rms(o_la, w1, 1e-6) + wn * plain_rms(o_nla, w2, 1e-6)
-        got = pw.mix_branches(o_la, o_nla, logits, kind, gate, w1, w2, None, 1e-6)
+        got = pw.mix_read(o_la, o_nla, logits, kind, gate, w1, w2, None, 1e-6)
     else:
         want = plain_rms(wl * o_la + wn * o_nla, w1, 1e-6)
-        got = pw.mix_branches(o_la, o_nla, logits, kind, gate, None, None, w1, 1e-6)
+        got = pw.mix_read(o_la, o_nla, logits, kind, gate, None, None, w1, 1e-6)
     assert rel(got, want.reshape(B, T, -1) * F.silu(gate)) < 1e-14
 
 
@@ -104,12 +104,12 @@ def _cases(device, dtype, T):
         "rms_norm": (pw.rms_norm, (mk(B, T, C), mk(C), 1e-6)),
         "gated_rms_norm": (pw.gated_rms_norm, (mk(B, T, H, D), mk(D), 1e-6, mk(B, T, H, D))),
         "l2_normalize": (pw.l2_normalize, (mk(B, T, H, D), 1e-6)),
-        "conv_silu": (pw.conv_silu, (mk(B, T, C), mk(B, 3, C), mk(C, 1, 4, dt=torch.float32))),
+        "conv_silu": (pw.conv_silu, (mk(B, T, C), mk(C, 1, 4, dt=torch.float32), mk(B, 3, C))),
         "gdn_gates": (pw.gdn_gates, (mk(B, T, H), mk(B, T, H), mk(H, dt=torch.float32), mk(H, dt=torch.float32))),
         "swiglu": (pw.swiglu, (mk(B, T, C), mk(B, T, C))),
-        "mix_separate": (pw.mix_branches, (mk(B, T, H, D), mk(B, T, H, D), mk(B, T, H, 2), "softmax",
+        "mix_separate": (pw.mix_read, (mk(B, T, H, D), mk(B, T, H, D), mk(B, T, H, 2), "softmax",
                                           mk(B, T, H * D), mk(D), mk(D), None, 1e-6)),
-        "mix_shared": (pw.mix_branches, (mk(B, T, H, D), mk(B, T, H, D), mk(B, T, H, 2), "sigmoid",
+        "mix_shared": (pw.mix_read, (mk(B, T, H, D), mk(B, T, H, D), mk(B, T, H, 2), "sigmoid",
                                         mk(B, T, H * D), None, None, mk(D), 1e-6)),
     }
 

@@ -1,21 +1,23 @@
-"""Every op family of natsl.ops with twins (natsl.ops.TWINS): the reference and fast functions take the
-same arguments, and agree on tiny shapes (the fast side in Triton's interpreter on the CPU; the
-per-kernel tests go in depth)."""
+"""Every kernel family of natsl.ops (natsl.ops.TWINS): the reference and fast functions take the same
+arguments, and agree on tiny shapes, forward and, where the fast op has a backward, in their gradients
+(the fast side in Triton's interpreter on the CPU; the per-kernel tests go in depth). Metric: relative
+RMS error as flash-linear-attention measures it (tests/numerics.py)."""
 
-import importlib
 import inspect
 
 import pytest
 import torch
 
 from natsl import ops
+from natsl.devices import triton_interpreted
 
-from numerics import rel_rms
+from numerics import output_and_grads, rel_rms
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = 1e-5  # fp32 on both sides: only the order of the sums differs
 
-def load(path: str):
-    module, name = path.split(":")
-    return getattr(importlib.import_module(module), name)
+pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not triton_interpreted(),
+                                reason="the fast twins need CUDA or the Triton interpreter")
 
 
 def parameters(fn):
@@ -23,40 +25,61 @@ def parameters(fn):
     return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
 
 
+def pair(family):
+    return ops.twin(family, False), ops.twin(family, True)
+
+
 @pytest.mark.parametrize("family", sorted(ops.TWINS))
 def test_twins_take_the_same_arguments(family):
-    reference, fast = (load(path) for path in ops.TWINS[family])
+    reference, fast = pair(family)
     assert parameters(reference) == parameters(fast)
-    public = getattr(ops, family.removesuffix("_chunked"))
-    assert [p for p in parameters(public) if p[0] != "backend"] == parameters(reference)
+    assert reference.__module__.startswith("natsl.reference.")
+    assert fast.__module__.startswith("natsl.reference." if family.endswith("_chunked") else "natsl.fast.")
 
 
-def gdn_inputs(T=64, H=2, K=16, V=16):
-    torch.manual_seed(0)
-    q = torch.nn.functional.normalize(torch.randn(1, T, H, K), dim=-1)
-    k = torch.nn.functional.normalize(torch.randn(1, T, H, K), dim=-1)
-    v = torch.randn(1, T, H, V)
-    g = -torch.rand(1, T, H) * 0.1
-    beta = torch.rand(1, T, H)
-    write = torch.tensor([[[1.0, 0.0]]])
-    return (q, k, v, g, beta, write), dict(initial_state=torch.randn(1, H, K, V), output_final_state=True)
+@pytest.mark.parametrize("family", ["gated_delta_rule", "routed_attention"])
+def test_the_public_ops_take_the_twins_arguments(family):
+    public = getattr(ops, family)
+    assert [p for p in parameters(public) if p[0] != "backend"] == parameters(ops.twin(family, False))
+
+
+def test_every_family_of_the_issue_has_twins():
+    """GDN chunk and decode step, block commit, routed and cached attention, short conv, branch mix,
+    norms, GEMV, chunked cross-entropy."""
+    assert {"gated_delta_rule", "gated_delta_step", "commit_block", "routed_attention", "decode_attention",
+            "short_conv_silu", "mix_branches", "rms_norm", "l2_normalize", "add_rms_norm", "gemv",
+            "cross_entropy"} <= set(ops.TWINS)
+
+
+def randn(*shape, seed=0, dtype=torch.float32):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype).to(DEVICE)
+
+
+def gdn_inputs(T, H=2, K=16, V=16, block_size=64):
+    q = torch.nn.functional.normalize(randn(1, T, H, K, seed=1), dim=-1)
+    k = torch.nn.functional.normalize(randn(1, T, H, K, seed=2), dim=-1)
+    v = randn(1, T, H, V, seed=3)
+    g = -torch.rand(1, T, H, generator=torch.Generator().manual_seed(4)).to(DEVICE) * 0.1
+    beta = torch.rand(1, T, H, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    blocks = -(-T // block_size)
+    write = (torch.arange(blocks * H, device=DEVICE).view(1, blocks, H) % 2 == 0).float()
+    return (q, k, v, g, beta, write), dict(initial_state=randn(1, H, K, V, seed=6), output_final_state=True)
 
 
 @pytest.mark.parametrize("family", ["gated_delta_rule", "gated_delta_rule_chunked"])
-@pytest.mark.parametrize("intra_block", [True, False])
-def test_gated_delta_twins_agree(family, intra_block):
-    reference, twin = (load(path) for path in ops.TWINS[family])
-    args, kwargs = gdn_inputs()
+@pytest.mark.parametrize("T,intra_block", [(64, True), (64, False), (1, True), (37, True)])
+def test_gated_delta_twins_agree(family, T, intra_block):
+    reference, twin = pair(family)
+    args, kwargs = gdn_inputs(T)
     (o_ref, s_ref), (o, s) = (fn(*args, intra_block=intra_block, **kwargs) for fn in (reference, twin))
     assert rel_rms(o, o_ref) < 1e-4 and rel_rms(s, s_ref) < 1e-4
 
 
-@pytest.mark.parametrize("intra_block", [True, False])
-def test_routed_attention_twins_agree(intra_block):
-    reference, fast = (load(path) for path in ops.TWINS["routed_attention"])
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(1, 128, 2, 16) for _ in range(3))
-    keep = torch.tensor([[[1.0], [0.0]]])
+@pytest.mark.parametrize("T,intra_block", [(128, True), (128, False), (1, True), (37, True), (100, True)])
+def test_routed_attention_twins_agree(T, intra_block):
+    reference, fast = pair("routed_attention")
+    q, k, v = (randn(1, T, 2, 16, seed=s) for s in range(3))
+    keep = torch.tensor([[[1.0], [0.0]]], device=DEVICE)[:, :-(-T // 64)]
     o_ref, o = (fn(q, k, v, keep, intra_block=intra_block) for fn in (reference, fast))
     assert rel_rms(o, o_ref) < 1e-4
 
@@ -68,3 +91,132 @@ def test_gated_linear_twins_agree(family, intra_block):
     (q, k, v, g, _, write), kwargs = gdn_inputs()
     (o_ref, s_ref), (o, s) = (fn(q, k, v, g, write, intra_block=intra_block, **kwargs) for fn in (reference, twin))
     assert rel_rms(o, o_ref) < 1e-4 and rel_rms(s, s_ref) < 1e-4
+
+
+def test_gated_delta_step_twins_agree():
+    reference, fast = pair("gated_delta_step")
+    B, H, K, V = 2, 2, 16, 32
+    q, k = (torch.nn.functional.normalize(randn(B, H, K, seed=s), dim=-1) for s in (1, 2))
+    v, state = randn(B, H, V, seed=3), randn(B, H, K, V, seed=4)
+    g = -torch.rand(B, H, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    beta = torch.rand(B, H, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    (o_ref, s_ref), (o, s) = (fn(q, k, v, g, beta, state, scale=0.3) for fn in (reference, fast))
+    assert rel_rms(o, o_ref) < TOL and rel_rms(s, s_ref) < TOL
+
+
+@pytest.mark.parametrize("decay_skipped_blocks", [True, False])
+def test_commit_block_twins_agree(decay_skipped_blocks):
+    reference, fast = pair("commit_block")
+    start, end = randn(2, 3, 8, 8, seed=1), randn(2, 3, 8, 8, seed=2)
+    gamma = torch.rand(2, 3, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    write = torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 1.0]], device=DEVICE)
+    want, got = (fn(start, end, gamma, write, decay_skipped_blocks) for fn in (reference, fast))
+    assert rel_rms(got, want) < TOL
+
+
+@pytest.mark.parametrize("L", [1, 37, 300])
+def test_decode_attention_twins_agree(L):
+    reference, fast = pair("decode_attention")
+    B, H, D = 2, 2, 16
+    q, keys, values = randn(B, 1, H, D, seed=1), randn(B, H, L, D, seed=2), randn(B, H, L, D, seed=3)
+    visible = torch.tensor([[L, (L + 1) // 2], [0, max(L - 1, 1)]], device=DEVICE)  # a row that sees nothing
+    want, got = (fn(q, keys, values, visible, scale=0.2) for fn in (reference, fast))
+    assert rel_rms(got, want) < TOL
+    assert (got[1, :, 0] == 0).all()
+
+
+def test_write_kv_twins_agree():
+    reference, fast = pair("write_kv")
+    k, v = randn(2, 3, 16, seed=1), randn(2, 3, 8, seed=2)
+    slots = torch.tensor([[0, 4, 7], [2, 2, 5]], device=DEVICE)
+    written = []
+    for fn in (reference, fast):
+        k_buf, v_buf = torch.zeros(2, 3, 8, 16, device=DEVICE), torch.zeros(2, 3, 8, 8, device=DEVICE)
+        fn(k_buf, v_buf, slots, k, v)
+        written.append((k_buf, v_buf))
+    assert all(torch.equal(a, b) for a, b in zip(*written)) and written[0][0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("T", [1, 37, 100])
+@pytest.mark.parametrize("with_tail", [False, True])
+def test_short_conv_twins_agree(T, with_tail):
+    """Output and the gradients of x and the weight (the tail is read-only on the fast side)."""
+    reference, fast = pair("short_conv_silu")
+    x, weight, dy = randn(2, T, 24, seed=1), randn(24, 1, 4, seed=2) * 0.5, randn(2, T, 24, seed=3)
+    tail = randn(2, 3, 24, seed=4) if with_tail else None
+    (y_ref, g_ref), (y, g) = (output_and_grads(lambda x, w: fn(x, w, tail), [x, weight], dy)
+                              for fn in (reference, fast))
+    assert rel_rms(y, y_ref) < TOL
+    assert all(rel_rms(a, b) < TOL for a, b in zip(g, g_ref))
+
+
+@pytest.mark.parametrize("T", [1, 37])
+def test_short_conv_split_twins_agree(T):
+    reference, fast = pair("short_conv_silu_split")
+    x, weights = randn(1, T, 48, seed=1), [randn(c, 1, 4, seed=2 + c) * 0.5 for c in (16, 16, 16)]
+    dys = [randn(1, T, 16, seed=10 + i) for i in range(3)]
+    grads = []
+    for fn in (reference, fast):
+        leaves = [t.clone().requires_grad_(True) for t in (x, *weights)]
+        ys = fn(leaves[0], leaves[1:])
+        torch.autograd.backward(ys, dys)
+        grads.append(([y.detach() for y in ys], [t.grad for t in leaves]))
+    (ys_ref, g_ref), (ys, g) = grads
+    assert all(rel_rms(a, b) < TOL for a, b in zip(ys + g, ys_ref + g_ref))
+
+
+@pytest.mark.parametrize("T", [1, 37])
+def test_mix_twins_agree(T):
+    """Output and the gradients of every tensor argument."""
+    reference, fast = pair("mix_branches")
+    heads, D = 2, 16
+    inputs = [randn(1, T, heads, D, seed=1), randn(1, T, heads, D, seed=2), randn(1, T, heads, 2, seed=3),
+              randn(1, T, heads * D, seed=4), 1.0 + 0.2 * randn(D, seed=5), 1.0 + 0.2 * randn(D, seed=6)]
+    dout = randn(1, T, heads * D, seed=7)
+    (o_ref, g_ref), (o, g) = (output_and_grads(lambda *xs: fn(*xs, 1e-6), inputs, dout) for fn in (reference, fast))
+    assert rel_rms(o, o_ref) < TOL
+    assert all(rel_rms(a, b) < TOL for a, b in zip(g, g_ref))
+
+
+@pytest.mark.parametrize("rows", [1, 37])
+def test_norm_twins_agree(rows):
+    """Forward only: the fused norms serve the cached paths (no gradient), the training norms are the
+    compiled references (natsl.models.pointwise)."""
+    x, r, weight, gate = randn(rows, 48, seed=1), randn(rows, 48, seed=2), randn(48, seed=3), randn(rows, 48, seed=4)
+    for family, args, kwargs in (("rms_norm", (x, weight, 1e-6), {}), ("rms_norm", (x, weight, 1e-6, gate), {}),
+                                 ("rms_norm", (x, None, 1e-6), dict(mean=False)), ("l2_normalize", (x,), {}),
+                                 ("add_rms_norm", (x, r, weight, 1e-6), {})):
+        reference, fast = pair(family)
+        want, got = (fn(*args, **kwargs) for fn in (reference, fast))
+        for a, b in zip(*((got, want) if family == "add_rms_norm" else ((got,), (want,)))):
+            assert rel_rms(a, b) < TOL, family
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("gated", [False, True])
+def test_gemv_twins_agree(rows, gated):
+    reference, fast = pair("gemv")
+    x, weight, up = randn(rows, 40, seed=1), randn(24, 40, seed=2), randn(rows, 40, seed=3)
+    want, got = (fn(x, weight, up=up if gated else None) for fn in (reference, fast))
+    assert got.shape == want.shape == (rows, 24) and rel_rms(got, want) < TOL
+
+
+@pytest.mark.parametrize("rows", [1, 37])
+def test_cross_entropy_twins_agree(rows):
+    """Per-row losses, the gradient written over the logits, and the logits left alone without a row
+    scale; a target outside the vocabulary gives NaN on both sides."""
+    reference, fast = pair("cross_entropy")
+    logits = randn(rows, 101, seed=1) * 3
+    targets = torch.randint(0, 101, (rows,), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    row_scale = torch.rand(rows, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    results = []
+    for fn in (reference, fast):
+        kept, grad = logits.clone(), logits.clone()
+        results.append((fn(kept, targets, None), fn(grad, targets, row_scale), kept, grad))
+    (loss_ref, loss_ref2, kept_ref, grad_ref), (loss, loss2, kept, grad) = results
+    assert rel_rms(loss, loss_ref) < TOL and rel_rms(loss2, loss_ref2) < TOL
+    assert torch.equal(kept, logits) and torch.equal(kept_ref, logits)
+    assert rel_rms(grad, grad_ref) < TOL
+    bad = targets.clone()
+    bad[0] = 101
+    assert all(fn(logits.clone(), bad)[0].isnan() for fn in (reference, fast))

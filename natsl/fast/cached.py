@@ -65,7 +65,7 @@ def _kernels():
         if HAS_W:
             y = y * tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
         if HAS_GATE:
-            # as natsl.models.pointwise.gated_rms_norm: all in fp32, one rounding at the store
+            # as natsl.reference.norms.rms_norm with a gate: all in fp32, one rounding at the store
             gt = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             y = y * (gt / (1.0 + tl.exp(-gt)))
         tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
@@ -100,7 +100,7 @@ def _kernels():
             acc += cur.to(tl.float32) * tl.load(w_ptr + cols * (W + 1) + j, mask=mask, other=0.0).to(tl.float32)
             tl.store(tail_ptr + b * stride_tb + (j - 1) * stride_tw + cols, cur, mask=mask)
         tl.store(tail_ptr + b * stride_tb + (W - 1) * stride_tw + cols, x.to(tail_ptr.dtype.element_ty), mask=mask)
-        # SiLU of the fp32 sum, one rounding (as natsl.models.pointwise.conv_silu)
+        # SiLU of the fp32 sum, one rounding (as natsl.reference.short_conv)
         tl.store(y_ptr + b * stride_yb + cols, (acc / (1.0 + tl.exp(-acc))).to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -226,7 +226,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, gate: torch.Tensor | None = None,
              *, mean: bool = True) -> torch.Tensor:
-    """RMSNorm of the last dim in fp32 (as `natsl.models.norms.rms_norm`), optionally times silu(gate)
+    """RMSNorm of the last dim in fp32 (as its reference twin `natsl.reference.norms.rms_norm`), optionally times silu(gate)
     (gate: same shape as x); one kernel. `mean=False` divides by the sum (L2 normalisation)."""
     xr = _rows(x)
     y = torch.empty_like(xr)

@@ -1,5 +1,5 @@
-"""The LM loss's softmax work on one chunk of logits as one Triton kernel (the fast twin of the
-pointwise part of natsl.training.loss._chunked):
+"""The LM loss's softmax work on one chunk of logits as one Triton kernel (the fast twin of
+natsl.reference.cross_entropy, which natsl.training.loss runs on the CPU and with NATSL_FUSED_LOSS=0):
 
     loss[r] = logsumexp(logits[r]) - logits[r, t_r]
     logits[r] <- (softmax(logits[r]) - onehot(t_r)) * row_scale[r]      (in place, in logits' dtype)

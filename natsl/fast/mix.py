@@ -1,5 +1,5 @@
 """The NAtS-L read of its two memories as one Triton kernel each way (the fast twin of
-natsl.models.pointwise.mix_branches with separate branch norms and softmax mixing weights):
+natsl.reference.mix.mix_branches: separate branch norms and softmax mixing weights):
 
     out = (w_la RMSNorm_1(o_la) + w_nla RMSNorm_2(o_nla)) * silu(gate),   (w_nla, w_la) = softmax(logits)
 
@@ -198,13 +198,13 @@ def supports(o_nla: torch.Tensor) -> bool:
 
 def mix_branches(o_la: torch.Tensor, o_nla: torch.Tensor, logits: torch.Tensor, gate: torch.Tensor,
                  la_weight: torch.Tensor, nla_weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """natsl.models.pointwise.mix_branches(o_la, o_nla, logits, "softmax", gate, la_weight, nla_weight,
-    None, eps) on the kernels: o_la, o_nla [B, T, heads, D], logits [B, T, heads, 2] (index 0 the
-    softmax memory, 1 the GDN state), gate [B, T, heads * D] -> [B, T, heads * D] in o_nla's dtype.
+    """natsl.reference.mix.mix_branches (softmax weights, separate norms) on the kernels: o_la, o_nla
+    [B, T, heads, D], logits [B, T, heads, 2] (index 0 the softmax memory, 1 the GDN state), gate
+    [B, T, heads * D] -> [B, T, heads * D] in o_nla's dtype.
     Differentiable in every tensor argument."""
     if not supports(o_nla):
         raise NatslError(f"the fused mix wants a head dim that is a power of two in [16, 256], got "
-                         f"{o_nla.shape[-1]}; use natsl.models.pointwise.mix_branches")
+                         f"{o_nla.shape[-1]}; use natsl.reference.mix.mix_branches")
     heads_d = o_nla.shape[-2] * o_nla.shape[-1]
     if o_la.shape != o_nla.shape or logits.shape != (*o_nla.shape[:-1], 2) or gate.shape != (*o_nla.shape[:-2], heads_d):
         raise NatslError(f"mix_branches: o_la {tuple(o_la.shape)}, o_nla {tuple(o_nla.shape)}, logits "

@@ -2,8 +2,8 @@
 
     y[t] = silu(sum_j w[j] * x[t - (W-1) + j]),   x[s] = tail[s + W-1] for s < 0 (zeros without a tail)
 
-The reference twin is `natsl.models.pointwise.conv_silu` (the same sum, fp32 inside, one rounding
-to x's dtype). Why a kernel: compiled by Inductor from that formula, the conv and its backward took
+The reference twin is `natsl.reference.short_conv` (same signatures; the same sum, fp32 inside, one
+rounding to x's dtype). Why a kernel: compiled by Inductor from that formula, the conv and its backward took
 several times their memory traffic in the 800M hybrid's training step; the weight gradient in particular is a column reduction over all
 B x T rows.
 
@@ -487,7 +487,7 @@ def short_conv_silu(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.
     """SiLU(causal depthwise conv(x)) [B, T, C] in x's dtype, differentiable in x and weight.
 
     x [B, T, C]; weight [C, 1, W] (any float dtype; the math is fp32); tail [B, W-1, C], the inputs
-    before x (None: zeros), read-only. Same formula as natsl.models.pointwise.conv_silu."""
+    before x (None: zeros), read-only. Same formula as natsl.reference.short_conv.short_conv_silu."""
     if x.dim() != 3 or weight.dim() != 3 or weight.shape[0] != x.shape[2] or weight.shape[1] != 1:
         raise NatslError(f"short_conv_silu wants x [B, T, C] and weight [C, 1, W], got {tuple(x.shape)} and "
                          f"{tuple(weight.shape)}")
@@ -498,7 +498,7 @@ def short_conv_silu(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.
                              f"{[x.shape[0], W - 1, x.shape[2]]}")
         if tail.requires_grad and torch.is_grad_enabled():
             raise NatslError("short_conv_silu gives no gradient for tail; detach it or use "
-                             "natsl.models.pointwise.conv_silu")
+                             "natsl.reference.short_conv.short_conv_silu")
         tail = tail.to(x.dtype).contiguous()
     if x.stride(-1) != 1:
         x = x.contiguous()

@@ -3,7 +3,7 @@
 The layer takes an optional `tail`, the last `kernel - 1` inputs before `x`, so that prefill and
 token-by-token decoding compute exactly what the full-sequence forward computes. On the fast
 backend the full-sequence forward (training) runs the Triton op natsl.fast.short_conv, forward and
-backward; elsewhere the formula of natsl.models.pointwise.conv_silu (compiled on CUDA).
+backward; elsewhere its reference twin natsl.reference.short_conv (compiled on CUDA: natsl.models.pointwise.conv_silu).
 """
 
 from __future__ import annotations
@@ -42,10 +42,10 @@ class ShortConv(nn.Module):
                 from natsl.ops.short_conv import short_conv_silu  # Triton: imported where used
 
                 return short_conv_silu(x, self.weight), None
-            return conv_silu(x, x.new_zeros(x.shape[0], self.kernel_size - 1, x.shape[2]), self.weight), None
+            return conv_silu(x, self.weight, x.new_zeros(x.shape[0], self.kernel_size - 1, x.shape[2])), None
         if fused and not torch.is_grad_enabled():
             return kernels.conv_chunk(x, tail, self.weight), conv_tail(x, tail)
-        return conv_silu(x, tail, self.weight), conv_tail(x, tail)
+        return conv_silu(x, self.weight, tail), conv_tail(x, tail)
 
 
 # Whether the q, k and v convs of a GDN projection run as one fast op over the joined q|k|v product

@@ -26,7 +26,7 @@ from natsl.models.gated_deltanet import GatedDeltaProjections
 from natsl.models.linear import Linear, aligned_linear
 from natsl.models.natsl_cached import CachedNAtSL
 from natsl.models.norms import RMSNorm
-from natsl.models.pointwise import mix_branches
+from natsl.models.pointwise import mix_read
 from natsl.models.rope import RopeTable, apply_rope
 from natsl.ops import fused as kernels
 from natsl.ops import resolve_backend
@@ -158,7 +158,7 @@ class NAtSL(CachedNAtSL, nn.Module):
             from natsl.ops.mix import mix_branches as fused  # Triton: imported where used
 
             return self.o_proj(fused(o_la, o_nla, logits, gate, norms[0], norms[1], norms[3]))
-        return self.o_proj(mix_branches(o_la, o_nla, logits, c.mix_weights, gate, *norms))
+        return self.o_proj(mix_read(o_la, o_nla, logits, c.mix_weights, gate, *norms))
 
     def _fused_mix(self, o_nla: torch.Tensor, logits) -> bool:
         """The read on its Triton kernels (natsl.fast.mix): fast backend, softmax weights, separate

@@ -21,6 +21,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from natsl.reference import mix, norms, short_conv
+
 
 def compile_for(x: torch.Tensor) -> bool:
     """NATSL_COMPILE_POINTWISE: "1" (default) compiles for CUDA tensors, "0" never, "all" on every
@@ -82,63 +84,21 @@ def pointwise(fn):
     return run
 
 
-def _up(t: torch.Tensor) -> torch.Tensor:
-    """16-bit tensors to fp32 for the arithmetic; fp32 and fp64 stay as they are."""
-    return t.float() if t.element_size() < 4 else t
-
-
-def _normalize(xf: torch.Tensor, eps: float, mean: bool) -> torch.Tensor:
-    square = xf.pow(2)
-    total = square.mean(dim=-1, keepdim=True) if mean else square.sum(dim=-1, keepdim=True)
-    return xf * torch.rsqrt(total + eps)
-
-
 @pointwise
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, out_dtype: torch.dtype | None = None):
     """RMSNorm over the last dim in fp32, times `weight` when given, in `out_dtype` (default x's dtype)."""
-    y = _normalize(_up(x), eps, mean=True)
-    if weight is not None:
-        y = y * _up(weight)
-    return y.to(out_dtype or x.dtype)
+    return norms.normed(x, weight, eps).to(out_dtype or x.dtype)
 
 
 @pointwise
 def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor) -> torch.Tensor:
     """RMSNorm(x) * weight * silu(gate), all in fp32, one rounding to x's dtype (gate broadcasts as x)."""
-    y = _normalize(_up(x), eps, mean=True) * _up(weight)
-    return (y * F.silu(_up(gate))).to(x.dtype)
+    return norms.rms_norm(x, weight, eps, gate)
 
 
-@pointwise
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(|x|^2 + eps) over the last dim (flash-linear-attention's l2norm), in x's dtype."""
-    return _normalize(_up(x), eps, mean=False).to(x.dtype)
-
-
-@pointwise
-def conv_silu(x: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Causal depthwise conv + SiLU: x [B, T, C], tail [B, W-1, C] (the inputs before x), weight
-    [C, 1, W] -> SiLU(conv) [B, T, C] in x's dtype.
-
-    Written as W shifted multiply-adds in fp32 (what F.conv1d computes: y_t = sum_j w_j x_{t-W+1+j})
-    so that the whole of it, and its backward, is a single fused kernel. Input t-W+1+j of output t
-    comes from x where t-W+1+j >= 0 and from the tail before that; each shift is a pair of pads
-    (masked loads) rather than slices of one concatenation, which Inductor would write to memory in
-    full ([B, T+W-1, C]: a copy kernel beside the conv in a prefill profile). The new
-    tail is not an output either (`conv_tail` makes it): a slice would also force that buffer.
-    """
-    width = weight.shape[-1]
-    length = x.shape[1]
-    tail = tail.to(x.dtype)
-    w = _up(weight[:, 0, :])
-    y = None
-    for j in range(width):
-        back = width - 1 - j  # how far output t reaches back for this tap
-        from_x = F.pad(x, (0, 0, back, 0))[:, :length]  # x[t - back], zero for t < back
-        from_tail = F.pad(tail[:, j:], (0, 0, 0, length - back))  # tail[t + j] for t < back, then zeros
-        term = (_up(from_x) + _up(from_tail)) * w[:, j]
-        y = term if y is None else y + term
-    return F.silu(y).to(x.dtype)
+l2_normalize = pointwise(norms.l2_normalize)
+# SiLU(causal depthwise conv): (x [B, T, C], weight [C, 1, W], tail [B, W-1, C] or None) -> [B, T, C]
+conv_silu = pointwise(short_conv.short_conv_silu)
 
 
 def conv_tail(x: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
@@ -153,8 +113,8 @@ def conv_tail(x: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
 def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
     """Gated DeltaNet's gates from the a and b projections [B, T, H]: log decay
     g = -exp(A_log) softplus(a + dt_bias) in fp32, and write strength beta = sigmoid(b) in b's dtype."""
-    g = -_up(A_log).exp() * F.softplus(_up(a) + _up(dt_bias))
-    return g, torch.sigmoid(_up(b)).to(b.dtype)
+    g = -norms.up(A_log).exp() * F.softplus(norms.up(a) + norms.up(dt_bias))
+    return g, torch.sigmoid(norms.up(b)).to(b.dtype)
 
 
 @pointwise
@@ -162,35 +122,5 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def mix_weights(logits: torch.Tensor, kind: str) -> torch.Tensor:
-    """Mixing logits [..., 2] (index 0: the softmax memory, 1: the GDN state) -> the two read weights, fp32."""
-    if kind == "softmax":
-        return torch.softmax(_up(logits), dim=-1)
-    if kind == "sigmoid":
-        return torch.sigmoid(_up(logits))
-    if kind == "linear":
-        return _up(logits)
-    raise ValueError(f"no mixing weights for kind {kind!r}")
-
-
-@pointwise
-def mix_branches(o_la: torch.Tensor, o_nla: torch.Tensor, logits, kind: str, gate: torch.Tensor,
-                 la_weight, nla_weight, out_weight, eps: float) -> torch.Tensor:
-    """The NAtS-L read (docs/spec.md section 2, step 6) of the branch outputs o_la, o_nla [B, T, heads, Dv]:
-    w_la RMSNorm_1(o_la) + w_nla RMSNorm_2(o_nla) with separate norms (la_weight, nla_weight; out_weight
-    None), or RMSNorm(w_la o_la + w_nla o_nla) with one (out_weight); w from `logits` [B, T, heads, 2]
-    by `kind` (mix_weights), or 1 when logits is None; times silu(gate) [B, T, heads * Dv]. fp32
-    inside, rounded once to o_nla's dtype."""
-    la, nla = _up(o_la), _up(o_nla)
-    if logits is None:
-        w_nla = w_la = 1.0
-    else:
-        w = mix_weights(logits, kind)
-        w_nla, w_la = w[..., 0:1], w[..., 1:2]
-    if out_weight is None:
-        o = (w_la * (_normalize(la, eps, True) * _up(la_weight))
-             + w_nla * (_normalize(nla, eps, True) * _up(nla_weight)))
-    else:
-        o = _normalize(w_la * la + w_nla * nla, eps, True) * _up(out_weight)
-    o = o.reshape(gate.shape) * F.silu(_up(gate))
-    return o.to(o_nla.dtype)
+# The NAtS-L read of its two memories, every variant of the layer (natsl.reference.mix.mix_read).
+mix_read = pointwise(mix.mix_read)

@@ -8,15 +8,24 @@ variable NATSL_BACKEND and otherwise takes `default_backend`.
 
 The ops of the cached paths are modules of this package, one per family: `cached` (GDN token step,
 block commit, cached attention, K/V writes), `fused` (the cached paths' norms, conv steps and GDN
-decode step, and whether they run), `gemv`, `short_conv`, `mix`. Models reach kernels only here.
+decode step, and whether they run), `gemv`, `short_conv`, `mix`, `cross_entropy`. Models reach kernels
+only here. `TWINS` names every kernel family's reference and fast function; `twin` loads one.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
 
 import torch
 
+# Every reference twin is imported here (pure PyTorch, no Triton), so that `twin` finds it imported
+# under torch.compile; the fast ones are imported on first use.
+import natsl.reference.cross_entropy  # noqa: F401
+import natsl.reference.gated_delta  # noqa: F401
+import natsl.reference.gated_delta_chunked  # noqa: F401
+import natsl.reference.routed_attention  # noqa: F401
 from natsl.devices import triton_available, triton_interpreted
 from natsl.errors import NatslError
 
@@ -92,11 +101,11 @@ def gated_delta_rule(
     # The intra-block ablation (Table 4) has no kernel: the fast twin hands it to the reference.
     chosen = resolve_backend(backend, q.device)
     if chosen == "fast":
-        from natsl.fast import gated_delta_rule as impl
-    elif chosen == "chunked":
-        from natsl.reference.gated_delta_chunked import gated_delta_rule as impl
+        import natsl.fast.gated_delta.function  # noqa: F401  (an import statement: see `twin`)
+    if chosen == "chunked":
+        impl = twin("gated_delta_rule_chunked", fast=True)
     else:
-        from natsl.reference.gated_delta import gated_delta_rule as impl
+        impl = twin("gated_delta_rule", fast=chosen == "fast")
     return impl(q, k, v, g, beta, write, intra_block=intra_block, **kwargs)
 
 
@@ -162,17 +171,18 @@ def routed_attention(
     """
     _check_route_grad(route_grad)
     # "chunked" has no attention of its own: the dense reference is already one batched matmul.
-    if resolve_backend(backend, q.device) == "fast":
-        from natsl.fast import routed_attention as impl
-    else:
-        from natsl.reference.routed_attention import routed_attention as impl
+    fast = resolve_backend(backend, q.device) == "fast"
+    if fast:
+        import natsl.fast.block_sparse.function  # noqa: F401  (an import statement: see `twin`)
+    impl = twin("routed_attention", fast)
     return impl(q, k, v, keep, scale=scale, block_size=block_size, route_grad=route_grad, intra_block=intra_block)
 
 
-# Each family whose two twins take the same arguments: family -> (reference, fast) as
-# "module:function". tests/test_twins.py checks their signatures and agreement on tiny shapes.
-# The chunked forms are second references of gated_delta_rule and gated_linear_rule (CPU speed),
-# checked the same way.
+# Every kernel family: family -> (reference, fast) as "module:function", the two functions with the
+# same parameters (names, kinds, defaults), the reference the definition of correct. The doors of this
+# package pick an implementation with `twin`; tests/test_twins.py checks every pair's signatures and
+# agreement on tiny shapes. The chunked forms are second references of gated_delta_rule and
+# gated_linear_rule (CPU speed), checked the same way. docs/development.md has the table.
 TWINS = {
     "gated_delta_rule": ("natsl.reference.gated_delta:gated_delta_rule", "natsl.fast.gated_delta.function:gated_delta_rule"),
     "gated_delta_rule_chunked": ("natsl.reference.gated_delta:gated_delta_rule",
@@ -183,4 +193,37 @@ TWINS = {
                                   "natsl.reference.gated_linear_chunked:gated_linear_rule"),
     "routed_attention": ("natsl.reference.routed_attention:routed_attention",
                          "natsl.fast.block_sparse.function:routed_attention"),
+    "gated_delta_step": ("natsl.reference.cached:gated_delta_step", "natsl.fast.gated_delta.decode:gated_delta_step"),
+    "commit_block": ("natsl.reference.cached:commit_block", "natsl.fast.gated_delta.commit:commit_block"),
+    "decode_attention": ("natsl.reference.cached:attend_one", "natsl.fast.decode_attention:decode_attention"),
+    "write_kv": ("natsl.reference.cached:write_kv", "natsl.fast.cached:write_kv"),
+    "short_conv_silu": ("natsl.reference.short_conv:short_conv_silu", "natsl.fast.short_conv:short_conv_silu"),
+    "short_conv_silu_split": ("natsl.reference.short_conv:short_conv_silu_split",
+                              "natsl.fast.short_conv:short_conv_silu_split"),
+    "mix_branches": ("natsl.reference.mix:mix_branches", "natsl.fast.mix:mix_branches"),
+    "rms_norm": ("natsl.reference.norms:rms_norm", "natsl.fast.cached:rms_norm"),
+    "l2_normalize": ("natsl.reference.norms:l2_normalize", "natsl.fast.cached:l2_normalize"),
+    "add_rms_norm": ("natsl.reference.norms:add_rms_norm", "natsl.fast.cached:add_rms_norm"),
+    "gemv": ("natsl.reference.gemv:linear", "natsl.fast.gemv:linear"),
+    "cross_entropy": ("natsl.reference.cross_entropy:softmax_cross_entropy_",
+                      "natsl.fast.cross_entropy:softmax_cross_entropy_"),
 }
+
+
+_LOADED: dict = {}
+
+
+def twin(family: str, fast: bool):
+    """The reference (fast=False) or fast (fast=True) function of a family of TWINS, imported on first
+    use (a fast module imports Triton) and remembered.
+
+    torch.compile traces the doors but not an import by name (importlib): under it the module must
+    already be imported, so the doors a compiled model reaches import their fast module with a plain
+    import statement (which it does trace) before asking, and the reference modules are imported
+    with this package."""
+    fn = _LOADED.get((family, fast))
+    if fn is None:
+        module, name = TWINS[family][int(fast)].split(":")
+        loaded = sys.modules.get(module)
+        fn = _LOADED[(family, fast)] = getattr(loaded if loaded is not None else importlib.import_module(module), name)
+    return fn

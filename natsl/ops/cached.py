@@ -1,6 +1,7 @@
 """The cached paths' small ops (one GDN token step, one gated-linear (Mamba2) token step, the block
 commit, cached attention, K/V writes), each on its reference twin (`natsl.reference.cached`) or its
-fast twin (`natsl.fast.gated_delta`, `natsl.fast.decode_attention`, `natsl.fast.cached`), chosen here.
+fast twin (`natsl.fast.gated_delta`, `natsl.fast.decode_attention`, `natsl.fast.cached`), both named in
+`natsl.ops.TWINS` and chosen here.
 """
 
 from __future__ import annotations
@@ -9,65 +10,48 @@ import functools
 
 import torch
 
-from natsl.fast import decode_attention as _decode_attention
-from natsl.ops import fused, resolve_backend
-from natsl.reference import cached as _reference
-from natsl.reference.cached import (  # noqa: F401
-    attend_one,
-    gla_token_step,
-    masked_attention,
-    read_state,
-    write_token,
-)
+from natsl.fast import decode_attention as _decode_attention  # noqa: F401  (imported for `twin` under torch.compile)
+from natsl.ops import fused, resolve_backend, twin
+from natsl.reference.cached import attend_one, gla_token_step, masked_attention, read_state, write_token  # noqa: F401
 
 
 @functools.lru_cache(maxsize=None)
-def _fast_gated_delta():
-    """(gated_delta_step, commit_block) from natsl.fast, or None where that package lacks them."""
+def _fast_gated_delta() -> bool:
+    """Whether natsl.fast has the decode step and the block commit (it imports them: see `twin`)."""
     try:
-        from natsl.fast.gated_delta import commit_block, gated_delta_step
+        import natsl.fast.gated_delta  # noqa: F401
     except ImportError:
-        return None
-    return gated_delta_step, commit_block
+        return False
+    return True
 
 
 def use_fast(backend: str | None, device: torch.device) -> bool:
     """Whether a layer on `backend` should use the fast decode pieces on `device` (CUDA + fast only)."""
-    return device.type == "cuda" and resolve_backend(backend, device) == "fast" and _fast_gated_delta() is not None
+    return device.type == "cuda" and resolve_backend(backend, device) == "fast" and _fast_gated_delta()
 
 
 def gdn_token_step(state, q, k, v, g, beta, *, scale=None, fast=False):
-    """`natsl.reference.cached.gdn_token_step`; `fast`: on the Triton decode step where the key dim allows."""
+    """`natsl.reference.cached.gated_delta_step`; `fast`: on the Triton decode step where the key dim allows."""
     if fast and q.shape[-1] <= 256:
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        o, new_state = _fast_gated_delta()[0](q, k, v, g.float(), beta, state, scale=scale)
+        o, new_state = twin("gated_delta_step", True)(q, k, v, g.float(), beta, state, scale=scale)
         return o, new_state.to(state.dtype)
-    return _reference.gdn_token_step(state, q, k, v, g, beta, scale=scale)
+    return twin("gated_delta_step", False)(q, k, v, g, beta, state, scale=scale)
 
 
 def commit_state(start, end, decay_sum, write, decay_skipped_blocks: bool = True, *, fast=False):
-    """`natsl.reference.cached.commit_state`; `fast`: on the Triton block commit."""
-    if fast:
-        gamma = decay_sum.to(start.dtype).exp()
-        return _fast_gated_delta()[1](start, end, gamma, write.to(start.dtype), decay_skipped_blocks)
-    return _reference.commit_state(start, end, decay_sum, write, decay_skipped_blocks)
+    """`natsl.reference.cached.commit_block` with gamma = exp(decay_sum) (the block's sum of g);
+    `fast`: on its fast twin."""
+    gamma = decay_sum.to(start.dtype).exp()
+    return twin("commit_block", fast)(start, end, gamma, write.to(start.dtype), decay_skipped_blocks)
 
 
 def write_kv(k_buf, v_buf, slots, k, v, *, fused: bool = False) -> None:
-    """`write_token` of a decode token's K and V; `fused`: both in one Triton launch (natsl.fast.cached.write_kv)."""
-    if fused and k.stride(-1) == 1 and v.stride(-1) == 1:
-        _fused_write_kv(k_buf, v_buf, slots, k, v)
-    else:
-        write_token(k_buf, slots, k)
-        write_token(v_buf, slots, v)
-
-
-_fused_write_kv = fused.write_kv
+    """A decode token's K and V into their caches; `fused`: both in one Triton launch (natsl.fast.cached.write_kv)."""
+    twin("write_kv", fused and k.stride(-1) == 1 and v.stride(-1) == 1)(k_buf, v_buf, slots, k, v)
 
 
 def attend_cached(q, keys, values, visible, *, backend=None):
     """`attend_one` for a decode step: on the split-K Triton kernel (natsl.fast.decode_attention)
     where the fused inference kernels are on (CUDA + fast backend), else `attend_one` itself."""
-    if fused.decode_attention_enabled(backend, q.device):
-        return _decode_attention.decode_attention(q, keys, values, visible)
-    return attend_one(q, keys, values, visible)
+    return twin("decode_attention", fused.decode_attention_enabled(backend, q.device))(q, keys, values, visible)

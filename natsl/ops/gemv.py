@@ -2,7 +2,7 @@
 
 `enabled(x)`: CUDA tensors (or the Triton interpreter when the switch force_decode_gemv or
 force_fused_inference is set, for tests), unless the switch decode_gemv is off (NATSL_DECODE_GEMV=0); `linear(x, weight, up=...)` is the kernel's launcher (its reference twin is
-`F.linear`, with `up`: `F.linear(silu(x) * up, weight)`).
+`natsl.reference.gemv.linear`: `F.linear(x, weight)`, with `up`: `F.linear(silu(x) * up, weight)`).
 """
 
 from __future__ import annotations

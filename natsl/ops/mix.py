@@ -1,5 +1,5 @@
 """The NAtS-L read of its two memories: the door from `natsl.models.natsl_layer` to the fused kernel
-`natsl.fast.mix` (the reference twin is `natsl.models.pointwise.mix_branches`). The Triton module
+`natsl.fast.mix` (the reference twin is `natsl.reference.mix.mix_branches`, natsl.ops.TWINS). The Triton module
 is imported on first use."""
 
 from __future__ import annotations

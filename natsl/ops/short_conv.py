@@ -1,5 +1,5 @@
 """The GDN projections' causal short conv + SiLU: the door from `natsl.models.conv` to its fast twin
-`natsl.fast.short_conv` (the reference twin is `natsl.models.pointwise.conv_silu`). The Triton
+`natsl.fast.short_conv` (the reference twin is `natsl.reference.short_conv`, natsl.ops.TWINS). The Triton
 module is imported on first use, so building a model on a machine without a GPU never loads it."""
 
 from __future__ import annotations

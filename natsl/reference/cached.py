@@ -2,9 +2,10 @@
 token step, the route commit, and softmax attention over cached keys with per-row lengths or an
 explicit mask.
 
-Everything here works on any device and is the reference twin of the fast decode pieces
-(`natsl.fast.gated_delta.gated_delta_step` and `commit_block`, `natsl.fast.decode_attention`);
-`natsl.ops.cached` picks between them. Nothing here reads a device value on the host, so a decode
+Everything here works on any device. `gated_delta_step`, `commit_block`, `attend_one` and `write_kv` are
+the reference twins (same signatures) of the fast decode pieces `natsl.fast.gated_delta.gated_delta_step`
+and `commit_block`, `natsl.fast.decode_attention.decode_attention` and `natsl.fast.cached.write_kv`
+(natsl.ops.TWINS); `natsl.ops.cached` picks between them. Nothing here reads a device value on the host, so a decode
 step built from these functions can be captured in a CUDA graph.
 """
 
@@ -14,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 
-def gdn_token_step(state, q, k, v, g, beta, *, scale=None):
-    """One delta-rule token: state [B,H,K,V]; q, k [B,H,K]; v [B,H,V]; g, beta [B,H].
+def gated_delta_step(q, k, v, g, beta, state, *, scale=None):
+    """One delta-rule token: q, k [B,H,K]; v [B,H,V]; g, beta [B,H]; state [B,H,K,V].
 
     S' = alpha (I - beta k k^T) S + beta k v^T,  o = scale S'^T q. Returns (o [B,H,V] in q's dtype,
     S' in the state's dtype); the input state is not modified.
@@ -52,15 +53,16 @@ def read_state(state, q, *, scale=None):
     return scale * torch.einsum("bhkv,bthk->bthv", state, q.to(state.dtype))
 
 
-def commit_state(start, end, decay_sum, write, decay_skipped_blocks: bool = True):
-    """S_start(b+1) = c S_start(b) + write (S_end(b) - c S_start(b)), c = exp(decay_sum) or 1.
+def commit_block(state_start, state_end, gamma, write, decay_skipped_blocks: bool = True):
+    """S_start(b+1) = c S_start(b) + write (S_end(b) - c S_start(b)), c = gamma or 1 for the ablation.
 
-    start, end [B,H,K,V]; decay_sum (the block's sum of g) and write [B,H]. Returns a new tensor.
+    state_start, state_end [B,H,K,V]; gamma (exp of the block's sum of g) and write [B,H]. Computes in
+    the start state's dtype; returns a new tensor.
     """
-    gamma = decay_sum.to(start.dtype).exp()
-    write = write.to(start.dtype)
-    base = gamma[..., None, None] * start if decay_skipped_blocks else start
-    return base + write[..., None, None] * (end.to(start.dtype) - base)
+    dtype = state_start.dtype
+    write = write.to(dtype)
+    base = gamma.to(dtype)[..., None, None] * state_start if decay_skipped_blocks else state_start
+    return base + write[..., None, None] * (state_end.to(dtype) - base)
 
 
 def write_token(buffer, slots, values) -> None:
@@ -69,11 +71,19 @@ def write_token(buffer, slots, values) -> None:
     buffer.scatter_(2, index, values[:, :, None, :].to(buffer.dtype))
 
 
-def attend_one(q, keys, values, visible, *, scale=None):
+def write_kv(k_buf, v_buf, slots, k, v) -> None:
+    """A decode token's K and V into their caches: `write_token` of each."""
+    write_token(k_buf, slots, k)
+    write_token(v_buf, slots, v)
+
+
+def attend_one(q, keys, values, visible, *, scale=None, num_splits=None, block_n=None, num_warps=4,
+               num_stages=None, slot_stats=True, programs_per_sm=None):
     """One query per sequence over cached keys, each row seeing its first `visible` slots.
 
     q [B,1,heads,Dk]; keys [B,heads,L,Dk]; values [B,heads,L,Dv]; visible [B,heads] (int64).
-    Returns [B,1,heads,Dv] in q's dtype; a row that sees nothing gives zeros.
+    Returns [B,1,heads,Dv] in q's dtype; a row that sees nothing gives zeros. The arguments after
+    `scale` are the fast twin's launch settings (natsl.fast.decode_attention), ignored here.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     scores = torch.matmul(q.transpose(1, 2), keys.transpose(-1, -2)).float() * scale  # [B, heads, 1, L]

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from natsl import switches
 from natsl.devices import triton_available
+from natsl.ops.cross_entropy import softmax_cross_entropy_
 
 DEFAULT_CHUNK = 4096
 
@@ -84,7 +85,8 @@ def _acc_dtype(cdtype: torch.dtype) -> torch.dtype:
 
 def _chunked(h, weight, targets, chunk, ignore_index, summed, cdtype, fused, *, need_h, need_w):
     """(loss, grad of loss w.r.t. h or None, w.r.t. weight or None), `chunk` rows of logits at a time;
-    `fused`: each chunk's softmax work on natsl.fast.cross_entropy's kernel."""
+    `fused`: each chunk's softmax work on natsl.fast.cross_entropy's kernel (else on its reference twin,
+    natsl.reference.cross_entropy)."""
     n = h.shape[0]
     acc = _acc_dtype(cdtype)
     with torch.autocast(h.device.type, enabled=False):
@@ -101,12 +103,8 @@ def _chunked(h, weight, targets, chunk, ignore_index, summed, cdtype, fused, *, 
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
             hc = h[start:end].to(cdtype)
-            tc, vc = safe[start:end, None], valid[start:end]
             logits = hc @ w.t()
-            if fused:
-                grad = _fused_chunk(logits, safe[start:end], vc, scale, need_h or need_w, total)
-            else:
-                grad = _eager_chunk(logits, tc, vc, scale, acc, cdtype, need_h or need_w, total)
+            grad = _chunk_loss(logits, safe[start:end], valid[start:end], scale, need_h or need_w, total, fused)
             if grad is None:  # the loss only
                 continue
             if need_h:
@@ -118,34 +116,13 @@ def _chunked(h, weight, targets, chunk, ignore_index, summed, cdtype, fused, *, 
     return loss, grad_h, grad_w
 
 
-def _fused_chunk(logits, targets, valid, scale, need_grad, total):
-    """One chunk on the kernel: adds the counted rows' losses to `total`; the gradient overwrites `logits`."""
-    from natsl.fast.cross_entropy import softmax_cross_entropy_
-
-    row_scale = valid.to(torch.float32) * scale if need_grad else None
-    rows = softmax_cross_entropy_(logits, targets, row_scale)
+def _chunk_loss(logits, targets, valid, scale, need_grad, total, fused):
+    """One chunk: adds the counted rows' losses to `total`; returns the gradient (the logits,
+    overwritten) or None. `fused`: on natsl.fast.cross_entropy's kernel, else its reference twin."""
+    row_scale = valid.to(scale.dtype) * scale if need_grad else None
+    rows = softmax_cross_entropy_(logits, targets, row_scale, fused=fused)
     total += torch.where(valid, rows, 0).sum()
     return logits if need_grad else None
-
-
-def _eager_chunk(logits, tc, vc, scale, acc, cdtype, need_grad, total):
-    """One chunk in PyTorch ops: adds the counted rows' losses to `total`; returns the gradient in `cdtype`."""
-    if logits.dtype != acc:
-        logits = logits.to(acc)
-    # log-sum-exp in place (no second [chunk, vocab] buffer): logits -> exp(logits - max)
-    picked = logits.gather(1, tc).squeeze(1)
-    top = logits.amax(dim=-1, keepdim=True)
-    exp = logits.sub_(top).exp_()
-    sums = exp.sum(dim=-1, keepdim=True)
-    lse = (top + sums.log()).squeeze(1)
-    total += torch.where(vc, lse - picked, 0).sum()
-    if not need_grad:
-        return None
-    grad = exp.div_(sums)  # the softmax
-    rows = vc.to(acc)
-    grad.scatter_add_(1, tc, -rows[:, None])
-    grad.mul_((rows * scale)[:, None])
-    return grad.to(cdtype) if grad.dtype != cdtype else grad
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):

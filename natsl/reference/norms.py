@@ -1,0 +1,50 @@
+"""The norms of the layers, in fp32 with one rounding at the end: the reference twins of the fused
+kernels in `natsl.fast.cached` (`rms_norm`, `l2_normalize`, `add_rms_norm`, same signatures) and the
+single definition of the formulas that `natsl.models.pointwise` compiles for the model's forward."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def up(t: torch.Tensor) -> torch.Tensor:
+    """16-bit tensors to fp32 for the arithmetic; fp32 and fp64 stay as they are."""
+    return t.float() if t.element_size() < 4 else t
+
+
+def normalize(xf: torch.Tensor, eps: float, mean: bool) -> torch.Tensor:
+    """xf / sqrt(mean (or sum) of xf^2 over the last dim + eps), in xf's dtype."""
+    square = xf.pow(2)
+    total = square.mean(dim=-1, keepdim=True) if mean else square.sum(dim=-1, keepdim=True)
+    return xf * torch.rsqrt(total + eps)
+
+
+def normed(x: torch.Tensor, weight: torch.Tensor | None, eps: float, gate: torch.Tensor | None = None,
+           *, mean: bool = True) -> torch.Tensor:
+    """`rms_norm` before its final rounding (fp32, or fp64 for fp64 inputs)."""
+    y = normalize(up(x), eps, mean)
+    if weight is not None:
+        y = y * up(weight)
+    if gate is not None:
+        y = y * F.silu(up(gate))
+    return y
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, gate: torch.Tensor | None = None,
+             *, mean: bool = True) -> torch.Tensor:
+    """RMSNorm of the last dim in fp32, times `weight` when given, times silu(gate) when given (gate
+    broadcasts as x), rounded once to x's dtype. `mean=False` divides by the sum (L2 normalisation)."""
+    return normed(x, weight, eps, gate, mean=mean).to(x.dtype)
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(|x|^2 + eps) over the last dim (flash-linear-attention's l2norm), in x's dtype."""
+    return rms_norm(x, None, eps, mean=False)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(x + residual, rms_norm(x + residual, weight, eps)): the sum rounded to x's dtype, normalised
+    from that rounded value."""
+    total = x + residual
+    return total, rms_norm(total, weight, eps)
