@@ -22,7 +22,8 @@ import natsl.ops  # noqa: E402
 from natsl.errors import NatslError  # noqa: E402
 from natsl.fast.gated_linear import gated_linear_rule as fast  # noqa: E402
 from natsl.fast.gated_linear.state import _state_fwd_kernel  # noqa: E402
-from natsl.reference.cached import commit_state, gla_token_step  # noqa: E402
+from natsl.ops.cached import commit_state  # noqa: E402
+from natsl.reference.cached import gla_token_step  # noqa: E402
 from natsl.reference.gated_linear import gated_linear_rule as reference  # noqa: E402
 from natsl.reference.gated_linear_chunked import gated_linear_rule as chunked  # noqa: E402
 from numerics import rel_rms  # noqa: E402
