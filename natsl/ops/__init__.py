@@ -1,4 +1,4 @@
-"""The two NAtS-L ops with backend dispatch (docs/spec.md section 5).
+"""The NAtS-L ops (and the gated linear rule of Mamba2 layers) with backend dispatch (docs/spec.md section 5).
 
 `backend="reference"` is pure PyTorch (any device, the definition of correct); `backend="fast"` is
 Triton (on a CPU tensor it runs under TRITON_INTERPRET=1); `backend="chunked"` is the pure-PyTorch
@@ -100,6 +100,46 @@ def gated_delta_rule(
     return impl(q, k, v, g, beta, write, intra_block=intra_block, **kwargs)
 
 
+def gated_linear_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    write: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    block_size: int = 64,
+    decay_skipped_blocks: bool = True,
+    route_grad: str = "active",
+    backend: str | None = None,
+    intra_block: bool = True,
+):
+    """Gated linear attention (scalar decay per head: Mamba2's SSD) with a per-block write mask.
+    Returns (o [B,T,H,V], final_state [B,H,K,V] or None).
+
+    gated_delta_rule without the delta erase and without beta: S_t = exp(g_t) S_{t-1} + k_t v_t^T,
+    o_t = scale S_t^T q_t; write, the commit, `intra_block` and `route_grad` as there. Mamba2 passes
+    q = C, k = B, v = x dt, g = A dt and scale = 1.
+    """
+    _check_route_grad(route_grad)
+    kwargs = dict(
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        block_size=block_size,
+        decay_skipped_blocks=decay_skipped_blocks,
+        route_grad=route_grad,
+    )
+    chosen = resolve_backend(backend, q.device)
+    if chosen in ("fast", "chunked"):  # the Triton twin is not in yet: "fast" runs the chunked form
+        from natsl.reference.gated_linear_chunked import gated_linear_rule as impl
+    else:
+        from natsl.reference.gated_linear import gated_linear_rule as impl
+    return impl(q, k, v, g, write, intra_block=intra_block, **kwargs)
+
+
 def routed_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -134,6 +174,8 @@ TWINS = {
     "gated_delta_rule": ("natsl.reference.gated_delta:gated_delta_rule", "natsl.fast.gated_delta.function:gated_delta_rule"),
     "gated_delta_rule_chunked": ("natsl.reference.gated_delta:gated_delta_rule",
                                  "natsl.reference.gated_delta_chunked:gated_delta_rule"),
+    "gated_linear_rule_chunked": ("natsl.reference.gated_linear:gated_linear_rule",
+                                  "natsl.reference.gated_linear_chunked:gated_linear_rule"),
     "routed_attention": ("natsl.reference.routed_attention:routed_attention",
                          "natsl.fast.block_sparse.function:routed_attention"),
 }

@@ -1,6 +1,6 @@
-"""The cached paths' small ops (one GDN token step, the block commit, cached attention, K/V writes),
-each on its reference twin (`natsl.reference.cached`) or its fast twin (`natsl.fast.gated_delta`,
-`natsl.fast.decode_attention`, `natsl.fast.cached`), chosen here.
+"""The cached paths' small ops (one GDN token step, one gated-linear (Mamba2) token step, the block
+commit, cached attention, K/V writes), each on its reference twin (`natsl.reference.cached`) or its
+fast twin (`natsl.fast.gated_delta`, `natsl.fast.decode_attention`, `natsl.fast.cached`), chosen here.
 """
 
 from __future__ import annotations
@@ -12,7 +12,13 @@ import torch
 from natsl.fast import decode_attention as _decode_attention
 from natsl.ops import fused, resolve_backend
 from natsl.reference import cached as _reference
-from natsl.reference.cached import attend_one, masked_attention, read_state, write_token  # noqa: F401
+from natsl.reference.cached import (  # noqa: F401
+    attend_one,
+    gla_token_step,
+    masked_attention,
+    read_state,
+    write_token,
+)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,5 +1,6 @@
-"""Small tensor functions the layers' cache paths share: one GDN token step, the route commit, and
-softmax attention over cached keys with per-row lengths or an explicit mask.
+"""Small tensor functions the layers' cache paths share: one GDN token step, one gated-linear (Mamba2)
+token step, the route commit, and softmax attention over cached keys with per-row lengths or an
+explicit mask.
 
 Everything here works on any device and is the reference twin of the fast decode pieces
 (`natsl.fast.gated_delta.gated_delta_step` and `commit_block`, `natsl.fast.decode_attention`);
@@ -27,6 +28,20 @@ def gdn_token_step(state, q, k, v, g, beta, *, scale=None):
     alpha = g.exp()
     correction = beta[..., None] * (v - alpha[..., None] * k_state)
     new_state = alpha[..., None, None] * state + k[..., :, None] * correction[..., None, :]
+    o = scale * torch.einsum("bhkv,bhk->bhv", new_state, q)
+    return o.to(out_dtype), new_state
+
+
+def gla_token_step(state, q, k, v, g, *, scale=None):
+    """One gated-linear token (Mamba2's SSD): state [B,H,K,V]; q, k [B,H,K]; v [B,H,V]; g [B,H].
+
+    S' = exp(g) S + k v^T,  o = scale S'^T q. Returns (o [B,H,V] in q's dtype, S' in the state's
+    dtype); the input state is not modified.
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    dt, out_dtype = state.dtype, q.dtype
+    q, k, v, g = (t.to(dt) for t in (q, k, v, g))
+    new_state = g.exp()[..., None, None] * state + k[..., :, None] * v[..., None, :]
     o = scale * torch.einsum("bhkv,bhk->bhv", new_state, q)
     return o.to(out_dtype), new_state
 

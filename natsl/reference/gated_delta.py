@@ -26,7 +26,8 @@ from natsl.reference.route_grad import (
 
 
 def validate_layouts(q, k, v, g, beta, write, initial_state, block_size) -> tuple[int, int, int, int, int]:
-    """Check every layout of docs/spec.md section 5; return (B, T, H, K, V)."""
+    """Check every layout of docs/spec.md section 5; return (B, T, H, K, V). `beta=None` checks the
+    gated linear rule's arguments (natsl.reference.gated_linear), which have no beta."""
     check_block_size(block_size)
     if q.dim() != 4:
         raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
@@ -37,7 +38,8 @@ def validate_layouts(q, k, v, g, beta, write, initial_state, block_size) -> tupl
     expect_shape("k", k, (B, T, H, K), "[B, T, H, K] (as q)")
     expect_shape("v", v, (B, T, H, V), "[B, T, H, V]")
     expect_shape("g", g, (B, T, H), "[B, T, H]")
-    expect_shape("beta", beta, (B, T, H), "[B, T, H]")
+    if beta is not None:
+        expect_shape("beta", beta, (B, T, H), "[B, T, H]")
     if write is not None:
         expect_shape("write", write, (B, num_blocks(T, block_size), H), "[B, NB, H]")
     if initial_state is not None:
