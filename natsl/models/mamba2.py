@@ -26,7 +26,7 @@ from natsl.models.linear import Linear
 from natsl.models.norms import RMSNorm
 from natsl.models.pointwise import gated_input_rms_norm, mamba2_gates
 from natsl.ops import fused as kernels
-from natsl.reference.cached import gla_token_step
+from natsl.ops.cached import gla_token_step
 
 MAMBA2_A_MIN = 1.0  # A ~ U(1, 16) (mamba_ssm's A_init_range)
 SSD_SCALE = 1.0  # Mamba2 reads its state unscaled: y = C^T S
@@ -38,8 +38,9 @@ def step_values(v: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
 
 
 def add_skip(o: torch.Tensor, v: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
-    """o + D v per head (o, v [B, T, H, P]; D [H]), in fp32, rounded to o's dtype."""
-    return (o.float() + D.float()[:, None] * v.float()).to(o.dtype)
+    """o + D v per head (o, v [B, T, H, P]; D [H]), in fp32 (or wider), rounded to o's dtype."""
+    dtype = torch.promote_types(o.dtype, torch.float32)
+    return (o.to(dtype) + D.to(dtype)[:, None] * v.to(dtype)).to(o.dtype)
 
 
 def ssd_state(batch: int, config: ModelConfig, device=None, dtype=torch.float32) -> torch.Tensor:
