@@ -6,11 +6,12 @@ from __future__ import annotations
 from natsl.config import ModelConfig
 
 
-def state_flops_per_token(config: ModelConfig, layer: str) -> float:
+def state_flops_per_token(config: ModelConfig, layer: str, chunk: float | None = None) -> float:
     """Forward FLOPs per token of a layer's linear memory in chunk-parallel form (chunks of block_size):
     a GDN state (about 6 K V per head: read, delta, write) or a Mamba2 state (about 4 N P: read, write),
-    plus the intra-chunk products 2 C (K + V). `layer`: "gdn", "mamba2" or "natsl" (its natsl_state)."""
-    c = config.block_size
+    plus the intra-chunk products 2 C (K + V). `layer`: "gdn", "mamba2" or "natsl" (its natsl_state);
+    `chunk`: C (default block_size)."""
+    c = config.block_size if chunk is None else chunk
     if layer == "natsl":
         layer = config.natsl_state
         if layer == "mamba2":  # the NAtS-L layer's heads, on a Mamba2 state

@@ -36,19 +36,16 @@ def flops_per_token(config: ModelConfig, seq_len: int, keep_fraction: float = 1.
     dense_params = n_params - config.vocab_size * config.hidden_size * (0 if config.tie_embeddings else 1)
     total = 6.0 * dense_params
     t, c = float(seq_len), float(min(config.block_size, seq_len))
-    h, k, v = config.num_heads, config.head_k_dim, config.head_v_dim
-    gdn = 3.0 * state_flops_per_token(config, "gdn")
+    h = config.num_heads
     for layer in config.layer_types():
         if layer == "attention":
             total += 3.0 * t * config.attn_num_heads * 2 * config.attn_head_dim
-        elif layer == "gdn":
-            total += gdn
-        elif layer == "mamba2":
-            total += 3.0 * state_flops_per_token(config, "mamba2")
+        elif layer in ("gdn", "mamba2"):
+            total += 3.0 * state_flops_per_token(config, layer, c)
         elif layer == "natsl":
             context = c / 2 + keep_fraction * max(t - c, 0.0) / 2
             heads = h * config.softmax_heads_per_group
-            total += 3.0 * state_flops_per_token(config, "natsl")
+            total += 3.0 * state_flops_per_token(config, layer, c)
             total += 3.0 * 2.0 * context * heads * (config.softmax_k_dim + config.softmax_v_dim)
     return total
 
