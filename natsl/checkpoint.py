@@ -199,6 +199,10 @@ def read_config(folder: Path) -> dict:
 
 
 TRAINING_ONLY_MODEL_FIELDS = {"router_noise": 0.0, "router_balance": 0.0, "router_target_keep": 0.5}
+# Model fields added with the Mamba2 layers: checkpoints from before have neither Mamba2 layers nor a
+# NAtS-L layer on a Mamba2 state, which these values reproduce.
+MAMBA2_MODEL_FIELDS = {"natsl_state": "gdn", "mamba2_head_dim": 64, "mamba2_state_size": 128, "mamba2_expand": 2,
+                       "mamba2_groups": 1}
 
 
 def checkpoint_recipe(folder: Path, config: dict) -> Recipe:
@@ -210,9 +214,9 @@ def checkpoint_recipe(folder: Path, config: dict) -> Recipe:
     if not isinstance(model, dict):
         raise NatslError(f"{path!r} has no recipe with a model section: this is not a complete natsl checkpoint "
                          "config; use a folder written by `natsl train` or `natsl convert`, or fix the file")
-    # Training-only fields added after checkpoints existed: they do not change the trained model, so
-    # their off values reproduce it.
-    for key, value in TRAINING_ONLY_MODEL_FIELDS.items():
+    # Fields added after checkpoints existed, at the values that reproduce those checkpoints' models
+    # (training-only fields: off; the Mamba2 fields: no Mamba2 anywhere).
+    for key, value in {**TRAINING_ONLY_MODEL_FIELDS, **MAMBA2_MODEL_FIELDS}.items():
         model.setdefault(key, value)
     missing = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in model]
     if missing:

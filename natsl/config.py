@@ -29,10 +29,11 @@ RECIPES_PACKAGE = "natsl"
 
 @dataclass
 class ModelConfig:
-    """Architecture of a causal LM built from GDN, softmax-attention and NAtS-L layers."""
+    """Architecture of a causal LM built from GDN, softmax-attention, NAtS-L and Mamba2 layers."""
 
     vocab_size: int = 32000
     hidden_size: int = 1536
+    # The SwiGLU MLP of every block; 0: blocks without an MLP (Mamba2's own stack, 48 mixers at 800M).
     intermediate_size: int = 4096
     num_layers: int = 21
     # Layout: every layer is `base_layer` except the indices listed for another type.
@@ -54,6 +55,15 @@ class ModelConfig:
     softmax_heads_per_group: int = 3
     block_size: int = 64
     natsl_rope: bool = True
+    # The linear memory of the NAtS-L layers: the GDN state (the paper's layer) or a Mamba2 (SSD) state
+    # (the paper's NAtS-L Mamba2, the authors' natsl_attn_mamba2; natsl/models/mamba2.py).
+    natsl_state: Literal["gdn", "mamba2"] = "gdn"
+    # Mamba2 layers: heads of mamba2_head_dim (P) over expand * hidden_size channels, state size N per
+    # head, B and C shared by groups of heads (Mamba2's defaults: P 64, N 128, expand 2, 1 group).
+    mamba2_head_dim: int = 64
+    mamba2_state_size: int = 128
+    mamba2_expand: int = 2
+    mamba2_groups: int = 1
     # Table 4 ablations.
     intra_block_output: Literal["both", "softmax", "gdn"] = "both"
     decay_skipped_blocks: bool = True
@@ -105,8 +115,13 @@ class ModelConfig:
         if "attention" in self.layer_types() and self.attn_rope and self.attn_head_dim % 2:
             raise NatslError(f"recipe key '{prefix}.attn_head_dim' must be even for RoPE, got {self.attn_head_dim}")
         if "mamba2" in self.layer_types():
-            raise NatslError("Mamba2 layers are not implemented yet (they have their own issue); "
-                             f"use base_layer gdn, attention or natsl in '{prefix}'")
+            inner = self.mamba2_expand * self.hidden_size
+            if inner % self.mamba2_head_dim:
+                raise NatslError(f"recipe key '{prefix}.mamba2_head_dim' = {self.mamba2_head_dim} does not divide "
+                                 f"mamba2_expand * hidden_size = {inner}; pick a head dim that divides it")
+            if (inner // self.mamba2_head_dim) % self.mamba2_groups:
+                raise NatslError(f"recipe key '{prefix}.mamba2_groups' = {self.mamba2_groups} does not divide the "
+                                 f"{inner // self.mamba2_head_dim} Mamba2 heads; pick a group count that divides them")
 
     @property
     def softmax_k_dim(self) -> int:
@@ -217,7 +232,9 @@ def _count(low: int, high: Optional[int] = None) -> tuple:
 MODEL_RULES = {
     # token ids are stored as uint16 or uint32 (natsl.data.tokenize.token_dtype)
     "vocab_size": _count(1, 2**32),
-    "hidden_size": _count(1), "intermediate_size": _count(1), "num_layers": _count(1),
+    "hidden_size": _count(1), "num_layers": _count(1),
+    "intermediate_size": (lambda v: v >= 0, "at least 0 (0: blocks without an MLP)"),
+    "mamba2_head_dim": _count(1), "mamba2_state_size": _count(1), "mamba2_expand": _count(1), "mamba2_groups": _count(1),
     "num_heads": _count(1), "head_k_dim": _count(1), "head_v_dim": _count(1),
     # A *short* conv: the Triton kernels unroll their loop over its width (a width in the thousands
     # compiles and runs for many minutes per step), and the decode cache keeps width - 1 rows per layer.

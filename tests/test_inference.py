@@ -21,6 +21,7 @@ from natsl.inference.sampling import filter_logits
 
 RECIPES = Path(__file__).resolve().parent.parent / "natsl" / "recipes"
 BLOCK = 16
+TINY_MAMBA2 = {"mamba2_head_dim": 32, "mamba2_state_size": 16}  # 4 heads over 2 x 64 channels
 
 LAYOUTS = {
     "gdn": {"base_layer": "gdn", "natsl_layers": []},
@@ -28,6 +29,10 @@ LAYOUTS = {
     "gdn_hybrid": {"base_layer": "gdn", "natsl_layers": [], "attention_layers": [1, 3]},
     "natsl": {"base_layer": "natsl", "natsl_layers": [], "natsl_rope": True},
     "natsl_hybrid": {},  # tiny_hybrid itself: GDN + NAtS-L at 1 and 3, no RoPE
+    # Mamba2 (no MLP blocks, as its own stack); NAtS-L on a Mamba2 state; the hybrid of the two
+    "mamba2": {"base_layer": "mamba2", "natsl_layers": [], "intermediate_size": 0, **TINY_MAMBA2},
+    "natsl_mamba2": {"base_layer": "natsl", "natsl_layers": [], "natsl_rope": True, "natsl_state": "mamba2"},
+    "hybrid_mamba2": {"base_layer": "mamba2", "natsl_state": "mamba2", **TINY_MAMBA2},
 }
 
 
@@ -75,7 +80,7 @@ def test_prefill_and_decode_equal_the_full_forward(layout, backend):
             assert cache.positions.lengths.tolist() == [50, 50] and cache.positions.pos.tolist() == [50, 50]
 
 
-@pytest.mark.parametrize("layout", ["natsl_hybrid", "natsl", "transformer"])
+@pytest.mark.parametrize("layout", ["natsl_hybrid", "natsl", "transformer", "mamba2", "hybrid_mamba2"])
 def test_prefill_in_several_chunks_continues_the_cache(layout):
     model = tiny_model("chunked", torch.float64, **LAYOUTS[layout])
     ids = torch.randint(0, 1024, (2, 75), generator=torch.Generator().manual_seed(2))
@@ -366,7 +371,12 @@ def test_gpu_cuda_graph_decode_equals_eager_decode():
 
 # -- the fused Triton kernels of the cached paths (natsl.fast.cached), in Triton's interpreter -----
 
-@pytest.mark.parametrize("layout", [*LAYOUTS, "natsl_hybrid-intra-softmax", "natsl_hybrid-intra-gdn"])
+# hybrid_mamba2 holds both Mamba2 mixers and NAtS-L layers on a Mamba2 state: the interpreter's time
+# for the two pure Mamba2 layouts would test nothing more.
+FUSED_LAYOUTS = [name for name in LAYOUTS if name not in ("mamba2", "natsl_mamba2")]
+
+
+@pytest.mark.parametrize("layout", [*FUSED_LAYOUTS, "natsl_hybrid-intra-softmax", "natsl_hybrid-intra-gdn"])
 def test_fused_inference_kernels_equal_the_full_forward(layout, monkeypatch, use_switches):
     """The fused decode kernels through prefill + decode, for every layout and for the NAtS-L
     intra-block variants (with "softmax" the GDN step cannot be the one-kernel GDN decode step). An odd

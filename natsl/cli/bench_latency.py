@@ -35,7 +35,7 @@ def bench_latency(
     time_budget: Optional[float] = typer.Option(None, help="Seconds for the whole run, shared by the models; "
                                                            "points past a model's share are recorded as skipped."),
 ) -> None:
-    """Measure latency for recipes (default: the 800M NAtS-L Hybrid, Transformer and GDN) or checkpoints."""
+    """Measure latency for recipes (default: the 800M NAtS-L Hybrid, Transformer, GDN and Mamba2) or checkpoints."""
     import natsl
     from natsl.runtime import check_length, checkpoint_recipe_of, pick_backend, pick_device, pick_dtype
     from natsl.inference import bench

@@ -43,8 +43,9 @@ def info(
     meta = natsl.build_model(rec, device="meta")
     print(f"{rec.name}: {meta.num_parameters() / 1e6:.1f}M parameters, {cfg.num_layers} layers "
           f"({', '.join(f'{n} {t}' for t, n in layout.items())}), width {cfg.hidden_size}, vocab {cfg.vocab_size}")
-    print("layers: " + " ".join({"gdn": "G", "attention": "A", "natsl": "N"}[t] for t in cfg.layer_types())
-          + "   (G = GDN, A = softmax attention, N = NAtS-L)")
+    natsl_on = "" if cfg.natsl_state == "gdn" else f" on a {cfg.natsl_state} state"
+    print("layers: " + " ".join({"gdn": "G", "attention": "A", "natsl": "N", "mamba2": "M"}[t] for t in cfg.layer_types())
+          + f"   (G = GDN, A = softmax attention, N = NAtS-L{natsl_on}, M = Mamba2)")
     if not forward:
         return
     torch.manual_seed(seed)

@@ -37,8 +37,9 @@ from natsl.provenance import provenance
 
 from natsl.inference.decode import DecodeRunner
 from natsl.models.routing import force_keep_fraction
+from natsl.models.state_cost import state_flops_per_token
 
-DEFAULT_RECIPES = ("800m_hybrid", "800m_transformer", "800m_gdn")
+DEFAULT_RECIPES = ("800m_hybrid", "800m_transformer", "800m_gdn", "800m_mamba2")
 
 
 @dataclass
@@ -112,14 +113,13 @@ def prefill_flops(model, length: int, batch: int = 1, keep: float = 1.0) -> floa
     body = sum(p.numel() for name, p in model.named_parameters()
                if p.dim() >= 2 and not name.startswith(("embed.", "lm_head.")) and "conv" not in name)
     flops = 2.0 * batch * length * body + 2.0 * batch * head
-    gdn_per_token = c.num_heads * (6 * c.head_k_dim * c.head_v_dim + 2 * c.block_size * (c.head_k_dim + c.head_v_dim))
     for layer_type in c.layer_types():
         if layer_type == "attention":
             flops += 2.0 * batch * c.attn_num_heads * 2 * c.attn_head_dim * attention_pairs(length)
-        elif layer_type == "gdn":
-            flops += batch * length * gdn_per_token
+        elif layer_type in ("gdn", "mamba2"):
+            flops += batch * length * state_flops_per_token(c, layer_type)
         elif layer_type == "natsl":
-            flops += batch * length * gdn_per_token
+            flops += batch * length * state_flops_per_token(c, layer_type)
             flops += 2.0 * batch * c.num_heads * (c.head_k_dim + c.head_v_dim) * attention_pairs(length, c.block_size, keep)
     return flops
 

@@ -6,8 +6,10 @@ so a decode step never reallocates, a CUDA graph can replay over the same addres
 
 Per layer type:
 - GDN: the three conv tails and the recurrent state `S` (fp32; float64 for a float64 model).
+- Mamba2: a GDNCache too, with one conv tail (of the joined x|B|C channels) and the SSD state
+  `[B, heads, N, P]`.
 - softmax attention: K and V `[B, heads, max_len, D]` (RoPE already applied at absolute positions).
-- NAtS-L: conv tails; `state_start` (the committed GDN state S_start of the current block);
+- NAtS-L: conv tails; `state_start` (the committed GDN or Mamba2 state S_start of the current block);
   `state_run` (the state after the current block's tokens so far); `decay_sum` (the block's sum of
   g, for Gamma); `x_sum` (the block's running sum of x, for the router); and the softmax memory
   `k_mem`, `v_mem` `[B, heads, max_len, D]` with `kept_len [B, groups]`: per routing group, slots
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from natsl.errors import NatslError
+from natsl.models.mamba2 import ssd_state
 
 
 def read_length(needed: int, capacity: int) -> int:
@@ -99,8 +102,8 @@ class LayerCache:
 
 @dataclass
 class GDNCache(LayerCache):
-    conv: list[torch.Tensor] = field(default_factory=list)  # q, k, v tails [B, conv_size-1, channels]
-    state: torch.Tensor | None = None  # [B, H, K, V]
+    conv: list[torch.Tensor] = field(default_factory=list)  # q, k, v tails [B, conv_size-1, channels] (Mamba2: x|B|C)
+    state: torch.Tensor | None = None  # [B, H, K, V] (Mamba2: [B, heads, N, P])
 
     def live_bytes(self) -> int:
         return self.allocated_bytes()
@@ -257,6 +260,11 @@ def new_model_cache(model, batch_size: int, max_len: int | None = None, device=N
     for layer_type in config.layer_types():
         if layer_type == "gdn":
             layers.append(GDNCache(positions, conv=conv_tails(), state=zeros(B, H, K, V, dt=state_dtype)))
+        elif layer_type == "mamba2":
+            inner = config.mamba2_expand * config.hidden_size
+            xbc = inner + 2 * config.mamba2_groups * config.mamba2_state_size
+            layers.append(GDNCache(positions, conv=[zeros(B, config.conv_size - 1, xbc)],
+                                   state=ssd_state(B, config, device, state_dtype)))
         elif layer_type == "attention":
             a, d = config.attn_num_heads, config.attn_head_dim
             layers.append(AttentionCache(positions, k=zeros(B, a, L, d), v=zeros(B, a, L, d)))

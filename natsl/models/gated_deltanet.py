@@ -2,6 +2,10 @@
 
 x -> q, k, v = SiLU(short causal conv(W x)); decay g = -exp(A_log) * softplus(W_a x + dt_bias)
 (fp32, log space), beta = sigmoid(W_b x); o = W_o(RMSNorm_V(GDN(q_l2, k_l2, v, g, beta)) * silu(W_g x)).
+
+`GatedDeltaProjections` also owns its linear memory's op (`rule`, `token_step`, `skip`), so that the
+NAtS-L layer runs on whichever state its projections bring: the GDN state here, the Mamba2 (SSD) state
+in natsl.models.mamba2.Mamba2StateProjections.
 """
 
 from __future__ import annotations
@@ -22,8 +26,27 @@ from natsl.ops import fused as kernels
 from natsl.ops.cached import gdn_token_step, use_fast
 
 
+def init_decay(A_log: torch.Tensor, dt_bias: torch.Tensor, a_min: float) -> None:
+    """A ~ U(a_min, 16) (floored at 1e-6 before the log); dt log-uniform in [1e-3, 0.1] floored at 1e-4,
+    and dt_bias the inverse softplus of dt so that softplus(dt_bias) = dt at zero input. Gated
+    DeltaNet draws A from U(0, 16), Mamba2 from U(1, 16)."""
+    with torch.no_grad():
+        A_log.copy_(torch.empty_like(A_log).uniform_(a_min, 16).clamp_(min=1e-6).log())
+        log_dt = torch.empty_like(dt_bias).uniform_(math.log(1e-3), math.log(0.1))
+        dt = log_dt.exp().clamp(min=1e-4)
+        dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+
+
 class GatedDeltaProjections(nn.Module):
-    """Input projections of a GDN head set: q, k, v after conv+SiLU, log-decay g and write strength beta."""
+    """Input projections of a GDN head set: q, k, v after conv+SiLU, log-decay g and write strength beta.
+
+    The class attributes below are what a linear memory of another kind changes (mamba2.py)."""
+
+    gate_names = ("a_proj", "b_proj")  # the H-wide gate inputs: decay, write strength
+    a_min = 0.0  # A ~ U(a_min, 16) at init
+    scale = None  # the op's output scale (None: K^-0.5)
+    l2_heads = True  # q and k are L2-normalised per head
+    fused_decode = True  # the fused GDN decode kernel applies (natsl.ops.fused.gdn_decode_step)
 
     def __init__(self, config: ModelConfig, device=None):
         super().__init__()
@@ -32,8 +55,8 @@ class GatedDeltaProjections(nn.Module):
         self.q_proj = Linear(d, h * self.k_dim, bias=False, device=device)
         self.k_proj = Linear(d, h * self.k_dim, bias=False, device=device)
         self.v_proj = Linear(d, h * self.v_dim, bias=False, device=device)
-        self.a_proj = Linear(d, h, bias=False, device=device)
-        self.b_proj = Linear(d, h, bias=False, device=device)
+        for name in self.gate_names:
+            setattr(self, name, Linear(d, h, bias=False, device=device))
         self.q_conv = ShortConv(h * self.k_dim, config.conv_size, device=device, backend=config.backend)
         self.k_conv = ShortConv(h * self.k_dim, config.conv_size, device=device, backend=config.backend)
         self.v_conv = ShortConv(h * self.v_dim, config.conv_size, device=device, backend=config.backend)
@@ -44,16 +67,11 @@ class GatedDeltaProjections(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        # Gated DeltaNet's init: A ~ U(0, 16); dt log-uniform in [1e-3, 0.1] floored at 1e-4, and
-        # dt_bias the inverse softplus of dt so that softplus(dt_bias) = dt at zero input.
-        with torch.no_grad():
-            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0, 16).clamp_(min=1e-6).log())
-            log_dt = torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(0.1))
-            dt = log_dt.exp().clamp(min=1e-4)
-            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+        init_decay(self.A_log, self.dt_bias, self.a_min)
 
     def forward(self, x: torch.Tensor, conv_tails=None, fused: bool = False):
         """x [B, T, d] -> (q [B,T,H*K], k [B,T,H*K], v [B,T,H*V] post-conv, g [B,T,H] fp32, beta [B,T,H], tails).
+        (A Mamba2 state returns its step dt [B,T,H] fp32 in beta's place.)
         `fused`: the cached path's convs run on the fused inference kernel."""
         convs = [self.q_conv, self.k_conv, self.v_conv]
         if conv_tails is None and joined_conv_fits(convs, x.device):
@@ -63,17 +81,17 @@ class GatedDeltaProjections(nn.Module):
                 g, beta = self.gates(*self.gate_inputs(x))
                 return q, k, v, g, beta, (None, None, None)
         tails = conv_tails or (None, None, None)
-        q, k, v, a, b = self.linear(x)
+        q, k, v, *raw_gates = self.linear(x)
         q, q_tail = self.q_conv(q, tails[0], fused=fused)
         k, k_tail = self.k_conv(k, tails[1], fused=fused)
         v, v_tail = self.v_conv(v, tails[2], fused=fused)
-        g, beta = self.gates(a, b)
+        g, beta = self.gates(*raw_gates)
         return q, k, v, g, beta, (q_tail, k_tail, v_tail)
 
     merge_groups = {"qkvab": ("q_proj", "k_proj", "v_proj", "a_proj", "b_proj")}  # see natsl.models.merged
 
     def linear(self, x: torch.Tensor):
-        """x [B, T, d] -> the raw projections q, k, v (before the conv), a and b."""
+        """x [B, T, d] -> the raw projections q, k, v (before the conv) and the gate inputs (a, b)."""
         merged = buffer_product(self, "qkvab", x)
         if merged is not None:
             return merged
@@ -81,8 +99,8 @@ class GatedDeltaProjections(nn.Module):
         return (q, k, v, *self.gate_inputs(x))
 
     def gate_inputs(self, x: torch.Tensor):
-        """x [B, T, d] -> the raw H-wide projections a (decay) and b (write strength)."""
-        return group_product("gdn_ab", [self.a_proj, self.b_proj], x)
+        """x [B, T, d] -> the raw H-wide projections of `gate_names`: a (decay) and b (write strength)."""
+        return group_product("gdn_ab", [getattr(self, name) for name in self.gate_names], x)
 
     def gates(self, a: torch.Tensor, b: torch.Tensor):
         """The a, b projections -> log decay g [B,T,H] (fp32) and write strength beta [B,T,H] (b's dtype)."""
@@ -90,19 +108,36 @@ class GatedDeltaProjections(nn.Module):
 
     def decode_conv(self, x: torch.Tensor, conv_tails):
         """One token [B, 1, d] -> q, k, v (projection + conv + SiLU with the fused kernel; the cached
-        tails are shifted in place) and the raw a, b projections (cached paths only, see
+        tails are shifted in place) and the raw gate inputs (a, b) (cached paths only, see
         natsl.fast.cached)."""
-        q, k, v, a, b = self.linear(x)
+        q, k, v, *raw_gates = self.linear(x)
         q, k, v = kernels.conv_steps([q, k, v], conv_tails, [self.q_conv.weight, self.k_conv.weight,
                                                              self.v_conv.weight])
-        return q, k, v, a, b
+        return (q, k, v, *raw_gates)
 
     def split_heads(self, q, k, v, fused: bool = False):
         """Flat projections -> per-head q, k (L2-normalised) [B,T,H,K] and v [B,T,H,V]."""
         b, t = q.shape[:2]
         h = self.num_heads
-        norm = kernels.l2_normalize if fused else l2_normalize
-        return (norm(q.view(b, t, h, self.k_dim)), norm(k.view(b, t, h, self.k_dim)), v.view(b, t, h, self.v_dim))
+        q, k = q.view(b, t, h, self.k_dim), k.view(b, t, h, self.k_dim)
+        if self.l2_heads:
+            norm = kernels.l2_normalize if fused else l2_normalize
+            q, k = norm(q), norm(k)
+        return q, k, v.view(b, t, h, self.v_dim)
+
+    # -- the linear memory: the op of the full sequence, one decode token, the output's skip term --
+
+    def rule(self, q, k, v, g, beta, write=None, **options):
+        """`natsl.ops.gated_delta_rule` on per-head q, k, v and the gates; `options` as there."""
+        return ops.gated_delta_rule(q, k, v, g, beta, write, scale=self.scale, **options)
+
+    def token_step(self, state, q, k, v, g, beta, fast: bool = False):
+        """One decode token of `rule` ([B, H, D] tensors): (o [B,H,V], the new state)."""
+        return gdn_token_step(state, q, k, v, g, beta, scale=self.scale, fast=fast)
+
+    def skip(self, o: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The memory's read o [B,T,H,V] plus any direct term of the token's own value (GDN: none)."""
+        return o
 
 
 class GatedDeltaNet(nn.Module):
@@ -123,7 +158,7 @@ class GatedDeltaNet(nn.Module):
         b, t, _ = x.shape
         q, k, v, g, beta, _ = self.proj(x)
         q, k, v = self.proj.split_heads(q, k, v)
-        o, _ = ops.gated_delta_rule(q, k, v, g, beta, backend=self.backend)
+        o, _ = self.proj.rule(q, k, v, g, beta, backend=self.backend)
         return self.output(o, x)
 
     def forward_cached(self, x: torch.Tensor, cache) -> torch.Tensor:

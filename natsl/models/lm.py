@@ -1,4 +1,5 @@
-"""The causal language model: embeddings, pre-RMSNorm blocks (mixer + SwiGLU), final norm, head."""
+"""The causal language model: embeddings, pre-RMSNorm blocks (mixer + SwiGLU, or the mixer alone where
+intermediate_size is 0, as Mamba2's stack), final norm, head."""
 
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ from natsl.models.attention import SoftmaxAttention
 from natsl.models.conv import ShortConv
 from natsl.models.gated_deltanet import GatedDeltaNet
 from natsl.models.linear import Linear
+from natsl.models.mamba2 import Mamba2
 from natsl.models.mlp import SwiGLU
 from natsl.models.natsl_layer import NAtSL
 from natsl.models.norms import RMSNorm
 from natsl.models.rope import RopeTable
 
-MIXERS = {"gdn": GatedDeltaNet, "attention": SoftmaxAttention, "natsl": NAtSL}
+MIXERS = {"gdn": GatedDeltaNet, "attention": SoftmaxAttention, "natsl": NAtSL, "mamba2": Mamba2}
 
 
 class Block(nn.Module):
@@ -27,8 +29,10 @@ class Block(nn.Module):
         # The pre-norms feed only Linears: under autocast they hand them bf16 once (norms.autocast_dtype).
         self.mixer_norm = RMSNorm(config.hidden_size, config.norm_eps, device=device, autocast_output=True)
         self.mixer = MIXERS[layer_type](config, device=device)
-        self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps, device=device, autocast_output=True)
-        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, device=device)
+        self.mlp_norm = self.mlp = None
+        if config.intermediate_size:
+            self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps, device=device, autocast_output=True)
+            self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, device=device)
 
     def forward(self, x: torch.Tensor, cache=None, rope: RopeTable | None = None) -> torch.Tensor:
         """`rope`: the forward's shared RoPE table (full sequences; the cached paths use positions)."""
@@ -36,7 +40,7 @@ class Block(nn.Module):
             x, pending = self.forward_fused(x, None, cache)
             return x + pending
         x = x + self.mixer(self.mixer_norm(x), cache=cache, rope=rope)
-        return x + self.mlp(self.mlp_norm(x))
+        return x if self.mlp is None else x + self.mlp(self.mlp_norm(x))
 
     def fused(self, x: torch.Tensor) -> bool:
         """Whether the cached paths of this block run the fused inference kernels."""
@@ -47,6 +51,8 @@ class Block(nn.Module):
         (x, pending) stands for the residual stream x + pending (pending None: x). Returns the
         same kind of pair; every RMSNorm is one kernel, and each add runs in the next norm's kernel."""
         x, normed = add_then_norm(x, pending, self.mixer_norm)
+        if self.mlp is None:
+            return x, self.mixer(normed, cache=cache)
         x, normed = add_then_norm(x, self.mixer(normed, cache=cache), self.mlp_norm)
         return x, self.mlp(normed)
 

@@ -18,8 +18,7 @@ from natsl.models import overlap
 from natsl.models.block_end import close_block, decode_slots
 from natsl.models.routing import KeepFraction
 from natsl.ops import fused as kernels
-from natsl.ops.cached import (attend_cached, commit_state, gdn_token_step, masked_attention, read_state,
-                              use_fast, write_kv)
+from natsl.ops.cached import attend_cached, commit_state, masked_attention, read_state, use_fast, write_kv
 from natsl.reference.router import router_scores, straight_through_route
 
 
@@ -41,20 +40,21 @@ class CachedNAtSL:
         """Tokens that follow those in `cache` (a NAtSLCache): decode when positions.start is None."""
         fused = kernels.enabled(self.backend, x.device) and cache.state_run.dtype == torch.float32
         if fused and cache.positions.start is None:
-            q, k, v, a, b = self.proj.decode_conv(x, cache.conv)  # tails shifted in place
-            o_la, o_nla = self._decode(x, q, k, v, cache, raw_gates=(a, b), fused=True)
-            return self.mix(o_la, o_nla, q, x)
-        q, k, v, g, beta, tails = self.proj(x, cache.conv, fused=fused)
-        cache.store_conv(tails)
-        if cache.positions.start is None:
-            o_la, o_nla = self._decode(x, q, k, v, cache, gates=(g, beta), fused=fused)
+            q, k, v, *raw_gates = self.proj.decode_conv(x, cache.conv)  # tails shifted in place
+            o_la, o_nla = self._decode(x, q, k, v, cache, raw_gates=raw_gates, fused=True)
         else:
-            o_la, o_nla = self._prefill(x, q, k, v, g, beta, cache, cache.positions.start, fused)
+            q, k, v, g, beta, tails = self.proj(x, cache.conv, fused=fused)
+            cache.store_conv(tails)
+            if cache.positions.start is None:
+                o_la, o_nla = self._decode(x, q, k, v, cache, gates=(g, beta), fused=fused)
+            else:
+                o_la, o_nla = self._prefill(x, q, k, v, g, beta, cache, cache.positions.start, fused)
+        o_la = self.proj.skip(o_la, v.view(o_la.shape))
         return self.mix(o_la, o_nla, q, x)
 
     def _decode(self, x, q, k, v, cache, gates=None, raw_gates=None, fused: bool = False):
         """One token per sequence, each at its own position; no host reads (CUDA-graph safe).
-        `gates` = (g, beta), or `raw_gates` = the a, b projections (fused kernels only)."""
+        `gates` = (g, beta), or `raw_gates` = the gate projections (fused kernels only)."""
         c = self.config
         C = c.block_size
         pos = cache.positions.pos  # [B]: this token's position
@@ -64,7 +64,7 @@ class CachedNAtSL:
         compiled_end = fused and (override is None or isinstance(override, KeepFraction))
 
         # GDN branch: step the running state; without intra-block output read the committed one.
-        if raw_gates is not None and c.intra_block_output != "softmax":
+        if raw_gates is not None and c.intra_block_output != "softmax" and self.proj.fused_decode:
             # As a GDN layer's decode: L2 norms, g, beta and the step in one kernel, state in place.
             a, b = raw_gates
             o_run, g_token = kernels.gdn_decode_step(q[:, 0], k[:, 0], v[:, 0], a[:, 0], b[:, 0], self.proj.A_log,
@@ -73,8 +73,8 @@ class CachedNAtSL:
         else:
             g, beta = gates if gates is not None else self.proj.gates(*raw_gates)
             ql, kl, vl = self.proj.split_heads(q, k, v, fused=fused)
-            o_run, run = gdn_token_step(cache.state_run, ql[:, 0], kl[:, 0], vl[:, 0], g[:, 0], beta[:, 0],
-                                        fast=fast)
+            o_run, run = self.proj.token_step(cache.state_run, ql[:, 0], kl[:, 0], vl[:, 0], g[:, 0], beta[:, 0],
+                                              fast=fast)
             cache.state_run.copy_(run)
             g_token = g[:, 0]
             if c.intra_block_output != "softmax":
@@ -82,7 +82,8 @@ class CachedNAtSL:
             else:
                 cache.decay_sum.add_(g_token)  # read now: the committed state decayed to this token
                 g_token = None
-                o_la = (cache.decay_sum.exp()[:, None, :, None] * read_state(cache.state_start, ql)).to(x.dtype)
+                o_la = (cache.decay_sum.exp()[:, None, :, None]
+                        * read_state(cache.state_start, ql, scale=self.proj.scale)).to(x.dtype)
 
         # Softmax branch: the token's K/V go after its group's kept blocks and its block's earlier tokens.
         qs, ks, vs = self.softmax_views(q, k, v, positions=pos[:, None], fused=fused)
@@ -188,27 +189,26 @@ class CachedNAtSL:
         outs = []
         if head:
             piece = slice(0, head)
-            o, s_run = ops.gated_delta_rule(ql[:, piece], kl[:, piece], vl[:, piece], g[:, piece], beta[:, piece],
-                                            initial_state=s_run, **rule)
+            o, s_run = self.proj.rule(ql[:, piece], kl[:, piece], vl[:, piece], g[:, piece], beta[:, piece],
+                                      initial_state=s_run, **rule)
             cumulative = decay[:, None] + g[:, piece].to(decay.dtype).cumsum(1)
             decay = cumulative[:, -1]
             if not intra:  # the committed state, decayed to each token's position
-                o = (cumulative.exp()[..., None] * read_state(s_start, ql[:, piece])).to(x.dtype)
+                o = (cumulative.exp()[..., None] * read_state(s_start, ql[:, piece], scale=self.proj.scale)).to(x.dtype)
             outs.append(o)
             if closes_head:
                 s_start = commit_state(s_start, s_run, decay, write[:, 0], c.decay_skipped_blocks, fast=fast)
                 s_run, decay = s_start, torch.zeros_like(decay)
         if full:
             piece = slice(head, head + full * C)
-            o, s_start = ops.gated_delta_rule(ql[:, piece], kl[:, piece], vl[:, piece], g[:, piece], beta[:, piece],
-                                              write[:, int(closes_head):], initial_state=s_start, intra_block=intra,
-                                              **rule)
+            o, s_start = self.proj.rule(ql[:, piece], kl[:, piece], vl[:, piece], g[:, piece], beta[:, piece],
+                                        write[:, int(closes_head):], initial_state=s_start, intra_block=intra, **rule)
             s_run = s_start
             outs.append(o)
         if tail:
             piece = slice(T - tail, T)
-            o, s_run = ops.gated_delta_rule(ql[:, piece], kl[:, piece], vl[:, piece], g[:, piece], beta[:, piece],
-                                            initial_state=s_start, intra_block=intra, **rule)
+            o, s_run = self.proj.rule(ql[:, piece], kl[:, piece], vl[:, piece], g[:, piece], beta[:, piece],
+                                      initial_state=s_start, intra_block=intra, **rule)
             decay = decay + g[:, piece].to(decay.dtype).sum(1)
             outs.append(o)
         o_la = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)  # a lone piece is not copied

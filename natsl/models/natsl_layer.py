@@ -11,6 +11,11 @@
 Table 4 ablations are switches of the config: intra_block_output, decay_skipped_blocks,
 branch_norm, mix_input, mix_weights, block_size.
 
+`natsl_state: mamba2` puts a Mamba2 (SSD) state in the GDN branch's place (the authors'
+`natsl_attn_mamba2`): the projections (natsl.models.mamba2.Mamba2StateProjections) bring the op
+(gated_linear_rule on q, k, v dt with decay A dt and the same write mask) and the D skip; the router,
+the softmax branch and the mixing are the same.
+
 Incremental inference (docs/spec.md section 4: prefill and decode from a NAtSLCache) is
 `forward(x, cache=...)`, in natsl/models/natsl_cached.py beside the cache.
 """
@@ -24,6 +29,7 @@ from natsl import ops, switches
 from natsl.config import ModelConfig
 from natsl.models.gated_deltanet import GatedDeltaProjections
 from natsl.models.linear import Linear, aligned_linear
+from natsl.models.mamba2 import Mamba2StateProjections
 from natsl.models.natsl_cached import CachedNAtSL
 from natsl.models.norms import RMSNorm
 from natsl.models.pointwise import mix_read
@@ -31,6 +37,10 @@ from natsl.models.rope import RopeTable, apply_rope
 from natsl.ops import fused as kernels
 from natsl.ops import resolve_backend
 from natsl.reference.router import block_mean, route_blocks, router_scores, straight_through_route
+
+
+# The linear memory of the layer, by `config.natsl_state`: its projections and its op.
+STATE_PROJECTIONS = {"gdn": GatedDeltaProjections, "mamba2": Mamba2StateProjections}
 
 
 class NAtSL(CachedNAtSL, nn.Module):
@@ -44,7 +54,7 @@ class NAtSL(CachedNAtSL, nn.Module):
         d, h, r = config.hidden_size, config.num_heads, config.softmax_heads_per_group
         self.num_heads, self.groups = h, r
         self.softmax_heads = h * r
-        self.proj = GatedDeltaProjections(config, device=device)
+        self.proj = STATE_PROJECTIONS[config.natsl_state](config, device=device)
         self.router = Linear(d, 2 * h, bias=False, device=device)
         if config.mix_weights != "none":
             mix_in = h * config.head_k_dim if config.mix_input == "q" else d
@@ -131,10 +141,11 @@ class NAtSL(CachedNAtSL, nn.Module):
         keep, write = self.route(x)
         self.last_keep = keep.detach()
         ql, kl, vl = self.proj.split_heads(q, k, v)
-        o_la, _ = ops.gated_delta_rule(
+        o_la, _ = self.proj.rule(
             ql, kl, vl, g, beta, write, block_size=c.block_size,
             decay_skipped_blocks=c.decay_skipped_blocks, route_grad=c.route_grad, backend=self.backend,
             intra_block=c.intra_block_output != "softmax")
+        o_la = self.proj.skip(o_la, vl)
         qs, ks, vs = self.softmax_views(q, k, v, rope=rope)
         o_nla = ops.routed_attention(
             qs, ks, vs, keep, block_size=c.block_size, route_grad=c.route_grad, backend=self.backend,

@@ -109,12 +109,32 @@ def conv_tail(x: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
     return recent[:, recent.shape[1] - (width - 1):]
 
 
+def _decay(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
+    """(log decay g = -exp(A_log) dt, step dt = softplus(a + dt_bias)), both fp32 [B, T, H]."""
+    dt = F.softplus(norms.up(a) + norms.up(dt_bias))
+    return -norms.up(A_log).exp() * dt, dt
+
+
 @pointwise
 def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
     """Gated DeltaNet's gates from the a and b projections [B, T, H]: log decay
     g = -exp(A_log) softplus(a + dt_bias) in fp32, and write strength beta = sigmoid(b) in b's dtype."""
-    g = -norms.up(A_log).exp() * F.softplus(norms.up(a) + norms.up(dt_bias))
-    return g, torch.sigmoid(norms.up(b)).to(b.dtype)
+    return _decay(a, A_log, dt_bias)[0], torch.sigmoid(norms.up(b)).to(b.dtype)
+
+
+@pointwise
+def mamba2_gates(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
+    """Mamba2's discretisation from the dt projection a [B, T, H]: g = A dt with A = -exp(A_log) and
+    dt = softplus(a + dt_bias), both fp32 (the decay is the GDN's; dt also scales the write)."""
+    return _decay(a, A_log, dt_bias)
+
+
+@pointwise
+def gated_input_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor) -> torch.Tensor:
+    """RMSNorm(x * silu(gate)) * weight over the last dim, fp32 inside, in x's dtype: Mamba2's gated
+    norm (norm_before_gate=False), where gated_rms_norm gates after the norm."""
+    y = norms.normalize(norms.up(x) * F.silu(norms.up(gate)), eps, mean=True) * norms.up(weight)
+    return y.to(x.dtype)
 
 
 @pointwise

@@ -5,7 +5,9 @@ Per token, training costs 3x the forward (forward + two backward matmuls):
 - softmax attention (causal, average context T/2): 3 x T x heads x (d_k + d_v);
 - GDN, per head (chunk-parallel form with chunks of C tokens): the state read, delta and write
   (about 6 K V) plus the intra-chunk products (about 2 C (K + V)), times 3;
-- NAtS-L: its GDN part as above, plus the routed softmax branch whose average context is the own
+- Mamba2 (and the Mamba2 state of a NAtS-L layer), per head: the state read and write (about 4 N P,
+  no delta) plus the intra-chunk products (about 2 C (N + P)), times 3;
+- NAtS-L: its GDN (or Mamba2-state) part as above, plus the routed softmax branch whose average context is the own
   block (C/2) plus the kept fraction f of the earlier tokens ((T - C)/2 x f): 3 x 2 x context x
   heads x (d_k + d_v). The trainer passes the measured keep fraction.
 This is an estimate of the work the model needs, not a count of what the kernels execute.
@@ -16,6 +18,7 @@ from __future__ import annotations
 import os
 
 from natsl.config import ModelConfig
+from natsl.models.state_cost import state_flops_per_token
 
 # Dense bf16 tensor-core peaks (FLOP/s) by the name CUDA reports; the first match wins.
 PEAK_BF16 = (
@@ -33,17 +36,17 @@ def flops_per_token(config: ModelConfig, seq_len: int, keep_fraction: float = 1.
     dense_params = n_params - config.vocab_size * config.hidden_size * (0 if config.tie_embeddings else 1)
     total = 6.0 * dense_params
     t, c = float(seq_len), float(min(config.block_size, seq_len))
-    h, k, v = config.num_heads, config.head_k_dim, config.head_v_dim
-    gdn = 3.0 * h * (6.0 * k * v + 2.0 * c * (k + v))
+    h = config.num_heads
     for layer in config.layer_types():
         if layer == "attention":
             total += 3.0 * t * config.attn_num_heads * 2 * config.attn_head_dim
-        elif layer == "gdn":
-            total += gdn
+        elif layer in ("gdn", "mamba2"):
+            total += 3.0 * state_flops_per_token(config, layer, c)
         elif layer == "natsl":
             context = c / 2 + keep_fraction * max(t - c, 0.0) / 2
             heads = h * config.softmax_heads_per_group
-            total += gdn + 3.0 * 2.0 * context * heads * (config.softmax_k_dim + config.softmax_v_dim)
+            total += 3.0 * state_flops_per_token(config, layer, c)
+            total += 3.0 * 2.0 * context * heads * (config.softmax_k_dim + config.softmax_v_dim)
     return total
 
 

@@ -1,0 +1,148 @@
+"""The Mamba2 layer (Dao and Gu, "Transformers are SSMs"; as mamba_ssm's and flash-linear-attention's
+`Mamba2`), and the Mamba2 state that a NAtS-L layer can carry instead of the GDN state.
+
+    x --in_proj--> z [d_in], xBC [d_in + 2 G N], a [H]           d_in = expand * d, H = d_in / P
+    x, B, C = SiLU(short causal conv(xBC))                         one depthwise conv over x|B|C
+    dt = softplus(a + dt_bias), A = -exp(A_log)                   per head, fp32
+    y = SSD(q=C, k=B, v=x dt, g=A dt, scale 1) + D x               natsl.ops.gated_linear_rule, groups -> heads
+    out = out_proj(RMSNorm(y * silu(z)))                           the gate before the norm, over all of d_in
+
+The SSD is gated linear attention with one scalar decay per head: S_t = exp(g_t) S_{t-1} + k_t v_t^T,
+o_t = S_t^T q_t, with the state [N, P] per head. Init as Mamba2: A ~ U(1, 16), dt log-uniform in
+[1e-3, 0.1] (dt_bias its inverse softplus), D = 1. The cache (prefill + decode) is a GDNCache: the
+conv tail of x|B|C and the state [B, H, N, P].
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from natsl import ops
+from natsl.config import ModelConfig
+from natsl.models.conv import ShortConv
+from natsl.models.gated_deltanet import GatedDeltaProjections, init_decay
+from natsl.models.linear import Linear
+from natsl.models.norms import RMSNorm
+from natsl.models.pointwise import gated_input_rms_norm, mamba2_gates
+from natsl.ops import fused as kernels
+from natsl.ops.cached import gla_token_step
+
+MAMBA2_A_MIN = 1.0  # A ~ U(1, 16) (mamba_ssm's A_init_range)
+SSD_SCALE = 1.0  # Mamba2 reads its state unscaled: y = C^T S
+
+
+def step_values(v: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
+    """v [B, T, H, P] scaled by the step dt [B, T, H] (fp32): the SSD's write x dt, in v's dtype."""
+    return (v * dt[..., None]).to(v.dtype)
+
+
+def add_skip(o: torch.Tensor, v: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
+    """o + D v per head (o, v [B, T, H, P]; D [H]), in fp32 (or wider), rounded to o's dtype."""
+    dtype = torch.promote_types(o.dtype, torch.float32)
+    return (o.to(dtype) + D.to(dtype)[:, None] * v.to(dtype)).to(o.dtype)
+
+
+def ssd_state(batch: int, config: ModelConfig, device=None, dtype=torch.float32) -> torch.Tensor:
+    """An empty Mamba2 layer state [B, H, N, P]."""
+    heads = config.mamba2_expand * config.hidden_size // config.mamba2_head_dim
+    return torch.zeros(batch, heads, config.mamba2_state_size, config.mamba2_head_dim, dtype=dtype, device=device)
+
+
+class Mamba2(nn.Module):
+    def __init__(self, config: ModelConfig, device=None):
+        super().__init__()
+        self.config = config
+        self.backend = config.backend
+        d = config.hidden_size
+        self.inner = config.mamba2_expand * d
+        self.head_dim, self.state_size, self.groups = config.mamba2_head_dim, config.mamba2_state_size, config.mamba2_groups
+        self.num_heads = self.inner // self.head_dim
+        self.conv_dim = self.inner + 2 * self.groups * self.state_size
+        # No biases: mamba_ssm's and FLA's Mamba2 default (use_bias=False). Unlike them the conv has no
+        # bias either (natsl's short conv has none; 0.02% of the 800M model).
+        self.in_proj = Linear(d, self.inner + self.conv_dim + self.num_heads, bias=False, device=device)
+        self.conv = ShortConv(self.conv_dim, config.conv_size, device=device, backend=config.backend)
+        self.A_log = nn.Parameter(torch.empty(self.num_heads, device=device))
+        self.dt_bias = nn.Parameter(torch.empty(self.num_heads, device=device))
+        self.D = nn.Parameter(torch.empty(self.num_heads, device=device))
+        for p in (self.A_log, self.dt_bias, self.D):
+            p._no_weight_decay = True
+        self.norm = RMSNorm(self.inner, config.norm_eps, device=device)
+        self.out_proj = Linear(self.inner, d, bias=False, device=device)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        init_decay(self.A_log, self.dt_bias, MAMBA2_A_MIN)
+        with torch.no_grad():
+            self.D.fill_(1.0)
+
+    def forward(self, x: torch.Tensor, cache=None, rope=None) -> torch.Tensor:
+        """x [B, T, d] -> [B, T, d]; with `cache` (a GDNCache) the tokens follow those in it.
+        `rope` is accepted like every mixer's and unused."""
+        b, t, _ = x.shape
+        z, xbc, a = self.in_proj(x).split([self.inner, self.conv_dim, self.num_heads], dim=-1)
+        if cache is None:
+            xbc, _ = self.conv(xbc)
+        else:
+            fused = kernels.enabled(self.backend, x.device) and cache.state.dtype == torch.float32
+            xbc, tail = self.conv(xbc, cache.conv[0], fused=fused)
+            cache.store_conv([tail])
+        xs, B, C = xbc.split([self.inner, self.groups * self.state_size, self.groups * self.state_size], dim=-1)
+        xs = xs.view(b, t, self.num_heads, self.head_dim)
+        per_group = self.num_heads // self.groups
+        B = B.view(b, t, self.groups, self.state_size).repeat_interleave(per_group, dim=2)
+        C = C.view(b, t, self.groups, self.state_size).repeat_interleave(per_group, dim=2)
+        g, dt = mamba2_gates(a, self.A_log, self.dt_bias)
+        v = step_values(xs, dt)
+        if cache is None:
+            y, _ = ops.gated_linear_rule(C, B, v, g, scale=SSD_SCALE, backend=self.backend)
+        elif t == 1:
+            y, state = gla_token_step(cache.state, C[:, 0], B[:, 0], v[:, 0], g[:, 0], scale=SSD_SCALE)
+            cache.state.copy_(state)
+            y = y[:, None]
+        else:
+            y, state = ops.gated_linear_rule(C, B, v, g, scale=SSD_SCALE, initial_state=cache.state,
+                                             output_final_state=True, backend=self.backend)
+            cache.state.copy_(state)
+        y = add_skip(y, xs, self.D).reshape(b, t, self.inner)
+        return self.out_proj(gated_input_rms_norm(y, self.norm.weight, self.norm.eps, z))
+
+
+class Mamba2StateProjections(GatedDeltaProjections):
+    """A NAtS-L layer's projections with a Mamba2 (SSD) state in place of the GDN state: the same q, k,
+    v (conv + SiLU, H heads of K and V, cut into the softmax heads as before) read as Mamba2's C, B and
+    x; one H-wide projection a gives dt = softplus(a + dt_bias) and the decay g = -exp(A_log) dt (no
+    beta); the state is written with v dt, read unscaled from unnormalised q and k, and D v is added
+    to its output. The block write mask and commit are gated_delta_rule's (natsl.ops.gated_linear_rule)."""
+
+    gate_names = ("a_proj",)
+    merge_groups = {"qkvab": ("q_proj", "k_proj", "v_proj", "a_proj")}  # see natsl.models.merged
+    a_min = MAMBA2_A_MIN
+    scale = SSD_SCALE
+    l2_heads = False
+    fused_decode = False
+
+    def __init__(self, config: ModelConfig, device=None):
+        super().__init__(config, device=device)
+        self.D = nn.Parameter(torch.ones(self.num_heads, device=device))
+        self.D._no_weight_decay = True
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if hasattr(self, "D"):  # the base class's __init__ resets before D exists
+            with torch.no_grad():
+                self.D.fill_(1.0)
+
+    def gates(self, a: torch.Tensor):
+        """The a projection -> (log decay g, step dt), both [B, T, H] fp32."""
+        return mamba2_gates(a, self.A_log, self.dt_bias)
+
+    def rule(self, q, k, v, g, dt, write=None, **options):
+        return ops.gated_linear_rule(q, k, step_values(v, dt), g, write, scale=self.scale, **options)
+
+    def token_step(self, state, q, k, v, g, dt, fast: bool = False):
+        return gla_token_step(state, q, k, step_values(v, dt), g, scale=self.scale)
+
+    def skip(self, o: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return add_skip(o, v, self.D)

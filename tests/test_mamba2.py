@@ -1,0 +1,156 @@
+"""The Mamba2 layer and NAtS-L on a Mamba2 state: each against Mamba2's recurrence written out token by
+token here, Mamba2's init, and `natsl train` / `natsl bench-latency` on tiny models of both.
+(Prefill + decode against the full forward: tests/test_inference.py's mamba2 layouts.)"""
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from typer.testing import CliRunner
+import yaml
+
+import natsl
+from natsl.cli.main import app
+from natsl.models.mamba2 import Mamba2, Mamba2StateProjections
+
+RECIPES = Path(__file__).resolve().parent.parent / "natsl" / "recipes"
+TINY_MAMBA2 = {"mamba2_head_dim": 16, "mamba2_state_size": 8, "mamba2_groups": 2}  # 8 heads, 4 per group
+
+
+def tiny_config(**changes):
+    base = natsl.load_recipe(RECIPES / "tiny_hybrid.yaml").model
+    return dataclasses.replace(base, **{"backend": "reference", "block_size": 8, **TINY_MAMBA2, **changes})
+
+
+def ssd_by_token(C, B, x, dt, A, D):
+    """Mamba2's recurrence as its paper writes it, per head: h_t = exp(dt_t A) h_{t-1} + dt_t B_t x_t^T,
+    y_t = C_t^T h_t + D x_t. C, B [T, H, N]; x [T, H, P]; dt [T, H]; A, D [H] -> y [T, H, P]."""
+    h = torch.zeros(B.shape[1], B.shape[2], x.shape[2], dtype=x.dtype)
+    ys = []
+    for t in range(x.shape[0]):
+        h = torch.exp(dt[t] * A)[:, None, None] * h + dt[t][:, None, None] * B[t][:, :, None] * x[t][:, None, :]
+        ys.append(torch.einsum("hn,hnp->hp", C[t], h) + D[:, None] * x[t])
+    return torch.stack(ys)
+
+
+@pytest.mark.parametrize("T", [1, 7, 19])
+def test_mamba2_layer_is_the_ssd_recurrence(T):
+    config = tiny_config(base_layer="mamba2", natsl_layers=[], intermediate_size=0)
+    torch.manual_seed(0)
+    layer = Mamba2(config).double()
+    with torch.no_grad():
+        layer.D.uniform_(0.5, 1.5)  # not all ones, so a D that multiplies the wrong thing shows
+        layer.norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(1, T, config.hidden_size, dtype=torch.float64)
+    with torch.no_grad():
+        got = layer(x)[0]
+        z, xbc, a = layer.in_proj(x[0]).split([layer.inner, layer.conv_dim, layer.num_heads], dim=-1)
+        pad = torch.cat([xbc.new_zeros(config.conv_size - 1, layer.conv_dim), xbc])
+        w = layer.conv.weight[:, 0]  # [channels, width]: y_t = sum_j w_j x_{t - width + 1 + j}
+        xbc = F.silu(torch.stack([(pad[t:t + config.conv_size].T * w).sum(-1) for t in range(T)]))
+        xs, B, C = xbc.split([layer.inner, 2 * 8, 2 * 8], dim=-1)
+        B = B.view(T, 2, 8).repeat_interleave(4, dim=1)  # group g serves heads 4g .. 4g+3
+        C = C.view(T, 2, 8).repeat_interleave(4, dim=1)
+        dt = F.softplus(a + layer.dt_bias)
+        y = ssd_by_token(C, B, xs.view(T, 8, 16), dt, -layer.A_log.exp(), layer.D).reshape(T, -1)
+        gated = y * F.silu(z)  # Mamba2 gates before its norm (norm_before_gate=False), over all channels
+        expected = layer.out_proj(gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + config.norm_eps)
+                                  * layer.norm.weight)
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_natsl_state_branch_is_the_ssd_with_the_write_mask():
+    """The linear branch of NAtS-L on a Mamba2 state: the layer's q, k, v read as C, B, x (no L2 norm),
+    written with v dt and decayed by A dt; a dropped block decays the committed state but adds nothing."""
+    config = tiny_config(base_layer="natsl", natsl_layers=[], natsl_state="mamba2")
+    torch.manual_seed(1)
+    proj = Mamba2StateProjections(config).double()
+    assert not hasattr(proj, "b_proj") and proj.D.shape == (config.num_heads,)
+    T, C_ = 21, config.block_size
+    x = torch.randn(1, T, config.hidden_size, dtype=torch.float64)
+    write = torch.tensor([[[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]], dtype=torch.float64)  # [B, NB=3, H=2]
+    with torch.no_grad():
+        q, k, v, g, dt, _ = proj(x)
+        ql, kl, vl = proj.split_heads(q, k, v)
+        o, _ = proj.rule(ql, kl, vl, g, dt, write, block_size=C_, backend="reference")
+        got = proj.skip(o, vl)[0]
+        # by token: run each block from its committed state, then commit with the write mask
+        A = -proj.A_log.exp()
+        S = torch.zeros(2, config.head_k_dim, config.head_v_dim, dtype=torch.float64)
+        outs = []
+        for b0 in range(0, T, C_):
+            start, gamma = S.clone(), torch.ones(2, dtype=torch.float64)
+            for t in range(b0, min(b0 + C_, T)):
+                decay = torch.exp(dt[0, t] * A)
+                gamma = gamma * decay
+                S = decay[:, None, None] * S + dt[0, t][:, None, None] * kl[0, t][:, :, None] * vl[0, t][:, None, :]
+                outs.append(torch.einsum("hk,hkv->hv", ql[0, t], S) + proj.D[:, None] * vl[0, t])
+            w = write[0, b0 // C_][:, None, None]
+            S = gamma[:, None, None] * start + w * (S - gamma[:, None, None] * start)
+    torch.testing.assert_close(got, torch.stack(outs), rtol=1e-10, atol=1e-12)
+
+
+def test_mamba2_init():
+    torch.manual_seed(2)
+    config = tiny_config(base_layer="mamba2", natsl_layers=[1], natsl_state="mamba2", hidden_size=256)
+    model = natsl.build_model(config)
+    for mixer in (model.layers[0].mixer, model.layers[1].mixer.proj):
+        A = mixer.A_log.exp()
+        dt = F.softplus(mixer.dt_bias)
+        assert (A >= 1).all() and (A <= 16).all()  # A ~ U(1, 16), not GDN's U(0, 16)
+        assert (dt >= 1e-3 * (1 - 1e-5)).all() and (dt <= 0.1 * (1 + 1e-5)).all()
+        assert torch.equal(mixer.D, torch.ones_like(mixer.D))
+        assert all(getattr(p, "_no_weight_decay", False) for p in (mixer.A_log, mixer.dt_bias, mixer.D))
+    # log-uniform dt: its log spreads over [log 1e-3, log 0.1] (32 heads: the median lies mid-range)
+    dt = F.softplus(model.layers[0].mixer.dt_bias.detach())
+    assert abs(float(dt.log().median()) - (math.log(1e-3) + math.log(0.1)) / 2) < 1.0
+
+
+def write_tiny_recipe(path: Path, **model) -> Path:
+    data = yaml.safe_load((RECIPES / "tiny_hybrid.yaml").read_text())
+    data["name"] = path.stem
+    data["model"].update({**TINY_MAMBA2, "block_size": 16, **model})
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+TINY_SYSTEMS = {"mamba2": dict(base_layer="mamba2", natsl_layers=[], intermediate_size=0),
+                "natsl_mamba2": dict(base_layer="mamba2", natsl_layers=[1, 3], natsl_state="mamba2")}
+
+
+@pytest.mark.parametrize("system", TINY_SYSTEMS)
+def test_natsl_train_lowers_the_loss_of_tiny_mamba2_models(system, tmp_path, natsl_cache_dir):
+    recipe = write_tiny_recipe(tmp_path / f"tiny_{system}.yaml", **TINY_SYSTEMS[system])
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, [
+        "train", str(recipe), "--set", "train.seq_len=64", "train.micro_batch_size=4", "train.tokens_per_step=256",
+        "optim.warmup_tokens=0", "train.eval_every=1000", "train.save_every=1000", "--max-steps", "12",
+        "--device", "cpu", "--backend", "chunked", "--no-progress", "--out", str(out)],
+        env={"NATSL_CACHE_DIR": natsl_cache_dir, "OMP_NUM_THREADS": "1"})
+    assert result.exit_code == 0, result.output + result.stderr
+    losses = [r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert len(losses) == 12
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5, losses
+
+
+def test_bench_latency_measures_a_tiny_mamba2_and_natsl_mamba2(tmp_path):
+    recipes = [write_tiny_recipe(tmp_path / f"tiny_{name}.yaml", **changes) for name, changes in TINY_SYSTEMS.items()]
+    result = CliRunner().invoke(app, [
+        "bench-latency", *[arg for r in recipes for arg in ("--recipe", str(r))], "--min-len", "32", "--max-len", "32",
+        "--device", "cpu", "--decode-tokens", "2", "--repeats", "1", "--out", str(tmp_path / "bench"), "--no-progress"])
+    assert result.exit_code == 0, result.output + result.stderr
+    models = json.loads((tmp_path / "bench" / "latency.json").read_text())["models"]
+    assert [m["name"] for m in models] == ["tiny_mamba2", "tiny_natsl_mamba2"]
+    for model in models:
+        (point,) = model["points"]
+        assert "error" not in point and point["prefill_s"] > 0 and point["decode_ms"] > 0
+
+
+def test_bench_latency_lists_the_800m_mamba2_among_its_systems():
+    from natsl.inference import bench
+
+    assert "800m_mamba2" in bench.DEFAULT_RECIPES
