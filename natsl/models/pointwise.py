@@ -141,10 +141,15 @@ def conv_silu(x: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor) -> torc
     return F.silu(y).to(x.dtype)
 
 
-def conv_tail(x: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
+def conv_tail(x: torch.Tensor, tail: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
     """The last W-1 inputs after x: the tail [B, W-1, C] that the conv of the next tokens needs.
-    Eager and small: only the last W-1 rows of x are read."""
+    Eager and small: only the last W-1 rows of x are read. `valid` ([1] int64 on the device, a
+    padded prefill call's prompt length): the W-1 inputs before token `valid` instead, gathered
+    on the device (no host read, so a CUDA graph serves every valid)."""
     width = tail.shape[1] + 1
+    if valid is not None:
+        recent = torch.cat([tail.to(x.dtype), x], dim=1)  # token t of x is row t + W-1
+        return recent.index_select(1, valid + torch.arange(width - 1, device=x.device))
     recent = torch.cat([tail.to(x.dtype), x[:, max(x.shape[1] - (width - 1), 0):]], dim=1)
     return recent[:, recent.shape[1] - (width - 1):]
 
