@@ -60,6 +60,21 @@ def _mark_feature_dims_static(args) -> None:
             torch._dynamo.mark_static(arg, arg.dim() - 1)
 
 
+def _mark_length_dynamic(args) -> None:
+    """Without gradients (prefill, evaluation), the length dim (dim 1) of every activation argument
+    ([B, T, ...], as the first argument) is symbolic from the first call: one graph serves every
+    length, in this process and, through Inductor's on-disk cache, in the next ones, where
+    automatic dynamic shapes would compile a static graph at the first length (keyed on it on
+    disk) and a symbolic one at the second. Length 1 (decode) stays its own graph (dynamo always
+    specialises sizes 0 and 1). Training keeps its static length (one length per run)."""
+    first = args[0]
+    if first.dim() < 3 or torch.is_grad_enabled():
+        return
+    for arg in args:
+        if isinstance(arg, torch.Tensor) and arg.dim() >= 3 and arg.shape[:2] == first.shape[:2]:
+            torch._dynamo.maybe_mark_dynamic(arg, 1)
+
+
 def pointwise(fn):
     """fn, run through torch.compile where `compile_for(first argument)` says so (CUDA, by default)."""
     compiled = dynamic = None
@@ -75,6 +90,7 @@ def pointwise(fn):
                 compiled = torch.compile(fn, dynamic=dynamic)
             if dynamic is None:
                 _mark_feature_dims_static(args)
+                _mark_length_dynamic(args)
             return compiled(*args, **kwargs)
         return fn(*args, **kwargs)
 
