@@ -67,6 +67,9 @@ class Switches:
                                "False: eager ops")
     state_split: bool = _switch(True, "NATSL_STATE_SPLIT", "the sequential GDN kernels' last round split off "
                                 "(read when natsl.fast.gated_delta is imported)")
+    train_auto_compile: bool = _switch(True, "NATSL_TRAIN_AUTO_COMPILE", "natsl train compiles small models "
+                                       "with CUDA-graphed steps on one GPU when the recipe asks for neither "
+                                       "(natsl.training.trainer.auto_compile)")
     # -- inference (prefill and decode from a cache) ------------------------------------------------
     fused_inference: bool = _switch(True, "NATSL_FUSED_INFERENCE", "the cached paths' fused Triton kernels "
                                     "(CUDA with the fast backend)")
