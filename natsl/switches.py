@@ -67,6 +67,9 @@ class Switches:
                                "False: eager ops")
     state_split: bool = _switch(True, "NATSL_STATE_SPLIT", "the sequential GDN kernels' last round split off "
                                 "(read when natsl.fast.gated_delta is imported)")
+    train_auto_compile: bool = _switch(True, "NATSL_TRAIN_AUTO_COMPILE", "natsl train compiles small models "
+                                       "with CUDA-graphed steps on one GPU when the recipe asks for neither "
+                                       "(natsl.training.trainer.auto_compile)")
     # -- inference (prefill and decode from a cache) ------------------------------------------------
     fused_inference: bool = _switch(True, "NATSL_FUSED_INFERENCE", "the cached paths' fused Triton kernels "
                                     "(CUDA with the fast backend)")
@@ -78,6 +81,8 @@ class Switches:
                                "kernels (CUDA, compute capability 9.0 or newer)")
     prefill_overlap: bool = _switch(True, "NATSL_PREFILL_OVERLAP", "a long prefill runs the GDN branch on a "
                                     "second CUDA stream beside the softmax branch")
+    prefill_graphs: bool = _switch(True, "NATSL_PREFILL_GRAPHS", "short prompts (batch 1, empty cache) prefill "
+                                   "from CUDA graphs captured per length bucket (natsl.inference.prefill_graph)")
     # -- forced choices for tests and benchmarks (no environment variable) ---------------------------
     force_fused_inference: Optional[bool] = _switch(
         None, None, "True/False forces the fused inference kernels on (wherever Triton runs, the interpreter "

@@ -111,6 +111,22 @@ def test_scale_and_nothing_visible():
             assert (decode_attention(*fast_in, num_splits=splits, slot_stats=slot_stats) == 0).all()
 
 
+def test_split_count_is_not_compiled_in():
+    """The split count follows the read length, which grows through a decode: it is a runtime argument
+    (not specialised), so a new count never compiles the kernels again; only the one-split flag and
+    the combine's power-of-two tile (16, 32 or 64) are compile-time."""
+    from triton.runtime.jit import JITFunction
+
+    from natsl.fast import decode_attention as module
+
+    for kernel, constexprs in zip(module._kernels(), ({"ONE_SPLIT"}, {"SPLITS_P"})):
+        jit = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn, **kernel.kwargs)
+        params = {p.name: p for p in jit.params}
+        assert not params["num_splits"].is_constexpr and params["num_splits"].do_not_specialize
+        assert constexprs <= {name for name, p in params.items() if p.is_constexpr}
+        assert "NUM_SPLITS" not in params
+
+
 def test_choose_splits():
     assert choose_splits(65536, 24, 132) == 17  # 408 programs, ~3 per SM of an H200
     assert choose_splits(65536, 48, 132) == 9

@@ -96,6 +96,38 @@ def test_compile_dynamic_setting(setting, dynamic, monkeypatch, use_switches):
     assert marked == ([((2, 3, 8), 2), ((8,), 0)] if dynamic is None else [])
 
 
+def test_length_dim_is_symbolic_from_the_first_call_without_gradients(monkeypatch, use_switches):
+    """In the default ("auto"), calls without gradients mark dim 1 of the [B, T, ...] arguments dynamic
+    (one graph for every length); with gradients nothing is marked (training keeps its static length)."""
+    marked = []
+    monkeypatch.setattr(torch._dynamo, "maybe_mark_dynamic", lambda t, dim: marked.append((tuple(t.shape), dim)))
+    use_switches(compile_pointwise="all")
+    monkeypatch.setattr(torch, "compile", lambda fn, dynamic=None: fn)
+    fn = pw.pointwise(lambda x, tail, w: x * w)
+    args = (torch.ones(2, 5, 8), torch.ones(2, 3, 8), torch.ones(8))
+    fn(*args)
+    assert marked == []
+    with torch.no_grad():
+        fn(*args)
+        fn(torch.ones(2, 8), torch.ones(2, 8), torch.ones(8))  # a decode step's [B, d]: no length dim
+    assert marked == [((2, 5, 8), 1)]
+
+
+@pytest.mark.slow
+def test_no_recompile_at_a_new_length_without_gradients(use_switches):
+    """Through Inductor's CPU backend: an RMSNorm without gradients at three lengths builds one graph."""
+    from torch._dynamo.utils import counters
+
+    use_switches(compile_pointwise="all")
+    fn = pw.pointwise(pw.rms_norm.eager)  # a fresh compiled function: no graph from other tests
+    before = counters["stats"]["unique_graphs"]
+    with torch.no_grad():
+        for length in (100, 37, 300):
+            x = torch.randn(1, length, 16)
+            assert torch.allclose(fn(x, None, 1e-6), pw.rms_norm.eager(x, None, 1e-6), atol=1e-6)
+    assert counters["stats"]["unique_graphs"] - before == 1
+
+
 # ----------------------------------------------------------------------------- GPU: compiled vs eager
 def _cases(device, dtype, T):
     B, C, H, D = 2, 96, 6, 16

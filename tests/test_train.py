@@ -671,3 +671,21 @@ def test_ctrl_c_during_start_up_is_one_line_and_130(tmp_path, cache_env):
     assert proc.returncode == 130 and stderr.strip().splitlines()[-1] == "interrupted", stderr
     assert "Traceback" not in stderr
     assert not (tmp_path / "run" / ".train.lock").exists()
+
+
+def test_auto_compile_rule(monkeypatch, use_switches):
+    """Small models on one CUDA device compile with CUDA-graphed steps by default; not on the CPU, not
+    with several ranks, not past the size limit, not with the switch off."""
+    import natsl
+    from natsl.training import trainer
+
+    model = natsl.build_model(natsl.load_recipe("tiny_hybrid"))
+    cuda = torch.device("cuda")
+    assert trainer.auto_compile(model, 1, cuda)
+    assert not trainer.auto_compile(model, 1, torch.device("cpu"))
+    assert not trainer.auto_compile(model, 2, cuda)
+    monkeypatch.setattr(trainer, "AUTO_COMPILE_MAX_PARAMS", 1000)
+    assert not trainer.auto_compile(model, 1, cuda)
+    monkeypatch.setattr(trainer, "AUTO_COMPILE_MAX_PARAMS", 10**9)
+    use_switches(train_auto_compile=False)
+    assert not trainer.auto_compile(model, 1, cuda)

@@ -52,4 +52,5 @@ def test_warm_up_counts_what_each_length_added_to_the_caches(tmp_path, monkeypat
     model.set_backend("chunked")
     records = warmup.warm_up(model, [32, 48], device=torch.device("cpu"), decode_steps=1)
     assert [(r["length"], r["new_triton_files"], r["new_inductor_files"]) for r in records] == [(32, 1, 0), (48, 1, 0)]
-    assert all(r["first_prefill_s"] > 0 and r["warm_prefill_s"] > 0 and r["decode_s"] > 0 for r in records)
+    assert all(r["first_prefill_s"] > 0 and r["warm_prefill_s"] > 0 and r["decode_s"] > 0 and r["ragged_prefill_s"] > 0
+               for r in records)

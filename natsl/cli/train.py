@@ -30,7 +30,8 @@ def train(
     device: Optional[str] = typer.Option(None, help="cpu, cuda or cuda:N (default: cuda if there is one)."),
     backend: Optional[str] = typer.Option(None, help="reference, chunked or fast (default: fast on CUDA, chunked on CPU)."),
     compile_: Optional[bool] = typer.Option(None, "--compile/--no-compile", help="torch.compile the model "
-                                            "(default: train.compile)."),
+                                            "(default: train.compile; on one GPU a small model, natsl.training.trainer.auto_compile, "
+                                            "compiles with CUDA-graphed steps unless the recipe sets either)."),
     threads: Optional[int] = typer.Option(None, help="CPU threads (default: OMP_NUM_THREADS, else 1: tiny models "
                                                      "gain nothing from more, and they fight on shared machines)."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show the progress bar."),

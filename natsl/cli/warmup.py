@@ -60,13 +60,15 @@ def warmup(
     dirs = cache_dirs()
     print(f"warming up {name} on {torch_device}, {str(torch_dtype).replace('torch.', '')}, backend {chosen_backend}, "
           f"batch {batch_size}")
-    header = f"{'length':>8} {'first prefill s':>16} {'warm prefill s':>15} {'decode s':>9} {'triton files':>13} " \
+    header = f"{'length':>8} {'first prefill s':>16} {'warm prefill s':>15} {'ragged s':>9} {'decode s':>9} " \
+             f"{'triton files':>13} " \
              f"{'inductor files':>15} {'graphs':>7}"
     print(header)
     print("-" * len(header))
 
     def show(r: dict) -> None:
-        print(f"{r['length']:>8} {r['first_prefill_s']:>16.3f} {r['warm_prefill_s']:>15.3f} {r['decode_s']:>9.3f} "
+        print(f"{r['length']:>8} {r['first_prefill_s']:>16.3f} {r['warm_prefill_s']:>15.3f} "
+              f"{r['ragged_prefill_s']:>9.3f} {r['decode_s']:>9.3f} "
               f"{r['new_triton_files']:>13} {r['new_inductor_files']:>15} {r['graphs_compiled']:>7}", flush=True)
 
     records = warm_up(model, length_list, device=torch_device, batch=batch_size, decode_steps=decode_tokens,

@@ -3,7 +3,7 @@
 
 At decode time a row (b, h) has one query and up to L cached keys, so one program per row leaves
 most of the GPU idle (24 heads at batch 1 fill 24 of 132 SMs) and serialises the whole key range.
-Here each row's visible keys are cut into NUM_SPLITS chunks, one program per (row, chunk):
+Here each row's visible keys are cut into `num_splits` chunks, one program per (row, chunk):
 
 - kernel 1 runs an online softmax (fp32, exp2 with log2(e) folded into the scale) over its chunk
   and writes the chunk's max, sum and unnormalised accumulator to fp32 scratch;
@@ -38,12 +38,14 @@ def _kernels():
     import triton
     import triton.language as tl
 
-    @triton.jit
-    def split_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, o_ptr, m_ptr, l_ptr, acc_ptr, H, L, qk_scale,
+    # The split count is a runtime value (not specialised): it follows the read length, which grows
+    # as a decode goes on, and a constexpr count compiled the kernel again at every new count.
+    @triton.jit(do_not_specialize=["num_splits"])
+    def split_kernel(q_ptr, k_ptr, v_ptr, vis_ptr, o_ptr, m_ptr, l_ptr, acc_ptr, H, L, qk_scale, num_splits,
                      stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
                      stride_vb, stride_vh, stride_vl, stride_vd, stride_visb, stride_vish,
                      DK: tl.constexpr, DV: tl.constexpr, DK_P: tl.constexpr, DV_P: tl.constexpr,
-                     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SLOT_STATS: tl.constexpr,
+                     BLOCK_N: tl.constexpr, ONE_SPLIT: tl.constexpr, SLOT_STATS: tl.constexpr,
                      PDL: tl.constexpr):
         if PDL:  # kernels.pdl: wait for the earlier kernels' writes, then let the next kernel start
             tl.extra.cuda.gdc_wait()
@@ -59,7 +61,7 @@ def _kernels():
         vis = tl.load(vis_ptr + b * stride_visb + h * stride_vish)
         vis = tl.minimum(tl.maximum(vis, 0), L)
         # Chunks are cut from this row's visible (not L), so every split gets a share of the real work.
-        chunk = tl.cdiv(tl.cdiv(vis, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        chunk = tl.cdiv(tl.cdiv(vis, num_splits), BLOCK_N) * BLOCK_N
         lo = split * chunk
         hi = tl.minimum(lo + chunk, vis)
 
@@ -114,28 +116,28 @@ def _kernels():
                 l_i = l_i * alpha + tl.sum(p, axis=0)
                 m_i = m_new
 
-        if NUM_SPLITS == 1:
+        if ONE_SPLIT:
             # l_i == 0 only where nothing is visible, and then acc is 0: zeros out
             out = acc / tl.where(l_i > 0, l_i, 1.0)
             tl.store(o_ptr + bh * DV + dv, out.to(o_ptr.dtype.element_ty), mask=mask_dv)
         else:
-            part = bh * NUM_SPLITS + split
+            part = bh * num_splits + split
             tl.store(m_ptr + part, m_i)
             tl.store(l_ptr + part, l_i)
             tl.store(acc_ptr + part * DV + dv, acc, mask=mask_dv)
 
-    @triton.jit
-    def combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, DV: tl.constexpr, DV_P: tl.constexpr,
-                       NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, PDL: tl.constexpr):
+    @triton.jit(do_not_specialize=["num_splits"])
+    def combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, num_splits, DV: tl.constexpr, DV_P: tl.constexpr,
+                       SPLITS_P: tl.constexpr, PDL: tl.constexpr):
         if PDL:  # kernels.pdl: wait for the earlier kernels' writes, then let the next kernel start
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         bh = tl.program_id(0).to(tl.int64)
         sp = tl.arange(0, SPLITS_P)
         dv = tl.arange(0, DV_P)
-        mask_s = sp < NUM_SPLITS
+        mask_s = sp < num_splits
         mask_dv = dv < DV
-        part = bh * NUM_SPLITS + sp
+        part = bh * num_splits + sp
         m = tl.load(m_ptr + part, mask=mask_s, other=-float("inf"))
         sums = tl.load(l_ptr + part, mask=mask_s, other=0.0)
         m_max = tl.max(m, axis=0)
@@ -193,13 +195,13 @@ def decode_attention(q, keys, values, visible, *, scale=None, num_splits: int | 
     split_kernel, combine_kernel = _kernels()
     on = kernels.pdl(q.device)
     split_kernel[(rows, splits)](
-        q, keys, values, visible, out, maxes, sums, accs, H, L, scale * math.log2(math.e),
+        q, keys, values, visible, out, maxes, sums, accs, H, L, scale * math.log2(math.e), splits,
         q.stride(0), q.stride(2), q.stride(3), *keys.stride(), *values.stride(), *visible.stride(),
-        DK=Dk, DV=Dv, DK_P=DK_P, DV_P=DV_P, BLOCK_N=block_n, NUM_SPLITS=splits, SLOT_STATS=slot_stats,
+        DK=Dk, DV=Dv, DK_P=DK_P, DV_P=DV_P, BLOCK_N=block_n, ONE_SPLIT=splits == 1, SLOT_STATS=slot_stats,
         num_warps=num_warps, PDL=on, **kernels.launch_options(on),
         **({} if num_stages is None else {"num_stages": num_stages}))
     if splits > 1:
-        combine_kernel[(rows,)](maxes, sums, accs, out, DV=Dv, DV_P=DV_P, NUM_SPLITS=splits,
-                                SPLITS_P=kernels.next_pow2(splits), num_warps=4, PDL=on,
+        combine_kernel[(rows,)](maxes, sums, accs, out, splits, DV=Dv, DV_P=DV_P,
+                                SPLITS_P=max(16, kernels.next_pow2(splits)), num_warps=4, PDL=on,
                                 **kernels.launch_options(on))
     return out

@@ -36,6 +36,7 @@ from natsl.atomic import save_figure, write_json
 from natsl.provenance import provenance
 
 from natsl.inference.decode import DecodeRunner
+from natsl.inference.prefill_graph import prefill
 from natsl.models.routing import force_keep_fraction
 from natsl.models.state_cost import state_flops_per_token
 
@@ -164,7 +165,7 @@ def time_prefill(model, ids, cache, repeats: int, device) -> float:
         cache.reset()
         synchronize(device)
         start = time.perf_counter()
-        model.forward_cached(ids, cache, last_only=True)
+        prefill(model, ids, cache)
         synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
@@ -178,7 +179,7 @@ def first_call(model, ids, cache, decode_steps: int, device, cuda_graphs: bool =
     cache.reset()
     synchronize(device)
     start = time.perf_counter()
-    logits = model.forward_cached(ids, cache, last_only=True)
+    logits = prefill(model, ids, cache)  # a short prompt records its bucket's CUDA graph here
     synchronize(device)
     prefilled = time.perf_counter()
     runner = DecodeRunner(model, cache, cuda_graphs=cuda_graphs)

@@ -17,6 +17,7 @@ import torch
 
 from natsl.errors import NatslError
 from natsl.inference.decode import DecodeRunner
+from natsl.inference.prefill_graph import prefill
 from natsl.inference.sampling import SamplingConfig, sample
 
 # Prompt tokens per prefill call on the CPU (see generate).
@@ -109,8 +110,9 @@ def generate(model, tokenizer, prompts: list[list[int]], config: SamplingConfig,
     piece = CPU_PREFILL_CHUNK if device.type == "cpu" else max_seq_len
     for i, ids in enumerate(prompts):
         tokens = torch.tensor([ids], dtype=torch.long, device=device)
+        slot = cache.slot(i)
         for start in range(0, len(ids), piece):
-            out = model.forward_cached(tokens[:, start:start + piece], cache.slot(i), last_only=True)
+            out = prefill(model, tokens[:, start:start + piece], slot)  # a short prompt replays a CUDA graph
         last.append(out[:, -1])
     logits = torch.cat(last, dim=0)
     if device.type == "cuda":

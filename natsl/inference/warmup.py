@@ -18,7 +18,12 @@ from typing import Callable
 
 import torch
 
-from natsl.inference.bench import first_call, time_prefill
+from natsl.inference.bench import first_call, synchronize, time_prefill
+from natsl.inference.prefill_graph import prefill
+
+# The ragged call after each length: a prompt this much shorter (so no multiple of 16, which Triton
+# compiles apart), then the rest as a second call (the path that continues a cache).
+RAGGED_TAIL = 27
 
 
 def cache_dirs() -> dict[str, Path]:
@@ -50,12 +55,29 @@ def graphs_compiled() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def ragged_prefill(model, ids, cache, device) -> float:
+    """Seconds of a prefill of all but the last RAGGED_TAIL tokens of `ids` (a length Triton specialises
+    apart; a short prompt's padded CUDA-graph bucket) and then of those tokens (the continuation
+    path), into `cache` (reset first)."""
+    cache.reset()
+    cut = max(1, ids.shape[1] - RAGGED_TAIL)
+    synchronize(device)
+    start = time.perf_counter()
+    prefill(model, ids[:, :cut], cache)
+    if cut < ids.shape[1]:
+        model.forward_cached(ids[:, cut:], cache, last_only=True)
+    synchronize(device)
+    return time.perf_counter() - start
+
+
 @torch.no_grad()
 def warm_up(model, lengths: list[int], *, device: torch.device, batch: int = 1, decode_steps: int = 4, seed: int = 0,
             on_length: Callable[[dict], None] | None = None) -> list[dict]:
     """Prefill `batch` x L random tokens and decode `decode_steps` tokens at each L of `lengths`, then
-    prefill once more (warm). One record per length: first (cold) and warm prefill seconds, the
-    decode steps' seconds, new files in the Triton and Inductor caches and graphs torch.compile built."""
+    prefill once more (warm), then a ragged prefill (`ragged_prefill`). One record per length: first
+    (cold), warm and ragged prefill seconds, the decode steps' seconds, new files in the Triton and
+    Inductor caches and graphs torch.compile built. On CUDA a short prompt's prefill records its
+    bucket's CUDA graph here too (natsl.inference.prefill_graph), compiling the padded shapes."""
     dirs = cache_dirs()
     generator = torch.Generator().manual_seed(seed)
     records = []
@@ -67,8 +89,9 @@ def warm_up(model, lengths: list[int], *, device: torch.device, batch: int = 1, 
         start = time.perf_counter()
         # CUDA graphs are not kept on disk: the decode steps run plain, which compiles the same kernels.
         cold = first_call(model, ids, cache, decode_steps, device)
+        warm = time_prefill(model, ids, cache, 1, device)
         record = {"length": length, "first_prefill_s": cold["prefill_s"], "decode_s": cold["decode_s"],
-                  "warm_prefill_s": time_prefill(model, ids, cache, 1, device),
+                  "warm_prefill_s": warm, "ragged_prefill_s": ragged_prefill(model, ids, cache, device),
                   "seconds": time.perf_counter() - start, "graphs_compiled": graphs_compiled() - graphs,
                   **{f"new_{name}_files": count_files(folder) - before[name] for name, folder in dirs.items()}}
         del cache

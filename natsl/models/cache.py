@@ -30,7 +30,12 @@ from dataclasses import dataclass, field
 import torch
 
 from natsl.errors import NatslError
-from natsl.models.mamba2 import ssd_state
+
+
+def ssd_state(batch: int, config, device=None, dtype=torch.float32) -> torch.Tensor:
+    """An empty Mamba2 layer state [B, H, N, P]."""
+    heads = config.mamba2_expand * config.hidden_size // config.mamba2_head_dim
+    return torch.zeros(batch, heads, config.mamba2_state_size, config.mamba2_head_dim, dtype=dtype, device=device)
 
 
 def read_length(needed: int, capacity: int) -> int:
@@ -55,9 +60,31 @@ class Positions:
     start: int | None = None  # during a prefill call: the position of its first token (all equal)
     attn_read: int = 0  # key slots a softmax-attention decode step reads (see `read_length`)
     natsl_read: int = 0  # key slots a NAtS-L decode step reads
+    # A padded prefill call (CausalLM.prefill_padded, the CUDA-graphed prefill of natsl.inference.prefill_graph):
+    # its first `valid` tokens ([1] int64 on the device) are the prompt, the rest pads that must leave no
+    # trace in the cache; `partial_last`: the call's last block holds pads, so it stays unfinished.
+    valid: torch.Tensor | None = None
+    partial_last: bool = False
 
     def narrow(self, index: int) -> "Positions":
         return dataclasses.replace(self, pos=self.pos[index:index + 1], lengths=self.lengths[index:index + 1])
+
+
+def real_tokens(positions: Positions, length: int, device) -> torch.Tensor | None:
+    """[1, length, 1] bool: which tokens of a padded prefill call are the prompt's (None: all of them)."""
+    if positions.valid is None:
+        return None
+    return (torch.arange(length, device=device) < positions.valid)[None, :, None]
+
+
+def drop_pad_gates(g: torch.Tensor, beta: torch.Tensor, positions: Positions):
+    """The GDN gates of a padded prefill call with g = 0 and beta = 0 at the pads: such a token leaves
+    the state as it was (S exp(0) (I - 0 k k^T) + 0 v k^T = S), so the state after the call is the
+    state after the prompt."""
+    real = real_tokens(positions, g.shape[1], g.device)
+    if real is None:
+        return g, beta
+    return g.masked_fill(~real, 0), beta.masked_fill(~real, 0)
 
 
 @dataclass

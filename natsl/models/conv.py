@@ -32,11 +32,13 @@ class ShortConv(nn.Module):
         # fan-in of kernel_size, ~10x wider) before, which is not what the paper trained.
         nn.init.normal_(self.weight, mean=0.0, std=std)
 
-    def forward(self, x: torch.Tensor, tail: torch.Tensor | None = None, fused: bool = False):
+    def forward(self, x: torch.Tensor, tail: torch.Tensor | None = None, fused: bool = False,
+                valid: torch.Tensor | None = None):
         """x [B, T, C], tail [B, kernel-1, C] or None (zeros) -> (SiLU(conv(x)) [B, T, C], new tail).
         The new tail is None where no tail was given (the full-sequence forward keeps none).
         `fused` (cached prefill): the Triton kernel of natsl.fast.cached, where no gradient is
-        wanted (it has no backward)."""
+        wanted (it has no backward). `valid`: a padded prefill call's prompt length (the new tail
+        ends there; natsl.models.pointwise.conv_tail)."""
         if tail is None:
             if resolve_backend(self.backend, x.device) == "fast":
                 from natsl.ops.short_conv import short_conv_silu  # Triton: imported where used
@@ -44,8 +46,8 @@ class ShortConv(nn.Module):
                 return short_conv_silu(x, self.weight), None
             return conv_silu(x, self.weight, x.new_zeros(x.shape[0], self.kernel_size - 1, x.shape[2])), None
         if fused and not torch.is_grad_enabled():
-            return kernels.conv_chunk(x, tail, self.weight), conv_tail(x, tail)
-        return conv_silu(x, self.weight, tail), conv_tail(x, tail)
+            return kernels.conv_chunk(x, tail, self.weight), conv_tail(x, tail, valid)
+        return conv_silu(x, self.weight, tail), conv_tail(x, tail, valid)
 
 
 # Whether the q, k and v convs of a GDN projection run as one fast op over the joined q|k|v product

@@ -17,6 +17,7 @@ from torch import nn
 
 from natsl import ops
 from natsl.config import ModelConfig
+from natsl.models.cache import drop_pad_gates
 from natsl.models.conv import ShortConv, joined_conv_fits, joined_conv_silu
 from natsl.models.linear import Linear
 from natsl.models.merged import buffer_product, group_product, joined_product
@@ -69,10 +70,12 @@ class GatedDeltaProjections(nn.Module):
     def reset_parameters(self) -> None:
         init_decay(self.A_log, self.dt_bias, self.a_min)
 
-    def forward(self, x: torch.Tensor, conv_tails=None, fused: bool = False):
+    def forward(self, x: torch.Tensor, conv_tails=None, fused: bool = False, positions=None):
         """x [B, T, d] -> (q [B,T,H*K], k [B,T,H*K], v [B,T,H*V] post-conv, g [B,T,H] fp32, beta [B,T,H], tails).
         (A Mamba2 state returns its step dt [B,T,H] fp32 in beta's place.)
-        `fused`: the cached path's convs run on the fused inference kernel."""
+        `fused`: the cached path's convs run on the fused inference kernel. `positions` (cached paths):
+        in a padded prefill call the tails end at the prompt and the pads' gates are zero
+        (natsl.models.cache.drop_pad_gates)."""
         convs = [self.q_conv, self.k_conv, self.v_conv]
         if conv_tails is None and joined_conv_fits(convs, x.device):
             qkv = joined_product("gdn_qkv", [self.q_proj, self.k_proj, self.v_proj], x)
@@ -81,11 +84,14 @@ class GatedDeltaProjections(nn.Module):
                 g, beta = self.gates(*self.gate_inputs(x))
                 return q, k, v, g, beta, (None, None, None)
         tails = conv_tails or (None, None, None)
+        valid = None if positions is None else positions.valid
         q, k, v, *raw_gates = self.linear(x)
-        q, q_tail = self.q_conv(q, tails[0], fused=fused)
-        k, k_tail = self.k_conv(k, tails[1], fused=fused)
-        v, v_tail = self.v_conv(v, tails[2], fused=fused)
+        q, q_tail = self.q_conv(q, tails[0], fused=fused, valid=valid)
+        k, k_tail = self.k_conv(k, tails[1], fused=fused, valid=valid)
+        v, v_tail = self.v_conv(v, tails[2], fused=fused, valid=valid)
         g, beta = self.gates(*raw_gates)
+        if valid is not None:
+            g, beta = drop_pad_gates(g, beta, positions)
         return q, k, v, g, beta, (q_tail, k_tail, v_tail)
 
     merge_groups = {"qkvab": ("q_proj", "k_proj", "v_proj", "a_proj", "b_proj")}  # see natsl.models.merged
@@ -172,7 +178,7 @@ class GatedDeltaNet(nn.Module):
             o, _ = kernels.gdn_decode_step(q[:, 0], k[:, 0], v[:, 0], a[:, 0], b[:, 0],
                                            p.A_log, p.dt_bias, cache.state)
             return self.output(o[:, None], x, fused=True)
-        q, k, v, g, beta, tails = self.proj(x, cache.conv, fused=fused)
+        q, k, v, g, beta, tails = self.proj(x, cache.conv, fused=fused, positions=cache.positions)
         cache.store_conv(tails)
         q, k, v = self.proj.split_heads(q, k, v, fused=fused)
         if x.shape[1] == 1:

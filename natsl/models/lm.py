@@ -68,6 +68,12 @@ def add_then_norm(x: torch.Tensor, residual, norm: RMSNorm):
     return x, kernels.rms_norm(x, norm.weight, norm.eps)
 
 
+def last_token(x: torch.Tensor, cache) -> torch.Tensor:
+    """x [B, T, ...] -> [B, 1, ...]: the call's last token, or in a padded call the prompt's last."""
+    valid = cache.positions.valid
+    return x[:, -1:] if valid is None else x.index_select(1, valid - 1)
+
+
 def rope_table_for(c: ModelConfig, length: int, device) -> RopeTable | None:
     """The RoPE angles that every rotating layer of a model of config `c` shares in one full-sequence
     forward, for each rotating head dim (None: no layer rotates). See RopeTable: a compiled model gains
@@ -184,6 +190,28 @@ class CausalLM(nn.Module):
         cache.advance(length)
         return logits
 
+    def prefill_padded(self, input_ids: torch.Tensor, cache, valid: torch.Tensor, partial_last: bool) -> torch.Tensor:
+        """Prefill an emptied `cache` with input_ids [B, n]: its first `valid` tokens ([1] int64 on the
+        device) are the prompt, the rest pads; logits of the last prompt token [B, 1, vocab].
+
+        Device work only, with every shape fixed by n, so one CUDA graph serves every prompt length
+        up to n (natsl.inference.prefill_graph). The cache ends as a prefill of the prompt alone
+        leaves it, except that its positions stay at 0 (the caller moves them) and that K/V slots
+        past the prompt's may hold the pads' (every read masks them; they are overwritten before
+        they are read). Pads leave no trace in the states: their GDN gates are zero, the conv tails
+        end at the prompt, the NAtS-L router's running sum skips them, and with `partial_last` (the
+        prompt ends inside the call's last routing block) that block stays unfinished, as the
+        prompt's. With NAtS-L layers every pad must sit in the routing block of the prompt's last
+        token ((valid - 1) // block_size == (n - 1) // block_size).
+        """
+        cache.reset()
+        positions = cache.positions
+        positions.start, positions.valid, positions.partial_last = 0, valid, partial_last
+        try:
+            return self._cached_layers(input_ids, cache, last_only=True)
+        finally:
+            positions.start, positions.valid, positions.partial_last = None, None, False
+
     def decode_step(self, input_ids: torch.Tensor, cache) -> torch.Tensor:
         """One token per sequence [B, 1] -> logits [B, 1, vocab], each sequence at its own position.
 
@@ -204,12 +232,12 @@ class CausalLM(nn.Module):
             for block, layer_cache in zip(self.layers, cache.layers):
                 x, pending = block.forward_fused(x, pending, layer_cache)
             if last_only:
-                x, pending = x[:, -1:], (None if pending is None else pending[:, -1:])
+                x, pending = last_token(x, cache), (None if pending is None else last_token(pending, cache))
             return self.lm_head(add_then_norm(x, pending, self.norm)[1])
         for block, layer_cache in zip(self.layers, cache.layers):
             x = block(x, layer_cache)
         if last_only:
-            x = x[:, -1:]
+            x = last_token(x, cache)
         return self.lm_head(self.norm(x))
 
     def num_parameters(self) -> int:

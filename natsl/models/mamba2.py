@@ -43,12 +43,6 @@ def add_skip(o: torch.Tensor, v: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
     return (o.to(dtype) + D.to(dtype)[:, None] * v.to(dtype)).to(o.dtype)
 
 
-def ssd_state(batch: int, config: ModelConfig, device=None, dtype=torch.float32) -> torch.Tensor:
-    """An empty Mamba2 layer state [B, H, N, P]."""
-    heads = config.mamba2_expand * config.hidden_size // config.mamba2_head_dim
-    return torch.zeros(batch, heads, config.mamba2_state_size, config.mamba2_head_dim, dtype=dtype, device=device)
-
-
 class Mamba2(nn.Module):
     def __init__(self, config: ModelConfig, device=None):
         super().__init__()

@@ -16,6 +16,7 @@ import torch
 from natsl import ops
 from natsl.models import overlap
 from natsl.models.block_end import close_block, decode_slots
+from natsl.models.cache import real_tokens
 from natsl.models.routing import KeepFraction
 from natsl.ops import fused as kernels
 from natsl.ops.cached import attend_cached, commit_state, masked_attention, read_state, use_fast, write_kv
@@ -43,7 +44,7 @@ class CachedNAtSL:
             q, k, v, *raw_gates = self.proj.decode_conv(x, cache.conv)  # tails shifted in place
             o_la, o_nla = self._decode(x, q, k, v, cache, raw_gates=raw_gates, fused=True)
         else:
-            q, k, v, g, beta, tails = self.proj(x, cache.conv, fused=fused)
+            q, k, v, g, beta, tails = self.proj(x, cache.conv, fused=fused, positions=cache.positions)
             cache.store_conv(tails)
             if cache.positions.start is None:
                 o_la, o_nla = self._decode(x, q, k, v, cache, gates=(g, beta), fused=fused)
@@ -127,6 +128,10 @@ class CachedNAtSL:
         head = min(T, C - n) if n else 0
         full = (T - head) // C
         tail = T - head - full * C
+        if cache.positions.partial_last and tail == 0 and full:
+            # a padded call (CausalLM.prefill_padded) whose last block ends in pads: that block is
+            # the prompt's unfinished one, run as a tail (its pads have zero gates: drop_pad_gates)
+            full, tail = full - 1, C
         closes_head = n > 0 and n + head == C
         fast = use_fast(self.backend, x.device)
 
@@ -164,10 +169,13 @@ class CachedNAtSL:
         self._store_kv(ks, vs, cache, n, keep, fused)
         overlap.join(side, x.device)
 
-        # Commit the new states and the router's running sum of the unfinished block.
+        # Commit the new states and the router's running sum of the unfinished block (pads left out).
         cache.state_start.copy_(s_start)
         cache.state_run.copy_(s_run)
         cache.decay_sum.copy_(decay)
+        real = real_tokens(cache.positions, T, x.device)
+        if real is not None:
+            x = x.masked_fill(~real, 0)
         if completed == 0:
             cache.x_sum.add_(x.sum(1, dtype=acc))
         else:

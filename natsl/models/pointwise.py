@@ -62,6 +62,21 @@ def _mark_feature_dims_static(args) -> None:
             torch._dynamo.mark_static(arg, arg.dim() - 1)
 
 
+def _mark_length_dynamic(args) -> None:
+    """Without gradients (prefill, evaluation), the length dim (dim 1) of every activation argument
+    ([B, T, ...], as the first argument) is symbolic from the first call: one graph serves every
+    length, in this process and, through Inductor's on-disk cache, in the next ones, where
+    automatic dynamic shapes would compile a static graph at the first length (keyed on it on
+    disk) and a symbolic one at the second. Length 1 (decode) stays its own graph (dynamo always
+    specialises sizes 0 and 1). Training keeps its static length (one length per run)."""
+    first = args[0]
+    if first.dim() < 3 or torch.is_grad_enabled():
+        return
+    for arg in args:
+        if isinstance(arg, torch.Tensor) and arg.dim() >= 3 and arg.shape[:2] == first.shape[:2]:
+            torch._dynamo.maybe_mark_dynamic(arg, 1)
+
+
 def pointwise(fn):
     """fn, run through torch.compile where `compile_for(first argument)` says so (CUDA, by default)."""
     compiled = dynamic = None
@@ -77,6 +92,7 @@ def pointwise(fn):
                 compiled = torch.compile(fn, dynamic=dynamic)
             if dynamic is None:
                 _mark_feature_dims_static(args)
+                _mark_length_dynamic(args)
             return compiled(*args, **kwargs)
         return fn(*args, **kwargs)
 
@@ -101,10 +117,15 @@ l2_normalize = pointwise(norms.l2_normalize)
 conv_silu = pointwise(short_conv.short_conv_silu)
 
 
-def conv_tail(x: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
+def conv_tail(x: torch.Tensor, tail: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
     """The last W-1 inputs after x: the tail [B, W-1, C] that the conv of the next tokens needs.
-    Eager and small: only the last W-1 rows of x are read."""
+    Eager and small: only the last W-1 rows of x are read. `valid` ([1] int64 on the device, a
+    padded prefill call's prompt length): the W-1 inputs before token `valid` instead, gathered
+    on the device (no host read, so a CUDA graph serves every valid)."""
     width = tail.shape[1] + 1
+    if valid is not None:
+        recent = torch.cat([tail.to(x.dtype), x], dim=1)  # token t of x is row t + W-1
+        return recent.index_select(1, valid + torch.arange(width - 1, device=x.device))
     recent = torch.cat([tail.to(x.dtype), x[:, max(x.shape[1] - (width - 1), 0):]], dim=1)
     return recent[:, recent.shape[1] - (width - 1):]
 

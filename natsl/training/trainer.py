@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import yaml
 
-from natsl import __version__
+from natsl import __version__, switches
 from natsl.config import Recipe
 from natsl.errors import NatslError
 from natsl.data.tasks import IGNORE, TaskData, answer_hits, is_task
@@ -179,6 +179,23 @@ def run_lock(out: Path, enabled: bool):
         # this run made and wrote nothing into.
         if created and out.is_dir() and not any(out.iterdir()):
             out.rmdir()
+
+
+# Models up to this many non-embedding parameters train compiled with CUDA-graphed steps by default
+# (auto_compile): their steps are many small kernels whose launches the host cannot keep up with;
+# the 800M recipes gained nothing from graphs (docs/training.md).
+AUTO_COMPILE_MAX_PARAMS = 100_000_000
+
+
+def auto_compile(model, ranks: int, device: torch.device) -> bool:
+    """Whether a run that asks for neither compile nor CUDA graphs (recipe keys false, no --compile /
+    --no-compile) gets both: one CUDA device, a model of at most AUTO_COMPILE_MAX_PARAMS parameters
+    outside the embeddings and the head, and the switch train_auto_compile on (NATSL_TRAIN_AUTO_COMPILE=0
+    turns the rule off)."""
+    if not switches.current().train_auto_compile or device.type != "cuda" or ranks > 1:
+        return False
+    body = sum(p.numel() for name, p in model.named_parameters() if not name.startswith(("embed.", "lm_head.")))
+    return body <= AUTO_COMPILE_MAX_PARAMS
 
 
 def cuda_graphs_wanted(requested: bool, compiled: bool, ranks: int, device: torch.device) -> bool:
@@ -376,7 +393,13 @@ class Trainer:
             raise NatslError(f"loss_chunk must be at least 0, got {self.options.loss_chunk}")
         self.use_bf16 = self.device.type == "cuda" and r.train.dtype == "bf16"
         compile_ = self.options.compile if self.options.compile is not None else r.train.compile
-        graphs = cuda_graphs_wanted(r.train.cuda_graphs, compile_, self.info.world_size, self.device)
+        graphs_requested = r.train.cuda_graphs
+        if self.options.compile is None and not compile_ and not graphs_requested \
+                and auto_compile(model, self.info.world_size, self.device):
+            compile_ = graphs_requested = True
+            self.log("a small model on one GPU: compiled, CUDA-graphed steps (--no-compile or "
+                     "NATSL_TRAIN_AUTO_COMPILE=0 trains eagerly)")
+        graphs = cuda_graphs_wanted(graphs_requested, compile_, self.info.world_size, self.device)
         if r.train.cuda_graphs and not graphs:
             self.log(f"train.cuda_graphs: nothing to replay on {self.device.type}; the compiled model runs as is")
         body = HiddenStates(model)
