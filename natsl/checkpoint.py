@@ -199,6 +199,9 @@ def read_config(folder: Path) -> dict:
 
 
 TRAINING_ONLY_MODEL_FIELDS = {"router_noise": 0.0, "router_balance": 0.0, "router_target_keep": 0.5}
+# Model fields added after checkpoints existed, with the value every earlier checkpoint was trained
+# with (attn_window: full causal attention, the only attention there was).
+LATER_MODEL_FIELDS = {"attn_window": 0}
 
 
 def checkpoint_recipe(folder: Path, config: dict) -> Recipe:
@@ -212,7 +215,7 @@ def checkpoint_recipe(folder: Path, config: dict) -> Recipe:
                          "config; use a folder written by `natsl train` or `natsl convert`, or fix the file")
     # Training-only fields added after checkpoints existed: they do not change the trained model, so
     # their off values reproduce it.
-    for key, value in TRAINING_ONLY_MODEL_FIELDS.items():
+    for key, value in {**TRAINING_ONLY_MODEL_FIELDS, **LATER_MODEL_FIELDS}.items():
         model.setdefault(key, value)
     missing = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in model]
     if missing:

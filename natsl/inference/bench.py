@@ -95,9 +95,12 @@ def measure_rates(device: torch.device, dtype: torch.dtype) -> dict:
             "matmul_dtype": str(dtype).replace("torch.", "")}
 
 
-def attention_pairs(length: int, block_size: int | None = None, keep: float = 1.0) -> float:
-    """(query, key) pairs a causal softmax reads; with `block_size`, NAtS-L's own block plus kept blocks."""
+def attention_pairs(length: int, block_size: int | None = None, keep: float = 1.0, window: int = 0) -> float:
+    """(query, key) pairs a causal softmax reads (within `window` when > 0); with `block_size`, NAtS-L's
+    own block plus kept blocks."""
     if block_size is None:
+        if window and window < length:
+            return window * (window + 1) / 2 + (length - window) * window
         return length * (length + 1) / 2
     blocks, rest = divmod(length, block_size)
     own = blocks * block_size * (block_size + 1) / 2 + rest * (rest + 1) / 2
@@ -115,7 +118,7 @@ def prefill_flops(model, length: int, batch: int = 1, keep: float = 1.0) -> floa
     gdn_per_token = c.num_heads * (6 * c.head_k_dim * c.head_v_dim + 2 * c.block_size * (c.head_k_dim + c.head_v_dim))
     for layer_type in c.layer_types():
         if layer_type == "attention":
-            flops += 2.0 * batch * c.attn_num_heads * 2 * c.attn_head_dim * attention_pairs(length)
+            flops += 2.0 * batch * c.attn_num_heads * 2 * c.attn_head_dim * attention_pairs(length, window=c.attn_window)
         elif layer_type == "gdn":
             flops += batch * length * gdn_per_token
         elif layer_type == "natsl":

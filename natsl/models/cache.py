@@ -6,7 +6,10 @@ so a decode step never reallocates, a CUDA graph can replay over the same addres
 
 Per layer type:
 - GDN: the three conv tails and the recurrent state `S` (fp32; float64 for a float64 model).
-- softmax attention: K and V `[B, heads, max_len, D]` (RoPE already applied at absolute positions).
+- softmax attention: K and V `[B, heads, max_len, D]` (RoPE already applied at absolute positions);
+  with a sliding window W, `[B, heads, min(W, max_len), D]`, a ring buffer (position p in slot
+  p mod W); after a KV-eviction press (natsl.inference.evict), `kv_len [B, heads]`: head h of
+  sequence b holds its first kv_len[b, h] slots, and new tokens are appended after them.
 - NAtS-L: conv tails; `state_start` (the committed GDN state S_start of the current block);
   `state_run` (the state after the current block's tokens so far); `decay_sum` (the block's sum of
   g, for Gamma); `x_sum` (the block's running sum of x, for the router); and the softmax memory
@@ -108,12 +111,17 @@ class GDNCache(LayerCache):
 
 @dataclass
 class AttentionCache(LayerCache):
-    k: torch.Tensor | None = None  # [B, heads, capacity, head_dim]
+    k: torch.Tensor | None = None  # [B, heads, capacity (or window), head_dim]
     v: torch.Tensor | None = None
+    window: int = 0  # > 0: a ring buffer of the last `window` tokens
+    kv_len: torch.Tensor | None = None  # [B, heads] int64 once evicted: entries each head holds
 
     def live_bytes(self) -> int:
-        per_token = self.k.shape[1] * (self.k.shape[3] * self.k.element_size() + self.v.shape[3] * self.v.element_size())
-        return int(self.positions.lengths.sum()) * per_token
+        """Bytes of the K/V entries held: every token so far, the last `window`, or `kv_len` per head."""
+        per_entry = self.k.shape[3] * self.k.element_size() + self.v.shape[3] * self.v.element_size()
+        if self.kv_len is not None:
+            return int(self.kv_len.sum()) * per_entry
+        return int(self.positions.lengths.clamp(max=self.k.shape[2]).sum()) * self.k.shape[1] * per_entry
 
 
 @dataclass
@@ -258,8 +266,9 @@ def new_model_cache(model, batch_size: int, max_len: int | None = None, device=N
         if layer_type == "gdn":
             layers.append(GDNCache(positions, conv=conv_tails(), state=zeros(B, H, K, V, dt=state_dtype)))
         elif layer_type == "attention":
-            a, d = config.attn_num_heads, config.attn_head_dim
-            layers.append(AttentionCache(positions, k=zeros(B, a, L, d), v=zeros(B, a, L, d)))
+            a, d, w = config.attn_num_heads, config.attn_head_dim, config.attn_window
+            n = min(w, L) if w else L
+            layers.append(AttentionCache(positions, k=zeros(B, a, n, d), v=zeros(B, a, n, d), window=w))
         elif layer_type == "natsl":
             hs = H * config.softmax_heads_per_group
             layers.append(NAtSLCache(
