@@ -36,6 +36,7 @@ from natsl.atomic import save_figure, write_json
 from natsl.provenance import provenance
 
 from natsl.inference.decode import DecodeRunner
+from natsl.inference.evict import evict, observe
 from natsl.models.routing import force_keep_fraction
 
 DEFAULT_RECIPES = ("800m_hybrid", "800m_transformer", "800m_gdn")
@@ -160,28 +161,36 @@ def load_model(spec: BenchModel, device: torch.device, dtype: torch.dtype, backe
     return model, name, model.num_parameters()
 
 
-def time_prefill(model, ids, cache, repeats: int, device) -> float:
+def prefill(model, ids, cache, press=None):
+    """One timed prefill: logits of the last token; with `press`, the KV eviction after it."""
+    logits = model.forward_cached(ids, cache, last_only=True)
+    if press is not None:
+        evict(model, cache, press)
+    return logits
+
+
+def time_prefill(model, ids, cache, repeats: int, device, press=None) -> float:
     """Median seconds of `repeats` prefills of `ids` into `cache` (reset before each)."""
     times = []
     for _ in range(repeats):
         cache.reset()
         synchronize(device)
         start = time.perf_counter()
-        model.forward_cached(ids, cache, last_only=True)
+        prefill(model, ids, cache, press)
         synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
 @torch.no_grad()
-def first_call(model, ids, cache, decode_steps: int, device, cuda_graphs: bool = False) -> dict:
+def first_call(model, ids, cache, decode_steps: int, device, cuda_graphs: bool = False, press=None) -> dict:
     """Prefill `ids` into `cache` (reset first) and decode `decode_steps` tokens, timing each part:
     the call that pays the compiles of a new length, so that later calls at that length are warm.
     Returns prefill_s and decode_s (the whole of the decode steps)."""
     cache.reset()
     synchronize(device)
     start = time.perf_counter()
-    logits = model.forward_cached(ids, cache, last_only=True)
+    logits = prefill(model, ids, cache, press)
     synchronize(device)
     prefilled = time.perf_counter()
     runner = DecodeRunner(model, cache, cuda_graphs=cuda_graphs)
@@ -232,30 +241,35 @@ def free_memory(device: torch.device) -> None:
 
 @torch.no_grad()
 def measure_point(model, length: int, *, batch: int, decode_tokens: int, repeats: int, device, seed: int,
-                  cuda_graphs: bool, rates: dict, weights: int) -> dict:
-    """One (model, context) point: cold and warm prefill s, decode ms/token, floors, memory, keep fraction."""
+                  cuda_graphs: bool, rates: dict, weights: int, press=None) -> dict:
+    """One (model, context) point: cold and warm prefill s, decode ms/token, floors, memory, keep fraction.
+    With `press` (natsl.inference.evict.Press) each prefill is followed by its KV eviction, timed with
+    it, and the decode steps read the evicted cache."""
     warmup = 3
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.config.vocab_size, (batch, length), generator=generator).to(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     cache = model.new_cache(batch, max_len=length + warmup + decode_tokens)
+    observe(model, press)
     try:
         # Untimed as a warm call: the first prefill at a new length compiles; reported on its own.
-        cold = first_call(model, ids, cache, warmup, device)
-        prefill_s = time_prefill(model, ids, cache, repeats, device)
+        cold = first_call(model, ids, cache, warmup, device, press=press)
+        prefill_s = time_prefill(model, ids, cache, repeats, device, press)
         keep = cache.kept_fraction()
-        live = cache.live_bytes()
+        live, kv = cache.live_bytes(), cache.kv_bytes()
         decode_ms, runner = time_decode(model, cache, decode_tokens, warmup, device, generator, cuda_graphs)
         point = {
             "context": length, "cold_prefill_s": cold["prefill_s"], "prefill_s": prefill_s, "decode_ms": decode_ms,
             "prefill_floor_s": prefill_flops(model, length, batch, 1.0 if keep is None else keep) / rates["matmul_flops_per_s"],
             "decode_floor_ms": 1000 * (weights + live) / rates["copy_bytes_per_s"],
-            "keep_fraction": keep, "cache_bytes": live, "cache_allocated_bytes": cache.allocated_bytes(),
+            "keep_fraction": keep, "cache_bytes": live, "kv_bytes": kv, "cache_allocated_bytes": cache.allocated_bytes(),
             "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
             "cuda_graphs": runner.cuda_graphs, "graph_captures": runner.captures,
         }
     finally:
+        if press is not None:
+            observe(model, None)
         del cache
     return point
 

@@ -108,6 +108,9 @@ class GDNCache(LayerCache):
     def live_bytes(self) -> int:
         return self.allocated_bytes()
 
+    def kv_bytes(self) -> int:
+        return 0
+
 
 @dataclass
 class AttentionCache(LayerCache):
@@ -116,7 +119,14 @@ class AttentionCache(LayerCache):
     window: int = 0  # > 0: a ring buffer of the last `window` tokens
     kv_len: torch.Tensor | None = None  # [B, heads] int64 once evicted: entries each head holds
 
+    def reset(self) -> None:
+        super().reset()
+        self.kv_len = None  # empty again: the next prefill writes at absolute positions
+
     def live_bytes(self) -> int:
+        return self.kv_bytes()
+
+    def kv_bytes(self) -> int:
         """Bytes of the K/V entries held: every token so far, the last `window`, or `kv_len` per head."""
         per_entry = self.k.shape[3] * self.k.element_size() + self.v.shape[3] * self.v.element_size()
         if self.kv_len is not None:
@@ -139,11 +149,15 @@ class NAtSLCache(LayerCache):
         """Bytes this layer holds for its sequences: states, sums, tails, kept blocks and the current block."""
         fixed = self.allocated_bytes() - self.k_mem.numel() * self.k_mem.element_size() \
             - self.v_mem.numel() * self.v_mem.element_size()
+        return fixed + self.kv_bytes()
+
+    def kv_bytes(self) -> int:
+        """Bytes of the softmax memory held: the kept blocks and the current block's tokens."""
         heads_per_group = self.k_mem.shape[1] // self.kept_len.shape[1]
         per_token = heads_per_group * (self.k_mem.shape[3] * self.k_mem.element_size()
                                        + self.v_mem.shape[3] * self.v_mem.element_size())
         in_block = (self.positions.lengths % self.positions.block_size).sum() * self.kept_len.shape[1]
-        return fixed + (int(self.kept_len.sum()) + int(in_block)) * per_token
+        return (int(self.kept_len.sum()) + int(in_block)) * per_token
 
 
 class ModelCache:
@@ -221,6 +235,10 @@ class ModelCache:
     def live_bytes(self) -> int:
         """Bytes of content held for the tokens so far (KV of valid tokens, kept blocks, states, tails)."""
         return sum(c.live_bytes() for c in self.layers)
+
+    def kv_bytes(self) -> int:
+        """Bytes of softmax K/V held (attention entries, NAtS-L softmax memory); no states or tails."""
+        return sum(c.kv_bytes() for c in self.layers)
 
     def kept_fraction(self) -> float | None:
         """Fraction of completed blocks kept in softmax memory, over NAtS-L layers, groups and sequences."""
