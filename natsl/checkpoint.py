@@ -203,6 +203,9 @@ TRAINING_ONLY_MODEL_FIELDS = {"router_noise": 0.0, "router_balance": 0.0, "route
 # NAtS-L layer on a Mamba2 state, which these values reproduce.
 MAMBA2_MODEL_FIELDS = {"natsl_state": "gdn", "mamba2_head_dim": 64, "mamba2_state_size": 128, "mamba2_expand": 2,
                        "mamba2_groups": 1}
+# Model fields added after checkpoints existed, with the value every earlier checkpoint was trained
+# with (attn_window: full causal attention, the only attention there was).
+LATER_MODEL_FIELDS = {"attn_window": 0}
 
 
 def checkpoint_recipe(folder: Path, config: dict) -> Recipe:
@@ -215,8 +218,8 @@ def checkpoint_recipe(folder: Path, config: dict) -> Recipe:
         raise NatslError(f"{path!r} has no recipe with a model section: this is not a complete natsl checkpoint "
                          "config; use a folder written by `natsl train` or `natsl convert`, or fix the file")
     # Fields added after checkpoints existed, at the values that reproduce those checkpoints' models
-    # (training-only fields: off; the Mamba2 fields: no Mamba2 anywhere).
-    for key, value in {**TRAINING_ONLY_MODEL_FIELDS, **MAMBA2_MODEL_FIELDS}.items():
+    # (training-only fields: off; the Mamba2 fields: no Mamba2 anywhere; attn_window: full attention).
+    for key, value in {**TRAINING_ONLY_MODEL_FIELDS, **MAMBA2_MODEL_FIELDS, **LATER_MODEL_FIELDS}.items():
         model.setdefault(key, value)
     missing = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in model]
     if missing:

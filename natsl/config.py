@@ -50,6 +50,10 @@ class ModelConfig:
     attn_num_heads: int = 24
     attn_head_dim: int = 64
     attn_rope: bool = True
+    # Sliding-window attention: each softmax-attention layer's query at position p sees the keys at
+    # p - attn_window + 1 .. p (its own token included), and the cache keeps only those (a ring
+    # buffer). 0: full causal attention.
+    attn_window: int = 0
     rope_theta: float = 10000.0
     # NAtS-L: each GDN head is cut into R softmax heads that share its route.
     softmax_heads_per_group: int = 3
@@ -240,6 +244,7 @@ MODEL_RULES = {
     # compiles and runs for many minutes per step), and the decode cache keeps width - 1 rows per layer.
     "conv_size": _count(1, 64),
     "attn_num_heads": _count(1), "attn_head_dim": _count(1),
+    "attn_window": (lambda v: v >= 0, "an integer >= 0 (0: full causal attention)"),
     "rope_theta": _finite(0),  # the angles are position * theta**(-2i/d): theta <= 0 gives NaN
     "softmax_heads_per_group": _count(1), "block_size": _count(1),
     "norm_eps": _finite(0),  # rsqrt(mean(x^2) + eps): a negative eps gives NaN on small activations

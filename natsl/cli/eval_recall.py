@@ -15,11 +15,10 @@ def run_eval_recall(checkpoint: str, task: Optional[str] = None, lengths: Option
                     device=None, dtype=None, backend=None, progress: bool = True, quiet: bool = False) -> dict:
     """The command's work (the sweep's workers call it too): returns the report written to recall.json."""
     from natsl.cli.eval_ruler import parse_lengths
-    from natsl.data.tasks import TaskSpec, is_task, parse_task
     from natsl.errors import NatslError
     from natsl.atomic import write_json
     from natsl.eval.common import load_eval_model, prepare_out_dir
-    from natsl.eval.recall import evaluate_recall, format_table, grid_points, plot_recall
+    from natsl.eval.recall import evaluate_recall, format_table, plot_recall, recall_grid
     from natsl.models.routing import force_keep_fraction
 
     if samples < 1 or batch_size < 1:
@@ -28,31 +27,11 @@ def run_eval_recall(checkpoint: str, task: Optional[str] = None, lengths: Option
         raise NatslError(f"--keep-fraction must lie in [0, 1], got {keep_fraction}")
     out_dir = prepare_out_dir(out)
     em = load_eval_model(checkpoint, device, dtype, backend)
-    model_vocab = em.recipe.model.vocab_size
-    trained = em.recipe.data.path
-    # The checkpoint's own task (its data.path) gives the defaults: task, vocabulary, grid, power law.
-    base = parse_task(trained, model_vocab, 1 << 30) if is_task(trained) else None
-    name = task or (base.name if base else "mqar")
-    if name not in ("mqar", "passkey"):
-        raise NatslError(f"unknown --task {name!r}; choose mqar or passkey")
-    same = base is not None and base.name == name
-    spec = TaskSpec(name, vocab or (base.vocab if same else model_vocab))
-    if same:
-        spec.power_a, spec.random_non_queries = base.power_a, base.random_non_queries
-    if spec.vocab > model_vocab:
-        raise NatslError(f"--vocab {spec.vocab} is more than the model's vocabulary {model_vocab}")
-    length_list = parse_lengths(lengths) if lengths else sorted({p.seq_len for p in base.parts}) if same else None
-    count_list = parse_lengths(pairs) if pairs else sorted({p.pairs for p in base.parts}) if same else None
-    if not length_list or not count_list:
-        raise NatslError(f"the checkpoint was not trained on a {name} task; pass --lengths and --pairs "
-                         "(e.g. --lengths 512,1024 --pairs 32,64)")
-    too_long = [n for n in length_list if n > em.recipe.model.max_seq_len]
-    if too_long:
-        raise NatslError(f"--lengths: {too_long[0]} is beyond the model's max_seq_len {em.recipe.model.max_seq_len}")
-    points = grid_points(name, length_list, count_list, spec.vocab)
+    spec, points = recall_grid(em, task, parse_lengths(lengths) if lengths else None,
+                               parse_lengths(pairs) if pairs else None, vocab)
     force_keep_fraction(em.model, keep_fraction, seed)
     report = evaluate_recall(em, spec, points, samples, batch_size, seed, progress=progress)
-    report = {"checkpoint": str(em.folder), "name": em.name, "trained_on": trained, "seed": seed,
+    report = {"checkpoint": str(em.folder), "name": em.name, "trained_on": em.recipe.data.path, "seed": seed,
               "forced_keep_fraction": keep_fraction, **report}
     json_path = write_json(out_dir / "recall.json", report)
     budget = f", kept fraction forced to {keep_fraction}" if keep_fraction is not None else ""

@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from natsl.data.tasks import EVAL_STREAM, IGNORE, Part, TaskSpec, _check_part, answer_hits, batch_generator, make_batch
+from natsl.data.tasks import (EVAL_STREAM, IGNORE, Part, TaskSpec, _check_part, answer_hits, batch_generator, is_task,
+                              make_batch, parse_task)
 from natsl.errors import NatslError
 from natsl.eval.common import final_hidden_states
 
@@ -33,6 +34,33 @@ def grid_points(task: str, lengths: list[int], counts: list[int], vocab: int) ->
         raise NatslError(f"no (length, {'pairs' if task == 'mqar' else 'digits'}) point of the grid fits the {task} "
                          f"task (MQAR needs length >= 4 x pairs and pairs < vocab/2); pass other --lengths/--pairs")
     return points
+
+
+def recall_grid(em, task: str | None, length_list: list[int] | None, count_list: list[int] | None,
+                vocab: int | None) -> tuple[TaskSpec, list[tuple[int, int]]]:
+    """The task and (length, count) points to evaluate `em` on; the checkpoint's own task (its
+    data.path) gives the defaults: task, vocabulary, grid, power law."""
+    model_vocab = em.recipe.model.vocab_size
+    trained = em.recipe.data.path
+    base = parse_task(trained, model_vocab, 1 << 30) if is_task(trained) else None
+    name = task or (base.name if base else "mqar")
+    if name not in ("mqar", "passkey"):
+        raise NatslError(f"unknown --task {name!r}; choose mqar or passkey")
+    same = base is not None and base.name == name
+    spec = TaskSpec(name, vocab or (base.vocab if same else model_vocab))
+    if same:
+        spec.power_a, spec.random_non_queries = base.power_a, base.random_non_queries
+    if spec.vocab > model_vocab:
+        raise NatslError(f"--vocab {spec.vocab} is more than the model's vocabulary {model_vocab}")
+    length_list = length_list or (sorted({p.seq_len for p in base.parts}) if same else None)
+    count_list = count_list or (sorted({p.pairs for p in base.parts}) if same else None)
+    if not length_list or not count_list:
+        raise NatslError(f"the checkpoint was not trained on a {name} task; pass --lengths and --pairs "
+                         "(e.g. --lengths 512,1024 --pairs 32,64)")
+    too_long = [n for n in length_list if n > em.recipe.model.max_seq_len]
+    if too_long:
+        raise NatslError(f"--lengths: {too_long[0]} is beyond the model's max_seq_len {em.recipe.model.max_seq_len}")
+    return spec, grid_points(name, length_list, count_list, spec.vocab)
 
 
 @torch.inference_mode()

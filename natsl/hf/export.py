@@ -67,6 +67,8 @@ def llama_refusal(cfg) -> str | None:
         return f"it has {', '.join(sorted(kinds - {'attention'}))} layers"
     if not cfg.attn_rope:
         return "its attention has no RoPE (attn_rope: false), and Llama always rotates"
+    if cfg.attn_window:
+        return f"its attention is a {cfg.attn_window}-token sliding window, and Llama attends to every token"
     return None
 
 

@@ -36,7 +36,8 @@ from natsl.atomic import save_figure, write_json
 from natsl.provenance import provenance
 
 from natsl.inference.decode import DecodeRunner
-from natsl.inference.prefill_graph import prefill
+from natsl.inference.evict import evict, observe
+from natsl.inference.prefill_graph import prefill as graphed_prefill
 from natsl.models.routing import force_keep_fraction
 from natsl.models.state_cost import state_flops_per_token
 
@@ -97,9 +98,12 @@ def measure_rates(device: torch.device, dtype: torch.dtype) -> dict:
             "matmul_dtype": str(dtype).replace("torch.", "")}
 
 
-def attention_pairs(length: int, block_size: int | None = None, keep: float = 1.0) -> float:
-    """(query, key) pairs a causal softmax reads; with `block_size`, NAtS-L's own block plus kept blocks."""
+def attention_pairs(length: int, block_size: int | None = None, keep: float = 1.0, window: int = 0) -> float:
+    """(query, key) pairs a causal softmax reads (within `window` when > 0); with `block_size`, NAtS-L's
+    own block plus kept blocks."""
     if block_size is None:
+        if window and window < length:
+            return window * (window + 1) / 2 + (length - window) * window
         return length * (length + 1) / 2
     blocks, rest = divmod(length, block_size)
     own = blocks * block_size * (block_size + 1) / 2 + rest * (rest + 1) / 2
@@ -116,7 +120,7 @@ def prefill_flops(model, length: int, batch: int = 1, keep: float = 1.0) -> floa
     flops = 2.0 * batch * length * body + 2.0 * batch * head
     for layer_type in c.layer_types():
         if layer_type == "attention":
-            flops += 2.0 * batch * c.attn_num_heads * 2 * c.attn_head_dim * attention_pairs(length)
+            flops += 2.0 * batch * c.attn_num_heads * 2 * c.attn_head_dim * attention_pairs(length, window=c.attn_window)
         elif layer_type in ("gdn", "mamba2"):
             flops += batch * length * state_flops_per_token(c, layer_type)
         elif layer_type == "natsl":
@@ -158,28 +162,37 @@ def load_model(spec: BenchModel, device: torch.device, dtype: torch.dtype, backe
     return model, name, model.num_parameters()
 
 
-def time_prefill(model, ids, cache, repeats: int, device) -> float:
+def prefill(model, ids, cache, press=None):
+    """One timed prefill: logits of the last token (from a CUDA graph where that applies:
+    natsl.inference.prefill_graph); with `press`, the KV eviction after it."""
+    logits = graphed_prefill(model, ids, cache)
+    if press is not None:
+        evict(model, cache, press)
+    return logits
+
+
+def time_prefill(model, ids, cache, repeats: int, device, press=None) -> float:
     """Median seconds of `repeats` prefills of `ids` into `cache` (reset before each)."""
     times = []
     for _ in range(repeats):
         cache.reset()
         synchronize(device)
         start = time.perf_counter()
-        prefill(model, ids, cache)
+        prefill(model, ids, cache, press)
         synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
 @torch.no_grad()
-def first_call(model, ids, cache, decode_steps: int, device, cuda_graphs: bool = False) -> dict:
+def first_call(model, ids, cache, decode_steps: int, device, cuda_graphs: bool = False, press=None) -> dict:
     """Prefill `ids` into `cache` (reset first) and decode `decode_steps` tokens, timing each part:
     the call that pays the compiles of a new length, so that later calls at that length are warm.
     Returns prefill_s and decode_s (the whole of the decode steps)."""
     cache.reset()
     synchronize(device)
     start = time.perf_counter()
-    logits = prefill(model, ids, cache)  # a short prompt records its bucket's CUDA graph here
+    logits = prefill(model, ids, cache, press)  # a short prompt records its bucket's CUDA graph here
     synchronize(device)
     prefilled = time.perf_counter()
     runner = DecodeRunner(model, cache, cuda_graphs=cuda_graphs)
@@ -230,30 +243,35 @@ def free_memory(device: torch.device) -> None:
 
 @torch.no_grad()
 def measure_point(model, length: int, *, batch: int, decode_tokens: int, repeats: int, device, seed: int,
-                  cuda_graphs: bool, rates: dict, weights: int) -> dict:
-    """One (model, context) point: cold and warm prefill s, decode ms/token, floors, memory, keep fraction."""
+                  cuda_graphs: bool, rates: dict, weights: int, press=None) -> dict:
+    """One (model, context) point: cold and warm prefill s, decode ms/token, floors, memory, keep fraction.
+    With `press` (natsl.inference.evict.Press) each prefill is followed by its KV eviction, timed with
+    it, and the decode steps read the evicted cache."""
     warmup = 3
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.config.vocab_size, (batch, length), generator=generator).to(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     cache = model.new_cache(batch, max_len=length + warmup + decode_tokens)
+    observe(model, press)
     try:
         # Untimed as a warm call: the first prefill at a new length compiles; reported on its own.
-        cold = first_call(model, ids, cache, warmup, device)
-        prefill_s = time_prefill(model, ids, cache, repeats, device)
+        cold = first_call(model, ids, cache, warmup, device, press=press)
+        prefill_s = time_prefill(model, ids, cache, repeats, device, press)
         keep = cache.kept_fraction()
-        live = cache.live_bytes()
+        live, kv = cache.live_bytes(), cache.kv_bytes()
         decode_ms, runner = time_decode(model, cache, decode_tokens, warmup, device, generator, cuda_graphs)
         point = {
             "context": length, "cold_prefill_s": cold["prefill_s"], "prefill_s": prefill_s, "decode_ms": decode_ms,
             "prefill_floor_s": prefill_flops(model, length, batch, 1.0 if keep is None else keep) / rates["matmul_flops_per_s"],
             "decode_floor_ms": 1000 * (weights + live) / rates["copy_bytes_per_s"],
-            "keep_fraction": keep, "cache_bytes": live, "cache_allocated_bytes": cache.allocated_bytes(),
+            "keep_fraction": keep, "cache_bytes": live, "kv_bytes": kv, "cache_allocated_bytes": cache.allocated_bytes(),
             "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
             "cuda_graphs": runner.cuda_graphs, "graph_captures": runner.captures,
         }
     finally:
+        if press is not None:
+            observe(model, None)
         del cache
     return point
 

@@ -1,6 +1,15 @@
-"""Plain causal softmax attention (Transformer and GDN Hybrid layers), RoPE optional."""
+"""Plain causal softmax attention (Transformer and GDN Hybrid layers), RoPE optional, optionally
+sliding-window (`attn_window`: the query at position p sees keys p - window + 1 .. p).
+
+Caches (natsl.models.cache.AttentionCache) come in three kinds: K/V at their absolute positions
+(the default); a ring buffer of the last `window` tokens (sliding window: slot = position mod
+window); and, once a KV-eviction press has compacted it (natsl.inference.evict), per-head lengths
+`kv_len` (each head keeps its own number of entries, new tokens are appended after them).
+"""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -48,20 +57,38 @@ class SoftmaxAttention(nn.Module):
             return self.forward_cached(x, cache)
         b, t, _ = x.shape
         q, k, v = self.project(x, rope=rope)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        window = self.config.attn_window
+        if window and window < t:
+            o = sliding_window_attention(q, k, v, window, flex=x.device.type == "cuda")
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
 
     def forward_cached(self, x: torch.Tensor, cache) -> torch.Tensor:
         """Tokens that follow those in `cache` (an AttentionCache, K/V stored at absolute positions)."""
         b, t, _ = x.shape
         start = cache.positions.start
+        if self.observe:  # a KV-eviction press scores the keys with the last queries (natsl.inference.evict)
+            self.observed_q = None
         if start is None:  # decode: one token per sequence, each at its own position
             pos = cache.positions.pos
             q, k, v = self.project(x, positions=pos[:, None])
-            slots = pos[:, None].expand(b, self.num_heads)
+            n = min(cache.positions.attn_read, cache.k.shape[2])
+            if cache.window:  # ring buffer: the token goes to slot pos mod window
+                slots = (pos % cache.window)[:, None].expand(b, self.num_heads)
+                visible = torch.clamp(pos + 1, max=cache.window)[:, None].expand(b, self.num_heads)
+            else:  # absolute positions, or after eviction the end of each head's entries
+                slots = pos[:, None].expand(b, self.num_heads) if cache.kv_len is None else cache.kv_len
+                visible = slots + 1
             write_kv(cache.k, cache.v, slots, k[:, 0], v[:, 0], fused=kernels.enabled(self.backend, x.device))
-            n = cache.positions.attn_read
-            o = attend_cached(q, cache.k[:, :, :n], cache.v[:, :, :n], slots + 1, backend=self.backend)
+            o = attend_cached(q, cache.k[:, :, :n], cache.v[:, :, :n], visible, backend=self.backend)
+            if cache.kv_len is not None:
+                cache.kv_len.add_(1)
+        elif cache.window:
+            o = self.prefill_window(x, cache, start)
+        elif cache.kv_len is not None:
+            o = self.prefill_compacted(x, cache, start)
         else:  # prefill: every sequence starts at `start`
             q, k, v = self.project(x, start)
             cache.k[:, :, start:start + t].copy_(k.transpose(1, 2))
@@ -74,4 +101,87 @@ class SoftmaxAttention(nn.Module):
                 key_pos = torch.arange(start + t, device=x.device)
                 causal = key_pos[None, :] <= key_pos[start:, None]  # query i at start + i
                 o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=causal).transpose(1, 2)
+            self.keep_queries(q)
         return self.o_proj(o.reshape(b, t, -1))
+
+    observe = 0  # how many of a prefill's last queries to keep for a KV-eviction press (0: none)
+    observed_q = None
+
+    def keep_queries(self, q: torch.Tensor) -> None:
+        if self.observe:
+            self.observed_q = q[:, -self.observe:].transpose(1, 2)  # [B, heads, w, D], RoPE applied
+
+    def prefill_window(self, x: torch.Tensor, cache, start: int) -> torch.Tensor:
+        """A prefill into a ring buffer of the last `window` tokens: the earlier tokens still in view
+        are read from the ring in position order, then the last `window` new ones overwrite it."""
+        t, window = x.shape[1], cache.window
+        q, k, v = self.project(x, start)
+        old = torch.arange(max(0, start - window + 1), start, device=x.device)
+        keys = torch.cat([cache.k[:, :, old % window], k.transpose(1, 2).to(cache.k.dtype)], dim=2)
+        values = torch.cat([cache.v[:, :, old % window], v.transpose(1, 2).to(cache.v.dtype)], dim=2)
+        key_pos = torch.cat([old, torch.arange(start, start + t, device=x.device)])
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype),
+                                           attn_mask=band_mask(key_pos[-t:], key_pos, window))
+        last = key_pos[-min(t, window):]
+        cache.k.index_copy_(2, last % window, keys[:, :, -len(last):])
+        cache.v.index_copy_(2, last % window, values[:, :, -len(last):])
+        self.keep_queries(q)
+        return o.transpose(1, 2)
+
+    def prefill_compacted(self, x: torch.Tensor, cache, start: int) -> torch.Tensor:
+        """A prefill after eviction: head h of sequence b holds its first kv_len[b, h] slots (any
+        positions, RoPE applied); the new tokens see those and each other causally, then are appended."""
+        b, t, _ = x.shape
+        q, k, v = self.project(x, start)
+        held = int(cache.kv_len.max())
+        slots = torch.arange(held + t, device=x.device)
+        old_seen = slots[:held] < cache.kv_len[..., None, None]  # [B, heads, 1, held]
+        new_seen = slots[:t, None] >= slots[None, :t]  # [t, t] causal
+        mask = torch.cat([old_seen.expand(b, self.num_heads, t, held),
+                          new_seen.expand(b, self.num_heads, t, t)], dim=-1)
+        keys = torch.cat([cache.k[:, :, :held].to(q.dtype), k.transpose(1, 2)], dim=2)
+        values = torch.cat([cache.v[:, :, :held].to(q.dtype), v.transpose(1, 2)], dim=2)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask)
+        index = (cache.kv_len[..., None] + slots[:t])[..., None]  # [B, heads, t, 1]
+        cache.k.scatter_(2, index.expand(-1, -1, -1, cache.k.shape[3]), k.transpose(1, 2).to(cache.k.dtype))
+        cache.v.scatter_(2, index.expand(-1, -1, -1, cache.v.shape[3]), v.transpose(1, 2).to(cache.v.dtype))
+        cache.kv_len.add_(t)
+        self.keep_queries(q)
+        return o.transpose(1, 2)
+
+
+def band_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """[Tq, Tk] bool: key j is visible to query i when 0 <= pos_i - pos_j < window."""
+    gap = query_pos[:, None] - key_pos[None, :]
+    return (gap >= 0) & (gap < window)
+
+
+def sliding_window_attention(q, k, v, window: int, *, flex: bool = False) -> torch.Tensor:
+    """Causal attention within a window, q, k, v [B, heads, T, D] -> [B, heads, T, D].
+
+    `flex`: through torch's flex_attention with a block mask of the band (compiled), which skips the
+    key blocks outside the window, forward and backward, so a layer costs O(T * window); SDPA with a
+    mask would compute all T^2 scores (its flash kernels take no mask). Otherwise (CPU) SDPA with
+    the band as a boolean mask, the readable form."""
+    t = q.shape[2]
+    if not flex:
+        pos = torch.arange(t, device=q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=band_mask(pos, pos, window))
+    return _compiled_flex()(q, k, v, block_mask=_window_block_mask(t, window, str(q.device)))
+
+
+@functools.lru_cache(maxsize=32)
+def _window_block_mask(t: int, window: int, device: str):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def inside(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+
+    return create_block_mask(inside, None, None, t, t, device=device)
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)

@@ -8,7 +8,10 @@ Per layer type:
 - GDN: the three conv tails and the recurrent state `S` (fp32; float64 for a float64 model).
 - Mamba2: a GDNCache too, with one conv tail (of the joined x|B|C channels) and the SSD state
   `[B, heads, N, P]`.
-- softmax attention: K and V `[B, heads, max_len, D]` (RoPE already applied at absolute positions).
+- softmax attention: K and V `[B, heads, max_len, D]` (RoPE already applied at absolute positions);
+  with a sliding window W, `[B, heads, min(W, max_len), D]`, a ring buffer (position p in slot
+  p mod W); after a KV-eviction press (natsl.inference.evict), `kv_len [B, heads]`: head h of
+  sequence b holds its first kv_len[b, h] slots, and new tokens are appended after them.
 - NAtS-L: conv tails; `state_start` (the committed GDN or Mamba2 state S_start of the current block);
   `state_run` (the state after the current block's tokens so far); `decay_sum` (the block's sum of
   g, for Gamma); `x_sum` (the block's running sum of x, for the router); and the softmax memory
@@ -135,15 +138,30 @@ class GDNCache(LayerCache):
     def live_bytes(self) -> int:
         return self.allocated_bytes()
 
+    def kv_bytes(self) -> int:
+        return 0
+
 
 @dataclass
 class AttentionCache(LayerCache):
-    k: torch.Tensor | None = None  # [B, heads, capacity, head_dim]
+    k: torch.Tensor | None = None  # [B, heads, capacity (or window), head_dim]
     v: torch.Tensor | None = None
+    window: int = 0  # > 0: a ring buffer of the last `window` tokens
+    kv_len: torch.Tensor | None = None  # [B, heads] int64 once evicted: entries each head holds
+
+    def reset(self) -> None:
+        super().reset()
+        self.kv_len = None  # empty again: the next prefill writes at absolute positions
 
     def live_bytes(self) -> int:
-        per_token = self.k.shape[1] * (self.k.shape[3] * self.k.element_size() + self.v.shape[3] * self.v.element_size())
-        return int(self.positions.lengths.sum()) * per_token
+        return self.kv_bytes()
+
+    def kv_bytes(self) -> int:
+        """Bytes of the K/V entries held: every token so far, the last `window`, or `kv_len` per head."""
+        per_entry = self.k.shape[3] * self.k.element_size() + self.v.shape[3] * self.v.element_size()
+        if self.kv_len is not None:
+            return int(self.kv_len.sum()) * per_entry
+        return int(self.positions.lengths.clamp(max=self.k.shape[2]).sum()) * self.k.shape[1] * per_entry
 
 
 @dataclass
@@ -161,11 +179,15 @@ class NAtSLCache(LayerCache):
         """Bytes this layer holds for its sequences: states, sums, tails, kept blocks and the current block."""
         fixed = self.allocated_bytes() - self.k_mem.numel() * self.k_mem.element_size() \
             - self.v_mem.numel() * self.v_mem.element_size()
+        return fixed + self.kv_bytes()
+
+    def kv_bytes(self) -> int:
+        """Bytes of the softmax memory held: the kept blocks and the current block's tokens."""
         heads_per_group = self.k_mem.shape[1] // self.kept_len.shape[1]
         per_token = heads_per_group * (self.k_mem.shape[3] * self.k_mem.element_size()
                                        + self.v_mem.shape[3] * self.v_mem.element_size())
         in_block = (self.positions.lengths % self.positions.block_size).sum() * self.kept_len.shape[1]
-        return fixed + (int(self.kept_len.sum()) + int(in_block)) * per_token
+        return (int(self.kept_len.sum()) + int(in_block)) * per_token
 
 
 class ModelCache:
@@ -244,6 +266,10 @@ class ModelCache:
         """Bytes of content held for the tokens so far (KV of valid tokens, kept blocks, states, tails)."""
         return sum(c.live_bytes() for c in self.layers)
 
+    def kv_bytes(self) -> int:
+        """Bytes of softmax K/V held (attention entries, NAtS-L softmax memory); no states or tails."""
+        return sum(c.kv_bytes() for c in self.layers)
+
     def kept_fraction(self) -> float | None:
         """Fraction of completed blocks kept in softmax memory, over NAtS-L layers, groups and sequences."""
         natsl = self.natsl_caches()
@@ -293,8 +319,9 @@ def new_model_cache(model, batch_size: int, max_len: int | None = None, device=N
             layers.append(GDNCache(positions, conv=[zeros(B, config.conv_size - 1, xbc)],
                                    state=ssd_state(B, config, device, state_dtype)))
         elif layer_type == "attention":
-            a, d = config.attn_num_heads, config.attn_head_dim
-            layers.append(AttentionCache(positions, k=zeros(B, a, L, d), v=zeros(B, a, L, d)))
+            a, d, w = config.attn_num_heads, config.attn_head_dim, config.attn_window
+            n = min(w, L) if w else L
+            layers.append(AttentionCache(positions, k=zeros(B, a, n, d), v=zeros(B, a, n, d), window=w))
         elif layer_type == "natsl":
             hs = H * config.softmax_heads_per_group
             layers.append(NAtSLCache(
