@@ -13,7 +13,8 @@ Installing natsl makes lm-eval's own command find it (docs/evaluation.md): the p
 `model_args`: pretrained
 (a checkpoint or run folder), device, dtype, backend (natsl's defaults), batch_size, max_length
 (default: the recipe's training length), chunk (tokens per cached forward, default 2048), add_bos
-(prepend BOS, default false: natsl trains documents each followed by EOS, so EOS starts a text).
+(prepend BOS; default: as the checkpoint trained -- documents start with BOS when its tokenizer has
+one, e.g. Llama-2's; without BOS the EOS that ends the previous document starts a text).
 
 Every request runs through natsl's cache: a scored sequence goes in pieces of `chunk` tokens
 (`forward_cached`), which bounds the logits held at once, and generation is `natsl generate`'s
@@ -44,7 +45,7 @@ def _flag(value) -> bool:
 class NatslLM(TemplateLM):
     def __init__(self, pretrained: str, device: str | None = None, dtype: str | None = None,
                  backend: str | None = None, batch_size: int | str = 1, max_length: int | None = None,
-                 chunk: int = DEFAULT_CHUNK, add_bos: bool | str = False, max_gen_toks: int = 256, **kwargs):
+                 chunk: int = DEFAULT_CHUNK, add_bos: bool | str | None = None, max_gen_toks: int = 256, **kwargs):
         super().__init__()
         from natsl.eval.common import load_eval_model
 
@@ -61,10 +62,9 @@ class NatslLM(TemplateLM):
         self.max_length = int(max_length or min(self.em.recipe.train.seq_len, self.model.config.max_seq_len))
         self.chunk = int(chunk)
         self.max_gen_toks = int(max_gen_toks)
-        self.add_bos = _flag(add_bos)
-        from natsl.hf.export import bos_id
-
-        self.bos_id = bos_id(self.tokenizer)
+        # default: as the model trained (the checkpoint records whether its documents started with BOS)
+        self.add_bos = self.tokenizer.add_bos if add_bos is None else _flag(add_bos)
+        self.bos_id = self.tokenizer.bos_id
         if self.add_bos and self.bos_id is None:
             raise NatslError("add_bos=true, but the tokenizer has no BOS token (<s>, <|begin_of_text|>, <bos>)")
         if self.tokenizer.eos_id is None:
