@@ -167,6 +167,8 @@ def write_model_files(folder: Path, model, recipe: Recipe, tokenizer=None, dtype
     (folder / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False), encoding="utf-8")
     config = {"format": FORMAT, "format_version": FORMAT_VERSION, "natsl_version": __version__,
               "recipe": recipe.to_dict(), **(extra_config or {})}
+    if tokenizer is not None:  # how the model's documents were delimited, for evaluation and generation
+        config["tokenizer"] = tokenizer.conventions()
     (folder / COMPLETE_MARKER).write_text(json.dumps(config, indent=2), encoding="utf-8")
 
 
@@ -316,7 +318,8 @@ def load_checkpoint(path, device=None, dtype: torch.dtype | None = None):
     from natsl.tokenizer import Tokenizer
 
     folder = resolve_checkpoint_folder(path)
-    recipe = checkpoint_recipe(folder, read_config(folder))
+    config = read_config(folder)
+    recipe = checkpoint_recipe(folder, config)
     weights = folder / "model.safetensors"
     if not weights.is_file():
         raise NatslError(f"{str(folder)!r} has no model.safetensors; the checkpoint is incomplete, use another one")
@@ -340,5 +343,7 @@ def load_checkpoint(path, device=None, dtype: torch.dtype | None = None):
         model = model.to(dtype)
     model.eval()
     tokenizer = Tokenizer.from_file(folder) if (folder / "tokenizer.json").is_file() else None
+    if tokenizer is not None:  # older checkpoints record nothing: they trained without BOS
+        tokenizer.apply_conventions(config.get("tokenizer") or {})
     model.recipe = recipe
     return model, tokenizer

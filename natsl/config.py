@@ -202,6 +202,10 @@ class DataConfig:
     # A folder written by `natsl tokenize`; "builtin" means the embedded smoke-test corpus.
     path: str = "builtin"
     tokenizer: Optional[str] = None
+    # Start each document with the tokenizer's BOS when it has one (how the paper's Llama-2 tokenizer
+    # trained). Applies where natsl tokenizes for the run (the builtin corpus); a `natsl tokenize` folder
+    # keeps what it was made with (`--no-bos`), recorded in its meta.json.
+    bos: bool = True
 
 
 @dataclass

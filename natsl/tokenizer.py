@@ -13,12 +13,34 @@ from typing import Iterable
 from natsl.errors import NatslError
 
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
+BOS_CANDIDATES = ("<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>")
+
+
+def _first_token(inner, candidates) -> int | None:
+    return next((inner.token_to_id(t) for t in candidates if inner.token_to_id(t) is not None), None)
 
 
 class Tokenizer:
     def __init__(self, inner):
         self.inner = inner
-        self.eos_id = next((inner.token_to_id(t) for t in EOS_CANDIDATES if inner.token_to_id(t) is not None), None)
+        self.eos_id = _first_token(inner, EOS_CANDIDATES)
+        self.bos_id = _first_token(inner, BOS_CANDIDATES)
+        # Whether the model's documents start with BOS (set from the data's meta.json or the checkpoint's
+        # config.json; `natsl tokenize` adds it when the tokenizer has one, as Llama-2's does).
+        self.add_bos = False
+
+    def document_start(self) -> list[int]:
+        """What precedes a document's (or a prompt's) tokens: [BOS] when the model was trained so."""
+        return [self.bos_id] if self.add_bos and self.bos_id is not None else []
+
+    def conventions(self) -> dict:
+        """The special-token use a model was trained with (kept in a checkpoint's config.json)."""
+        return {"eos_id": self.eos_id, "bos_id": self.bos_id, "add_bos": self.add_bos}
+
+    def apply_conventions(self, recorded: dict) -> "Tokenizer":
+        self.eos_id = recorded.get("eos_id", self.eos_id)
+        self.add_bos = bool(recorded.get("add_bos", False)) and self.bos_id is not None
+        return self
 
     @property
     def vocab_size(self) -> int:

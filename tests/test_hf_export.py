@@ -121,3 +121,31 @@ def test_from_hf_tells_the_formats_apart(tmp_path, tok):
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
     result = run("convert", tmp_path / "hf", tmp_path / "gqa", "--from-hf")
     assert result.exit_code == 2 and "grouped-query" in result.stderr
+
+
+def test_bos_the_model_trained_with_travels_to_hf_and_back(tmp_path):
+    """A model whose documents started with <s> (Llama-2's convention): the checkpoint records it, the
+    export's tokenizer adds it (`add_bos_token`), and the import back keeps it."""
+    from natsl.checkpoint import load_checkpoint
+
+    bos_tok = train_bpe([essay_text(20)], vocab_size=VOCAB - 1, eos_token="</s>")
+    bos_tok.inner.add_special_tokens(["<s>"])
+    bos_tok = type(bos_tok).from_file(bos_tok.save(tmp_path))
+    bos_tok.add_bos = True
+    recipe = apply_overrides(natsl.load_recipe("tiny_hybrid"), [f"model.vocab_size={VOCAB}", *SYSTEMS["transformer"]])
+    save_model_folder(tmp_path / "ckpt", natsl.build_model(recipe), recipe, bos_tok)
+    _, loaded = load_checkpoint(tmp_path / "ckpt")
+    assert loaded.add_bos and loaded.document_start() == [bos_tok.bos_id]
+    assert run("convert", tmp_path / "ckpt", tmp_path / "hf", "--to", "hf").exit_code == 0
+    assert json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())["add_bos_token"] is True
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = essay_text(2)[:200]
+    assert hf_tok(text).input_ids == [bos_tok.bos_id] + bos_tok.encode(text)
+    assert run("convert", tmp_path / "hf", tmp_path / "back", "--from-hf").exit_code == 0
+    _, back = load_checkpoint(tmp_path / "back")
+    assert back.add_bos and back.bos_id == bos_tok.bos_id
+    # A checkpoint from before the record (no "tokenizer" in config.json) trained without BOS.
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    del config["tokenizer"]
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
+    assert not load_checkpoint(tmp_path / "ckpt")[1].add_bos

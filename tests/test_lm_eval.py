@@ -1,7 +1,14 @@
 """natsl as an lm-evaluation-harness model: scores equal natsl's own, and `natsl eval-lm` runs local tasks."""
 
 import json
+import os
+import shutil
+import site
+import subprocess
+import sys
 import textwrap
+import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -73,9 +80,8 @@ def test_adapter_scores_and_generates_as_natsl(ckpt):
     assert text_out == ours.text
 
 
-def test_eval_lm_runs_local_tasks(ckpt, tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    tasks = tmp_path / "tasks"
+def write_tasks(tasks):
+    """A local lm-eval task folder: one multiple-choice, one rolling-perplexity and one generation task."""
     tasks.mkdir()
     rows = [{"question": f"Item {i}:", "choices": [" yes", " no"], "answer": i % 2, "text": essay_text(1)[:200]}
             for i in range(4)]
@@ -116,6 +122,12 @@ def test_eval_lm_runs_local_tasks(ckpt, tmp_path, monkeypatch):
         metric_list:
           - metric: exact_match
     """) + textwrap.dedent(common))
+
+
+def test_eval_lm_runs_local_tasks(ckpt, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    tasks = tmp_path / "tasks"
+    write_tasks(tasks)
     result = CliRunner().invoke(app, ["eval-lm", str(ckpt), "--tasks", "natsl_tiny_mc,natsl_tiny_ppl,natsl_tiny_gen",
                                       "--include-path", str(tasks), "--out", str(tmp_path / "out"),
                                       "--batch-size", "2", "--device", "cpu"])
@@ -128,3 +140,55 @@ def test_eval_lm_runs_local_tasks(ckpt, tmp_path, monkeypatch):
     assert "natsl_tiny_mc" in (tmp_path / "out" / "lm_eval.md").read_text()
     bad = CliRunner().invoke(app, ["eval-lm", str(ckpt), "--tasks", " ,", "--out", str(tmp_path / "out")])
     assert bad.exit_code == 2 and "--tasks names no task" in bad.stderr
+
+
+def run(cmd, **kw):
+    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=600, **kw)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.slow
+def test_lm_eval_command_finds_natsl_once_installed(ckpt, tmp_path):
+    """`pip install -e .` (as CI installs natsl) into a fresh venv, then lm-eval's own command runs
+    `--model natsl` on a local task: lm-eval 0.4.13 reads no model entry points, natsl-lm-eval.pth does
+    the registering (_natsl_lm_eval.py), without importing natsl at start. The regular wheel ships the
+    same two files and the entry point."""
+    root = Path(__file__).resolve().parent.parent
+    source = tmp_path / "src"  # a copy, so the build's egg-info and build/ stay out of the checkout
+    shutil.copytree(root / "natsl", source / "natsl", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md", "setup.py", "MANIFEST.in", "natsl-lm-eval.pth", "_natsl_lm_eval.py"):
+        shutil.copy(root / name, source / name)
+    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", tmp_path / "wheel",
+         source])
+    (wheel,) = (tmp_path / "wheel").glob("natsl-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        assert {"natsl-lm-eval.pth", "_natsl_lm_eval.py"} <= set(archive.namelist())
+        entry_points = archive.read("natsl-0.1.0.dist-info/entry_points.txt").decode()
+    assert "[lm_eval.models]\nnatsl = natsl.eval.lm_eval_adapter:NatslLM" in entry_points
+
+    # A venv that sees this environment's packages (lm-eval, torch) behind its own site-packages.
+    venv = tmp_path / "venv"
+    run([sys.executable, "-m", "venv", "--without-pip", venv])
+    python = venv / "bin" / "python"
+    purelib = Path(run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip())
+    (purelib / "zz_outer.pth").write_text("import site; " + "; ".join(f"site.addsitedir({p!r})"
+                                                                     for p in site.getsitepackages()) + "\n")
+    run([sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-deps", "--no-build-isolation",
+         "-e", source])
+    assert (purelib / "natsl-lm-eval.pth").exists()
+    loaded = run([python, "-c", "import sys; print(' '.join(m for m in sys.modules if m.startswith(('natsl', 'lm_eval'))))"])
+    assert loaded.stdout.strip() == ""  # natsl loads only when lm-eval asks for it
+    # lm-eval's console command, as pip writes it for this venv's interpreter
+    command = venv / "bin" / "lm_eval"
+    command.write_text(f"#!{python}\nimport sys\nfrom lm_eval.__main__ import cli_evaluate\nsys.exit(cli_evaluate())\n")
+    command.chmod(0o755)
+    write_tasks(tmp_path / "tasks")
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    env.pop("PYTHONPATH", None)  # natsl must come from the install, not from the checkout
+    run([command, "--model", "natsl", "--model_args", f"pretrained={ckpt}", "--tasks", "natsl_tiny_mc",
+         "--include_path", tmp_path / "tasks", "--limit", "2", "--output_path", tmp_path / "out"], env=env, cwd=tmp_path)
+    (results,) = (tmp_path / "out").rglob("results_*.json")
+    report = json.loads(results.read_text())
+    assert report["config"]["model"] == "natsl"
+    assert 0.0 <= report["results"]["natsl_tiny_mc"]["acc,none"] <= 1.0

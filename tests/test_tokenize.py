@@ -243,3 +243,35 @@ def test_an_empty_validation_split_is_warned_about(tmp_path):
     assert "validation split is empty: 2 document(s) at --val-fraction 0.01" in warning
     assert "the first held out is document 100" in warning
     assert TokenData(tmp_path / "o").meta["splits"]["validation"]["tokens"] == 0
+
+
+def test_documents_start_with_bos_when_the_tokenizer_has_one(tmp_path):
+    """Llama-2's tokenizer (as the paper trained) puts <s> before each document: so does natsl tokenize by
+    default, `bos=False` (`--no-bos`) leaves it out, and meta.json and the data's tokenizer say which."""
+    from natsl.data.sources import MemorySource
+    from natsl.tokenizer import train_bpe
+
+    docs = [f"document {i} about the quick brown fox" for i in range(8)]
+    tok = train_bpe(docs, vocab_size=300, eos_token="</s>")
+    assert tok.bos_id is None
+    tok.inner.add_special_tokens(["<s>"])
+    tok.save(tmp_path)
+    tok = T.Tokenizer.from_file(tmp_path)
+    body = [tok.encode(d) for d in docs]
+    for bos in (True, False):
+        out = tmp_path / f"bos_{bos}"
+        meta = T.tokenize_corpus(MemorySource(docs, {"what": "test"}), out,
+                                 settings(train_tokenizer=False, tokenizer=str(tmp_path), val_fraction=0.0, bos=bos),
+                                 progress=False, log=lambda *_: None)
+        data = TokenData(out)
+        stream = data.split("train")
+        ids = stream.read(0, stream.n_tokens).tolist()
+        start = [tok.bos_id] if bos else []
+        assert ids == [t for b in body for t in start + b + [tok.eos_id]]
+        assert (meta["add_bos"], meta["bos_id"]) == ((True, tok.bos_id) if bos else (False, None))
+        assert data.tokenizer().document_start() == start
+    # a tokenizer without BOS (the trained BPE) is unchanged: documents followed by EOS only
+    meta = T.tokenize_corpus(MemorySource(docs, {"what": "test"}), tmp_path / "bpe", settings(val_fraction=0.0),
+                             progress=False, log=lambda *_: None)
+    assert (meta["add_bos"], meta["bos_id"]) == (False, None)
+    assert TokenData(tmp_path / "bpe").split("train").n_tokens == meta["total_tokens"]

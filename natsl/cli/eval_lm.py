@@ -18,7 +18,9 @@ def eval_lm(
     limit: Optional[float] = typer.Option(None, help="Documents per task (an integer), or a fraction below 1."),
     batch_size: int = typer.Option(1, help="Sequences per forward (equal lengths are batched; natsl never pads)."),
     max_length: Optional[int] = typer.Option(None, help="Tokens per scored window (default: the recipe's training length)."),
-    add_bos: bool = typer.Option(False, help="Prepend the tokenizer's BOS to every text (for models trained that way)."),
+    add_bos: Optional[bool] = typer.Option(None, "--add-bos/--no-add-bos",
+                                           help="Prepend the tokenizer's BOS to every text (default: as the checkpoint "
+                                                "trained, recorded in its config.json)."),
     out: str = typer.Option("eval_lm", help="Folder for lm_eval.json, lm_eval.md and lm_eval.png."),
     device: Optional[str] = typer.Option(None, help="cpu, cuda or cuda:N (default: cuda when available)."),
     dtype: Optional[str] = typer.Option(None, help="fp32, bf16 or fp16 (default: bf16 on CUDA, fp32 on the CPU)."),

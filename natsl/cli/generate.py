@@ -101,7 +101,7 @@ def generate(
     if tokenizer is None:
         raise NatslError(f"checkpoint {checkpoint!r} has no tokenizer.json; generate needs one to read and write text")
     model.set_backend(chosen_backend)
-    prompts = [tokenizer.encode(t) for t in texts]
+    prompts = [tokenizer.document_start() + tokenizer.encode(t) for t in texts]
     limit = model.config.max_seq_len
     for i, ids in enumerate(prompts):
         where = "the prompt" if len(prompts) == 1 else f"prompt {i + 1}"

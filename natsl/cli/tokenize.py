@@ -20,6 +20,8 @@ def tokenize(
     vocab_size: int = typer.Option(32000, help="Vocabulary size of the trained BPE."),
     tokenizer_train_docs: Optional[int] = typer.Option(None, help="Train the BPE on the first N documents only."),
     eos_token: Optional[str] = typer.Option(None, help="End-of-document token (default: <|endoftext|>, </s>, ...)."),
+    bos: bool = typer.Option(True, "--bos/--no-bos", help="Start each document with the tokenizer's BOS (<s>, ...) "
+                                                          "when it has one, as Llama-2's tokenizer does."),
     text_field: str = typer.Option("text", help="Field (.jsonl, Hub) or column (.parquet) holding the text."),
     txt_docs: str = typer.Option("file", help="What a document is in a .txt file: file, paragraph or line."),
     val_fraction: float = typer.Option(0.01, help="Fraction of documents held out for validation."),
@@ -34,7 +36,7 @@ def tokenize(
     from natsl.data.tokenize import TokenizeSettings, tokenize_corpus
 
     settings = TokenizeSettings(tokenizer=tokenizer, train_tokenizer=train_tokenizer, vocab_size=vocab_size,
-                                tokenizer_train_docs=tokenizer_train_docs, eos_token=eos_token,
+                                tokenizer_train_docs=tokenizer_train_docs, eos_token=eos_token, bos=bos,
                                 val_fraction=val_fraction, shard_tokens=shard_tokens, max_documents=max_documents)
     settings.validate()
     check_option_typos(inputs)

@@ -125,7 +125,8 @@ def file_lock(path: Path):
             fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
-def builtin_data(vocab_size: int, tokenizer: str | None = None, progress: bool = True, log=print) -> Path:
+def builtin_data(vocab_size: int, tokenizer: str | None = None, progress: bool = True, log=print,
+                 bos: bool = True) -> Path:
     """The cached, tokenized embedded corpus for a model of `vocab_size` (built on first use)."""
     if tokenizer is None and vocab_size < 258:  # the BPE needs 256 bytes + EOS + 1
         raise NatslError(f"recipe key 'model.vocab_size' = {vocab_size} is too small for the embedded corpus's "
@@ -136,6 +137,8 @@ def builtin_data(vocab_size: int, tokenizer: str | None = None, progress: bool =
         from natsl.tokenizer import Tokenizer
 
         key_data["tokenizer"] = Tokenizer.from_file(tokenizer).sha256()
+        if not bos:
+            key_data["bos"] = False
     key = hashlib.sha256(json.dumps(key_data, sort_keys=True).encode("utf-8")).hexdigest()[:16]
     folder = cache_root() / f"builtin-v{CORPUS_VERSION}-vocab{vocab_size}-{key}"
     if (folder / META).is_file():
@@ -145,6 +148,6 @@ def builtin_data(vocab_size: int, tokenizer: str | None = None, progress: bool =
             return folder
         log(f"building the embedded corpus ({info['what']}, {len(docs)} documents, smoke runs only) in {folder}")
         settings = TokenizeSettings(tokenizer=tokenizer, train_tokenizer=tokenizer is None, vocab_size=vocab_size,
-                                    val_fraction=VAL_FRACTION, commit_tokens=1 << 22)
+                                    val_fraction=VAL_FRACTION, commit_tokens=1 << 22, bos=bos)
         tokenize_corpus(MemorySource(docs, info), folder, settings, progress=progress, log=log)
     return folder

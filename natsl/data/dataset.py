@@ -129,6 +129,7 @@ class TokenData:
             raise NatslError(f"the tokenizer in {str(self.folder)!r} does not match meta.json (sha256 differs); "
                              "tokenize the data again")
         tok.eos_id = self.eos_id
+        tok.add_bos = bool(self.meta.get("add_bos", False))  # folders from before the option: no BOS
         return tok
 
 

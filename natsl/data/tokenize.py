@@ -5,7 +5,9 @@ Output folder:
     meta.json              written last: format, dtype, EOS id, tokenizer sha256, split sizes, source
     tokenizer.json         the tokenizer the ids belong to
     train_00000.bin ...    token ids (numpy dtype from meta.json, uint16 when the vocabulary fits),
-    validation_00000.bin   every document followed by the EOS id
+    validation_00000.bin   every document followed by the EOS id, and preceded by the BOS id when the
+                           tokenizer has one (Llama-2's <s>, as the paper trained; `bos=False` /
+                           `--no-bos` leaves it out); meta.json's `add_bos` and `bos_id` say which
 
 Documents go to the validation split at an even rate of `val_fraction` (document i is held out
 when floor((i+1) f) > floor(i f)), so the split is deterministic and needs no shuffle buffer.
@@ -51,6 +53,7 @@ class TokenizeSettings:
     vocab_size: int = 32000
     tokenizer_train_docs: Optional[int] = None  # train the BPE on the first N documents (None: all)
     eos_token: Optional[str] = None  # default: the first of <|endoftext|>, </s>, <eos>, <|end_of_text|>
+    bos: bool = True  # start every document with the tokenizer's BOS, when it has one
     val_fraction: float = 0.01
     shard_tokens: int = 1 << 28
     max_documents: Optional[int] = None
@@ -180,6 +183,8 @@ def _fingerprint(source_info: dict, tokenizer_info: dict, settings: TokenizeSett
     data = {"format_version": FORMAT_VERSION, "source": source_info, "tokenizer": tokenizer_info,
             "eos_token": settings.eos_token, "val_fraction": settings.val_fraction,
             "shard_tokens": settings.shard_tokens, "max_documents": settings.max_documents}
+    if not settings.bos:  # only when set: folders made before the option keep their fingerprint
+        data["bos"] = False
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode("utf-8")).hexdigest()
 
 
@@ -268,6 +273,8 @@ def _tokenize(source, out: Path, settings: TokenizeSettings, progress: bool, log
     writer.restore()
     fraction = Fraction(settings.val_fraction).limit_denominator(1_000_000)
     eos = np.array([tok.eos_id], dtype=np.int64)
+    tok.add_bos = settings.bos and tok.bos_id is not None
+    start = np.array(tok.document_start(), dtype=np.int64)
     skip = state["items"]
     documents = sum(s["documents"] for s in state["splits"].values())
     pending: list[str] = []
@@ -280,11 +287,10 @@ def _tokenize(source, out: Path, settings: TokenizeSettings, progress: bool, log
         count = 0
         for ids in tok.encode_batch(pending):
             split = "validation" if is_validation(documents, fraction) else "train"
-            buffers[split].append(np.asarray(ids, dtype=np.int64))
-            buffers[split].append(eos)
+            buffers[split] += [start, np.asarray(ids, dtype=np.int64), eos]
             state["splits"][split]["documents"] += 1
             documents += 1
-            count += len(ids) + 1
+            count += len(start) + len(ids) + 1
         pending.clear()
         return count
 
@@ -330,7 +336,8 @@ def _tokenize(source, out: Path, settings: TokenizeSettings, progress: bool, log
                          f"(and --text-field)")
     meta = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "dtype": dtype.name,
-        "eos_id": tok.eos_id, "eos_token": tok.eos_token, "vocab_size": tok.vocab_size,
+        "eos_id": tok.eos_id, "eos_token": tok.eos_token, "add_bos": tok.add_bos,
+        "bos_id": tok.bos_id if tok.add_bos else None, "vocab_size": tok.vocab_size,
         "tokenizer_file": "tokenizer.json", "tokenizer_sha256": tok.sha256(),
         "total_tokens": total, "documents": documents, "val_fraction": settings.val_fraction,
         "splits": splits, "source": source_info, "settings": asdict(settings), "fingerprint": fingerprint,

@@ -321,6 +321,14 @@ def import_hf(src, out, dtype: torch.dtype | None = None, tokenizer_path=None) -
     return write_imported(folder, out, recipe, state, dtype, tokenizer_path, HF_MODEL_TYPE)
 
 
+def _hf_adds_bos(folder: Path) -> bool:
+    path = folder / "tokenizer_config.json"
+    try:
+        return json.loads(path.read_text(encoding="utf-8")).get("add_bos_token") is True
+    except (OSError, ValueError, AttributeError):  # absent or not a JSON object: nothing said
+        return False
+
+
 def write_imported(folder: Path, out, recipe, state: dict, dtype, tokenizer_path, source_type: str) -> Path:
     """A natsl inference folder from an imported natsl state dict (dtype None: as stored), with the
     tokenizer at `tokenizer_path` (default: the source folder's tokenizer.json, if any)."""
@@ -337,6 +345,8 @@ def write_imported(folder: Path, out, recipe, state: dict, dtype, tokenizer_path
         model.lm_head.weight = model.embed.weight
     tok_file = Path(tokenizer_path) if tokenizer_path else folder / "tokenizer.json"
     tokenizer = Tokenizer.from_file(tok_file) if (tokenizer_path or tok_file.is_file()) else None
+    if tokenizer is not None:  # Hugging Face says whether texts start with BOS in tokenizer_config.json
+        tokenizer.apply_conventions({"add_bos": _hf_adds_bos(folder)})
     extra = {"converted_from": str(folder.resolve()), "source_model_type": source_type,
              "dtype": DTYPE_NAMES.get(dtype, str(dtype))}
     return atomic_folder(Path(out), lambda tmp: write_model_files(tmp, model, recipe, tokenizer, dtype, extra_config=extra))

@@ -216,8 +216,10 @@ def load_token_data(path, tokenizer=None, *, text_key: str = "text", max_docs: i
     if not texts:
         raise NatslError(f"{str(path)!r} holds no text")
     docs, total = [], 0
+    head = tokenizer.document_start()  # [BOS] for a model whose documents started so, as in its training data
     for start in range(0, len(texts), 64):  # stop tokenizing once `max_tokens` are in hand
         for ids in tokenizer.encode_batch(texts[start:start + 64]):
+            ids = head + ids
             docs.append(np.asarray(ids, dtype=np.int64))
             total += len(ids)
         if max_tokens is not None and total >= max_tokens:
@@ -278,7 +280,7 @@ def builtin_windows(tokenizer, seq_len: int, samples: int, vocab_size: int) -> l
     ids: list[int] = []
     eos = tokenizer.eos_id
     for text in texts:
-        ids.extend(tokenizer.encode(text))
+        ids.extend(tokenizer.document_start() + tokenizer.encode(text))
         if eos is not None:
             ids.append(eos)
         if len(ids) >= need:

@@ -1,16 +1,20 @@
 """natsl as an lm-evaluation-harness model (`lm-eval` 0.4.x), registered under the name `natsl`.
 
-lm-eval 0.4 finds models in its own registry only (no package entry point for models), so the model
-is registered when this module is imported. Three ways in:
+Installing natsl makes lm-eval's own command find it (docs/evaluation.md): the package declares the
+`lm_eval.models` entry point, and for lm-eval releases that read none (0.4.13 and before)
+`natsl-lm-eval.pth` registers the same placeholder when lm-eval fills its model registry
+(`_natsl_lm_eval.py`). Importing this module registers the class itself. Ways in:
 
+    lm_eval --model natsl --model_args pretrained=CKPT --tasks ...      # lm-eval's command line
     natsl eval-lm CKPT --tasks hellaswag,arc_easy            # natsl's wrapper: JSON, table and PNG
-    python -m natsl.eval.lm_eval_adapter --model natsl --model_args pretrained=CKPT --tasks ...
-    python -c "import natsl.eval.lm_eval_adapter" ...; lm_eval.simple_evaluate(model="natsl", ...)
+    python -m natsl.eval.lm_eval_adapter --model natsl ...   # the same as lm_eval, from a checkout
+    lm_eval.simple_evaluate(model="natsl", model_args="pretrained=CKPT", ...)
 
-(the second is lm-eval's own command line, with natsl registered first). `model_args`: pretrained
+`model_args`: pretrained
 (a checkpoint or run folder), device, dtype, backend (natsl's defaults), batch_size, max_length
 (default: the recipe's training length), chunk (tokens per cached forward, default 2048), add_bos
-(prepend BOS, default false: natsl trains documents each followed by EOS, so EOS starts a text).
+(prepend BOS; default: as the checkpoint trained -- documents start with BOS when its tokenizer has
+one, e.g. Llama-2's; without BOS the EOS that ends the previous document starts a text).
 
 Every request runs through natsl's cache: a scored sequence goes in pieces of `chunk` tokens
 (`forward_cached`), which bounds the logits held at once, and generation is `natsl generate`'s
@@ -31,20 +35,24 @@ from tqdm import tqdm
 from natsl.errors import NatslError
 
 DEFAULT_CHUNK = 2048
+LM_EVAL_DEFAULT_DEVICE = "cuda:0"  # EvaluatorConfig.device
 
 
 def _flag(value) -> bool:
     return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
 
 
-@register_model("natsl")
 class NatslLM(TemplateLM):
     def __init__(self, pretrained: str, device: str | None = None, dtype: str | None = None,
                  backend: str | None = None, batch_size: int | str = 1, max_length: int | None = None,
-                 chunk: int = DEFAULT_CHUNK, add_bos: bool | str = False, max_gen_toks: int = 256, **kwargs):
+                 chunk: int = DEFAULT_CHUNK, add_bos: bool | str | None = None, max_gen_toks: int = 256, **kwargs):
         super().__init__()
         from natsl.eval.common import load_eval_model
 
+        if device == LM_EVAL_DEFAULT_DEVICE and not torch.cuda.is_available():
+            # lm-eval's command line passes its own default (cuda:0) when --device is not given; like
+            # its `hf` model, take the machine's device then instead of refusing a choice nobody made.
+            device = None
         self.em = load_eval_model(pretrained, device, dtype, backend)
         if self.em.tokenizer is None:
             raise NatslError(f"checkpoint {pretrained!r} has no tokenizer.json; lm-eval feeds text: bundle one "
@@ -54,10 +62,9 @@ class NatslLM(TemplateLM):
         self.max_length = int(max_length or min(self.em.recipe.train.seq_len, self.model.config.max_seq_len))
         self.chunk = int(chunk)
         self.max_gen_toks = int(max_gen_toks)
-        self.add_bos = _flag(add_bos)
-        from natsl.hf.export import bos_id
-
-        self.bos_id = bos_id(self.tokenizer)
+        # default: as the model trained (the checkpoint records whether its documents started with BOS)
+        self.add_bos = self.tokenizer.add_bos if add_bos is None else _flag(add_bos)
+        self.bos_id = self.tokenizer.bos_id
         if self.add_bos and self.bos_id is None:
             raise NatslError("add_bos=true, but the tokenizer has no BOS token (<s>, <|begin_of_text|>, <bos>)")
         if self.tokenizer.eos_id is None:
@@ -183,4 +190,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # Run as a script this file is `__main__`: register and run the importable module instead, whose
+    # class is the one the `natsl` placeholder names.
+    from natsl.eval.lm_eval_adapter import main as _main
+
+    _main()
+else:
+    register_model("natsl")(NatslLM)

@@ -30,7 +30,6 @@ NATSL = "natsl"
 OWN_MODEL_TYPES = (LLAMA, NATSL)
 MODELING_FILE = Path(__file__).with_name("modeling_natsl.py")
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-BOS_CANDIDATES = ("<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>")
 
 
 # ----------------------------------------------------------------------------- names
@@ -103,12 +102,17 @@ def natsl_config(recipe, tokenizer) -> dict:
 def special_token_ids(tokenizer) -> dict:
     if tokenizer is None:
         return {"bos_token_id": None, "eos_token_id": None}
-    return {"bos_token_id": bos_id(tokenizer), "eos_token_id": tokenizer.eos_id}
+    return {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
 
 
-def bos_id(tokenizer) -> int | None:
-    return next((tokenizer.inner.token_to_id(t) for t in BOS_CANDIDATES
-                 if tokenizer.inner.token_to_id(t) is not None), None)
+def bos_post_processor(tokenizer) -> dict:
+    """A `tokenizers` TemplateProcessing that puts BOS before each text, as natsl's documents start."""
+    from tokenizers import processors
+
+    bos = tokenizer.inner.id_to_token(tokenizer.bos_id)
+    processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                              special_tokens=[(bos, tokenizer.bos_id)])
+    return json.loads(processor.__getstate__())
 
 
 def write_tokenizer_files(folder: Path, tokenizer, max_len: int) -> None:
@@ -116,14 +120,15 @@ def write_tokenizer_files(folder: Path, tokenizer, max_len: int) -> None:
     training data is documents each followed by EOS), plus tokenizer_config.json naming the special tokens,
     so `AutoTokenizer(text).input_ids` is natsl's encoding."""
     data = json.loads(tokenizer.to_json())
-    # A post-processor (a Llama tokenizer's "<s> $A") would add tokens that natsl never saw in training.
-    data["post_processor"] = None
+    # The tokenizer's own post-processor may add what natsl's training did not (or not add what it did):
+    # replaced by exactly natsl's document start, "<s> $A" when the model trained with BOS, else nothing.
+    data["post_processor"] = bos_post_processor(tokenizer) if tokenizer.document_start() else None
     (folder / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
-    bos = bos_id(tokenizer)
+    bos = tokenizer.bos_id
     specials = {"eos_token": tokenizer.eos_token, "bos_token": None if bos is None else tokenizer.inner.id_to_token(bos)}
     specials["pad_token"] = specials["eos_token"]  # batched evaluation pads (left, with natsl models)
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len,
-              "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
+              "add_bos_token": bool(tokenizer.document_start()), "add_eos_token": False, "clean_up_tokenization_spaces": False,
               "padding_side": "left", **specials}
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
     (folder / "special_tokens_map.json").write_text(

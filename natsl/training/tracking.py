@@ -5,7 +5,8 @@ The tracker knows nothing of the metrics themselves: nested records (a dict of p
 per-group values, such as NAtS-L's kept fractions) become one scalar each, named by their path
 (`kept_fraction/layer_3/group_1`), so whatever the trainer writes to metrics.jsonl can be watched
 evolving. TensorBoard writes event files under OUT/tensorboard (offline by nature); wandb runs in
-offline mode under OUT/wandb unless WANDB_MODE says otherwise (`wandb sync` uploads it later).
+offline mode under OUT/wandb unless WANDB_MODE says otherwise (`wandb sync` uploads it later;
+WANDB_DIR moves it, WANDB_PROJECT names the project, default natsl).
 """
 
 from __future__ import annotations
@@ -63,7 +64,9 @@ class WandbTracker:
             raise NatslError("train.tracker is wandb, but wandb is not installed; "
                              "`pip install 'natsl[tracking]'` or set train.tracker: none") from None
         self.wandb = wandb
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "natsl"), name=recipe.name, dir=str(out),
+        # wandb.init's `dir` outranks WANDB_DIR, so pass the run folder only when WANDB_DIR is not set
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "natsl"), name=recipe.name,
+                              dir=os.environ.get("WANDB_DIR") or str(out),
                               config=recipe.to_dict(), mode=os.environ.get("WANDB_MODE", "offline"))
 
     def log(self, step: int, values: dict[str, float]) -> None:

@@ -344,10 +344,10 @@ class Trainer:
             return
         if r.data.path == "builtin":
             if self.info.is_main:
-                folder = builtin_data(r.model.vocab_size, r.data.tokenizer, self.options.progress, self.log)
+                folder = builtin_data(r.model.vocab_size, r.data.tokenizer, self.options.progress, self.log, r.data.bos)
             D.barrier(self.info)
             if not self.info.is_main:
-                folder = builtin_data(r.model.vocab_size, r.data.tokenizer, False, lambda *_: None)
+                folder = builtin_data(r.model.vocab_size, r.data.tokenizer, False, lambda *_: None, r.data.bos)
         else:
             folder = Path(r.data.path)
         data = TokenData(folder)
