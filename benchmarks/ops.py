@@ -113,7 +113,7 @@ def gdn_inputs(p: Point, device, dtype):
 
 def gdn_natsl(backend):
     def build(x, p, mode):
-        import natsl
+        import natsl.ops
 
         if backend == "fast":
             _needs_cuda(x["q"].device)
@@ -152,7 +152,7 @@ def routed_inputs(p: Point, device, dtype):
 
 def routed_natsl(backend):
     def build(x, p, mode):
-        import natsl
+        import natsl.ops
 
         if backend == "fast":
             _needs_cuda(x["q"].device)
@@ -410,7 +410,7 @@ def gla_inputs(p: Point, device, dtype):
 
 def gla_natsl(backend, masked=True):
     def build(x, p, mode):
-        import natsl
+        import natsl.ops
 
         if backend == "fast":
             _needs_cuda(x["q"].device)

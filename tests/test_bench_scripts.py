@@ -299,3 +299,16 @@ def test_the_gated_linear_entry_builds_mamba2_shaped_inputs_and_times_its_chunke
     assert x["write"].shape[1] == 2
     rows = ops.run(args)["gated_linear"]
     assert [r["provider"] for r in rows] == ["natsl_reference"] and rows[0]["ms"] > 0
+
+
+@pytest.mark.parametrize("op", ["gated_delta", "gated_linear", "routed_attention"])
+def test_an_op_entry_runs_in_a_fresh_process(op, tmp_path):
+    """Each op entry imports what it calls: run alone, nothing else has imported natsl.ops for it."""
+    done = subprocess.run([sys.executable, "-m", "benchmarks.ops", "--op", op, "--provider", "natsl_reference",
+                           "--shapes", "tiny", "--lengths", "16", "--mode", "fwd", "--device", "cpu",
+                           "--dtype", "fp32", "--out", str(tmp_path)],
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Error" not in done.stdout, done.stdout[-2000:]
+    assert json.loads((tmp_path / f"ops_{op}.json").read_text())["rows"][0]["ms"] > 0
