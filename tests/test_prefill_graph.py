@@ -109,7 +109,8 @@ def test_prefill_takes_the_plain_path_where_it_must(use_switches):
         assert not runner.fits(ids[:1, 3:50], started)  # the cache holds tokens already
         assert not runner.fits(ids[:1, :100], model.new_cache(1, max_len=128, dtype=torch.float64))
     assert not runner.fits(ids[:1, :100], model.new_cache(1, max_len=128))  # gradients on: plain path
-    assert prefill_graph.runner_for(model) is None  # the CPU: no graphs
+    use_switches(prefill_graphs=True)
+    assert prefill_graph.runner_for(model) is None  # the CPU: no graphs, even with the switch on
     use_switches(prefill_graphs=False)
     assert prefill_graph.runner_for(model) is None
 
