@@ -98,6 +98,16 @@ def test_cached_inference_is_refused_in_one_line():
     assert "\n" not in str(err.value)
 
 
+def test_compare_refuses_an_nsa_checkpoint_before_measuring(tmp_path):
+    from natsl.checkpoint import save_model_folder
+    from natsl.eval.compare import run_compare
+
+    model = tiny_nsa()
+    folder = save_model_folder(tmp_path / "nsa", model, natsl.config.Recipe(name="nsa", model=model.config), None)
+    with pytest.raises(NatslError, match="no inference cache.*natsl compare cannot measure it yet"):
+        run_compare([str(folder)], budgets=[0.5], methods=[], context=32, ppl_args=None, progress=False)
+
+
 @pytest.mark.parametrize("size", ["380m", "800m"])
 def test_nsa_recipes_match_gdn_hybrid_parameters(size):
     nsa, hybrid = natsl.load_recipe(f"{size}_nsa_hybrid"), natsl.load_recipe(f"{size}_gdn_hybrid")
@@ -107,8 +117,18 @@ def test_nsa_recipes_match_gdn_hybrid_parameters(size):
     assert abs(a - b) / b < 0.005
 
 
-def test_recall_nsa_recipe_loads():
+def test_recall_nsa_recipe_loads_and_counts_its_sparse_flops():
+    from natsl.models.state_cost import state_flops_per_token
+    from natsl.training.flops import flops_per_token
+
     recipe = natsl.load_recipe("recall/nsa_hybrid")
+    c = recipe.model
+    n = natsl.build_model(recipe, device="meta").num_parameters()
+    dense = 6.0 * (n - c.vocab_size * c.hidden_size)
+    # one NSA layer at 512 tokens: 8 block means + 128 selected + 128 window keys on average
+    sparse = 3.0 * 2.0 * (256 / 32 + 128 + 128) * 16 * 2 * 32
+    gdn = 3 * 3.0 * state_flops_per_token(c, "gdn", 64)  # the three GDN layers
+    assert flops_per_token(c, 512, n_params=n) - dense - gdn == pytest.approx(sparse)
     assert recipe.model.layer_types() == ["gdn", "gdn", "gdn", "nsa"]
     assert recipe.model.nsa_window < recipe.train.seq_len
 
