@@ -206,8 +206,10 @@ TRAINING_ONLY_MODEL_FIELDS = {"router_noise": 0.0, "router_balance": 0.0, "route
 MAMBA2_MODEL_FIELDS = {"natsl_state": "gdn", "mamba2_head_dim": 64, "mamba2_state_size": 128, "mamba2_expand": 2,
                        "mamba2_groups": 1}
 # Model fields added after checkpoints existed, with the value every earlier checkpoint was trained
-# with (attn_window: full causal attention, the only attention there was).
-LATER_MODEL_FIELDS = {"attn_window": 0}
+# with (attn_window: full causal attention, the only attention there was; the NSA fields: no NSA layers,
+# the rest at their defaults, which such a model never reads).
+LATER_MODEL_FIELDS = {"attn_window": 0, "nsa_layers": [], "nsa_num_heads": 16, "nsa_kv_heads": 1, "nsa_head_dim": 128,
+                      "nsa_block_size": 64, "nsa_block_counts": 16, "nsa_window": 512}
 
 
 def checkpoint_recipe(folder: Path, config: dict) -> Recipe:

@@ -21,7 +21,7 @@ import yaml
 from natsl.errors import NatslError
 from natsl.seeding import check_seed
 
-LAYER_TYPES = ("gdn", "attention", "natsl", "mamba2")
+LAYER_TYPES = ("gdn", "attention", "natsl", "mamba2", "nsa")
 # The shipped recipes are package data (natsl/recipes/, read through importlib.resources so a wheel
 # finds them too); `load_recipe("800m_hybrid")` or `load_recipe("recall/gdn")` names one.
 RECIPES_PACKAGE = "natsl"
@@ -29,7 +29,7 @@ RECIPES_PACKAGE = "natsl"
 
 @dataclass
 class ModelConfig:
-    """Architecture of a causal LM built from GDN, softmax-attention, NAtS-L and Mamba2 layers."""
+    """Architecture of a causal LM built from GDN, softmax-attention, NAtS-L, Mamba2 and NSA layers."""
 
     vocab_size: int = 32000
     hidden_size: int = 1536
@@ -37,10 +37,11 @@ class ModelConfig:
     intermediate_size: int = 4096
     num_layers: int = 21
     # Layout: every layer is `base_layer` except the indices listed for another type.
-    base_layer: Literal["gdn", "attention", "natsl", "mamba2"] = "gdn"
+    base_layer: Literal["gdn", "attention", "natsl", "mamba2", "nsa"] = "gdn"
     natsl_layers: list[int] = field(default_factory=list)
     attention_layers: list[int] = field(default_factory=list)
     gdn_layers: list[int] = field(default_factory=list)
+    nsa_layers: list[int] = field(default_factory=list)
     # GDN and NAtS-L heads: H heads of key dim K and value dim V.
     num_heads: int = 6
     head_k_dim: int = 192
@@ -55,6 +56,17 @@ class ModelConfig:
     # buffer). 0: full causal attention.
     attn_window: int = 0
     rope_theta: float = 10000.0
+    # Native Sparse Attention layers (flash-linear-attention's NSA, natsl/models/nsa.py): nsa_num_heads query
+    # heads of nsa_head_dim share nsa_kv_heads key/value heads (fla's kernels need a group of a power of two,
+    # at least 16); each query reads the mean-pooled blocks of nsa_block_size keys (compressed branch), the
+    # nsa_block_counts blocks they score highest (selected branch) and the last nsa_window keys (0: no
+    # window branch), mixed by sigmoid gates; RoPE at rope_theta.
+    nsa_num_heads: int = 16
+    nsa_kv_heads: int = 1
+    nsa_head_dim: int = 128
+    nsa_block_size: int = 64
+    nsa_block_counts: int = 16
+    nsa_window: int = 512
     # NAtS-L: each GDN head is cut into R softmax heads that share its route.
     softmax_heads_per_group: int = 3
     block_size: int = 64
@@ -92,7 +104,7 @@ class ModelConfig:
     def layer_types(self) -> list[str]:
         types_ = [self.base_layer] * self.num_layers
         for name, indices in (("natsl", self.natsl_layers), ("attention", self.attention_layers),
-                              ("gdn", self.gdn_layers)):
+                              ("gdn", self.gdn_layers), ("nsa", self.nsa_layers)):
             for i in indices:
                 types_[i] = name
         return types_
@@ -100,7 +112,7 @@ class ModelConfig:
     def validate(self, prefix: str = "model") -> None:
         check_ranges(self, prefix, MODEL_RULES)
         seen: dict[int, str] = {}
-        for name in ("natsl_layers", "attention_layers", "gdn_layers"):
+        for name in ("natsl_layers", "attention_layers", "gdn_layers", "nsa_layers"):
             for i in getattr(self, name):
                 if not 0 <= i < self.num_layers:
                     raise NatslError(f"recipe key '{prefix}.{name}' has layer index {i}; allowed: 0 to {self.num_layers - 1}")
@@ -118,6 +130,8 @@ class ModelConfig:
                                  f"set '{prefix}.natsl_rope: false' or change the head dims")
         if "attention" in self.layer_types() and self.attn_rope and self.attn_head_dim % 2:
             raise NatslError(f"recipe key '{prefix}.attn_head_dim' must be even for RoPE, got {self.attn_head_dim}")
+        if "nsa" in self.layer_types():
+            self.validate_nsa(prefix)
         if "mamba2" in self.layer_types():
             inner = self.mamba2_expand * self.hidden_size
             if inner % self.mamba2_head_dim:
@@ -126,6 +140,19 @@ class ModelConfig:
             if (inner // self.mamba2_head_dim) % self.mamba2_groups:
                 raise NatslError(f"recipe key '{prefix}.mamba2_groups' = {self.mamba2_groups} does not divide the "
                                  f"{inner // self.mamba2_head_dim} Mamba2 heads; pick a group count that divides them")
+
+    def validate_nsa(self, prefix: str) -> None:
+        """The shapes flash-linear-attention's NSA kernels take (fla/ops/nsa/parallel.py)."""
+        heads, kv = self.nsa_num_heads, self.nsa_kv_heads
+        group = heads // kv
+        if heads % kv or group < 16 or group & (group - 1):
+            raise NatslError(f"recipe key '{prefix}.nsa_num_heads' = {heads} must be nsa_kv_heads = {kv} times a power of "
+                             "two of at least 16 (flash-linear-attention's NSA kernels); e.g. 16 heads over 1 kv head")
+        if self.nsa_head_dim % 2:
+            raise NatslError(f"recipe key '{prefix}.nsa_head_dim' must be even for RoPE, got {self.nsa_head_dim}")
+        if 2 * self.nsa_block_counts > self.nsa_block_size:
+            raise NatslError(f"recipe key '{prefix}.nsa_block_counts' = {self.nsa_block_counts} must be at most half of "
+                             f"nsa_block_size = {self.nsa_block_size} (fla's top-k kernel); lower it or raise the block size")
 
     @property
     def softmax_k_dim(self) -> int:
@@ -235,6 +262,10 @@ def _count(low: int, high: Optional[int] = None) -> tuple:
     return (lambda v: low <= v <= high), f"an integer from {low} to {high}"
 
 
+def _power_of_two(low: int):
+    return lambda v: v >= low and v & (v - 1) == 0
+
+
 # The range of every numeric field, as (rule, what is allowed). Values outside them either crash
 # deep inside the model or train quietly on NaN (norm_eps < 0, rope_theta <= 0, init_std < 0).
 MODEL_RULES = {
@@ -249,6 +280,14 @@ MODEL_RULES = {
     "conv_size": _count(1, 64),
     "attn_num_heads": _count(1), "attn_head_dim": _count(1),
     "attn_window": (lambda v: v >= 0, "an integer >= 0 (0: full causal attention)"),
+    "nsa_num_heads": _count(1), "nsa_kv_heads": _count(1),
+    # fla's NSA kernels hold a key in one tile of at most 256 and multiply tiles of at least 16
+    "nsa_head_dim": _count(16, 256),
+    # fla's kernels index a block with tl.arange (a power of two) and multiply it in tiles of at least 16;
+    # the top-k kernel stores a power of two of selected blocks, so another count would run more on CUDA
+    "nsa_block_size": (_power_of_two(16), "a power of two, at least 16"),
+    "nsa_block_counts": (_power_of_two(1), "a power of two, at least 1"),
+    "nsa_window": (lambda v: v >= 0, "an integer >= 0 (0: no sliding-window branch)"),
     "rope_theta": _finite(0),  # the angles are position * theta**(-2i/d): theta <= 0 gives NaN
     "softmax_heads_per_group": _count(1), "block_size": _count(1),
     "norm_eps": _finite(0),  # rsqrt(mean(x^2) + eps): a negative eps gives NaN on small activations

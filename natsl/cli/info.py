@@ -44,8 +44,8 @@ def info(
     print(f"{rec.name}: {meta.num_parameters() / 1e6:.1f}M parameters, {cfg.num_layers} layers "
           f"({', '.join(f'{n} {t}' for t, n in layout.items())}), width {cfg.hidden_size}, vocab {cfg.vocab_size}")
     natsl_on = "" if cfg.natsl_state == "gdn" else f" on a {cfg.natsl_state} state"
-    print("layers: " + " ".join({"gdn": "G", "attention": "A", "natsl": "N", "mamba2": "M"}[t] for t in cfg.layer_types())
-          + f"   (G = GDN, A = softmax attention, N = NAtS-L{natsl_on}, M = Mamba2)")
+    print("layers: " + " ".join({"gdn": "G", "attention": "A", "natsl": "N", "mamba2": "M", "nsa": "S"}[t] for t in cfg.layer_types())
+          + f"   (G = GDN, A = softmax attention, N = NAtS-L{natsl_on}, M = Mamba2, S = NSA)")
     if not forward:
         return
     torch.manual_seed(seed)

@@ -31,6 +31,7 @@ from natsl.errors import NatslError
 from natsl.eval.common import EvalModel
 from natsl.inference import bench
 from natsl.inference.evict import METHODS, EvictingLM, Press
+from natsl.models.nsa import NO_CACHE
 from natsl.models.routing import force_keep_fraction
 
 
@@ -128,6 +129,8 @@ def run_compare(checkpoints: list[str], *, budgets: list[float], methods: list[s
     check_budgets(budgets, methods)
     models = [load_eval_model(path, device, dtype, backend) for path in checkpoints]
     for em in models:
+        if "nsa" in em.recipe.model.layer_types():  # its KV bytes and latency need a cache (natsl.models.nsa)
+            raise NatslError(f"{em.name}: {NO_CACHE}; natsl compare cannot measure it yet, leave it out")
         if context > em.recipe.model.max_seq_len:
             raise NatslError(f"--context {context} is beyond {em.name}'s max_seq_len {em.recipe.model.max_seq_len}; "
                              "pass a shorter --context")

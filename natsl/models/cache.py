@@ -330,6 +330,10 @@ def new_model_cache(model, batch_size: int, max_len: int | None = None, device=N
                 x_sum=zeros(B, config.hidden_size, dt=state_dtype),
                 k_mem=zeros(B, hs, L, config.softmax_k_dim), v_mem=zeros(B, hs, L, config.softmax_v_dim),
                 kept_len=zeros(B, H, dt=torch.long)))
+        elif layer_type == "nsa":
+            from natsl.models.nsa import NO_CACHE
+
+            raise NatslError(NO_CACHE)
         else:
             raise NatslError(f"layer type {layer_type!r} has no inference cache")
     return ModelCache(layers, positions)

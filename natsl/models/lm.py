@@ -17,9 +17,11 @@ from natsl.models.mamba2 import Mamba2
 from natsl.models.mlp import SwiGLU
 from natsl.models.natsl_layer import NAtSL
 from natsl.models.norms import RMSNorm
+from natsl.models.nsa import NativeSparseAttention
 from natsl.models.rope import RopeTable
 
-MIXERS = {"gdn": GatedDeltaNet, "attention": SoftmaxAttention, "natsl": NAtSL, "mamba2": Mamba2}
+MIXERS = {"gdn": GatedDeltaNet, "attention": SoftmaxAttention, "natsl": NAtSL, "mamba2": Mamba2,
+          "nsa": NativeSparseAttention}
 
 
 class Block(nn.Module):
@@ -80,7 +82,8 @@ def rope_table_for(c: ModelConfig, length: int, device) -> RopeTable | None:
     only from a table made outside it."""
     types = c.layer_types()
     dims = ([c.attn_head_dim] if c.attn_rope and "attention" in types else []) + \
-        ([c.softmax_k_dim] if c.natsl_rope and "natsl" in types else [])
+        ([c.softmax_k_dim] if c.natsl_rope and "natsl" in types else []) + \
+        ([c.nsa_head_dim] if "nsa" in types else [])
     return RopeTable(length, c.rope_theta, device, dims) if dims else None
 
 

@@ -10,6 +10,8 @@ Per token, training costs 3x the forward (forward + two backward matmuls):
 - NAtS-L: its GDN (or Mamba2-state) part as above, plus the routed softmax branch whose average context is the own
   block (C/2) plus the kept fraction f of the earlier tokens ((T - C)/2 x f): 3 x 2 x context x
   heads x (d_k + d_v). The trainer passes the measured keep fraction.
+- NSA: softmax over an average context of the compressed blocks ((T/2) / block size), the selected
+  blocks (counts x block size, at most T/2) and the window (at most T/2): 3 x 2 x context x heads x 2 d.
 This is an estimate of the work the model needs, not a count of what the kernels execute.
 """
 
@@ -47,6 +49,10 @@ def flops_per_token(config: ModelConfig, seq_len: int, keep_fraction: float = 1.
             heads = h * config.softmax_heads_per_group
             total += 3.0 * state_flops_per_token(config, layer, c)
             total += 3.0 * 2.0 * context * heads * (config.softmax_k_dim + config.softmax_v_dim)
+        elif layer == "nsa":
+            context = t / 2 / config.nsa_block_size + min(config.nsa_block_counts * config.nsa_block_size, t / 2) \
+                + min(config.nsa_window, t / 2)
+            total += 3.0 * 2.0 * context * config.nsa_num_heads * 2 * config.nsa_head_dim
     return total
 
 

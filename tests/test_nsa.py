@@ -1,0 +1,174 @@
+"""Native Sparse Attention layers (model.nsa_layers) through flash-linear-attention: the layer's math
+against dense attention, a tiny training run, the recipes, the rules and the refusals."""
+
+import dataclasses
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+import natsl
+from natsl.errors import NatslError
+
+pytest.importorskip("fla", reason="NSA layers need flash-linear-attention (natsl[fla])")
+
+from natsl.models.nsa import block_means, sparse_attention  # noqa: E402
+
+RECIPES = Path(__file__).resolve().parent.parent / "natsl" / "recipes"
+
+
+def tiny_nsa(**changes):
+    base = natsl.load_recipe(RECIPES / "tiny_hybrid.yaml").model
+    config = dataclasses.replace(base, natsl_layers=[], nsa_layers=[1], backend="chunked", nsa_num_heads=16,
+                                 nsa_kv_heads=1, nsa_head_dim=16, nsa_block_size=16, nsa_block_counts=2,
+                                 nsa_window=8, **changes)
+    config.validate()
+    return natsl.build_model(config)
+
+
+def dense(q, k, v, mask):
+    """q [T, HQ, D], k, v [T', HQ, D], mask [T, T'] -> softmax attention; rows with nothing visible: 0."""
+    scores = torch.einsum("thd,shd->hts", q, k) / q.shape[-1] ** 0.5
+    p = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1).nan_to_num()
+    return torch.einsum("hts,shd->thd", p, v)
+
+
+def test_block_means_average_each_block_and_the_partial_last():
+    x = torch.arange(10, dtype=torch.float64).view(1, 10, 1, 1)
+    assert block_means(x, 4).flatten().tolist() == [1.5, 5.5, 8.5]
+
+
+def test_every_block_selected_is_dense_attention_per_branch():
+    """With as many selected blocks as there are, the selected branch is causal attention; the compressed
+    branch attends the means of whole past blocks; the window branch the last `window` keys."""
+    torch.manual_seed(0)
+    t, hq, d, bs, window = 11, 16, 8, 4, 3
+    q = torch.randn(1, t, hq, d, dtype=torch.float64)
+    k, v = (torch.randn(1, t, 1, d, dtype=torch.float64) for _ in range(2))
+    g_cmp, g_slc, g_swa = (torch.rand(1, t, hq, dtype=torch.float64) for _ in range(3))
+    got = sparse_attention(q, k, v, g_cmp, g_slc, g_swa, block_size=bs, block_counts=4, window=window)
+    pos = torch.arange(t)
+    kk, vv = k[0].expand(t, hq, d), v[0].expand(t, hq, d)
+    causal = dense(q[0], kk, vv, pos[None, :] <= pos[:, None])
+    band = dense(q[0], kk, vv, (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < window))
+    means_k = torch.stack([k[0, i:i + bs].mean(0) for i in range(0, t, bs)]).expand(-1, hq, d)
+    means_v = torch.stack([v[0, i:i + bs].mean(0) for i in range(0, t, bs)]).expand(-1, hq, d)
+    blocks = torch.arange(means_k.shape[0])
+    compressed = dense(q[0], means_k, means_v, (blocks[None, :] + 1) * bs - 1 <= pos[:, None])
+    want = g_slc[0, ..., None] * causal + g_cmp[0, ..., None] * compressed + g_swa[0, ..., None] * band
+    torch.testing.assert_close(got[0], want, atol=1e-6, rtol=1e-5)  # fla's reference computes in fp32
+
+
+def test_fewer_selected_blocks_read_less_than_dense():
+    torch.manual_seed(1)
+    t, hq, d = 24, 16, 8
+    q = torch.randn(1, t, hq, d, dtype=torch.float64)
+    k, v = (torch.randn(1, t, 1, d, dtype=torch.float64) for _ in range(2))
+    zero, one = torch.zeros(1, t, hq, dtype=torch.float64), torch.ones(1, t, hq, dtype=torch.float64)
+    every = sparse_attention(q, k, v, zero, one, zero, block_size=4, block_counts=8, window=0)
+    two = sparse_attention(q, k, v, zero, one, zero, block_size=4, block_counts=2, window=0)
+    # the first 8 tokens sit in blocks 0 and 1, which two selected blocks cover; later queries lose blocks
+    torch.testing.assert_close(two[:, :8], every[:, :8], atol=1e-6, rtol=1e-5)
+    assert (two[:, 12:] - every[:, 12:]).abs().max() > 1e-3
+
+
+def test_tiny_nsa_model_trains():
+    torch.manual_seed(0)
+    model = tiny_nsa()
+    ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(3))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(4):
+        logits = model(ids[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids[0, 1:])
+        optimizer.zero_grad()
+        loss.backward()
+        nsa = model.layers[1].mixer
+        assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in nsa.parameters())
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+
+
+def test_cached_inference_is_refused_in_one_line():
+    model = tiny_nsa()
+    with pytest.raises(NatslError, match="NSA layers have no inference cache") as err:
+        model.new_cache(1, max_len=32)
+    assert "\n" not in str(err.value)
+
+
+def test_compare_refuses_an_nsa_checkpoint_before_measuring(tmp_path):
+    from natsl.checkpoint import save_model_folder
+    from natsl.eval.compare import run_compare
+
+    model = tiny_nsa()
+    folder = save_model_folder(tmp_path / "nsa", model, natsl.config.Recipe(name="nsa", model=model.config), None)
+    with pytest.raises(NatslError, match="no inference cache.*natsl compare cannot measure it yet"):
+        run_compare([str(folder)], budgets=[0.5], methods=[], context=32, ppl_args=None, progress=False)
+
+
+@pytest.mark.parametrize("size", ["380m", "800m"])
+def test_nsa_recipes_match_gdn_hybrid_parameters(size):
+    nsa, hybrid = natsl.load_recipe(f"{size}_nsa_hybrid"), natsl.load_recipe(f"{size}_gdn_hybrid")
+    assert nsa.model.nsa_layers == hybrid.model.attention_layers and "attention" not in nsa.model.layer_types()
+    a = natsl.build_model(nsa, device="meta").num_parameters()
+    b = natsl.build_model(hybrid, device="meta").num_parameters()
+    assert abs(a - b) / b < 0.005
+
+
+def test_recall_nsa_recipe_loads_and_counts_its_sparse_flops():
+    from natsl.models.state_cost import state_flops_per_token
+    from natsl.training.flops import flops_per_token
+
+    recipe = natsl.load_recipe("recall/nsa_hybrid")
+    c = recipe.model
+    n = natsl.build_model(recipe, device="meta").num_parameters()
+    dense = 6.0 * (n - c.vocab_size * c.hidden_size)
+    # one NSA layer at 512 tokens: 8 block means + 128 selected + 128 window keys on average
+    sparse = 3.0 * 2.0 * (256 / 32 + 128 + 128) * 16 * 2 * 32
+    gdn = 3 * 3.0 * state_flops_per_token(c, "gdn", 64)  # the three GDN layers
+    assert flops_per_token(c, 512, n_params=n) - dense - gdn == pytest.approx(sparse)
+    assert recipe.model.layer_types() == ["gdn", "gdn", "gdn", "nsa"]
+    assert recipe.model.nsa_window < recipe.train.seq_len
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.nsa_num_heads=24", r"'model.nsa_num_heads' = 24 must be nsa_kv_heads = 1 times a power of two of at least 16"),
+    ("model.nsa_block_size=48", r"'model.nsa_block_size' must be a power of two, at least 16, got 48"),
+    ("model.nsa_block_counts=3", r"'model.nsa_block_counts' must be a power of two, at least 1, got 3"),
+    ("model.nsa_block_counts=64", r"'model.nsa_block_counts' = 64 must be at most half of nsa_block_size = 64"),
+    ("model.nsa_window=-1", r"'model.nsa_window' must be an integer >= 0 \(0: no sliding-window branch\), got -1"),
+    ("model.nsa_head_dim=512", r"'model.nsa_head_dim' must be an integer from 16 to 256, got 512"),
+])
+def test_nsa_rules(override, message):
+    with pytest.raises(NatslError, match=message):
+        natsl.config.apply_overrides(natsl.load_recipe("800m_nsa_hybrid"), [override])
+
+
+def test_missing_fla_names_the_extra(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "fla" else real(name, *a))
+    with pytest.raises(NatslError, match=r"pip install 'natsl\[fla\]'"):
+        natsl.build_model(natsl.load_recipe("recall/nsa_hybrid"), device="meta")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_triton_kernels_match_the_reference():
+    """fla's Triton kernels (CUDA) against its PyTorch reference, forward and gradients, in bf16."""
+    torch.manual_seed(0)
+    t, hq, d = 300, 16, 64
+    q = torch.randn(2, t, hq, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, t, 1, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    gates = [torch.rand(2, t, hq, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    outs, grads = [], []
+    for naive in (False, True):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        o = sparse_attention(*leaves, *gates, block_size=32, block_counts=4, window=64, naive=naive)
+        o.float().square().sum().backward()
+        outs.append(o.float())
+        grads.append([x.grad.float() for x in leaves])
+    assert (outs[0] - outs[1]).norm() / outs[1].norm() < 2e-2
+    for fast, ref in zip(*grads):
+        assert (fast - ref).norm() / ref.norm() < 5e-2
