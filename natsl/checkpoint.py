@@ -212,6 +212,19 @@ LATER_MODEL_FIELDS = {"attn_window": 0, "nsa_layers": [], "nsa_num_heads": 16, "
                       "nsa_block_size": 64, "nsa_block_counts": 16, "nsa_window": 512}
 
 
+def complete_model_section(model: dict, where: str) -> None:
+    """Fill in the model fields added after checkpoints (and Hugging Face exports) existed, at the values
+    that reproduce those models (training-only fields: off; the Mamba2 fields: no Mamba2 anywhere;
+    attn_window: full attention); any other missing field is refused, naming `where`."""
+    for key, value in {**TRAINING_ONLY_MODEL_FIELDS, **MAMBA2_MODEL_FIELDS, **LATER_MODEL_FIELDS}.items():
+        model.setdefault(key, value)
+    missing = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in model]
+    if missing:
+        raise NatslError(f"{where}: the model section lacks {', '.join(missing)}; this is not a complete natsl "
+                         "checkpoint config: restore the keys from the recipe it was trained with, or use another "
+                         "checkpoint")
+
+
 def checkpoint_recipe(folder: Path, config: dict) -> Recipe:
     """The recipe in a checkpoint's config. Its model section must name every model field: a default
     filled in for a missing key would silently build another model than the one trained."""
@@ -221,15 +234,7 @@ def checkpoint_recipe(folder: Path, config: dict) -> Recipe:
     if not isinstance(model, dict):
         raise NatslError(f"{path!r} has no recipe with a model section: this is not a complete natsl checkpoint "
                          "config; use a folder written by `natsl train` or `natsl convert`, or fix the file")
-    # Fields added after checkpoints existed, at the values that reproduce those checkpoints' models
-    # (training-only fields: off; the Mamba2 fields: no Mamba2 anywhere; attn_window: full attention).
-    for key, value in {**TRAINING_ONLY_MODEL_FIELDS, **MAMBA2_MODEL_FIELDS, **LATER_MODEL_FIELDS}.items():
-        model.setdefault(key, value)
-    missing = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in model]
-    if missing:
-        raise NatslError(f"{path!r}: the model section lacks {', '.join(missing)}; this is not a complete natsl "
-                         "checkpoint config: restore the keys from the recipe it was trained with, or use another "
-                         "checkpoint")
+    complete_model_section(model, repr(path))
     try:
         # Only the model's rules: the train and optim sections do not change the model, and a rule added
         # to them later must not make a saved model unloadable (resuming checks them in full).

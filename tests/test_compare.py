@@ -81,5 +81,12 @@ def test_variants_and_pareto():
     assert [v.method for v in variants(gdn, [0.5], ["snapkv"])] == ["none"]
     hybrid = natsl.load_recipe("800m_gdn_hybrid").model
     assert [v.label for v in variants(hybrid, [0.5, 1], ["snapkv", "pyramidkv"])] == ["full", "snapkv 0.5", "pyramidkv 0.5"]
+    # Mamba2 is a fixed-size memory as GDN is; NAtS-L on a Mamba2 state (alone or beside Mamba2 layers)
+    # gets the kept-fraction budgets.
+    mamba2 = natsl.load_recipe("800m_mamba2").model
+    assert [(v.label, v.family, v.method) for v in variants(mamba2, [0.5], ["snapkv"])] == [("mamba2", "mamba2", "none")]
+    for name in ("800m_natsl_mamba2", "800m_hybrid_mamba2"):
+        got = [(v.label, v.method, v.budget) for v in variants(natsl.load_recipe(name).model, [0.25, 1], ["snapkv"])]
+        assert got == [("router", "router", None), ("keep 0.25", "keep_fraction", 0.25), ("keep 1", "keep_fraction", 1)]
     assert pareto([(1, 0.2), (2, 0.1), (3, 0.5), (4, 0.5)], True) == [(1, 0.2), (3, 0.5)]
     assert pareto([(1, 9.0), (2, 5.0), (3, 6.0)], False) == [(1, 9.0), (2, 5.0)]

@@ -178,6 +178,9 @@ def test_hf_import_refusals(authors_checkpoint, tmp_path):
     partial.pop("model.layers.3.attn.nats_layer.weight")
     assert "lacks 1 tensor" in variant("partial", ts=partial)
     assert "num_v_heads" in variant("gva", cfg={**config, "num_v_heads": 4})
+    # The authors' NAtS-L on Mamba2: its SSD branch is another function than natsl's Mamba2 state.
+    mamba = variant("nats_mamba", cfg={**config, "model_type": "nats_mamba", "mamba_layers": [0, 2]})
+    assert "L2-normalise the Mamba2 state's q and k" in mamba and "Mamba2 blocks have no MLP" in mamba
     assert "attn_with_short_conv" in variant("noconv", cfg={**config, "attn_with_short_conv": False})
     missing = run("convert", tmp_path / "absent", tmp_path / "o")
     assert missing.exit_code == 2 and "does not exist" in missing.stderr

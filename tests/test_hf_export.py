@@ -20,10 +20,16 @@ from natsl.tokenizer import train_bpe
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 300
+TINY_MAMBA2 = ["model.mamba2_head_dim=16", "model.mamba2_state_size=8", "model.mamba2_groups=2"]
 SYSTEMS = {
     "transformer": ["model.base_layer=attention", "model.natsl_layers=[]"],
     "natsl_hybrid": [],  # tiny_hybrid: GDN + NAtS-L layers
     "gdn_hybrid": ["model.natsl_layers=[]", "model.attention_layers=[1]", "model.tie_embeddings=true"],
+    # The Mamba2 systems at tiny sizes: 8 heads of 16 channels, state 8, two B/C groups.
+    "mamba2": [*TINY_MAMBA2, "model.base_layer=mamba2", "model.natsl_layers=[]", "model.intermediate_size=0"],
+    "natsl_mamba2": [*TINY_MAMBA2, "model.base_layer=natsl", "model.natsl_layers=[]", "model.natsl_state=mamba2",
+                     "model.natsl_rope=true"],
+    "hybrid_mamba2": [*TINY_MAMBA2, "model.base_layer=mamba2", "model.natsl_state=mamba2"],
 }
 
 
@@ -84,9 +90,13 @@ def test_export_logits_and_round_trip(tmp_path, tok, system):
     assert back["source_model_type"] == config["model_type"]
 
 
-@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.9, top_k=40, seed=3)])
-def test_remote_code_generate_matches_natsl_generate(tmp_path, tok, sampling):
-    model, ckpt = checkpoint(tmp_path, tok, "natsl_hybrid")
+GREEDY, SAMPLING = dict(temperature=0.0), dict(temperature=0.9, top_k=40, seed=3)
+
+
+@pytest.mark.parametrize("system, sampling", [("natsl_hybrid", GREEDY), ("natsl_hybrid", SAMPLING), ("mamba2", GREEDY),
+                                              ("natsl_mamba2", GREEDY), ("hybrid_mamba2", SAMPLING)])
+def test_remote_code_generate_matches_natsl_generate(tmp_path, tok, system, sampling):
+    model, ckpt = checkpoint(tmp_path, tok, system)
     assert run("convert", ckpt, tmp_path / "hf", "--to", "hf").exit_code == 0
     hf = load_hf(tmp_path / "hf")
     prompts = [tok.encode(essay_text(2)[:400]), tok.encode("The garden")]  # two lengths: left padding
@@ -149,3 +159,25 @@ def test_bos_the_model_trained_with_travels_to_hf_and_back(tmp_path):
     del config["tokenizer"]
     (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
     assert not load_checkpoint(tmp_path / "ckpt")[1].add_bos
+
+
+def test_an_export_older_than_the_mamba2_fields_loads_as_the_model_it_was(tmp_path, tok):
+    """Exports written before `attn_window` and the Mamba2 fields existed name neither: both ways in
+    (transformers' remote code and --from-hf) build the model they were, a GDN-state NAtS-L Hybrid; a
+    field missing for another reason is refused."""
+    model, ckpt = checkpoint(tmp_path, tok, "natsl_hybrid")
+    assert run("convert", ckpt, tmp_path / "hf", "--to", "hf").exit_code == 0
+    path = tmp_path / "hf" / "config.json"
+    config = json.loads(path.read_text())
+    for key in ("attn_window", "natsl_state", "mamba2_head_dim", "mamba2_state_size", "mamba2_expand", "mamba2_groups"):
+        del config["natsl_recipe"]["model"][key]
+    path.write_text(json.dumps(config))
+    ids = torch.randint(0, VOCAB, (1, 90))
+    with torch.no_grad():
+        assert torch.equal(load_hf(tmp_path / "hf")(ids).logits, model(ids))
+    assert run("convert", tmp_path / "hf", tmp_path / "back", "--from-hf").exit_code == 0
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["recipe"]["model"]["natsl_state"] == "gdn"
+    del config["natsl_recipe"]["model"]["head_v_dim"]
+    path.write_text(json.dumps(config))
+    result = run("convert", tmp_path / "hf", tmp_path / "bad", "--from-hf")
+    assert result.exit_code == 2 and "lacks head_v_dim" in result.stderr

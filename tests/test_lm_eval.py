@@ -31,14 +31,24 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from natsl.eval.lm_eval_adapter import NatslLM  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
+TINY_MAMBA2 = ["model.mamba2_head_dim=16", "model.mamba2_state_size=8", "model.mamba2_groups=2"]
+SYSTEMS = {"natsl_hybrid": [],  # tiny_hybrid: GDN + NAtS-L layers
+           "mamba2": [*TINY_MAMBA2, "model.base_layer=mamba2", "model.natsl_layers=[]", "model.intermediate_size=0"],
+           "hybrid_mamba2": [*TINY_MAMBA2, "model.base_layer=mamba2", "model.natsl_state=mamba2"]}
+
+
+def tiny_checkpoint(folder, system):
     tok = train_bpe([essay_text(100)], vocab_size=300)
-    recipe = apply_overrides(natsl.load_recipe("tiny_hybrid"), ["model.vocab_size=300", "train.seq_len=128"])
+    recipe = apply_overrides(natsl.load_recipe("tiny_hybrid"), ["model.vocab_size=300", "train.seq_len=128",
+                                                                *SYSTEMS[system]])
     torch.manual_seed(0)
-    folder = tmp_path_factory.mktemp("lm") / "ckpt"
     save_model_folder(folder, natsl.build_model(recipe), recipe, tok)
     return folder
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("lm") / "ckpt", "natsl_hybrid")
 
 
 def request(kind, *args):
@@ -52,8 +62,10 @@ def direct_logprob(model, context, continuation):
     return logp.gather(-1, torch.tensor(continuation)[:, None]).sum().item()
 
 
-def test_adapter_scores_and_generates_as_natsl(ckpt):
-    lm = NatslLM(pretrained=str(ckpt), device="cpu", batch_size=2, chunk=16)
+@pytest.mark.parametrize("system", ["natsl_hybrid", "mamba2", "hybrid_mamba2"])
+def test_adapter_scores_and_generates_as_natsl(ckpt, tmp_path, system):
+    folder = ckpt if system == "natsl_hybrid" else tiny_checkpoint(tmp_path / "ckpt", system)
+    lm = NatslLM(pretrained=str(folder), device="cpu", batch_size=2, chunk=16)
     model, tok = lm.model, lm.tokenizer
     pairs = [("The old house", " stood still"), ("The old house", " was sold"), ("A river", " ran dry")]
     got = lm.loglikelihood([request("loglikelihood", c, x) for c, x in pairs])

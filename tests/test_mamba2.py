@@ -1,5 +1,5 @@
 """The Mamba2 layer and NAtS-L on a Mamba2 state: each against Mamba2's recurrence written out token by
-token here, Mamba2's init, and `natsl train` / `natsl bench-latency` on tiny models of both.
+token here, Mamba2's init, and `natsl train` / `bench-latency` / `info` / `inspect-routing` on tiny models of both.
 (Prefill + decode against the full forward: tests/test_inference.py's mamba2 layouts.)"""
 
 import dataclasses
@@ -14,8 +14,12 @@ from typer.testing import CliRunner
 import yaml
 
 import natsl
+from natsl.checkpoint import load_checkpoint, save_model_folder
 from natsl.cli.main import app
+from natsl.config import Recipe
 from natsl.models.mamba2 import Mamba2, Mamba2StateProjections
+
+from cli_checks import assert_one_line_error
 
 RECIPES = Path(__file__).resolve().parent.parent / "natsl" / "recipes"
 TINY_MAMBA2 = {"mamba2_head_dim": 16, "mamba2_state_size": 8, "mamba2_groups": 2}  # 8 heads, 4 per group
@@ -154,3 +158,37 @@ def test_bench_latency_lists_the_800m_mamba2_among_its_systems():
     from natsl.inference import bench
 
     assert "800m_mamba2" in bench.DEFAULT_RECIPES
+
+
+def save_tiny_checkpoint(folder: Path, system: str) -> Path:
+    config = tiny_config(backend=None, block_size=16, **TINY_SYSTEMS[system])
+    torch.manual_seed(5)
+    return save_model_folder(folder, natsl.build_model(config), Recipe(name=system, model=config), None)
+
+
+def test_info_reads_a_mamba2_checkpoint_and_names_its_state(tmp_path):
+    ckpt = save_tiny_checkpoint(tmp_path / "ckpt", "natsl_mamba2")
+    result = CliRunner().invoke(app, ["info", str(ckpt), "--seq-len", "40", "--seed", "3"])
+    assert result.exit_code == 0, result.output + result.stderr
+    assert "layers: M N M N" in result.stdout and "N = NAtS-L on a Mamba2 state" in result.stdout
+    assert result.stdout.count(". = Mamba2 state") == 2  # layers 1 and 3 route between softmax and the SSD state
+    # The forward ran the checkpoint's weights, not a fresh model of its recipe.
+    model, _ = load_checkpoint(ckpt)
+    model.set_backend("chunked")
+    torch.manual_seed(3)
+    with torch.no_grad():
+        logits = model(torch.randint(0, model.config.vocab_size, (1, 40)))
+    assert f"mean |logit| {logits.abs().mean():.4f}" in result.stdout
+
+
+def test_inspect_routing_reports_natsl_on_mamba2_and_refuses_plain_mamba2(tmp_path):
+    plain = save_tiny_checkpoint(tmp_path / "mamba2", "mamba2")
+    args = ["--seq-len", "40", "--samples", "1", "--device", "cpu"]
+    assert_one_line_error(CliRunner().invoke(app, ["inspect-routing", str(plain), *args, "--out", str(tmp_path / "a")]),
+                          "has no NAtS-L layers")
+    hybrid = save_tiny_checkpoint(tmp_path / "hybrid", "natsl_mamba2")
+    result = CliRunner().invoke(app, ["inspect-routing", str(hybrid), *args, "--out", str(tmp_path / "b")])
+    assert result.exit_code == 0, result.output + result.stderr
+    report = json.loads((tmp_path / "b" / "routing.json").read_text())
+    assert report["natsl_layers"] == [1, 3]
+    assert all(0.0 <= layer["keep_fraction"] <= 1.0 for layer in report["datasets"][0]["layers"])

@@ -20,7 +20,8 @@ def parse_fractions(text: str, option: str) -> list[float]:
 
 @command("compare")
 def compare(
-    checkpoints: List[str] = typer.Argument(..., help="Checkpoint folders (NAtS-L, Transformer, GDN Hybrid, GDN + SWA, GDN)."),
+    checkpoints: List[str] = typer.Argument(..., help="Checkpoint folders (NAtS-L, Transformer, GDN Hybrid, GDN + SWA, "
+                                                        "GDN, Mamba2, NAtS-L on Mamba2)."),
     budgets: str = typer.Option("0.125,0.25,0.5,1", help="KV budgets, fractions of the tokens kept: NAtS-L's forced "
                                                          "kept fraction, the eviction presses' budget."),
     methods: str = typer.Option("snapkv,pyramidkv,adakv", help="KV-eviction presses for full-attention checkpoints."),

@@ -1,8 +1,10 @@
-"""`natsl info RECIPE`: the model a recipe builds, its parameter count, and one forward pass's routing."""
+"""`natsl info RECIPE|CHECKPOINT`: the model a recipe builds (or a checkpoint holds), its parameter count, and
+one forward pass's routing."""
 
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -11,45 +13,54 @@ from natsl.cli.app import command
 
 
 def routing_map(keep) -> list[str]:
-    """keep [NB, H] (0/1) -> one line per routing group: 'S' kept in softmax memory, '.' written to GDN."""
+    """keep [NB, H] (0/1) -> one line per routing group: 'S' kept in softmax memory, '.' written to the
+    linear memory (the GDN or Mamba2 state)."""
     return ["".join("S" if v > 0.5 else "." for v in keep[:, h].tolist()) for h in range(keep.shape[1])]
 
 
 @command("info")
 def info(
-    recipe: str = typer.Argument(..., help="Recipe YAML file or the name of a shipped recipe (e.g. tiny_hybrid, recall/gdn)."),
+    recipe: str = typer.Argument(..., help="Recipe YAML file, the name of a shipped recipe (e.g. tiny_hybrid, "
+                                           "recall/gdn), or a checkpoint or run folder (its recipe and weights)."),
     seq_len: int = typer.Option(256, help="Tokens in the forward pass (random ids)."),
     forward: bool = typer.Option(True, help="Run a forward pass and print the routing of every NAtS-L layer."),
     backend: Optional[str] = typer.Option(None, help="reference, chunked or fast (default: chunked; the forward pass "
                                                      "runs on the CPU, where fast needs TRITON_INTERPRET=1)."),
-    seed: int = typer.Option(0, help="Seed for the weights and the random tokens (0 to 2**63-1)."),
+    seed: int = typer.Option(0, help="Seed for the weights (of a recipe) and the random tokens (0 to 2**63-1)."),
 ) -> None:
-    """Print what a recipe builds; with --forward, run random tokens through it and show the routing."""
+    """Print what a recipe builds or a checkpoint holds; with --forward, run random tokens through it and show
+    the routing."""
     import torch
 
     import natsl
-    from natsl.runtime import check_length, pick_backend
+    from natsl.runtime import check_length, checkpoint_recipe_of, pick_backend
     from natsl.errors import NatslError
     from natsl.seeding import check_seed
 
     check_seed(seed, "--seed")
-    rec = natsl.load_recipe(recipe)
+    folder = None
+    if Path(recipe).is_dir():  # a checkpoint (or run) folder: its recipe, and its weights for the forward
+        folder, rec = checkpoint_recipe_of(recipe)
+    else:
+        rec = natsl.load_recipe(recipe)
     if seq_len < 1:
         raise NatslError(f"--seq-len must be at least 1, got {seq_len}")
-    check_length("--seq-len", seq_len, rec.model.max_seq_len, f"recipe {rec.name}")
+    source = f"checkpoint {str(folder)!r}" if folder else f"recipe {rec.name}"
+    check_length("--seq-len", seq_len, rec.model.max_seq_len, source)
     chosen_backend = pick_backend(backend, torch.device("cpu"))
     cfg = rec.model
     layout = Counter(cfg.layer_types())
     meta = natsl.build_model(rec, device="meta")
     print(f"{rec.name}: {meta.num_parameters() / 1e6:.1f}M parameters, {cfg.num_layers} layers "
           f"({', '.join(f'{n} {t}' for t, n in layout.items())}), width {cfg.hidden_size}, vocab {cfg.vocab_size}")
-    natsl_on = "" if cfg.natsl_state == "gdn" else f" on a {cfg.natsl_state} state"
+    state = {"gdn": "GDN", "mamba2": "Mamba2"}[cfg.natsl_state]
+    natsl_on = "" if cfg.natsl_state == "gdn" else f" on a {state} state"
     print("layers: " + " ".join({"gdn": "G", "attention": "A", "natsl": "N", "mamba2": "M", "nsa": "S"}[t] for t in cfg.layer_types())
           + f"   (G = GDN, A = softmax attention, N = NAtS-L{natsl_on}, M = Mamba2, S = NSA)")
     if not forward:
         return
     torch.manual_seed(seed)
-    model = natsl.build_model(rec)
+    model = natsl.load_checkpoint(folder, dtype=torch.float32)[0] if folder else natsl.build_model(rec)
     model.set_backend(chosen_backend)
     ids = torch.randint(0, cfg.vocab_size, (1, seq_len))
     with torch.no_grad():
@@ -58,6 +69,6 @@ def info(
     for index, layer in model.natsl_layers().items():
         keep = layer.last_keep[0]
         print(f"layer {index} NAtS-L routing ({keep.shape[0]} blocks of {cfg.block_size} tokens x {keep.shape[1]} "
-              f"routing groups), keep fraction {keep.mean():.2f}; S = softmax KV memory, . = GDN state:")
+              f"routing groups), keep fraction {keep.mean():.2f}; S = softmax KV memory, . = {state} state:")
         for group, line in enumerate(routing_map(keep)):
             print(f"  group {group}: {line}")

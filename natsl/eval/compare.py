@@ -8,7 +8,9 @@ Each checkpoint gives one or more variants, by what it is:
   each KV-eviction press (natsl.inference.evict: SnapKV, PyramidKV, AdaKV), the budget being the
   fraction of tokens kept;
 - sliding-window attention (GDN + SWA): its window, as trained;
-- GDN only: itself.
+- GDN or Mamba2 only (a fixed-size memory): itself.
+
+NAtS-L on a Mamba2 state (and its hybrid with Mamba2 layers) has NAtS-L layers: the first case.
 
 For each variant: quality through the evaluation functions of eval-recall (MQAR / passkey accuracy)
 and eval-ppl (perplexity over `--data`); a press runs them through `EvictingLM` (the cache read
@@ -40,7 +42,7 @@ class Variant:
     """One point of the comparison: a checkpoint with a budget (and how it is enforced)."""
 
     label: str
-    family: str  # natsl, attention, swa, gdn
+    family: str  # natsl, attention, swa, gdn, mamba2
     method: str  # router, keep_fraction, full, snapkv, pyramidkv, adakv, window, none
     budget: float | None = None
     window: int | None = None
@@ -60,7 +62,9 @@ def variants(config, budgets: list[float], methods: list[str]) -> list[Variant]:
     if "attention" in types:
         return [Variant("full", "attention", "full", 1.0)] + \
             [Variant(f"{m} {b:g}", "attention", m, b) for b in budgets if b < 1 for m in methods]
-    return [Variant("gdn", "gdn", "none")]
+    # GDN and / or Mamba2 layers only: a fixed-size memory, nothing to budget
+    label = "+".join(sorted(types))
+    return [Variant(label, "mamba2" if "mamba2" in types else "gdn", "none")]
 
 
 def check_budgets(budgets: list[float], methods: list[str]) -> None:
@@ -205,7 +209,7 @@ def plot(result: dict, path):
     key, label, higher = quality_key(result)
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
-    markers = {"natsl": "o", "attention": "s", "swa": "^", "gdn": "D"}
+    markers = {"natsl": "o", "attention": "s", "swa": "^", "gdn": "D", "mamba2": "P"}
     entries = [e for e in result["entries"] if e.get(key) is not None]
     for ax, cost, xlabel in ((axes[0], "kv_bytes", "softmax KV bytes at the context"),
                              (axes[1], "decode_ms", "decode ms per token at the context")):

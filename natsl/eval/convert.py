@@ -1,6 +1,7 @@
 """`natsl convert`: a training checkpoint into a clean inference folder, and the import of the
 authors' released Hugging Face checkpoints (model type `neural_attention_search_linear_attn_gdn`,
-github.com/automl/NeuralAttentionSearchLinear, built on flash-linear-attention layers).
+github.com/automl/NeuralAttentionSearchLinear, built on flash-linear-attention layers). Their NAtS-L
+on Mamba2 (model type `nats_mamba`) is refused with the reason (mamba2_refusal).
 
 Only safetensors are read; a checkpoint that ships only pickled weights (`pytorch_model.bin`) is
 refused rather than unpickled. The full name mapping and what it assumes is in docs/evaluation.md.
@@ -16,6 +17,8 @@ import torch
 from natsl.errors import NatslError
 
 HF_MODEL_TYPE = "neural_attention_search_linear_attn_gdn"
+# The authors' NAtS-L on Mamba2 (src/nats/models/natsl_attn_mamba2): refused, see mamba2_refusal.
+HF_MAMBA2_MODEL_TYPE = "nats_mamba"
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 # Tensors of the authors' format that natsl recomputes instead of storing.
 HF_IGNORED_SUFFIXES = ("rotary.inv_freq",)
@@ -71,11 +74,27 @@ def read_hf_config(folder: Path) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise NatslError(f"{str(path)!r} is not valid JSON") from None
     kind = config.get("model_type") if isinstance(config, dict) else None
+    if kind == HF_MAMBA2_MODEL_TYPE:
+        raise NatslError(mamba2_refusal(config))
     if kind != HF_MODEL_TYPE:
         if isinstance(config, dict) and config.get("format") == "natsl":
             raise NatslError(f"{str(folder)!r} is already a natsl checkpoint; drop --from-hf")
         raise NatslError(f"{str(folder)!r} has model type {kind!r}; --from-hf imports {HF_MODEL_TYPE!r} checkpoints only")
     return config
+
+
+def mamba2_refusal(config: dict) -> str:
+    """Why the authors' NAtS-L on Mamba2 cannot be a natsl model. Their layer (natsl_attn_mamba2.py) has the
+    GDN-based layer's tensors with a_proj alone, but its SSD branch computes another function than natsl's
+    Mamba2 state (natsl_state: mamba2): it L2-normalises the state's q and k (natsl reads them unnormalised,
+    as Mamba2's C and B) and adds no D v (natsl's D could be set to 0; the norm has no counterpart). Their
+    plain Mamba2 blocks (mamba_layers) also hold no MLP, while every natsl block of a model shares one."""
+    reasons = ["its NAtS-L layers L2-normalise the Mamba2 state's q and k, which natsl's Mamba2 state "
+               "(natsl_state: mamba2) reads unnormalised as Mamba2's C and B"]
+    if config.get("mamba_layers"):
+        reasons.append("its Mamba2 blocks have no MLP beside NAtS-L blocks with one")
+    return (f"cannot import this checkpoint: model type {HF_MAMBA2_MODEL_TYPE!r} (the authors' NAtS-L on Mamba2): "
+            f"{'; '.join(reasons)}; natsl has no equivalent")
 
 
 def read_hf_tensors(folder: Path) -> dict[str, torch.Tensor]:

@@ -4,9 +4,9 @@ Export (`natsl convert CKPT OUT --to hf`):
 - a Transformer (every layer softmax attention) becomes a standard Llama folder (`model_type: llama`,
   no remote code): natsl's attention layer is Llama's (RMSNorm pre-norms, SwiGLU MLP, rotate-half RoPE,
   no biases, no q/k norm, one KV head per query head), so every tool built for Llama reads it;
-- every other system (GDN, GDN Hybrid, NAtS-L, NAtS-L Hybrid) becomes a `model_type: natsl` folder
-  whose `auto_map` names `modeling_natsl.py` (natsl.hf.modeling_natsl, copied in), for
-  `trust_remote_code=True`; that file runs the installed natsl.
+- every other system (GDN, GDN Hybrid, NAtS-L, NAtS-L Hybrid, GDN + SWA, Mamba2, NAtS-L on a Mamba2 state
+  and its hybrid) becomes a `model_type: natsl` folder whose `auto_map` names `modeling_natsl.py`
+  (natsl.hf.modeling_natsl, copied in), for `trust_remote_code=True`; that file runs the installed natsl.
 Both hold the full natsl recipe under `natsl_recipe`, `tokenizer.json` with `tokenizer_config.json`,
 and `generation_config.json`.
 
@@ -181,7 +181,7 @@ def hf_model_type(folder: Path) -> str | None:
 
 def recipe_from_llama(config: dict, name: str):
     """The natsl Transformer recipe of a Llama config; settings natsl cannot represent are refused."""
-    from natsl.config import ModelConfig, Recipe, from_dict, recipe_from_dict
+    from natsl.config import ModelConfig, Recipe, from_dict
 
     def refuse(what: str):
         raise NatslError(f"cannot import this Llama checkpoint: {what}; natsl's Transformer has no equivalent")
@@ -212,7 +212,7 @@ def recipe_from_llama(config: dict, name: str):
                   max_seq_len=int(config.get("max_position_embeddings", 131072)))
     saved = config.get("natsl_recipe")
     if isinstance(saved, dict):  # written by natsl: the recipe back, if the Llama fields still agree with it
-        recipe = recipe_from_dict(saved)
+        recipe = exported_recipe(saved)
         differ = [k for k, v in fields.items() if getattr(recipe.model, k) != v]
         if differ:
             raise NatslError(f"config.json's Llama settings differ from its natsl_recipe in {', '.join(differ)}; "
@@ -226,10 +226,28 @@ def recipe_from_llama(config: dict, name: str):
     return Recipe(name=name, model=model)
 
 
+def exported_recipe(saved: dict):
+    """The natsl recipe of an export's `natsl_recipe`; an export older than a model field gets the value
+    that reproduces its model (natsl.checkpoint.complete_model_section), as an older checkpoint does."""
+    from natsl.checkpoint import complete_model_section
+    from natsl.config import Recipe, from_dict
+
+    saved = dict(saved)
+    if not isinstance(saved.get("model"), dict):
+        raise NatslError("config.json's natsl_recipe has no model section; export the checkpoint again with "
+                         "`natsl convert CKPT OUT --to hf`")
+    saved["model"] = dict(saved["model"])
+    complete_model_section(saved["model"], "config.json's natsl_recipe")
+    # Only the model's rules, as for a checkpoint (natsl.checkpoint.checkpoint_recipe): a rule added to
+    # the train or optim sections later must not make an exported model unloadable.
+    recipe = from_dict(Recipe, saved)
+    recipe.model.validate()
+    return recipe
+
+
 def import_own_hf(src, out, dtype: torch.dtype | None = None, tokenizer_path=None) -> Path:
     """A Llama or `model_type: natsl` folder -> a natsl inference folder."""
     from natsl.checkpoint import check_state_dict
-    from natsl.config import recipe_from_dict
     from natsl.eval.convert import _check_target, read_hf_tensors, write_imported
     from natsl.models import build_model
 
@@ -243,7 +261,7 @@ def import_own_hf(src, out, dtype: torch.dtype | None = None, tokenizer_path=Non
         if not isinstance(config.get("natsl_recipe"), dict):
             raise NatslError(f"{str(folder / 'config.json')!r} has model type 'natsl' but no natsl_recipe; "
                              "export the checkpoint again with `natsl convert CKPT OUT --to hf`")
-        recipe = recipe_from_dict(config["natsl_recipe"])
+        recipe = exported_recipe(config["natsl_recipe"])
     tensors = read_hf_tensors(folder)
     model = build_model(recipe, device="meta")
     names = llama_name_map(recipe.model) if kind == LLAMA else natsl_name_map(model)

@@ -1,4 +1,5 @@
-"""Hugging Face `transformers` classes for natsl's GDN, GDN Hybrid, NAtS-L and NAtS-L Hybrid models.
+"""Hugging Face `transformers` classes for natsl's GDN, GDN Hybrid, NAtS-L, NAtS-L Hybrid and Mamba2 models
+(Mamba2, NAtS-L on a Mamba2 state and its hybrid).
 
 `natsl convert CKPT OUT --to hf` copies this file into OUT and names it in config.json's `auto_map`,
 so `AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)` builds `NatslForCausalLM`.
@@ -44,9 +45,11 @@ class NatslConfig(PreTrainedConfig):
         super().__init__(**kwargs)
 
     def natsl_model_config(self):
-        from natsl.config import ModelConfig, from_dict
+        """The natsl ModelConfig; an export older than a model field gets the value that reproduces its
+        model (older exports lack the Mamba2 fields and attn_window), any other missing field is refused."""
+        from natsl.hf.export import exported_recipe
 
-        return from_dict(ModelConfig, self.natsl_recipe.get("model", {}), "natsl_recipe.model")
+        return exported_recipe(self.natsl_recipe).model
 
 
 @dataclass
