@@ -65,7 +65,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -370,30 +369,10 @@ def exit_code(summary: Optional[dict]) -> int:
     return 128 + signal.Signals[stopped] if stopped.startswith("SIG") else 0
 
 
-@contextlib.contextmanager
-def _stop_signals(at_once) -> Iterator[dict]:
-    """SIGTERM / SIGINT ask the sweep to end: yields {"signal": None or its name}, which the loop reads.
-    A second signal calls `at_once(signum)`, which must not return."""
-    asked = {"signal": None}
-    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
-        yield asked
-        return
-
-    def handler(signum, frame):
-        if asked["signal"] is not None:
-            at_once(signum)
-        asked["signal"] = signal.Signals(signum).name
-
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield asked
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-
-
 def _run_sweep(sweep: Sweep, env: dict, progress: bool, log) -> dict:
     from tqdm import tqdm
+
+    from natsl.training.trainer import stop_signals
 
     start = time.time()
     end = start + sweep.deadline_s if sweep.deadline_s else None
@@ -406,12 +385,17 @@ def _run_sweep(sweep: Sweep, env: dict, progress: bool, log) -> dict:
     killed: dict[str, str] = {}
     stopped = None
 
-    def exit_now(signum):  # a second signal: no grace, no summary (the last one stands)
-        for proc, _, _ in running.values():
-            _signal_group(proc, signal.SIGKILL)
-        os._exit(128 + signum)
+    heard: list[str] = []
 
-    with _stop_signals(exit_now) as asked:
+    def on_signal(name: str) -> None:  # the second signal: no grace, no new summary (the last one stands)
+        heard.append(name)
+        if len(heard) > 1:
+            for proc, _, _ in running.values():
+                _signal_group(proc, signal.SIGKILL)
+            os._exit(128 + signal.Signals[name])
+
+    # SIGTERM / SIGINT set asked["signal"], which the loop reads (the trainer's handling, there per step)
+    with stop_signals(True, on_signal) as asked:
         bar = tqdm(total=len(sweep.runs), initial=len(sweep.runs) - len(pending), unit="run", desc="sweep",
                    disable=not progress, dynamic_ncols=True)
         write_summary(sweep)  # at once, so that even a runner killed with SIGKILL leaves one
