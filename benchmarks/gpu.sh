@@ -1,8 +1,17 @@
 #!/usr/bin/env bash
 # The one shell entry for the H200: named stages, each with its own time cap, run from the repository root.
 #   bash benchmarks/gpu.sh tests|ops|layer|training|latency|profile|all [more stages...]
+#   bash benchmarks/gpu.sh recall          # alone: the recall sweeps take a whole 10-minute call
 # Results go to $OUT when set (the device tool's folder), else bench_results/; each stage's log to
-# OUT/<stage>.log (its tail printed). Caps: TESTS_S, OPS_S, LAYER_S, TRAINING_S, LATENCY_S, PROFILE_S seconds.
+# OUT/<stage>.log (its tail printed). Caps: TESTS_S, OPS_S, LAYER_S, TRAINING_S, LATENCY_S, PROFILE_S,
+# RECALL_S seconds.
+# recall (docs/recall.md, "The sweep"): the sweep specs of RECALL_SPECS (default sweep_h200_widths.yaml), one
+# runner each, all at once under one CUDA MPS daemon, each with the deadline RECALL_DEADLINE (default
+# RECALL_S - 60) inside the hard cap RECALL_S (default 540, below the call's 600 s); their run folders
+# (checkpoints) stay in RECALL_WORK (default /tmp/natsl_recall) and, as soon as a sweep ends, its
+# summary.json / summary.png / sweep.json and a tarball of its runs' result.json, run.json, metrics.jsonl,
+# recall.json and log.txt go to OUT/recall_<spec>/. Not in `all`, and never beside other stages (the @gpu
+# tests and the 22 workers slow each other down).
 # Options per stage through variables: OPS="gated_delta routed_attention ..." (ops to run), SWEEP=1 (their
 # launch-setting sweeps), RECIPES="800m_hybrid 800m_transformer" (training), MBS (micro-batch, default 8),
 # TRAIN_FLAGS (e.g. --free-attention), KEEP="0.5 0.25" (latency). flash-linear-attention is timed where
@@ -10,7 +19,8 @@
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-bench_results}; export OUT; mkdir -p "$OUT"
-[ $# -gt 0 ] || { echo "usage: bash benchmarks/gpu.sh tests|ops|layer|training|latency|profile|all ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash benchmarks/gpu.sh tests|ops|layer|training|latency|profile|recall|all ..." >&2; exit 2; }
+case " $* " in *" recall "*) [ $# -eq 1 ] || { echo "recall runs alone: one device call of its own" >&2; exit 2; } ;; esac
 
 run() {  # run STAGE CAP COMMAND...: the command under its cap, its log in $OUT/STAGE.log
   local stage=$1 cap=$2; shift 2
@@ -18,6 +28,48 @@ run() {  # run STAGE CAP COMMAND...: the command under its cap, its log in $OUT/
   timeout -k 10 "$cap" "$@" > "$OUT/$stage.log" 2>&1; local code=$?
   grep -v -i "warn" "$OUT/$stage.log" | tail -n 40 | cut -c1-220
   [ $code -eq 0 ] || echo "== $stage: exit code $code"
+}
+
+collect() {  # collect WORK DEST: a sweep's summary, figure and spec, and its runs' small files as a tarball
+  local work=$1 dest=$2
+  mkdir -p "$dest"
+  for f in summary.json summary.png sweep.json; do [ -f "$work/$f" ] && cp "$work/$f" "$dest/"; done
+  [ -d "$work/runs" ] && (cd "$work" && find runs \( -name result.json -o -name run.json -o -name metrics.jsonl \
+    -o -name recall.json -o -name log.txt \) -print0 | tar -czf "$dest/runs.tar.gz" --null -T -)
+  echo "== $(basename "$dest"): $(ls "$dest" | tr '\n' ' ')"
+  [ -f "$dest/summary.json" ] && python3 - "$dest/summary.json" <<'PY'
+import json, sys
+summary = json.load(open(sys.argv[1]))
+print(f"stopped: {summary.get('stopped')}; runs: " + ", ".join(
+    f"{s} {sum(r['status'] == s for r in summary['runs'])}" for s in sorted({r["status"] for r in summary["runs"]})))
+for p in summary["best"]:
+    print(f"{p['task']} {p['system']:>22} d={p['width']:<4} lr={p['best_lr']:g} accuracy {p['accuracy']:.3f}"
+          f" (recall {p['recall_accuracy']}, kept {p['keep_fraction']})")
+PY
+}
+
+recall() {  # the recall sweeps: see the header
+  local cap=${RECALL_S:-540} work=${RECALL_WORK:-/tmp/natsl_recall} daemon="" pids="" spec name
+  local deadline=${RECALL_DEADLINE:-$(( ${RECALL_S:-540} - 60 ))}
+  mkdir -p "$work"
+  if command -v nvidia-cuda-mps-control > /dev/null; then  # its own pipe folder: the workers inherit it
+    export CUDA_MPS_PIPE_DIRECTORY=$work/mps/pipe CUDA_MPS_LOG_DIRECTORY=$work/mps/log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    if timeout 30 nvidia-cuda-mps-control -d < /dev/null > "$work/mps/start.log" 2>&1; then daemon=1
+      echo "== recall: MPS daemon started"
+    else echo "== recall: no MPS daemon ($(head -c 200 "$work/mps/start.log")); the workers time-slice the GPU"; fi
+  fi
+  for spec in ${RECALL_SPECS:-natsl/recipes/recall/sweep_h200_widths.yaml}; do
+    name=$(basename "$spec" .yaml)
+    ( run "recall_$name" "$cap" python3 -m natsl.training.sweep "$spec" --deadline "$deadline" --no-progress \
+        --out "$work/$name"
+      collect "$work/$name" "$OUT/recall_$name" ) &
+    pids="$pids $!"
+  done
+  wait $pids
+  # `quit` waits for the daemon's clients; a worker stuck in the driver must not hold the call
+  [ -n "$daemon" ] && { echo quit | timeout 10 nvidia-cuda-mps-control > /dev/null 2>&1; }
+  return 0
 }
 
 stage() {
@@ -37,8 +89,9 @@ stage() {
                 --seq-len 131072 --out "$OUT"
               run profile_decode "${PROFILE_S:-240}" python3 -m benchmarks.profile --recipe 800m_hybrid --inference decode \
                 --seq-len 32768 --out "$OUT" ;;
+    recall)   recall ;;
     all)      for s in tests ops layer training latency profile; do stage $s; done ;;
-    *)        echo "unknown stage $1: use tests, ops, layer, training, latency, profile or all" >&2; exit 2 ;;
+    *)        echo "unknown stage $1: use tests, ops, layer, training, latency, profile, recall or all" >&2; exit 2 ;;
   esac
 }
 

@@ -118,6 +118,13 @@ def test_sweep_trains_evaluates_and_summarises(tmp_path):
                                  keep_fraction=fraction, out=str(tmp_path / f"budget{fraction}"), device="cpu",
                                  progress=False, quiet=True)
         assert report["forced_keep_fraction"] == fraction and report["mean_keep_fraction"] == fraction
+    # A deadline that has passed: no grid point is evaluated (a sweep's worker then ranks by validation).
+    import time
+
+    late = run_eval_recall(str(out / "runs" / hybrid["id"] / "train"), samples=4, batch_size=4, device="cpu",
+                           out=str(tmp_path / "late"), progress=False, quiet=True, deadline=time.time())
+    assert late["points"] == [] and late["complete"] is False and late["mean_accuracy"] is None
+    assert summary["stopped"] is None
     # A second call finds every run done and only rebuilds the summary.
     again = subprocess.run([sys.executable, "-m", "natsl.training.sweep", str(ROOT / "natsl/recipes/recall/sweep_cpu.yaml"),
                             "--out", str(out), "--no-progress"], capture_output=True, text=True, cwd=ROOT,
@@ -136,6 +143,40 @@ def test_sweep_spec_errors(tmp_path):
     bad.write_text("systems: {gdn: recall/gdn}\nwidths: [64]\nlrs: [0.001]\ntasks: {t: builtin}\n")
     with pytest.raises(NatslError, match="is not a task"):
         load_spec(bad, tmp_path / "out")
+
+
+def test_sweep_learning_rates_by_width_and_system_and_the_deadline_flag(tmp_path):
+    """`lrs` as a mapping width -> list, or system -> (a list, or width -> list): a width left out is not run
+    for that system; mistakes are one-line errors. --deadline (load_spec's deadline_s) beats the spec's."""
+    from natsl.training.sweep import load_spec
+
+    spec = tmp_path / "s.yaml"
+    base = ("systems: {gdn: recall/gdn, natsl_hybrid: recall/natsl_hybrid}\nwidths: [64, 128]\n"
+            "tasks: {t: 'task:mqar?seq_len=64&pairs=4'}\nbudget: {deadline_s: 100}\n")
+
+    def runs(lrs, **kw):
+        spec.write_text(base + f"lrs: {lrs}\n")
+        return [(r.system, r.width, r.lr) for r in load_spec(spec, tmp_path / "out", **kw).runs]
+
+    assert runs("{64: [0.001, 0.003], 128: [0.0003]}") == [
+        ("gdn", 64, 1e-3), ("natsl_hybrid", 64, 1e-3), ("gdn", 64, 3e-3), ("natsl_hybrid", 64, 3e-3),
+        ("gdn", 128, 3e-4), ("natsl_hybrid", 128, 3e-4)]
+    assert runs("{gdn: {64: [0.001]}, natsl_hybrid: [0.0003]}") == [
+        ("gdn", 64, 1e-3), ("natsl_hybrid", 64, 3e-4), ("natsl_hybrid", 128, 3e-4)]
+    for lrs, message in (("{256: [0.001]}", "names width 256"), ("{gdn: [0.001]}", "no learning rates for system 'natsl_hybrid'"),
+                         ("{gdn: [0.001], natsl_hybrid: [0.001], tf: [0.1]}", "names system 'tf'"),
+                         ("{gdn: {64: [0.001]}, natsl_hybrid: {64: []}}", r"'lrs' for 'natsl_hybrid'\[64\] must be"),
+                         ("{64: [0.001], x: [0.1]}", "key it by width"), ("[-0.1]", "positive numbers")):
+        with pytest.raises(NatslError, match=message):
+            runs(lrs)
+    spec.write_text(base + "lrs: [0.001]\n")
+    assert load_spec(spec, tmp_path / "out").deadline_s == 100
+    assert load_spec(spec, tmp_path / "out", deadline_s=7.5).deadline_s == 7.5
+    with pytest.raises(NatslError, match="deadline must be a positive number"):
+        load_spec(spec, tmp_path / "out", deadline_s=-1)
+    widths = load_spec(ROOT / "natsl/recipes/recall/sweep_h200_widths.yaml", tmp_path / "out").runs
+    assert {(r.width, r.system.startswith("natsl_hybrid_")) for r in widths} == {(64, False), (128, True), (256, False)}
+    assert len(widths) == 22
 
 
 def _tiny(**changes):
@@ -263,3 +304,123 @@ def test_sweep_mps_flag_starts_and_stops_the_daemon(tmp_path, monkeypatch):
     with S.mps_daemon(sweep, {"PATH": "/nowhere"}, logged.append) as worker_env:
         assert "CUDA_MPS_PIPE_DIRECTORY" not in worker_env
     assert logged[-1].startswith("--mps: nvidia-cuda-mps-control is not on the PATH")
+
+
+# A runner over fake workers (no training): `quick` writes a result and ends; `stubborn` ignores SIGTERM
+# and leaves a child that ignores it too; `watchful` is a Python worker with the real watchdog.
+FAKE_WORKER = """#!/bin/sh
+dir=$(dirname "$1")
+case "$dir" in
+  *quick) printf '{"status": "done", "recall_accuracy": 0.5}' > "$dir/result.json" ;;
+  *stubborn*) trap '' TERM INT; sleep 60 & echo $! > "$dir/child.pid"; wait; wait ;;
+  *watchful) echo $$ > "$dir/child.pid"
+             exec "$PYTHON" -c 'import sys, time, natsl.cli.sweep as W; W.watch(sys.argv[1]); time.sleep(60)' "$1" ;;
+esac
+"""
+FAKE_RUNNER = """import sys
+from pathlib import Path
+import natsl.training.sweep as S
+out, deadline, grace, worker = Path(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+S.WORKER = ["/bin/sh", worker]
+runs = [S.RunSpec(name, "fake", "none", 32, 1e-3, "t", "task:none", [], 1, 60.0, {}, False, "cpu",
+                  str(out / "runs" / name)) for name in sys.argv[5:]]
+sweep = S.Sweep("fake", runs, len(runs), deadline or None, 0.0, out, min_train_s=0.0, grace_s=grace)
+sys.exit(S.exit_code(S.run_sweep(sweep, progress=False)))
+"""
+
+
+def _fake_sweep(tmp_path, deadline, grace, runs=("quick", "stubborn1", "stubborn2")):
+    import os
+
+    (tmp_path / "worker.sh").write_text(FAKE_WORKER)
+    (tmp_path / "runner.py").write_text(FAKE_RUNNER)
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "runner.py"), str(out), str(deadline), str(grace),
+                             str(tmp_path / "worker.sh"), *runs], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHON": sys.executable})
+    return proc, out
+
+
+def _wait_for(condition, seconds=15.0):
+    import time
+
+    until = time.time() + seconds
+    while not condition():
+        assert time.time() < until, "timed out"
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:  # a zombie (killed, not yet reaped by whoever inherited it) counts as gone
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def _children(out, names=("stubborn1", "stubborn2")):
+    _wait_for(lambda: all((out / "runs" / n / "child.pid").is_file() and (out / "runs" / n / "child.pid").read_text()
+                          for n in names))
+    return [int((out / "runs" / n / "child.pid").read_text()) for n in names]
+
+
+def test_sweep_deadline_kills_workers_that_ignore_sigterm(tmp_path):
+    """At the deadline the runner kills every worker's process group (SIGKILL after the grace: these ignore
+    SIGTERM), writes the summary with what finished and returns within seconds, exit code 0."""
+    import time
+
+    proc, out = _fake_sweep(tmp_path, deadline=2, grace=1)
+    children = _children(out)
+    output = proc.communicate(timeout=20)[0]
+    started = json.loads((out / "sweep.json").read_text())["started"]
+    assert proc.returncode == 0, output
+    assert time.time() - started < 2 + 1 + 3  # deadline + grace + the summary
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stopped"] == "deadline" and (out / "summary.png").is_file()
+    runs = {r["id"]: r for r in summary["runs"]}
+    assert runs["quick"]["status"] == "done" and "killed" not in runs["quick"]
+    assert runs["stubborn1"]["killed"] == runs["stubborn2"]["killed"] == "deadline"
+    assert not any(_alive(pid) for pid in children)  # the workers' children went with them
+
+
+@pytest.mark.parametrize("signals, grace, code", [(["SIGTERM"], 1.0, 143), (["SIGINT", "SIGINT"], 30.0, 130)])
+def test_sweep_runner_stops_on_a_signal(tmp_path, signals, grace, code):
+    """SIGTERM / SIGINT: the workers are killed, the summary of what finished written, exit 128 + signal; a
+    second signal exits at once (here during a 30 s grace), the workers killed outright. The summary is
+    rewritten as each run ends (quick's result is in it before any signal)."""
+    import signal
+    import time
+
+    proc, out = _fake_sweep(tmp_path, deadline=0, grace=grace)
+    children = _children(out)
+    _wait_for(lambda: '"done"' in (out / "summary.json").read_text())
+    sent = time.time()
+    for name in signals:
+        proc.send_signal(getattr(signal, name))
+        time.sleep(0.3)
+    proc.communicate(timeout=20)
+    assert proc.returncode == code and time.time() - sent < (1.0 + 3 if len(signals) == 1 else 2)
+    summary = json.loads((out / "summary.json").read_text())
+    runs = {r["id"]: r for r in summary["runs"]}
+    assert runs["quick"]["status"] == "done"
+    if len(signals) == 1:
+        assert summary["stopped"] == "SIGTERM" and runs["stubborn1"]["killed"] == "SIGTERM"
+    _wait_for(lambda: not any(_alive(pid) for pid in children), 3)
+
+
+def test_sweep_worker_ends_when_its_runner_is_killed(tmp_path):
+    """kill -9 of the runner: the summary written when the quick run ended stands, and the worker's watchdog
+    ends the orphaned worker within a second or so."""
+    import signal
+    import time
+
+    proc, out = _fake_sweep(tmp_path, deadline=0, grace=1, runs=("quick", "watchful"))
+    worker, = _children(out, ("watchful",))
+    _wait_for(lambda: '"done"' in (out / "summary.json").read_text())
+    time.sleep(1.0)  # the Python worker has started its watchdog
+    assert _alive(worker)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=10)
+    _wait_for(lambda: not _alive(worker), 5)
+    runs = {r["id"]: r for r in json.loads((out / "summary.json").read_text())["runs"]}
+    assert runs["quick"]["status"] == "done" and runs["watchful"]["status"] == "not run"

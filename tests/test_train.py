@@ -396,6 +396,25 @@ def test_on_step_sees_each_step_record_as_it_ends(tmp_path, cache_env, monkeypat
                                      on_step=seen.append))
     assert [r["step"] for r in seen] == [1, 2, 3] and len(run.history) == 3
     assert all(a is b for a, b in zip(seen, run.history))
+    # on_step returning True ends the run after that step with a checkpoint, as SIGTERM does; on_signal
+    # hears of a signal (the sweep's worker then skips its evaluation)
+    from natsl.training.state import list_checkpoints
+
+    heard = []
+
+    def signal_at_2(record):
+        if record["step"] == 2:
+            import signal
+
+            signal.raise_signal(signal.SIGTERM)
+
+    for name, on_step in (("asked", lambda record: record["step"] >= 2), ("signalled", signal_at_2)):
+        with pytest.raises(KeyboardInterrupt):
+            train(recipe, TrainOptions(out_dir=str(tmp_path / name), resume="never", device="cpu", backend="chunked",
+                                       max_steps=4, save_final=False, progress=False, log=lambda *_: None,
+                                       on_step=on_step, on_signal=heard.append))
+        assert [step for step, _ in list_checkpoints(tmp_path / name)] == [2]
+    assert heard == ["SIGTERM"]
 
 
 def test_fused_step_with_clip_equals_clip_then_step():

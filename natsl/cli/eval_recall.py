@@ -12,8 +12,10 @@ from natsl.cli.app import command
 def run_eval_recall(checkpoint: str, task: Optional[str] = None, lengths: Optional[str] = None,
                     pairs: Optional[str] = None, samples: int = 256, batch_size: int = 32, seed: int = 0,
                     vocab: Optional[int] = None, keep_fraction: Optional[float] = None, out: str = "eval_recall",
-                    device=None, dtype=None, backend=None, progress: bool = True, quiet: bool = False) -> dict:
-    """The command's work (the sweep's workers call it too): returns the report written to recall.json."""
+                    device=None, dtype=None, backend=None, progress: bool = True, quiet: bool = False,
+                    deadline: Optional[float] = None) -> dict:
+    """The command's work (the sweep's workers call it too): returns the report written to recall.json.
+    `deadline` (a time.time()): no grid point is started after it (the report's `complete` is then false)."""
     from natsl.cli.eval_ruler import parse_lengths
     from natsl.errors import NatslError
     from natsl.atomic import write_json
@@ -30,11 +32,13 @@ def run_eval_recall(checkpoint: str, task: Optional[str] = None, lengths: Option
     spec, points = recall_grid(em, task, parse_lengths(lengths) if lengths else None,
                                parse_lengths(pairs) if pairs else None, vocab)
     force_keep_fraction(em.model, keep_fraction, seed)
-    report = evaluate_recall(em, spec, points, samples, batch_size, seed, progress=progress)
+    report = evaluate_recall(em, spec, points, samples, batch_size, seed, progress=progress, deadline=deadline)
     report = {"checkpoint": str(em.folder), "name": em.name, "trained_on": em.recipe.data.path, "seed": seed,
               "forced_keep_fraction": keep_fraction, **report}
     json_path = write_json(out_dir / "recall.json", report)
     budget = f", kept fraction forced to {keep_fraction}" if keep_fraction is not None else ""
+    if not report["points"]:  # the deadline came before the first point: nothing to show
+        return report
     png_path = plot_recall(report, out_dir / "recall.png", f"{em.name}{budget}")
     if not quiet:
         print(format_table(report))

@@ -10,6 +10,8 @@ answer right. One full-sequence forward per batch; logits only at the answers.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 import torch
 
@@ -101,18 +103,25 @@ def evaluate_point(model, spec: TaskSpec, length: int, count: int, samples: int,
 
 
 def evaluate_recall(em, spec: TaskSpec, points: list[tuple[int, int]], samples: int, batch_size: int, seed: int,
-                    progress: bool = True) -> dict:
+                    progress: bool = True, deadline: Optional[float] = None) -> dict:
+    """Accuracy and kept fractions at each (length, count) point. `deadline` (a time.time()): no point is
+    started after it; the report's `complete` says whether every point was evaluated."""
+    import time
+
     from tqdm import tqdm
 
     results = []
     bar = tqdm(points, desc="recall", unit="point", disable=not progress, leave=False)
     for length, count in bar:
+        if deadline is not None and time.time() >= deadline:
+            break
         bar.set_postfix_str(f"T={length} n={count}")
         results.append(evaluate_point(em.model, spec, length, count, samples, batch_size, seed, em.device))
     accs = [r["accuracy"] for r in results if r["accuracy"] is not None]
     keeps = [layer["keep_fraction"] for r in results for layer in r["keep"].values()]
     return {"task": spec.name, "vocab": spec.vocab, "count_name": "pairs" if spec.name == "mqar" else "digits",
             "power_a": spec.power_a if spec.name == "mqar" else None, "points": results,
+            "complete": len(results) == len(points),
             "mean_accuracy": float(np.mean(accs)) if accs else None,
             "mean_keep_fraction": float(np.mean(keeps)) if keeps else None}
 

@@ -11,17 +11,23 @@ OUT/runs/ID/result.json. A model of width 128 leaves a GPU almost idle, so up to
 workers share it.
 
 Results are written as they come: a worker writes result.json after training and again after its
-evaluation; the runner rebuilds OUT/summary.json and OUT/summary.png whenever a run ends, from
-whatever has finished (a run cut off mid-training is summarised from its metrics.jsonl). The global
-deadline (`budget.deadline_s`, --deadline) stops starting runs that could not finish, tells running
-workers when their training must end (leaving `budget.eval_reserve_s` for the evaluation), and kills
-what still runs at the deadline; the summary is always written last.
+evaluation; the runner writes OUT/summary.json and OUT/summary.png at its start and again whenever a
+run ends, from whatever has finished (a run cut off mid-training is summarised from its
+metrics.jsonl), so a runner killed outright still leaves a summary. The global deadline
+(`budget.deadline_s`; --deadline overrides it) stops starting runs that could not finish, tells
+running workers when their training must end (leaving `budget.eval_reserve_s` for the evaluation,
+which stops at the deadline too), and at the deadline kills every worker still running: SIGTERM to
+its process group, SIGKILL a few seconds later, whatever state it is in. SIGTERM or SIGINT to the
+runner does the same at once and it exits with 143 / 130; a second signal ends it at once, workers
+killed. The summary is always written last. A worker whose runner is gone, or whose deadline has
+passed, ends itself (natsl.cli.sweep), so no orphan keeps the GPU.
 
 The spec:
 
     systems: {gdn: gdn.yaml, natsl_hybrid: natsl_hybrid.yaml}    (recipe files beside the spec, or names)
     widths: [128, 64, 256]         # hidden size; head dims, MLP and attention heads scale with it
-    lrs: [0.001, 0.003]            # or {gdn: [...], natsl_hybrid: [...]}
+    lrs: [0.001, 0.003]            # or by width {64: [...], 256: [...]}, or by system {gdn: [...], natsl_hybrid:
+                                   # {128: [...]}} (a list, or a list per width); a width left out is not run
     tasks:                         # training tasks: name -> data.path (train.seq_len follows the task)
       mqar512: task:mqar?seq_len=512&pairs=8,16,32,64
     eval: {lengths: "512,1024", pairs: "32,64,128", samples: 128, batch_size: 32}
@@ -90,6 +96,7 @@ class RunSpec:
     device: Optional[str]
     out: str
     train_deadline: Optional[float] = None  # absolute time.time() at which training must stop
+    deadline: Optional[float] = None  # absolute time.time() of the sweep's deadline: the worker is gone by then
 
 
 @dataclass
@@ -101,6 +108,8 @@ class Sweep:
     eval_reserve_s: float
     out: Path
     spec: dict = field(default_factory=dict)
+    min_train_s: float = 10.0  # a run is started only if it can train this long before its evaluation reserve
+    grace_s: float = 3.0  # a stopped worker's time to end on SIGTERM before SIGKILL
 
 
 def _spec_error(path, message: str) -> NatslError:
@@ -149,8 +158,7 @@ def load_spec(path: str | Path, out: str | Path, max_parallel: Optional[int] = N
     widths = spec.get("widths")
     if not isinstance(widths, list) or not widths or not all(isinstance(w, int) and w > 0 for w in widths):
         raise _spec_error(path, "'widths' must be a list of positive integers (hidden sizes)")
-    lrs = spec.get("lrs")
-    per_system = lrs if isinstance(lrs, dict) else {name: lrs for name in systems}
+    lr_of = lr_table(spec.get("lrs"), systems, widths, path)
     tasks = spec.get("tasks")
     if not isinstance(tasks, dict) or not tasks or not all(isinstance(v, str) for v in tasks.values()):
         raise _spec_error(path, "'tasks' must map names to data paths such as task:mqar?seq_len=512&pairs=64")
@@ -164,14 +172,11 @@ def load_spec(path: str | Path, out: str | Path, max_parallel: Optional[int] = N
     for task_name, data in tasks.items():
         task_len = _task_seq_len(data, path)
         for width in widths:
-            for lr_index in range(max(len(v) if isinstance(v, list) else 0 for v in per_system.values())):
+            for lr_index in range(max(len(lr_of[s].get(width, ())) for s in systems)):
                 for system, recipe_path in systems.items():
-                    values = per_system.get(system)
-                    if not isinstance(values, list) or not values or not all(
-                            isinstance(x, (int, float)) and x > 0 for x in values):
-                        raise _spec_error(path, f"'lrs' for {system!r} must be a list of positive numbers")
+                    values = lr_of[system].get(width, ())
                     if lr_index >= len(values):
-                        continue
+                        continue  # this system has fewer rates at this width, or none (not run at it)
                     lr = float(values[lr_index])
                     recipe_file = Path(recipe_path)
                     if not recipe_file.is_absolute() and not recipe_file.is_file():
@@ -200,9 +205,51 @@ def load_spec(path: str | Path, out: str | Path, max_parallel: Optional[int] = N
                                         device, str(Path(out) / "runs" / run_id)))
     if len({r.id for r in runs}) != len(runs):
         raise _spec_error(path, "two runs share an id (the same system, width, lr and task twice)")
+    deadline = deadline_s if deadline_s is not None else budget.get("deadline_s")  # --deadline wins
+    if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float))
+                                 or not deadline > 0):
+        raise _spec_error(path, f"the deadline must be a positive number of seconds, got {deadline!r}; "
+                                "fix --deadline or budget.deadline_s")
     return Sweep(str(spec.get("name", path.stem)), runs, int(max_parallel or spec.get("max_parallel", 1)),
-                 deadline_s if deadline_s is not None else budget.get("deadline_s"),
-                 float(budget.get("eval_reserve_s", 30)), Path(out), spec)
+                 deadline, float(budget.get("eval_reserve_s", 30)), Path(out), spec)
+
+
+def lr_table(lrs, systems: dict, widths: list[int], path) -> dict[str, dict[int, list[float]]]:
+    """The learning rates of every (system, width): `lrs` is one list for all, a mapping width -> list
+    for all systems, or a mapping system -> (a list, or a mapping width -> list). A width that a
+    mapping by width leaves out is not run for that system (e.g. ablations at one width only)."""
+
+    def rates(value, where: str) -> list[float]:
+        if not isinstance(value, list) or not value or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in value):
+            raise _spec_error(path, f"'lrs'{where} must be a list of positive numbers")
+        return [float(x) for x in value]
+
+    def by_width(value, where: str) -> dict[int, list[float]]:
+        if not isinstance(value, dict):
+            return {w: rates(value, where) for w in widths}
+        for key in value:
+            if isinstance(key, bool) or not isinstance(key, int):
+                raise _spec_error(path, f"'lrs'{where} has key {key!r}: key it by width (an integer) or by system")
+            if key not in widths:
+                raise _spec_error(path, f"'lrs'{where} names width {key}, which 'widths' does not list")
+        return {w: rates(value[w], f"{where}[{w}]") for w in widths if w in value}
+
+    if isinstance(lrs, dict) and lrs and all(isinstance(k, str) for k in lrs):
+        for name in lrs:
+            if name not in systems:
+                raise _spec_error(path, f"'lrs' names system {name!r}, which 'systems' does not list")
+        table = {}
+        for name in systems:
+            if name not in lrs:
+                raise _spec_error(path, f"'lrs' gives no learning rates for system {name!r}; add them")
+            table[name] = by_width(lrs[name], f" for {name!r}")
+    else:
+        table = {name: by_width(lrs, "") for name in systems}
+    for name, rows in table.items():
+        if not rows:
+            raise _spec_error(path, f"'lrs' for {name!r} names none of the widths {widths}")
+    return table
 
 
 def _task_seq_len(data: str, path) -> int:
@@ -271,10 +318,18 @@ def mps_daemon(sweep: Sweep, env: dict, log=print) -> Iterator[dict]:
     for key in ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"):
         if key in env:
             Path(env[key]).mkdir(parents=True, exist_ok=True)
-    started = subprocess.run([program, "-d"], env=env, capture_output=True, text=True, timeout=60)
-    if started.returncode != 0:
-        message = (started.stderr or started.stdout).strip().splitlines()
-        log(f"--mps: {MPS_CONTROL} -d failed ({message[0] if message else f'exit code {started.returncode}'}); "
+    # Its output goes to a file, not a pipe: a daemon that kept an inherited pipe open would make us wait
+    # for the pipe's end until the timeout.
+    with tempfile.TemporaryFile("w+") as output:
+        try:
+            code = subprocess.run([program, "-d"], env=env, stdin=subprocess.DEVNULL, stdout=output,
+                                  stderr=subprocess.STDOUT, timeout=30).returncode
+        except subprocess.TimeoutExpired:
+            code = "no answer in 30 s"
+        output.seek(0)
+        message = output.read().strip().splitlines()
+    if code != 0:
+        log(f"--mps: {MPS_CONTROL} -d failed ({message[0] if message else f'exit code {code}'}); "
             "running without starting one")
         if own is not None:
             shutil.rmtree(own, ignore_errors=True)
@@ -284,14 +339,18 @@ def mps_daemon(sweep: Sweep, env: dict, log=print) -> Iterator[dict]:
     try:
         yield env
     finally:
+        # `quit` waits for the daemon's clients to go; a worker stuck in the driver must not hold the runner
+        # here, so it gets a few seconds and the daemon ends on its own once its clients have.
         with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-            subprocess.run([program], input="quit\n", env=env, capture_output=True, text=True, timeout=60)
+            subprocess.run([program], input="quit\n", env=env, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, text=True, timeout=10)
         if own is not None:
             shutil.rmtree(own, ignore_errors=True)
 
 
 def run_sweep(sweep: Sweep, progress: bool = True, log=print, mps: bool = False) -> dict:
-    """Run every run of `sweep` (at most max_parallel at once) within its deadline; returns the summary.
+    """Run every run of `sweep` (at most max_parallel at once) within its deadline; returns the summary,
+    whose `stopped` says what ended the sweep early ("deadline", "SIGTERM", "SIGINT"; None: it finished).
     `mps`: start the CUDA MPS daemon for the workers when several share a GPU (`mps_daemon`)."""
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
@@ -304,59 +363,80 @@ def run_sweep(sweep: Sweep, progress: bool = True, log=print, mps: bool = False)
         return _run_sweep(sweep, mps_env, progress, log)
 
 
+def exit_code(summary: Optional[dict]) -> int:
+    """The runner's exit code: 128 + the signal that stopped it (143 SIGTERM, 130 SIGINT), else 0."""
+    stopped = (summary or {}).get("stopped") or ""
+    return 128 + signal.Signals[stopped] if stopped.startswith("SIG") else 0
+
+
 def _run_sweep(sweep: Sweep, env: dict, progress: bool, log) -> dict:
     from tqdm import tqdm
+
+    from natsl.training.trainer import stop_signals
 
     start = time.time()
     end = start + sweep.deadline_s if sweep.deadline_s else None
     sweep.out.mkdir(parents=True, exist_ok=True)
     _write_json(sweep.out / "sweep.json", {"name": sweep.name, "spec": sweep.spec, "started": start,
-                                          "runs": [asdict(r) for r in sweep.runs]})
+                                          "deadline": end, "runs": [asdict(r) for r in sweep.runs]})
     pending = [r for r in sweep.runs if not _finished(r)]
     running: dict[str, tuple[subprocess.Popen, RunSpec, Any]] = {}
-    bar = tqdm(total=len(sweep.runs), initial=len(sweep.runs) - len(pending), unit="run", desc="sweep",
-               disable=not progress, dynamic_ncols=True)
-    skipped = []
-    try:
-        while pending or running:
-            now = time.time()
-            while pending and len(running) < sweep.max_parallel:
-                run = pending.pop(0)
-                if end is not None and end - now < sweep.eval_reserve_s + 10:
-                    skipped.append(run.id)  # no time left to train and evaluate it
-                    continue
-                if end is not None:
-                    run.train_deadline = end - sweep.eval_reserve_s
-                running[run.id] = _launch(run, env)
-            for run_id, (proc, run, fh) in list(running.items()):
-                if proc.poll() is not None:
-                    fh.close()
-                    del running[run_id]
-                    bar.update(1)
-                    status = _status(run)
-                    bar.write(f"{run_id}: {status}")
-                    write_summary(sweep)
-            if end is not None and time.time() > end:
+    skipped: list[str] = []
+    killed: dict[str, str] = {}
+    stopped = None
+
+    heard: list[str] = []
+
+    def on_signal(name: str) -> None:  # the second signal: no grace, no new summary (the last one stands)
+        heard.append(name)
+        if len(heard) > 1:
+            for proc, _, _ in running.values():
+                _signal_group(proc, signal.SIGKILL)
+            os._exit(128 + signal.Signals[name])
+
+    # SIGTERM / SIGINT set asked["signal"], which the loop reads (the trainer's handling, there per step)
+    with stop_signals(True, on_signal) as asked:
+        bar = tqdm(total=len(sweep.runs), initial=len(sweep.runs) - len(pending), unit="run", desc="sweep",
+                   disable=not progress, dynamic_ncols=True)
+        write_summary(sweep)  # at once, so that even a runner killed with SIGKILL leaves one
+        try:
+            while pending or running:
+                if asked["signal"] or (end is not None and time.time() >= end):
+                    stopped = asked["signal"] or "deadline"
+                    break
+                while pending and len(running) < sweep.max_parallel:
+                    run = pending.pop(0)
+                    if end is not None and end - time.time() < sweep.eval_reserve_s + sweep.min_train_s:
+                        skipped.append(run.id)  # no time left to train and evaluate it
+                        continue
+                    run.train_deadline, run.deadline = (end - sweep.eval_reserve_s, end) if end else (None, None)
+                    running[run.id] = _launch(run, env)
+                for run_id, (proc, run, fh) in list(running.items()):
+                    if proc.poll() is not None:
+                        _signal_group(proc, signal.SIGKILL)  # whatever the worker started and left behind
+                        fh.close()
+                        del running[run_id]
+                        bar.update(1)
+                        bar.write(f"{run_id}: {_status(run)}")
+                        write_summary(sweep, skipped)
+                time.sleep(0.2)
+        finally:  # the deadline, a signal, or an error in the runner: the workers go first, whatever they do
+            if running:
+                why = stopped or "the runner failed"
+                stop_workers([proc for proc, _, _ in running.values()], sweep.grace_s)
                 for run_id, (proc, run, fh) in running.items():
-                    _stop(proc)
                     fh.close()
-                    bar.write(f"{run_id}: killed at the sweep deadline")
+                    killed[run_id] = why
+                    bar.write(f"{run_id}: killed ({why})")
                 running.clear()
-                skipped.extend(r.id for r in pending)
-                pending = []
-                break
-            time.sleep(0.5)
-    finally:
-        for proc, _, fh in running.values():  # interrupted: take the workers down with us
-            _stop(proc)
-            fh.close()
-        bar.close()
-    if skipped:
-        log(f"not started (no time left before the deadline): {len(skipped)} runs")
-    summary = write_summary(sweep, skipped)
+            bar.close()
+        skipped.extend(r.id for r in pending)
+        if skipped:
+            log(f"not started (no time left before the deadline): {len(skipped)} runs")
+        summary = write_summary(sweep, skipped, killed, stopped)
     log(f"wrote {sweep.out / 'summary.json'} and {sweep.out / 'summary.png'} "
         f"({sum(1 for r in summary['runs'] if r['status'] == 'done')} of {len(sweep.runs)} runs done, "
-        f"{time.time() - start:.0f} s)")
+        f"{time.time() - start:.0f} s{f', stopped by {stopped}' if stopped else ''})")
     return summary
 
 
@@ -369,22 +449,41 @@ def _status(run: RunSpec) -> str:
     return result.get("status", "unknown") if result else "no result"
 
 
+WORKER = [sys.executable, "-m", "natsl.cli.sweep"]  # + RUN.json: the command of one run
+
+
 def _launch(run: RunSpec, env: dict) -> tuple[subprocess.Popen, RunSpec, Any]:
     folder = Path(run.out)
     folder.mkdir(parents=True, exist_ok=True)
     _write_json(folder / "run.json", asdict(run))
     fh = open(folder / "log.txt", "a", encoding="utf-8")
-    proc = subprocess.Popen([sys.executable, "-m", "natsl.cli.sweep", str(folder / "run.json")], stdout=fh,
+    # its own session and process group: stop_workers signals the worker with everything it starts
+    proc = subprocess.Popen([*WORKER, str(folder / "run.json")], stdin=subprocess.DEVNULL, stdout=fh,
                             stderr=subprocess.STDOUT, env=env, start_new_session=True)
     return proc, run, fh
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """End a worker and whatever it started (its own process group)."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=10)
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+
+
+def _wait_all(procs: list[subprocess.Popen], seconds: float) -> None:
+    until = time.monotonic() + seconds
+    while any(p.poll() is None for p in procs) and time.monotonic() < until:
+        time.sleep(0.05)
+
+
+def stop_workers(procs: list[subprocess.Popen], grace_s: float = 3.0, wait_s: float = 5.0) -> None:
+    """End workers and whatever they started: SIGTERM to every worker's process group at once, SIGKILL to
+    the groups after `grace_s`, then at most `wait_s` more for them to be gone. Never longer: a process
+    stuck in the GPU driver dies when the driver lets it go, and the runner does not wait for that."""
+    for proc in procs:
+        _signal_group(proc, signal.SIGTERM)
+    _wait_all(procs, grace_s)
+    for proc in procs:
+        _signal_group(proc, signal.SIGKILL)  # also a group whose leader has gone and left children
+    _wait_all(procs, wait_s)
 
 
 def _read_json(path: Path) -> Optional[dict]:
@@ -424,12 +523,16 @@ def score(record: dict) -> Optional[float]:
     return None
 
 
-def write_summary(sweep: Sweep, skipped: Optional[list[str]] = None) -> dict:
+def write_summary(sweep: Sweep, skipped: Optional[list[str]] = None, killed: Optional[dict[str, str]] = None,
+                  stopped: Optional[str] = None) -> dict:
+    """Rebuild OUT/summary.json and OUT/summary.png from whatever the runs have written. `killed`: run id
+    -> why the runner killed it; `stopped`: what ended the sweep early (None: nothing, or not yet)."""
     records = [run_record(r) for r in sweep.runs]
-    if skipped:
-        for r in records:
-            if r["id"] in skipped and r["status"] == "not run":
-                r["status"] = "skipped (deadline)"
+    for r in records:
+        if skipped and r["id"] in skipped and r["status"] == "not run":
+            r["status"] = "skipped (deadline)"
+        if killed and r["id"] in killed:
+            r["killed"] = killed[r["id"]]
     best: dict[tuple, dict] = {}
     for r in records:
         s = score(r)
@@ -442,7 +545,7 @@ def write_summary(sweep: Sweep, skipped: Optional[list[str]] = None) -> dict:
                "recall_accuracy": r.get("recall_accuracy"), "val_accuracy": r.get("val_accuracy"),
                "keep_fraction": r.get("keep_fraction"), "parameters": r.get("parameters"), "run": r["id"]}
               for (t, s, w), r in sorted(best.items())]
-    summary = {"name": sweep.name, "runs": records, "best": points,
+    summary = {"name": sweep.name, "stopped": stopped, "runs": records, "best": points,
                "note": "accuracy: mean MQAR answer accuracy over the eval grid (recall_accuracy), or the last "
                        "validation accuracy of a run cut off before its evaluation; best over learning rates"}
     _write_json(sweep.out / "summary.json", summary)
@@ -493,7 +596,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("spec", help="sweep spec YAML, e.g. natsl/recipes/recall/sweep_h200.yaml")
     parser.add_argument("--out", required=True, help="folder for runs/, summary.json and summary.png")
     parser.add_argument("--max-parallel", type=int, default=None, help="worker processes at once (default: the spec's)")
-    parser.add_argument("--deadline", type=float, default=None, help="seconds for the whole sweep (default: the spec's)")
+    parser.add_argument("--deadline", type=float, default=None, help="seconds for the whole sweep (default: the spec's budget.deadline_s); at it every worker is killed")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: the spec's, else cuda when there is one)")
     parser.add_argument("--mps", action="store_true",
                         help=f"start the CUDA MPS daemon ({MPS_CONTROL} -d) while several workers share a GPU")
@@ -501,11 +604,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     try:
         sweep = load_spec(args.spec, args.out, args.max_parallel, args.deadline, args.device)
-        run_sweep(sweep, progress=not args.no_progress, mps=args.mps)
+        summary = run_sweep(sweep, progress=not args.no_progress, mps=args.mps)
     except NatslError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    return 0
+    return exit_code(summary)
 
 
 if __name__ == "__main__":

@@ -58,8 +58,12 @@ class TrainOptions:
     progress: bool = True
     log: Callable[[str], None] = print
     # called on every rank with each step's metrics record, right after the step (whose GPU work is then
-    # done: the record's loss was read back); benchmarks hang their meters on it
-    on_step: Optional[Callable[[dict], None]] = None
+    # done: the record's loss was read back); benchmarks hang their meters on it. Returning True ends the
+    # run after this step with a checkpoint, as SIGTERM would (the sweep's workers stop at their budget so).
+    on_step: Optional[Callable[[dict], Optional[bool]]] = None
+    # called with the signal's name when SIGINT / SIGTERM arrives during training (the run then ends after
+    # the current step): tells a caller that someone asked it to stop
+    on_signal: Optional[Callable[[str], None]] = None
 
 
 @dataclass
@@ -114,12 +118,12 @@ def _out_dir(recipe: Recipe, options: TrainOptions) -> Path:
 
 
 @contextlib.contextmanager
-def stop_signals(enabled: bool):
+def stop_signals(enabled: bool, notify: Optional[Callable[[str], None]] = None):
     """Ctrl-C / SIGTERM (e.g. a scheduler's preemption) end the run after the current step, with a checkpoint.
 
     Yields {"signal": None or its name}; the loop checks it between steps, so the saved state is
     always that of a whole step. A second signal interrupts at once. Only for one-process runs
-    (ranks of a torchrun job would see the signal at different steps).
+    (ranks of a torchrun job would see the signal at different steps). `notify(name)` is told of each signal.
     """
     flag = {"signal": None}
     if not enabled or threading.current_thread() is not threading.main_thread():
@@ -127,6 +131,8 @@ def stop_signals(enabled: bool):
         return
 
     def handler(signum, frame):
+        if notify is not None:
+            notify(signal.Signals(signum).name)
         if flag["signal"] is not None:
             raise KeyboardInterrupt
         flag["signal"] = signal.Signals(signum).name
@@ -642,7 +648,7 @@ class Trainer:
         window_tokens, window_time = 0, 0.0
         last_saved = start if ckpt is not None else None
         tokens_per_s = None
-        with stop_signals(world == 1) as stop:
+        with stop_signals(world == 1, self.options.on_signal) as stop:
             try:
                 while step < self.end_step:
                     samples = step_sample_indices(self.state["samples_seen"], tc.micro_batch_size, self.accum,
@@ -652,8 +658,8 @@ class Trainer:
                     record = self.optimizer_step(samples)
                     step = record["step"]
                     result.history.append(record)
-                    if self.options.on_step is not None:
-                        self.options.on_step(record)
+                    if self.options.on_step is not None and self.options.on_step(record):
+                        stop["signal"] = stop["signal"] or "on_step"
                     if info.is_main:
                         self.metrics.write(record)
                     if not record["skipped"]:
