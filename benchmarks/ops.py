@@ -365,9 +365,9 @@ def norm_fast(x, p, mode):
     _needs_cuda(x["x"].device)
     if mode == "fwdbwd":
         raise Skip("the fused norms are inference kernels (no backward)")
-    from natsl.fast import cached as kernels
+    from natsl.fast import norms
 
-    return Call(lambda t: kernels.rms_norm(t, x["weight"], EPS, x["gate"], mean=not p.variant["l2"]), [x["x"]])
+    return Call(lambda t: norms.rms_norm(t, x["weight"], EPS, x["gate"], mean=not p.variant["l2"]), [x["x"]])
 
 
 def norm_reference(x, p, mode):
@@ -473,8 +473,8 @@ REGISTRY = {op.name: op for op in (
        points=((1, 1), (2, 1)), variants=gemv_products, modes=("fwd",)),
     Op("pointwise", {"natsl_fast": norm_fast, "natsl_reference": norm_reference}, norm_inputs,
        points=((1, 131072), (8, 4096)), variants=norm_pieces,
-       sweep=("natsl.fast.cached", _settings(RMS_LAUNCH=[{"pdl": False}, {"rows": 4}, {"rows": 32},
-                                                               {"rows": 64, "warps": 8}]))),
+       sweep=("natsl.fast.norms", _settings(RMS_LAUNCH=[{"pdl": False}, {"rows": 4}, {"rows": 32},
+                                                              {"rows": 64, "warps": 8}]))),
 )}
 
 

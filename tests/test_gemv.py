@@ -106,7 +106,7 @@ def test_gpu_pdl_chain_in_a_cuda_graph_equals_plain_launches(monkeypatch, use_sw
     results of plain launches: each kernel waits for its inputs before it reads them."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("needs a CUDA device of compute capability >= 9")
-    from natsl.fast import cached as kernels
+    from natsl.fast import norms as kernels
 
     gen = torch.Generator(device="cuda").manual_seed(1)
     d, f = 1536, 4096

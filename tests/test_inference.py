@@ -571,10 +571,10 @@ def test_fused_write_kv_equals_two_scatters():
 
 @pytest.mark.parametrize("width", [64, 100, 192, 1536])
 def test_fused_norm_kernel_matches_the_formulas(width):
-    """natsl.fast.cached.rms_norm (several rows per program for narrow rows) against the
+    """natsl.fast.norms.rms_norm (several rows per program for narrow rows) against the
     pointwise formulas: RMSNorm with weight, with weight x silu(gate), and L2 normalisation, for row
     counts that leave the last program's tile part-full."""
-    from natsl.fast import cached as kernels
+    from natsl.fast import norms as kernels
     from natsl.models import pointwise as pw
 
     if not torch.cuda.is_available() and not triton_interpreted():

@@ -45,10 +45,15 @@ def test_the_public_ops_take_the_twins_arguments(family):
 
 def test_every_family_of_the_issue_has_twins():
     """GDN chunk and decode step, block commit, routed and cached attention, short conv, branch mix,
-    norms, GEMV, chunked cross-entropy."""
+    norms, GEMV, chunked cross-entropy; and every kernel of the cached paths (natsl.fast.cached)."""
     assert {"gated_delta_rule", "gated_delta_step", "commit_block", "routed_attention", "decode_attention",
             "short_conv_silu", "mix_branches", "rms_norm", "l2_normalize", "add_rms_norm", "gemv",
             "cross_entropy"} <= set(ops.TWINS)
+    import natsl.fast.cached as cached
+
+    kernels = {name for name, fn in vars(cached).items() if inspect.isfunction(fn) and fn.__module__ == cached.__name__
+               and name not in ("pdl", "launch_options", "next_pow2") and not name.startswith("_")}
+    assert kernels == {fast.split(":")[1] for _, fast in ops.TWINS.values() if fast.startswith("natsl.fast.cached:")}
 
 
 def randn(*shape, seed=0, dtype=torch.float32):
@@ -135,6 +140,72 @@ def test_write_kv_twins_agree():
         fn(k_buf, v_buf, slots, k, v)
         written.append((k_buf, v_buf))
     assert all(torch.equal(a, b) for a, b in zip(*written)) and written[0][0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("B,T,n,C", [(2, 1, 0, 4), (2, 11, 2, 4), (1, 5, 3, 4)])
+def test_store_blocks_twins_agree(B, T, n, C):
+    """Kept and dropped blocks, a chunk that starts inside a block (n > 0) and ends inside one."""
+    reference, fast = pair("store_blocks")
+    heads, D = 3, 8
+    R = (n + T - 1) // C + 1
+    gen = torch.Generator().manual_seed(T)
+    valid = torch.rand(B, R, heads, generator=gen) < 0.6
+    valid[:, -1] = True  # the unfinished block
+    before = (valid.long().cumsum(1) - valid.long()).to(DEVICE)
+    kept0 = torch.randint(0, 3, (B, heads), generator=gen).to(DEVICE)
+    src, valid = randn(B, T, heads, D, seed=1), valid.to(DEVICE)
+    stored = []
+    for fn in (reference, fast):
+        mem = torch.zeros(B, heads, 3 + C * R, D, device=DEVICE)
+        fn(src, mem, valid, before, kept0, n, C)
+        stored.append(mem)
+    assert torch.equal(*stored) and stored[0].abs().sum() > 0
+
+
+def test_gdn_decode_step_twins_agree():
+    """Output, log decay and the state (updated in place) from raw post-conv projections."""
+    reference, fast = pair("gdn_decode_step")
+    B, H, K, V = 2, 2, 16, 32
+    q, k, v = randn(B, H * K, seed=1), randn(B, H * K, seed=2), randn(B, H * V, seed=3)
+    a, b, A_log, dt_bias = randn(B, H, seed=4), randn(B, H, seed=5), randn(H, seed=6) * 0.5, randn(H, seed=7)
+    start = randn(B, H, K, V, seed=8)
+    results = []
+    for fn in (reference, fast):
+        state = start.clone()
+        o, g = fn(q, k, v, a, b, A_log, dt_bias, state, scale=0.3)
+        results.append((o, g, state))
+    assert not torch.equal(results[0][2], start)
+    assert all(rel_rms(got, want) < TOL for got, want in zip(*reversed(results)))
+
+
+@pytest.mark.parametrize("T", [1, 2, 37])
+def test_conv_chunk_twins_agree(T):
+    """A chunk after a cached tail (T below and above the tail's length); the tail is read only."""
+    reference, fast = pair("conv_chunk")
+    x, tail, weight = randn(2, T, 24, seed=1), randn(2, 3, 24, seed=2), randn(24, 1, 4, seed=3) * 0.5
+    before = tail.clone()
+    want, got = (fn(x, tail, weight) for fn in (reference, fast))
+    assert rel_rms(got, want) < TOL and torch.equal(tail, before)
+
+
+@pytest.mark.parametrize("family", ["conv_step", "conv_steps"])
+def test_conv_step_twins_agree(family):
+    """One token's conv + SiLU and each tail shifted by one with the token appended; conv_steps with
+    three widths (a GDN layer's q, k, v) in one call."""
+    reference, fast = pair(family)
+    widths = (16, 16, 40) if family == "conv_steps" else (24,)
+    xs = [randn(2, 1, C, seed=C) for C in widths]
+    weights = [randn(C, 1, 4, seed=C + 1) * 0.5 for C in widths]
+    start = [randn(2, 3, C, seed=C + 2) for C in widths]
+    results = []
+    for fn in (reference, fast):
+        tails = [t.clone() for t in start]
+        ys = fn(xs, tails, weights) if family == "conv_steps" else [fn(xs[0], tails[0], weights[0])]
+        results.append((ys, tails))
+    (ys_ref, tails_ref), (ys, tails) = results
+    assert all(rel_rms(y, y_ref) < TOL for y, y_ref in zip(ys, ys_ref))
+    assert all(torch.equal(t, t_ref) for t, t_ref in zip(tails, tails_ref))
+    assert torch.equal(tails[-1][:, -1:], xs[-1]) and torch.equal(tails[-1][:, :2], start[-1][:, 1:])
 
 
 @pytest.mark.parametrize("T", [1, 37, 100])

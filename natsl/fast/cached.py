@@ -4,11 +4,9 @@ At batch 1 a decode step of the 800M models was ~100 tiny kernels per layer (~20
 RMSNorm alone is 9 kernels in bf16 -- upcast, pow, mean, add, rsqrt, mul, weight upcast, mul,
 downcast -- and each short conv is cat + conv1d + silu + a tail copy), so even a CUDA-graph replay
 spent several times the weights' read time in launch gaps. In prefill the same fp32 chains make
-~10 full passes over every [T, d] activation. These kernels do each of those chains in one pass:
+~10 full passes over every [T, d] activation. These kernels do each of those chains in one pass
+(the norms' kernels are in `natsl.fast.norms`, the fast twins of `natsl.reference.norms`):
 
-- `rms_norm(x, weight, eps, gate=None)`: RMSNorm in fp32 (optionally times silu(gate)), one kernel;
-  `l2_normalize(x, eps)` the same kernel without weight and with the sum instead of the mean;
-  `add_rms_norm(x, r, weight, eps)` the residual add and the next norm in one pass.
 - `conv_step(x, tail, weight)`: one token of the causal short conv + SiLU, the tail shifted in place
   (`conv_steps` does a layer's q, k and v in one launch);
   `conv_chunk(x, tail, weight)` the same over many tokens (prefill): the forward kernel of
@@ -38,37 +36,6 @@ from natsl.devices import capability, sm_count  # noqa: F401  (sm_count: the lau
 def _kernels():
     import triton
     import triton.language as tl
-
-    @triton.jit
-    def rms_kernel(x_ptr, w_ptr, gate_ptr, y_ptr, res_ptr, sum_ptr, N, D, eps,
-                   HAS_W: tl.constexpr, HAS_GATE: tl.constexpr, MEAN: tl.constexpr, BLOCK: tl.constexpr,
-                   ROWS: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):
-        # ROWS rows per program: per-head L2 norms have rows of 64-256 values, too little work for
-        # a program each (a 128K prefill has 786K such rows per projection).
-        if PDL:  # kernels.pdl: wait for the earlier kernels' writes, then let the next kernel start
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-        cols = tl.arange(0, BLOCK)
-        mask = (rows < N)[:, None] & (cols < D)[None, :]
-        offs = rows[:, None] * D + cols[None, :]
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-        if HAS_RES:
-            # the residual add first, rounded to the activation dtype as `x + r` is, and kept
-            x = (x.to(tl.float32) + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
-            tl.store(sum_ptr + offs, x, mask=mask)
-        x = x.to(tl.float32)
-        ss = tl.sum(x * x, 1)
-        if MEAN:
-            ss = ss / D
-        y = x * (1.0 / tl.sqrt(ss + eps))[:, None]
-        if HAS_W:
-            y = y * tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
-        if HAS_GATE:
-            # as natsl.reference.norms.rms_norm with a gate: all in fp32, one rounding at the store
-            gt = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            y = y * (gt / (1.0 + tl.exp(-gt)))
-        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def conv_step_kernel(x0, t0, w0, y0, C0, sx0, stb0, stw0, sy0,
@@ -188,7 +155,7 @@ def _kernels():
         row = tl.load(v_ptr + b * v_b + h * v_h + cv, mask=cv < DV)
         tl.store(vb_ptr + b * vb_b + h * vb_h + slot * vb_l + cv, row.to(vb_ptr.dtype.element_ty), mask=cv < DV)
 
-    return rms_kernel, conv_step_kernel, gdn_step_kernel, store_blocks_kernel, write_kv_kernel
+    return conv_step_kernel, gdn_step_kernel, store_blocks_kernel, write_kv_kernel
 
 
 def pdl(device: torch.device) -> bool:
@@ -220,56 +187,6 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    return x.contiguous().view(-1, x.shape[-1])
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, gate: torch.Tensor | None = None,
-             *, mean: bool = True) -> torch.Tensor:
-    """RMSNorm of the last dim in fp32 (as its reference twin `natsl.reference.norms.rms_norm`), optionally times silu(gate)
-    (gate: same shape as x); one kernel. `mean=False` divides by the sum (L2 normalisation)."""
-    xr = _rows(x)
-    y = torch.empty_like(xr)
-    g = _rows(gate.reshape(x.shape)) if gate is not None else xr
-    _launch_rms(xr, weight, g, y, None, None, eps, gate is not None, mean)
-    return y.view(x.shape)
-
-
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
-    """(x + residual, RMSNorm(x + residual) * weight) in one kernel: the sum rounded to x's dtype as
-    the plain `x + residual` is, and normalised from that rounded value (so both outputs equal the
-    unfused add then `rms_norm`)."""
-    assert residual.shape == x.shape and residual.dtype == x.dtype
-    xr, rr = _rows(x), _rows(residual)
-    total, y = torch.empty_like(xr), torch.empty_like(xr)
-    _launch_rms(xr, weight, xr, y, rr, total, eps, False, True)
-    return total.view(x.shape), y.view(x.shape)
-
-
-# Benchmarks set this to {"rows": R, "warps": W, "pdl": bool} to time other launches of rms_kernel.
-RMS_LAUNCH: dict = {}
-
-
-def _launch_rms(xr, weight, g, y, rr, total, eps, has_gate: bool, mean: bool) -> None:
-    n, D = xr.shape
-    if n == 0:
-        return
-    on = RMS_LAUNCH.get("pdl", pdl(xr.device))
-    block = max(16, next_pow2(D))
-    rows_per_program = RMS_LAUNCH.get("rows", max(1, min(16, 2048 // block)))  # tiles of about 2048 values
-    warps = RMS_LAUNCH.get("warps", 4 if block <= 2048 else 8)
-    _kernels()[0][(-(-n // rows_per_program),)](
-        xr, weight if weight is not None else xr, g, y, rr if rr is not None else xr,
-        total if total is not None else y, n, D, float(eps), HAS_W=weight is not None,
-        HAS_GATE=has_gate, MEAN=mean, BLOCK=block, ROWS=rows_per_program, HAS_RES=rr is not None,
-        num_warps=warps, PDL=on, **launch_options(on))
-
-
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(|x|^2 + eps) over the last dim in fp32, in x's dtype; one kernel."""
-    return rms_norm(x, None, eps, mean=False)
-
-
 def conv_step(x: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """One token of `ShortConv` + SiLU: x [B, 1, C], tail [B, W, C] (updated in place: shifted by
     one, x appended), weight [C, 1, W+1] -> y [B, 1, C] in x's dtype."""
@@ -297,7 +214,7 @@ def conv_steps(xs, tails, weights) -> list[torch.Tensor]:
     args += list(sets[0]) * (3 - len(sets))  # unused slots (never read: the grid stops before them)
     block = 1024
     on = pdl(xs[0].device)
-    _kernels()[1][(xs[0].shape[0], -(-widest // block), len(sets))](*args, W=tails[0].shape[1], BLOCK=block,
+    _kernels()[0][(xs[0].shape[0], -(-widest // block), len(sets))](*args, W=tails[0].shape[1], BLOCK=block,
                                                                      num_warps=4, PDL=on, **launch_options(on))
     return [triple[3] for triple in sets]
 
@@ -330,7 +247,7 @@ def store_blocks(src: torch.Tensor, mem: torch.Tensor, valid: torch.Tensor, befo
     valid = valid.to(torch.int8).contiguous()
     before = before.contiguous()
     kept0 = kept0.contiguous()
-    _kernels()[3][(B * heads, R)](
+    _kernels()[2][(B * heads, R)](
         src, mem, valid, before, kept0, T, n, R, heads, src.stride(0), src.stride(1), src.stride(2),
         mem.stride(0), mem.stride(1), mem.stride(2), D, C=block_size, BLOCK_C=next_pow2(block_size),
         BLOCK_D=max(16, next_pow2(D)), num_warps=4)
@@ -344,7 +261,7 @@ def write_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor, k: t
     assert k.stride(-1) == 1 and v.stride(-1) == 1 and k_buf.stride(-1) == 1 and v_buf.stride(-1) == 1
     DK, DV = k.shape[-1], v.shape[-1]
     on = pdl(k.device)
-    _kernels()[4][(B * heads,)](
+    _kernels()[3][(B * heads,)](
         k_buf, v_buf, slots, k, v, heads, DK, DV, k_buf.stride(0), k_buf.stride(1), k_buf.stride(2),
         v_buf.stride(0), v_buf.stride(1), v_buf.stride(2), slots.stride(0), slots.stride(1),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -372,7 +289,7 @@ def gdn_decode_step(q, k, v, a, b, A_log, dt_bias, state, *, scale=None):
     BV = min(64, max(16, next_pow2(V)))
     grid = (-(-V // BV), B * H)
     on = pdl(q.device)
-    _kernels()[2][grid](q, k, v, a, b, A_log, dt_bias, state, o, g, H, q.stride(0), k.stride(0), v.stride(0),
+    _kernels()[1][grid](q, k, v, a, b, A_log, dt_bias, state, o, g, H, q.stride(0), k.stride(0), v.stride(0),
                         a.stride(0), b.stride(0), state.stride(0), scale, K=K, V=V, BK=BK, BV=BV, num_warps=4,
                         PDL=on, **launch_options(on))
     return o, g

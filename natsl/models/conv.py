@@ -3,7 +3,8 @@
 The layer takes an optional `tail`, the last `kernel - 1` inputs before `x`, so that prefill and
 token-by-token decoding compute exactly what the full-sequence forward computes. On the fast
 backend the full-sequence forward (training) runs the Triton op natsl.fast.short_conv, forward and
-backward; elsewhere its reference twin natsl.reference.short_conv (compiled on CUDA: natsl.models.pointwise.conv_silu).
+backward; elsewhere its reference twin natsl.reference.short_conv (compiled on CUDA). The choice is
+made in the door natsl.ops.short_conv.
 """
 
 from __future__ import annotations
@@ -11,10 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from natsl import switches
-from natsl.ops import fused as kernels
-from natsl.models.pointwise import conv_silu, conv_tail
-from natsl.ops import resolve_backend
+from natsl.models.pointwise import conv_tail
+from natsl.ops import short_conv
 
 
 class ShortConv(nn.Module):
@@ -36,18 +35,11 @@ class ShortConv(nn.Module):
                 valid: torch.Tensor | None = None):
         """x [B, T, C], tail [B, kernel-1, C] or None (zeros) -> (SiLU(conv(x)) [B, T, C], new tail).
         The new tail is None where no tail was given (the full-sequence forward keeps none).
-        `fused` (cached prefill): the Triton kernel of natsl.fast.cached, where no gradient is
+        `fused` (cached prefill): the Triton kernel natsl.fast.cached.conv_chunk, where no gradient is
         wanted (it has no backward). `valid`: a padded prefill call's prompt length (the new tail
         ends there; natsl.models.pointwise.conv_tail)."""
-        if tail is None:
-            if resolve_backend(self.backend, x.device) == "fast":
-                from natsl.ops.short_conv import short_conv_silu  # Triton: imported where used
-
-                return short_conv_silu(x, self.weight), None
-            return conv_silu(x, self.weight, x.new_zeros(x.shape[0], self.kernel_size - 1, x.shape[2])), None
-        if fused and not torch.is_grad_enabled():
-            return kernels.conv_chunk(x, tail, self.weight), conv_tail(x, tail, valid)
-        return conv_silu(x, self.weight, tail), conv_tail(x, tail, valid)
+        y = short_conv.short_conv_silu(x, self.weight, tail, backend=self.backend, fused=fused)
+        return y, None if tail is None else conv_tail(x, tail, valid)
 
 
 # Whether the q, k and v convs of a GDN projection run as one fast op over the joined q|k|v product
@@ -57,18 +49,13 @@ class ShortConv(nn.Module):
 
 def joined_conv_fits(convs: list[ShortConv], device: torch.device) -> bool:
     """Whether `joined_conv_silu` can take these convs (no tails) on inputs on `device`."""
-    if not switches.current().joined_conv or resolve_backend(convs[0].backend, device) != "fast":
-        return False
-    from natsl.ops.short_conv import split_fits  # Triton: imported where used
-
     widths = {conv.kernel_size for conv in convs}
-    return len(widths) == 1 and split_fits([conv.weight.shape[0] for conv in convs], widths.pop())
+    return len(widths) == 1 and short_conv.split_applies([conv.weight.shape[0] for conv in convs], widths.pop(),
+                                                         backend=convs[0].backend, device=device)
 
 
 def joined_conv_silu(convs: list[ShortConv], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Each conv's SiLU(conv) of its consecutive channel slice of x [B, T, sum C_i], no tails, as one
     fast op (see joined_conv_fits): the outputs come back contiguous and the gradient of x as one
     tensor, where per-conv ops on column slices leave autograd a concatenation to copy."""
-    from natsl.ops.short_conv import short_conv_silu_split
-
-    return short_conv_silu_split(x, [conv.weight for conv in convs])
+    return short_conv.short_conv_silu_split(x, [conv.weight for conv in convs])

@@ -25,17 +25,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from natsl import ops, switches
+from natsl import ops
 from natsl.config import ModelConfig
 from natsl.models.gated_deltanet import GatedDeltaProjections
 from natsl.models.linear import Linear, aligned_linear
 from natsl.models.mamba2 import Mamba2StateProjections
 from natsl.models.natsl_cached import CachedNAtSL
 from natsl.models.norms import RMSNorm
-from natsl.models.pointwise import mix_read
 from natsl.models.rope import RopeTable, apply_rope
 from natsl.ops import fused as kernels
-from natsl.ops import resolve_backend
+from natsl.ops import mix as mix_door
 from natsl.reference.router import block_mean, route_blocks, router_scores, straight_through_route
 
 
@@ -165,20 +164,6 @@ class NAtSL(CachedNAtSL, nn.Module):
         else:
             norms = (None, None, self.out_norm.weight, self.out_norm.eps)
         gate = self.g_proj(x)
-        if self._fused_mix(o_nla, logits):
-            from natsl.ops.mix import mix_branches as fused  # Triton: imported where used
-
-            return self.o_proj(fused(o_la, o_nla, logits, gate, norms[0], norms[1], norms[3]))
-        return self.o_proj(mix_read(o_la, o_nla, logits, c.mix_weights, gate, *norms))
-
-    def _fused_mix(self, o_nla: torch.Tensor, logits) -> bool:
-        """The read on its Triton kernels (natsl.fast.mix): fast backend, softmax weights, separate
-        norms (the paper's layer); the switch fused_mix off (NATSL_FUSED_MIX=0) keeps the compiled formula."""
-        c = self.config
-        if (logits is None or c.mix_weights != "softmax" or c.branch_norm != "separate"
-                or not switches.current().fused_mix
-                or resolve_backend(self.backend, o_nla.device) != "fast"):
-            return False
-        from natsl.ops.mix import supports
-
-        return supports(o_nla)
+        # on the Triton kernels (natsl.fast.mix) for the paper's layer on the fast backend, else the
+        # compiled formula: natsl.ops.mix decides
+        return self.o_proj(mix_door.mix_read(o_la, o_nla, logits, c.mix_weights, gate, *norms, backend=self.backend))

@@ -5,8 +5,8 @@ transposes, a depthwise convolution and an activation, and their backward passes
 at the 800M shapes these memory passes cost more than the GDN op of the layer they sit in. Each
 function here is written so that Inductor turns it into one or two kernels forward and backward.
 
-`pointwise(fn)` keeps fn's eager behaviour on the CPU (tests, the quick start: compiling needs a
-C++ toolchain there and buys little) and calls `torch.compile(fn)` on CUDA tensors. The compiled
+`pointwise(fn)` (natsl.ops.compiled) keeps fn's eager behaviour on the CPU (tests, the quick start:
+compiling needs a C++ toolchain there and buys little) and calls `torch.compile(fn)` on CUDA tensors. The compiled
 and eager forms compute the same formula (fp32 inside, one rounding to the activation dtype at the
 end); tests/test_pointwise.py holds the formulas against plain PyTorch on the CPU and the compiled
 forms against the eager ones (on the GPU, and on the CPU with NATSL_COMPILE_POINTWISE=all).
@@ -15,89 +15,13 @@ forms against the eager ones (on the GPU, and on the CPU with NATSL_COMPILE_POIN
 
 from __future__ import annotations
 
-from natsl import switches
-
-import functools
 import torch
 import torch.nn.functional as F
 
-from natsl.reference import mix, norms, short_conv
-
-
-def compile_for(x: torch.Tensor) -> bool:
-    """NATSL_COMPILE_POINTWISE: "1" (default) compiles for CUDA tensors, "0" never, "all" on every
-    device (the CPU tests use it to check the compiled forms without a GPU)."""
-    mode = switches.current().compile_pointwise
-    return mode == "all" or (mode != "0" and x.is_cuda)
-
-
-RECOMPILE_LIMIT = 64
-
-
-def _allow_recompiles() -> None:
-    """Each function here is traced once per input rank, dtype, grad mode and None-ness of its
-    optional arguments, and once more when a size first changes (it becomes symbolic then), which
-    can pass dynamo's default limit of 8 graphs per function in one process (tests, prefill +
-    decode); past the limit dynamo would run the function eagerly. Raise the limit, never lower it."""
-    config = torch._dynamo.config
-    config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
-
-
-def compile_dynamic() -> bool | None:
-    """NATSL_POINTWISE_DYNAMIC: "auto" (default) keeps every tensor's last (feature) dim a constant and
-    lets torch.compile make the other sizes symbolic only once they change (automatic dynamic
-    shapes); "1" makes every size symbolic from the start, "0" none. Symbolic sizes cost speed: a kernel's index
-    arithmetic then divides by runtime values (the short conv's kernel ran at a small fraction of
-    the copy bandwidth with all sizes symbolic)."""
-    mode = switches.current().pointwise_dynamic
-    return None if mode == "auto" else mode != "0"
-
-
-def _mark_feature_dims_static(args) -> None:
-    """The last dim of every tensor argument is a model width: keep it a constant in the kernels,
-    so that only batch and length may become symbolic (the conv's q/k and v widths differ, which
-    would otherwise make the width symbolic on the second call)."""
-    for arg in args:
-        if isinstance(arg, torch.Tensor) and arg.dim() > 0:
-            torch._dynamo.mark_static(arg, arg.dim() - 1)
-
-
-def _mark_length_dynamic(args) -> None:
-    """Without gradients (prefill, evaluation), the length dim (dim 1) of every activation argument
-    ([B, T, ...], as the first argument) is symbolic from the first call: one graph serves every
-    length, in this process and, through Inductor's on-disk cache, in the next ones, where
-    automatic dynamic shapes would compile a static graph at the first length (keyed on it on
-    disk) and a symbolic one at the second. Length 1 (decode) stays its own graph (dynamo always
-    specialises sizes 0 and 1). Training keeps its static length (one length per run)."""
-    first = args[0]
-    if first.dim() < 3 or torch.is_grad_enabled():
-        return
-    for arg in args:
-        if isinstance(arg, torch.Tensor) and arg.dim() >= 3 and arg.shape[:2] == first.shape[:2]:
-            torch._dynamo.maybe_mark_dynamic(arg, 1)
-
-
-def pointwise(fn):
-    """fn, run through torch.compile where `compile_for(first argument)` says so (CUDA, by default)."""
-    compiled = dynamic = None
-
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        nonlocal compiled, dynamic
-        # Inside a model that is itself being compiled, dynamo inlines the plain function.
-        if not torch.compiler.is_compiling() and compile_for(args[0]):
-            if compiled is None:
-                _allow_recompiles()
-                dynamic = compile_dynamic()
-                compiled = torch.compile(fn, dynamic=dynamic)
-            if dynamic is None:
-                _mark_feature_dims_static(args)
-                _mark_length_dynamic(args)
-            return compiled(*args, **kwargs)
-        return fn(*args, **kwargs)
-
-    run.eager = fn
-    return run
+from natsl.ops.compiled import compile_dynamic, compile_for, pointwise, RECOMPILE_LIMIT  # noqa: F401
+from natsl.ops.mix import compiled_reference as mix_read  # noqa: F401
+from natsl.ops.short_conv import compiled_reference as conv_silu  # noqa: F401
+from natsl.reference import norms
 
 
 @pointwise
@@ -113,8 +37,9 @@ def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torc
 
 
 l2_normalize = pointwise(norms.l2_normalize)
-# SiLU(causal depthwise conv): (x [B, T, C], weight [C, 1, W], tail [B, W-1, C] or None) -> [B, T, C]
-conv_silu = pointwise(short_conv.short_conv_silu)
+# conv_silu, SiLU(causal depthwise conv): (x [B, T, C], weight [C, 1, W], tail [B, W-1, C] or None) ->
+# [B, T, C], and mix_read, the NAtS-L read of its two memories (every variant of the layer), are the
+# compiled reference twins of natsl.ops.short_conv and natsl.ops.mix (the same objects), named here too.
 
 
 def conv_tail(x: torch.Tensor, tail: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -162,6 +87,3 @@ def gated_input_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
-
-# The NAtS-L read of its two memories, every variant of the layer (natsl.reference.mix.mix_read).
-mix_read = pointwise(mix.mix_read)

@@ -1,15 +1,38 @@
-"""The NAtS-L read of its two memories: the door from `natsl.models.natsl_layer` to the fused kernel
-`natsl.fast.mix` (the reference twin is `natsl.reference.mix.mix_branches`, natsl.ops.TWINS). The Triton module
-is imported on first use."""
+"""The NAtS-L read of its two memories: the door from `natsl.models.natsl_layer` to its twins,
+`natsl.fast.mix.mix_branches` (the paper's variant: separate norms, softmax weights) and
+`natsl.reference.mix` (natsl.ops.TWINS), which it runs compiled on CUDA (`compiled_reference`, every
+variant of the layer). The Triton module is imported on first use."""
 
 from __future__ import annotations
 
-_NAMES = ("mix_branches", "supports")
+import torch
+
+from natsl import switches
+from natsl.ops import resolve_backend, twin
+from natsl.ops.compiled import pointwise
+from natsl.reference import mix as reference
+
+# The reference through torch.compile on CUDA tensors (natsl.ops.compiled): every variant's read
+# wherever the fast twin does not run; natsl.models.pointwise.mix_read is this object.
+compiled_reference = pointwise(reference.mix_read)
 
 
-def __getattr__(name):
-    if name in _NAMES:
-        from natsl.fast import mix
+def fused_applies(o_nla: torch.Tensor, logits, kind: str, out_weight, backend: str | None) -> bool:
+    """Whether the read runs on the fast twin: softmax weights and separate norms (out_weight None:
+    the paper's layer), the fast backend, a head dim the kernels take; the switch fused_mix off
+    (NATSL_FUSED_MIX=0) keeps the compiled formula."""
+    if (logits is None or kind != "softmax" or out_weight is not None or not switches.current().fused_mix
+            or resolve_backend(backend, o_nla.device) != "fast"):
+        return False
+    from natsl.fast.mix import supports  # (an import statement: see `twin`)
 
-        return getattr(mix, name)
-    raise AttributeError(f"module 'natsl.ops.mix' has no attribute {name!r}")
+    return supports(o_nla)
+
+
+def mix_read(o_la: torch.Tensor, o_nla: torch.Tensor, logits, kind: str, gate: torch.Tensor, la_weight,
+             nla_weight, out_weight, eps: float, *, backend: str | None = None) -> torch.Tensor:
+    """`natsl.reference.mix.mix_read` (its arguments, the result): on the fast twin where
+    `fused_applies`, else on `compiled_reference`."""
+    if fused_applies(o_nla, logits, kind, out_weight, backend):
+        return twin("mix_branches", True)(o_la, o_nla, logits, gate, la_weight, nla_weight, eps)
+    return compiled_reference(o_la, o_nla, logits, kind, gate, la_weight, nla_weight, out_weight, eps)

@@ -1,15 +1,58 @@
-"""The GDN projections' causal short conv + SiLU: the door from `natsl.models.conv` to its fast twin
-`natsl.fast.short_conv` (the reference twin is `natsl.reference.short_conv`, natsl.ops.TWINS). The Triton
-module is imported on first use, so building a model on a machine without a GPU never loads it."""
+"""The GDN projections' causal short conv + SiLU: the door from `natsl.models.conv` to its twins,
+`natsl.fast.short_conv` (with `natsl.fast.cached.conv_chunk` for a cached chunk) and
+`natsl.reference.short_conv` (natsl.ops.TWINS), which it runs compiled on CUDA (`compiled_reference`).
+The Triton module is imported on first use, so building a model on a machine without a GPU never
+loads it."""
 
 from __future__ import annotations
 
-_NAMES = ("short_conv_silu", "short_conv_silu_split", "split_fits")
+from typing import Optional, Sequence
+
+import torch
+
+from natsl import switches
+from natsl.ops import resolve_backend, twin
+from natsl.ops.compiled import pointwise
+from natsl.reference import short_conv as reference
+
+# The reference twin through torch.compile on CUDA tensors (natsl.ops.compiled): the models' conv
+# wherever the fast twin does not run; natsl.models.pointwise.conv_silu is this object.
+compiled_reference = pointwise(reference.short_conv_silu)
 
 
-def __getattr__(name):
-    if name in _NAMES:
-        from natsl.fast import short_conv
+def short_conv_silu(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor] = None, *,
+                    backend: str | None = None, fused: bool = False) -> torch.Tensor:
+    """SiLU(causal depthwise conv(x)): x [B, T, C], weight [C, 1, W], tail [B, W-1, C] (the inputs
+    before x) or None (zeros) -> [B, T, C] in x's dtype.
 
-        return getattr(short_conv, name)
-    raise AttributeError(f"module 'natsl.ops.short_conv' has no attribute {name!r}")
+    Without a tail (the full sequence) on the fast twin where `backend` resolves to fast, forward and
+    backward; with a tail (a cached chunk) on its forward kernel (`conv_chunk`) where `fused`
+    (natsl.ops.fused.enabled) and no gradient is wanted; elsewhere on `compiled_reference`."""
+    if tail is None:
+        if resolve_backend(backend, x.device) == "fast":
+            import natsl.fast.short_conv  # noqa: F401  (an import statement: see `twin`)
+
+            return twin("short_conv_silu", True)(x, weight)
+        return compiled_reference(x, weight, x.new_zeros(x.shape[0], weight.shape[-1] - 1, x.shape[2]))
+    if fused and not torch.is_grad_enabled():
+        return twin("conv_chunk", True)(x, tail, weight)
+    return compiled_reference(x, weight, tail)
+
+
+def split_applies(sizes: Sequence[int], width: int, *, backend: str | None, device: torch.device) -> bool:
+    """Whether `short_conv_silu_split` takes convs of these channel counts and kernel width on inputs on
+    `device`: the fast backend, the switch joined_conv on (NATSL_JOINED_CONV), and group edges that
+    fit the fast twin's tiles."""
+    if not switches.current().joined_conv or resolve_backend(backend, device) != "fast":
+        return False
+    from natsl.fast.short_conv import split_fits
+
+    return split_fits(sizes, width)
+
+
+def short_conv_silu_split(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The short conv + SiLU of x's consecutive channel groups (one per weight), no tails, as one fast
+    op where `split_applies` (callers ask first)."""
+    import natsl.fast.short_conv  # noqa: F401  (an import statement: see `twin`)
+
+    return twin("short_conv_silu_split", True)(x, weights)

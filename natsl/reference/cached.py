@@ -4,15 +4,20 @@ explicit mask.
 
 Everything here works on any device. `gated_delta_step`, `commit_block`, `attend_one` and `write_kv` are
 the reference twins (same signatures) of the fast decode pieces `natsl.fast.gated_delta.gated_delta_step`
-and `commit_block`, `natsl.fast.decode_attention.decode_attention` and `natsl.fast.cached.write_kv`
-(natsl.ops.TWINS); `natsl.ops.cached` picks between them. Nothing here reads a device value on the host, so a decode
-step built from these functions can be captured in a CUDA graph.
+and `commit_block`, `natsl.fast.decode_attention.decode_attention` and `natsl.fast.cached.write_kv`;
+`conv_step`, `conv_steps`, `conv_chunk`, `gdn_decode_step` and `store_blocks` those of the rest of
+`natsl.fast.cached` (natsl.ops.TWINS); `natsl.ops.cached` picks between them. Nothing here but
+`store_blocks` reads a device value on the host, so a decode step built from these functions can be
+captured in a CUDA graph.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from natsl.reference.norms import l2_normalize, up
+from natsl.reference.short_conv import short_conv_silu
 
 
 def gated_delta_step(q, k, v, g, beta, state, *, scale=None):
@@ -104,3 +109,62 @@ def masked_attention(q, keys, values, mask, *, scale=None):
                                          attn_mask=mask, scale=scale)
     out = torch.where(mask.any(-1, keepdim=True), out, torch.zeros_like(out))
     return out.transpose(1, 2)
+
+
+def conv_chunk(x: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The short conv + SiLU of many tokens after a cached tail: x [B, T, C], tail [B, W, C] (the W
+    inputs before x, read only), weight [C, 1, W+1] -> y [B, T, C] in x's dtype (`short_conv_silu`)."""
+    return short_conv_silu(x, weight, tail)
+
+
+def conv_step(x: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """One token of the short conv + SiLU: x [B, 1, C], tail [B, W, C] (updated in place: shifted by
+    one, x appended), weight [C, 1, W+1] -> y [B, 1, C] in x's dtype."""
+    y = short_conv_silu(x, weight, tail)
+    tail.copy_(torch.cat([tail[:, 1:], x.to(tail.dtype)], dim=1))
+    return y
+
+
+def conv_steps(xs, tails, weights) -> list[torch.Tensor]:
+    """`conv_step` of each (x, tail, weight) triple (a GDN layer's q, k, v)."""
+    return [conv_step(x, tail, weight) for x, tail, weight in zip(xs, tails, weights)]
+
+
+def gdn_decode_step(q, k, v, a, b, A_log, dt_bias, state, *, scale=None):
+    """One GDN token from the raw post-conv projections, the state updated in place.
+
+    q, k [B, H*K]; v [B, H*V] (post conv + SiLU, before the L2 norm); a, b [B, H] (the a and b
+    projections); state [B, H, K, V] (updated in place). The layer's gates -- log decay
+    g = -exp(A_log) softplus(a + dt_bias) in fp32, beta = sigmoid(b) in b's dtype -- and
+    `gated_delta_step` on L2-normalised q, k. Returns (o [B, H, V] in q's dtype, g [B, H] fp32).
+    """
+    B, H, K, V = state.shape
+    q, k = (l2_normalize(t.reshape(B, H, K)) for t in (q, k))
+    g = -up(A_log).exp() * F.softplus(up(a) + up(dt_bias))
+    beta = torch.sigmoid(up(b)).to(b.dtype)
+    o, new_state = gated_delta_step(q, k, v.reshape(B, H, V), g, beta, state, scale=scale)
+    state.copy_(new_state)
+    return o, g
+
+
+def store_blocks(src: torch.Tensor, mem: torch.Tensor, valid: torch.Tensor, before: torch.Tensor,
+                 kept0: torch.Tensor, n: int, block_size: int) -> None:
+    """A prefill chunk's K or V into a NAtS-L cache's compacted memory, block by block.
+
+    src [B, T, heads, D] (the chunk; its token 0 sits at offset n of relative block 0); mem
+    [B, heads, L, D]; valid [B, R, heads] (bool: the relative block is kept, or unfinished);
+    before [B, R, heads] (int64: kept blocks before it); kept0 [B, heads] (int64: slots already
+    used). Token t of relative block r = (n + t) // block_size goes to
+    kept0 + block_size * before[r] + its offset in the block where valid[r]; tokens past block R-1
+    are not stored. Reads the valid tokens' indices on the host (nonzero)."""
+    T = src.shape[1]
+    R = valid.shape[1]
+    if T == 0 or R == 0:
+        return
+    position = n + torch.arange(T, device=src.device)
+    rel, offset = position // block_size, position % block_size
+    inside = rel < R
+    rel = rel.clamp(max=max(R - 1, 0))
+    dest = kept0[:, None, :] + block_size * before[:, rel] + offset[None, :, None]  # [B, T, heads]
+    bi, ti, hi = (valid[:, rel].bool() & inside[None, :, None]).nonzero(as_tuple=True)
+    mem[bi, hi, dest[bi, ti, hi]] = src[bi, ti, hi].to(mem.dtype)

@@ -1,5 +1,5 @@
 """The norms of the layers, in fp32 with one rounding at the end: the reference twins of the fused
-kernels in `natsl.fast.cached` (`rms_norm`, `l2_normalize`, `add_rms_norm`, same signatures) and the
+kernels in `natsl.fast.norms` (`rms_norm`, `l2_normalize`, `add_rms_norm`, same signatures) and the
 single definition of the formulas that `natsl.models.pointwise` compiles for the model's forward."""
 
 from __future__ import annotations
