@@ -117,19 +117,25 @@ def authors_tensors(model):
     return {k: v.detach().clone().contiguous() for k, v in out.items()}
 
 
-@pytest.fixture(scope="module")
-def authors_checkpoint(tmp_path_factory, tok):
-    root = tmp_path_factory.mktemp("hf")
-    recipe = apply_overrides(natsl.load_recipe("tiny_hybrid"), ["model.natsl_rope=true"])
-    torch.manual_seed(5)
+def write_authors_folder(folder, overrides, seed, config_of, tensors_of):
+    """A tiny natsl model of tiny_hybrid with `overrides`, its weights moved off their init (so any swapped
+    or dropped tensor shows in the logits), written to `folder` in an authors' layout."""
+    recipe = apply_overrides(natsl.load_recipe("tiny_hybrid"), overrides)
+    torch.manual_seed(seed)
     model = natsl.build_model(recipe)
-    with torch.no_grad():  # move every weight off its init, so any swapped or dropped tensor shows in the logits
+    with torch.no_grad():
         for p in model.parameters():
             p.add_(0.1 * torch.randn_like(p))
-    folder = root / "NAtS-L-tiny"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(authors_config(recipe)))
-    save_file(authors_tensors(model), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config_of(recipe)))
+    save_file(tensors_of(model), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return model, folder
+
+
+@pytest.fixture(scope="module")
+def authors_checkpoint(tmp_path_factory, tok):
+    model, folder = write_authors_folder(tmp_path_factory.mktemp("hf") / "NAtS-L-tiny", ["model.natsl_rope=true"], 5,
+                                         authors_config, authors_tensors)
     tok.save(folder)
     return model, folder
 
@@ -244,17 +250,9 @@ def authors_mamba2_tensors(model):
 
 @pytest.fixture(scope="module")
 def authors_mamba2_checkpoint(tmp_path_factory):
-    recipe = apply_overrides(natsl.load_recipe("tiny_hybrid"), [*MAMBA2_HYBRID, "model.decay_skipped_blocks=false"])
-    torch.manual_seed(6)
-    model = natsl.build_model(recipe)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    folder = tmp_path_factory.mktemp("hf") / "NAtS-L-Mamba2-tiny"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(authors_mamba2_config(recipe)))
-    save_file(authors_mamba2_tensors(model), str(folder / "model.safetensors"), metadata={"format": "pt"})
-    return model, folder
+    return write_authors_folder(tmp_path_factory.mktemp("hf") / "NAtS-L-Mamba2-tiny",
+                                [*MAMBA2_HYBRID, "model.decay_skipped_blocks=false"], 6,
+                                authors_mamba2_config, authors_mamba2_tensors)
 
 
 def test_hf_import_of_the_authors_nats_mamba(authors_mamba2_checkpoint, tmp_path):

@@ -221,3 +221,25 @@ def test_inspect_routing_reports_natsl_on_mamba2_and_refuses_plain_mamba2(tmp_pa
     report = json.loads((tmp_path / "b" / "routing.json").read_text())
     assert report["natsl_layers"] == [1, 3]
     assert all(0.0 <= layer["keep_fraction"] <= 1.0 for layer in report["datasets"][0]["layers"])
+
+
+def test_a_checkpoint_older_than_the_authors_form_loads_as_the_model_it_was(tmp_path):
+    """A NAtS-L Mamba2 checkpoint written before mamba2_state_l2, mamba2_state_skip and mamba2_mlp existed
+    read its state unnormalised with D v and gave every block the MLP: it loads as that model."""
+    ckpt = save_tiny_checkpoint(tmp_path / "ckpt", "natsl_mamba2_ssd")
+    path = ckpt / "config.json"
+    config = json.loads(path.read_text())
+    for key in ("mamba2_state_l2", "mamba2_state_skip", "mamba2_mlp"):
+        del config["recipe"]["model"][key]
+    path.write_text(json.dumps(config))
+    model, _ = load_checkpoint(ckpt)
+    c = model.config
+    assert not c.mamba2_state_l2 and c.mamba2_state_skip and c.mamba2_mlp
+    assert model.layers[0].mlp is not None and model.layers[1].mixer.proj.D is not None
+    torch.manual_seed(5)
+    fresh = natsl.build_model(tiny_config(backend=None, block_size=16, **TINY_SYSTEMS["natsl_mamba2_ssd"]))
+    ids = torch.randint(0, c.vocab_size, (1, 40))
+    model.set_backend("chunked")
+    fresh.set_backend("chunked")
+    with torch.no_grad():
+        assert torch.equal(model(ids), fresh(ids))
