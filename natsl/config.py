@@ -33,7 +33,7 @@ class ModelConfig:
 
     vocab_size: int = 32000
     hidden_size: int = 1536
-    # The SwiGLU MLP of every block; 0: blocks without an MLP (Mamba2's own stack, 48 mixers at 800M).
+    # The SwiGLU MLP of every block (Mamba2 blocks only with mamba2_mlp); 0: blocks without an MLP.
     intermediate_size: int = 4096
     num_layers: int = 21
     # Layout: every layer is `base_layer` except the indices listed for another type.
@@ -80,6 +80,14 @@ class ModelConfig:
     mamba2_state_size: int = 128
     mamba2_expand: int = 2
     mamba2_groups: int = 1
+    # The Mamba2 state of a NAtS-L layer reads as the authors' natsl_attn_mamba2 by default: its q and k
+    # L2-normalised per head (the GDN state's normalisation, same code) and no D v skip. False / True
+    # give the plain SSD read (q, k as Mamba2's unnormalised C and B, plus D v), natsl's first form.
+    mamba2_state_l2: bool = True
+    mamba2_state_skip: bool = False
+    # Whether Mamba2 blocks carry the SwiGLU MLP of intermediate_size (which every other block has): no,
+    # as Mamba2's own stack and the plain Mamba2 blocks of the authors' NAtS-L Mamba2 model.
+    mamba2_mlp: bool = False
     # Table 4 ablations.
     intra_block_output: Literal["both", "softmax", "gdn"] = "both"
     decay_skipped_blocks: bool = True

@@ -117,19 +117,25 @@ def authors_tensors(model):
     return {k: v.detach().clone().contiguous() for k, v in out.items()}
 
 
-@pytest.fixture(scope="module")
-def authors_checkpoint(tmp_path_factory, tok):
-    root = tmp_path_factory.mktemp("hf")
-    recipe = apply_overrides(natsl.load_recipe("tiny_hybrid"), ["model.natsl_rope=true"])
-    torch.manual_seed(5)
+def write_authors_folder(folder, overrides, seed, config_of, tensors_of):
+    """A tiny natsl model of tiny_hybrid with `overrides`, its weights moved off their init (so any swapped
+    or dropped tensor shows in the logits), written to `folder` in an authors' layout."""
+    recipe = apply_overrides(natsl.load_recipe("tiny_hybrid"), overrides)
+    torch.manual_seed(seed)
     model = natsl.build_model(recipe)
-    with torch.no_grad():  # move every weight off its init, so any swapped or dropped tensor shows in the logits
+    with torch.no_grad():
         for p in model.parameters():
             p.add_(0.1 * torch.randn_like(p))
-    folder = root / "NAtS-L-tiny"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(authors_config(recipe)))
-    save_file(authors_tensors(model), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config_of(recipe)))
+    save_file(tensors_of(model), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return model, folder
+
+
+@pytest.fixture(scope="module")
+def authors_checkpoint(tmp_path_factory, tok):
+    model, folder = write_authors_folder(tmp_path_factory.mktemp("hf") / "NAtS-L-tiny", ["model.natsl_rope=true"], 5,
+                                         authors_config, authors_tensors)
     tok.save(folder)
     return model, folder
 
@@ -178,9 +184,106 @@ def test_hf_import_refusals(authors_checkpoint, tmp_path):
     partial.pop("model.layers.3.attn.nats_layer.weight")
     assert "lacks 1 tensor" in variant("partial", ts=partial)
     assert "num_v_heads" in variant("gva", cfg={**config, "num_v_heads": 4})
-    # The authors' NAtS-L on Mamba2: its SSD branch is another function than natsl's Mamba2 state.
-    mamba = variant("nats_mamba", cfg={**config, "model_type": "nats_mamba", "mamba_layers": [0, 2]})
-    assert "L2-normalise the Mamba2 state's q and k" in mamba and "Mamba2 blocks have no MLP" in mamba
     assert "attn_with_short_conv" in variant("noconv", cfg={**config, "attn_with_short_conv": False})
     missing = run("convert", tmp_path / "absent", tmp_path / "o")
     assert missing.exit_code == 2 and "does not exist" in missing.stderr
+
+
+# ------------------------------------------------------------- the authors' NAtS-L on Mamba2 (nats_mamba)
+
+MAMBA2_HYBRID = ["model.base_layer=mamba2", "model.natsl_state=mamba2", "model.natsl_rope=true",
+                 "model.mamba2_head_dim=16", "model.mamba2_state_size=8", "model.block_size=16"]
+
+
+def authors_mamba2_config(recipe):
+    m = recipe.model
+    return {
+        "model_type": "nats_mamba", "architectures": ["NAtSMamba2ForCausalLM"], "attn_mode": "chunk", "use_gate": True,
+        "num_mamba_heads": m.num_heads, "num_attn_heads": m.num_heads * m.softmax_heads_per_group,
+        "head_dim_nats": m.head_k_dim, "expand_v": m.head_v_dim // m.head_k_dim, "n_ops": 2, "num_nats_head": None,
+        "nats_block_size": m.block_size, "nats_block_agg_type": "mean", "nats_sample_strategy": "argmax",
+        "ops_for_incomplete_chunks": "all", "hidden_ratio": 4, "intermediate_size": m.intermediate_size,
+        "hidden_act": "swish", "outputs_are_wighted": True, "attn_qk_norm": True, "attn_with_short_conv": True,
+        "attn_apply_pos_encoding": m.natsl_rope, "attn_rope_theta": m.rope_theta, "head_dim": m.mamba2_head_dim,
+        "vocab_size": m.vocab_size, "hidden_size": m.hidden_size, "state_size": m.mamba2_state_size,
+        "num_hidden_layers": m.num_layers, "norm_eps": m.norm_eps, "expand": m.mamba2_expand, "conv_kernel": 4,
+        "n_groups": m.mamba2_groups, "use_bias": False, "use_conv_bias": False, "mamba_hidden_act": "silu",
+        "rms_norm": True, "time_step_limit": [0.0, float("inf")], "tie_word_embeddings": False,
+        "mamba_layers": [i for i, t in enumerate(m.layer_types()) if t == "mamba2"],
+    }  # decay_for_non_mamba_blocks is absent: their config's default, false
+
+
+def authors_mamba2_tensors(model):
+    """The natsl model's weights under the authors' nats_mamba names, written out by hand: `backbone.`,
+    flash-linear-attention's Mamba2 blocks (norm, mixer, no MLP), their NAtS-L layer without b_proj."""
+    out = {"backbone.embeddings.weight": model.embed.weight, "backbone.norm_f.weight": model.norm.weight,
+           "lm_head.weight": model.lm_head.weight}
+    for i, block in enumerate(model.layers):
+        p, mx = f"backbone.layers.{i}.", block.mixer
+        if block.layer_type == "mamba2":
+            assert block.mlp is None
+            out[p + "norm.weight"] = block.mixer_norm.weight
+            for name in ("in_proj.weight", "A_log", "D", "dt_bias", "norm.weight", "out_proj.weight"):
+                out[p + "mixer." + name] = mx.get_parameter(name)
+            out[p + "mixer.conv1d.weight"] = mx.conv.weight
+            continue
+        out[p + "attn_norm.weight"] = block.mixer_norm.weight
+        out[p + "mlp_norm.weight"] = block.mlp_norm.weight
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            out[f"{p}mlp.{name}.weight"] = block.mlp.get_parameter(f"{name}.weight")
+        a = p + "attn."
+        assert mx.proj.D is None and not hasattr(mx.proj, "b_proj")  # their layer: no D, no beta
+        for name in ("q_proj", "k_proj", "v_proj", "a_proj"):
+            out[f"{a}{name}.weight"] = mx.proj.get_parameter(f"{name}.weight")
+        for name in ("q", "k", "v"):
+            out[f"{a}{name}_conv1d.weight"] = mx.proj.get_parameter(f"{name}_conv.weight")
+        out[a + "A_log"], out[a + "dt_bias"] = mx.proj.A_log, mx.proj.dt_bias
+        out[a + "g_proj.weight"], out[a + "o_proj.weight"] = mx.g_proj.weight, mx.o_proj.weight
+        out[a + "nats_layer.weight"] = mx.router.weight
+        out[a + "q_norm.weight"], out[a + "k_norm.weight"] = mx.q_norm.weight, mx.k_norm.weight
+        out[a + "o_norm.weight1"], out[a + "o_norm.weight2"] = mx.la_norm.weight, mx.nla_norm.weight
+        w = mx.mix_proj.weight
+        out[a + "nats_out_weights_layer.weight"] = torch.stack([w[1::2], w[0::2]], dim=1).reshape(w.shape)
+        out[a + "rotary.inv_freq"] = torch.ones(model.config.softmax_k_dim // 2)
+    return {k: v.detach().clone().contiguous() for k, v in out.items()}
+
+
+@pytest.fixture(scope="module")
+def authors_mamba2_checkpoint(tmp_path_factory):
+    return write_authors_folder(tmp_path_factory.mktemp("hf") / "NAtS-L-Mamba2-tiny",
+                                [*MAMBA2_HYBRID, "model.decay_skipped_blocks=false"], 6,
+                                authors_mamba2_config, authors_mamba2_tensors)
+
+
+def test_hf_import_of_the_authors_nats_mamba(authors_mamba2_checkpoint, tmp_path):
+    model, folder = authors_mamba2_checkpoint
+    result = run("convert", folder, tmp_path / "natsl", "--from-hf")
+    assert result.exit_code == 0, result.output
+    imported, _ = natsl.load_checkpoint(tmp_path / "natsl")
+    c = imported.config
+    assert c.layer_types() == ["mamba2", "natsl", "mamba2", "natsl"] and c.natsl_state == "mamba2"
+    assert c.mamba2_state_l2 and not c.mamba2_state_skip and not c.mamba2_mlp and not c.decay_skipped_blocks
+    ids = torch.randint(0, 1024, (2, 70))  # five blocks of 16: routing, decay and both memories all matter
+    assert torch.equal(logits(model, ids), logits(imported, ids))
+    assert json.loads((tmp_path / "natsl" / "config.json").read_text())["source_model_type"] == "nats_mamba"
+
+
+def test_hf_import_of_nats_mamba_refuses_what_natsl_computes_otherwise(authors_mamba2_checkpoint, tmp_path):
+    _, folder = authors_mamba2_checkpoint
+    config = json.loads((folder / "config.json").read_text())
+    tensors = load_file(str(folder / "model.safetensors"))
+
+    def refusal(name, cfg=config, ts=tensors):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(cfg))
+        save_file(ts, str(d / "model.safetensors"))
+        r = run("convert", d, tmp_path / f"{name}-out", "--from-hf")
+        assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1, r.output
+        return r.stderr
+
+    bias = {**tensors, "backbone.layers.0.mixer.conv1d.bias": torch.zeros(tensors["backbone.layers.0.mixer.conv1d.weight"].shape[0])}
+    assert "conv has a bias" in refusal("conv_bias", cfg={**config, "use_conv_bias": True}, ts=bias)
+    assert "time_step_limit" in refusal("dt_limit", cfg={**config, "time_step_limit": [0.001, 0.1]})
+    # A D on the NAtS-L layer (natsl's first form) is not in their layer: no place for it.
+    assert "no place in natsl" in refusal("state_d", ts={**tensors, "backbone.layers.1.attn.D": torch.ones(2)})

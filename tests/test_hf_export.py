@@ -169,7 +169,8 @@ def test_an_export_older_than_the_mamba2_fields_loads_as_the_model_it_was(tmp_pa
     assert run("convert", ckpt, tmp_path / "hf", "--to", "hf").exit_code == 0
     path = tmp_path / "hf" / "config.json"
     config = json.loads(path.read_text())
-    for key in ("attn_window", "natsl_state", "mamba2_head_dim", "mamba2_state_size", "mamba2_expand", "mamba2_groups"):
+    for key in ("attn_window", "natsl_state", "mamba2_head_dim", "mamba2_state_size", "mamba2_expand", "mamba2_groups",
+                "mamba2_state_l2", "mamba2_state_skip", "mamba2_mlp"):
         del config["natsl_recipe"]["model"][key]
     path.write_text(json.dumps(config))
     ids = torch.randint(0, VOCAB, (1, 90))

@@ -29,9 +29,12 @@ LAYOUTS = {
     "gdn_hybrid": {"base_layer": "gdn", "natsl_layers": [], "attention_layers": [1, 3]},
     "natsl": {"base_layer": "natsl", "natsl_layers": [], "natsl_rope": True},
     "natsl_hybrid": {},  # tiny_hybrid itself: GDN + NAtS-L at 1 and 3, no RoPE
-    # Mamba2 (no MLP blocks, as its own stack); NAtS-L on a Mamba2 state; the hybrid of the two
+    # Mamba2 (no MLP blocks, as its own stack); NAtS-L on a Mamba2 state (here its plain SSD read:
+    # unnormalised q, k and D v; the hybrid has the default, the authors' L2-normalised read without D);
+    # the hybrid of the two (MLPs in the NAtS-L blocks only)
     "mamba2": {"base_layer": "mamba2", "natsl_layers": [], "intermediate_size": 0, **TINY_MAMBA2},
-    "natsl_mamba2": {"base_layer": "natsl", "natsl_layers": [], "natsl_rope": True, "natsl_state": "mamba2"},
+    "natsl_mamba2": {"base_layer": "natsl", "natsl_layers": [], "natsl_rope": True, "natsl_state": "mamba2",
+                     "mamba2_state_l2": False, "mamba2_state_skip": True},
     "hybrid_mamba2": {"base_layer": "mamba2", "natsl_state": "mamba2", **TINY_MAMBA2},
 }
 

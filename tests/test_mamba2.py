@@ -67,32 +67,46 @@ def test_mamba2_layer_is_the_ssd_recurrence(T):
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
 
 
-def test_natsl_state_branch_is_the_ssd_with_the_write_mask():
-    """The linear branch of NAtS-L on a Mamba2 state: the layer's q, k, v read as C, B, x (no L2 norm),
-    written with v dt and decayed by A dt; a dropped block decays the committed state but adds nothing."""
-    config = tiny_config(base_layer="natsl", natsl_layers=[], natsl_state="mamba2")
+def l2(x):
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+@pytest.mark.parametrize("l2_heads, skip", [(True, False), (False, True)])
+def test_natsl_state_branch_is_the_ssd_with_the_write_mask(l2_heads, skip):
+    """The linear branch of NAtS-L on a Mamba2 state: the layer's q, k, v read as C, B, x, written with
+    v dt and decayed by A dt; a dropped block decays the committed state but adds nothing. Default (the
+    authors' natsl_attn_mamba2): q, k L2-normalised per head, no D; the other form: unnormalised, + D v."""
+    config = tiny_config(base_layer="natsl", natsl_layers=[], natsl_state="mamba2", mamba2_state_l2=l2_heads,
+                         mamba2_state_skip=skip)
     torch.manual_seed(1)
     proj = Mamba2StateProjections(config).double()
-    assert not hasattr(proj, "b_proj") and proj.D.shape == (config.num_heads,)
+    assert not hasattr(proj, "b_proj") and (proj.D is not None) == skip
     T, C_ = 21, config.block_size
     x = torch.randn(1, T, config.hidden_size, dtype=torch.float64)
     write = torch.tensor([[[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]], dtype=torch.float64)  # [B, NB=3, H=2]
     with torch.no_grad():
+        if skip:
+            proj.D.uniform_(0.5, 1.5)
         q, k, v, g, dt, _ = proj(x)
         ql, kl, vl = proj.split_heads(q, k, v)
         o, _ = proj.rule(ql, kl, vl, g, dt, write, block_size=C_, backend="reference")
         got = proj.skip(o, vl)[0]
-        # by token: run each block from its committed state, then commit with the write mask
+        # by token, from the raw conv outputs: run each block from its committed state, then commit
+        h, K, V = config.num_heads, config.head_k_dim, config.head_v_dim
+        qh, kh, vh = q[0].view(T, h, K), k[0].view(T, h, K), v[0].view(T, h, V)
+        if l2_heads:
+            qh, kh = l2(qh), l2(kh)
         A = -proj.A_log.exp()
-        S = torch.zeros(2, config.head_k_dim, config.head_v_dim, dtype=torch.float64)
+        S = torch.zeros(h, K, V, dtype=torch.float64)
         outs = []
         for b0 in range(0, T, C_):
-            start, gamma = S.clone(), torch.ones(2, dtype=torch.float64)
+            start, gamma = S.clone(), torch.ones(h, dtype=torch.float64)
             for t in range(b0, min(b0 + C_, T)):
                 decay = torch.exp(dt[0, t] * A)
                 gamma = gamma * decay
-                S = decay[:, None, None] * S + dt[0, t][:, None, None] * kl[0, t][:, :, None] * vl[0, t][:, None, :]
-                outs.append(torch.einsum("hk,hkv->hv", ql[0, t], S) + proj.D[:, None] * vl[0, t])
+                S = decay[:, None, None] * S + dt[0, t][:, None, None] * kh[t][:, :, None] * vh[t][:, None, :]
+                out = torch.einsum("hk,hkv->hv", qh[t], S)
+                outs.append(out + proj.D[:, None] * vh[t] if skip else out)
             w = write[0, b0 // C_][:, None, None]
             S = gamma[:, None, None] * start + w * (S - gamma[:, None, None] * start)
     torch.testing.assert_close(got, torch.stack(outs), rtol=1e-10, atol=1e-12)
@@ -100,18 +114,30 @@ def test_natsl_state_branch_is_the_ssd_with_the_write_mask():
 
 def test_mamba2_init():
     torch.manual_seed(2)
-    config = tiny_config(base_layer="mamba2", natsl_layers=[1], natsl_state="mamba2", hidden_size=256)
+    config = tiny_config(base_layer="mamba2", natsl_layers=[1], natsl_state="mamba2", hidden_size=256,
+                         mamba2_state_skip=True)
     model = natsl.build_model(config)
-    for mixer in (model.layers[0].mixer, model.layers[1].mixer.proj):
+    for mixer, a_min in ((model.layers[0].mixer, 1.0), (model.layers[1].mixer.proj, 0.0)):
         A = mixer.A_log.exp()
         dt = F.softplus(mixer.dt_bias)
-        assert (A >= 1).all() and (A <= 16).all()  # A ~ U(1, 16), not GDN's U(0, 16)
+        # Mamba2 layers: A ~ U(1, 16); the NAtS-L state, as the authors' natsl_attn_mamba2: U(0, 16)
+        assert (A >= a_min).all() and (A <= 16).all()
         assert (dt >= 1e-3 * (1 - 1e-5)).all() and (dt <= 0.1 * (1 + 1e-5)).all()
         assert torch.equal(mixer.D, torch.ones_like(mixer.D))
         assert all(getattr(p, "_no_weight_decay", False) for p in (mixer.A_log, mixer.dt_bias, mixer.D))
     # log-uniform dt: its log spreads over [log 1e-3, log 0.1] (32 heads: the median lies mid-range)
     dt = F.softplus(model.layers[0].mixer.dt_bias.detach())
     assert abs(float(dt.log().median()) - (math.log(1e-3) + math.log(0.1)) / 2) < 1.0
+
+
+def test_mamba2_blocks_hold_no_mlp_unless_asked():
+    """The MLP rule: intermediate_size gives every block but a Mamba2 block its SwiGLU (the authors'
+    NAtS-L Mamba2 model); mamba2_mlp gives the Mamba2 blocks one too (natsl's first hybrids)."""
+    config = tiny_config(base_layer="mamba2", natsl_layers=[1], natsl_state="mamba2")
+    assert [b.mlp is None for b in natsl.build_model(config, device="meta").layers] == [True, False, True, True]
+    both = natsl.build_model(dataclasses.replace(config, mamba2_mlp=True), device="meta")
+    assert all(b.mlp is not None for b in both.layers)
+    assert both.layers[0].mlp.gate_proj.weight.shape == (config.intermediate_size, config.hidden_size)
 
 
 def write_tiny_recipe(path: Path, **model) -> Path:
@@ -123,7 +149,10 @@ def write_tiny_recipe(path: Path, **model) -> Path:
 
 
 TINY_SYSTEMS = {"mamba2": dict(base_layer="mamba2", natsl_layers=[], intermediate_size=0),
-                "natsl_mamba2": dict(base_layer="mamba2", natsl_layers=[1, 3], natsl_state="mamba2")}
+                "natsl_mamba2": dict(base_layer="mamba2", natsl_layers=[1, 3], natsl_state="mamba2"),
+                # the first form: unnormalised state q, k with D v, and an MLP in every block
+                "natsl_mamba2_ssd": dict(base_layer="mamba2", natsl_layers=[1, 3], natsl_state="mamba2",
+                                         mamba2_state_l2=False, mamba2_state_skip=True, mamba2_mlp=True)}
 
 
 @pytest.mark.parametrize("system", TINY_SYSTEMS)
@@ -148,7 +177,7 @@ def test_bench_latency_measures_a_tiny_mamba2_and_natsl_mamba2(tmp_path):
         "--device", "cpu", "--decode-tokens", "2", "--repeats", "1", "--out", str(tmp_path / "bench"), "--no-progress"])
     assert result.exit_code == 0, result.output + result.stderr
     models = json.loads((tmp_path / "bench" / "latency.json").read_text())["models"]
-    assert [m["name"] for m in models] == ["tiny_mamba2", "tiny_natsl_mamba2"]
+    assert [m["name"] for m in models] == ["tiny_mamba2", "tiny_natsl_mamba2", "tiny_natsl_mamba2_ssd"]
     for model in models:
         (point,) = model["points"]
         assert "error" not in point and point["prefill_s"] > 0 and point["decode_ms"] > 0
@@ -192,3 +221,25 @@ def test_inspect_routing_reports_natsl_on_mamba2_and_refuses_plain_mamba2(tmp_pa
     report = json.loads((tmp_path / "b" / "routing.json").read_text())
     assert report["natsl_layers"] == [1, 3]
     assert all(0.0 <= layer["keep_fraction"] <= 1.0 for layer in report["datasets"][0]["layers"])
+
+
+def test_a_checkpoint_older_than_the_authors_form_loads_as_the_model_it_was(tmp_path):
+    """A NAtS-L Mamba2 checkpoint written before mamba2_state_l2, mamba2_state_skip and mamba2_mlp existed
+    read its state unnormalised with D v and gave every block the MLP: it loads as that model."""
+    ckpt = save_tiny_checkpoint(tmp_path / "ckpt", "natsl_mamba2_ssd")
+    path = ckpt / "config.json"
+    config = json.loads(path.read_text())
+    for key in ("mamba2_state_l2", "mamba2_state_skip", "mamba2_mlp"):
+        del config["recipe"]["model"][key]
+    path.write_text(json.dumps(config))
+    model, _ = load_checkpoint(ckpt)
+    c = model.config
+    assert not c.mamba2_state_l2 and c.mamba2_state_skip and c.mamba2_mlp
+    assert model.layers[0].mlp is not None and model.layers[1].mixer.proj.D is not None
+    torch.manual_seed(5)
+    fresh = natsl.build_model(tiny_config(backend=None, block_size=16, **TINY_SYSTEMS["natsl_mamba2_ssd"]))
+    ids = torch.randint(0, c.vocab_size, (1, 40))
+    model.set_backend("chunked")
+    fresh.set_backend("chunked")
+    with torch.no_grad():
+        assert torch.equal(model(ids), fresh(ids))

@@ -1,7 +1,8 @@
 """`natsl convert`: a training checkpoint into a clean inference folder, and the import of the
 authors' released Hugging Face checkpoints (model type `neural_attention_search_linear_attn_gdn`,
-github.com/automl/NeuralAttentionSearchLinear, built on flash-linear-attention layers). Their NAtS-L
-on Mamba2 (model type `nats_mamba`) is refused with the reason (mamba2_refusal).
+github.com/automl/NeuralAttentionSearchLinear, built on flash-linear-attention layers), and of their NAtS-L
+on Mamba2 (model type `nats_mamba`: NAtS-L layers on a Mamba2 state beside flash-linear-attention's Mamba2
+blocks), except where its Mamba2 blocks have a conv bias or several B/C groups (hf_mamba2_recipe).
 
 Only safetensors are read; a checkpoint that ships only pickled weights (`pytorch_model.bin`) is
 refused rather than unpickled. The full name mapping and what it assumes is in docs/evaluation.md.
@@ -17,7 +18,7 @@ import torch
 from natsl.errors import NatslError
 
 HF_MODEL_TYPE = "neural_attention_search_linear_attn_gdn"
-# The authors' NAtS-L on Mamba2 (src/nats/models/natsl_attn_mamba2): refused, see mamba2_refusal.
+# The authors' NAtS-L on Mamba2 (src/nats/models/natsl_attn_mamba2): hf_mamba2_recipe.
 HF_MAMBA2_MODEL_TYPE = "nats_mamba"
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 # Tensors of the authors' format that natsl recomputes instead of storing.
@@ -74,27 +75,12 @@ def read_hf_config(folder: Path) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise NatslError(f"{str(path)!r} is not valid JSON") from None
     kind = config.get("model_type") if isinstance(config, dict) else None
-    if kind == HF_MAMBA2_MODEL_TYPE:
-        raise NatslError(mamba2_refusal(config))
-    if kind != HF_MODEL_TYPE:
+    if kind not in (HF_MODEL_TYPE, HF_MAMBA2_MODEL_TYPE):
         if isinstance(config, dict) and config.get("format") == "natsl":
             raise NatslError(f"{str(folder)!r} is already a natsl checkpoint; drop --from-hf")
-        raise NatslError(f"{str(folder)!r} has model type {kind!r}; --from-hf imports {HF_MODEL_TYPE!r} checkpoints only")
+        raise NatslError(f"{str(folder)!r} has model type {kind!r}; --from-hf imports {HF_MODEL_TYPE!r} and "
+                         f"{HF_MAMBA2_MODEL_TYPE!r} checkpoints only")
     return config
-
-
-def mamba2_refusal(config: dict) -> str:
-    """Why the authors' NAtS-L on Mamba2 cannot be a natsl model. Their layer (natsl_attn_mamba2.py) has the
-    GDN-based layer's tensors with a_proj alone, but its SSD branch computes another function than natsl's
-    Mamba2 state (natsl_state: mamba2): it L2-normalises the state's q and k (natsl reads them unnormalised,
-    as Mamba2's C and B) and adds no D v (natsl's D could be set to 0; the norm has no counterpart). Their
-    plain Mamba2 blocks (mamba_layers) also hold no MLP, while every natsl block of a model shares one."""
-    reasons = ["its NAtS-L layers L2-normalise the Mamba2 state's q and k, which natsl's Mamba2 state "
-               "(natsl_state: mamba2) reads unnormalised as Mamba2's C and B"]
-    if config.get("mamba_layers"):
-        reasons.append("its Mamba2 blocks have no MLP beside NAtS-L blocks with one")
-    return (f"cannot import this checkpoint: model type {HF_MAMBA2_MODEL_TYPE!r} (the authors' NAtS-L on Mamba2): "
-            f"{'; '.join(reasons)}; natsl has no equivalent")
 
 
 def read_hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -163,85 +149,58 @@ def _flag(key: str, value) -> bool:
     return value
 
 
+def _refuse(what: str) -> NatslError:
+    return NatslError(f"cannot import this checkpoint: {what}; natsl has no equivalent")
+
+
+# The config keys (and their defaults in the authors' config classes) that differ between their GDN-based
+# model and their NAtS-L on Mamba2; every other NAtS-L key is shared.
+GDN_KEYS = {"root": "model", "heads": ("num_heads", 6), "head_dim": ("head_dim", 256), "expand_v": 2.0,
+            "attn_heads": 12, "layers": 21, "rope": False, "decay": ("decay_for_non_gdn_blocks", True),
+            "conv": "conv_size", "linear_only": "gated_delta_net"}
+MAMBA2_KEYS = {"root": "backbone", "heads": ("num_mamba_heads", 8), "head_dim": ("head_dim_nats", 128),
+               "expand_v": 1.0, "attn_heads": 16, "layers": 24, "rope": True,
+               "decay": ("decay_for_non_mamba_blocks", False), "conv": "conv_kernel", "linear_only": "mamba"}
+
+
 def hf_recipe(config: dict, tensors: dict[str, torch.Tensor], name: str):
-    """The natsl Recipe that reproduces an authors' checkpoint, or a NatslError naming the setting
-    natsl cannot represent."""
+    """The natsl Recipe that reproduces an authors' checkpoint (either model type), or a NatslError
+    naming the setting natsl cannot represent."""
     from natsl.config import ModelConfig, Recipe
 
-    def refuse(what: str):
-        raise NatslError(f"cannot import this checkpoint: {what}; natsl has no equivalent")
-
-    num_heads = _int("num_heads", config.get("num_heads", 6))
-    head_dim = _int("head_dim", config.get("head_dim", 256))
-    expand_v = _number("expand_v", config.get("expand_v", 2.0))
-    head_v = int(round(head_dim * expand_v))
-    attn_heads = _int("num_attn_heads", config.get("num_attn_heads", 12))
-    layers = _int("num_hidden_layers", _get(config, "num_hidden_layers", default=21))
-    gdn_layers = config.get("gdn_layers") or []
-    if not isinstance(gdn_layers, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in gdn_layers):
-        raise _bad("gdn_layers", "a list of layer indices", gdn_layers)
-    if _get(config, "num_v_heads") not in (None, num_heads):
-        refuse(f"num_v_heads = {config['num_v_heads']} differs from num_heads = {num_heads} (grouped value heads)")
-    if _flag("allow_neg_eigval", config.get("allow_neg_eigval", False)):
-        refuse("allow_neg_eigval = true (beta in (0, 2))")
-    if not _flag("use_short_conv", config.get("use_short_conv", True)):
-        refuse("use_short_conv = false")
-    if _flag("conv_bias", config.get("conv_bias", False)):
-        refuse("conv_bias = true")
-    if not _flag("use_gate", config.get("use_gate", True)):
-        refuse("use_gate = false (no output gate)")
-    if _int("n_ops", config.get("n_ops", 2)) != 2:
-        refuse(f"n_ops = {config['n_ops']} (natsl routes between exactly two memories)")
-    if _get(config, "num_nats_head") not in (None, num_heads):
-        refuse(f"num_nats_head = {config['num_nats_head']} differs from num_heads = {num_heads}")
-    if config.get("nats_block_agg_type", "mean") != "mean":
-        refuse(f"nats_block_agg_type = {config['nats_block_agg_type']!r} (natsl routes on the block mean)")
-    if config.get("hidden_act", "swish") not in ("swish", "silu"):
-        refuse(f"hidden_act = {config['hidden_act']!r} (natsl's MLP is SwiGLU)")
-    if attn_heads % num_heads:
-        refuse(f"num_attn_heads = {attn_heads} is not a multiple of num_heads = {num_heads}")
-    natsl_indices = [i for i in range(layers) if i not in gdn_layers]
-    if natsl_indices:
-        first = f"model.layers.{natsl_indices[0]}.attn."
-        has_qk_norm = f"{first}q_norm.weight" in tensors
-        if not has_qk_norm or not _flag("attn_qk_norm", config.get("attn_qk_norm", has_qk_norm)):
-            refuse("attn_qk_norm = false (the softmax branch without RMSNorm on q and k)")
-        if not _flag("attn_with_short_conv", config.get("attn_with_short_conv", False)):
-            refuse("attn_with_short_conv = false (the softmax branch reads the projections before the conv)")
-    mlp = tensors.get("model.layers.0.mlp.gate_proj.weight")
+    mamba = config.get("model_type") == HF_MAMBA2_MODEL_TYPE
+    keys = MAMBA2_KEYS if mamba else GDN_KEYS
+    layers = _int("num_hidden_layers", _get(config, "num_hidden_layers", default=keys["layers"]))
+    other_key = "mamba_layers" if mamba else "gdn_layers"
+    others = config.get(other_key) or []
+    if not isinstance(others, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in others):
+        raise _bad(other_key, "a list of layer indices", others)
+    natsl_indices = [i for i in range(layers) if i not in others]
+    fields = _natsl_fields(config, tensors, keys, natsl_indices)
+    root = keys["root"]
+    # The MLP width from the first block that has one (the authors' Mamba2 blocks have none).
+    mlp = tensors.get(f"{root}.layers.{natsl_indices[0] if mamba and natsl_indices else 0}.mlp.gate_proj.weight")
     if mlp is not None:
         intermediate = int(mlp.shape[0])
     elif _get(config, "intermediate_size") is not None:
         intermediate = _int("intermediate_size", config["intermediate_size"])
+    elif mamba and not natsl_indices:
+        intermediate = 0
     else:
-        raise NatslError("cannot tell the MLP width: no model.layers.0.mlp.gate_proj.weight and no intermediate_size")
-    incomplete = config.get("ops_for_incomplete_chunks", "all")
-    intra_of = {"all": "both", "attn": "softmax", "gated_delta_net": "gdn"}
-    intra = intra_of.get(incomplete) if isinstance(incomplete, str) else None  # a list is unhashable
-    if intra is None:
-        refuse(f"ops_for_incomplete_chunks = {incomplete!r}")
-    weighted_key = "outputs_are_weighted" if _get(config, "outputs_are_weighted") is not None else "outputs_are_wighted"
-    weighted = _flag(weighted_key, config.get(weighted_key, True))  # the authors' configs misspell it
+        raise NatslError("cannot tell the MLP width: no mlp.gate_proj.weight and no intermediate_size")
+    if mamba:  # as their NAtS-L layer: L2-normalised state q, k, no D; MLPs in the NAtS-L blocks only
+        fields.update(_mamba2_fields(config, tensors, others), natsl_state="mamba2", mamba2_state_l2=True,
+                      mamba2_state_skip=False, mamba2_mlp=False)
+        fields.update(base_layer="mamba2", natsl_layers=natsl_indices) if others else fields.update(base_layer="natsl")
+    else:
+        fields.update(base_layer="natsl", gdn_layers=others)
     vocab = _int("vocab_size", config.get("vocab_size", 32000))
-    emb = tensors.get("model.embeddings.weight")
+    emb = tensors.get(f"{root}.embeddings.weight")
     if emb is not None and emb.shape[0] != vocab:
         vocab = int(emb.shape[0])
     model = ModelConfig(
         vocab_size=vocab, hidden_size=_int("hidden_size", config.get("hidden_size", 2048)),
-        intermediate_size=intermediate,
-        num_layers=layers, base_layer="natsl", gdn_layers=gdn_layers, num_heads=num_heads, head_k_dim=head_dim,
-        head_v_dim=head_v, conv_size=_int("conv_size", config.get("conv_size", 4)), attn_num_heads=attn_heads,
-        attn_head_dim=max(head_dim // (attn_heads // num_heads), 1),
-        rope_theta=_number("attn_rope_theta", _get(config, "attn_rope_theta", default=10000.0)),
-        softmax_heads_per_group=attn_heads // num_heads,
-        block_size=_int("nats_block_size", config.get("nats_block_size", 64)),
-        natsl_rope=_flag("attn_apply_pos_encoding", config.get("attn_apply_pos_encoding", False)),
-        intra_block_output=intra,
-        # The authors' layer defaults to decaying across skipped blocks; their current model code forwards
-        # this key to the layer (their first version did not: the default, true, applied), and their
-        # released configs set it true (docs/evaluation.md).
-        decay_skipped_blocks=_flag("decay_for_non_gdn_blocks", config.get("decay_for_non_gdn_blocks", True)),
-        branch_norm="separate", mix_input="q", mix_weights="softmax" if weighted else "none",
+        intermediate_size=intermediate, num_layers=layers, **fields,
         norm_eps=_number("norm_eps", config.get("norm_eps", 1e-6)),
         init_std=_number("initializer_range", config.get("initializer_range", 0.02)),
         tie_embeddings=_flag("tie_word_embeddings", config.get("tie_word_embeddings", False)))
@@ -252,20 +211,115 @@ def hf_recipe(config: dict, tensors: dict[str, torch.Tensor], name: str):
     return Recipe(name=name, model=model)
 
 
-def hf_name_map(recipe) -> dict[str, str]:
-    """natsl parameter name -> the authors' tensor name (the mixing weights also need a row swap)."""
+def _natsl_fields(config: dict, tensors: dict[str, torch.Tensor], keys: dict, natsl_indices: list[int]) -> dict:
+    """The ModelConfig fields of the authors' NAtS-L layers (GDN or Mamba2 state), after refusing every
+    setting natsl does not have."""
+    heads_key, head_dim_key = keys["heads"][0], keys["head_dim"][0]
+    num_heads = _int(heads_key, config.get(heads_key, keys["heads"][1]))
+    head_dim = _int(head_dim_key, config.get(head_dim_key, keys["head_dim"][1]))
+    head_v = int(round(head_dim * _number("expand_v", config.get("expand_v", keys["expand_v"]))))
+    attn_heads = _int("num_attn_heads", config.get("num_attn_heads", keys["attn_heads"]))
+    if _get(config, "num_v_heads") not in (None, num_heads):
+        raise _refuse(f"num_v_heads = {config['num_v_heads']} differs from {heads_key} = {num_heads} (grouped value heads)")
+    if _flag("allow_neg_eigval", config.get("allow_neg_eigval", False)):
+        raise _refuse("allow_neg_eigval = true (beta in (0, 2))")
+    if not _flag("use_short_conv", config.get("use_short_conv", True)):
+        raise _refuse("use_short_conv = false")
+    if _flag("conv_bias", config.get("conv_bias", False)):
+        raise _refuse("conv_bias = true")
+    if not _flag("use_gate", config.get("use_gate", True)):
+        raise _refuse("use_gate = false (no output gate)")
+    if _int("n_ops", config.get("n_ops", 2)) != 2:
+        raise _refuse(f"n_ops = {config['n_ops']} (natsl routes between exactly two memories)")
+    if _get(config, "num_nats_head") not in (None, num_heads):
+        raise _refuse(f"num_nats_head = {config['num_nats_head']} differs from {heads_key} = {num_heads}")
+    if config.get("nats_block_agg_type", "mean") != "mean":
+        raise _refuse(f"nats_block_agg_type = {config['nats_block_agg_type']!r} (natsl routes on the block mean)")
+    if config.get("hidden_act", "swish") not in ("swish", "silu"):
+        raise _refuse(f"hidden_act = {config['hidden_act']!r} (natsl's MLP is SwiGLU)")
+    if attn_heads % num_heads:
+        raise _refuse(f"num_attn_heads = {attn_heads} is not a multiple of {heads_key} = {num_heads}")
+    if natsl_indices:
+        first = f"{keys['root']}.layers.{natsl_indices[0]}.attn."
+        has_qk_norm = f"{first}q_norm.weight" in tensors
+        if not has_qk_norm or not _flag("attn_qk_norm", config.get("attn_qk_norm", has_qk_norm)):
+            raise _refuse("attn_qk_norm = false (the softmax branch without RMSNorm on q and k)")
+        if not _flag("attn_with_short_conv", config.get("attn_with_short_conv", False)):
+            raise _refuse("attn_with_short_conv = false (the softmax branch reads the projections before the conv)")
+    incomplete = config.get("ops_for_incomplete_chunks", "all")
+    intra_of = {"all": "both", "attn": "softmax", keys["linear_only"]: "gdn"}
+    intra = intra_of.get(incomplete) if isinstance(incomplete, str) else None  # a list is unhashable
+    if intra is None:
+        raise _refuse(f"ops_for_incomplete_chunks = {incomplete!r}")
+    weighted_key = "outputs_are_weighted" if _get(config, "outputs_are_weighted") is not None else "outputs_are_wighted"
+    weighted = _flag(weighted_key, config.get(weighted_key, True))  # the authors' configs misspell it
+    decay_key, decay_default = keys["decay"]
+    conv_key = keys["conv"]
+    return dict(
+        num_heads=num_heads, head_k_dim=head_dim, head_v_dim=head_v, attn_num_heads=attn_heads,
+        conv_size=_int(conv_key, config.get(conv_key, 4)),
+        attn_head_dim=max(head_dim // (attn_heads // num_heads), 1),
+        rope_theta=_number("attn_rope_theta", _get(config, "attn_rope_theta", default=10000.0)),
+        softmax_heads_per_group=attn_heads // num_heads,
+        block_size=_int("nats_block_size", config.get("nats_block_size", 64)),
+        natsl_rope=_flag("attn_apply_pos_encoding", config.get("attn_apply_pos_encoding", keys["rope"])),
+        intra_block_output=intra,
+        # The GDN layer defaults to decaying across skipped blocks; the authors' current GDN model code forwards
+        # this key to the layer (their first version did not: the default, true, applied), and their released
+        # configs set it true. Their Mamba2 config defaults it to false (docs/evaluation.md).
+        decay_skipped_blocks=_flag(decay_key, config.get(decay_key, decay_default)),
+        branch_norm="separate", mix_input="q", mix_weights="softmax" if weighted else "none")
+
+
+def _mamba2_fields(config: dict, tensors: dict[str, torch.Tensor], mamba_layers: list[int]) -> dict:
+    """The ModelConfig fields of the authors' Mamba2 blocks (flash-linear-attention's Mamba2), after refusing
+    what natsl's Mamba2 layer computes otherwise."""
+    fields = dict(mamba2_head_dim=_int("head_dim", config.get("head_dim", 64)),
+                  mamba2_state_size=_int("state_size", config.get("state_size", 128)),
+                  mamba2_expand=_int("expand", config.get("expand", 2)),
+                  mamba2_groups=_int("n_groups", config.get("n_groups", 1)))
+    if not mamba_layers:
+        return fields
+    if f"backbone.layers.{mamba_layers[0]}.mixer.conv1d.bias" in tensors:
+        raise _refuse("its Mamba2 blocks' conv has a bias (use_conv_bias = true, their default), which natsl's "
+                      "short conv does not have")
+    if fields["mamba2_groups"] != 1:
+        raise _refuse(f"n_groups = {fields['mamba2_groups']} (their Mamba2 norms each B/C group's channels apart; "
+                      "natsl's gated norm spans all of them)")
+    if _flag("use_bias", config.get("use_bias", False)):
+        raise _refuse("use_bias = true (Mamba2's in_proj and out_proj with biases)")
+    if not _flag("rms_norm", config.get("rms_norm", True)):
+        raise _refuse("rms_norm = false (Mamba2 without its gated norm)")
+    if config.get("mamba_hidden_act", "silu") not in ("silu", "swish"):
+        raise _refuse(f"mamba_hidden_act = {config['mamba_hidden_act']!r} (natsl's Mamba2 conv is followed by SiLU)")
+    limit = config.get("time_step_limit", [0.0, float("inf")])
+    if not isinstance(limit, (list, tuple)) or len(limit) != 2 or limit[0] > 0 or limit[1] != float("inf"):
+        raise _refuse(f"time_step_limit = {limit!r} (natsl does not clamp Mamba2's dt)")
+    return fields
+
+
+def hf_name_map(recipe, root: str = "model") -> dict[str, str]:
+    """natsl parameter name -> the authors' tensor name (the mixing weights also need a row swap). `root`:
+    "model" (their GDN-based model) or "backbone" (their NAtS-L on Mamba2)."""
     cfg = recipe.model
-    names = {"embed.weight": "model.embeddings.weight", "norm.weight": "model.norm.weight"}
+    final = "norm_f" if root == "backbone" else "norm"
+    names = {"embed.weight": f"{root}.embeddings.weight", "norm.weight": f"{root}.{final}.weight"}
     if not cfg.tie_embeddings:
         names["lm_head.weight"] = "lm_head.weight"
     for i, kind in enumerate(cfg.layer_types()):
-        n, h = f"layers.{i}.", f"model.layers.{i}."
+        n, h = f"layers.{i}.", f"{root}.layers.{i}."
+        m, a = n + "mixer.", h + "attn."
+        if kind == "mamba2":  # flash-linear-attention's Mamba2 block: its norm and the mixer, no MLP
+            names[n + "mixer_norm.weight"] = h + "norm.weight"
+            for p in ("in_proj.weight", "conv.weight", "A_log", "dt_bias", "D", "norm.weight", "out_proj.weight"):
+                names[m + p] = h + "mixer." + p.replace("conv.", "conv1d.")
+            continue
         names[n + "mixer_norm.weight"] = h + "attn_norm.weight"
         names[n + "mlp_norm.weight"] = h + "mlp_norm.weight"
         for p in ("gate_proj", "up_proj", "down_proj"):
             names[f"{n}mlp.{p}.weight"] = f"{h}mlp.{p}.weight"
-        m, a = n + "mixer.", h + "attn."
-        for p in ("q_proj", "k_proj", "v_proj", "a_proj", "b_proj"):
+        gates = ("a_proj",) if cfg.natsl_state == "mamba2" and kind == "natsl" else ("a_proj", "b_proj")
+        for p in ("q_proj", "k_proj", "v_proj", *gates):
             names[f"{m}proj.{p}.weight"] = f"{a}{p}.weight"
         for p in ("q", "k", "v"):
             names[f"{m}proj.{p}_conv.weight"] = f"{a}{p}_conv1d.weight"
@@ -279,7 +333,7 @@ def hf_name_map(recipe) -> dict[str, str]:
             names[m + "router.weight"] = a + "nats_layer.weight"
             names[m + "q_norm.weight"] = a + "q_norm.weight"
             names[m + "k_norm.weight"] = a + "k_norm.weight"
-            # FusedMultiInputRMSNormGated(x1 = GDN output, x2 = softmax output): weight1, weight2.
+            # FusedMultiInputRMSNormGated(x1 = linear-memory output, x2 = softmax output): weight1, weight2.
             names[m + "la_norm.weight"] = a + "o_norm.weight1"
             names[m + "nla_norm.weight"] = a + "o_norm.weight2"
             if cfg.mix_weights != "none":
@@ -302,7 +356,7 @@ def hf_state_dict(recipe, tensors: dict[str, torch.Tensor]) -> dict[str, torch.T
     from natsl.models import build_model
 
     shapes = {k: tuple(v.shape) for k, v in build_model(recipe, device="meta").state_dict().items()}
-    names = hf_name_map(recipe)
+    names = hf_name_map(recipe, root="backbone" if recipe.model.natsl_state == "mamba2" else "model")
     missing_src = [h for n, h in names.items() if h not in tensors]
     if missing_src:
         raise NatslError(f"the checkpoint lacks {len(missing_src)} tensor(s) its config implies, e.g. {missing_src[:3]}; "
@@ -337,7 +391,7 @@ def import_hf(src, out, dtype: torch.dtype | None = None, tokenizer_path=None) -
     tensors = read_hf_tensors(folder)
     recipe = hf_recipe(config, tensors, name=f"hf-{folder.resolve().name}")
     state = hf_state_dict(recipe, tensors)
-    return write_imported(folder, out, recipe, state, dtype, tokenizer_path, HF_MODEL_TYPE)
+    return write_imported(folder, out, recipe, state, dtype, tokenizer_path, config["model_type"])
 
 
 def _hf_adds_bos(folder: Path) -> bool:

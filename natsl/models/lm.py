@@ -1,5 +1,5 @@
 """The causal language model: embeddings, pre-RMSNorm blocks (mixer + SwiGLU, or the mixer alone where
-intermediate_size is 0, as Mamba2's stack), final norm, head."""
+intermediate_size is 0 and in Mamba2 blocks unless mamba2_mlp, as Mamba2's stack), final norm, head."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ class Block(nn.Module):
         self.mixer_norm = RMSNorm(config.hidden_size, config.norm_eps, device=device, autocast_output=True)
         self.mixer = MIXERS[layer_type](config, device=device)
         self.mlp_norm = self.mlp = None
-        if config.intermediate_size:
+        if has_mlp(config, layer_type):
             self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps, device=device, autocast_output=True)
             self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, device=device)
 
@@ -57,6 +57,12 @@ class Block(nn.Module):
             return x, self.mixer(normed, cache=cache)
         x, normed = add_then_norm(x, self.mixer(normed, cache=cache), self.mlp_norm)
         return x, self.mlp(normed)
+
+
+def has_mlp(config: ModelConfig, layer_type: str) -> bool:
+    """Whether a block of `layer_type` carries the SwiGLU: every block where intermediate_size > 0, but a
+    Mamba2 block only with mamba2_mlp (Mamba2's stack and the authors' NAtS-L Mamba2 model have none)."""
+    return config.intermediate_size > 0 and (layer_type != "mamba2" or config.mamba2_mlp)
 
 
 def add_then_norm(x: torch.Tensor, residual, norm: RMSNorm):

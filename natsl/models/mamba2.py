@@ -107,24 +107,28 @@ class Mamba2StateProjections(GatedDeltaProjections):
     """A NAtS-L layer's projections with a Mamba2 (SSD) state in place of the GDN state: the same q, k,
     v (conv + SiLU, H heads of K and V, cut into the softmax heads as before) read as Mamba2's C, B and
     x; one H-wide projection a gives dt = softplus(a + dt_bias) and the decay g = -exp(A_log) dt (no
-    beta); the state is written with v dt, read unscaled from unnormalised q and k, and D v is added
-    to its output. The block write mask and commit are gated_delta_rule's (natsl.ops.gated_linear_rule)."""
+    beta); the state is written with v dt and read unscaled. As the authors' natsl_attn_mamba2 (the
+    default), q and k are L2-normalised per head (the GDN state's `split_heads`) and nothing is added to
+    the read; `mamba2_state_l2: false` reads them unnormalised, as Mamba2's C and B, and
+    `mamba2_state_skip: true` adds D v. The block write mask and commit are gated_delta_rule's
+    (natsl.ops.gated_linear_rule). A ~ U(0, 16) as the authors' layer (GDN's range, not Mamba2's)."""
 
     gate_names = ("a_proj",)
     merge_groups = {"qkvab": ("q_proj", "k_proj", "v_proj", "a_proj")}  # see natsl.models.merged
-    a_min = MAMBA2_A_MIN
     scale = SSD_SCALE
-    l2_heads = False
     fused_decode = False
 
     def __init__(self, config: ModelConfig, device=None):
         super().__init__(config, device=device)
-        self.D = nn.Parameter(torch.ones(self.num_heads, device=device))
-        self.D._no_weight_decay = True
+        self.l2_heads = config.mamba2_state_l2
+        self.D = None
+        if config.mamba2_state_skip:
+            self.D = nn.Parameter(torch.ones(self.num_heads, device=device))
+            self.D._no_weight_decay = True
 
     def reset_parameters(self) -> None:
         super().reset_parameters()
-        if hasattr(self, "D"):  # the base class's __init__ resets before D exists
+        if getattr(self, "D", None) is not None:  # the base class's __init__ resets before D exists
             with torch.no_grad():
                 self.D.fill_(1.0)
 
@@ -139,4 +143,4 @@ class Mamba2StateProjections(GatedDeltaProjections):
         return gla_token_step(state, q, k, step_values(v, dt), g, scale=self.scale)
 
     def skip(self, o: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return add_skip(o, v, self.D)
+        return o if self.D is None else add_skip(o, v, self.D)

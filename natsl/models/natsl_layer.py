@@ -13,8 +13,8 @@ branch_norm, mix_input, mix_weights, block_size.
 
 `natsl_state: mamba2` puts a Mamba2 (SSD) state in the GDN branch's place (the authors'
 `natsl_attn_mamba2`): the projections (natsl.models.mamba2.Mamba2StateProjections) bring the op
-(gated_linear_rule on q, k, v dt with decay A dt and the same write mask) and the D skip; the router,
-the softmax branch and the mixing are the same.
+(gated_linear_rule on L2-normalised q, k and v dt with decay A dt and the same write mask; optionally
+unnormalised q, k and a D skip); the router, the softmax branch and the mixing are the same.
 
 Incremental inference (docs/spec.md section 4: prefill and decode from a NAtSLCache) is
 `forward(x, cache=...)`, in natsl/models/natsl_cached.py beside the cache.
