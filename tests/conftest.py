@@ -49,3 +49,15 @@ def use_switches():
 
     with contextlib.ExitStack() as stack:
         yield lambda **changes: stack.enter_context(switches.override(**changes))
+
+
+@pytest.fixture(autouse=True)
+def fresh_twins():
+    """natsl.ops.twin remembers the functions it loads; forget them after each test, so that a test that
+    patched a kernel module's function cannot leave its stand-in remembered for the tests after it."""
+    yield
+    import sys
+
+    ops = sys.modules.get("natsl.ops")
+    if ops is not None:
+        ops._LOADED.clear()
