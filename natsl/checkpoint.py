@@ -202,10 +202,12 @@ def read_config(folder: Path) -> dict:
 
 TRAINING_ONLY_MODEL_FIELDS = {"router_noise": 0.0, "router_balance": 0.0, "router_target_keep": 0.5}
 # Model fields added with the Mamba2 layers: checkpoints from before have neither Mamba2 layers nor a
-# NAtS-L layer on a Mamba2 state, which these values reproduce. The last three came later: the Mamba2
-# checkpoints from before them read the state unnormalised with D v and gave every block the MLP.
+# NAtS-L layer on a Mamba2 state, which these values reproduce. The last four came later: the Mamba2
+# checkpoints from before them read the state unnormalised with D v, gave every block the MLP and had no
+# conv bias.
 MAMBA2_MODEL_FIELDS = {"natsl_state": "gdn", "mamba2_head_dim": 64, "mamba2_state_size": 128, "mamba2_expand": 2,
-                       "mamba2_groups": 1, "mamba2_state_l2": False, "mamba2_state_skip": True, "mamba2_mlp": True}
+                       "mamba2_groups": 1, "mamba2_state_l2": False, "mamba2_state_skip": True, "mamba2_mlp": True,
+                       "mamba2_conv_bias": False}
 # Model fields added after checkpoints existed, with the value every earlier checkpoint was trained
 # with (attn_window: full causal attention, the only attention there was; the NSA fields: no NSA layers,
 # the rest at their defaults, which such a model never reads).

@@ -80,6 +80,10 @@ class ModelConfig:
     mamba2_state_size: int = 128
     mamba2_expand: int = 2
     mamba2_groups: int = 1
+    # Whether the Mamba2 layers' short conv adds a bias before its SiLU (mamba_ssm's and the authors'
+    # default, use_conv_bias; natsl's recipes have none). A biased conv runs the PyTorch formula on every
+    # path (the Triton conv kernels take no bias).
+    mamba2_conv_bias: bool = False
     # The Mamba2 state of a NAtS-L layer reads as the authors' natsl_attn_mamba2 by default: its q and k
     # L2-normalised per head (the GDN state's normalisation, same code) and no D v skip. False / True
     # give the plain SSD read (q, k as Mamba2's unnormalised C and B, plus D v), natsl's first form.

@@ -41,21 +41,26 @@ def ssd_by_token(C, B, x, dt, A, D):
     return torch.stack(ys)
 
 
+@pytest.mark.parametrize("conv_bias", [False, True])
 @pytest.mark.parametrize("T", [1, 7, 19])
-def test_mamba2_layer_is_the_ssd_recurrence(T):
-    config = tiny_config(base_layer="mamba2", natsl_layers=[], intermediate_size=0)
+def test_mamba2_layer_is_the_ssd_recurrence(T, conv_bias):
+    config = tiny_config(base_layer="mamba2", natsl_layers=[], intermediate_size=0, mamba2_conv_bias=conv_bias)
     torch.manual_seed(0)
     layer = Mamba2(config).double()
+    assert (layer.conv.bias is not None) == conv_bias
+    bias = torch.zeros(layer.conv_dim, dtype=torch.float64)
     with torch.no_grad():
         layer.D.uniform_(0.5, 1.5)  # not all ones, so a D that multiplies the wrong thing shows
         layer.norm.weight.uniform_(0.5, 1.5)
+        if conv_bias:  # off its zero init, so a bias left out (or added after the SiLU) shows
+            bias = layer.conv.bias.uniform_(-1.0, 1.0).clone()
     x = torch.randn(1, T, config.hidden_size, dtype=torch.float64)
     with torch.no_grad():
         got = layer(x)[0]
         z, xbc, a = layer.in_proj(x[0]).split([layer.inner, layer.conv_dim, layer.num_heads], dim=-1)
         pad = torch.cat([xbc.new_zeros(config.conv_size - 1, layer.conv_dim), xbc])
         w = layer.conv.weight[:, 0]  # [channels, width]: y_t = sum_j w_j x_{t - width + 1 + j}
-        xbc = F.silu(torch.stack([(pad[t:t + config.conv_size].T * w).sum(-1) for t in range(T)]))
+        xbc = F.silu(torch.stack([(pad[t:t + config.conv_size].T * w).sum(-1) + bias for t in range(T)]))
         xs, B, C = xbc.split([layer.inner, 2 * 8, 2 * 8], dim=-1)
         B = B.view(T, 2, 8).repeat_interleave(4, dim=1)  # group g serves heads 4g .. 4g+3
         C = C.view(T, 2, 8).repeat_interleave(4, dim=1)
@@ -65,6 +70,55 @@ def test_mamba2_layer_is_the_ssd_recurrence(T):
         expected = layer.out_proj(gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + config.norm_eps)
                                   * layer.norm.weight)
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["reference", "chunked"])
+def test_mamba2_with_a_conv_bias_decodes_as_it_trains(backend):
+    """Prefill (one chunk, then several) + token-by-token decode of a Mamba2 hybrid whose Mamba2 convs
+    have a bias = the full forward: the bias reaches every cached conv (chunk and step)."""
+    config = tiny_config(base_layer="mamba2", natsl_layers=[1], natsl_state="mamba2", mamba2_conv_bias=True,
+                         backend=backend)
+    torch.manual_seed(3)
+    model = natsl.build_model(config).double().eval()
+    with torch.no_grad():
+        for block in model.layers:
+            if block.layer_type == "mamba2":
+                block.mixer.conv.bias.uniform_(-1.0, 1.0)
+    ids = torch.randint(0, config.vocab_size, (2, 30), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        full = model(ids)
+        for chunks in ([11], [3, 8, 20]):
+            cache = model.new_cache(2, max_len=30)
+            parts, start = [], 0
+            for end in chunks:
+                parts.append(model(ids[:, start:end], cache=cache))
+                start = end
+            parts += [model(ids[:, t:t + 1], cache=cache) for t in range(start, 30)]
+            torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=1e-7, atol=1e-7)
+
+
+def test_a_biased_conv_never_reaches_the_triton_kernels(monkeypatch):
+    """natsl.ops.short_conv sends a call with a bias to the reference formula on the fast backend too,
+    full sequence and cached chunk (fused) alike; the kernels take no bias."""
+    from natsl.ops import short_conv as door
+    from natsl.reference.short_conv import short_conv_silu
+
+    def no_twin(*args, **kwargs):
+        raise AssertionError("a biased conv reached a fast twin")
+
+    monkeypatch.setattr(door, "twin", no_twin)
+    monkeypatch.setattr(door, "resolve_backend", lambda backend, device: "fast")
+    g = torch.Generator().manual_seed(5)
+    x, w, b, tail = (torch.randn(*shape, generator=g, dtype=torch.float64) for shape in ((2, 6, 5), (5, 1, 4), (5,),
+                                                                                       (2, 3, 5)))
+    with torch.no_grad():
+        got = door.short_conv_silu(x, w, bias=b, backend="fast")
+        cached = door.short_conv_silu(x, w, tail, bias=b, backend="fast", fused=True)
+    # against PyTorch's biased depthwise conv over the inputs before x (zeros, then the tail) and x
+    for before, y in ((x.new_zeros(2, 3, 5), got), (tail, cached)):
+        conv = F.conv1d(torch.cat([before, x], 1).transpose(1, 2), w, b, groups=5).transpose(1, 2)
+        torch.testing.assert_close(y, F.silu(conv))
+    assert not torch.allclose(got, short_conv_silu(x, w))  # the bias matters here
 
 
 def l2(x):
@@ -224,18 +278,20 @@ def test_inspect_routing_reports_natsl_on_mamba2_and_refuses_plain_mamba2(tmp_pa
 
 
 def test_a_checkpoint_older_than_the_authors_form_loads_as_the_model_it_was(tmp_path):
-    """A NAtS-L Mamba2 checkpoint written before mamba2_state_l2, mamba2_state_skip and mamba2_mlp existed
-    read its state unnormalised with D v and gave every block the MLP: it loads as that model."""
+    """A NAtS-L Mamba2 checkpoint written before mamba2_state_l2, mamba2_state_skip, mamba2_mlp and
+    mamba2_conv_bias existed read its state unnormalised with D v, gave every block the MLP and its Mamba2
+    convs no bias: it loads as that model."""
     ckpt = save_tiny_checkpoint(tmp_path / "ckpt", "natsl_mamba2_ssd")
     path = ckpt / "config.json"
     config = json.loads(path.read_text())
-    for key in ("mamba2_state_l2", "mamba2_state_skip", "mamba2_mlp"):
+    for key in ("mamba2_state_l2", "mamba2_state_skip", "mamba2_mlp", "mamba2_conv_bias"):
         del config["recipe"]["model"][key]
     path.write_text(json.dumps(config))
     model, _ = load_checkpoint(ckpt)
     c = model.config
-    assert not c.mamba2_state_l2 and c.mamba2_state_skip and c.mamba2_mlp
+    assert not c.mamba2_state_l2 and c.mamba2_state_skip and c.mamba2_mlp and not c.mamba2_conv_bias
     assert model.layers[0].mlp is not None and model.layers[1].mixer.proj.D is not None
+    assert model.layers[0].mixer.conv.bias is None
     torch.manual_seed(5)
     fresh = natsl.build_model(tiny_config(backend=None, block_size=16, **TINY_SYSTEMS["natsl_mamba2_ssd"]))
     ids = torch.randint(0, c.vocab_size, (1, 40))

@@ -2,7 +2,8 @@
 authors' released Hugging Face checkpoints (model type `neural_attention_search_linear_attn_gdn`,
 github.com/automl/NeuralAttentionSearchLinear, built on flash-linear-attention layers), and of their NAtS-L
 on Mamba2 (model type `nats_mamba`: NAtS-L layers on a Mamba2 state beside flash-linear-attention's Mamba2
-blocks), except where its Mamba2 blocks have a conv bias or several B/C groups (hf_mamba2_recipe).
+blocks), except where its Mamba2 blocks have several B/C groups (hf_mamba2_recipe); their conv bias (the
+default, use_conv_bias) maps to natsl's mamba2_conv_bias.
 
 Only safetensors are read; a checkpoint that ships only pickled weights (`pytorch_model.bin`) is
 refused rather than unpickled. The full name mapping and what it assumes is in docs/evaluation.md.
@@ -189,7 +190,7 @@ def hf_recipe(config: dict, tensors: dict[str, torch.Tensor], name: str):
     else:
         raise NatslError("cannot tell the MLP width: no mlp.gate_proj.weight and no intermediate_size")
     if mamba:  # as their NAtS-L layer: L2-normalised state q, k, no D; MLPs in the NAtS-L blocks only
-        fields.update(_mamba2_fields(config, tensors, others), natsl_state="mamba2", mamba2_state_l2=True,
+        fields.update(_mamba2_fields(config, others), natsl_state="mamba2", mamba2_state_l2=True,
                       mamba2_state_skip=False, mamba2_mlp=False)
         fields.update(base_layer="mamba2", natsl_layers=natsl_indices) if others else fields.update(base_layer="natsl")
     else:
@@ -271,18 +272,17 @@ def _natsl_fields(config: dict, tensors: dict[str, torch.Tensor], keys: dict, na
         branch_norm="separate", mix_input="q", mix_weights="softmax" if weighted else "none")
 
 
-def _mamba2_fields(config: dict, tensors: dict[str, torch.Tensor], mamba_layers: list[int]) -> dict:
+def _mamba2_fields(config: dict, mamba_layers: list[int]) -> dict:
     """The ModelConfig fields of the authors' Mamba2 blocks (flash-linear-attention's Mamba2), after refusing
     what natsl's Mamba2 layer computes otherwise."""
     fields = dict(mamba2_head_dim=_int("head_dim", config.get("head_dim", 64)),
                   mamba2_state_size=_int("state_size", config.get("state_size", 128)),
                   mamba2_expand=_int("expand", config.get("expand", 2)),
-                  mamba2_groups=_int("n_groups", config.get("n_groups", 1)))
+                  mamba2_groups=_int("n_groups", config.get("n_groups", 1)),
+                  # their config's default, true (mamba_ssm's): a conv bias in every Mamba2 block
+                  mamba2_conv_bias=_flag("use_conv_bias", config.get("use_conv_bias", True)) and bool(mamba_layers))
     if not mamba_layers:
         return fields
-    if f"backbone.layers.{mamba_layers[0]}.mixer.conv1d.bias" in tensors:
-        raise _refuse("its Mamba2 blocks' conv has a bias (use_conv_bias = true, their default), which natsl's "
-                      "short conv does not have")
     if fields["mamba2_groups"] != 1:
         raise _refuse(f"n_groups = {fields['mamba2_groups']} (their Mamba2 norms each B/C group's channels apart; "
                       "natsl's gated norm spans all of them)")
@@ -311,7 +311,8 @@ def hf_name_map(recipe, root: str = "model") -> dict[str, str]:
         m, a = n + "mixer.", h + "attn."
         if kind == "mamba2":  # flash-linear-attention's Mamba2 block: its norm and the mixer, no MLP
             names[n + "mixer_norm.weight"] = h + "norm.weight"
-            for p in ("in_proj.weight", "conv.weight", "A_log", "dt_bias", "D", "norm.weight", "out_proj.weight"):
+            conv = ("conv.weight", "conv.bias") if cfg.mamba2_conv_bias else ("conv.weight",)
+            for p in ("in_proj.weight", *conv, "A_log", "dt_bias", "D", "norm.weight", "out_proj.weight"):
                 names[m + p] = h + "mixer." + p.replace("conv.", "conv1d.")
             continue
         names[n + "mixer_norm.weight"] = h + "attn_norm.weight"

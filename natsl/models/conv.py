@@ -1,4 +1,5 @@
-"""Causal depthwise short convolution (kernel 4, no bias) followed by SiLU, as in Gated DeltaNet.
+"""Causal depthwise short convolution (kernel 4, no bias but in Mamba2 with mamba2_conv_bias) followed by
+SiLU, as in Gated DeltaNet.
 
 The layer takes an optional `tail`, the last `kernel - 1` inputs before `x`, so that prefill and
 token-by-token decoding compute exactly what the full-sequence forward computes. On the fast
@@ -17,11 +18,15 @@ from natsl.ops import short_conv
 
 
 class ShortConv(nn.Module):
-    def __init__(self, channels: int, kernel_size: int = 4, device=None, backend: str | None = None):
+    def __init__(self, channels: int, kernel_size: int = 4, device=None, backend: str | None = None,
+                 bias: bool = False):
         super().__init__()
         self.kernel_size = kernel_size
         self.backend = backend  # the model's set_backend sets it with the layers' ops
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size, device=device))
+        # Only Mamba2's conv may have a bias (mamba2_conv_bias); a biased conv runs the reference formula
+        # on every path (natsl.ops.short_conv), never the Triton kernels.
+        self.bias = nn.Parameter(torch.empty(channels, device=device)) if bias else None
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -30,6 +35,8 @@ class ShortConv(nn.Module):
         # normal_(0, initializer_range)); natsl used PyTorch's Conv1d default (kaiming-uniform over a
         # fan-in of kernel_size, ~10x wider) before, which is not what the paper trained.
         nn.init.normal_(self.weight, mean=0.0, std=std)
+        if self.bias is not None:  # zeros, as flash-linear-attention's _init_weights sets a Conv1d's bias
+            nn.init.zeros_(self.bias)
 
     def forward(self, x: torch.Tensor, tail: torch.Tensor | None = None, fused: bool = False,
                 valid: torch.Tensor | None = None):
@@ -38,7 +45,7 @@ class ShortConv(nn.Module):
         `fused` (cached prefill): the Triton kernel natsl.fast.cached.conv_chunk, where no gradient is
         wanted (it has no backward). `valid`: a padded prefill call's prompt length (the new tail
         ends there; natsl.models.pointwise.conv_tail)."""
-        y = short_conv.short_conv_silu(x, self.weight, tail, backend=self.backend, fused=fused)
+        y = short_conv.short_conv_silu(x, self.weight, tail, bias=self.bias, backend=self.backend, fused=fused)
         return y, None if tail is None else conv_tail(x, tail, valid)
 
 

@@ -2,7 +2,7 @@
 `Mamba2`), and the Mamba2 state that a NAtS-L layer can carry instead of the GDN state.
 
     x --in_proj--> z [d_in], xBC [d_in + 2 G N], a [H]           d_in = expand * d, H = d_in / P
-    x, B, C = SiLU(short causal conv(xBC))                         one depthwise conv over x|B|C
+    x, B, C = SiLU(short causal conv(xBC) [+ b])                   one depthwise conv over x|B|C (b: mamba2_conv_bias)
     dt = softplus(a + dt_bias), A = -exp(A_log)                   per head, fp32
     y = SSD(q=C, k=B, v=x dt, g=A dt, scale 1) + D x               natsl.ops.gated_linear_rule, groups -> heads
     out = out_proj(RMSNorm(y * silu(z)))                           the gate before the norm, over all of d_in
@@ -53,10 +53,12 @@ class Mamba2(nn.Module):
         self.head_dim, self.state_size, self.groups = config.mamba2_head_dim, config.mamba2_state_size, config.mamba2_groups
         self.num_heads = self.inner // self.head_dim
         self.conv_dim = self.inner + 2 * self.groups * self.state_size
-        # No biases: mamba_ssm's and FLA's Mamba2 default (use_bias=False). Unlike them the conv has no
-        # bias either (natsl's short conv has none; 0.02% of the 800M model).
+        # No projection biases: mamba_ssm's and FLA's Mamba2 default (use_bias=False). The conv bias, their
+        # default (use_conv_bias=True), only with mamba2_conv_bias (natsl's recipes have none; 0.02% of the
+        # 800M model): a biased conv runs the PyTorch formula (natsl.ops.short_conv), not the Triton kernels.
         self.in_proj = Linear(d, self.inner + self.conv_dim + self.num_heads, bias=False, device=device)
-        self.conv = ShortConv(self.conv_dim, config.conv_size, device=device, backend=config.backend)
+        self.conv = ShortConv(self.conv_dim, config.conv_size, device=device, backend=config.backend,
+                              bias=config.mamba2_conv_bias)
         self.A_log = nn.Parameter(torch.empty(self.num_heads, device=device))
         self.dt_bias = nn.Parameter(torch.empty(self.num_heads, device=device))
         self.D = nn.Parameter(torch.empty(self.num_heads, device=device))

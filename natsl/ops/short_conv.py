@@ -18,16 +18,24 @@ from natsl.reference import short_conv as reference
 # The reference twin through torch.compile on CUDA tensors (natsl.ops.compiled): the models' conv
 # wherever the fast twin does not run; natsl.models.pointwise.conv_silu is this object.
 compiled_reference = pointwise(reference.short_conv_silu)
+# With a bias (Mamba2's conv with mamba2_conv_bias): no twin, the reference formula compiled likewise.
+compiled_biased = pointwise(reference.short_conv_bias_silu)
 
 
 def short_conv_silu(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor] = None, *,
-                    backend: str | None = None, fused: bool = False) -> torch.Tensor:
-    """SiLU(causal depthwise conv(x)): x [B, T, C], weight [C, 1, W], tail [B, W-1, C] (the inputs
-    before x) or None (zeros) -> [B, T, C] in x's dtype.
+                    bias: Optional[torch.Tensor] = None, backend: str | None = None,
+                    fused: bool = False) -> torch.Tensor:
+    """SiLU(causal depthwise conv(x) + bias): x [B, T, C], weight [C, 1, W], tail [B, W-1, C] (the inputs
+    before x) or None (zeros), bias [C] or None (none) -> [B, T, C] in x's dtype.
 
-    Without a tail (the full sequence) on the fast twin where `backend` resolves to fast, forward and
+    With a bias on `compiled_biased` on every backend and path (the Triton kernels take none). Without:
+    without a tail (the full sequence) on the fast twin where `backend` resolves to fast, forward and
     backward; with a tail (a cached chunk) on its forward kernel (`conv_chunk`) where `fused`
     (natsl.ops.fused.enabled) and no gradient is wanted; elsewhere on `compiled_reference`."""
+    if bias is not None:
+        if tail is None:
+            tail = x.new_zeros(x.shape[0], weight.shape[-1] - 1, x.shape[2])
+        return compiled_biased(x, weight, bias, tail)
     if tail is None:
         if resolve_backend(backend, x.device) == "fast":
             import natsl.fast.short_conv  # noqa: F401  (an import statement: see `twin`)
