@@ -191,8 +191,10 @@ def test_hf_import_refusals(authors_checkpoint, tmp_path):
 
 # ------------------------------------------------------------- the authors' NAtS-L on Mamba2 (nats_mamba)
 
+# Their default: Mamba2 blocks with a conv bias (use_conv_bias, absent from the config below: their default).
 MAMBA2_HYBRID = ["model.base_layer=mamba2", "model.natsl_state=mamba2", "model.natsl_rope=true",
-                 "model.mamba2_head_dim=16", "model.mamba2_state_size=8", "model.block_size=16"]
+                 "model.mamba2_head_dim=16", "model.mamba2_state_size=8", "model.block_size=16",
+                 "model.mamba2_conv_bias=true"]
 
 
 def authors_mamba2_config(recipe):
@@ -207,10 +209,10 @@ def authors_mamba2_config(recipe):
         "attn_apply_pos_encoding": m.natsl_rope, "attn_rope_theta": m.rope_theta, "head_dim": m.mamba2_head_dim,
         "vocab_size": m.vocab_size, "hidden_size": m.hidden_size, "state_size": m.mamba2_state_size,
         "num_hidden_layers": m.num_layers, "norm_eps": m.norm_eps, "expand": m.mamba2_expand, "conv_kernel": 4,
-        "n_groups": m.mamba2_groups, "use_bias": False, "use_conv_bias": False, "mamba_hidden_act": "silu",
+        "n_groups": m.mamba2_groups, "use_bias": False, "mamba_hidden_act": "silu",
         "rms_norm": True, "time_step_limit": [0.0, float("inf")], "tie_word_embeddings": False,
         "mamba_layers": [i for i, t in enumerate(m.layer_types()) if t == "mamba2"],
-    }  # decay_for_non_mamba_blocks is absent: their config's default, false
+    }  # decay_for_non_mamba_blocks and use_conv_bias are absent: their config's defaults, false and true
 
 
 def authors_mamba2_tensors(model):
@@ -225,7 +227,7 @@ def authors_mamba2_tensors(model):
             out[p + "norm.weight"] = block.mixer_norm.weight
             for name in ("in_proj.weight", "A_log", "D", "dt_bias", "norm.weight", "out_proj.weight"):
                 out[p + "mixer." + name] = mx.get_parameter(name)
-            out[p + "mixer.conv1d.weight"] = mx.conv.weight
+            out[p + "mixer.conv1d.weight"], out[p + "mixer.conv1d.bias"] = mx.conv.weight, mx.conv.bias
             continue
         out[p + "attn_norm.weight"] = block.mixer_norm.weight
         out[p + "mlp_norm.weight"] = block.mlp_norm.weight
@@ -263,6 +265,7 @@ def test_hf_import_of_the_authors_nats_mamba(authors_mamba2_checkpoint, tmp_path
     c = imported.config
     assert c.layer_types() == ["mamba2", "natsl", "mamba2", "natsl"] and c.natsl_state == "mamba2"
     assert c.mamba2_state_l2 and not c.mamba2_state_skip and not c.mamba2_mlp and not c.decay_skipped_blocks
+    assert c.mamba2_conv_bias and model.layers[0].mixer.conv.bias.abs().min() > 0  # their default, set off zero
     ids = torch.randint(0, 1024, (2, 70))  # five blocks of 16: routing, decay and both memories all matter
     assert torch.equal(logits(model, ids), logits(imported, ids))
     assert json.loads((tmp_path / "natsl" / "config.json").read_text())["source_model_type"] == "nats_mamba"
@@ -282,8 +285,15 @@ def test_hf_import_of_nats_mamba_refuses_what_natsl_computes_otherwise(authors_m
         assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1, r.output
         return r.stderr
 
-    bias = {**tensors, "backbone.layers.0.mixer.conv1d.bias": torch.zeros(tensors["backbone.layers.0.mixer.conv1d.weight"].shape[0])}
-    assert "conv has a bias" in refusal("conv_bias", cfg={**config, "use_conv_bias": True}, ts=bias)
+    # use_conv_bias = false: the biases have no place, and without them the config's model imports
+    assert "no place in natsl" in refusal("conv_bias", cfg={**config, "use_conv_bias": False})
+    plain = {k: v for k, v in tensors.items() if not k.endswith("conv1d.bias")}
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "config.json").write_text(json.dumps({**config, "use_conv_bias": False}))
+    save_file(plain, str(tmp_path / "plain" / "model.safetensors"))
+    assert run("convert", tmp_path / "plain", tmp_path / "plain-out", "--from-hf").exit_code == 0
+    assert not natsl.load_checkpoint(tmp_path / "plain-out")[0].config.mamba2_conv_bias
+    assert "n_groups" in refusal("groups", cfg={**config, "n_groups": 2})
     assert "time_step_limit" in refusal("dt_limit", cfg={**config, "time_step_limit": [0.001, 0.1]})
     # A D on the NAtS-L layer (natsl's first form) is not in their layer: no place for it.
     assert "no place in natsl" in refusal("state_d", ts={**tensors, "backbone.layers.1.attn.D": torch.ones(2)})
