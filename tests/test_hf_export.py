@@ -29,7 +29,8 @@ SYSTEMS = {
     "mamba2": [*TINY_MAMBA2, "model.base_layer=mamba2", "model.natsl_layers=[]", "model.intermediate_size=0"],
     "natsl_mamba2": [*TINY_MAMBA2, "model.base_layer=natsl", "model.natsl_layers=[]", "model.natsl_state=mamba2",
                      "model.natsl_rope=true"],
-    "hybrid_mamba2": [*TINY_MAMBA2, "model.base_layer=mamba2", "model.natsl_state=mamba2"],
+    # with the Mamba2 convs' bias (the authors' default)
+    "hybrid_mamba2": [*TINY_MAMBA2, "model.base_layer=mamba2", "model.natsl_state=mamba2", "model.mamba2_conv_bias=true"],
 }
 
 
@@ -46,6 +47,10 @@ def checkpoint(tmp_path, tok, system):
     recipe = apply_overrides(natsl.load_recipe("tiny_hybrid"), [f"model.vocab_size={VOCAB}", *SYSTEMS[system]])
     torch.manual_seed(0)
     model = natsl.build_model(recipe)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("conv.bias"):  # off its zero init, so a bias lost on the way shows in the logits
+                p.uniform_(-1.0, 1.0)
     save_model_folder(tmp_path / system, model, recipe, tok)
     model.set_backend("chunked")
     return model, tmp_path / system
@@ -170,7 +175,7 @@ def test_an_export_older_than_the_mamba2_fields_loads_as_the_model_it_was(tmp_pa
     path = tmp_path / "hf" / "config.json"
     config = json.loads(path.read_text())
     for key in ("attn_window", "natsl_state", "mamba2_head_dim", "mamba2_state_size", "mamba2_expand", "mamba2_groups",
-                "mamba2_state_l2", "mamba2_state_skip", "mamba2_mlp"):
+                "mamba2_state_l2", "mamba2_state_skip", "mamba2_mlp", "mamba2_conv_bias"):
         del config["natsl_recipe"]["model"][key]
     path.write_text(json.dumps(config))
     ids = torch.randint(0, VOCAB, (1, 90))
