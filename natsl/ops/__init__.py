@@ -67,6 +67,14 @@ def _check_route_grad(route_grad: str) -> None:
         raise NatslError(f"unknown route_grad {route_grad!r}: use 'active' or 'full'")
 
 
+def _state_rule(family: str, chosen: str):
+    """The function of a state op (gated_delta_rule, gated_linear_rule) on backend `chosen`: its fast
+    twin, its reference, or its chunk-parallel form (TWINS' `<family>_chunked`)."""
+    if chosen == "chunked":
+        return twin(family + "_chunked", fast=True)
+    return twin(family, fast=chosen == "fast")
+
+
 def gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -90,23 +98,14 @@ def gated_delta_rule(
     its block (decayed to its position), not the writes of its own block.
     """
     _check_route_grad(route_grad)
-    kwargs = dict(
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        block_size=block_size,
-        decay_skipped_blocks=decay_skipped_blocks,
-        route_grad=route_grad,
-    )
     # The intra-block ablation (Table 4) has no kernel: the fast twin hands it to the reference.
     chosen = resolve_backend(backend, q.device)
     if chosen == "fast":
         import natsl.fast.gated_delta.function  # noqa: F401  (an import statement: see `twin`)
-    if chosen == "chunked":
-        impl = twin("gated_delta_rule_chunked", fast=True)
-    else:
-        impl = twin("gated_delta_rule", fast=chosen == "fast")
-    return impl(q, k, v, g, beta, write, intra_block=intra_block, **kwargs)
+    return _state_rule("gated_delta_rule", chosen)(
+        q, k, v, g, beta, write, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        block_size=block_size, decay_skipped_blocks=decay_skipped_blocks, route_grad=route_grad,
+        intra_block=intra_block)
 
 
 def gated_linear_rule(
@@ -133,22 +132,13 @@ def gated_linear_rule(
     q = C, k = B, v = x dt, g = A dt and scale = 1.
     """
     _check_route_grad(route_grad)
-    kwargs = dict(
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        block_size=block_size,
-        decay_skipped_blocks=decay_skipped_blocks,
-        route_grad=route_grad,
-    )
     chosen = resolve_backend(backend, q.device)
     if chosen == "fast":
-        from natsl.fast import gated_linear_rule as impl
-    elif chosen == "chunked":
-        from natsl.reference.gated_linear_chunked import gated_linear_rule as impl
-    else:
-        from natsl.reference.gated_linear import gated_linear_rule as impl
-    return impl(q, k, v, g, write, intra_block=intra_block, **kwargs)
+        import natsl.fast.gated_linear.function  # noqa: F401  (an import statement: see `twin`)
+    return _state_rule("gated_linear_rule", chosen)(
+        q, k, v, g, write, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        block_size=block_size, decay_skipped_blocks=decay_skipped_blocks, route_grad=route_grad,
+        intra_block=intra_block)
 
 
 def routed_attention(
