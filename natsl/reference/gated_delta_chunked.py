@@ -28,6 +28,41 @@ from natsl.reference.gated_delta import validate_layouts
 from natsl.reference.route_grad import apply_route_grad_policy, check_route_grad, compute_dtype, num_blocks
 
 
+
+def block_writes(write, B: int, NB: int, H: int, dt, device, route_grad: str):
+    """The write mask [B, NB, H] in dtype `dt`: all ones for None, else under the route-gradient policy."""
+    if write is None:
+        return torch.ones(B, NB, H, dtype=dt, device=device)
+    return apply_route_grad_policy(write, route_grad).to(dt)
+
+
+def to_blocks(x, NB: int, C: int, dt):
+    """[B, T, H, ...] -> [B, H, NB, C, ...] in `dt`, the time dim zero-padded to NB * C (a padded token
+    has g = 0: no decay; and writes nothing: beta = 0 or k = v = 0)."""
+    B, T, H = x.shape[:3]
+    x = F.pad(x.to(dt), (0, 0) * (x.dim() - 2) + (0, NB * C - T))  # pads the time dim only
+    return x.transpose(1, 2).reshape(B, H, NB, C, *x.shape[3:])
+
+
+def block_decay(gb):
+    """G (the cumulative log decay within each block, [..., C]) and exp(G_t - G_j) on and below the
+    diagonal (each factor <= 1), 0 above it ([..., C, C])."""
+    C = gb.shape[-1]
+    G = gb.cumsum(-1)
+    causal = torch.ones(C, C, dtype=torch.bool, device=gb.device).tril()
+    return G, (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+
+
+def commit(S, gamma, delta_state, w, decay_skipped_blocks: bool):
+    """The route commit of one block: S_start(b+1) from S = S_start(b), the block's decay gamma [B, H],
+    its content delta_state [B, H, K, V] and write w [B, H]."""
+    gamma, w = gamma[..., None, None], w[..., None, None]
+    if decay_skipped_blocks:
+        return gamma * S + w * delta_state
+    end = gamma * S + delta_state
+    return S + w * (end - S)
+
+
 def gated_delta_rule(
     q, k, v, g, beta, write=None, *, scale=None, initial_state=None, output_final_state=False,
     block_size=64, decay_skipped_blocks=True, route_grad="active", intra_block=True,
@@ -38,25 +73,10 @@ def gated_delta_rule(
     dt = compute_dtype(q, k, v, g, beta, write, initial_state)
     scale = K**-0.5 if scale is None else scale
     C, NB = block_size, num_blocks(T, block_size)
-    if write is None:
-        write = torch.ones(B, NB, H, dtype=dt, device=q.device)
-    else:
-        write = apply_route_grad_policy(write, route_grad).to(dt)
-
-    # [B, T, H, D] -> [B, H, NB, C, D], zero-padded: padded tokens have g = 0 (no decay) and
-    # beta = 0 (no write), so they change nothing, and their outputs are cut off at the end.
-    pad = NB * C - T
-
-    def blocks(x):
-        x = F.pad(x.to(dt), (0, 0) * (x.dim() - 2) + (0, pad))  # pads the time dim only
-        return x.transpose(1, 2).reshape(B, H, NB, C, *x.shape[3:])
-
-    qb, kb, vb = blocks(q), blocks(k), blocks(v)
-    gb, bb = blocks(g), blocks(beta)  # [B, H, NB, C]
-    G = gb.cumsum(-1)
-    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    # exp(G_t - G_j) on and below the diagonal (each factor <= 1), 0 above it.
-    decay = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    write = block_writes(write, B, NB, H, dt, q.device, route_grad)
+    qb, kb, vb = (to_blocks(x, NB, C, dt) for x in (q, k, v))
+    bb = to_blocks(beta, NB, C, dt)  # [B, H, NB, C]
+    G, decay = block_decay(to_blocks(g, NB, C, dt))
     A = (bb[..., :, None] * decay * (kb @ kb.transpose(-1, -2))).tril(-1)
     eye = torch.eye(C, dtype=dt, device=q.device)
     U = torch.linalg.solve_triangular(eye + A, bb[..., None] * vb, upper=False, unitriangular=True)
@@ -74,11 +94,6 @@ def gated_delta_rule(
             o = o + attn[:, :, b] @ corrections
         outputs.append(scale * o)
         delta_state = kb[:, :, b].transpose(-1, -2) @ (tail_decay[:, :, b, :, None] * corrections)
-        w = write[:, b][..., None, None]
-        if decay_skipped_blocks:
-            S = gamma[:, :, b, None, None] * S + w * delta_state
-        else:
-            end = gamma[:, :, b, None, None] * S + delta_state
-            S = S + w * (end - S)
+        S = commit(S, gamma[:, :, b], delta_state, write[:, b], decay_skipped_blocks)
     o = torch.stack(outputs, dim=2).reshape(B, H, NB * C, V)[:, :, :T].transpose(1, 2)
     return o.to(q.dtype), (S if output_final_state else None)

@@ -18,10 +18,10 @@ decay_skipped_blocks=False, S + write * (S_end - S)).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from natsl.reference.gated_delta import validate_layouts
-from natsl.reference.route_grad import apply_route_grad_policy, check_route_grad, compute_dtype, num_blocks
+from natsl.reference.gated_delta_chunked import block_decay, block_writes, commit, to_blocks
+from natsl.reference.route_grad import check_route_grad, compute_dtype, num_blocks
 
 
 def gated_linear_rule(
@@ -34,24 +34,9 @@ def gated_linear_rule(
     dt = compute_dtype(q, k, v, g, write, initial_state)
     scale = K**-0.5 if scale is None else scale
     C, NB = block_size, num_blocks(T, block_size)
-    if write is None:
-        write = torch.ones(B, NB, H, dtype=dt, device=q.device)
-    else:
-        write = apply_route_grad_policy(write, route_grad).to(dt)
-
-    # [B, T, H, D] -> [B, H, NB, C, D], zero-padded: padded tokens have g = 0 (no decay) and k = v = 0
-    # (no write), so they change nothing, and their outputs are cut off at the end.
-    pad = NB * C - T
-
-    def blocks(x):
-        x = F.pad(x.to(dt), (0, 0) * (x.dim() - 2) + (0, pad))  # pads the time dim only
-        return x.transpose(1, 2).reshape(B, H, NB, C, *x.shape[3:])
-
-    qb, kb, vb, gb = blocks(q), blocks(k), blocks(v), blocks(g)
-    G = gb.cumsum(-1)  # [B, H, NB, C]
-    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    # exp(G_t - G_j) on and below the diagonal (each factor <= 1), 0 above it.
-    decay = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    write = block_writes(write, B, NB, H, dt, q.device, route_grad)
+    qb, kb, vb = (to_blocks(x, NB, C, dt) for x in (q, k, v))
+    G, decay = block_decay(to_blocks(g, NB, C, dt))  # G [B, H, NB, C]
     # Everything that does not depend on the start state, for all blocks at once.
     intra = ((qb @ kb.transpose(-1, -2)) * decay) @ vb if intra_block else torch.zeros_like(qb[..., :1])
     delta_states = kb.transpose(-1, -2) @ ((G[..., -1:] - G).exp()[..., None] * vb)  # [B, H, NB, K, V]
@@ -64,11 +49,6 @@ def gated_linear_rule(
     outputs = []
     for b in range(NB):
         outputs.append(scale * (q_decayed[:, :, b] @ S + intra[:, :, b]))
-        w = write[:, b][..., None, None]
-        if decay_skipped_blocks:
-            S = gamma[:, :, b, None, None] * S + w * delta_states[:, :, b]
-        else:
-            end = gamma[:, :, b, None, None] * S + delta_states[:, :, b]
-            S = S + w * (end - S)
+        S = commit(S, gamma[:, :, b], delta_states[:, :, b], write[:, b], decay_skipped_blocks)
     o = torch.stack(outputs, dim=2).reshape(B, H, NB * C, V)[:, :, :T].transpose(1, 2)
     return o.to(q.dtype), (S if output_final_state else None)
