@@ -81,9 +81,8 @@ class Switches:
                                "kernels (CUDA, compute capability 9.0 or newer)")
     prefill_overlap: bool = _switch(True, "NATSL_PREFILL_OVERLAP", "a long prefill runs the GDN branch on a "
                                     "second CUDA stream beside the softmax branch")
-    # Off until its GPU equality test (tests/test_prefill_graph.py -m gpu) has passed on the H200: the
-    # padding is tested on the CPU, the capture and replay only on a GPU.
-    prefill_graphs: bool = _switch(False, "NATSL_PREFILL_GRAPHS", "short prompts (batch 1, empty cache) prefill "
+    # The padding is tested on the CPU, the capture and replay on the GPU (tests/test_prefill_graph.py -m gpu).
+    prefill_graphs: bool = _switch(True, "NATSL_PREFILL_GRAPHS", "short prompts (batch 1, empty cache) prefill "
                                    "from CUDA graphs captured per length bucket (natsl.inference.prefill_graph)")
     # -- forced choices for tests and benchmarks (no environment variable) ---------------------------
     force_fused_inference: Optional[bool] = _switch(

@@ -54,3 +54,40 @@ def test_warm_up_counts_what_each_length_added_to_the_caches(tmp_path, monkeypat
     assert [(r["length"], r["new_triton_files"], r["new_inductor_files"]) for r in records] == [(32, 1, 0), (48, 1, 0)]
     assert all(r["first_prefill_s"] > 0 and r["warm_prefill_s"] > 0 and r["decode_s"] > 0 and r["ragged_prefill_s"] > 0
                for r in records)
+
+
+def test_warm_up_at_max_seq_len_decodes_after_a_shorter_prompt(monkeypatch):
+    """`--lengths` at the model's max_seq_len leaves no room after the prompt: the full-length prefill
+    still runs, and the decode steps follow a prompt `decode_steps` shorter (warming their kernels)."""
+    import natsl
+    from natsl.inference import warmup
+
+    calls = []
+    real = warmup.first_call
+
+    def recording(model, ids, cache, steps, device):
+        calls.append((ids.shape[1], steps))
+        return real(model, ids, cache, steps, device)
+
+    monkeypatch.setattr(warmup, "first_call", recording)
+    recipe = natsl.load_recipe(RECIPE)
+    recipe.model.max_seq_len = 128
+    torch.manual_seed(0)
+    model = natsl.build_model(recipe).eval()
+    model.set_backend("chunked")
+    records = warmup.warm_up(model, [128], device=torch.device("cpu"), decode_steps=3)
+    assert calls == [(128, 0), (125, 3)]
+    assert records[0]["decode_s"] > 0 and records[0]["first_prefill_s"] > 0
+
+
+def test_warmup_command_accepts_the_max_seq_len_and_refuses_decode_tokens_that_leave_no_prompt(tmp_path):
+    import yaml
+
+    recipe = yaml.safe_load(RECIPE.read_text())
+    recipe["model"]["max_seq_len"] = 96
+    short = tmp_path / "short.yaml"
+    short.write_text(yaml.safe_dump(recipe))
+    result = run("warmup", short, "--lengths", "96", "--decode-tokens", "2", "--device", "cpu")
+    assert result.exit_code == 0, result.output + result.stderr
+    assert_one_line_error(run("warmup", short, "--lengths", "64", "--decode-tokens", "96", "--device", "cpu"),
+                          "leaves no prompt")

@@ -44,9 +44,9 @@ def warmup(
     is_checkpoint = Path(model_path).is_dir()
     limit = (checkpoint_recipe_of(model_path)[1] if is_checkpoint else natsl.load_recipe(model_path)).model.max_seq_len
     check_length("--lengths", max(length_list), limit, model_path)
-    if max(length_list) + decode_tokens > limit:
-        raise NatslError(f"--lengths {max(length_list)} plus --decode-tokens {decode_tokens} pass the max_seq_len "
-                         f"{limit} of {model_path}; lower either")
+    if decode_tokens >= limit:
+        raise NatslError(f"--decode-tokens {decode_tokens} leaves no prompt within the max_seq_len {limit} of "
+                         f"{model_path}; lower it")
     torch_device = pick_device(device)
     torch_dtype = pick_dtype(dtype, torch_device)
     chosen_backend = pick_backend(backend, torch_device)

@@ -21,7 +21,7 @@ pad of a bucket sits in the routing block of the prompt's last token (`prefill_p
 Used where it is exact and capturable: CUDA, no gradient, batch 1, an empty cache of the model's
 dtype, 2 .. MAX_LEN tokens, the last token's logits only, every layer on the fused inference
 kernels (the plain NAtS-L K/V store reads the device). Anything else, and everything with the
-switch prefill_graphs off (its default; NATSL_PREFILL_GRAPHS=1 turns it on), takes `model.forward_cached`. The first
+switch prefill_graphs off (NATSL_PREFILL_GRAPHS=0), takes `model.forward_cached`. The first
 prompt of a bucket runs the padded prefill eagerly on a side stream (its result is used; it also
 compiles the kernels) and then records the graph; later prompts of that bucket replay it. At
 most MAX_GRAPHS graphs are kept (least recently used dropped), sharing one memory pool. A change

@@ -85,10 +85,18 @@ def warm_up(model, lengths: list[int], *, device: torch.device, batch: int = 1, 
         before = {name: count_files(folder) for name, folder in dirs.items()}
         graphs = graphs_compiled()
         ids = torch.randint(0, model.config.vocab_size, (batch, length), generator=generator).to(device)
-        cache = model.new_cache(batch, max_len=length + decode_steps)
+        # At the model's max_seq_len there is no room to decode after the prompt: the decode steps then
+        # follow a prompt `decode_steps` shorter (its own cache), so that their kernels are warmed too.
+        steps_here = min(decode_steps, model.config.max_seq_len - length)
+        cache = model.new_cache(batch, max_len=length + steps_here)
         start = time.perf_counter()
         # CUDA graphs are not kept on disk: the decode steps run plain, which compiles the same kernels.
-        cold = first_call(model, ids, cache, decode_steps, device)
+        cold = first_call(model, ids, cache, steps_here, device)
+        if steps_here < decode_steps:
+            short = max(1, model.config.max_seq_len - decode_steps)
+            short_cache = model.new_cache(batch, max_len=short + decode_steps)
+            cold["decode_s"] = first_call(model, ids[:, :short], short_cache, decode_steps, device)["decode_s"]
+            del short_cache
         warm = time_prefill(model, ids, cache, 1, device)
         record = {"length": length, "first_prefill_s": cold["prefill_s"], "decode_s": cold["decode_s"],
                   "warm_prefill_s": warm, "ragged_prefill_s": ragged_prefill(model, ids, cache, device),
