@@ -199,7 +199,7 @@ def load_spec(path: str | Path, out: str | Path, max_parallel: Optional[int] = N
     for task_name, data in tasks.items():
         task_len = _task_seq_len(data, path)
         for width in widths:
-            for seed in seeds:  # every learning rate of seed 0 first: a sweep cut short has whole rate sweeps
+            for seed in seeds:  # the first seed's rates first: a sweep cut short has whole rate sweeps
                 for lr_index in range(max(len(lr_of[s].get(width, ())) for s in systems)):
                     for system, recipe_path in systems.items():
                         values = lr_of[system].get(width, ())
