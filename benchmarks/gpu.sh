@@ -42,9 +42,14 @@ import json, sys
 summary = json.load(open(sys.argv[1]))
 print(f"stopped: {summary.get('stopped')}; runs: " + ", ".join(
     f"{s} {sum(r['status'] == s for r in summary['runs'])}" for s in sorted({r["status"] for r in summary["runs"]})))
+print(f"matched in {summary.get('match', 'time')}, seeds {summary.get('seeds', [0])}")
 for p in summary["best"]:
-    print(f"{p['task']} {p['system']:>22} d={p['width']:<4} lr={p['best_lr']:g} accuracy {p['accuracy']:.3f}"
-          f" (recall {p['recall_accuracy']}, kept {p['keep_fraction']})")
+    seeds = p.get("seeds") or []
+    spread = (f" [{p['accuracy_min']:.3f}-{p['accuracy_max']:.3f}], {p['seeds_finished']}/{p['seeds_total']} seeds"
+              f" finished" if "seeds_total" in p else "")
+    short = p.get("short") and f"; SHORT: {p['short']} seed(s) stopped at {[s['steps'] for s in seeds if s['short']]} steps"
+    print(f"{p['task']} {p['system']:>22} d={p['width']:<4} lr={p['best_lr']:g} accuracy {p['accuracy']:.3f}{spread}"
+          f" (recall {p['recall_accuracy']}, kept {p['keep_fraction']}){short or ''}")
 PY
 }
 

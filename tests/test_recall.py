@@ -109,6 +109,10 @@ def test_sweep_trains_evaluates_and_summarises(tmp_path):
     assert hybrid["keep_fraction"] is not None and set(hybrid["keep_groups_last_step"]) == {"3"}
     assert len(hybrid["keep_groups_last_step"]["3"]) == 2  # per routing group
     assert {p["system"] for p in summary["best"]} == {"natsl_hybrid", "gdn"}
+    # matched in steps (the spec gives max_steps): each trained its 4 steps, one seed, none short
+    assert summary["match"] == "steps" and summary["seeds"] == [0]
+    assert all(p["seeds_finished"] == p["seeds_total"] == 1 and p["short"] == 0 and p["seeds"][0]["steps"] == 4
+               for p in summary["best"])
     assert (out / "summary.png").stat().st_size > 1000
     # A forced budget (eval-recall --keep-fraction) rules the routes the evaluation reports.
     from natsl.cli.eval_recall import run_eval_recall
@@ -130,6 +134,7 @@ def test_sweep_trains_evaluates_and_summarises(tmp_path):
                             "--out", str(out), "--no-progress"], capture_output=True, text=True, cwd=ROOT,
                            env={**__import__("os").environ, "PYTHONPATH": str(ROOT)}, timeout=300)
     assert again.returncode == 0 and "2 of 2 runs done" in again.stdout
+    assert "sweep recall_cpu: 2 runs (2 done already, 0 to run), at most 2 at once, matched in steps" in again.stdout
 
 
 def test_sweep_spec_errors(tmp_path):

@@ -4,11 +4,20 @@
     natsl sweep natsl/recipes/recall/sweep_cpu.yaml --out OUT          (the same, as a subcommand)
 
 A spec (YAML) names systems (a recipe each), model widths, learning rates (one list for all systems
-or one per system) and training tasks; every combination is one run. A run is one worker process
+or one per system), training tasks and seeds; every combination is one run. A run is one worker process
 (`python -m natsl.cli.sweep RUN.json`): it trains its recipe, scaled to the width, within its step
 and wall-clock budget, then evaluates recall (`natsl eval-recall`) on the spec's grid, and writes
 OUT/runs/ID/result.json. A model of width 128 leaves a GPU almost idle, so up to --max-parallel
 workers share it.
+
+Runs are matched in steps or in time (`budget.match`). In steps (the default when the budget gives
+max_steps), every run trains exactly max_steps steps, its cosine schedule ending there; run_s only
+caps it, and a run stopped before max_steps is marked `short` in the summary. In time (the default
+when the budget gives run_s alone), a run trains for run_s seconds or max_steps steps, whichever ends
+first, with the schedule still ending at max_steps: a system that steps faster gets more steps.
+
+The summary's best entry per (task, system, width) is the learning rate with the best mean accuracy
+over its seeds; seeds whose run has not finished are left out of the mean (not counted as zero).
 
 Results are written as they come: a worker writes result.json after training and again after its
 evaluation; the runner writes OUT/summary.json and OUT/summary.png at its start and again whenever a
@@ -31,7 +40,8 @@ The spec:
     tasks:                         # training tasks: name -> data.path (train.seq_len follows the task)
       mqar512: task:mqar?seq_len=512&pairs=8,16,32,64
     eval: {lengths: "512,1024", pairs: "32,64,128", samples: 128, batch_size: 32}
-    budget: {max_steps: 2000, run_s: 150, deadline_s: 470, eval_reserve_s: 40}
+    seeds: [0, 1, 2]               # train.seed of each run (default [0]); ids end -s1, -s2 (seed 0: none)
+    budget: {max_steps: 2000, run_s: 150, deadline_s: 470, eval_reserve_s: 40, match: steps}
     set: [train.log_every=50]      # overrides for every run (natsl train --set)
     compile: false                 # default (key absent): compile + CUDA graphs on CUDA, eager on the CPU
     max_parallel: 16
@@ -47,8 +57,8 @@ kernels share the GPU at once rather than time-slicing it, and stops it at the e
 log folders are a fresh temporary folder (CUDA_MPS_PIPE_DIRECTORY / CUDA_MPS_LOG_DIRECTORY, handed
 to the workers), unless those variables are set already.
 
-Runs start in the order task, width, learning rate, system, so a sweep cut short still has every
-system at the first widths listed.
+Runs start in the order task, width, seed, learning rate, system, so a sweep cut short still has every
+system at the first widths listed, with its learning rates at the first seed.
 
 This module starts workers as processes and reads their files; it imports no evaluation code.
 """
@@ -76,7 +86,13 @@ from natsl.errors import NatslError
 
 SCALED = ("hidden_size", "intermediate_size", "head_k_dim", "head_v_dim", "attn_head_dim")
 SPEC_KEYS = {"name", "systems", "widths", "lrs", "tasks", "eval", "budget", "set", "compile", "max_parallel",
-             "device", "seed"}
+             "device", "seeds"}
+BUDGET_KEYS = {"max_steps", "run_s", "deadline_s", "eval_reserve_s", "match"}
+MATCHES = ("steps", "time")
+# Recipe keys the runner sets for every run: a `set:` item must not overrule them (what to write instead).
+RUNNER_KEYS = {"train.seed": "seeds: [0, 1, 2]", "train.total_tokens": "budget.max_steps",
+               "train.max_steps": "budget.max_steps"}
+CROWDED = 16  # more workers than this on one GPU each get too few steps in a wall-clock budget
 
 
 @dataclass
@@ -97,6 +113,8 @@ class RunSpec:
     out: str
     train_deadline: Optional[float] = None  # absolute time.time() at which training must stop
     deadline: Optional[float] = None  # absolute time.time() of the sweep's deadline: the worker is gone by then
+    seed: int = 0  # its train.seed
+    match: str = "steps"  # steps: it must reach max_steps (run_s only caps it); time: run_s is its budget
 
 
 @dataclass
@@ -110,6 +128,7 @@ class Sweep:
     spec: dict = field(default_factory=dict)
     min_train_s: float = 10.0  # a run is started only if it can train this long before its evaluation reserve
     grace_s: float = 3.0  # a stopped worker's time to end on SIGTERM before SIGKILL
+    match: str = "steps"  # budget.match of its runs (check_budget)
 
 
 def _spec_error(path, message: str) -> NatslError:
@@ -149,6 +168,8 @@ def load_spec(path: str | Path, out: str | Path, max_parallel: Optional[int] = N
         raise _spec_error(path, f"not valid YAML ({str(err).splitlines()[0]}); fix the file") from None
     if not isinstance(spec, dict):
         raise _spec_error(path, "must be a mapping with systems, widths, lrs, tasks")
+    if "seed" in spec:
+        raise _spec_error(path, f"'seed' is not a key; write seeds: [{spec['seed']!r}] (each run's train.seed)")
     unknown = sorted(set(spec) - SPEC_KEYS)
     if unknown:
         raise _spec_error(path, f"unknown key {unknown[0]!r}; allowed: {', '.join(sorted(SPEC_KEYS))}")
@@ -159,12 +180,18 @@ def load_spec(path: str | Path, out: str | Path, max_parallel: Optional[int] = N
     if not isinstance(widths, list) or not widths or not all(isinstance(w, int) and w > 0 for w in widths):
         raise _spec_error(path, "'widths' must be a list of positive integers (hidden sizes)")
     lr_of = lr_table(spec.get("lrs"), systems, widths, path)
+    seeds = seed_list(spec.get("seeds"), path)
     tasks = spec.get("tasks")
     if not isinstance(tasks, dict) or not tasks or not all(isinstance(v, str) for v in tasks.values()):
         raise _spec_error(path, "'tasks' must map names to data paths such as task:mqar?seq_len=512&pairs=64")
-    budget = spec.get("budget") or {}
+    budget, match = check_budget(spec.get("budget"), path)
     evals = {"samples": 128, "batch_size": 32, **(spec.get("eval") or {})}
     overrides = [str(s) for s in spec.get("set") or []]
+    for item in overrides:
+        key = item.split("=", 1)[0].strip()
+        if key in RUNNER_KEYS:
+            raise _spec_error(path, f"'set' item {item!r}: the runner sets {key} for every run; "
+                                    f"use {RUNNER_KEYS[key]} instead")
     device = device or spec.get("device")
     compile_, compile_overrides = compile_settings(spec.get("compile"), device)
     root = Path.cwd()
@@ -172,37 +199,41 @@ def load_spec(path: str | Path, out: str | Path, max_parallel: Optional[int] = N
     for task_name, data in tasks.items():
         task_len = _task_seq_len(data, path)
         for width in widths:
-            for lr_index in range(max(len(lr_of[s].get(width, ())) for s in systems)):
-                for system, recipe_path in systems.items():
-                    values = lr_of[system].get(width, ())
-                    if lr_index >= len(values):
-                        continue  # this system has fewer rates at this width, or none (not run at it)
-                    lr = float(values[lr_index])
-                    recipe_file = Path(recipe_path)
-                    if not recipe_file.is_absolute() and not recipe_file.is_file():
-                        recipe_file = path.parent / recipe_path  # beside the spec
-                    if not recipe_file.is_file():
-                        recipe_file = Path(recipe_path)  # a shipped recipe's name, such as recall/gdn
-                    recipe = load_recipe(recipe_file)
-                    mbs = recipe.train.micro_batch_size
-                    for item in overrides:
-                        if item.startswith("train.micro_batch_size="):
-                            mbs = int(item.split("=", 1)[1])
-                    tokens = mbs * task_len  # one micro-batch per step
-                    max_steps = int(budget.get("max_steps", recipe.train.max_steps
-                                               or recipe.train.total_tokens // recipe.train.tokens_per_step))
-                    # the cosine schedule ends at max_steps, after a warmup of a tenth of it at most
-                    run_overrides = width_overrides(recipe, width) + [
-                        f"optim.lr={lr}", f"optim.min_lr={lr / 10}", f"data.path={data}", f"train.seq_len={task_len}",
-                        f"train.tokens_per_step={tokens}", f"train.total_tokens={tokens * max_steps}",
-                        f"optim.warmup_tokens={min(recipe.optim.warmup_tokens, tokens * max_steps // 10)}"
-                    ] + compile_overrides + overrides  # the spec's `set:` last: it may undo the default
-                    apply_overrides(recipe, run_overrides)  # a bad combination fails here, not in a worker
-                    run_id = f"{task_name}-{system}-d{width}-lr{lr:g}"
-                    runs.append(RunSpec(run_id, system, str(recipe_file if recipe_file.is_absolute() or not recipe_file.is_file() else root / recipe_file),
-                                        width, lr, task_name, data, run_overrides, max_steps,
-                                        float(budget.get("run_s", 1e9)), evals, compile_,
-                                        device, str(Path(out) / "runs" / run_id)))
+            for seed in seeds:  # the first seed's rates first: a sweep cut short has whole rate sweeps
+                for lr_index in range(max(len(lr_of[s].get(width, ())) for s in systems)):
+                    for system, recipe_path in systems.items():
+                        values = lr_of[system].get(width, ())
+                        if lr_index >= len(values):
+                            continue  # this system has fewer rates at this width, or none (not run at it)
+                        lr = float(values[lr_index])
+                        recipe_file = Path(recipe_path)
+                        if not recipe_file.is_absolute() and not recipe_file.is_file():
+                            recipe_file = path.parent / recipe_path  # beside the spec
+                        if not recipe_file.is_file():
+                            recipe_file = Path(recipe_path)  # a shipped recipe's name, such as recall/gdn
+                        recipe = load_recipe(recipe_file)
+                        mbs = recipe.train.micro_batch_size
+                        for item in overrides:
+                            if item.startswith("train.micro_batch_size="):
+                                mbs = int(item.split("=", 1)[1])
+                        tokens = mbs * task_len  # one micro-batch per step
+                        max_steps = int(budget.get("max_steps", recipe.train.max_steps
+                                                   or recipe.train.total_tokens // recipe.train.tokens_per_step))
+                        # a warmup of a tenth of the run at most
+                        run_overrides = width_overrides(recipe, width) + [
+                            f"optim.lr={lr}", f"optim.min_lr={lr / 10}", f"data.path={data}",
+                            f"train.seq_len={task_len}", f"train.tokens_per_step={tokens}",
+                            f"optim.warmup_tokens={min(recipe.optim.warmup_tokens, tokens * max_steps // 10)}"
+                        ] + compile_overrides + overrides  # the spec's `set:` last: it may undo the default
+                        recipe = apply_overrides(recipe, run_overrides)  # a bad combination fails here, not in a worker
+                        # the cosine schedule ends at max_steps whatever step size the `set:` items chose
+                        last = [f"train.total_tokens={recipe.train.tokens_per_step * max_steps}", f"train.seed={seed}"]
+                        apply_overrides(recipe, last)
+                        run_id = f"{task_name}-{system}-d{width}-lr{lr:g}" + (f"-s{seed}" if seed else "")
+                        runs.append(RunSpec(run_id, system, str(recipe_file if recipe_file.is_absolute() or not recipe_file.is_file() else root / recipe_file),
+                                            width, lr, task_name, data, run_overrides + last, max_steps,
+                                            float(budget.get("run_s", 1e9)), evals, compile_,
+                                            device, str(Path(out) / "runs" / run_id), seed=seed, match=match))
     if len({r.id for r in runs}) != len(runs):
         raise _spec_error(path, "two runs share an id (the same system, width, lr and task twice)")
     deadline = deadline_s if deadline_s is not None else budget.get("deadline_s")  # --deadline wins
@@ -211,7 +242,49 @@ def load_spec(path: str | Path, out: str | Path, max_parallel: Optional[int] = N
         raise _spec_error(path, f"the deadline must be a positive number of seconds, got {deadline!r}; "
                                 "fix --deadline or budget.deadline_s")
     return Sweep(str(spec.get("name", path.stem)), runs, int(max_parallel or spec.get("max_parallel", 1)),
-                 deadline, float(budget.get("eval_reserve_s", 30)), Path(out), spec)
+                 deadline, float(budget.get("eval_reserve_s", 30)), Path(out), spec, match=match)
+
+
+def seed_list(value, path) -> list[int]:
+    """The spec's `seeds` (default [0]): distinct integers, each a valid train.seed."""
+    from natsl.seeding import SEED_MAX
+
+    if value is None:
+        return [0]
+    if not isinstance(value, list) or not value:
+        raise _spec_error(path, f"'seeds' must be a list of integers such as [0, 1, 2], got {value!r}")
+    for seed in value:
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
+            raise _spec_error(path, f"'seeds' holds {seed!r}; each seed must be an integer from 0 to 2**63-1")
+    if len(set(value)) != len(value):
+        twice = next(s for s in value if value.count(s) > 1)
+        raise _spec_error(path, f"'seeds' lists seed {twice} twice; list each seed once")
+    return list(value)
+
+
+def check_budget(budget, path) -> tuple[dict, str]:
+    """The spec's `budget` mapping, checked, and how its runs are matched: `match:` when given, else
+    steps when it gives max_steps (or no run_s), time when it gives run_s alone."""
+    budget = {} if budget is None else budget
+    if not isinstance(budget, dict):
+        raise _spec_error(path, f"'budget' must be a mapping such as {{max_steps: 2000, run_s: 600}}, got {budget!r}")
+    unknown = sorted(set(budget) - BUDGET_KEYS)
+    if unknown:
+        raise _spec_error(path, f"unknown budget key {unknown[0]!r}; allowed: {', '.join(sorted(BUDGET_KEYS))}")
+    steps = budget.get("max_steps")
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise _spec_error(path, f"budget.max_steps must be a whole number of steps, at least 1, got {steps!r}")
+    for key, least in (("run_s", "more than 0"), ("eval_reserve_s", "at least 0")):
+        value = budget.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not (value > 0 if key == "run_s" else value >= 0)):
+            raise _spec_error(path, f"budget.{key} must be a number of seconds, {least}, got {value!r}")
+    match = budget.get("match")
+    if match is None:
+        match = "steps" if "max_steps" in budget or "run_s" not in budget else "time"
+    elif match not in MATCHES:
+        raise _spec_error(path, f"budget.match must be steps or time, got {match!r}")
+    return budget, match
 
 
 def lr_table(lrs, systems: dict, widths: list[int], path) -> dict[str, dict[int, list[float]]]:
@@ -380,6 +453,11 @@ def _run_sweep(sweep: Sweep, env: dict, progress: bool, log) -> dict:
     _write_json(sweep.out / "sweep.json", {"name": sweep.name, "spec": sweep.spec, "started": start,
                                           "deadline": end, "runs": [asdict(r) for r in sweep.runs]})
     pending = [r for r in sweep.runs if not _finished(r)]
+    log(f"sweep {sweep.name}: {len(sweep.runs)} runs ({len(sweep.runs) - len(pending)} done already, {len(pending)} "
+        f"to run), at most {sweep.max_parallel} at once, matched in {sweep.match}")
+    warning = crowding_warning(sweep, pending)
+    if warning:
+        log(warning)
     running: dict[str, tuple[subprocess.Popen, RunSpec, Any]] = {}
     skipped: list[str] = []
     killed: dict[str, str] = {}
@@ -440,6 +518,22 @@ def _run_sweep(sweep: Sweep, env: dict, progress: bool, log) -> dict:
     return summary
 
 
+def crowding_warning(sweep: Sweep, pending: list[RunSpec]) -> Optional[str]:
+    """A one-line warning when more than CROWDED workers would share one GPU at once (None: not so)."""
+    per_gpu: dict[str, int] = {}
+    for run in pending:
+        if runs_on_cuda(run.device):
+            gpu = run.device if run.device and ":" in run.device else "cuda:0"
+            per_gpu[gpu] = per_gpu.get(gpu, 0) + 1
+    at_once = max((min(sweep.max_parallel, n) for n in per_gpu.values()), default=0)
+    if at_once <= CROWDED:
+        return None
+    cost = ("runs matched in steps may reach budget.run_s first and come out short" if sweep.match == "steps"
+            else "runs matched in time get far fewer steps")
+    return (f"warning: {at_once} workers share one GPU at once (more than {CROWDED}); each steps slower and "
+            f"{cost}; lower --max-parallel")
+
+
 def _finished(run: RunSpec) -> bool:
     return _status(run) == "done"
 
@@ -496,31 +590,95 @@ def _read_json(path: Path) -> Optional[dict]:
 # ----------------------------------------------------------------------------- summary
 
 def run_record(run: RunSpec) -> dict:
-    """What is known about one run: its result.json, else what its metrics.jsonl holds."""
+    """What is known about one run: its result.json, else what its metrics.jsonl holds. `short`: a run
+    matched in steps that stopped (budget.run_s, the deadline, a signal) before its max_steps."""
     folder = Path(run.out)
-    base = {"id": run.id, "system": run.system, "width": run.width, "lr": run.lr, "task": run.task}
+    base = {"id": run.id, "system": run.system, "width": run.width, "lr": run.lr, "task": run.task,
+            "seed": run.seed, "max_steps": run.max_steps}
     result = _read_json(folder / "result.json")
     if result:
-        return {**base, **result}
-    records = []
-    metrics = folder / "train" / "metrics.jsonl"
-    if metrics.is_file():
-        for line in metrics.read_text(encoding="utf-8").splitlines():
-            with contextlib.suppress(json.JSONDecodeError):
-                records.append(json.loads(line))
-    evals = [r for r in records if "val_accuracy" in r]
-    steps = [r for r in records if "loss" in r]
-    return {**base, "status": "cut off" if records else "not run", "steps": steps[-1]["step"] if steps else 0,
-            "val_accuracy": evals[-1]["val_accuracy"] if evals else None, "recall_accuracy": None}
+        record = {**base, **result}
+    else:
+        records = []
+        metrics = folder / "train" / "metrics.jsonl"
+        if metrics.is_file():
+            for line in metrics.read_text(encoding="utf-8").splitlines():
+                with contextlib.suppress(json.JSONDecodeError):
+                    records.append(json.loads(line))
+        evals = [r for r in records if "val_accuracy" in r]
+        steps = [r for r in records if "loss" in r]
+        record = {**base, "status": "cut off" if records else "not run", "steps": steps[-1]["step"] if steps else 0,
+                  "val_accuracy": evals[-1]["val_accuracy"] if evals else None, "recall_accuracy": None}
+    steps = record.get("steps")
+    record["short"] = bool(run.match == "steps" and isinstance(steps, int) and 0 < steps < run.max_steps)
+    return record
+
+
+def _finite(value) -> Optional[float]:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return float(value) if ok else None
 
 
 def score(record: dict) -> Optional[float]:
     """The accuracy a run is ranked by: its recall evaluation, else its last validation accuracy."""
     for key in ("recall_accuracy", "val_accuracy"):
-        value = record.get(key)
-        if isinstance(value, (int, float)) and math.isfinite(value):
-            return float(value)
+        value = _finite(record.get(key))
+        if value is not None:
+            return value
     return None
+
+
+def finished_score(record: dict) -> Optional[float]:
+    """The recall accuracy of a finished run (trained and evaluated on the whole grid), else None."""
+    return _finite(record.get("recall_accuracy")) if record.get("status") == "done" else None
+
+
+def _mean(values: list[float]) -> Optional[float]:
+    return sum(values) / len(values) if values else None
+
+
+def seed_point(records: list[dict]) -> Optional[dict]:
+    """The runs of one (task, system, width, lr), one per seed, as one point: the mean, min and max over
+    the seeds that finished (the others are missing, not zero). When none has finished, over the seeds'
+    last validation accuracies instead (`accuracy_from: validation`). None: no seed has any score."""
+    finished = [r for r in records if finished_score(r) is not None]
+    value = finished_score if finished else score
+    counted = [r for r in records if value(r) is not None]
+    if not counted:
+        return None
+    accuracies = [value(r) for r in counted]
+    keeps = [k for k in (_finite(r.get("keep_fraction")) for r in finished) if k is not None]
+    mean = _mean(accuracies)
+    return {"best_lr": records[0]["lr"], "accuracy": mean, "accuracy_min": min(accuracies),
+            "accuracy_max": max(accuracies), "accuracy_from": "recall" if finished else "validation",
+            "recall_accuracy": mean if finished else None,
+            "val_accuracy": _mean([v for v in (_finite(r.get("val_accuracy")) for r in records) if v is not None]),
+            "keep_fraction": _mean(keeps), "parameters": next((r["parameters"] for r in records if r.get("parameters")), None),
+            "run": counted[0]["id"], "seeds_finished": len(finished), "seeds_total": len(records),
+            "short": sum(r["short"] for r in counted),
+            "seeds": [{"seed": r["seed"], "accuracy": value(r), "steps": r.get("steps"), "short": r["short"],
+                       "status": r["status"], "run": r["id"]} for r in records]}
+
+
+def best_points(records: list[dict]) -> list[dict]:
+    """Per (task, system, width), the learning rate whose seeds score best on average: rates with a
+    finished seed before rates without; the first rate listed wins a tie."""
+    groups: dict[tuple, dict[float, list[dict]]] = {}
+    for r in records:
+        groups.setdefault((r["task"], r["system"], r["width"]), {}).setdefault(r["lr"], []).append(r)
+    points = []
+    for (task, system, width), by_lr in sorted(groups.items()):
+        best, rank = None, None
+        for seeds in by_lr.values():
+            point = seed_point(seeds)
+            if point is None:
+                continue
+            mine = (point["accuracy_from"] == "recall", point["accuracy"])
+            if best is None or mine > rank:
+                best, rank = point, mine
+        if best is not None:
+            points.append({"task": task, "system": system, "width": width, **best})
+    return points
 
 
 def write_summary(sweep: Sweep, skipped: Optional[list[str]] = None, killed: Optional[dict[str, str]] = None,
@@ -533,29 +691,22 @@ def write_summary(sweep: Sweep, skipped: Optional[list[str]] = None, killed: Opt
             r["status"] = "skipped (deadline)"
         if killed and r["id"] in killed:
             r["killed"] = killed[r["id"]]
-    best: dict[tuple, dict] = {}
-    for r in records:
-        s = score(r)
-        if s is None:
-            continue
-        key = (r["task"], r["system"], r["width"])
-        if key not in best or s > score(best[key]):
-            best[key] = r
-    points = [{"task": t, "system": s, "width": w, "best_lr": r["lr"], "accuracy": score(r),
-               "recall_accuracy": r.get("recall_accuracy"), "val_accuracy": r.get("val_accuracy"),
-               "keep_fraction": r.get("keep_fraction"), "parameters": r.get("parameters"), "run": r["id"]}
-              for (t, s, w), r in sorted(best.items())]
-    summary = {"name": sweep.name, "stopped": stopped, "runs": records, "best": points,
-               "note": "accuracy: mean MQAR answer accuracy over the eval grid (recall_accuracy), or the last "
-                       "validation accuracy of a run cut off before its evaluation; best over learning rates"}
+    summary = {"name": sweep.name, "stopped": stopped, "match": sweep.match,
+               "seeds": list(dict.fromkeys(r.seed for r in sweep.runs)), "runs": records, "best": best_points(records),
+               "note": "accuracy: the mean over the seeds that finished (seeds_finished of seeds_total; the others "
+                       "are missing, not zero) of the MQAR answer accuracy over the eval grid, min and max beside "
+                       "it; when no seed of a point finished, of their last validation accuracies (accuracy_from); "
+                       "best_lr: the learning rate of the best mean. short: seeds that stopped before max_steps "
+                       "in a sweep matched in steps"}
     _write_json(sweep.out / "summary.json", summary)
     plot_summary(summary, sweep.out / "summary.png")
     return summary
 
 
 def plot_summary(summary: dict, path: Path) -> None:
-    """Zoology's figure: accuracy vs model width per system (best LR per point); beside it the kept
-    fraction of the NAtS-L systems at the same points."""
+    """Zoology's figure: accuracy vs model width per system (best LR per point, the mean over seeds with
+    min-max bars; points with a short seed or ranked by validation accuracy are labelled), beside it the
+    NAtS-L systems' kept fraction."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -568,12 +719,24 @@ def plot_summary(summary: dict, path: Path) -> None:
         points = [p for p in summary["best"] if p["task"] == task]
         ax, kx = axes[row]
         for system in sorted({p["system"] for p in points}):
-            mine = sorted((p["width"], p["accuracy"], p["keep_fraction"]) for p in points if p["system"] == system)
-            ax.plot([m[0] for m in mine], [m[1] for m in mine], "o-", label=system, color=colors[system])
-            keeps = [(m[0], m[2]) for m in mine if m[2] is not None]
+            mine = sorted((p for p in points if p["system"] == system), key=lambda p: p["width"])
+            widths = [p["width"] for p in mine]
+            means = [p["accuracy"] for p in mine]
+            bars = [[p["accuracy"] - p.get("accuracy_min", p["accuracy"]) for p in mine],
+                    [p.get("accuracy_max", p["accuracy"]) - p["accuracy"] for p in mine]]
+            ax.errorbar(widths, means, yerr=bars, fmt="o-", capsize=3, label=system, color=colors[system])
+            for p in mine:  # say which points do not compare like the others
+                label = ", ".join(x for x in ("short" if p.get("short") else "",
+                                              "val. acc." if p.get("accuracy_from") == "validation" else "") if x)
+                if label:
+                    ax.annotate(label, (p["width"], p["accuracy"]), textcoords="offset points", xytext=(4, -10),
+                                fontsize=7, color=colors[system])
+            keeps = [(p["width"], p["keep_fraction"]) for p in mine if p["keep_fraction"] is not None]
             if keeps:
                 kx.plot(*zip(*keeps), "o-", label=system, color=colors[system])
-        for a, ylabel in ((ax, "accuracy (best lr)"), (kx, "kept fraction (softmax KV)")):
+        seeds = len(summary.get("seeds") or [0])
+        for a, ylabel in ((ax, f"accuracy (best lr{f', mean of {seeds} seeds' if seeds > 1 else ''})"),
+                          (kx, "kept fraction (softmax KV)")):
             a.set_xscale("log", base=2)
             a.set_xlabel("model width")
             a.set_ylabel(ylabel)
@@ -583,7 +746,7 @@ def plot_summary(summary: dict, path: Path) -> None:
                 a.legend(fontsize=8)
         ax.set_title(f"{task}: recall accuracy")
         kx.set_title(f"{task}: NAtS-L kept fraction")
-    fig.suptitle(summary["name"])
+    fig.suptitle(f"{summary['name']} (matched in {summary.get('match', 'time')})")
     fig.tight_layout()
     tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.png")
     fig.savefig(tmp, dpi=110)
