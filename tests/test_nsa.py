@@ -18,11 +18,13 @@ from natsl.models.nsa import block_means, sparse_attention  # noqa: E402
 RECIPES = Path(__file__).resolve().parent.parent / "natsl" / "recipes"
 
 
+TINY_NSA = dict(natsl_layers=[], nsa_layers=[1], backend="chunked", nsa_num_heads=16, nsa_kv_heads=1, nsa_head_dim=16,
+                nsa_block_size=16, nsa_block_counts=2, nsa_window=8)
+
+
 def tiny_nsa(**changes):
     base = natsl.load_recipe(RECIPES / "tiny_hybrid.yaml").model
-    config = dataclasses.replace(base, natsl_layers=[], nsa_layers=[1], backend="chunked", nsa_num_heads=16,
-                                 nsa_kv_heads=1, nsa_head_dim=16, nsa_block_size=16, nsa_block_counts=2,
-                                 nsa_window=8, **changes)
+    config = dataclasses.replace(base, **TINY_NSA, **changes)
     config.validate()
     return natsl.build_model(config)
 
@@ -91,6 +93,57 @@ def test_tiny_nsa_model_trains():
     assert losses[-1] < losses[0]
 
 
+COMPILED_NSA = """
+import dataclasses, sys, torch
+import natsl
+from natsl.training.trainer import HiddenStates
+
+torch.manual_seed(0)
+model = natsl.build_model(dataclasses.replace(natsl.load_recipe("tiny_hybrid").model, **{CHANGES}))
+assert "fla" not in sys.modules  # the first import of fla happens inside the compiled call, as in a run
+ids = torch.randint(0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(3))
+body = HiddenStates(model)
+compiled = torch.compile(body, backend="aot_eager")
+
+
+def states_and_grads(fn):
+    model.zero_grad()
+    out = fn(ids, model.rope_table(ids.shape[1], ids.device))
+    out.square().mean().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+torch._dynamo.utils.counters.clear()
+got, got_grads = states_and_grads(compiled)
+graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+want, want_grads = states_and_grads(body)
+torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+assert got_grads.keys() == want_grads.keys() and any(n.startswith("layers.1.mixer.") for n in got_grads)
+for name, grad in want_grads.items():
+    torch.testing.assert_close(got_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+assert all(g.abs().sum() > 0 for n, g in got_grads.items() if n.startswith("layers.1.mixer."))
+# the layers before and after fla's call are compiled graphs, fla's branches run between them
+assert graphs >= 2, graphs
+print("ok", graphs)
+"""
+
+
+def test_compiled_nsa_hybrid_matches_eager_with_fla_outside_the_graph():
+    """torch.compile of the hidden states (as `natsl train --compile` does) in a fresh process, fla not yet
+    imported: dynamo used to trace fla's first import and fail (InternalTorchDynamoError); fla's branches
+    now run eagerly between compiled graphs, and the states and every gradient equal eager's.
+    The aot_eager backend: dynamo and AOTAutograd as under Inductor, without a C++ compile."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    code = COMPILED_NSA.replace("{CHANGES}", repr(TINY_NSA))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.startswith("ok"), done.stdout + done.stderr[-3000:]
+
+
 def test_cached_inference_is_refused_in_one_line():
     model = tiny_nsa()
     with pytest.raises(NatslError, match="NSA layers have no inference cache") as err:
@@ -105,7 +158,7 @@ def test_compare_refuses_an_nsa_checkpoint_before_measuring(tmp_path):
     model = tiny_nsa()
     folder = save_model_folder(tmp_path / "nsa", model, natsl.config.Recipe(name="nsa", model=model.config), None)
     with pytest.raises(NatslError, match="no inference cache.*natsl compare cannot measure it yet"):
-        run_compare([str(folder)], budgets=[0.5], methods=[], context=32, ppl_args=None, progress=False)
+        run_compare([str(folder)], budgets=[0.5], methods=[], contexts=[32], ppl_args=None, progress=False)
 
 
 @pytest.mark.parametrize("size", ["380m", "800m"])
@@ -172,3 +225,28 @@ def test_gpu_triton_kernels_match_the_reference():
     assert (outs[0] - outs[1]).norm() / outs[1].norm() < 2e-2
     for fast, ref in zip(*grads):
         assert (fast - ref).norm() / ref.norm() < 5e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_recall_nsa_hybrid_trains_compiled_with_cuda_graphs(tmp_path):
+    """recall/nsa_hybrid as the recall sweep trains it on one GPU: torch.compile with CUDA graphs, each run
+    in a fresh process (fla first imported under compile, where dynamo used to stop). fla's branches run
+    eagerly between the compiled graphs; the first steps' losses are eager training's."""
+    import json
+    import subprocess
+    import sys
+
+    losses = {}
+    for name, flags in (("graphs", ["--compile", "--set", "train.cuda_graphs=true"]), ("eager", ["--no-compile"])):
+        out = tmp_path / name
+        done = subprocess.run([sys.executable, "-m", "natsl.cli.main", "train", "recall/nsa_hybrid", *flags,
+                               "--set", "train.log_every=1", "--max-steps", "4", "--out", str(out), "--no-progress"],
+                              capture_output=True, text=True, timeout=420)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+        assert "skipping cudagraphs" not in done.stdout + done.stderr  # the compiled parts do replay
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        losses[name] = [r["loss"] for r in records if "loss" in r]
+    assert len(losses["graphs"]) == 4
+    # bf16 autocast, Inductor's kernels against eager ones: the same run within rounding
+    torch.testing.assert_close(losses["graphs"], losses["eager"], atol=0.05, rtol=0)

@@ -80,9 +80,23 @@ def sparse_attention(q, k, v, g_cmp, g_slc, g_swa, *, block_size: int, block_cou
                      naive: bool | None = None) -> torch.Tensor:
     """NSA's gated sum of its three branches. q [B, T, HQ, D], k, v [B, T, H, D], gates [B, T, HQ] ->
     [B, T, HQ, D]. `naive`: fla's PyTorch reference (default: on the CPU) instead of its Triton kernels."""
-    scale = q.shape[-1] ** -0.5
     if naive is None:
         naive = q.device.type != "cuda"
+    o = fla_branches(q, k, v, g_cmp, g_slc, block_size=block_size, block_counts=block_counts, naive=naive)
+    if window:
+        o = torch.addcmul(o, window_attention(q, k, v, window), g_swa.unsqueeze(-1))
+    return o
+
+
+@torch.compiler.disable
+def fla_branches(q, k, v, g_cmp, g_slc, *, block_size: int, block_counts: int, naive: bool) -> torch.Tensor:
+    """The compressed and selected branches, gated and summed, through fla (its reference or kernels).
+
+    Never traced by torch.compile (a graph break; the layers around it still compile): a trace would
+    follow fla's first import, which imports transformers and scipy and stops dynamo (an internal
+    error on each device), and then fla's Python dispatch around its Triton kernels, which natsl has
+    no reason to put in a graph. Run eagerly, fla's own autograd.Function gives the gradients."""
+    scale = q.shape[-1] ** -0.5
     try:
         # Importing fla warns that flash_attn is missing (natsl computes the window without it) and, on a
         # machine without a GPU, that Triton has no device: neither concerns natsl's use.
@@ -101,13 +115,10 @@ def sparse_attention(q, k, v, g_cmp, g_slc, g_swa, *, block_size: int, block_cou
         o_cmp, _ = naive_nsa_compression(q, k_cmp, v_cmp, block_size, scale)
         indices = naive_nsa_topk(q, k_cmp, block_counts, block_size, scale)
         o_slc = naive_nsa_selection(q, k, v, indices, block_size, scale)
-        o = torch.addcmul(o_slc * g_slc.unsqueeze(-1), o_cmp, g_cmp.unsqueeze(-1))
-    else:  # window 0: fla would run its window branch through flash_attn
-        o = parallel_nsa(q, k, v, g_cmp, g_slc, None, block_counts=block_counts, block_size=block_size,
-                         window_size=0, scale=scale)
-    if window:
-        o = torch.addcmul(o, window_attention(q, k, v, window), g_swa.unsqueeze(-1))
-    return o
+        return torch.addcmul(o_slc * g_slc.unsqueeze(-1), o_cmp, g_cmp.unsqueeze(-1))
+    # window 0: fla would run its window branch through flash_attn
+    return parallel_nsa(q, k, v, g_cmp, g_slc, None, block_counts=block_counts, block_size=block_size,
+                        window_size=0, scale=scale)
 
 
 def block_means(x: torch.Tensor, block_size: int) -> torch.Tensor:
