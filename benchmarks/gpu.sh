@@ -94,7 +94,7 @@ stage() {
                 --seq-len 32768 --out "$OUT" ;;
     compare)  run compare "${COMPARE_S:-540}" python3 -m natsl.cli.main compare 800m_hybrid 800m_transformer \
                 800m_gdn_hybrid 800m_gdn_swa 800m_gdn --no-quality --context 32768,65536,131072 \
-                --budgets 0.125,0.25,0.5,1 --time-budget $(( ${COMPARE_S:-540} - 60 )) --no-progress --out "$OUT/compare" ;;
+                --budgets 0.125,0.25,0.5,1 --repeats 2 --time-budget $(( ${COMPARE_S:-540} - 60 )) --no-progress --out "$OUT/compare" ;;
     recall)   recall ;;
     all)      for s in tests ops layer training latency profile compare; do stage $s; done ;;
     *)        echo "unknown stage $1: use tests, ops, layer, training, latency, profile, compare, recall or all" >&2; exit 2 ;;

@@ -198,7 +198,7 @@ def load_source(source: Source, device, dtype, backend, seed: int) -> EvalModel:
     return EvalModel(model, None, Path(source.path), source.name, dev, dt)
 
 
-def notes(sources: list[Source], plans: dict, quality: bool) -> list[str]:
+def notes(sources: list[Source], plans: list[list[Variant]], quality: bool) -> list[str]:
     """The lines that say what the numbers are not: no quality, random-weight scores and routes."""
     lines = []
     recipes = [s.name for s in sources if not s.trained]
@@ -207,11 +207,11 @@ def notes(sources: list[Source], plans: dict, quality: bool) -> list[str]:
     elif recipes:
         lines.append(f"latency and memory only for {', '.join(recipes)}: a recipe has random weights, so no quality "
                      "is measured and its quality columns are empty")
-    pressed = [s.name for s in sources if not s.trained and any(v.press() for v in plans[s.name])]
+    pressed = [s.name for s, plan in zip(sources, plans) if not s.trained and any(v.press() for v in plan)]
     if pressed:
         lines.append(f"the presses on {', '.join(pressed)} (random weights) still evict to their budget: their "
                      "scores are random, the KV bytes and times are what count")
-    routed = [s.name for s in sources if not s.trained and any(v.family == "natsl" for v in plans[s.name])]
+    routed = [s.name for s, plan in zip(sources, plans) if not s.trained and any(v.family == "natsl" for v in plan)]
     if routed:
         lines.append(f"{', '.join(routed)}: an untrained router, so each kept fraction is forced by a seeded random "
                      "mask (no router variant)")
@@ -229,9 +229,11 @@ def run_compare(models: list[str], *, budgets: list[float], methods: list[str], 
 
     One entry per (model, variant, context), the variant's quality repeated in each. The models are
     built one at a time; a point that runs out of memory is recorded as such and that variant's
-    longer contexts are skipped. With `time_budget_s`, model i of n may run until i+1 n-ths of the
-    budget have passed (as natsl.inference.bench.run_benchmark shares it), its first point as long
-    as the whole budget is not spent; the points after that are recorded as skipped.
+    longer contexts are skipped. With `time_budget_s`, each model's share is in proportion to its
+    variants (a Transformer's ten press variants against GDN's one), and a model may run until its
+    share and those of the models before it have passed (time one leaves unused goes to the next),
+    its first point as long as the whole budget is not spent; the points after that are recorded
+    as skipped.
     `on_update(result)` is called after each point (to save it)."""
     from tqdm import tqdm
 
@@ -244,7 +246,7 @@ def run_compare(models: list[str], *, budgets: list[float], methods: list[str], 
     sources = [resolve_source(m) for m in models]
     check_sources(sources, contexts)
     quality = quality and (recall_args is not None or ppl_args is not None)
-    plans = {s.name: variants(s.recipe.model, budgets, methods, trained=s.trained) for s in sources}
+    plans = [variants(s.recipe.model, budgets, methods, trained=s.trained) for s in sources]
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     rates = bench.measure_rates(dev, dt)
@@ -253,17 +255,18 @@ def run_compare(models: list[str], *, budgets: list[float], methods: list[str], 
               "methods": methods, "seed": seed, "quality": quality, "notes": notes(sources, plans, quality),
               "decode_tokens": decode_tokens, "repeats": repeats, "torch": torch.__version__,
               "provenance": provenance(), "started": time.strftime("%Y-%m-%d %H:%M:%S"), "rates": rates, "entries": []}
-    bar = tqdm(total=sum(len(plans[s.name]) for s in sources) * len(contexts), desc="compare", unit="point",
+    bar = tqdm(total=sum(len(plan) for plan in plans) * len(contexts), desc="compare", unit="point",
                disable=not progress)
+    shares = [len(plan) for plan in plans]
     began = time.monotonic()
-    for index, source in enumerate(sources):
-        deadline = None if time_budget_s is None else began + time_budget_s * (index + 1) / len(sources)
+    for index, (source, plan) in enumerate(zip(sources, plans)):
+        deadline = None if time_budget_s is None else began + time_budget_s * sum(shares[:index + 1]) / sum(shares)
         em = load_source(source, device, dtype, backend, seed)
         result["backend"] = result["backend"] or getattr(em.model, "backend", None)
         head = {"checkpoint": str(em.folder), "source": source.kind, "name": em.name,
                 "parameters": em.model.num_parameters()}
         scores = {}
-        for variant in plans[source.name]:
+        for variant in plan:
             scores[variant.label] = dict.fromkeys(QUALITY_KEYS)  # null: not measured
             if quality and source.trained:
                 bar.set_postfix_str(f"{em.name} {variant.label} quality")
@@ -271,7 +274,7 @@ def run_compare(models: list[str], *, budgets: list[float], methods: list[str], 
         bench.warm_up_model(em.model, min(contexts[0], 256), 1, em.device)
         failed, first = {}, True
         for context in contexts:
-            for variant in plans[source.name]:
+            for variant in plan:
                 bar.set_postfix_str(f"{em.name} {variant.label} @ {context}")
                 entry = {**head, **dataclasses.asdict(variant), "context": context, **scores[variant.label]}
                 if deadline is not None and time.monotonic() > (began + time_budget_s if first else deadline):
