@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The one shell entry for the H200: named stages, each with its own time cap, run from the repository root.
-#   bash benchmarks/gpu.sh tests|ops|layer|training|latency|profile|all [more stages...]
+#   bash benchmarks/gpu.sh tests|ops|layer|training|latency|profile|compare|all [more stages...]
 #   bash benchmarks/gpu.sh recall          # alone: the recall sweeps take a whole 10-minute call
 # Results go to $OUT when set (the device tool's folder), else bench_results/; each stage's log to
 # OUT/<stage>.log (its tail printed). Caps: TESTS_S, OPS_S, LAYER_S, TRAINING_S, LATENCY_S, PROFILE_S,
-# RECALL_S seconds.
+# COMPARE_S, RECALL_S seconds.
+# compare (docs/performance.md, "Matched-memory comparison"): natsl compare on the 800M recipes (random weights:
+# latency and memory only) at 32K, 64K and 128K, NAtS-L's kept fraction and the presses' budget at 0.125-1, into
+# OUT/compare/; its --time-budget (COMPARE_S - 60) records the points it cannot reach as skipped.
 # recall (docs/recall.md, "The sweep"): the sweep specs of RECALL_SPECS (default sweep_h200_widths.yaml), one
 # runner each, all at once under one CUDA MPS daemon, each with the deadline RECALL_DEADLINE (default
 # RECALL_S - 60) inside the hard cap RECALL_S (default 540, below the call's 600 s); their run folders
@@ -19,7 +22,7 @@
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-bench_results}; export OUT; mkdir -p "$OUT"
-[ $# -gt 0 ] || { echo "usage: bash benchmarks/gpu.sh tests|ops|layer|training|latency|profile|recall|all ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash benchmarks/gpu.sh tests|ops|layer|training|latency|profile|compare|recall|all ..." >&2; exit 2; }
 case " $* " in *" recall "*) [ $# -eq 1 ] || { echo "recall runs alone: one device call of its own" >&2; exit 2; } ;; esac
 
 run() {  # run STAGE CAP COMMAND...: the command under its cap, its log in $OUT/STAGE.log
@@ -95,9 +98,12 @@ stage() {
                 --seq-len 131072 --out "$OUT"
               run profile_decode "${PROFILE_S:-240}" python3 -m benchmarks.profile --recipe 800m_hybrid --inference decode \
                 --seq-len 32768 --out "$OUT" ;;
+    compare)  run compare "${COMPARE_S:-540}" python3 -m natsl.cli.main compare 800m_hybrid 800m_transformer \
+                800m_gdn_hybrid 800m_gdn_swa 800m_gdn --no-quality --context 32768,65536,131072 \
+                --budgets 0.125,0.25,0.5,1 --repeats 2 --time-budget $(( ${COMPARE_S:-540} - 60 )) --no-progress --out "$OUT/compare" ;;
     recall)   recall ;;
-    all)      for s in tests ops layer training latency profile; do stage $s; done ;;
-    *)        echo "unknown stage $1: use tests, ops, layer, training, latency, profile, recall or all" >&2; exit 2 ;;
+    all)      for s in tests ops layer training latency profile compare; do stage $s; done ;;
+    *)        echo "unknown stage $1: use tests, ops, layer, training, latency, profile, compare, recall or all" >&2; exit 2 ;;
   esac
 }
 

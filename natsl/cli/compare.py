@@ -1,4 +1,5 @@
-"""`natsl compare CHECKPOINT...`: quality against measured KV bytes and latency at KV budgets (issue 37)."""
+"""`natsl compare MODEL...`: quality against measured KV bytes and latency at KV budgets (issue 37); a model is
+a checkpoint or a recipe (random weights: latency and memory only)."""
 
 from __future__ import annotations
 
@@ -18,14 +19,29 @@ def parse_fractions(text: str, option: str) -> list[float]:
         raise NatslError(f"{option} {text!r} is not a comma-separated list of numbers; pass e.g. 0.125,0.25,0.5,1") from None
 
 
+def parse_contexts(text: str) -> list[int]:
+    """`--context`: one token count or a comma-separated list of them."""
+    from natsl.errors import NatslError
+
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise NatslError(f"--context {text!r} is not a comma-separated list of token counts; pass e.g. "
+                         "32768,65536,131072") from None
+
+
 @command("compare")
 def compare(
-    checkpoints: List[str] = typer.Argument(..., help="Checkpoint folders (NAtS-L, Transformer, GDN Hybrid, GDN + SWA, "
-                                                        "GDN, Mamba2, NAtS-L on Mamba2)."),
+    models: List[str] = typer.Argument(..., help="Checkpoint folders or recipes (a YAML file or a shipped name such as "
+                                                   "800m_hybrid: random weights, latency and memory only): NAtS-L, "
+                                                   "Transformer, GDN Hybrid, GDN + SWA, GDN, Mamba2, NAtS-L on Mamba2."),
     budgets: str = typer.Option("0.125,0.25,0.5,1", help="KV budgets, fractions of the tokens kept: NAtS-L's forced "
                                                          "kept fraction, the eviction presses' budget."),
     methods: str = typer.Option("snapkv,pyramidkv,adakv", help="KV-eviction presses for full-attention checkpoints."),
-    context: int = typer.Option(4096, help="Tokens prefilled for the KV bytes and latency."),
+    context: str = typer.Option("4096", help="Tokens prefilled for the KV bytes and latency: one count or a comma list "
+                                             "(32768,65536,131072), a table row and a plot row each."),
+    quality: bool = typer.Option(True, "--quality/--no-quality", help="Measure quality (recall, perplexity) of the "
+                                                                     "checkpoints; --no-quality: latency and memory only."),
     recall: bool = typer.Option(True, "--recall/--no-recall", help="Measure recall accuracy (eval-recall's task)."),
     task: Optional[str] = typer.Option(None, help="mqar or passkey (default: the checkpoint's own task)."),
     lengths: Optional[str] = typer.Option(None, help="Recall sequence lengths (default: the training task's)."),
@@ -40,6 +56,8 @@ def compare(
     decode_tokens: int = typer.Option(16, help="Timed decode steps (median)."),
     repeats: int = typer.Option(3, help="Timed prefills (median)."),
     seed: int = typer.Option(0, help="Seed of the samples, forced routes and random prompts."),
+    time_budget: Optional[float] = typer.Option(None, help="Seconds for the whole run, shared by the models as "
+                                                           "bench-latency shares them; later points are recorded as skipped."),
     out: str = typer.Option("compare", help="Folder for compare.json, compare.png and compare.md."),
     device: Optional[str] = typer.Option(None, help="cpu, cuda or cuda:N (default: cuda when available)."),
     dtype: Optional[str] = typer.Option(None, help="fp32, bf16 or fp16 (default: bf16 on CUDA, fp32 on the CPU)."),
@@ -47,7 +65,7 @@ def compare(
     cuda_graphs: bool = typer.Option(True, help="Replay decode steps as CUDA graphs (CUDA only)."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show the progress bar."),
 ) -> None:
-    """Quality (recall, perplexity) against KV bytes and prefill / decode latency, per checkpoint and budget."""
+    """Quality (recall, perplexity) against KV bytes and prefill / decode latency, per model, budget and context."""
     from natsl.atomic import write_json, write_text
     from natsl.cli.eval_ruler import parse_lengths
     from natsl.errors import NatslError
@@ -56,7 +74,9 @@ def compare(
     from natsl.seeding import check_seed
 
     check_seed(seed, "--seed")
-    for name, value in (("--context", context), ("--samples", samples), ("--batch-size", batch_size),
+    contexts = parse_contexts(context)
+    logic.check_contexts(contexts)
+    for name, value in (("--samples", samples), ("--batch-size", batch_size),
                         ("--decode-tokens", decode_tokens), ("--repeats", repeats), ("--windows", windows)):
         if value < 1:
             raise NatslError(f"{name} must be at least 1, got {value}")
@@ -64,22 +84,29 @@ def compare(
         raise NatslError(f"--max-len must be at least 2, got {max_len}")
     if chunk is not None and chunk < 1:
         raise NatslError(f"--chunk must be at least 1, got {chunk}")
-    if not recall and data is None:
-        raise NatslError("nothing measures quality: keep --recall or pass --data for perplexity")
+    if time_budget is not None and not 0 < time_budget < float("inf"):
+        raise NatslError(f"--time-budget must be a positive number of seconds, got {time_budget}")
+    if not quality and data is not None:
+        raise NatslError("--no-quality measures no perplexity: leave out --data, or --no-quality")
+    if quality and not recall and data is None:
+        raise NatslError("nothing measures quality: keep --recall, pass --data for perplexity, or pass --no-quality")
     budget_list = parse_fractions(budgets, "--budgets")
     method_list = [m.strip() for m in methods.split(",") if m.strip()]
     logic.check_budgets(budget_list, method_list)
+    logic.check_sources([logic.resolve_source(m) for m in models], contexts)  # before the output folder is made
     out_dir = prepare_out_dir(out)
     recall_args = {"task": task, "lengths": parse_lengths(lengths) if lengths else None,
                    "pairs": parse_lengths(pairs) if pairs else None, "vocab": None,
-                   "samples": samples, "batch_size": batch_size} if recall else None
+                   "samples": samples, "batch_size": batch_size} if recall and quality else None
     ppl_args = {"data": data, "max_len": max_len, "windows": windows} if data else None
-    result = logic.run_compare(checkpoints, budgets=budget_list, methods=method_list, context=context,
+    json_path = out_dir / "compare.json"
+    result = logic.run_compare(models, budgets=budget_list, methods=method_list, contexts=contexts, quality=quality,
                                recall_args=recall_args, ppl_args=ppl_args, chunk=chunk, decode_tokens=decode_tokens,
                                repeats=repeats, seed=seed, device=device, dtype=dtype, backend=backend,
-                               cuda_graphs=cuda_graphs, progress=progress)
+                               cuda_graphs=cuda_graphs, progress=progress, time_budget_s=time_budget,
+                               on_update=lambda partial: write_json(json_path, partial, indent=1))
     table = logic.format_table(result)
-    json_path = write_json(out_dir / "compare.json", result, indent=1)
+    write_json(json_path, result, indent=1)
     png_path = logic.plot(result, out_dir / "compare.png")
     write_text(out_dir / "compare.md", f"```\n{table}\n```\n")
     print(table)

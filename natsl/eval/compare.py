@@ -1,9 +1,12 @@
-"""`natsl compare`: quality against measured KV memory and latency, for checkpoints at KV budgets.
+"""`natsl compare`: quality against measured KV memory and latency, for models at KV budgets.
 
-Each checkpoint gives one or more variants, by what it is:
+A model is a checkpoint (trained weights) or a recipe (seeded random weights, built as
+`natsl bench-latency --recipe` builds it: natsl.inference.bench.load_model), for the latency and
+memory of models no one has trained (the 800M recipes at 32K-128K). Each gives variants, by what
+it is:
 
-- NAtS-L layers: the router's own choice, and each budget as the kept fraction forced on every
-  NAtS-L layer (natsl.models.routing.force_keep_fraction);
+- NAtS-L layers: the router's own choice (a checkpoint's only), and each budget as the kept
+  fraction forced on every NAtS-L layer (natsl.models.routing.force_keep_fraction);
 - full softmax attention (Transformer, GDN Hybrid): the full cache, and each budget below 1 with
   each KV-eviction press (natsl.inference.evict: SnapKV, PyramidKV, AdaKV), the budget being the
   fraction of tokens kept;
@@ -12,13 +15,15 @@ Each checkpoint gives one or more variants, by what it is:
 
 NAtS-L on a Mamba2 state (and its hybrid with Mamba2 layers) has NAtS-L layers: the first case.
 
-For each variant: quality through the evaluation functions of eval-recall (MQAR / passkey accuracy)
-and eval-ppl (perplexity over `--data`); a press runs them through `EvictingLM` (the cache read
-`chunk` tokens at a time and pressed after each), so the model predicts from its evicted KV. Then
-on the same device, through natsl.inference.bench: one prefill of `context` random tokens (with the
-press after it), the softmax K/V bytes the cache then holds (`kv_bytes`: attention entries, NAtS-L
-softmax memory; `cache_bytes` adds the GDN states and conv tails), prefill seconds and decode ms
-per token over that cache.
+For each variant of a checkpoint: quality through the evaluation functions of eval-recall (MQAR /
+passkey accuracy) and eval-ppl (perplexity over `--data`); a press runs them through `EvictingLM`
+(the cache read `chunk` tokens at a time and pressed after each), so the model predicts from its
+evicted KV. A recipe's random weights predict nothing, so it gets no quality (nor does any model
+with `quality` off). Then, at each context, on the same device, through natsl.inference.bench:
+one prefill of `context` random tokens (with the press after it), the softmax K/V bytes the cache
+then holds (`kv_bytes`: attention entries, NAtS-L softmax memory; `cache_bytes` adds the GDN
+states and conv tails), prefill seconds and decode ms per token over that cache. A press on random
+weights evicts all the same (by random scores), so its bytes and times are those of a trained one.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -51,11 +57,12 @@ class Variant:
         return Press(self.method, self.budget) if self.method in METHODS else None
 
 
-def variants(config, budgets: list[float], methods: list[str]) -> list[Variant]:
-    """The variants of a model of `config` (natsl.config.ModelConfig) at `budgets`."""
+def variants(config, budgets: list[float], methods: list[str], trained: bool = True) -> list[Variant]:
+    """The variants of a model of `config` (natsl.config.ModelConfig) at `budgets`; an untrained
+    model (a recipe) has no router of its own to compare."""
     types = set(config.layer_types())
     if "natsl" in types:
-        return [Variant("router", "natsl", "router")] + \
+        return [Variant("router", "natsl", "router")] * trained + \
             [Variant(f"keep {b:g}", "natsl", "keep_fraction", b) for b in budgets]
     if "attention" in types and config.attn_window:
         return [Variant(f"window {config.attn_window}", "swa", "window", window=config.attn_window)]
@@ -120,56 +127,197 @@ def measure_cost(em: EvalModel, variant: Variant, *, context: int, decode_tokens
     return {key: point[key] for key in ("kv_bytes", "cache_bytes", "prefill_s", "decode_ms", "keep_fraction")}
 
 
-def run_compare(checkpoints: list[str], *, budgets: list[float], methods: list[str], context: int, recall_args=None,
-                ppl_args=None, chunk: int | None = None, decode_tokens: int = 8, repeats: int = 2, seed: int = 0,
-                device=None, dtype=None, backend=None, cuda_graphs: bool = True, progress: bool = True) -> dict:
-    """Every variant of every checkpoint: quality, KV bytes, latency. `recall_args`: dict of
-    recall_grid's task, lengths, pairs, vocab plus samples, batch_size (None: no recall);
-    `ppl_args`: dict of data, max_len, windows, text_key (None: no perplexity)."""
+QUALITY_KEYS = ("recall_accuracy", "recall_points", "ppl", "bits_per_byte")
+
+
+@dataclass
+class Source:
+    """A model to compare: a checkpoint folder (its trained weights) or a recipe (random weights, as
+    `natsl bench-latency --recipe` builds it)."""
+
+    kind: str  # "checkpoint" or "recipe"
+    path: str
+    name: str
+    recipe: object  # natsl.config.Recipe
+
+    @property
+    def trained(self) -> bool:
+        return self.kind == "checkpoint"
+
+
+def resolve_source(path: str) -> Source:
+    """A folder is a checkpoint (or a run folder: its newest step); a YAML file or a shipped recipe's
+    name (800m_hybrid, recall/gdn) is a recipe. Read and checked without building the model."""
+    import natsl
+    from natsl.config import shipped_recipe
+    from natsl.eval.common import checkpoint_name
+    from natsl.runtime import checkpoint_recipe_of
+
+    where = Path(path)
+    if where.is_dir():
+        folder, recipe = checkpoint_recipe_of(path)
+        return Source("checkpoint", path, checkpoint_name(folder), recipe)
+    if where.is_file() or shipped_recipe(where.as_posix()) is not None:
+        recipe = natsl.load_recipe(path)
+        return Source("recipe", path, recipe.name, recipe)
+    raise NatslError(f"{path!r} is neither a checkpoint folder nor a recipe; pass a folder written by `natsl train`, "
+                     "a recipe YAML file or a shipped recipe's name such as 800m_hybrid")
+
+
+def check_contexts(contexts: list[int]) -> None:
+    if not contexts:
+        raise NatslError("--context is empty; pass token counts such as 32768,65536,131072")
+    bad = [c for c in contexts if c < 1]
+    if bad:
+        raise NatslError(f"--context must be at least 1 token, got {bad[0]}")
+
+
+def check_sources(sources: list[Source], contexts: list[int]) -> None:
+    """What would stop a model's measurement, before any model is built."""
+    for source in sources:
+        config = source.recipe.model
+        if "nsa" in config.layer_types():  # its KV bytes and latency need a cache (natsl.models.nsa)
+            raise NatslError(f"{source.name}: {NO_CACHE}; natsl compare cannot measure it yet, leave it out")
+        if max(contexts) > config.max_seq_len:
+            raise NatslError(f"--context {max(contexts)} is beyond {source.name}'s max_seq_len {config.max_seq_len}; "
+                             "pass a shorter --context")
+
+
+def load_source(source: Source, device, dtype, backend, seed: int) -> EvalModel:
+    """The model of `source` in eval mode: a checkpoint as every evaluation loads it, a recipe with
+    seeded random weights through natsl.inference.bench (as bench-latency builds it)."""
+    from natsl.eval.common import load_eval_model
+    from natsl.runtime import pick_backend, pick_device, pick_dtype
+
+    if source.trained:
+        return load_eval_model(source.path, device, dtype, backend)
+    dev = pick_device(device)
+    dt = pick_dtype(dtype, dev)
+    model, _, _ = bench.load_model(bench.BenchModel("recipe", source.path), dev, dt, pick_backend(backend, dev), seed)
+    model.recipe = source.recipe  # as a loaded checkpoint's model carries its recipe (EvalModel.recipe)
+    return EvalModel(model, None, Path(source.path), source.name, dev, dt)
+
+
+def notes(sources: list[Source], plans: list[list[Variant]], quality: bool) -> list[str]:
+    """The lines that say what the numbers are not: no quality, random-weight scores and routes."""
+    lines = []
+    recipes = [s.name for s in sources if not s.trained]
+    if not quality:
+        lines.append("latency and memory only (--no-quality): the quality columns are empty")
+    elif recipes:
+        lines.append(f"latency and memory only for {', '.join(recipes)}: a recipe has random weights, so no quality "
+                     "is measured and its quality columns are empty")
+    pressed = [s.name for s, plan in zip(sources, plans) if not s.trained and any(v.press() for v in plan)]
+    if pressed:
+        lines.append(f"the presses on {', '.join(pressed)} (random weights) still evict to their budget: their "
+                     "scores are random, the KV bytes and times are what count")
+    routed = [s.name for s, plan in zip(sources, plans) if not s.trained and any(v.family == "natsl" for v in plan)]
+    if routed:
+        lines.append(f"{', '.join(routed)}: an untrained router, so each kept fraction is forced by a seeded random "
+                     "mask (no router variant)")
+    return lines
+
+
+def run_compare(models: list[str], *, budgets: list[float], methods: list[str], contexts: list[int],
+                quality: bool = True, recall_args=None, ppl_args=None, chunk: int | None = None, decode_tokens: int = 8,
+                repeats: int = 2, seed: int = 0, device=None, dtype=None, backend=None, cuda_graphs: bool = True,
+                progress: bool = True, time_budget_s: float | None = None, on_update=None) -> dict:
+    """Every variant of every model (checkpoint or recipe) at every context: quality, KV bytes,
+    latency. `recall_args`: dict of recall_grid's task, lengths, pairs, vocab plus samples,
+    batch_size (None: no recall); `ppl_args`: dict of data, max_len, windows, text_key (None: no
+    perplexity); quality is measured on checkpoints only, and not at all when `quality` is false.
+
+    One entry per (model, variant, context), the variant's quality repeated in each. The models are
+    built one at a time; a point that runs out of memory is recorded as such and that variant's
+    longer contexts are skipped. With `time_budget_s`, each model's share is in proportion to its
+    variants (a Transformer's ten press variants against GDN's one), and a model may run until its
+    share and those of the models before it have passed (time one leaves unused goes to the next),
+    its first point as long as the whole budget is not spent; the points after that are recorded
+    as skipped.
+    `on_update(result)` is called after each point (to save it)."""
     from tqdm import tqdm
 
-    from natsl.eval.common import load_eval_model
+    from natsl.provenance import provenance
+    from natsl.runtime import pick_device, pick_dtype
 
     check_budgets(budgets, methods)
-    models = [load_eval_model(path, device, dtype, backend) for path in checkpoints]
-    for em in models:
-        if "nsa" in em.recipe.model.layer_types():  # its KV bytes and latency need a cache (natsl.models.nsa)
-            raise NatslError(f"{em.name}: {NO_CACHE}; natsl compare cannot measure it yet, leave it out")
-        if context > em.recipe.model.max_seq_len:
-            raise NatslError(f"--context {context} is beyond {em.name}'s max_seq_len {em.recipe.model.max_seq_len}; "
-                             "pass a shorter --context")
-    plans = [(em, v) for em in models for v in variants(em.recipe.model, budgets, methods)]
-    rates = bench.measure_rates(models[0].device, models[0].dtype)
-    result = {"device": torch.cuda.get_device_name(models[0].device) if models[0].device.type == "cuda" else "cpu",
-              "dtype": str(models[0].dtype).replace("torch.", ""), "backend": getattr(models[0].model, "backend", None),
-              "context": context, "budgets": budgets, "methods": methods, "seed": seed,
-              "started": time.strftime("%Y-%m-%d %H:%M:%S"), "rates": rates, "entries": []}
-    bar = tqdm(plans, desc="compare", unit="variant", disable=not progress)
-    warmed = set()
-    for em, variant in bar:
-        bar.set_postfix_str(f"{em.name} {variant.label}")
-        recall = ppl = None
-        if recall_args is not None:
-            from natsl.eval.recall import recall_grid
-
-            spec, points = recall_grid(em, recall_args.get("task"), recall_args.get("lengths"),
-                                       recall_args.get("pairs"), recall_args.get("vocab"))
-            recall = (spec, points, recall_args["samples"], recall_args["batch_size"])
-        if ppl_args is not None:
-            ppl = ppl_windows(em, ppl_args)
-        entry = {"checkpoint": str(em.folder), "name": em.name, "parameters": em.model.num_parameters(),
-                 **dataclasses.asdict(variant)}
-        entry.update(measure_quality(em, variant, recall=recall, ppl=ppl, seed=seed,
-                                     chunk=chunk or em.recipe.model.block_size))
-        if id(em) not in warmed:
-            bench.warm_up_model(em.model, min(context, 256), 1, em.device)
-            warmed.add(id(em))
-        entry.update(measure_cost(em, variant, context=context, decode_tokens=decode_tokens, repeats=repeats,
-                                  seed=seed, rates=rates, cuda_graphs=cuda_graphs))
-        result["entries"].append(entry)
+    contexts = sorted(set(contexts))
+    check_contexts(contexts)
+    sources = [resolve_source(m) for m in models]
+    check_sources(sources, contexts)
+    quality = quality and (recall_args is not None or ppl_args is not None)
+    plans = [variants(s.recipe.model, budgets, methods, trained=s.trained) for s in sources]
+    dev = pick_device(device)
+    dt = pick_dtype(dtype, dev)
+    rates = bench.measure_rates(dev, dt)
+    result = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+              "dtype": str(dt).replace("torch.", ""), "backend": None, "contexts": contexts, "budgets": budgets,
+              "methods": methods, "seed": seed, "quality": quality, "notes": notes(sources, plans, quality),
+              "decode_tokens": decode_tokens, "repeats": repeats, "torch": torch.__version__,
+              "provenance": provenance(), "started": time.strftime("%Y-%m-%d %H:%M:%S"), "rates": rates, "entries": []}
+    bar = tqdm(total=sum(len(plan) for plan in plans) * len(contexts), desc="compare", unit="point",
+               disable=not progress)
+    shares = [len(plan) for plan in plans]
+    began = time.monotonic()
+    for index, (source, plan) in enumerate(zip(sources, plans)):
+        deadline = None if time_budget_s is None else began + time_budget_s * sum(shares[:index + 1]) / sum(shares)
+        em = load_source(source, device, dtype, backend, seed)
+        result["backend"] = result["backend"] or getattr(em.model, "backend", None)
+        head = {"checkpoint": str(em.folder), "source": source.kind, "name": em.name,
+                "parameters": em.model.num_parameters()}
+        scores = {}
+        for variant in plan:
+            scores[variant.label] = dict.fromkeys(QUALITY_KEYS)  # null: not measured
+            if quality and source.trained:
+                bar.set_postfix_str(f"{em.name} {variant.label} quality")
+                scores[variant.label].update(variant_quality(em, variant, recall_args, ppl_args, chunk, seed))
+        bench.warm_up_model(em.model, min(contexts[0], 256), 1, em.device)
+        failed, first = {}, True
+        for context in contexts:
+            for variant in plan:
+                bar.set_postfix_str(f"{em.name} {variant.label} @ {context}")
+                entry = {**head, **dataclasses.asdict(variant), "context": context, **scores[variant.label]}
+                if deadline is not None and time.monotonic() > (began + time_budget_s if first else deadline):
+                    failed.setdefault(variant.label, "time budget spent")
+                if variant.label in failed:
+                    entry["error"] = f"skipped: {failed[variant.label]}"
+                else:
+                    try:
+                        entry.update(measure_cost(em, variant, context=context, decode_tokens=decode_tokens,
+                                                  repeats=repeats, seed=seed, rates=rates, cuda_graphs=cuda_graphs))
+                    except NatslError:
+                        raise
+                    except Exception as err:  # noqa: BLE001 - record the point and go on, as bench-latency does
+                        oom = bench.is_oom(err)
+                        first_line = str(err).splitlines()[0] if str(err) else ""
+                        entry["error"] = "out of memory" if oom else f"{type(err).__name__}: {first_line}"
+                        if oom:
+                            failed[variant.label] = "out of memory at a shorter context"
+                        bench.free_memory(em.device)
+                    first = False
+                result["entries"].append(entry)
+                bar.update(1)
+                if on_update is not None:
+                    on_update(result)
+        del em
+        bench.free_memory(dev)
     bar.close()
     result["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     return result
+
+
+def variant_quality(em: EvalModel, variant: Variant, recall_args, ppl_args, chunk, seed: int) -> dict:
+    """measure_quality with the checkpoint's recall grid and perplexity windows."""
+    recall = ppl = None
+    if recall_args is not None:
+        from natsl.eval.recall import recall_grid
+
+        spec, points = recall_grid(em, recall_args.get("task"), recall_args.get("lengths"),
+                                   recall_args.get("pairs"), recall_args.get("vocab"))
+        recall = (spec, points, recall_args["samples"], recall_args["batch_size"])
+    if ppl_args is not None:
+        ppl = ppl_windows(em, ppl_args)
+    return measure_quality(em, variant, recall=recall, ppl=ppl, seed=seed, chunk=chunk or em.recipe.model.block_size)
 
 
 def ppl_windows(em: EvalModel, args: dict):
@@ -185,11 +333,13 @@ def ppl_windows(em: EvalModel, args: dict):
     return wins, args["max_len"]
 
 
-def quality_key(result: dict) -> tuple[str, str, bool]:
-    """(entry key, axis label, higher is better) of the quality the result holds."""
+def quality_key(result: dict) -> tuple[str, str, bool] | None:
+    """(entry key, axis label, higher is better) of the quality the result holds (None: none)."""
     if any(e.get("recall_accuracy") is not None for e in result["entries"]):
         return "recall_accuracy", "recall accuracy", True
-    return "ppl", "perplexity", False
+    if any(e.get("ppl") is not None for e in result["entries"]):
+        return "ppl", "perplexity", False
+    return None
 
 
 def pareto(points: list[tuple[float, float]], higher_better: bool) -> list[tuple[float, float]]:
@@ -202,45 +352,85 @@ def pareto(points: list[tuple[float, float]], higher_better: bool) -> list[tuple
     return front
 
 
+MARKERS = {"natsl": "o", "attention": "s", "swa": "^", "gdn": "D", "mamba2": "P"}
+
+
+def series(entries: list[dict]) -> dict:
+    """Entries grouped into the plotted lines: a model's budgets of one kind (kept fraction, a press)."""
+    kinds = {"keep_fraction": "kept fraction", "router": "router", "full": "full cache", "window": "window"}
+    groups = {}
+    for e in entries:
+        groups.setdefault(f"{e['name']} {kinds.get(e['method'], e['method'] if e['method'] in METHODS else e['family'])}",
+                          []).append(e)
+    return groups
+
+
+def panel(ax, entries: list[dict], x: str, y: str, higher_better: bool, colors: dict) -> None:
+    """y against x, one line per series, the Pareto front (lower x, better y) dashed."""
+    for label, group in series(entries).items():
+        group = sorted(group, key=lambda e: e[x])
+        ax.plot([e[x] for e in group], [e[y] for e in group], marker=MARKERS.get(group[0]["family"], "o"),
+                linestyle="-" if len(group) > 1 else "", color=colors[label], label=label)
+    front = pareto([(e[x], e[y]) for e in entries], higher_better)
+    if front:
+        ax.step([p[0] for p in front], [p[1] for p in front], "k--", where="post", linewidth=1, alpha=0.6,
+                label="Pareto front")
+    positive = [e[x] for e in entries if e[x] > 0]
+    if x == "kv_bytes" and positive:  # symlog keeps GDN's zero bytes on the axis
+        if len(positive) < len(entries):
+            ax.set_xscale("symlog", linthresh=min(positive))
+        else:
+            ax.set_xscale("log")
+    ax.grid(True, alpha=0.3)
+
+
 def plot(result: dict, path):
-    """Quality against KV bytes and against decode latency, one marker per family, the Pareto front dashed."""
+    """One row per context: decode ms and prefill s against KV bytes, and where quality was measured,
+    quality against KV bytes and against decode ms; one marker per family, the Pareto front dashed."""
     from natsl.eval.common import pyplot, save_figure
 
-    key, label, higher = quality_key(result)
     plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
-    markers = {"natsl": "o", "attention": "s", "swa": "^", "gdn": "D", "mamba2": "P"}
-    entries = [e for e in result["entries"] if e.get(key) is not None]
-    for ax, cost, xlabel in ((axes[0], "kv_bytes", "softmax KV bytes at the context"),
-                             (axes[1], "decode_ms", "decode ms per token at the context")):
-        groups = {}
-        for e in entries:
-            groups.setdefault((e["name"], e["method"] if e["method"] in METHODS else e["family"]), []).append(e)
-        for (name, kind), group in groups.items():
-            ax.plot([e[cost] for e in group], [e[key] for e in group], marker=markers.get(group[0]["family"], "o"),
-                    linestyle="-" if len(group) > 1 else "", label=f"{name} {kind}")
-        front = pareto([(e[cost], e[key]) for e in entries], higher)
-        if front:
-            ax.step([p[0] for p in front], [p[1] for p in front], "k--", where="post", linewidth=1, alpha=0.6,
-                    label="Pareto front")
-        if cost == "kv_bytes" and any(e[cost] > 0 for e in entries):
-            ax.set_xscale("symlog", linthresh=max(1, min(e[cost] for e in entries if e[cost] > 0)))
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(label)
-        ax.grid(True, alpha=0.3)
-    axes[0].legend(fontsize=7)
-    fig.suptitle(f"{result['device']}, {result['dtype']}, context {result['context']} tokens", fontsize=9)
+    measured = [e for e in result["entries"] if "error" not in e]
+    quality = quality_key(result)
+    axes_spec = [("kv_bytes", "decode_ms", False, "softmax KV bytes", "decode ms per token"),
+                 ("kv_bytes", "prefill_s", False, "softmax KV bytes", "prefill s")]
+    if quality is not None:
+        key, label, higher = quality
+        axes_spec += [("kv_bytes", key, higher, "softmax KV bytes", label), ("decode_ms", key, higher,
+                                                                            "decode ms per token", label)]
+    contexts = result["contexts"]
+    fig, axes = plt.subplots(len(contexts), len(axes_spec), figsize=(5.2 * len(axes_spec), 4.2 * len(contexts)),
+                             squeeze=False)
+    palette = plt.get_cmap("tab20").colors
+    colors = {label: palette[i % len(palette)] for i, label in enumerate(series(measured))}
+    for row, context in zip(axes, contexts):
+        at = [e for e in measured if e["context"] == context]
+        for ax, (x, y, higher, xlabel, ylabel) in zip(row, axes_spec):
+            panel(ax, [e for e in at if e.get(y) is not None], x, y, higher, colors)
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(ylabel)
+            ax.set_title(f"context {context} tokens", fontsize=9)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    if handles:
+        axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"{result['device']}, {result['dtype']}" + ("" if result.get("quality", True) else
+                                                             ", latency and memory only"), fontsize=9)
     fig.tight_layout()
     return save_figure(fig, path)
 
 
 def format_table(result: dict) -> str:
-    lines = [f"{'checkpoint':<20} {'variant':<16} {'recall':>7} {'ppl':>8} {'KV bytes':>10} {'cache':>10} "
-             f"{'prefill s':>10} {'decode ms':>10}"]
-    lines.append("-" * len(lines[0]))
+    """The notes, then one row per (model, variant, context)."""
+    header = (f"{'model':<20} {'variant':<16} {'context':>8} {'recall':>7} {'ppl':>8} {'KV bytes':>10} {'cache':>10} "
+              f"{'prefill s':>10} {'decode ms':>10}")
+    lines = [f"note: {line}" for line in result.get("notes", [])] + [header, "-" * len(header)]
     for e in result["entries"]:
         recall = "-" if e.get("recall_accuracy") is None else f"{e['recall_accuracy']:.3f}"
         ppl = "-" if e.get("ppl") is None else f"{e['ppl']:.2f}"
-        lines.append(f"{e['name'][:20]:<20} {e['label']:<16} {recall:>7} {ppl:>8} {bench.human_bytes(e['kv_bytes']):>10} "
-                     f"{bench.human_bytes(e['cache_bytes']):>10} {e['prefill_s']:>10.4f} {e['decode_ms']:>10.3f}")
+        row = f"{e['name'][:20]:<20} {e['label']:<16} {e['context']:>8} {recall:>7} {ppl:>8} "
+        if "error" in e:
+            lines.append(row + e["error"])
+        else:
+            lines.append(row + f"{bench.human_bytes(e['kv_bytes']):>10} {bench.human_bytes(e['cache_bytes']):>10} "
+                               f"{e['prefill_s']:>10.4f} {e['decode_ms']:>10.3f}")
     return "\n".join(lines)
