@@ -227,3 +227,44 @@ def test_gpu_realistic_shapes_bf16(case):
 def test_gpu_fp32_against_the_reference():
     inputs, do, d_final = make_inputs(1, 700, 2, 128, 64, seed=53, write_kind="binary")
     check(errors(fast, reference, inputs, do, d_final, route_grad="active"), FP32_TOL, FP32_TOL)
+
+
+# (B, H, G, K, V, l2, skip): the 800M Mamba2 layer (48 heads of 64 over one B/C group of 128, + D x) at
+# batch 1 and 4, and the 800M NAtS-L Mamba2 state (6 heads of K 192 and V 384, L2-normalised q and k)
+DECODE_CASES = {
+    "800m-mamba2-b1": (1, 48, 1, 128, 64, False, True),
+    "800m-mamba2-b4": (4, 48, 1, 128, 64, False, True),
+    "800m-natsl-mamba2": (1, 6, 6, 192, 384, True, False),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("case", sorted(DECODE_CASES))
+def test_gpu_800m_decode_step_bf16(case):
+    """natsl.fast.cached.gla_decode_step (the fused Mamba2 decode step) at the 800M shapes, bf16 inputs
+    and an fp32 state, against its reference twin on the same inputs for 32 tokens in a row (the state
+    carries any error on): the twins round at the same points (to nearest on the GPU), so only the order
+    of the sums and the exp / softplus differ."""
+    from natsl.fast.cached import gla_decode_step as fast_step
+    from natsl.reference.cached import gla_decode_step as reference_step
+
+    B, H, G, K, V, l2, skip = DECODE_CASES[case]
+    gen = torch.Generator().manual_seed(61)
+    A_log = torch.empty(H).uniform_(1.0, 16.0, generator=gen).log().cuda()  # A ~ U(1, 16), as Mamba2's init
+    dt_bias = torch.empty(H).uniform_(-7.0, -2.0, generator=gen).cuda()  # softplus: dt in ~[1e-3, 0.13]
+    D = torch.randn(H, generator=gen).cuda() if skip else None
+    states = [torch.randn(B, H, K, V, generator=gen).cuda() * 0.1 for _ in range(2)]
+    states[1].copy_(states[0])
+    worst = {"o": 0.0, "g": 0.0, "state": 0.0}
+    for _ in range(32):
+        q, k = (torch.randn(B, G * K, generator=gen).cuda().bfloat16() for _ in range(2))
+        v = torch.randn(B, H * V, generator=gen).cuda().bfloat16()
+        a = torch.randn(B, H, generator=gen).cuda().bfloat16()
+        (o_ref, g_ref), (o, g) = (fn(q, k, v, a, A_log, dt_bias, s, D=D, scale=1.0, l2=l2)
+                                  for fn, s in ((reference_step, states[0]), (fast_step, states[1])))
+        assert o.dtype == torch.bfloat16 and o.shape == (B, H, V)
+        worst["o"] = max(worst["o"], rel_rms(o.float(), o_ref.float()))
+        worst["g"] = max(worst["g"], rel_rms(g, g_ref))
+        worst["state"] = max(worst["state"], rel_rms(states[1], states[0]))
+    assert worst["o"] < BF16_TOL[0] and worst["g"] < 1e-5 and worst["state"] < 1e-3, worst

@@ -245,7 +245,7 @@ def test_forced_keep_fraction_full_forward_equals_prefill_and_decode(layout):
         assert torch.equal(r.sum(1).long() * BLOCK, c.kept_len)
 
 
-@pytest.mark.parametrize("layout", ["natsl_hybrid", "gdn_hybrid"])
+@pytest.mark.parametrize("layout", ["natsl_hybrid", "gdn_hybrid", "mamba2", "hybrid_mamba2"])
 def test_decode_step_never_reads_the_device_on_the_host(layout):
     """What a CUDA graph needs: on meta tensors any .item() / int() / bool() of a tensor would raise."""
     config = dataclasses.replace(natsl.load_recipe(RECIPES / "tiny_hybrid.yaml").model, block_size=BLOCK,
@@ -389,6 +389,33 @@ def test_gpu_cuda_graph_decode_equals_eager_decode():
     assert all(torch.equal(a, b) for a, b in zip(logits[True, "kept"], logits[False, "kept"]))
 
 
+@pytest.mark.parametrize("layout", ["mamba2", "natsl_mamba2", "hybrid_mamba2"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_cuda_graph_decode_equals_eager_decode_mamba2(layout):
+    """The Mamba2 layouts' decode step (natsl.fast.cached.gla_decode_step on the fused path) replayed as
+    a CUDA graph gives the eager step's logits: it reads nothing on the host, so capture succeeds."""
+    model = gpu_model(layout, torch.bfloat16)
+    force_keep_fraction(model, 0.5, seed=1)
+    gen = torch.Generator().manual_seed(8)
+    lengths, new = [300, 77], 100
+    sequences = [torch.randint(0, 1024, (n + new,), generator=gen).cuda() for n in lengths]
+    logits, states = {}, {}
+    with torch.no_grad():
+        for graphs in (False, True):
+            cache = model.new_cache(2, max_len=max(lengths) + new)
+            for i, (s, n) in enumerate(zip(sequences, lengths)):
+                model(s[None, :n], cache=cache.slot(i))
+            runner = DecodeRunner(model, cache, cuda_graphs=graphs)
+            logits[graphs] = torch.stack([runner.step(torch.stack([s[n + t] for s, n in zip(sequences, lengths)]))
+                                          for t in range(new)])
+            assert runner.cuda_graphs == graphs and (runner.captures >= 1) == graphs
+            states[graphs] = mamba2_states(cache)
+    torch.testing.assert_close(logits[True].float(), logits[False].float(), rtol=0, atol=1e-2)
+    assert len(states[True]) > 0
+    assert all(torch.equal(a, b) or relative_error(a, b) < 1e-3 for a, b in zip(states[True], states[False]))
+
+
 # -- the fused Triton kernels of the cached paths (natsl.fast.cached), in Triton's interpreter -----
 
 # hybrid_mamba2 holds both Mamba2 mixers and NAtS-L layers on a Mamba2 state: the interpreter's time
@@ -414,6 +441,45 @@ def test_fused_inference_kernels_equal_the_full_forward(layout, monkeypatch, use
         use_switches(force_fused_inference=True)
         got, _ = prefill_then_decode(model, ids, [33])
     assert relative_error(got, full) < 1e-4
+
+
+def mamba2_states(cache) -> list[torch.Tensor]:
+    """The recurrent states of a cache: each Mamba2 (or GDN) layer's, each NAtS-L layer's two."""
+    return [t.clone() for c in cache.layers for t in (getattr(c, "state", None), getattr(c, "state_start", None),
+                                                      getattr(c, "state_run", None)) if t is not None]
+
+
+@pytest.mark.parametrize("layout", ["mamba2", "natsl_mamba2", "hybrid_mamba2"])
+def test_fused_mamba2_decode_equals_the_reference_decode(layout, monkeypatch, use_switches):
+    """The Mamba2 decode step on the fused kernels (natsl.fast.cached.gla_decode_step: in a Mamba2
+    layer after the conv step, dt, g, the SSD step, the read and + D x; in NAtS-L on a Mamba2 state
+    its L2 norms or none, the gates and the step, with D v and without) in Triton's interpreter, against
+    the reference backend's plain decode: logits and every cached state at 1e-4 in fp32, across a
+    block end, with the kernel run once per Mamba2 state, layer and token."""
+    from natsl.ops import fused
+
+    if not torch.cuda.is_available() and not triton_interpreted():
+        pytest.skip("needs CUDA or the Triton interpreter")
+    use_switches(force_decode_gemv=False)  # the products are not under test here (slow in the interpreter)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = tiny_model("reference", **LAYOUTS[layout]).to(device)
+    calls = []
+    kernel = fused.gla_decode_step
+    monkeypatch.setattr(fused, "gla_decode_step", lambda *args, **kw: calls.append(1) or kernel(*args, **kw))
+    ids = torch.randint(0, 1024, (2, BLOCK + 6), generator=torch.Generator().manual_seed(3)).to(device)
+    prompt = BLOCK - 3  # the decoded tokens cross the end of the first block
+    results = {}
+    with torch.no_grad():
+        for on in (False, True):
+            use_switches(force_fused_inference=on)
+            logits, cache = prefill_then_decode(model, ids, [prompt])
+            results[on] = (logits, mamba2_states(cache))
+    (plain, plain_states), (got, got_states) = results[False], results[True]
+    assert relative_error(got, plain) < 1e-4
+    assert len(got_states) == len(plain_states) > 0
+    # (a state of zeros, one that a dropped first block left so, must stay exactly zero)
+    assert all(torch.equal(a, b) or relative_error(a, b) < 1e-4 for a, b in zip(got_states, plain_states))
+    assert len(calls) == (ids.shape[1] - prompt) * len(model.layers)  # every layer holds a Mamba2 state
 
 
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])

@@ -178,6 +178,32 @@ def test_gdn_decode_step_twins_agree():
     assert all(rel_rms(got, want) < TOL for got, want in zip(*reversed(results)))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("G,l2,skip", [(1, False, True), (2, False, False), (4, True, True)])
+def test_gla_decode_step_twins_agree(G, l2, skip, dtype):
+    """Output, log decay and the fp32 state (updated in place) from raw post-conv projections: B/C
+    groups shared by 4, 2 or 1 heads (Mamba2's mixer, NAtS-L's Mamba2 state with its L2 norms), with
+    and without + D x; bf16 inputs round the write x dt, the read and the skip as the reference does."""
+    reference, fast = pair("gla_decode_step")
+    B, H, K, V = 2, 4, 16, 24  # V = 24: a partial V tile
+    q, k = randn(B, G * K, seed=1, dtype=dtype), randn(B, G * K, seed=2, dtype=dtype)
+    v, a = randn(B, H * V, seed=3, dtype=dtype), randn(B, H, seed=4, dtype=dtype)
+    A_log, dt_bias, D = randn(H, seed=5) * 0.5, randn(H, seed=6), randn(H, seed=7)
+    start = randn(B, H, K, V, seed=8)
+    results = []
+    for fn in (reference, fast):
+        state = start.clone()
+        o, g = fn(q, k, v, a, A_log, dt_bias, state, D=D if skip else None, scale=0.7, l2=l2)
+        assert o.dtype == dtype and g.dtype == state.dtype == torch.float32
+        results.append((o, g, state))
+    assert not torch.equal(results[0][2], start)
+    # bf16: the roundings of x dt, the read and the skip may land an ulp apart (2^-8 relative; Triton's
+    # interpreter truncates where the reference and the GPU round to nearest, so there they all lean one way)
+    tol = TOL if dtype == torch.float32 else 2e-2
+    (o_ref, g_ref, s_ref), (o, g, s) = results
+    assert rel_rms(o.float(), o_ref.float()) < tol and rel_rms(g, g_ref) < TOL and rel_rms(s, s_ref) < tol
+
+
 @pytest.mark.parametrize("T", [1, 2, 37])
 def test_conv_chunk_twins_agree(T):
     """A chunk after a cached tail (T below and above the tail's length); the tail is read only."""

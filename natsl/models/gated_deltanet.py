@@ -47,7 +47,7 @@ class GatedDeltaProjections(nn.Module):
     a_min = 0.0  # A ~ U(a_min, 16) at init
     scale = None  # the op's output scale (None: K^-0.5)
     l2_heads = True  # q and k are L2-normalised per head
-    fused_decode = True  # the fused GDN decode kernel applies (natsl.ops.fused.gdn_decode_step)
+    fused_decode = True  # `decode_step` has a fused kernel (a state kind without one sets False)
 
     def __init__(self, config: ModelConfig, device=None):
         super().__init__()
@@ -140,6 +140,13 @@ class GatedDeltaProjections(nn.Module):
     def token_step(self, state, q, k, v, g, beta, fast: bool = False):
         """One decode token of `rule` ([B, H, D] tensors): (o [B,H,V], the new state)."""
         return gdn_token_step(state, q, k, v, g, beta, scale=self.scale, fast=fast)
+
+    def decode_step(self, q, k, v, raw_gates, state):
+        """One decode token from the flat post-conv q, k, v [B, H*D] and the raw gate inputs [B, H] on
+        the fused kernel (natsl.ops.fused.gdn_decode_step): L2 norms, g, beta and the step, the state
+        [B, H, K, V] updated in place. Returns (o [B, H, V], g [B, H] fp32)."""
+        a, b = raw_gates
+        return kernels.gdn_decode_step(q, k, v, a, b, self.A_log, self.dt_bias, state)
 
     def skip(self, o: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The memory's read o [B,T,H,V] plus any direct term of the token's own value (GDN: none)."""

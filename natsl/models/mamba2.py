@@ -78,10 +78,12 @@ class Mamba2(nn.Module):
         `rope` is accepted like every mixer's and unused."""
         b, t, _ = x.shape
         z, xbc, a = self.in_proj(x).split([self.inner, self.conv_dim, self.num_heads], dim=-1)
+        fused = cache is not None and kernels.enabled(self.backend, x.device) and cache.state.dtype == torch.float32
+        if fused and t == 1:
+            return self.decode_fused(z, xbc, a, cache)
         if cache is None:
             xbc, _ = self.conv(xbc)
         else:
-            fused = kernels.enabled(self.backend, x.device) and cache.state.dtype == torch.float32
             xbc, tail = self.conv(xbc, cache.conv[0], fused=fused)
             cache.store_conv([tail])
         xs, B, C = xbc.split([self.inner, self.groups * self.state_size, self.groups * self.state_size], dim=-1)
@@ -104,6 +106,24 @@ class Mamba2(nn.Module):
         y = add_skip(y, xs, self.D).reshape(b, t, self.inner)
         return self.out_proj(gated_input_rms_norm(y, self.norm.weight, self.norm.eps, z))
 
+    def decode_fused(self, z: torch.Tensor, xbc: torch.Tensor, a: torch.Tensor, cache) -> torch.Tensor:
+        """One token [B, 1, ...] of the in_proj's z, xBC and a on the fused kernels: the conv step (its
+        tail shifted in place; a biased conv runs its formula, the kernel has no bias), then dt, g, the
+        SSD step on the cached state (in place), the read and + D x in one kernel, which reads each B/C
+        group for the heads that share it; then the gated norm and out_proj. No host reads."""
+        b = xbc.shape[0]
+        if self.conv.bias is None:
+            xbc = kernels.conv_step(xbc, cache.conv[0], self.conv.weight)
+        else:
+            xbc, tail = self.conv(xbc, cache.conv[0])
+            cache.store_conv([tail])
+        width = self.groups * self.state_size
+        xs, B, C = xbc[:, 0].split([self.inner, width, width], dim=-1)
+        y, _ = kernels.gla_decode_step(C, B, xs, a[:, 0], self.A_log, self.dt_bias, cache.state, D=self.D,
+                                       scale=SSD_SCALE)
+        y = y.reshape(b, 1, self.inner)
+        return self.out_proj(gated_input_rms_norm(y, self.norm.weight, self.norm.eps, z))
+
 
 class Mamba2StateProjections(GatedDeltaProjections):
     """A NAtS-L layer's projections with a Mamba2 (SSD) state in place of the GDN state: the same q, k,
@@ -118,7 +138,6 @@ class Mamba2StateProjections(GatedDeltaProjections):
     gate_names = ("a_proj",)
     merge_groups = {"qkvab": ("q_proj", "k_proj", "v_proj", "a_proj")}  # see natsl.models.merged
     scale = SSD_SCALE
-    fused_decode = False
 
     def __init__(self, config: ModelConfig, device=None):
         super().__init__(config, device=device)
@@ -143,6 +162,13 @@ class Mamba2StateProjections(GatedDeltaProjections):
 
     def token_step(self, state, q, k, v, g, dt, fast: bool = False):
         return gla_token_step(state, q, k, step_values(v, dt), g, scale=self.scale)
+
+    def decode_step(self, q, k, v, raw_gates, state):
+        """`token_step` from the raw projections on the fused kernel (natsl.ops.fused.gla_decode_step),
+        the L2 norms (`l2_heads`), dt and g inside it; the skip stays `skip`'s."""
+        (a,) = raw_gates
+        return kernels.gla_decode_step(q, k, v, a, self.A_log, self.dt_bias, state, scale=self.scale,
+                                       l2=self.l2_heads)
 
     def skip(self, o: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return o if self.D is None else add_skip(o, v, self.D)

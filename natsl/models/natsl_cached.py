@@ -66,10 +66,9 @@ class CachedNAtSL:
 
         # GDN branch: step the running state; without intra-block output read the committed one.
         if raw_gates is not None and c.intra_block_output != "softmax" and self.proj.fused_decode:
-            # As a GDN layer's decode: L2 norms, g, beta and the step in one kernel, state in place.
-            a, b = raw_gates
-            o_run, g_token = kernels.gdn_decode_step(q[:, 0], k[:, 0], v[:, 0], a[:, 0], b[:, 0], self.proj.A_log,
-                                                     self.proj.dt_bias, cache.state_run)
+            # As a GDN or Mamba2 layer's decode: L2 norms, the gates and the step in one kernel, state in place.
+            o_run, g_token = self.proj.decode_step(q[:, 0], k[:, 0], v[:, 0], [r[:, 0] for r in raw_gates],
+                                                   cache.state_run)
             o_la = o_run[:, None]
         else:
             g, beta = gates if gates is not None else self.proj.gates(*raw_gates)

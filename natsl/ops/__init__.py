@@ -7,8 +7,8 @@ practical choice for training or evaluating on a CPU); `backend=None` reads the 
 variable NATSL_BACKEND and otherwise takes `default_backend`.
 
 The ops of the cached paths are modules of this package, one per family: `cached` (GDN token step,
-block commit, cached attention, K/V writes), `fused` (the cached paths' norms, conv steps and GDN
-decode step, and whether they run), `gemv`, `short_conv`, `mix`, `cross_entropy`. Models reach kernels
+block commit, cached attention, K/V writes), `fused` (the cached paths' norms, conv steps, GDN and
+gated-linear decode steps, and whether they run), `gemv`, `short_conv`, `mix`, `cross_entropy`. Models reach kernels
 only here. `TWINS` names every kernel family's reference and fast function; `twin` loads one.
 """
 
@@ -189,6 +189,7 @@ TWINS = {
     "write_kv": ("natsl.reference.cached:write_kv", "natsl.fast.cached:write_kv"),
     "store_blocks": ("natsl.reference.cached:store_blocks", "natsl.fast.cached:store_blocks"),
     "gdn_decode_step": ("natsl.reference.cached:gdn_decode_step", "natsl.fast.cached:gdn_decode_step"),
+    "gla_decode_step": ("natsl.reference.cached:gla_decode_step", "natsl.fast.cached:gla_decode_step"),
     "conv_step": ("natsl.reference.cached:conv_step", "natsl.fast.cached:conv_step"),
     "conv_steps": ("natsl.reference.cached:conv_steps", "natsl.fast.cached:conv_steps"),
     "conv_chunk": ("natsl.reference.cached:conv_chunk", "natsl.fast.cached:conv_chunk"),

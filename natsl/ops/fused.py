@@ -1,7 +1,7 @@
 """The layers' door to the fused Triton kernels of their cached paths (prefill and decode).
 
 The kernels live in `natsl.fast.norms` (norms), `natsl.fast.cached` (short-conv steps, K/V writes,
-the GDN decode step, block stores), `natsl.fast.decode_attention` and `natsl.fast.gemv`; they import Triton only when they
+the GDN and gated-linear decode steps, block stores), `natsl.fast.decode_attention` and `natsl.fast.gemv`; they import Triton only when they
 launch, so re-exporting them here costs nothing at import. This module decides when they run:
 
 - `enabled(backend, device)`: the cached paths of a layer on `backend` use the fused kernels:
@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 
 from natsl.devices import triton_available, triton_interpreted  # noqa: F401  (triton_available: ops.gemv's)
-from natsl.fast.cached import conv_chunk, conv_step, conv_steps, gdn_decode_step, store_blocks, write_kv  # noqa: F401
+from natsl.fast.cached import (conv_chunk, conv_step, conv_steps, gdn_decode_step, gla_decode_step,  # noqa: F401
+                               store_blocks, write_kv)
 from natsl.fast.norms import add_rms_norm, l2_normalize, rms_norm  # noqa: F401
 from natsl import switches
 from natsl.ops import resolve_backend

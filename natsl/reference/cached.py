@@ -5,7 +5,7 @@ explicit mask.
 Everything here works on any device. `gated_delta_step`, `commit_block`, `attend_one` and `write_kv` are
 the reference twins (same signatures) of the fast decode pieces `natsl.fast.gated_delta.gated_delta_step`
 and `commit_block`, `natsl.fast.decode_attention.decode_attention` and `natsl.fast.cached.write_kv`;
-`conv_step`, `conv_steps`, `conv_chunk`, `gdn_decode_step` and `store_blocks` those of the rest of
+`conv_step`, `conv_steps`, `conv_chunk`, `gdn_decode_step`, `gla_decode_step` and `store_blocks` those of the rest of
 `natsl.fast.cached` (natsl.ops.TWINS); `natsl.ops.cached` picks between them. Nothing here but
 `store_blocks` reads a device value on the host, so a decode step built from these functions can be
 captured in a CUDA graph.
@@ -143,6 +143,34 @@ def gdn_decode_step(q, k, v, a, b, A_log, dt_bias, state, *, scale=None):
     g = -up(A_log).exp() * F.softplus(up(a) + up(dt_bias))
     beta = torch.sigmoid(up(b)).to(b.dtype)
     o, new_state = gated_delta_step(q, k, v.reshape(B, H, V), g, beta, state, scale=scale)
+    state.copy_(new_state)
+    return o, g
+
+
+def gla_decode_step(q, k, v, a, A_log, dt_bias, state, *, D=None, scale=None, l2=False):
+    """One gated-linear token (Mamba2's SSD) from the raw post-conv projections, the state updated in place.
+
+    q, k [B, G*K] (Mamba2's C and B: G groups of K, head h reads group h // (H/G)); v [B, H*V] (x);
+    a [B, H] (the dt projection); A_log, dt_bias [H]; state [B, H, K, V] (updated in place); D [H] or
+    None. The layer's gates -- step dt = softplus(a + dt_bias) and log decay g = -exp(A_log) dt, in
+    fp32 -- then `gla_token_step` with the write v dt (rounded to v's dtype) on q, k (L2-normalised
+    first where `l2`), and where D is given the skip + D v (fp32, rounded to the output's dtype).
+    Returns (o [B, H, V] in q's dtype, g [B, H] fp32).
+    """
+    B, H, K, V = state.shape
+    G = q.shape[-1] // K
+    q, k = q.reshape(B, G, K), k.reshape(B, G, K)
+    if l2:
+        q, k = l2_normalize(q), l2_normalize(k)
+    if G != H:
+        q, k = (t.repeat_interleave(H // G, dim=1) for t in (q, k))
+    dt = F.softplus(up(a) + up(dt_bias))
+    g = -up(A_log).exp() * dt
+    x = v.reshape(B, H, V)
+    o, new_state = gla_token_step(state, q, k, (x * dt[..., None]).to(x.dtype), g, scale=scale)
+    if D is not None:
+        wide = torch.promote_types(o.dtype, torch.float32)
+        o = (o.to(wide) + D.to(wide)[:, None] * x.to(wide)).to(o.dtype)
     state.copy_(new_state)
     return o, g
 
