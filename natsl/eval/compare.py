@@ -420,14 +420,16 @@ def plot(result: dict, path):
 
 
 def format_table(result: dict) -> str:
-    """The notes, then one row per (model, variant, context)."""
-    header = (f"{'model':<20} {'variant':<16} {'context':>8} {'recall':>7} {'ppl':>8} {'KV bytes':>10} {'cache':>10} "
+    """The notes, then one row per (model, variant, context); the model column fits the longest name (run
+    folders of one sweep differ only at their ends, so a cut name would hide which is which)."""
+    width = max([20] + [len(e["name"]) for e in result["entries"]])
+    header = (f"{'model':<{width}} {'variant':<16} {'context':>8} {'recall':>7} {'ppl':>8} {'KV bytes':>10} {'cache':>10} "
               f"{'prefill s':>10} {'decode ms':>10}")
     lines = [f"note: {line}" for line in result.get("notes", [])] + [header, "-" * len(header)]
     for e in result["entries"]:
         recall = "-" if e.get("recall_accuracy") is None else f"{e['recall_accuracy']:.3f}"
         ppl = "-" if e.get("ppl") is None else f"{e['ppl']:.2f}"
-        row = f"{e['name'][:20]:<20} {e['label']:<16} {e['context']:>8} {recall:>7} {ppl:>8} "
+        row = f"{e['name']:<{width}} {e['label']:<16} {e['context']:>8} {recall:>7} {ppl:>8} "
         if "error" in e:
             lines.append(row + e["error"])
         else:
