@@ -419,7 +419,7 @@ def test_fused_inference_kernels_equal_the_full_forward(layout, monkeypatch, use
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("fraction", [None, 0.5])
 def test_fused_block_end_equals_the_plain_decode(fraction, compiled, monkeypatch, use_switches):
-    """natsl.models.block_end (the fused path's decode bookkeeping: slots, route, state commit,
+    """natsl.ops.block_end (the fused path's decode bookkeeping: slots, route, state commit,
     kept lengths) against the plain path, with the router and with a fixed keep fraction; across
     two block ends (decoding tokens 57-132: each decoded token is a fused step in the interpreter on a
     CPU); eager and compiled (as on a GPU)."""
