@@ -1,12 +1,14 @@
-"""natsl.fast.gemv (decode-step matrix-vector products) against F.linear, and when
-natsl.models.linear.Linear uses it."""
+"""natsl.fast.gemv (decode-step matrix-vector products) against F.linear, and when its door
+natsl.ops.gemv (through which natsl.models.linear.Linear and the SwiGLU reach it) uses it."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from natsl.devices import triton_interpreted
+from natsl.fast import gemv as kernel
 from natsl.models.linear import Linear
+from natsl.models.mlp import SwiGLU
 from natsl.ops import gemv
 
 
@@ -31,7 +33,7 @@ def test_gemv_equals_f_linear(rows, dtype):
     for N, K in ((37, 5), (130, 100), (300, 1030), (20, 5000)):  # one pass, looped, K beyond one tile
         weight = torch.randn(N, K, generator=gen).to(dev, dtype)
         x = torch.randn(rows, 2 * K, generator=gen).to(dev, dtype)[:, ::2]  # rows are strided
-        got = gemv.linear(x, weight)
+        got = kernel.linear(x, weight)
         want = F.linear(x.float(), weight.float())  # fp32 products of the same inputs
         assert got.shape == (rows, N) and got.dtype == dtype
         # bf16: one rounding of the fp32 sum (< 2^-7 of the largest value; the interpreter truncates)
@@ -51,7 +53,7 @@ def test_gated_gemv_equals_swiglu_then_linear(dtype):
         weight = torch.randn(N, K, generator=gen).to(dev, dtype)
         hidden = (pw.swiglu.__wrapped__(gate.float(), up.float())).to(dtype)  # one rounding
         want = F.linear(hidden.float(), weight.float())
-        got = gemv.linear(gate, weight, up=up)
+        got = kernel.linear(gate, weight, up=up)
         # bf16: the rounding of the product (and of the hidden value: the interpreter truncates)
         assert relative_error(got, want) < (1e-5 if dtype == torch.float32 else 2 ** -6), (rows, N, K)
 
@@ -60,16 +62,16 @@ def test_gemv_keeps_leading_dims():
     dev = device()
     weight = torch.randn(24, 40, device=dev)
     x = torch.randn(2, 1, 40, device=dev)
-    assert gemv.linear(x, weight).shape == (2, 1, 24)
-    assert relative_error(gemv.linear(x, weight), F.linear(x, weight)) < 1e-5
+    assert kernel.linear(x, weight).shape == (2, 1, 24)
+    assert relative_error(kernel.linear(x, weight), F.linear(x, weight)) < 1e-5
 
 
 def test_linear_uses_gemv_only_for_grad_free_decode_sized_inputs(monkeypatch, use_switches):
     dev = device()
     calls = []
-    real = gemv.linear
+    real = gemv.kernel
     use_switches(force_decode_gemv=True)
-    monkeypatch.setattr(gemv, "linear", lambda x, w: calls.append(x.shape) or real(x, w))
+    monkeypatch.setattr(gemv, "kernel", lambda x, w, up=None: calls.append(x.shape) or real(x, w, up=up))
     layer = Linear(40, 24, bias=False, device=dev)
     small = torch.randn(gemv.MAX_ROWS, 1, 40, device=dev)
     large = torch.randn(gemv.MAX_ROWS + 1, 1, 40, device=dev)
@@ -86,6 +88,30 @@ def test_linear_uses_gemv_only_for_grad_free_decode_sized_inputs(monkeypatch, us
     assert len(calls) == 1
 
 
+def test_swiglu_down_product_takes_both_halves_only_on_the_kernel(monkeypatch, use_switches):
+    """natsl.ops.gemv.swiglu_linear: a decode-sized grad-free call reads gate and up on the kernel
+    (no SwiGLU kernel); otherwise the compiled SwiGLU then the product (the training path), with the
+    same values either way."""
+    dev = device()
+    calls = []
+    real = gemv.kernel
+    monkeypatch.setattr(gemv, "kernel", lambda x, w, up=None: calls.append(up is not None) or real(x, w, up=up))
+    torch.manual_seed(2)
+    mlp = SwiGLU(24, 40, device=dev)
+    x = torch.randn(1, 1, 24, device=dev)
+    use_switches(force_decode_gemv=False)
+    with torch.no_grad():
+        plain = mlp(x)
+    assert calls == []
+    use_switches(force_decode_gemv=True)
+    with torch.no_grad():
+        fast = mlp(x)
+    assert calls == [False, False, True]  # gate and up products, then the down product reading both
+    assert relative_error(fast, plain) < 1e-5
+    mlp(x).sum().backward()  # with autograd: cuBLAS, gradients as nn.Linear's
+    assert len(calls) == 3 and mlp.down_proj.weight.grad is not None
+
+
 @pytest.mark.gpu
 def test_gpu_gemv_at_the_800m_shapes():
     """bf16 at the decode products of the 800M models (merged q/k/v/a/b, gate+up, down, o, lm head)."""
@@ -96,7 +122,7 @@ def test_gpu_gemv_at_the_800m_shapes():
         weight = torch.randn(N, K, device="cuda", generator=gen).to(torch.bfloat16) * 0.02
         for rows in (1, 2, 4):
             x = torch.randn(rows, K, device="cuda", generator=gen).to(torch.bfloat16)
-            assert relative_error(gemv.linear(x, weight), F.linear(x.float(), weight.float())) < 2 ** -8, (N, K, rows)
+            assert relative_error(kernel.linear(x, weight), F.linear(x.float(), weight.float())) < 2 ** -8, (N, K, rows)
 
 
 @pytest.mark.gpu
@@ -118,10 +144,10 @@ def test_gpu_pdl_chain_in_a_cuda_graph_equals_plain_launches(monkeypatch, use_sw
 
     def chain():
         h = kernels.rms_norm(x, norm_w, 1e-6)
-        gate, up = gemv.linear(h, w_up).chunk(2, dim=-1)
-        y = gemv.linear(gate.contiguous(), w_down, up=up.contiguous())
+        gate, up = kernel.linear(h, w_up).chunk(2, dim=-1)
+        y = kernel.linear(gate.contiguous(), w_down, up=up.contiguous())
         total, h2 = kernels.add_rms_norm(y, x, norm_w, 1e-6)
-        return total, gemv.linear(h2, w_o)
+        return total, kernel.linear(h2, w_o)
 
     def plain(new_x):
         use_switches(force_decode_pdl=False)

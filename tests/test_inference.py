@@ -308,12 +308,13 @@ def gpu_model(layout, dtype=torch.float32, **changes):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_fast_prefill_and_decode_equal_the_full_forward(layout):
+def test_gpu_fast_prefill_and_decode_equal_the_full_forward(layout, use_switches):
     """Every system on the fast backend in float32. The bound is 1e-2, not the CPU tests' 1e-4: the
     fast GDN kernels multiply fp32 operands on the tensor cores in TF32 (10 mantissa bits;
     natsl/fast/gated_delta), so the prefill's chunked products and the decode's steps round
     differently. The 1e-4 bound of docs/spec.md section 4 is held by the PyTorch backends and the fused decode kernels in
     the interpreter (test_prefill_and_decode_equal_the_full_forward, test_fused_inference_kernels_*)."""
+    use_switches(fused_gla_decode=True)  # the Mamba2 layouts' decode on its fused kernel too
     model = gpu_model(layout)
     ids = torch.randint(0, 1024, (2, 300), generator=torch.Generator().manual_seed(7)).cuda()
     with torch.no_grad():
@@ -392,9 +393,10 @@ def test_gpu_cuda_graph_decode_equals_eager_decode():
 @pytest.mark.parametrize("layout", ["mamba2", "natsl_mamba2", "hybrid_mamba2"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_cuda_graph_decode_equals_eager_decode_mamba2(layout):
+def test_gpu_cuda_graph_decode_equals_eager_decode_mamba2(layout, use_switches):
     """The Mamba2 layouts' decode step (natsl.fast.cached.gla_decode_step on the fused path) replayed as
     a CUDA graph gives the eager step's logits: it reads nothing on the host, so capture succeeds."""
+    use_switches(fused_gla_decode=True)
     model = gpu_model(layout, torch.bfloat16)
     force_keep_fraction(model, 0.5, seed=1)
     gen = torch.Generator().manual_seed(8)
@@ -456,16 +458,17 @@ def test_fused_mamba2_decode_equals_the_reference_decode(layout, monkeypatch, us
     its L2 norms or none, the gates and the step, with D v and without) in Triton's interpreter, against
     the reference backend's plain decode: logits and every cached state at 1e-4 in fp32, across a
     block end, with the kernel run once per Mamba2 state, layer and token."""
-    from natsl.ops import fused
+    from natsl import ops
 
     if not torch.cuda.is_available() and not triton_interpreted():
         pytest.skip("needs CUDA or the Triton interpreter")
-    use_switches(force_decode_gemv=False)  # the products are not under test here (slow in the interpreter)
+    # the products are not under test here (slow in the interpreter); the Mamba2 step's kernel is
+    use_switches(force_decode_gemv=False, fused_gla_decode=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = tiny_model("reference", **LAYOUTS[layout]).to(device)
     calls = []
-    kernel = fused.gla_decode_step
-    monkeypatch.setattr(fused, "gla_decode_step", lambda *args, **kw: calls.append(1) or kernel(*args, **kw))
+    kernel = ops.twin("gla_decode_step", True)  # the fused kernel set reaches it through ops.twin's memory
+    monkeypatch.setitem(ops._LOADED, ("gla_decode_step", True), lambda *args, **kw: calls.append(1) or kernel(*args, **kw))
     ids = torch.randint(0, 1024, (2, BLOCK + 6), generator=torch.Generator().manual_seed(3)).to(device)
     prompt = BLOCK - 3  # the decoded tokens cross the end of the first block
     results = {}
@@ -485,7 +488,7 @@ def test_fused_mamba2_decode_equals_the_reference_decode(layout, monkeypatch, us
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("fraction", [None, 0.5])
 def test_fused_block_end_equals_the_plain_decode(fraction, compiled, monkeypatch, use_switches):
-    """natsl.models.block_end (the fused path's decode bookkeeping: slots, route, state commit,
+    """natsl.ops.block_end (the fused path's decode bookkeeping: slots, route, state commit,
     kept lengths) against the plain path, with the router and with a fixed keep fraction; across
     two block ends (decoding tokens 57-132: each decoded token is a fused step in the interpreter on a
     CPU); eager and compiled (as on a GPU)."""

@@ -23,7 +23,7 @@ spent several times the weights' read time in launch gaps. In prefill the same f
 They compute the same formulas as the modules (fp32 math, the same intermediate roundings to the
 activation dtype) with a different reduction order, so results agree to rounding, not bitwise. The
 full-sequence forward (training) never uses them. Whether the cached paths use them is decided in
-`natsl.ops.fused.enabled`, the layers' only door to these kernels.
+`natsl.ops.kernel_set` (by `natsl.ops.fused.enabled`), the layers' only door to these kernels.
 """
 
 from __future__ import annotations

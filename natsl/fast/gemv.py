@@ -10,8 +10,8 @@ The kernel takes up to 4 rows; `Linear` sends it at most MAX_ROWS. Results agree
 to rounding (fp32 sums in a different order, one rounding to the input dtype). With `up=` it reads
 SwiGLU's two halves and multiplies by silu(gate) * up instead (the decode step's down product).
 
-`natsl.ops.gemv` decides when it runs (`enabled`, `MAX_ROWS`); `natsl.models.linear.Linear` calls it
-through that door for grad-free inputs of <= MAX_ROWS rows.
+`natsl.ops.gemv` decides when it runs (`applies`: grad-free inputs of <= MAX_ROWS rows, `enabled`);
+`natsl.models.linear.Linear` and the SwiGLU reach it only through that door.
 """
 
 from __future__ import annotations

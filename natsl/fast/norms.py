@@ -8,7 +8,7 @@
 Why one kernel: see `natsl.fast.cached` (an fp32 RMSNorm is nine eager kernels in bf16). They compute
 the reference's formulas (fp32 math, one rounding at the end) with a different reduction order, so
 results agree to rounding, not bitwise. Triton is imported only when a kernel launches; whether the
-cached paths use them is decided in `natsl.ops.fused.enabled`.
+cached paths use them is decided in `natsl.ops.kernel_set`.
 """
 
 from __future__ import annotations

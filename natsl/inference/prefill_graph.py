@@ -120,7 +120,7 @@ class PrefillGraphs:
                 and ids.device == self.device and int(cache.positions.lengths[0]) == 0
                 and cache.capacity >= length
                 and _first_tensor(cache).dtype == self.model.embed.weight.dtype
-                and (not self.cuda_graphs or all(block.fused(ids) for block in self.model.layers)))
+                and (not self.cuda_graphs or all(block.kernels(ids.device).fused for block in self.model.layers)))
 
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor, cache) -> torch.Tensor:

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from natsl.config import ModelConfig
-from natsl.ops import fused as kernels
-from natsl.ops.cached import attend_cached, write_kv
+from natsl.ops import kernel_set
+from natsl.ops.cached import attend_cached
 from natsl.models.linear import Linear
 from natsl.models.merged import shared_linear
 from natsl.models.rope import RopeTable, apply_rope
@@ -29,7 +29,7 @@ class SoftmaxAttention(nn.Module):
         self.config = config
         d, nh, hd = config.hidden_size, config.attn_num_heads, config.attn_head_dim
         self.num_heads, self.head_dim = nh, hd
-        self.backend = config.backend  # picks the decode-attention kernel (set_backend changes it)
+        self.backend = config.backend  # picks the decode kernels (set_backend changes it)
         self.q_proj = Linear(d, nh * hd, bias=False, device=device)
         self.k_proj = Linear(d, nh * hd, bias=False, device=device)
         self.v_proj = Linear(d, nh * hd, bias=False, device=device)
@@ -81,7 +81,7 @@ class SoftmaxAttention(nn.Module):
             else:  # absolute positions, or after eviction the end of each head's entries
                 slots = pos[:, None].expand(b, self.num_heads) if cache.kv_len is None else cache.kv_len
                 visible = slots + 1
-            write_kv(cache.k, cache.v, slots, k[:, 0], v[:, 0], fused=kernels.enabled(self.backend, x.device))
+            kernel_set.pick(self.backend, x.device).write_kv(cache.k, cache.v, slots, k[:, 0], v[:, 0])
             o = attend_cached(q, cache.k[:, :, :n], cache.v[:, :, :n], visible, backend=self.backend)
             if cache.kv_len is not None:
                 cache.kv_len.add_(1)

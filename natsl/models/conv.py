@@ -5,7 +5,8 @@ The layer takes an optional `tail`, the last `kernel - 1` inputs before `x`, so 
 token-by-token decoding compute exactly what the full-sequence forward computes. On the fast
 backend the full-sequence forward (training) runs the Triton op natsl.fast.short_conv, forward and
 backward; elsewhere its reference twin natsl.reference.short_conv (compiled on CUDA). The choice is
-made in the door natsl.ops.short_conv.
+made in the door natsl.ops.short_conv; on a cached path the layer's kernel set (natsl.ops.kernel_set)
+tells it whether a chunk after a tail takes the fused kernel.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from natsl.models.pointwise import conv_tail
 from natsl.ops import short_conv
 
 
@@ -38,15 +38,19 @@ class ShortConv(nn.Module):
         if self.bias is not None:  # zeros, as flash-linear-attention's _init_weights sets a Conv1d's bias
             nn.init.zeros_(self.bias)
 
-    def forward(self, x: torch.Tensor, tail: torch.Tensor | None = None, fused: bool = False,
-                valid: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, tail: torch.Tensor | None = None,
+                valid: torch.Tensor | None = None, *, kernels=None):
         """x [B, T, C], tail [B, kernel-1, C] or None (zeros) -> (SiLU(conv(x)) [B, T, C], new tail).
         The new tail is None where no tail was given (the full-sequence forward keeps none).
-        `fused` (cached prefill): the Triton kernel natsl.fast.cached.conv_chunk, where no gradient is
-        wanted (it has no backward). `valid`: a padded prefill call's prompt length (the new tail
-        ends there; natsl.models.pointwise.conv_tail)."""
-        y = short_conv.short_conv_silu(x, self.weight, tail, bias=self.bias, backend=self.backend, fused=fused)
-        return y, None if tail is None else conv_tail(x, tail, valid)
+        `kernels` (a cached path): the layer's kernel set (natsl.ops.kernel_set), which runs a chunk
+        after a tail on the fused kernel or the compiled reference (without one: the compiled reference).
+        `valid`: a padded prefill call's prompt length (the new tail ends there;
+        natsl.ops.short_conv.conv_tail)."""
+        if kernels is not None:
+            y = kernels.short_conv_silu(x, self.weight, tail, bias=self.bias, backend=self.backend)
+        else:
+            y = short_conv.short_conv_silu(x, self.weight, tail, bias=self.bias, backend=self.backend)
+        return y, None if tail is None else short_conv.conv_tail(x, tail, valid)
 
 
 # Whether the q, k and v convs of a GDN projection run as one fast op over the joined q|k|v product

@@ -22,9 +22,9 @@ from natsl.models.conv import ShortConv, joined_conv_fits, joined_conv_silu
 from natsl.models.linear import Linear
 from natsl.models.merged import buffer_product, group_product, joined_product
 from natsl.models.norms import RMSNorm
-from natsl.models.pointwise import gated_rms_norm, gdn_gates, l2_normalize
-from natsl.ops import fused as kernels
-from natsl.ops.cached import gdn_token_step, use_fast
+from natsl.models.pointwise import gdn_gates
+from natsl.ops import kernel_set
+from natsl.ops.cached import gdn_token_step
 
 
 def init_decay(A_log: torch.Tensor, dt_bias: torch.Tensor, a_min: float) -> None:
@@ -47,7 +47,7 @@ class GatedDeltaProjections(nn.Module):
     a_min = 0.0  # A ~ U(a_min, 16) at init
     scale = None  # the op's output scale (None: K^-0.5)
     l2_heads = True  # q and k are L2-normalised per head
-    fused_decode = True  # `decode_step` has a fused kernel (a state kind without one sets False)
+    fused_decode = True  # `decode_step` runs the memory's token step on the kernel set (one kernel on the fused one)
 
     def __init__(self, config: ModelConfig, device=None):
         super().__init__()
@@ -65,15 +65,16 @@ class GatedDeltaProjections(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(h, device=device))
         self.A_log._no_weight_decay = True
         self.dt_bias._no_weight_decay = True
+        self.backend = config.backend  # the token step's (set_backend changes it with the layers')
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         init_decay(self.A_log, self.dt_bias, self.a_min)
 
-    def forward(self, x: torch.Tensor, conv_tails=None, fused: bool = False, positions=None):
+    def forward(self, x: torch.Tensor, conv_tails=None, kernels=None, positions=None):
         """x [B, T, d] -> (q [B,T,H*K], k [B,T,H*K], v [B,T,H*V] post-conv, g [B,T,H] fp32, beta [B,T,H], tails).
         (A Mamba2 state returns its step dt [B,T,H] fp32 in beta's place.)
-        `fused`: the cached path's convs run on the fused inference kernel. `positions` (cached paths):
+        `kernels`: a cached path's kernel set (natsl.ops.kernel_set), which runs its convs. `positions` (cached paths):
         in a padded prefill call the tails end at the prompt and the pads' gates are zero
         (natsl.models.cache.drop_pad_gates)."""
         convs = [self.q_conv, self.k_conv, self.v_conv]
@@ -86,9 +87,9 @@ class GatedDeltaProjections(nn.Module):
         tails = conv_tails or (None, None, None)
         valid = None if positions is None else positions.valid
         q, k, v, *raw_gates = self.linear(x)
-        q, q_tail = self.q_conv(q, tails[0], fused=fused, valid=valid)
-        k, k_tail = self.k_conv(k, tails[1], fused=fused, valid=valid)
-        v, v_tail = self.v_conv(v, tails[2], fused=fused, valid=valid)
+        q, q_tail = self.q_conv(q, tails[0], valid=valid, kernels=kernels)
+        k, k_tail = self.k_conv(k, tails[1], valid=valid, kernels=kernels)
+        v, v_tail = self.v_conv(v, tails[2], valid=valid, kernels=kernels)
         g, beta = self.gates(*raw_gates)
         if valid is not None:
             g, beta = drop_pad_gates(g, beta, positions)
@@ -112,23 +113,22 @@ class GatedDeltaProjections(nn.Module):
         """The a, b projections -> log decay g [B,T,H] (fp32) and write strength beta [B,T,H] (b's dtype)."""
         return gdn_gates(a, b, self.A_log, self.dt_bias)
 
-    def decode_conv(self, x: torch.Tensor, conv_tails):
-        """One token [B, 1, d] -> q, k, v (projection + conv + SiLU with the fused kernel; the cached
-        tails are shifted in place) and the raw gate inputs (a, b) (cached paths only, see
-        natsl.fast.cached)."""
+    def decode_conv(self, x: torch.Tensor, conv_tails, kernels):
+        """One token [B, 1, d] -> q, k, v (projection + conv + SiLU on the kernel set's `conv_steps`; the
+        cached tails are shifted in place) and the raw gate inputs (a, b) (cached paths only)."""
         q, k, v, *raw_gates = self.linear(x)
         q, k, v = kernels.conv_steps([q, k, v], conv_tails, [self.q_conv.weight, self.k_conv.weight,
                                                              self.v_conv.weight])
         return (q, k, v, *raw_gates)
 
-    def split_heads(self, q, k, v, fused: bool = False):
-        """Flat projections -> per-head q, k (L2-normalised) [B,T,H,K] and v [B,T,H,V]."""
+    def split_heads(self, q, k, v, kernels=kernel_set.REFERENCE):
+        """Flat projections -> per-head q, k (L2-normalised by `kernels`, natsl.ops.kernel_set) [B,T,H,K]
+        and v [B,T,H,V]."""
         b, t = q.shape[:2]
         h = self.num_heads
         q, k = q.view(b, t, h, self.k_dim), k.view(b, t, h, self.k_dim)
         if self.l2_heads:
-            norm = kernels.l2_normalize if fused else l2_normalize
-            q, k = norm(q), norm(k)
+            q, k = kernels.l2_normalize(q), kernels.l2_normalize(k)
         return q, k, v.view(b, t, h, self.v_dim)
 
     # -- the linear memory: the op of the full sequence, one decode token, the output's skip term --
@@ -137,14 +137,15 @@ class GatedDeltaProjections(nn.Module):
         """`natsl.ops.gated_delta_rule` on per-head q, k, v and the gates; `options` as there."""
         return ops.gated_delta_rule(q, k, v, g, beta, write, scale=self.scale, **options)
 
-    def token_step(self, state, q, k, v, g, beta, fast: bool = False):
-        """One decode token of `rule` ([B, H, D] tensors): (o [B,H,V], the new state)."""
-        return gdn_token_step(state, q, k, v, g, beta, scale=self.scale, fast=fast)
+    def token_step(self, state, q, k, v, g, beta):
+        """One decode token of `rule` ([B, H, D] tensors): (o [B,H,V], the new state); natsl.ops.cached
+        picks the step's kernel by the backend."""
+        return gdn_token_step(state, q, k, v, g, beta, scale=self.scale, backend=self.backend)
 
-    def decode_step(self, q, k, v, raw_gates, state):
-        """One decode token from the flat post-conv q, k, v [B, H*D] and the raw gate inputs [B, H] on
-        the fused kernel (natsl.ops.fused.gdn_decode_step): L2 norms, g, beta and the step, the state
-        [B, H, K, V] updated in place. Returns (o [B, H, V], g [B, H] fp32)."""
+    def decode_step(self, q, k, v, raw_gates, state, kernels):
+        """One decode token from the flat post-conv q, k, v [B, 1, H*D] and the raw gate inputs [B, 1, H]
+        on the kernel set's gdn_decode_step (natsl.ops.kernel_set; one kernel on the fused set): L2 norms,
+        g, beta and the step, the state [B, H, K, V] updated in place. Returns (o [B, H, V], g [B, H] fp32)."""
         a, b = raw_gates
         return kernels.gdn_decode_step(q, k, v, a, b, self.A_log, self.dt_bias, state)
 
@@ -175,38 +176,30 @@ class GatedDeltaNet(nn.Module):
         return self.output(o, x)
 
     def forward_cached(self, x: torch.Tensor, cache) -> torch.Tensor:
-        """Tokens that follow those in `cache` (a GDNCache): one token steps the state, many run the op from it."""
-        fused = kernels.enabled(self.backend, x.device) and cache.state.dtype == torch.float32
-        if fused and x.shape[1] == 1:
-            # One kernel each for the three convs (tails shifted in place) and for L2 norms + g + beta
-            # + the delta-rule step (state updated in place); then norm * gate in one kernel.
-            p = self.proj
-            q, k, v, a, b = p.decode_conv(x, cache.conv)
-            o, _ = kernels.gdn_decode_step(q[:, 0], k[:, 0], v[:, 0], a[:, 0], b[:, 0],
-                                           p.A_log, p.dt_bias, cache.state)
-            return self.output(o[:, None], x, fused=True)
-        q, k, v, g, beta, tails = self.proj(x, cache.conv, fused=fused, positions=cache.positions)
-        cache.store_conv(tails)
-        q, k, v = self.proj.split_heads(q, k, v, fused=fused)
+        """Tokens that follow those in `cache` (a GDNCache): one token steps the state, many run the op
+        from it; every step on the call's kernel set (natsl.ops.kernel_set)."""
+        kernels = kernel_set.pick(self.backend, x.device, cache.state.dtype)
         if x.shape[1] == 1:
-            o, state = gdn_token_step(cache.state, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
-                                      fast=use_fast(self.backend, x.device))
-            o = o[:, None]
-        else:
-            o, state = ops.gated_delta_rule(q, k, v, g, beta, initial_state=cache.state, output_final_state=True,
-                                            backend=self.backend)
+            # the three convs (tails shifted in place), then L2 norms + g + beta + the delta-rule step
+            # (state updated in place): one kernel each on the fused set
+            p = self.proj
+            q, k, v, a, b = p.decode_conv(x, cache.conv, kernels)
+            o, _ = kernels.gdn_decode_step(q, k, v, a, b, p.A_log, p.dt_bias, cache.state)
+            return self.output(o[:, None], x, kernels)
+        q, k, v, g, beta, tails = self.proj(x, cache.conv, kernels, positions=cache.positions)
+        cache.store_conv(tails)
+        q, k, v = self.proj.split_heads(q, k, v, kernels)
+        o, state = ops.gated_delta_rule(q, k, v, g, beta, initial_state=cache.state, output_final_state=True,
+                                        backend=self.backend)
         cache.state.copy_(state)
-        return self.output(o, x, fused=fused)
+        return self.output(o, x, kernels)
 
-    def output(self, o: torch.Tensor, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
-        """o [B,T,H,V] -> W_o(RMSNorm(o) * silu(W_g x)) (`fused`: norm and gate in one kernel)."""
+    def output(self, o: torch.Tensor, x: torch.Tensor, kernels=kernel_set.REFERENCE) -> torch.Tensor:
+        """o [B,T,H,V] -> W_o(RMSNorm(o) * silu(W_g x)), the norm and gate on `kernels`
+        (natsl.ops.kernel_set: one kernel on the fused set, the compiled formula on the reference set).
+        Inductor's fusion of the formula with its neighbours was as fast in a compiled training step as
+        Triton kernels of its own, so the full-sequence forward keeps the compiled piece."""
         b, t = x.shape[:2]
-        if fused:
-            gate = self.g_proj(x).view(b, t, self.config.num_heads, self.config.head_v_dim)
-            o = kernels.rms_norm(o, self.o_norm.weight, self.o_norm.eps, gate=gate)
-            return self.o_proj(o.reshape(b, t, -1))
         gate = self.g_proj(x).view(b, t, self.config.num_heads, self.config.head_v_dim)
-        # Inductor's fusion of this formula with its neighbours was as fast in a compiled training step
-        # as Triton kernels of its own, so it stays a compiled piece.
-        o = gated_rms_norm(o, self.o_norm.weight, self.o_norm.eps, gate)
+        o = kernels.norm(o, self.o_norm, gate)
         return self.o_proj(o.reshape(b, t, -1))

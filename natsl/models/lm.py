@@ -8,7 +8,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from natsl.config import ModelConfig
-from natsl.ops import fused as kernels
+from natsl.ops import kernel_set
 from natsl.models.attention import SoftmaxAttention
 from natsl.models.conv import ShortConv
 from natsl.models.gated_deltanet import GatedDeltaNet
@@ -38,24 +38,26 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cache=None, rope: RopeTable | None = None) -> torch.Tensor:
         """`rope`: the forward's shared RoPE table (full sequences; the cached paths use positions)."""
-        if cache is not None and self.fused(x):
-            x, pending = self.forward_fused(x, None, cache)
+        if cache is not None:
+            x, pending = self.forward_cached(x, None, cache)
             return x + pending
         x = x + self.mixer(self.mixer_norm(x), cache=cache, rope=rope)
         return x if self.mlp is None else x + self.mlp(self.mlp_norm(x))
 
-    def fused(self, x: torch.Tensor) -> bool:
-        """Whether the cached paths of this block run the fused inference kernels."""
-        return kernels.enabled(getattr(self.mixer, "backend", None), x.device)
+    def kernels(self, device: torch.device) -> kernel_set.Reference:
+        """The kernel set of this block's cached calls (natsl.ops.kernel_set, by its mixer's backend)."""
+        return kernel_set.pick(getattr(self.mixer, "backend", None), device)
 
-    def forward_fused(self, x: torch.Tensor, pending, cache):
-        """The cached paths on the fused kernels, with residual adds deferred into the next norm:
-        (x, pending) stands for the residual stream x + pending (pending None: x). Returns the
-        same kind of pair; every RMSNorm is one kernel, and each add runs in the next norm's kernel."""
-        x, normed = add_then_norm(x, pending, self.mixer_norm)
+    def forward_cached(self, x: torch.Tensor, pending, cache):
+        """The cached paths, with residual adds deferred into the next norm: (x, pending) stands for
+        the residual stream x + pending (pending None: x). Returns the same kind of pair. On the fused
+        kernel set every RMSNorm is one kernel and each add runs in the next norm's kernel; on the
+        reference set the add and the norm module are the full forward's."""
+        kernels = self.kernels(x.device)
+        x, normed = kernels.add_norm(x, pending, self.mixer_norm)
         if self.mlp is None:
             return x, self.mixer(normed, cache=cache)
-        x, normed = add_then_norm(x, self.mixer(normed, cache=cache), self.mlp_norm)
+        x, normed = kernels.add_norm(x, self.mixer(normed, cache=cache), self.mlp_norm)
         return x, self.mlp(normed)
 
 
@@ -63,17 +65,6 @@ def has_mlp(config: ModelConfig, layer_type: str) -> bool:
     """Whether a block of `layer_type` carries the SwiGLU: every block where intermediate_size > 0, but a
     Mamba2 block only with mamba2_mlp (Mamba2's stack and the authors' NAtS-L Mamba2 model have none)."""
     return config.intermediate_size > 0 and (layer_type != "mamba2" or config.mamba2_mlp)
-
-
-def add_then_norm(x: torch.Tensor, residual, norm: RMSNorm):
-    """(x + residual, norm(x + residual)) on the fused kernels: one kernel where the sum keeps x's
-    dtype (residual None: the norm alone)."""
-    if residual is None:
-        return x, kernels.rms_norm(x, norm.weight, norm.eps)
-    if residual.dtype == x.dtype:
-        return kernels.add_rms_norm(x, residual, norm.weight, norm.eps)
-    x = x + residual  # the plain sum would promote: keep its dtype
-    return x, kernels.rms_norm(x, norm.weight, norm.eps)
 
 
 def last_token(x: torch.Tensor, cache) -> torch.Tensor:
@@ -233,21 +224,16 @@ class CausalLM(nn.Module):
         return logits
 
     def _cached_layers(self, input_ids: torch.Tensor, cache, last_only: bool = False) -> torch.Tensor:
-        """Embedding, every layer on its cache, final norm and head. Where the layers run the fused
-        inference kernels, each residual add goes into the next norm's kernel (Block.forward_fused)."""
+        """Embedding, every layer on its cache, final norm and head. Each residual add goes into the
+        next norm (Block.forward_cached: one kernel on the fused kernel set); the final norm takes the
+        last, on the last block's kernel set (every block has the model's backend: set_backend)."""
         x = self.embed(input_ids)
-        if all(block.fused(x) for block in self.layers):
-            pending = None
-            for block, layer_cache in zip(self.layers, cache.layers):
-                x, pending = block.forward_fused(x, pending, layer_cache)
-            if last_only:
-                x, pending = last_token(x, cache), (None if pending is None else last_token(pending, cache))
-            return self.lm_head(add_then_norm(x, pending, self.norm)[1])
+        pending = None
         for block, layer_cache in zip(self.layers, cache.layers):
-            x = block(x, layer_cache)
+            x, pending = block.forward_cached(x, pending, layer_cache)
         if last_only:
-            x = last_token(x, cache)
-        return self.lm_head(self.norm(x))
+            x, pending = last_token(x, cache), (None if pending is None else last_token(pending, cache))
+        return self.lm_head(self.layers[-1].kernels(x.device).add_norm(x, pending, self.norm)[1])
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())

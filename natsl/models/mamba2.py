@@ -25,7 +25,7 @@ from natsl.models.gated_deltanet import GatedDeltaProjections, init_decay
 from natsl.models.linear import Linear
 from natsl.models.norms import RMSNorm
 from natsl.models.pointwise import gated_input_rms_norm, mamba2_gates
-from natsl.ops import fused as kernels
+from natsl.ops import kernel_set
 from natsl.ops.cached import gla_token_step
 
 MAMBA2_A_MIN = 1.0  # A ~ U(1, 16) (mamba_ssm's A_init_range)
@@ -78,13 +78,13 @@ class Mamba2(nn.Module):
         `rope` is accepted like every mixer's and unused."""
         b, t, _ = x.shape
         z, xbc, a = self.in_proj(x).split([self.inner, self.conv_dim, self.num_heads], dim=-1)
-        fused = cache is not None and kernels.enabled(self.backend, x.device) and cache.state.dtype == torch.float32
-        if fused and t == 1:
-            return self.decode_fused(z, xbc, a, cache)
         if cache is None:
             xbc, _ = self.conv(xbc)
         else:
-            xbc, tail = self.conv(xbc, cache.conv[0], fused=fused)
+            kernels = kernel_set.pick(self.backend, x.device, cache.state.dtype)
+            if t == 1:
+                return self.decode(z, xbc, a, cache, kernels)
+            xbc, tail = self.conv(xbc, cache.conv[0], kernels=kernels)
             cache.store_conv([tail])
         xs, B, C = xbc.split([self.inner, self.groups * self.state_size, self.groups * self.state_size], dim=-1)
         xs = xs.view(b, t, self.num_heads, self.head_dim)
@@ -95,10 +95,6 @@ class Mamba2(nn.Module):
         v = step_values(xs, dt)
         if cache is None:
             y, _ = ops.gated_linear_rule(C, B, v, g, scale=SSD_SCALE, backend=self.backend)
-        elif t == 1:
-            y, state = gla_token_step(cache.state, C[:, 0], B[:, 0], v[:, 0], g[:, 0], scale=SSD_SCALE)
-            cache.state.copy_(state)
-            y = y[:, None]
         else:
             y, state = ops.gated_linear_rule(C, B, v, g, scale=SSD_SCALE, initial_state=cache.state,
                                              output_final_state=True, backend=self.backend)
@@ -106,20 +102,21 @@ class Mamba2(nn.Module):
         y = add_skip(y, xs, self.D).reshape(b, t, self.inner)
         return self.out_proj(gated_input_rms_norm(y, self.norm.weight, self.norm.eps, z))
 
-    def decode_fused(self, z: torch.Tensor, xbc: torch.Tensor, a: torch.Tensor, cache) -> torch.Tensor:
-        """One token [B, 1, ...] of the in_proj's z, xBC and a on the fused kernels: the conv step (its
-        tail shifted in place; a biased conv runs its formula, the kernel has no bias), then dt, g, the
-        SSD step on the cached state (in place), the read and + D x in one kernel, which reads each B/C
-        group for the heads that share it; then the gated norm and out_proj. No host reads."""
+    def decode(self, z: torch.Tensor, xbc: torch.Tensor, a: torch.Tensor, cache, kernels) -> torch.Tensor:
+        """One token [B, 1, ...] of the in_proj's z, xBC and a on the kernel set `kernels`
+        (natsl.ops.kernel_set): the conv step (its tail shifted in place; a biased conv runs its formula,
+        the fused step has no bias), then dt, g, the SSD step on the cached state (in place), the read and
+        + D x (one kernel on the fused set, which reads each B/C group for the heads that share it); then
+        the gated norm and out_proj. No host reads."""
         b = xbc.shape[0]
         if self.conv.bias is None:
-            xbc = kernels.conv_step(xbc, cache.conv[0], self.conv.weight)
+            (xbc,) = kernels.conv_steps([xbc], [cache.conv[0]], [self.conv.weight])
         else:
-            xbc, tail = self.conv(xbc, cache.conv[0])
+            xbc, tail = self.conv(xbc, cache.conv[0], kernels=kernels)
             cache.store_conv([tail])
         width = self.groups * self.state_size
-        xs, B, C = xbc[:, 0].split([self.inner, width, width], dim=-1)
-        y, _ = kernels.gla_decode_step(C, B, xs, a[:, 0], self.A_log, self.dt_bias, cache.state, D=self.D,
+        xs, B, C = xbc.split([self.inner, width, width], dim=-1)
+        y, _ = kernels.gla_decode_step(C, B, xs, a, self.A_log, self.dt_bias, cache.state, D=self.D,
                                        scale=SSD_SCALE)
         y = y.reshape(b, 1, self.inner)
         return self.out_proj(gated_input_rms_norm(y, self.norm.weight, self.norm.eps, z))
@@ -160,12 +157,13 @@ class Mamba2StateProjections(GatedDeltaProjections):
     def rule(self, q, k, v, g, dt, write=None, **options):
         return ops.gated_linear_rule(q, k, step_values(v, dt), g, write, scale=self.scale, **options)
 
-    def token_step(self, state, q, k, v, g, dt, fast: bool = False):
+    def token_step(self, state, q, k, v, g, dt):
         return gla_token_step(state, q, k, step_values(v, dt), g, scale=self.scale)
 
-    def decode_step(self, q, k, v, raw_gates, state):
-        """`token_step` from the raw projections on the fused kernel (natsl.ops.fused.gla_decode_step),
-        the L2 norms (`l2_heads`), dt and g inside it; the skip stays `skip`'s."""
+    def decode_step(self, q, k, v, raw_gates, state, kernels):
+        """`token_step` from the raw projections q, k, v [B, 1, H*D] and the gate input [B, 1, H] on the
+        kernel set's gla_decode_step (natsl.ops.kernel_set; one kernel on the fused set): the L2 norms
+        (`l2_heads`), dt, g and the step, state [B, H, K, V] in place; the skip stays `skip`'s."""
         (a,) = raw_gates
         return kernels.gla_decode_step(q, k, v, a, self.A_log, self.dt_bias, state, scale=self.scale,
                                        l2=self.l2_heads)

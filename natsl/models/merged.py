@@ -5,7 +5,7 @@ matrix-vector product of a few MB, too small to keep the GPU's memory system bus
 products took several times their weights' read time in an 800M decode step). `merge_(module)` re-points the weights of each group a module names in its `merge_groups`
 attribute (q, k, v, a, b of a GDN layer; q, k, v of attention; gate and up of SwiGLU) into one
 contiguous buffer, as views, so the parameters, their names and the checkpoint layout stay as they are; `shared_linear` then runs a
-group as one product (on the GEMV kernel of natsl.fast.gemv where that is on) and splits the result. The merged product is used only without autograd (the
+group as one product (through natsl.ops.gemv.linear: its GEMV kernel where that applies) and splits the result. The merged product is used only without autograd (the
 buffer is not a parameter) and only for inputs of at most `MERGE_MAX_ROWS` rows (decode steps):
 a 128K prefill keeps one product per weight, as cuBLAS runs the separate, 128-aligned widths
 (1152, 2304, ...) faster than one 6924-wide product followed by strided splits
@@ -20,7 +20,8 @@ from torch import nn
 
 from natsl import switches
 from natsl.errors import NatslError
-from natsl.models.linear import ALIGN_ROWS, linear
+from natsl.models.linear import ALIGN_ROWS
+from natsl.ops.gemv import linear
 
 
 # Inputs with more rows than this (batch x tokens) run one product per weight.

@@ -6,9 +6,8 @@ import torch
 from torch import nn
 
 from natsl.ops import gemv
-from natsl.models.linear import Linear, decode_sized
+from natsl.models.linear import Linear
 from natsl.models.merged import shared_linear
-from natsl.models.pointwise import swiglu
 
 
 class SwiGLU(nn.Module):
@@ -22,7 +21,5 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = shared_linear(self, "gate_up", x)
-        if decode_sized(gate, self.down_proj):
-            # a decode step: the down product computes silu(gate) * up as it reads (no SwiGLU kernel)
-            return gemv.linear(gate, self.down_proj.weight, up=up)
-        return self.down_proj(swiglu(gate, up))
+        # a decode step's down product forms silu(gate) * up as it reads the weight (natsl.ops.gemv)
+        return gemv.swiglu_linear(gate, up, self.down_proj.weight, self.down_proj.bias)

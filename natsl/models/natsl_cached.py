@@ -15,11 +15,10 @@ import torch
 
 from natsl import ops
 from natsl.models import overlap
-from natsl.models.block_end import close_block, decode_slots
 from natsl.models.cache import real_tokens
-from natsl.models.routing import KeepFraction
-from natsl.ops import fused as kernels
-from natsl.ops.cached import attend_cached, commit_state, masked_attention, read_state, use_fast, write_kv
+from natsl.ops import kernel_set
+from natsl.ops.block_end import decode_slots
+from natsl.ops.cached import attend_cached, commit_state, masked_attention, read_state
 from natsl.reference.router import router_scores, straight_through_route
 
 
@@ -38,43 +37,36 @@ class CachedNAtSL:
         return keep, 1 - keep
 
     def forward_cached(self, x: torch.Tensor, cache) -> torch.Tensor:
-        """Tokens that follow those in `cache` (a NAtSLCache): decode when positions.start is None."""
-        fused = kernels.enabled(self.backend, x.device) and cache.state_run.dtype == torch.float32
-        if fused and cache.positions.start is None:
-            q, k, v, *raw_gates = self.proj.decode_conv(x, cache.conv)  # tails shifted in place
-            o_la, o_nla = self._decode(x, q, k, v, cache, raw_gates=raw_gates, fused=True)
+        """Tokens that follow those in `cache` (a NAtSLCache): decode when positions.start is None;
+        every step on the call's kernel set (natsl.ops.kernel_set)."""
+        kernels = kernel_set.pick(self.backend, x.device, cache.state_run.dtype)
+        if cache.positions.start is None:
+            q, k, v, *raw_gates = self.proj.decode_conv(x, cache.conv, kernels)  # tails shifted in place
+            o_la, o_nla = self._decode(x, q, k, v, cache, raw_gates, kernels)
         else:
-            q, k, v, g, beta, tails = self.proj(x, cache.conv, fused=fused, positions=cache.positions)
+            q, k, v, g, beta, tails = self.proj(x, cache.conv, kernels, positions=cache.positions)
             cache.store_conv(tails)
-            if cache.positions.start is None:
-                o_la, o_nla = self._decode(x, q, k, v, cache, gates=(g, beta), fused=fused)
-            else:
-                o_la, o_nla = self._prefill(x, q, k, v, g, beta, cache, cache.positions.start, fused)
+            o_la, o_nla = self._prefill(x, q, k, v, g, beta, cache, cache.positions.start, kernels)
         o_la = self.proj.skip(o_la, v.view(o_la.shape))
         return self.mix(o_la, o_nla, q, x)
 
-    def _decode(self, x, q, k, v, cache, gates=None, raw_gates=None, fused: bool = False):
+    def _decode(self, x, q, k, v, cache, raw_gates, kernels):
         """One token per sequence, each at its own position; no host reads (CUDA-graph safe).
-        `gates` = (g, beta), or `raw_gates` = the gate projections (fused kernels only)."""
+        `raw_gates`: the gate projections of the token."""
         c = self.config
         C = c.block_size
         pos = cache.positions.pos  # [B]: this token's position
-        fast = use_fast(self.backend, x.device)
-        override = self.route_override
-        # The block-end bookkeeping in a few compiled kernels (natsl.models.block_end)?
-        compiled_end = fused and (override is None or isinstance(override, KeepFraction))
 
         # GDN branch: step the running state; without intra-block output read the committed one.
-        if raw_gates is not None and c.intra_block_output != "softmax" and self.proj.fused_decode:
-            # As a GDN or Mamba2 layer's decode: L2 norms, the gates and the step in one kernel, state in place.
-            o_run, g_token = self.proj.decode_step(q[:, 0], k[:, 0], v[:, 0], [r[:, 0] for r in raw_gates],
-                                                   cache.state_run)
+        if c.intra_block_output != "softmax" and self.proj.fused_decode:
+            # As a GDN or Mamba2 layer's decode: L2 norms, the gates and the step (one kernel on the fused
+            # set), the state in place.
+            o_run, g_token = self.proj.decode_step(q, k, v, raw_gates, cache.state_run, kernels)
             o_la = o_run[:, None]
         else:
-            g, beta = gates if gates is not None else self.proj.gates(*raw_gates)
-            ql, kl, vl = self.proj.split_heads(q, k, v, fused=fused)
-            o_run, run = self.proj.token_step(cache.state_run, ql[:, 0], kl[:, 0], vl[:, 0], g[:, 0], beta[:, 0],
-                                              fast=fast)
+            g, beta = self.proj.gates(*raw_gates)
+            ql, kl, vl = self.proj.split_heads(q, k, v, kernels)
+            o_run, run = self.proj.token_step(cache.state_run, ql[:, 0], kl[:, 0], vl[:, 0], g[:, 0], beta[:, 0])
             cache.state_run.copy_(run)
             g_token = g[:, 0]
             if c.intra_block_output != "softmax":
@@ -86,38 +78,20 @@ class CachedNAtSL:
                         * read_state(cache.state_start, ql, scale=self.proj.scale)).to(x.dtype)
 
         # Softmax branch: the token's K/V go after its group's kept blocks and its block's earlier tokens.
-        qs, ks, vs = self.softmax_views(q, k, v, positions=pos[:, None], fused=fused)
+        qs, ks, vs = self.softmax_views(q, k, v, positions=pos[:, None], kernels=kernels)
         # "gdn" intra-block output: the own block is GDN-only, the query reads the kept blocks alone
         slots, visible = decode_slots(cache.kept_len, pos, self.groups, C, c.intra_block_output != "gdn")
-        write_kv(cache.k_mem, cache.v_mem, slots, ks[:, 0], vs[:, 0], fused=fused)
+        kernels.write_kv(cache.k_mem, cache.v_mem, slots, ks[:, 0], vs[:, 0])
         n = cache.positions.natsl_read
         o_nla = attend_cached(qs, cache.k_mem[:, :, :n], cache.v_mem[:, :, :n], visible, backend=self.backend)
 
         # Block end (where the token's offset is C-1): route on the block mean, commit the state, keep
         # or drop the KV; first the token's decay joins its block's sum (unless read above).
-        if compiled_end:
-            close_block(cache.x_sum, x[:, 0], pos, self.router.weight, cache.state_start, cache.state_run,
-                        cache.decay_sum, cache.kept_len, C, c.decay_skipped_blocks,
-                        None if override is None else override.fraction, 0 if override is None else override.seed,
-                        g_token)
-            return o_la, o_nla
-        if g_token is not None:
-            cache.decay_sum.add_(g_token)
-        cache.x_sum.add_(x[:, 0].to(cache.x_sum.dtype))
-        done = pos % C == C - 1
-        keep, write = self.decide_routes(cache.x_sum[:, None], C, (pos // C)[:, None])
-        keep, write = keep[:, 0], write[:, 0]
-        committed = commit_state(cache.state_start, cache.state_run, cache.decay_sum, write,
-                                 c.decay_skipped_blocks, fast=fast)
-        at_end = done[:, None, None, None]
-        cache.state_start.copy_(torch.where(at_end, committed, cache.state_start))
-        cache.state_run.copy_(torch.where(at_end, committed, cache.state_run))
-        cache.kept_len.add_(C * keep.long() * done[:, None])
-        cache.decay_sum.masked_fill_(done[:, None], 0)
-        cache.x_sum.masked_fill_(done[:, None], 0)
+        kernels.close_block(cache, x[:, 0], pos, self.router.weight, self.route_override, self.decide_routes, C,
+                            c.decay_skipped_blocks, g_token)
         return o_la, o_nla
 
-    def _prefill(self, x, q, k, v, g, beta, cache, start: int, fused: bool = False):
+    def _prefill(self, x, q, k, v, g, beta, cache, start: int, kernels):
         """T tokens for sequences that all stand at `start`, in up to three block-aligned pieces:
         `head` finishes the block in progress, `full` whole blocks, `tail` starts the next one."""
         c = self.config
@@ -132,7 +106,6 @@ class CachedNAtSL:
             # the prompt's unfinished one, run as a tail (its pads have zero gates: drop_pad_gates)
             full, tail = full - 1, C
         closes_head = n > 0 and n + head == C
-        fast = use_fast(self.backend, x.device)
 
         # Routes of the blocks this call completes (relative block 0 is the one holding token 0).
         acc = cache.x_sum.dtype
@@ -152,10 +125,10 @@ class CachedNAtSL:
         side = overlap.side_stream(x, T)
         with overlap.running_on(side):
             o_la, s_start, s_run, decay = self._prefill_gdn(x, q, k, v, g, beta, cache, head, full, tail,
-                                                            closes_head, write, fast, fused)
+                                                            closes_head, write, kernels)
 
         # Softmax branch: attention first (it reads the cached block), then the KV goes into the memory.
-        qs, ks, vs = self.softmax_views(q, k, v, start=start, fused=fused)
+        qs, ks, vs = self.softmax_views(q, k, v, start=start, kernels=kernels)
         if start == 0:
             nb = -(-T // C)
             keep_all = torch.ones(B, nb, self.num_heads, dtype=x.dtype, device=x.device)
@@ -165,7 +138,7 @@ class CachedNAtSL:
                                          intra_block=c.intra_block_output != "gdn")
         else:
             o_nla = self._attend_after_prefix(qs, ks, vs, cache, n, keep)
-        self._store_kv(ks, vs, cache, n, keep, fused)
+        self._store_kv(ks, vs, cache, n, keep, kernels)
         overlap.join(side, x.device)
 
         # Commit the new states and the router's running sum of the unfinished block (pads left out).
@@ -182,13 +155,13 @@ class CachedNAtSL:
         return o_la, o_nla
 
     def _prefill_gdn(self, x, q, k, v, g, beta, cache, head: int, full: int, tail: int, closes_head: bool, write,
-                     fast: bool, fused: bool):
+                     kernels):
         """The GDN branch of `_prefill` over its head / full / tail pieces: (o_la, the committed
         state, the running state, the running decay sum), the cache itself untouched."""
         c = self.config
         C = c.block_size
         T = x.shape[1]
-        ql, kl, vl = self.proj.split_heads(q, k, v, fused=fused)
+        ql, kl, vl = self.proj.split_heads(q, k, v, kernels)
         intra = c.intra_block_output != "softmax"
         rule = dict(block_size=C, decay_skipped_blocks=c.decay_skipped_blocks, backend=self.backend,
                     output_final_state=True)
@@ -204,7 +177,7 @@ class CachedNAtSL:
                 o = (cumulative.exp()[..., None] * read_state(s_start, ql[:, piece], scale=self.proj.scale)).to(x.dtype)
             outs.append(o)
             if closes_head:
-                s_start = commit_state(s_start, s_run, decay, write[:, 0], c.decay_skipped_blocks, fast=fast)
+                s_start = commit_state(s_start, s_run, decay, write[:, 0], c.decay_skipped_blocks, backend=self.backend)
                 s_run, decay = s_start, torch.zeros_like(decay)
         if full:
             piece = slice(head, head + full * C)
@@ -259,11 +232,12 @@ class CachedNAtSL:
             outputs.append(masked_attention(qs[:, t0:t0 + len(t)], keys, values, mask))
         return torch.cat(outputs, dim=1)
 
-    def _store_kv(self, ks, vs, cache, n: int, keep, fused: bool = False) -> None:
+    def _store_kv(self, ks, vs, cache, n: int, keep, kernels) -> None:
         """Write the new tokens' K/V into the compacted memory: tokens of kept blocks and of the
-        unfinished block, each at its group's kept length + C * (kept blocks before it) + offset."""
+        unfinished block, each at its group's kept length + C * (kept blocks before it) + offset
+        (the kernel set's `store_blocks`)."""
         C = self.config.block_size
-        B, T = ks.shape[:2]
+        B = ks.shape[0]
         device = ks.device
         keep_heads = self._keep_per_head(keep, B, device)  # [B, completed + 1, heads]
         completed = keep_heads.shape[1] - 1
@@ -271,18 +245,9 @@ class CachedNAtSL:
         kept = keep_heads.long().transpose(1, 2)
         kept_before = (kept.cumsum(-1) - kept).transpose(1, 2)
         kept0 = cache.kept_len.repeat_interleave(self.groups, dim=1)  # [B, heads]
-        if fused:  # block by block, one kernel per tensor, no host sync
-            blocks = torch.arange(completed + 1, device=device)
-            valid_blocks = keep_heads | (blocks >= completed)[None, :, None]
-            kernels.store_blocks(ks, cache.k_mem, valid_blocks, kept_before, kept0, n, C)
-            kernels.store_blocks(vs, cache.v_mem, valid_blocks, kept_before, kept0, n, C)
-        else:
-            position = n + torch.arange(T, device=device)
-            rel, offset = position // C, position % C
-            dest = kept0[:, None, :] + C * kept_before[:, rel] + offset[None, :, None]  # [B, T, heads]
-            valid = keep_heads[:, rel] | (rel >= completed)[None, :, None]
-            b, t, h = valid.nonzero(as_tuple=True)
-            cache.k_mem[b, h, dest[b, t, h]] = ks[b, t, h].to(cache.k_mem.dtype)
-            cache.v_mem[b, h, dest[b, t, h]] = vs[b, t, h].to(cache.v_mem.dtype)
+        blocks = torch.arange(completed + 1, device=device)
+        valid_blocks = keep_heads | (blocks >= completed)[None, :, None]  # kept, or the unfinished block
+        kernels.store_blocks(ks, cache.k_mem, valid_blocks, kept_before, kept0, n, C)
+        kernels.store_blocks(vs, cache.v_mem, valid_blocks, kept_before, kept0, n, C)
         if keep is not None:
             cache.kept_len.add_(C * (keep > 0.5).long().sum(1))

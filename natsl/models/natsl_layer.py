@@ -33,7 +33,7 @@ from natsl.models.mamba2 import Mamba2StateProjections
 from natsl.models.natsl_cached import CachedNAtSL
 from natsl.models.norms import RMSNorm
 from natsl.models.rope import RopeTable, apply_rope
-from natsl.ops import fused as kernels
+from natsl.ops import kernel_set
 from natsl.ops import mix as mix_door
 from natsl.reference.router import block_mean, route_blocks, router_scores, straight_through_route
 
@@ -109,19 +109,16 @@ class NAtSL(CachedNAtSL, nn.Module):
         return m[..., 0], m[..., 1]
 
     def softmax_views(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int = 0,
-                      positions: torch.Tensor | None = None, fused: bool = False, rope: RopeTable | None = None):
-        """Flat post-conv q, k, v -> softmax-branch heads [B, T, H*R, K/R or V/R] (normed, RoPE at
-        positions start..start+T-1, or at `positions` [B, T], one row per sequence; or from the
-        shared table `rope`, positions 0..T-1)."""
+                      positions: torch.Tensor | None = None, kernels=kernel_set.REFERENCE,
+                      rope: RopeTable | None = None):
+        """Flat post-conv q, k, v -> softmax-branch heads [B, T, H*R, K/R or V/R] (normed on `kernels`,
+        natsl.ops.kernel_set; RoPE at positions start..start+T-1, or at `positions` [B, T], one row per
+        sequence; or from the shared table `rope`, positions 0..T-1)."""
         b, t = q.shape[:2]
         c = self.config
         qv = q.view(b, t, self.softmax_heads, c.softmax_k_dim)
         kv = k.view(b, t, self.softmax_heads, c.softmax_k_dim)
-        if fused:
-            qs = kernels.rms_norm(qv, self.q_norm.weight, self.q_norm.eps)
-            ks = kernels.rms_norm(kv, self.k_norm.weight, self.k_norm.eps)
-        else:
-            qs, ks = self.q_norm(qv), self.k_norm(kv)
+        qs, ks = kernels.norm(qv, self.q_norm), kernels.norm(kv, self.k_norm)
         vs = v.view(b, t, self.softmax_heads, c.softmax_v_dim)
         if c.natsl_rope:
             if positions is None and rope is None:

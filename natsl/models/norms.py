@@ -1,4 +1,4 @@
-"""RMSNorm over the last dimension, computed in fp32 (the formula: natsl.reference.norms, compiled by natsl.models.pointwise.rms_norm)."""
+"""RMSNorm over the last dimension, computed in fp32 (the formula: natsl.reference.norms, compiled by natsl.ops.norms.rms_norm)."""
 
 from __future__ import annotations
 

@@ -18,54 +18,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from natsl.ops.cached import gdn_gates  # noqa: F401
 from natsl.ops.compiled import compile_dynamic, compile_for, pointwise, RECOMPILE_LIMIT  # noqa: F401
+from natsl.ops.gemv import swiglu  # noqa: F401
 from natsl.ops.mix import compiled_reference as mix_read  # noqa: F401
-from natsl.ops.short_conv import compiled_reference as conv_silu  # noqa: F401
+from natsl.ops.norms import gated_rms_norm, l2_normalize, rms_norm  # noqa: F401
+from natsl.ops.short_conv import compiled_reference as conv_silu, conv_tail  # noqa: F401
 from natsl.reference import norms
+from natsl.reference.gates import decay as _decay
 
-
-@pointwise
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, out_dtype: torch.dtype | None = None):
-    """RMSNorm over the last dim in fp32, times `weight` when given, in `out_dtype` (default x's dtype)."""
-    return norms.normed(x, weight, eps).to(out_dtype or x.dtype)
-
-
-@pointwise
-def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor) -> torch.Tensor:
-    """RMSNorm(x) * weight * silu(gate), all in fp32, one rounding to x's dtype (gate broadcasts as x)."""
-    return norms.rms_norm(x, weight, eps, gate)
-
-
-l2_normalize = pointwise(norms.l2_normalize)
-# conv_silu, SiLU(causal depthwise conv): (x [B, T, C], weight [C, 1, W], tail [B, W-1, C] or None) ->
-# [B, T, C], and mix_read, the NAtS-L read of its two memories (every variant of the layer), are the
-# compiled reference twins of natsl.ops.short_conv and natsl.ops.mix (the same objects), named here too.
-
-
-def conv_tail(x: torch.Tensor, tail: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
-    """The last W-1 inputs after x: the tail [B, W-1, C] that the conv of the next tokens needs.
-    Eager and small: only the last W-1 rows of x are read. `valid` ([1] int64 on the device, a
-    padded prefill call's prompt length): the W-1 inputs before token `valid` instead, gathered
-    on the device (no host read, so a CUDA graph serves every valid)."""
-    width = tail.shape[1] + 1
-    if valid is not None:
-        recent = torch.cat([tail.to(x.dtype), x], dim=1)  # token t of x is row t + W-1
-        return recent.index_select(1, valid + torch.arange(width - 1, device=x.device))
-    recent = torch.cat([tail.to(x.dtype), x[:, max(x.shape[1] - (width - 1), 0):]], dim=1)
-    return recent[:, recent.shape[1] - (width - 1):]
-
-
-def _decay(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
-    """(log decay g = -exp(A_log) dt, step dt = softplus(a + dt_bias)), both fp32 [B, T, H]."""
-    dt = F.softplus(norms.up(a) + norms.up(dt_bias))
-    return -norms.up(A_log).exp() * dt, dt
-
-
-@pointwise
-def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
-    """Gated DeltaNet's gates from the a and b projections [B, T, H]: log decay
-    g = -exp(A_log) softplus(a + dt_bias) in fp32, and write strength beta = sigmoid(b) in b's dtype."""
-    return _decay(a, A_log, dt_bias)[0], torch.sigmoid(norms.up(b)).to(b.dtype)
+# rms_norm, gated_rms_norm and l2_normalize (natsl.ops.norms), conv_silu (SiLU of the causal depthwise
+# conv) and conv_tail (natsl.ops.short_conv), mix_read (the NAtS-L read of its two memories,
+# natsl.ops.mix), gdn_gates (natsl.ops.cached) and swiglu (natsl.ops.gemv) are compiled below the
+# models, where the doors of natsl.ops run them as the reference side of a fused kernel; they are the
+# same objects, named here too.
 
 
 @pointwise
@@ -81,9 +47,3 @@ def gated_input_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate
     norm (norm_before_gate=False), where gated_rms_norm gates after the norm."""
     y = norms.normalize(norms.up(x) * F.silu(norms.up(gate)), eps, mean=True) * norms.up(weight)
     return y.to(x.dtype)
-
-
-@pointwise
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate) * up
-

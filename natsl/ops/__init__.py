@@ -7,9 +7,12 @@ practical choice for training or evaluating on a CPU); `backend=None` reads the 
 variable NATSL_BACKEND and otherwise takes `default_backend`.
 
 The ops of the cached paths are modules of this package, one per family: `cached` (GDN token step,
-block commit, cached attention, K/V writes), `fused` (the cached paths' norms, conv steps, GDN and
-gated-linear decode steps, and whether they run), `gemv`, `short_conv`, `mix`, `cross_entropy`. Models reach kernels
-only here. `TWINS` names every kernel family's reference and fast function; `twin` loads one.
+block commit, cached attention, K/V writes), `norms`, `gemv`, `short_conv`, `mix`, `cross_entropy`;
+`fused` holds the cached paths' fused kernels (the GDN and gated-linear decode steps among them);
+`kernel_set` gives a layer's cached call its kernel set (fused or reference: `fused.enabled` decides)
+and `block_end` the NAtS-L decode step's compiled bookkeeping. Models reach kernels only here, and
+every choice between a fast and a reference kernel is made here. `TWINS` names every kernel family's
+reference and fast function; `twin` loads one.
 """
 
 from __future__ import annotations

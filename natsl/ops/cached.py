@@ -1,7 +1,9 @@
 """The cached paths' small ops (one GDN token step, one gated-linear (Mamba2) token step, the block
 commit, cached attention, K/V writes), each on its reference twin (`natsl.reference.cached`) or its
 fast twin (`natsl.fast.gated_delta`, `natsl.fast.decode_attention`, `natsl.fast.cached`), both named in
-`natsl.ops.TWINS` and chosen here.
+`natsl.ops.TWINS` and chosen here from the layer's backend; and the GDN gates compiled on CUDA
+(`gdn_gates`, the layers' and the reference GDN decode step's). A layer's cached call reaches the
+fused kernels through its kernel set (natsl.ops.kernel_set), which calls these.
 """
 
 from __future__ import annotations
@@ -12,7 +14,13 @@ import torch
 
 from natsl.fast import decode_attention as _decode_attention  # noqa: F401  (imported for `twin` under torch.compile)
 from natsl.ops import fused, resolve_backend, twin
+from natsl.ops.compiled import pointwise
+from natsl.reference import gates
 from natsl.reference.cached import attend_one, gla_token_step, masked_attention, read_state, write_token  # noqa: F401
+
+# Gated DeltaNet's log decay and write strength from the a and b projections, compiled on CUDA:
+# natsl.models.pointwise.gdn_gates is this object.
+gdn_gates = pointwise(gates.gdn_gates)
 
 
 @functools.lru_cache(maxsize=None)
@@ -26,28 +34,34 @@ def _fast_gated_delta() -> bool:
 
 
 def use_fast(backend: str | None, device: torch.device) -> bool:
-    """Whether a layer on `backend` should use the fast decode pieces on `device` (CUDA + fast only)."""
-    return device.type == "cuda" and resolve_backend(backend, device) == "fast" and _fast_gated_delta()
+    """Whether a layer on `backend` uses the fast decode step and block commit on `device` (CUDA + fast
+    only). "reference" decides without reading anything (the compiled block end names it)."""
+    return (backend != "reference" and device.type == "cuda" and resolve_backend(backend, device) == "fast"
+            and _fast_gated_delta())
 
 
-def gdn_token_step(state, q, k, v, g, beta, *, scale=None, fast=False):
-    """`natsl.reference.cached.gated_delta_step`; `fast`: on the Triton decode step where the key dim allows."""
-    if fast and q.shape[-1] <= 256:
+def gdn_token_step(state, q, k, v, g, beta, *, scale=None, backend: str | None = "reference"):
+    """`natsl.reference.cached.gated_delta_step`; on a layer's `backend` where `use_fast`, on the Triton
+    decode step where the key dim allows."""
+    if use_fast(backend, q.device) and q.shape[-1] <= 256:
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         o, new_state = twin("gated_delta_step", True)(q, k, v, g.float(), beta, state, scale=scale)
         return o, new_state.to(state.dtype)
     return twin("gated_delta_step", False)(q, k, v, g, beta, state, scale=scale)
 
 
-def commit_state(start, end, decay_sum, write, decay_skipped_blocks: bool = True, *, fast=False):
-    """`natsl.reference.cached.commit_block` with gamma = exp(decay_sum) (the block's sum of g);
-    `fast`: on its fast twin."""
+def commit_state(start, end, decay_sum, write, decay_skipped_blocks: bool = True, *,
+                 backend: str | None = "reference"):
+    """`natsl.reference.cached.commit_block` with gamma = exp(decay_sum) (the block's sum of g); on a
+    layer's `backend` where `use_fast`, on its fast twin."""
     gamma = decay_sum.to(start.dtype).exp()
-    return twin("commit_block", fast)(start, end, gamma, write.to(start.dtype), decay_skipped_blocks)
+    return twin("commit_block", use_fast(backend, start.device))(start, end, gamma, write.to(start.dtype),
+                                                                 decay_skipped_blocks)
 
 
 def write_kv(k_buf, v_buf, slots, k, v, *, fused: bool = False) -> None:
-    """A decode token's K and V into their caches; `fused`: both in one Triton launch (natsl.fast.cached.write_kv)."""
+    """A decode token's K and V into their caches; `fused` (the fused kernel set's): both in one Triton
+    launch (natsl.fast.cached.write_kv) where the rows are contiguous."""
     twin("write_kv", fused and k.stride(-1) == 1 and v.stride(-1) == 1)(k_buf, v_buf, slots, k, v)
 
 

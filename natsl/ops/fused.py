@@ -1,4 +1,5 @@
-"""The layers' door to the fused Triton kernels of their cached paths (prefill and decode).
+"""When the fused Triton kernels of the layers' cached paths (prefill and decode) run; the layers reach
+them through their kernel set (natsl.ops.kernel_set), which asks `enabled`.
 
 The kernels live in `natsl.fast.norms` (norms), `natsl.fast.cached` (short-conv steps, K/V writes,
 the GDN and gated-linear decode steps, block stores), `natsl.fast.decode_attention` and `natsl.fast.gemv`; they import Triton only when they

@@ -1,17 +1,31 @@
-"""Decode-step matrix-vector products: the door from `natsl.models.linear` to `natsl.fast.gemv`.
+"""The models' matrix products: the door from `natsl.models.linear.Linear` and the SwiGLU to the GEMV
+kernel `natsl.fast.gemv.linear` (its reference twin `natsl.reference.gemv.linear`) and to cuBLAS.
 
-`enabled(x)`: CUDA tensors (or the Triton interpreter when the switch force_decode_gemv or
-force_fused_inference is set, for tests), unless the switch decode_gemv is off (NATSL_DECODE_GEMV=0); `linear(x, weight, up=...)` is the kernel's launcher (its reference twin is
-`natsl.reference.gemv.linear`: `F.linear(x, weight)`, with `up`: `F.linear(silu(x) * up, weight)`).
+`linear(x, weight, bias)` is `F.linear`, on the fast twin where it applies: grad-free, at most
+MAX_ROWS rows (decode steps), no bias, x in the weight's dtype, and `enabled(x)`: CUDA tensors (or the
+Triton interpreter when the switch force_decode_gemv or force_fused_inference is set, for tests),
+unless the switch decode_gemv is off (NATSL_DECODE_GEMV=0). `swiglu_linear(gate, up, weight, bias)`
+is the SwiGLU's down product: on the fast twin with `up=` where it applies (silu(gate) * up formed as
+the weight is read), else the compiled SwiGLU then `linear` -- the path of every training step, so its
+reference side is that path, not one call of the twin (which rounds the hidden value once, as the
+compiled SwiGLU does).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from natsl.fast.gemv import MAX_ROWS, linear  # noqa: F401
 from natsl import switches
-from natsl.ops import fused
+from natsl.fast.gemv import MAX_ROWS  # noqa: F401  (imports the kernel's launcher: see natsl.ops.twin)
+from natsl.ops import fused, twin
+from natsl.ops.compiled import pointwise
+
+
+@pointwise
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, compiled on CUDA (natsl.models.pointwise.swiglu is this object)."""
+    return F.silu(gate) * up
 
 
 def enabled(x: torch.Tensor) -> bool:
@@ -21,3 +35,36 @@ def enabled(x: torch.Tensor) -> bool:
     if force is not None:
         return force and fused.triton_available()
     return x.is_cuda and s.decode_gemv and fused.triton_available()
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether a product of x with weight runs on the GEMV kernel: grad-free, at most MAX_ROWS rows, no
+    bias, same dtype, and the kernel enabled for x's device."""
+    return (bias is None and not torch.is_grad_enabled() and 0 < x.numel() <= MAX_ROWS * x.shape[-1]
+            and x.dtype == weight.dtype and enabled(x))
+
+
+def kernel(x: torch.Tensor, weight: torch.Tensor, *, up: torch.Tensor | None = None) -> torch.Tensor:
+    """The fast twin, `natsl.fast.gemv.linear` (tests count its calls here)."""
+    return twin("gemv", True)(x, weight, up=up)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pad: int = 0) -> torch.Tensor:
+    """F.linear(x, weight, bias), on the GEMV kernel where `applies`. `pad` > 0: elsewhere the weight
+    (and bias) get `pad` zero rows for cuBLAS and the result is a strided view of the first
+    out_features columns (natsl.models.linear.aligned_linear: 16-byte-aligned output rows)."""
+    if applies(x, weight, bias):
+        return kernel(x, weight)
+    if pad:
+        y = F.linear(x, F.pad(weight, (0, 0, 0, pad)), None if bias is None else F.pad(bias, (0, pad)))
+        return y[..., :weight.shape[0]]
+    return F.linear(x, weight, bias)
+
+
+def swiglu_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """linear(silu(gate) * up, weight, bias): on the GEMV kernel reading both halves where `applies`
+    (a decode step: no SwiGLU kernel), else the compiled `swiglu` then `linear`."""
+    if applies(gate, weight, bias):
+        return kernel(gate, weight, up=up)
+    return linear(swiglu(gate, up), weight, bias)

@@ -1,8 +1,10 @@
 """The GDN projections' causal short conv + SiLU: the door from `natsl.models.conv` to its twins,
 `natsl.fast.short_conv` (with `natsl.fast.cached.conv_chunk` for a cached chunk) and
-`natsl.reference.short_conv` (natsl.ops.TWINS), which it runs compiled on CUDA (`compiled_reference`).
-The Triton module is imported on first use, so building a model on a machine without a GPU never
-loads it."""
+`natsl.reference.short_conv` (natsl.ops.TWINS), which it runs compiled on CUDA (`compiled_reference`),
+and `conv_tail`, the inputs a cached conv keeps for the next tokens. A layer's cached path reaches
+it through its kernel set (natsl.ops.kernel_set), which says whether a cached chunk takes the fused
+kernel. The Triton module is imported on first use, so building a model on a machine without a GPU
+never loads it."""
 
 from __future__ import annotations
 
@@ -31,7 +33,8 @@ def short_conv_silu(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.
     With a bias on `compiled_biased` on every backend and path (the Triton kernels take none). Without:
     without a tail (the full sequence) on the fast twin where `backend` resolves to fast, forward and
     backward; with a tail (a cached chunk) on its forward kernel (`conv_chunk`) where `fused`
-    (natsl.ops.fused.enabled) and no gradient is wanted; elsewhere on `compiled_reference`."""
+    (the fused kernel set's choice, natsl.ops.kernel_set) and no gradient is wanted; elsewhere on
+    `compiled_reference`."""
     if bias is not None:
         if tail is None:
             tail = x.new_zeros(x.shape[0], weight.shape[-1] - 1, x.shape[2])
@@ -45,6 +48,19 @@ def short_conv_silu(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.
     if fused and not torch.is_grad_enabled():
         return twin("conv_chunk", True)(x, tail, weight)
     return compiled_reference(x, weight, tail)
+
+
+def conv_tail(x: torch.Tensor, tail: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """The last W-1 inputs after x: the tail [B, W-1, C] that the conv of the next tokens needs.
+    Eager and small: only the last W-1 rows of x are read. `valid` ([1] int64 on the device, a
+    padded prefill call's prompt length): the W-1 inputs before token `valid` instead, gathered
+    on the device (no host read, so a CUDA graph serves every valid)."""
+    width = tail.shape[1] + 1
+    if valid is not None:
+        recent = torch.cat([tail.to(x.dtype), x], dim=1)  # token t of x is row t + W-1
+        return recent.index_select(1, valid + torch.arange(width - 1, device=x.device))
+    recent = torch.cat([tail.to(x.dtype), x[:, max(x.shape[1] - (width - 1), 0):]], dim=1)
+    return recent[:, recent.shape[1] - (width - 1):]
 
 
 def split_applies(sizes: Sequence[int], width: int, *, backend: str | None, device: torch.device) -> bool:

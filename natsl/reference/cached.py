@@ -6,7 +6,7 @@ Everything here works on any device. `gated_delta_step`, `commit_block`, `attend
 the reference twins (same signatures) of the fast decode pieces `natsl.fast.gated_delta.gated_delta_step`
 and `commit_block`, `natsl.fast.decode_attention.decode_attention` and `natsl.fast.cached.write_kv`;
 `conv_step`, `conv_steps`, `conv_chunk`, `gdn_decode_step`, `gla_decode_step` and `store_blocks` those of the rest of
-`natsl.fast.cached` (natsl.ops.TWINS); `natsl.ops.cached` picks between them. Nothing here but
+`natsl.fast.cached` (natsl.ops.TWINS); `natsl.ops.cached` and `natsl.ops.kernel_set` pick between them. Nothing here but
 `store_blocks` reads a device value on the host, so a decode step built from these functions can be
 captured in a CUDA graph.
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from natsl.reference.gates import gdn_gates
 from natsl.reference.norms import l2_normalize, up
 from natsl.reference.short_conv import short_conv_silu
 
@@ -140,8 +141,7 @@ def gdn_decode_step(q, k, v, a, b, A_log, dt_bias, state, *, scale=None):
     """
     B, H, K, V = state.shape
     q, k = (l2_normalize(t.reshape(B, H, K)) for t in (q, k))
-    g = -up(A_log).exp() * F.softplus(up(a) + up(dt_bias))
-    beta = torch.sigmoid(up(b)).to(b.dtype)
+    g, beta = gdn_gates(a, b, A_log, dt_bias)
     o, new_state = gated_delta_step(q, k, v.reshape(B, H, V), g, beta, state, scale=scale)
     state.copy_(new_state)
     return o, g

@@ -5,11 +5,13 @@ query sees, and (2) at a block end, route the block on its mean, commit the GDN 
 drop the block's KV. In eager PyTorch that is ~40 tiny kernels per layer and token (the route alone
 is a matmul, a softmax, an argmax and a one-hot; a fixed keep fraction's hash is ~15 integer ops),
 which together take longer in a CUDA-graph replay than reading the layer's weights.
-The same formulas, wrapped by `natsl.models.pointwise.pointwise`, compile to a handful of kernels
-on CUDA and run eagerly elsewhere; the layer calls them on its fused path (natsl.fast.cached).
+The same formulas, wrapped by `natsl.ops.compiled.pointwise`, compile to a handful of kernels
+on CUDA and run eagerly elsewhere. `decode_slots` runs on every decode step; `close_block` is the
+block end of the fused kernel set (natsl.ops.kernel_set.Fused.close_block), whose reference is the
+eager bookkeeping of `natsl.ops.kernel_set.Reference.close_block`.
 
 The route is computed exactly as `CachedNAtSL.decide_routes` (natsl/models/natsl_cached.py) does (router on the block mean, ties to
-keep, or the layer's KeepFraction hash), and the commit as `natsl.reference.cached.commit_state`.
+keep, or the layer's KeepFraction hash), and the commit as `natsl.ops.cached.commit_state` on the reference.
 """
 
 from __future__ import annotations
@@ -17,9 +19,8 @@ from __future__ import annotations
 import torch
 
 from natsl.ops.cached import commit_state
-from natsl.models.routing import keep_hash
-from natsl.models.pointwise import pointwise
-from natsl.reference.router import router_scores, straight_through_route
+from natsl.ops.compiled import pointwise
+from natsl.reference.router import keep_hash, router_scores, straight_through_route
 
 
 @pointwise

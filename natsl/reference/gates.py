@@ -1,0 +1,23 @@
+"""The gates of a linear memory from its H-wide projections, in fp32: the Gated DeltaNet's log decay
+and write strength, and the decay and step shared with Mamba2. The formulas of the fused GDN
+decode kernel (`natsl.fast.cached.gdn_decode_step`, whose twin `natsl.reference.cached` calls
+them) and of the layers' gates (compiled on CUDA through `natsl.ops.cached.gdn_gates`)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from natsl.reference.norms import up
+
+
+def decay(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
+    """(log decay g = -exp(A_log) dt, step dt = softplus(a + dt_bias)), both fp32 [B, T, H]."""
+    dt = F.softplus(up(a) + up(dt_bias))
+    return -up(A_log).exp() * dt, dt
+
+
+def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
+    """Gated DeltaNet's gates from the a and b projections [B, T, H]: log decay
+    g = -exp(A_log) softplus(a + dt_bias) in fp32, and write strength beta = sigmoid(b) in b's dtype."""
+    return decay(a, A_log, dt_bias)[0], torch.sigmoid(up(b)).to(b.dtype)
