@@ -90,7 +90,8 @@ def test_match_defaults_to_steps_when_the_budget_gives_max_steps(tmp_path, budge
 
 def test_shipped_h200_specs_keep_their_wall_clock_runs(tmp_path):
     """The specs behind docs/recall.md's results say match: time; sweep_cpu.yaml's runs are matched in steps."""
-    for name in ("sweep_h200", "sweep_h200_ablations", "sweep_h200_widths", "sweep_h200_baselines"):
+    for name in ("sweep_h200", "sweep_h200_ablations", "sweep_h200_widths", "sweep_h200_baselines", "sweep_h200_seeds",
+                 "sweep_h200_long"):
         assert S.load_spec(ROOT / f"natsl/recipes/recall/{name}.yaml", tmp_path / name).match == "time"
     assert S.load_spec(ROOT / "natsl/recipes/recall/sweep_cpu.yaml", tmp_path / "cpu").match == "steps"
 
