@@ -366,28 +366,35 @@ def test_prefill_overlap_stays_off_the_cpu_and_short_calls(monkeypatch, use_swit
     overlap.join(None, x.device)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_cuda_graph_decode_equals_eager_decode():
-    model = gpu_model("natsl_hybrid", torch.bfloat16)
-    force_keep_fraction(model, 0.5, seed=1)
+def decode_eager_and_graphed(model, new: int, snapshot) -> dict:
+    """Prompts of 300 and 77 random tokens prefilled into one cache of `model`, then `new` decode steps,
+    once eagerly and once replayed from CUDA graphs: {graphs: (logits [new, 2, vocab], snapshot(cache))}."""
     gen = torch.Generator().manual_seed(8)
-    lengths, new = [300, 77], 150
+    lengths = [300, 77]
     sequences = [torch.randint(0, 1024, (n + new,), generator=gen).cuda() for n in lengths]
-    logits = {}
+    out = {}
     with torch.no_grad():
         for graphs in (False, True):
             cache = model.new_cache(2, max_len=max(lengths) + new)
             for i, (s, n) in enumerate(zip(sequences, lengths)):
                 model(s[None, :n], cache=cache.slot(i))
             runner = DecodeRunner(model, cache, cuda_graphs=graphs)
-            logits[graphs] = torch.stack([runner.step(torch.stack([s[n + t] for s, n in zip(sequences, lengths)]))
-                                          for t in range(new)])
+            logits = torch.stack([runner.step(torch.stack([s[n + t] for s, n in zip(sequences, lengths)]))
+                                  for t in range(new)])
             assert runner.cuda_graphs == graphs and (runner.captures >= 1) == graphs
-            kept = [c.kept_len.clone() for c in cache.natsl_caches()]
-            logits[graphs, "kept"] = kept
-    torch.testing.assert_close(logits[True].float(), logits[False].float(), rtol=0, atol=1e-2)
-    assert all(torch.equal(a, b) for a, b in zip(logits[True, "kept"], logits[False, "kept"]))
+            out[graphs] = logits, snapshot(cache)
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_cuda_graph_decode_equals_eager_decode():
+    model = gpu_model("natsl_hybrid", torch.bfloat16)
+    force_keep_fraction(model, 0.5, seed=1)
+    out = decode_eager_and_graphed(model, 150, lambda cache: [c.kept_len.clone() for c in cache.natsl_caches()])
+    (graphed, graphed_kept), (eager, eager_kept) = out[True], out[False]
+    torch.testing.assert_close(graphed.float(), eager.float(), rtol=0, atol=1e-2)
+    assert all(torch.equal(a, b) for a, b in zip(graphed_kept, eager_kept))
 
 
 @pytest.mark.parametrize("layout", ["mamba2", "natsl_mamba2", "hybrid_mamba2"])
@@ -399,23 +406,11 @@ def test_gpu_cuda_graph_decode_equals_eager_decode_mamba2(layout, use_switches):
     use_switches(fused_gla_decode=True)
     model = gpu_model(layout, torch.bfloat16)
     force_keep_fraction(model, 0.5, seed=1)
-    gen = torch.Generator().manual_seed(8)
-    lengths, new = [300, 77], 100
-    sequences = [torch.randint(0, 1024, (n + new,), generator=gen).cuda() for n in lengths]
-    logits, states = {}, {}
-    with torch.no_grad():
-        for graphs in (False, True):
-            cache = model.new_cache(2, max_len=max(lengths) + new)
-            for i, (s, n) in enumerate(zip(sequences, lengths)):
-                model(s[None, :n], cache=cache.slot(i))
-            runner = DecodeRunner(model, cache, cuda_graphs=graphs)
-            logits[graphs] = torch.stack([runner.step(torch.stack([s[n + t] for s, n in zip(sequences, lengths)]))
-                                          for t in range(new)])
-            assert runner.cuda_graphs == graphs and (runner.captures >= 1) == graphs
-            states[graphs] = mamba2_states(cache)
-    torch.testing.assert_close(logits[True].float(), logits[False].float(), rtol=0, atol=1e-2)
-    assert len(states[True]) > 0
-    assert all(torch.equal(a, b) or relative_error(a, b) < 1e-3 for a, b in zip(states[True], states[False]))
+    out = decode_eager_and_graphed(model, 100, mamba2_states)
+    (graphed, graphed_states), (eager, eager_states) = out[True], out[False]
+    torch.testing.assert_close(graphed.float(), eager.float(), rtol=0, atol=1e-2)
+    assert len(graphed_states) > 0
+    assert all(torch.equal(a, b) or relative_error(a, b) < 1e-3 for a, b in zip(graphed_states, eager_states))
 
 
 # -- the fused Triton kernels of the cached paths (natsl.fast.cached), in Triton's interpreter -----
