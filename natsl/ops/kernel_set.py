@@ -31,6 +31,8 @@ norms of `split_heads`, `softmax_views`, the GDN output) take by default.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from natsl import switches
@@ -183,6 +185,11 @@ def pick(backend: str | None, device: torch.device, state_dtype: torch.dtype | N
     """The kernel set of a cached call of a layer on `backend` with tensors on `device` and its
     recurrent state (if any) in `state_dtype`: `Fused` where `natsl.ops.fused.enabled` and the state
     is fp32, else `Reference`."""
-    if fused.enabled(backend, device) and state_dtype in (None, torch.float32):
-        return Fused(backend)
-    return Reference(backend)
+    return _kernel_set(fused.enabled(backend, device) and state_dtype in (None, torch.float32), backend)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_set(on: bool, backend: str | None) -> Reference:
+    """The sets hold nothing but their backend: one of each per backend, not one per call (several
+    calls a layer and token on a decode path)."""
+    return Fused(backend) if on else Reference(backend)
