@@ -205,3 +205,25 @@ def test_autocast_norm_rounds_once_to_the_same_values(monkeypatch):
         assert block.mixer_norm(model.embed(ids)).dtype == torch.float32
         per_linear = model(ids)
     assert torch.equal(once, per_linear)
+
+
+@pytest.mark.parametrize("mode,cuda,grad,expected", [
+    ("train", True, True, True), ("train", True, False, False), ("train", False, True, False),
+    ("1", True, False, True), ("1", False, True, False), ("0", True, True, False), ("all", False, False, True)])
+def test_compile_for_by_mode_device_and_grad_mode(mode, cuda, grad, expected, use_switches):
+    """compile_pointwise: "train" (default) compiles CUDA tensors only while autograd records (a prefill's
+    first call then pays no dynamo trace), "1" CUDA always, "0" never, "all" everywhere. compile_for reads
+    only the tensor's is_cuda, so a stand-in plays the CUDA tensor on the CPU."""
+    from types import SimpleNamespace
+
+    from natsl.ops.compiled import compile_for
+
+    use_switches(compile_pointwise=mode)
+    with torch.set_grad_enabled(grad):
+        assert compile_for(SimpleNamespace(is_cuda=cuda)) is expected
+
+
+def test_default_compiles_pointwise_only_in_training():
+    from natsl import switches
+
+    assert switches.Switches().compile_pointwise == "train"

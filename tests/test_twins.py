@@ -317,3 +317,21 @@ def test_cross_entropy_twins_agree(rows):
     bad = targets.clone()
     bad[0] = 101
     assert all(fn(logits.clone(), bad)[0].isnan() for fn in (reference, fast))
+
+
+def test_preload_imports_every_fast_module_for_the_fast_backend_only(monkeypatch):
+    """ops.preload("fast") imports each fast twin and the cached paths' modules (so that a first call does
+    not pay their imports); any other backend imports nothing."""
+    import natsl.ops as ops
+
+    calls = []
+    monkeypatch.setattr(ops, "twin", lambda family, fast: calls.append((family, fast)))
+    monkeypatch.setattr(ops.importlib, "import_module", lambda name: calls.append(name))
+    ops.preload("reference")
+    ops.preload(None)
+    assert calls == []
+    monkeypatch.setattr(ops, "triton_available", lambda: True)
+    ops.preload("fast")
+    fast_families = {f for f, (_, fast) in ops.TWINS.items() if fast.startswith("natsl.fast.")}
+    assert {c[0] for c in calls if isinstance(c, tuple)} == fast_families
+    assert [c for c in calls if isinstance(c, str)] == list(ops.FAST_EXTRAS)

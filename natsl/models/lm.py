@@ -8,6 +8,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from natsl.config import ModelConfig
+from natsl import ops
 from natsl.ops import kernel_set
 from natsl.models.attention import SoftmaxAttention
 from natsl.models.conv import ShortConv
@@ -111,6 +112,7 @@ class CausalLM(nn.Module):
 
     def set_backend(self, backend: str | None) -> None:
         """Run every NAtS-L / GDN op on `backend` ("reference", "fast" or None for auto)."""
+        ops.preload(backend)
         for module in self.modules():
             if hasattr(module, "backend"):
                 module.backend = backend

@@ -226,3 +226,20 @@ def twin(family: str, fast: bool):
         loaded = sys.modules.get(module)
         fn = _LOADED[(family, fast)] = getattr(loaded if loaded is not None else importlib.import_module(module), name)
     return fn
+
+
+# The modules of the fast backend beyond TWINS': the cached paths' fused kernels and the decode attention.
+FAST_EXTRAS = ("natsl.fast.cached", "natsl.fast.decode_attention", "natsl.ops.fused")
+
+
+def preload(backend: str | None) -> None:
+    """Import every fast module now when `backend` is "fast" (and Triton is importable), instead of at a
+    model's first call: their imports (Triton, the custom ops' registration with the dispatcher) cost
+    about a second, which a first prefill should not pay. Anything else: nothing to do."""
+    if backend != "fast" or not triton_available():
+        return
+    for family, (_, fast) in TWINS.items():
+        if fast.startswith("natsl.fast."):
+            twin(family, fast=True)
+    for module in FAST_EXTRAS:
+        importlib.import_module(module)

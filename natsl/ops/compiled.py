@@ -7,7 +7,7 @@ keeps fn's eager behaviour on the CPU (tests, the quick start: compiling needs a
 and buys little) and calls `torch.compile(fn)` on CUDA tensors. It lives here, below the models,
 so that a door of natsl.ops (`short_conv`, `mix`) can hand the models the compiled reference twin
 as its reference side; `natsl.models.pointwise` wraps the layers' other elementwise pieces with it.
-`NATSL_COMPILE_POINTWISE=0` turns compilation off.
+`NATSL_COMPILE_POINTWISE` says when (`compile_for`); 0 turns compilation off.
 """
 
 from __future__ import annotations
@@ -20,10 +20,20 @@ from natsl import switches
 
 
 def compile_for(x: torch.Tensor) -> bool:
-    """NATSL_COMPILE_POINTWISE: "1" (default) compiles for CUDA tensors, "0" never, "all" on every
-    device (the CPU tests use it to check the compiled forms without a GPU)."""
+    """NATSL_COMPILE_POINTWISE: "train" (default) compiles for CUDA tensors while autograd records, "1"
+    for CUDA tensors always, "0" never, "all" on every device (the CPU tests use it to check the
+    compiled forms without a GPU).
+
+    Why not under no_grad by default: a fresh process pays dynamo's trace and Inductor's cache loads
+    for every piece at its first call even when the on-disk caches hold them (the 800M hybrid's first
+    128K prefill: several seconds), while eagerly these pieces cost ~2% of that prefill; in training
+    the compiled backward fusions are what pays (docs/performance.md, "First calls")."""
     mode = switches.current().compile_pointwise
-    return mode == "all" or (mode != "0" and x.is_cuda)
+    if mode == "all":
+        return True
+    if mode == "0" or not x.is_cuda:
+        return False
+    return mode == "1" or torch.is_grad_enabled()
 
 
 RECOMPILE_LIMIT = 64
