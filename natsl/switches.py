@@ -44,11 +44,11 @@ def _switch(default, env: str | None, doc: str, choices: tuple | None = None):
 @dataclass(frozen=True)
 class Switches:
     # -- training and the layers' full-sequence forward --------------------------------------------
-    compile_pointwise: Literal["train", "1", "0", "all"] = _switch(
-        "train", "NATSL_COMPILE_POINTWISE", "torch.compile the layers' elementwise pieces: train on CUDA "
-        "tensors while autograd records (eager under no_grad: prefill and evaluation start without "
-        "compiling), 1 on CUDA tensors always, 0 never, all on every device (CPU tests of the compiled "
-        "forms)", ("train", "1", "0", "all"))
+    compile_pointwise: Literal["auto", "1", "0", "all"] = _switch(
+        "auto", "NATSL_COMPILE_POINTWISE", "torch.compile the layers' elementwise pieces: auto on CUDA "
+        "tensors while autograd records and in decode steps (many-token calls without gradients, a "
+        "prefill or an evaluation, run them eagerly and so start without compiling), 1 on CUDA tensors "
+        "always, 0 never, all on every device (CPU tests of the compiled forms)", ("auto", "1", "0", "all"))
     pointwise_dynamic: Literal["auto", "1", "0"] = _switch(
         "auto", "NATSL_POINTWISE_DYNAMIC", "torch.compile's dynamic= for those pieces: auto keeps feature dims "
         "static and lets other sizes turn symbolic on change; 1 all symbolic, 0 none", ("auto", "1", "0"))

@@ -207,23 +207,51 @@ def test_autocast_norm_rounds_once_to_the_same_values(monkeypatch):
     assert torch.equal(once, per_linear)
 
 
-@pytest.mark.parametrize("mode,cuda,grad,expected", [
-    ("train", True, True, True), ("train", True, False, False), ("train", False, True, False),
-    ("1", True, False, True), ("1", False, True, False), ("0", True, True, False), ("all", False, False, True)])
-def test_compile_for_by_mode_device_and_grad_mode(mode, cuda, grad, expected, use_switches):
-    """compile_pointwise: "train" (default) compiles CUDA tensors only while autograd records (a prefill's
-    first call then pays no dynamo trace), "1" CUDA always, "0" never, "all" everywhere. compile_for reads
-    only the tensor's is_cuda, so a stand-in plays the CUDA tensor on the CPU."""
+@pytest.mark.parametrize("mode,cuda,grad,step,expected", [
+    ("auto", True, True, False, True), ("auto", True, False, False, False), ("auto", True, False, True, True),
+    ("auto", False, True, True, False), ("1", True, False, False, True), ("1", False, True, False, False),
+    ("0", True, True, True, False), ("all", False, False, False, True)])
+def test_compile_for_by_mode_device_grad_and_decode_step(mode, cuda, grad, step, expected, use_switches):
+    """compile_pointwise: "auto" (default) compiles CUDA tensors while autograd records and inside a decode
+    step (a prefill's first call then pays no dynamo trace; decode graphs keep their fused pieces), "1"
+    CUDA always, "0" never, "all" everywhere. compile_for reads only the tensor's is_cuda, so a
+    stand-in plays the CUDA tensor on the CPU."""
+    import contextlib
     from types import SimpleNamespace
 
-    from natsl.ops.compiled import compile_for
+    from natsl.ops.compiled import compile_for, decode_step_scope
 
     use_switches(compile_pointwise=mode)
-    with torch.set_grad_enabled(grad):
+    with torch.set_grad_enabled(grad), (decode_step_scope() if step else contextlib.nullcontext()):
         assert compile_for(SimpleNamespace(is_cuda=cuda)) is expected
+    with torch.set_grad_enabled(grad):  # the scope ends with its block
+        assert compile_for(SimpleNamespace(is_cuda=cuda)) is (expected and not (mode == "auto" and step and not grad))
 
 
-def test_default_compiles_pointwise_only_in_training():
+def test_default_compiles_pointwise_in_training_and_decode_steps_only():
     from natsl import switches
 
-    assert switches.Switches().compile_pointwise == "train"
+    assert switches.Switches().compile_pointwise == "auto"
+
+
+def test_decode_step_runs_inside_the_decode_scope(monkeypatch):
+    """LM.decode_step runs its layers inside decode_step_scope (where "auto" compiles on CUDA); a
+    many-token cached call (a prefill) does not."""
+    import natsl
+    from natsl.ops import compiled
+
+    seen = []
+    model = natsl.build_model(natsl.load_recipe("tiny_hybrid"))
+    model.eval()
+    original = type(model)._cached_layers
+
+    def spy(self, *args, **kwargs):
+        seen.append(compiled._IN_DECODE_STEP)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "_cached_layers", spy)
+    cache = model.new_cache(1, max_len=80)
+    with torch.no_grad():
+        model.forward_cached(torch.zeros(1, 70, dtype=torch.long), cache)
+        model.forward_cached(torch.zeros(1, 1, dtype=torch.long), cache)
+    assert seen == [False, True] and compiled._IN_DECODE_STEP is False

@@ -9,6 +9,7 @@ from torch.utils.checkpoint import checkpoint
 
 from natsl.config import ModelConfig
 from natsl import ops
+from natsl.ops import compiled
 from natsl.ops import kernel_set
 from natsl.models.attention import SoftmaxAttention
 from natsl.models.conv import ShortConv
@@ -221,7 +222,8 @@ class CausalLM(nn.Module):
         CUDA graph: it advances `cache.positions.pos` but not the host-side lengths, and it reads
         as many key slots as `cache.prepare_decode()` set. Callers use `forward` or `DecodeRunner`.
         """
-        logits = self._cached_layers(input_ids, cache)
+        with compiled.decode_step_scope():  # its pointwise pieces compile: natsl.ops.compiled.compile_for
+            logits = self._cached_layers(input_ids, cache)
         cache.positions.pos.add_(1)
         return logits
 

@@ -12,6 +12,7 @@ as its reference side; `natsl.models.pointwise` wraps the layers' other elementw
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -19,21 +20,37 @@ import torch
 from natsl import switches
 
 
-def compile_for(x: torch.Tensor) -> bool:
-    """NATSL_COMPILE_POINTWISE: "train" (default) compiles for CUDA tensors while autograd records, "1"
-    for CUDA tensors always, "0" never, "all" on every device (the CPU tests use it to check the
-    compiled forms without a GPU).
+_IN_DECODE_STEP = False
 
-    Why not under no_grad by default: a fresh process pays dynamo's trace and Inductor's cache loads
-    for every piece at its first call even when the on-disk caches hold them (the 800M hybrid's first
-    128K prefill: several seconds), while eagerly these pieces cost ~2% of that prefill; in training
-    the compiled backward fusions are what pays (docs/performance.md, "First calls")."""
+
+@contextlib.contextmanager
+def decode_step_scope():
+    """Marks the calls inside as one decode step (one token per sequence): see `compile_for`."""
+    global _IN_DECODE_STEP
+    outer, _IN_DECODE_STEP = _IN_DECODE_STEP, True
+    try:
+        yield
+    finally:
+        _IN_DECODE_STEP = outer
+
+
+def compile_for(x: torch.Tensor) -> bool:
+    """NATSL_COMPILE_POINTWISE: "auto" (default) compiles for CUDA tensors while autograd records and
+    inside a decode step (`decode_step_scope`), "1" for CUDA tensors always, "0" never, "all" on every
+    device (the CPU tests use it to check the compiled forms without a GPU).
+
+    Why "auto" leaves a prefill eager: a fresh process paid dynamo's trace and Inductor's cache loads
+    for every piece at its first call even with the on-disk caches full (the 800M hybrid's first 128K
+    prefill: 6.5 s against 0.82 s warm), while eagerly these pieces cost ~2% of that prefill and
+    nothing measurable at 1K. A decode step is the other way round: its dozens of tiny launches,
+    replayed from a CUDA graph, cost 40% more eagerly (the hybrid's 1K decode 1.60 against 1.15 ms),
+    and training gains the compiled backward fusions (docs/performance.md, "First calls")."""
     mode = switches.current().compile_pointwise
     if mode == "all":
         return True
     if mode == "0" or not x.is_cuda:
         return False
-    return mode == "1" or torch.is_grad_enabled()
+    return mode == "1" or _IN_DECODE_STEP or torch.is_grad_enabled()
 
 
 RECOMPILE_LIMIT = 64
