@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import natsl.training.sweep as S
+from natsl.errors import NatslError
 from natsl.config import apply_overrides, load_recipe
 from natsl.errors import NatslError
 
@@ -94,6 +95,21 @@ def test_shipped_h200_specs_keep_their_wall_clock_runs(tmp_path):
                  "sweep_h200_long"):
         assert S.load_spec(ROOT / f"natsl/recipes/recall/{name}.yaml", tmp_path / name).match == "time"
     assert S.load_spec(ROOT / "natsl/recipes/recall/sweep_cpu.yaml", tmp_path / "cpu").match == "steps"
+
+
+def test_every_shipped_spec_loads(tmp_path):
+    """Every sweep spec under natsl/recipes/recall loads, and so passes the step rule a worker would fail
+    on (sweep_h200_long.yaml once set 16384 tokens a step at a micro-batch of 64 x 2048: all 8 runs failed)."""
+    specs = sorted((ROOT / "natsl/recipes/recall").glob("sweep_*.yaml"))
+    assert len(specs) >= 8
+    for spec in specs:
+        assert S.load_spec(spec, tmp_path / spec.stem).runs, spec.name
+
+
+def test_a_step_that_is_no_whole_number_of_micro_batches_fails_at_load(tmp_path):
+    spec = _spec(tmp_path, "lrs: [0.001]\nset: [train.tokens_per_step=192]\n")
+    with pytest.raises(NatslError, match="not a multiple of micro_batch_size"):
+        S.load_spec(spec, tmp_path / "out")
 
 
 def _result(sweep, run_id: str, **fields) -> None:
