@@ -15,7 +15,7 @@ step below on the set it got, with no choice of its own:
 | `short_conv_silu` (a chunk after a cached tail) | `natsl.fast.cached.conv_chunk` (grad-free, no bias) | `natsl.ops.short_conv.compiled_reference` |
 | `conv_steps` (a decode token's convs, tails shifted in place) | `natsl.fast.cached.conv_steps` | the compiled conv, then `conv_tail` |
 | `gdn_decode_step` (gates, L2 norms, token step, state in place) | `natsl.fast.cached.gdn_decode_step` | `gdn_gates`, `l2_normalize`, `natsl.ops.cached.gdn_token_step` |
-| `gla_decode_step` (Mamba2's gates, L2 norms, SSD token step, + D x) | `natsl.fast.cached.gla_decode_step` (with the switch `fused_gla_decode`, off until its GPU test passes) | its twin `natsl.reference.cached.gla_decode_step` |
+| `gla_decode_step` (Mamba2's gates, L2 norms, SSD token step, + D x) | `natsl.fast.cached.gla_decode_step` (switch `fused_gla_decode`, on by default) | its twin `natsl.reference.cached.gla_decode_step` |
 | `write_kv` | `natsl.fast.cached.write_kv` (contiguous rows) | `natsl.reference.cached.write_kv` |
 | `store_blocks` | `natsl.fast.cached.store_blocks` | `natsl.reference.cached.store_blocks` |
 | `close_block` (NAtS-L block end) | `natsl.ops.block_end.close_block` (compiled) | eager bookkeeping, commit on `natsl.ops.cached.commit_state` |
