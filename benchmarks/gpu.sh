@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The one shell entry for the H200: named stages, each with its own time cap, run from the repository root.
-#   bash benchmarks/gpu.sh tests|ops|layer|training|latency|profile|compare|all [more stages...]
+#   bash benchmarks/gpu.sh tests|ops|layer|training|small|latency|firstcall|profile|compare|all [more stages...]
 #   bash benchmarks/gpu.sh recall          # alone: the recall sweeps take a whole 10-minute call
 # Results go to $OUT when set (the device tool's folder), else bench_results/; each stage's log to
 # OUT/<stage>.log (its tail printed). Caps: TESTS_S, OPS_S, LAYER_S, TRAINING_S, LATENCY_S, PROFILE_S,
 # COMPARE_S, RECALL_S seconds.
+# small (docs/training.md, "Small models"): the d=128 recall recipes' training steps, one process each, compile + graphs.
+# firstcall (docs/performance.md, "First calls"): `natsl warmup` at 128K for three 800M models, then a fresh
+# `natsl bench-latency` process each at 128K (its cold column against its warm one).
 # compare (docs/performance.md, "Matched-memory comparison"): natsl compare on the 800M recipes (random weights:
 # latency and memory only) at 32K, 64K and 128K, NAtS-L's kept fraction and the presses' budget at 0.125-1, into
 # OUT/compare/; its --time-budget (COMPARE_S - 60) records the points it cannot reach as skipped.
@@ -22,7 +25,7 @@
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-bench_results}; export OUT; mkdir -p "$OUT"
-[ $# -gt 0 ] || { echo "usage: bash benchmarks/gpu.sh tests|ops|layer|training|latency|profile|compare|recall|all ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash benchmarks/gpu.sh tests|ops|layer|training|small|latency|firstcall|profile|compare|recall|all ..." >&2; exit 2; }
 case " $* " in *" recall "*) [ $# -eq 1 ] || { echo "recall runs alone: one device call of its own" >&2; exit 2; } ;; esac
 
 run() {  # run STAGE CAP COMMAND...: the command under its cap, its log in $OUT/STAGE.log
@@ -90,6 +93,13 @@ stage() {
     layer)    run layer "${LAYER_S:-240}" python3 -m benchmarks.layer --energy --out "$OUT" ;;
     training) run training "${TRAINING_S:-540}" python3 -m benchmarks.training --recipes ${RECIPES:-800m_hybrid 800m_transformer} \
                 --compile --micro-batch-size "${MBS:-8}" ${TRAIN_FLAGS:-} --out "$OUT" ;;
+    small)    run small "${SMALL_S:-300}" python3 -m benchmarks.training --recipes recall/natsl_hybrid recall/transformer \
+                recall/gdn --seq-len 512 --micro-batch-size 64 --max-steps 50 --warmup-steps 15 --compile --cuda-graphs --out "$OUT" ;;
+    firstcall) for r in 800m_hybrid 800m_transformer 800m_gdn; do
+                run "warmup_$r" "${FIRSTCALL_S:-150}" python3 -m natsl.cli.main warmup "$r" --lengths 128k
+                run "firstcall_$r" "${FIRSTCALL_S:-150}" python3 -m natsl.cli.main bench-latency --recipe "$r" \
+                  --min-len 131072 --max-len 131072 --repeats 3 --decode-tokens 8 --no-progress --out "$OUT/firstcall_$r"
+              done ;;
     latency)  run latency "${LATENCY_S:-540}" python3 -m benchmarks.latency --keep ${KEEP:-0.5} \
                 --budget $(( ${LATENCY_S:-540} - 30 )) --out "$OUT" ;;
     profile)  run profile_train "${PROFILE_S:-240}" python3 -m benchmarks.profile --recipe 800m_hybrid --compile --optimizer \
@@ -102,8 +112,8 @@ stage() {
                 800m_gdn_hybrid 800m_gdn_swa 800m_gdn --no-quality --context 32768,65536,131072 \
                 --budgets 0.125,0.25,0.5,1 --repeats 2 --time-budget $(( ${COMPARE_S:-540} - 60 )) --no-progress --out "$OUT/compare" ;;
     recall)   recall ;;
-    all)      for s in tests ops layer training latency profile compare; do stage $s; done ;;
-    *)        echo "unknown stage $1: use tests, ops, layer, training, latency, profile, compare, recall or all" >&2; exit 2 ;;
+    all)      for s in tests ops layer training small latency firstcall profile compare; do stage $s; done ;;
+    *)        echo "unknown stage $1: use tests, ops, layer, training, small, latency, firstcall, profile, compare, recall or all" >&2; exit 2 ;;
   esac
 }
 

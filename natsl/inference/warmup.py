@@ -1,8 +1,9 @@
 """Filling the on-disk compile caches before the first real call (`natsl warmup`).
 
 The first prefill of a process at a new length pays Triton's JIT compiles (the fast backend's
-kernels and the cached paths' fused kernels) and torch.compile's (the layers' elementwise pieces,
-`natsl.models.pointwise`, compiled on CUDA). Both keep what they built on disk: Triton in
+kernels and the cached paths' fused kernels), and its first decode steps torch.compile's (the layers'
+elementwise pieces, `natsl.models.pointwise`, compiled on CUDA in decode steps and training; a
+prefill runs them eagerly: natsl.ops.compiled.compile_for). Both keep what they built on disk: Triton in
 TRITON_CACHE_DIR (default ~/.triton/cache), Inductor in TORCHINDUCTOR_CACHE_DIR (default
 /tmp/torchinductor_$USER), and a later process with the same model shapes, dtype, backend,
 batch size, torch, Triton and GPU loads from there instead of compiling again. `warm_up` runs
