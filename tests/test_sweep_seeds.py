@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 import natsl.training.sweep as S
-from natsl.errors import NatslError
 from natsl.config import apply_overrides, load_recipe
 from natsl.errors import NatslError
 
