@@ -27,20 +27,10 @@ from natsl.models.norms import RMSNorm
 from natsl.models.pointwise import gated_input_rms_norm, mamba2_gates
 from natsl.ops import kernel_set
 from natsl.ops.cached import gla_token_step
+from natsl.reference.gates import add_skip, step_values
 
 MAMBA2_A_MIN = 1.0  # A ~ U(1, 16) (mamba_ssm's A_init_range)
 SSD_SCALE = 1.0  # Mamba2 reads its state unscaled: y = C^T S
-
-
-def step_values(v: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
-    """v [B, T, H, P] scaled by the step dt [B, T, H] (fp32): the SSD's write x dt, in v's dtype."""
-    return (v * dt[..., None]).to(v.dtype)
-
-
-def add_skip(o: torch.Tensor, v: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
-    """o + D v per head (o, v [B, T, H, P]; D [H]), in fp32 (or wider), rounded to o's dtype."""
-    dtype = torch.promote_types(o.dtype, torch.float32)
-    return (o.to(dtype) + D.to(dtype)[:, None] * v.to(dtype)).to(o.dtype)
 
 
 class Mamba2(nn.Module):

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from natsl.reference.gates import gdn_gates
-from natsl.reference.norms import l2_normalize, up
+from natsl.reference.gates import add_skip, decay, gdn_gates, step_values
+from natsl.reference.norms import l2_normalize
 from natsl.reference.short_conv import short_conv_silu
 
 
@@ -164,13 +164,11 @@ def gla_decode_step(q, k, v, a, A_log, dt_bias, state, *, D=None, scale=None, l2
         q, k = l2_normalize(q), l2_normalize(k)
     if G != H:
         q, k = (t.repeat_interleave(H // G, dim=1) for t in (q, k))
-    dt = F.softplus(up(a) + up(dt_bias))
-    g = -up(A_log).exp() * dt
+    g, dt = decay(a, A_log, dt_bias)
     x = v.reshape(B, H, V)
-    o, new_state = gla_token_step(state, q, k, (x * dt[..., None]).to(x.dtype), g, scale=scale)
+    o, new_state = gla_token_step(state, q, k, step_values(x, dt), g, scale=scale)
     if D is not None:
-        wide = torch.promote_types(o.dtype, torch.float32)
-        o = (o.to(wide) + D.to(wide)[:, None] * x.to(wide)).to(o.dtype)
+        o = add_skip(o, x, D)
     state.copy_(new_state)
     return o, g
 

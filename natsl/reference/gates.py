@@ -1,5 +1,6 @@
 """The gates of a linear memory from its H-wide projections, in fp32: the Gated DeltaNet's log decay
-and write strength, and the decay and step shared with Mamba2. The formulas of the fused GDN
+and write strength, and the decay and step shared with Mamba2 (with Mamba2's write x dt and its
+skip + D x, which the SSD's full forward and decode step share). The formulas of the fused GDN
 decode kernel (`natsl.fast.cached.gdn_decode_step`, whose twin `natsl.reference.cached` calls
 them) and of the layers' gates (compiled on CUDA through `natsl.ops.cached.gdn_gates`)."""
 
@@ -15,6 +16,17 @@ def decay(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
     """(log decay g = -exp(A_log) dt, step dt = softplus(a + dt_bias)), both fp32 [B, T, H]."""
     dt = F.softplus(up(a) + up(dt_bias))
     return -up(A_log).exp() * dt, dt
+
+
+def step_values(v: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
+    """v [..., H, P] scaled by the step dt [..., H] (fp32): the SSD's write x dt, in v's dtype."""
+    return (v * dt[..., None]).to(v.dtype)
+
+
+def add_skip(o: torch.Tensor, v: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
+    """o + D v per head (o, v [..., H, P]; D [H]), in fp32 (or wider), rounded to o's dtype."""
+    dtype = torch.promote_types(o.dtype, torch.float32)
+    return (o.to(dtype) + D.to(dtype)[:, None] * v.to(dtype)).to(o.dtype)
 
 
 def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
