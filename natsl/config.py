@@ -235,6 +235,15 @@ class TrainConfig:
             raise NatslError(f"recipe key '{prefix}.tokens_per_step' = {self.tokens_per_step} must be a multiple "
                              f"of {prefix}.seq_len = {self.seq_len}")
 
+    def accumulation(self, world: int = 1) -> int:
+        """Micro-batches each of `world` ranks runs per optimizer step; tokens_per_step must be a whole
+        number of micro-batches over the ranks (the trainer's rule; the sweep checks it at load)."""
+        micro_tokens = self.micro_batch_size * self.seq_len
+        if self.tokens_per_step % (micro_tokens * world):
+            raise NatslError(f"train.tokens_per_step = {self.tokens_per_step} is not a multiple of micro_batch_size x "
+                             f"seq_len x ranks = {self.micro_batch_size} x {self.seq_len} x {world}; change one of them")
+        return self.tokens_per_step // (micro_tokens * world)
+
 
 @dataclass
 class DataConfig:

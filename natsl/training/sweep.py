@@ -225,12 +225,15 @@ def load_spec(path: str | Path, out: str | Path, max_parallel: Optional[int] = N
                             f"train.seq_len={task_len}", f"train.tokens_per_step={tokens}",
                             f"optim.warmup_tokens={min(recipe.optim.warmup_tokens, tokens * max_steps // 10)}"
                         ] + compile_overrides + overrides  # the spec's `set:` last: it may undo the default
+                        run_id = f"{task_name}-{system}-d{width}-lr{lr:g}" + (f"-s{seed}" if seed else "")
                         recipe = apply_overrides(recipe, run_overrides)  # a bad combination fails here, not in a worker
-                        steps_of(recipe, path, f"{task_name}-{system}-d{width}-lr{lr:g}")
+                        try:  # the trainer's step rule, here rather than in every worker
+                            recipe.train.accumulation()
+                        except NatslError as err:
+                            raise _spec_error(path, f"run {run_id}: {err} (in the spec's `set:`)") from None
                         # the cosine schedule ends at max_steps whatever step size the `set:` items chose
                         last = [f"train.total_tokens={recipe.train.tokens_per_step * max_steps}", f"train.seed={seed}"]
                         apply_overrides(recipe, last)
-                        run_id = f"{task_name}-{system}-d{width}-lr{lr:g}" + (f"-s{seed}" if seed else "")
                         runs.append(RunSpec(run_id, system, str(recipe_file if recipe_file.is_absolute() or not recipe_file.is_file() else root / recipe_file),
                                             width, lr, task_name, data, run_overrides + last, max_steps,
                                             float(budget.get("run_s", 1e9)), evals, compile_,
@@ -332,19 +335,6 @@ def _task_seq_len(data: str, path) -> int:
     if not is_task(data):
         raise _spec_error(path, f"task {data!r} is not a task: path; write e.g. task:mqar?seq_len=512&pairs=64")
     return parse_task(data, 1 << 30, 1 << 30).max_len
-
-
-def steps_of(recipe, path, run_id: str) -> int:
-    """Micro-batches per optimizer step of a run's recipe on one device; the trainer's own rule
-    (tokens_per_step a multiple of micro_batch_size x seq_len), checked here so that a bad `set:`
-    fails when the spec loads instead of in every worker."""
-    tc = recipe.train
-    micro = tc.micro_batch_size * tc.seq_len
-    if tc.tokens_per_step % micro:
-        raise _spec_error(path, f"run {run_id}: train.tokens_per_step = {tc.tokens_per_step} is not a multiple of "
-                                f"micro_batch_size x seq_len = {tc.micro_batch_size} x {tc.seq_len}; set "
-                                f"train.micro_batch_size (or tokens_per_step) in the spec's `set:`")
-    return tc.tokens_per_step // micro
 
 
 def width_overrides(recipe, width: int) -> list[str]:

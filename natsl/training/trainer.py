@@ -268,12 +268,7 @@ class Trainer:
         # A recipe built in Python (dataclasses.replace) has not met the loader's rules.
         tc.validate()
         self.recipe.optim.validate()
-        world = self.info.world_size
-        micro_tokens = tc.micro_batch_size * tc.seq_len
-        if tc.tokens_per_step % (micro_tokens * world):
-            raise NatslError(f"train.tokens_per_step = {tc.tokens_per_step} is not a multiple of micro_batch_size x "
-                             f"seq_len x ranks = {tc.micro_batch_size} x {tc.seq_len} x {world}; change one of them")
-        self.accum = tc.tokens_per_step // (micro_tokens * world)
+        self.accum = tc.accumulation(self.info.world_size)
         self.samples_per_step = tc.tokens_per_step // tc.seq_len
         self.total_steps = tc.total_tokens // tc.tokens_per_step
         if self.total_steps < 1:
