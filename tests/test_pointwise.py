@@ -224,8 +224,23 @@ def test_compile_for_by_mode_device_grad_and_decode_step(mode, cuda, grad, step,
     use_switches(compile_pointwise=mode)
     with torch.set_grad_enabled(grad), (decode_step_scope() if step else contextlib.nullcontext()):
         assert compile_for(SimpleNamespace(is_cuda=cuda)) is expected
-    with torch.set_grad_enabled(grad):  # the scope ends with its block
-        assert compile_for(SimpleNamespace(is_cuda=cuda)) is (expected and not (mode == "auto" and step and not grad))
+
+
+def test_decode_step_scope_ends_with_its_block_and_nests(use_switches):
+    """Outside a decode step a grad-free CUDA call stays eager again; an inner scope's end leaves the
+    outer one in force."""
+    from types import SimpleNamespace
+
+    from natsl.ops.compiled import compile_for, decode_step_scope
+
+    use_switches(compile_pointwise="auto")
+    cuda = SimpleNamespace(is_cuda=True)
+    with torch.no_grad():
+        with decode_step_scope():
+            with decode_step_scope():
+                assert compile_for(cuda)
+            assert compile_for(cuda)
+        assert not compile_for(cuda)
 
 
 def test_default_compiles_pointwise_in_training_and_decode_steps_only():
