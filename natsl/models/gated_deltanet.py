@@ -182,9 +182,8 @@ class GatedDeltaNet(nn.Module):
         if x.shape[1] == 1:
             # the three convs (tails shifted in place), then L2 norms + g + beta + the delta-rule step
             # (state updated in place): one kernel each on the fused set
-            p = self.proj
-            q, k, v, a, b = p.decode_conv(x, cache.conv, kernels)
-            o, _ = kernels.gdn_decode_step(q, k, v, a, b, p.A_log, p.dt_bias, cache.state)
+            q, k, v, *raw_gates = self.proj.decode_conv(x, cache.conv, kernels)
+            o, _ = self.proj.decode_step(q, k, v, raw_gates, cache.state, kernels)
             return self.output(o[:, None], x, kernels)
         q, k, v, g, beta, tails = self.proj(x, cache.conv, kernels, positions=cache.positions)
         cache.store_conv(tails)
