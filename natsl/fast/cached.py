@@ -18,7 +18,8 @@ spent several times the weights' read time in launch gaps. In prefill the same f
   delta-rule step on the cached state, updated in place (no new state, no copy).
 - `gla_decode_step(...)`: the same for a gated-linear (Mamba2 SSD) state: dt and g from the raw dt
   projection, the write x dt, the step, the read and Mamba2's + D x; the B/C groups read in place
-  by the heads that share them (no repeat_interleave).
+  by the heads that share them (no repeat_interleave). The two steps' kernels, which share their
+  program layout, q and k loads and state tiles, are in `natsl.fast.decode_step_kernels`.
 
 They compute the same formulas as the modules (fp32 math, the same intermediate roundings to the
 activation dtype) with a different reduction order, so results agree to rounding, not bitwise. The
@@ -39,6 +40,8 @@ from natsl.devices import capability, sm_count  # noqa: F401  (sm_count: the lau
 def _kernels():
     import triton
     import triton.language as tl
+
+    from natsl.fast.decode_step_kernels import gdn_step_kernel, gla_step_kernel
 
     @triton.jit
     def conv_step_kernel(x0, t0, w0, y0, C0, sx0, stb0, stw0, sy0,
@@ -72,98 +75,6 @@ def _kernels():
         tl.store(tail_ptr + b * stride_tb + (W - 1) * stride_tw + cols, x.to(tail_ptr.dtype.element_ty), mask=mask)
         # SiLU of the fp32 sum, one rounding (as natsl.reference.short_conv)
         tl.store(y_ptr + b * stride_yb + cols, (acc / (1.0 + tl.exp(-acc))).to(y_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def gdn_step_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, s_ptr, o_ptr, g_ptr,
-                        H, stride_qb, stride_kb, stride_vb, stride_ab, stride_bb, stride_sb, scale,
-                        K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                        PDL: tl.constexpr):
-        if PDL:  # kernels.pdl: wait for the earlier kernels' writes, then let the next kernel start
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        iv = tl.program_id(0)
-        bh = tl.program_id(1).to(tl.int64)
-        b = bh // H
-        h = bh % H
-        rk = tl.arange(0, BK)
-        rv = iv * BV + tl.arange(0, BV)
-        mk = rk < K
-        mv = rv < V
-        q = tl.load(q_ptr + b * stride_qb + h * K + rk, mask=mk, other=0.0)
-        k = tl.load(k_ptr + b * stride_kb + h * K + rk, mask=mk, other=0.0)
-        qf = q.to(tl.float32)
-        kf = k.to(tl.float32)
-        # l2_normalize: x / sqrt(|x|^2 + 1e-6) in fp32, rounded to the activation dtype
-        qf = (qf * (1.0 / tl.sqrt(tl.sum(qf * qf, 0) + 1e-6))).to(q.dtype).to(tl.float32)
-        kf = (kf * (1.0 / tl.sqrt(tl.sum(kf * kf, 0) + 1e-6))).to(k.dtype).to(tl.float32)
-        v = tl.load(v_ptr + b * stride_vb + h * V + rv, mask=mv, other=0.0).to(tl.float32)
-        # g = -exp(A_log) * softplus(a + dt_bias) (fp32; softplus threshold 20 as torch's)
-        a = tl.load(a_ptr + b * stride_ab + h).to(tl.float32) + tl.load(dtb_ptr + h).to(tl.float32)
-        sp = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))
-        g = -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * sp
-        bt = tl.load(b_ptr + b * stride_bb + h).to(tl.float32)
-        beta = (1.0 / (1.0 + tl.exp(-bt))).to(q.dtype).to(tl.float32)
-        alpha = tl.exp(g)
-        offs = b * stride_sb + h * K * V + rk[:, None] * V + rv[None, :]
-        mask = mk[:, None] & mv[None, :]
-        s = tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        r = beta * (v - alpha * tl.sum(kf[:, None] * s, 0))
-        s = alpha * s + kf[:, None] * r[None, :]
-        tl.store(s_ptr + offs, s.to(s_ptr.dtype.element_ty), mask=mask)
-        o = scale * tl.sum(qf[:, None] * s, 0)
-        tl.store(o_ptr + bh * V + rv, o.to(o_ptr.dtype.element_ty), mask=mv)
-        if iv == 0:
-            tl.store(g_ptr + bh, g)
-
-    @triton.jit
-    def gla_step_kernel(q_ptr, k_ptr, v_ptr, a_ptr, alog_ptr, dtb_ptr, d_ptr, s_ptr, o_ptr, g_ptr,
-                        H, PER_GROUP, stride_qb, stride_kb, stride_vb, stride_ab, stride_sb, scale,
-                        K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                        L2: tl.constexpr, HAS_D: tl.constexpr, PDL: tl.constexpr):
-        # One program per (V tile, sequence x head); head h reads the q, k of its group h // PER_GROUP
-        # (Mamba2's B and C are shared by the heads of a group: read in place, never repeated).
-        if PDL:  # kernels.pdl: wait for the earlier kernels' writes, then let the next kernel start
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        iv = tl.program_id(0)
-        bh = tl.program_id(1).to(tl.int64)
-        b = bh // H
-        h = bh % H
-        grp = h // PER_GROUP
-        rk = tl.arange(0, BK)
-        rv = iv * BV + tl.arange(0, BV)
-        mk = rk < K
-        mv = rv < V
-        q = tl.load(q_ptr + b * stride_qb + grp * K + rk, mask=mk, other=0.0)
-        k = tl.load(k_ptr + b * stride_kb + grp * K + rk, mask=mk, other=0.0)
-        qf = q.to(tl.float32)
-        kf = k.to(tl.float32)
-        if L2:  # l2_normalize: x / sqrt(|x|^2 + 1e-6) in fp32, rounded to the activation dtype
-            qf = (qf * (1.0 / tl.sqrt(tl.sum(qf * qf, 0) + 1e-6))).to(q.dtype).to(tl.float32)
-            kf = (kf * (1.0 / tl.sqrt(tl.sum(kf * kf, 0) + 1e-6))).to(k.dtype).to(tl.float32)
-        x = tl.load(v_ptr + b * stride_vb + h * V + rv, mask=mv, other=0.0)
-        xf = x.to(tl.float32)
-        # dt = softplus(a + dt_bias) (threshold 20 as torch's), g = -exp(A_log) dt, both fp32. Mamba2's
-        # a + dt_bias sits near -7..-2 (dt ~ 1e-3..0.1), where 1 + e^a rounds off most of e^a's bits:
-        # log1p(e) as log(u) e / (u - 1), u = 1 + e (Goldberg), so that dt keeps them as torch's softplus.
-        a = tl.load(a_ptr + b * stride_ab + h).to(tl.float32) + tl.load(dtb_ptr + h).to(tl.float32)
-        e = tl.exp(tl.minimum(a, 20.0))
-        u = 1.0 + e
-        dt = tl.where(u == 1.0, e, tl.log(u) * (e / tl.where(u == 1.0, 1.0, u - 1.0)))
-        dt = tl.where(a > 20.0, a, dt)
-        g = -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * dt
-        vdt = (xf * dt).to(x.dtype).to(tl.float32)  # the write x dt, rounded as step_values rounds it
-        offs = b * stride_sb + h * K * V + rk[:, None] * V + rv[None, :]
-        mask = mk[:, None] & mv[None, :]
-        s = tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        s = tl.exp(g) * s + kf[:, None] * vdt[None, :]
-        tl.store(s_ptr + offs, s.to(s_ptr.dtype.element_ty), mask=mask)
-        o = scale * tl.sum(qf[:, None] * s, 0)
-        if HAS_D:  # + D x: the read rounded first, then the sum in fp32, one more rounding (add_skip)
-            o = o.to(o_ptr.dtype.element_ty).to(tl.float32) + tl.load(d_ptr + h).to(tl.float32) * xf
-        tl.store(o_ptr + bh * V + rv, o.to(o_ptr.dtype.element_ty), mask=mv)
-        if iv == 0:
-            tl.store(g_ptr + bh, g)
 
     @triton.jit
     def store_blocks_kernel(src_ptr, mem_ptr, valid_ptr, before_ptr, kept0_ptr, T, n, NR, HEADS,
@@ -322,6 +233,24 @@ def write_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor, k: t
         **launch_options(on))
 
 
+def _step_launch(tensors, state, scale, widest_tile):
+    """The set-up that gdn_decode_step and gla_decode_step share: `tensors` (q first) with unit last
+    stride, the outputs o [B, H, V] in q's dtype and g [B, H] fp32, the grid (V tiles of at most
+    `widest_tile` columns, B*H), the kernel's arguments after its head counts (each tensor's row
+    stride, the state's, the scale: K^-0.5 when None) and its launch keywords."""
+    B, H, K, V = state.shape
+    assert state.stride(-1) == 1 and state.stride(-2) == V and state.stride(1) == K * V
+    tensors = [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
+    q = tensors[0]
+    o = torch.empty(B, H, V, dtype=q.dtype, device=q.device)
+    g = torch.empty(B, H, dtype=torch.float32, device=q.device)
+    BV = min(widest_tile, max(16, next_pow2(V)))
+    rows = [t.stride(0) for t in tensors] + [state.stride(0), K ** -0.5 if scale is None else float(scale)]
+    on = pdl(q.device)
+    launch = dict(K=K, V=V, BK=max(16, next_pow2(K)), BV=BV, num_warps=4, PDL=on, **launch_options(on))
+    return tensors, o, g, (-(-V // BV), B * H), rows, launch
+
+
 def gdn_decode_step(q, k, v, a, b, A_log, dt_bias, state, *, scale=None):
     """One GDN token from the raw post-conv projections, the state updated in place.
 
@@ -329,22 +258,8 @@ def gdn_decode_step(q, k, v, a, b, A_log, dt_bias, state, *, scale=None):
     outputs); state [B, H, K, V] (fp32, updated in place). Returns (o [B, H, V] in q's dtype,
     g [B, H] fp32: the token's log decay).
     """
-    B, H, K, V = state.shape
-    scale = K ** -0.5 if scale is None else float(scale)
-    assert state.stride(-1) == 1 and state.stride(-2) == V and state.stride(1) == K * V
-    tensors = []
-    for t in (q, k, v, a, b):
-        tensors.append(t if t.stride(-1) == 1 else t.contiguous())
-    q, k, v, a, b = tensors
-    o = torch.empty(B, H, V, dtype=q.dtype, device=q.device)
-    g = torch.empty(B, H, dtype=torch.float32, device=q.device)
-    BK = max(16, next_pow2(K))
-    BV = min(64, max(16, next_pow2(V)))
-    grid = (-(-V // BV), B * H)
-    on = pdl(q.device)
-    _kernels()[1][grid](q, k, v, a, b, A_log, dt_bias, state, o, g, H, q.stride(0), k.stride(0), v.stride(0),
-                        a.stride(0), b.stride(0), state.stride(0), scale, K=K, V=V, BK=BK, BV=BV, num_warps=4,
-                        PDL=on, **launch_options(on))
+    tensors, o, g, grid, rows, launch = _step_launch((q, k, v, a, b), state, scale, 64)
+    _kernels()[1][grid](*tensors, A_log, dt_bias, state, o, g, state.shape[1], *rows, **launch)
     return o, g
 
 
@@ -355,24 +270,11 @@ def gla_decode_step(q, k, v, a, A_log, dt_bias, state, *, D=None, scale=None, l2
     projection); A_log, dt_bias [H]; state [B, H, K, V] (fp32, updated in place); D [H] or None.
     Returns (o [B, H, V] in q's dtype, g [B, H] fp32: the token's log decay).
     """
-    B, H, K, V = state.shape
+    _, H, K, V = state.shape
     G = q.shape[-1] // K
     assert q.shape[-1] == k.shape[-1] == G * K and G >= 1 and H % G == 0 and v.shape[-1] == H * V
-    scale = K ** -0.5 if scale is None else float(scale)
-    assert state.stride(-1) == 1 and state.stride(-2) == V and state.stride(1) == K * V
-    tensors = []
-    for t in (q, k, v, a):
-        tensors.append(t if t.stride(-1) == 1 else t.contiguous())
-    q, k, v, a = tensors
-    o = torch.empty(B, H, V, dtype=q.dtype, device=q.device)
-    g = torch.empty(B, H, dtype=torch.float32, device=q.device)
-    BK = max(16, next_pow2(K))
     # V tiles of 32: twice the programs of 64-wide tiles (B*H is small at batch 1: 48 heads at 800M)
-    BV = min(32, max(16, next_pow2(V)))
-    grid = (-(-V // BV), B * H)
-    on = pdl(q.device)
-    _kernels()[4][grid](q, k, v, a, A_log, dt_bias, A_log if D is None else D, state, o, g, H, H // G,
-                        q.stride(0), k.stride(0), v.stride(0), a.stride(0), state.stride(0), scale,
-                        K=K, V=V, BK=BK, BV=BV, L2=bool(l2), HAS_D=D is not None, num_warps=4, PDL=on,
-                        **launch_options(on))
+    tensors, o, g, grid, rows, launch = _step_launch((q, k, v, a), state, scale, 32)
+    _kernels()[4][grid](*tensors, A_log, dt_bias, A_log if D is None else D, state, o, g, H, H // G, *rows,
+                        L2=bool(l2), HAS_D=D is not None, **launch)
     return o, g
