@@ -200,7 +200,9 @@ def read_config(folder: Path) -> dict:
     return config
 
 
-TRAINING_ONLY_MODEL_FIELDS = {"router_noise": 0.0, "router_balance": 0.0, "router_target_keep": 0.5}
+# Model fields that only training reads, at values that train as checkpoints from before them did (off).
+TRAINING_ONLY_MODEL_FIELDS = {"router_noise": 0.0, "router_balance": 0.0, "router_target_keep": 0.5,
+                              "router_bias_rate": 1e-3}
 # Model fields added with the Mamba2 layers: checkpoints from before have neither Mamba2 layers nor a
 # NAtS-L layer on a Mamba2 state, which these values reproduce. The last four came later: the Mamba2
 # checkpoints from before them read the state unnormalised with D v, gave every block the MLP and had no
@@ -210,9 +212,10 @@ MAMBA2_MODEL_FIELDS = {"natsl_state": "gdn", "mamba2_head_dim": 64, "mamba2_stat
                        "mamba2_conv_bias": False}
 # Model fields added after checkpoints existed, with the value every earlier checkpoint was trained
 # with (attn_window: full causal attention, the only attention there was; the NSA fields: no NSA layers,
-# the rest at their defaults, which such a model never reads).
+# the rest at their defaults, which such a model never reads; router_keep_target: no keep bias, which
+# inference reads too: with it set, the layers hold the bias buffer that the weights file must supply).
 LATER_MODEL_FIELDS = {"attn_window": 0, "nsa_layers": [], "nsa_num_heads": 16, "nsa_kv_heads": 1, "nsa_head_dim": 128,
-                      "nsa_block_size": 64, "nsa_block_counts": 16, "nsa_window": 512}
+                      "nsa_block_size": 64, "nsa_block_counts": 16, "nsa_window": 512, "router_keep_target": None}
 
 
 def complete_model_section(model: dict, where: str) -> None:

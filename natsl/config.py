@@ -106,6 +106,13 @@ class ModelConfig:
     router_noise: float = 0.0
     router_balance: float = 0.0
     router_target_keep: float = 0.5
+    # The auxiliary-loss-free balancing controller (docs/recall.md): with router_keep_target F set, every
+    # NAtS-L layer holds a float32 bias per routing group, added to the keep score on every path
+    # (training, evaluation, prefill, decode; saved in checkpoints), and each training forward moves it
+    # by router_bias_rate * sign(F - the group's kept fraction in that forward). None: no bias (the paper's
+    # layer). The rate is read in training only.
+    router_keep_target: Optional[float] = None
+    router_bias_rate: float = 1e-3
     # Common.
     norm_eps: float = 1e-6
     init_std: float = 0.02
@@ -317,6 +324,9 @@ MODEL_RULES = {
     # training-only router options (docs/recall.md); 0 turns noise and balance off
     "router_noise": _finite(0, open_low=False), "router_balance": _finite(0, open_low=False),
     "router_target_keep": _finite(0, 1, open_low=False),
+    "router_keep_target": (lambda v: v is None or (math.isfinite(v) and 0 < v < 1),
+                           "a number strictly between 0 and 1, or null (no keep bias)"),
+    "router_bias_rate": _finite(0),
 }
 OPTIM_RULES = {
     "lr": _finite(0),
@@ -443,6 +453,11 @@ def recipe_from_dict(data: Any) -> Recipe:
     recipe.model.validate()
     recipe.optim.validate()
     recipe.train.validate()
+    if recipe.model.router_keep_target is not None and recipe.train.activation_checkpointing:
+        # the backward's recompute of a block would route on the keep bias that its forward already moved
+        raise NatslError("recipe key 'model.router_keep_target' cannot train with 'train.activation_checkpointing: "
+                         "true' (a recomputed block would route on the bias its forward already updated); "
+                         "turn one of them off")
     return recipe
 
 

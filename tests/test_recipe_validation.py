@@ -138,9 +138,13 @@ def test_every_numeric_model_and_optim_field_has_a_range_rule():
     import dataclasses
     import typing
 
+    def is_numeric(hint) -> bool:  # a number, or an optional one (model.router_keep_target)
+        return hint in (int, float) or (typing.get_origin(hint) is typing.Union
+                                         and set(typing.get_args(hint)) in ({int, type(None)}, {float, type(None)}))
+
     for cls, rules in ((ModelConfig, MODEL_RULES), (OptimConfig, OPTIM_RULES)):
         hints = typing.get_type_hints(cls)
-        numeric = {f.name for f in dataclasses.fields(cls) if hints[f.name] in (int, float)}
+        numeric = {f.name for f in dataclasses.fields(cls) if is_numeric(hints[f.name])}
         assert numeric == set(rules), (cls.__name__, numeric ^ set(rules))
 
 

@@ -27,12 +27,14 @@ class CachedNAtSL:
 
     def decide_routes(self, block_sums: torch.Tensor, count: int, block_index: torch.Tensor):
         """Sums of x over complete blocks [B, N, d], their token count and absolute indices [B|1, N]
-        -> keep, write [B, N, H] (0/1): the router on the block mean, exactly as `route_blocks`."""
+        -> keep, write [B, N, H] (0/1): the router on the block mean (with the layer's keep bias, if
+        any), exactly as `route_blocks`."""
         xbar = block_sums.to(self.router.weight.dtype) / count
         if self.route_override is not None:
             keep = self.route_override(block_index.expand(xbar.shape[0], -1), self.num_heads).to(xbar.dtype)
         else:
-            keep = straight_through_route(router_scores(xbar, self.router.weight, self.num_heads))[0][..., 0]
+            scores = router_scores(xbar, self.router.weight, self.num_heads, self.router_keep_bias)
+            keep = straight_through_route(scores)[0][..., 0]
             keep = keep.to(xbar.dtype)
         return keep, 1 - keep
 
@@ -88,7 +90,7 @@ class CachedNAtSL:
         # Block end (where the token's offset is C-1): route on the block mean, commit the state, keep
         # or drop the KV; first the token's decay joins its block's sum (unless read above).
         kernels.close_block(cache, x[:, 0], pos, self.router.weight, self.route_override, self.decide_routes, C,
-                            c.decay_skipped_blocks, g_token)
+                            c.decay_skipped_blocks, g_token, router_bias=self.router_keep_bias)
         return o_la, o_nla
 
     def _prefill(self, x, q, k, v, g, beta, cache, start: int, kernels):

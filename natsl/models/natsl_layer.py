@@ -75,6 +75,24 @@ class NAtSL(CachedNAtSL, nn.Module):
         # forward and incremental inference alike (natsl.models.routing.force_keep_fraction); None =
         # the router decides.
         self.route_override = None
+        # The balancing controller's keep bias (config.router_keep_target; docs/recall.md), float32 [H]:
+        # part of the trained model (a persistent buffer, in checkpoints), read by every route of the
+        # layer, moved in place after each training forward (`_update_keep_bias`). None: the paper's
+        # router, and no buffer (checkpoints of the plain layer are unchanged).
+        if config.router_keep_target is not None:
+            self.register_buffer("router_keep_bias", torch.zeros(h, dtype=torch.float32, device=device))
+        else:
+            self.router_keep_bias: torch.Tensor | None = None
+
+    def _apply(self, fn, recurse: bool = True):
+        """`model.to(torch.bfloat16)` casts every floating tensor; the keep bias goes to the new device
+        but stays float32, with its values (its steps of router_bias_rate would round away in bf16)."""
+        bias = self.router_keep_bias
+        super()._apply(fn, recurse)
+        moved = self.router_keep_bias
+        if bias is not None and moved.dtype != torch.float32:
+            self.router_keep_bias = bias.to(device=moved.device, dtype=torch.float32)
+        return self
 
     # -- the layer, in the order of its equations (docs/spec.md section 2) -----------------------
     # route, the softmax branch's views and mix are shared with incremental inference (natsl_cached).
@@ -90,15 +108,30 @@ class NAtSL(CachedNAtSL, nn.Module):
             return keep, 1 - keep
         c = self.config
         if self.training and (c.router_noise > 0 or c.router_balance > 0):
-            return self._route_for_training(x)
-        keep, write, _ = route_blocks(x, self.router.weight, self.num_heads, c.block_size)
+            keep, write = self._route_for_training(x)
+        else:
+            keep, write, _ = route_blocks(x, self.router.weight, self.num_heads, c.block_size, self.router_keep_bias)
+        if self.training and self.router_keep_bias is not None:
+            self._update_keep_bias(keep)
         return keep, write
+
+    @torch.no_grad()
+    def _update_keep_bias(self, keep: torch.Tensor) -> None:
+        """The balancing controller's step, after the routes of a training forward (as BatchNorm's
+        running statistics: in place, no gradient, no host read, so compiled steps and CUDA graphs
+        keep it): bias += router_bias_rate * sign(router_keep_target - kept fraction per group), the
+        fraction being the hard keep's mean over the batch and the blocks (the trainer's keep_groups).
+        Every rank moves its own copy (no all-reduce; docs/recall.md)."""
+        c = self.config
+        observed = keep.detach().float().mean(dim=(0, 1))  # [H]
+        self.router_keep_bias.add_(torch.sign(c.router_keep_target - observed), alpha=c.router_bias_rate)
 
     def _route_for_training(self, x: torch.Tensor):
         """The router with the training-only options (docs/recall.md): Gumbel noise on the scores,
-        and the balance loss towards router_target_keep, left in `self.aux_loss` for the trainer."""
+        and the balance loss towards router_target_keep, left in `self.aux_loss` for the trainer
+        (the keep bias, if any, is in the scores before the noise)."""
         c = self.config
-        scores = router_scores(block_mean(x, c.block_size), self.router.weight, self.num_heads)
+        scores = router_scores(block_mean(x, c.block_size), self.router.weight, self.num_heads, self.router_keep_bias)
         if c.router_noise > 0:
             u = torch.rand_like(scores, dtype=torch.float32).clamp_(1e-6, 1 - 1e-6)
             scores = scores.float() - c.router_noise * torch.log(-torch.log(u))

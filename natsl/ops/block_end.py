@@ -10,8 +10,9 @@ on CUDA and run eagerly elsewhere. `decode_slots` runs on every decode step; `cl
 block end of the fused kernel set (natsl.ops.kernel_set.Fused.close_block), whose reference is the
 eager bookkeeping of `natsl.ops.kernel_set.Reference.close_block`.
 
-The route is computed exactly as `CachedNAtSL.decide_routes` (natsl/models/natsl_cached.py) does (router on the block mean, ties to
-keep, or the layer's KeepFraction hash), and the commit as `natsl.ops.cached.commit_state` on the reference.
+The route is computed exactly as `CachedNAtSL.decide_routes` (natsl/models/natsl_cached.py) does (router on the block mean,
+plus the layer's keep bias when it has one, ties to keep; or the layer's KeepFraction hash), and the commit as
+`natsl.ops.cached.commit_state` on the reference.
 """
 
 from __future__ import annotations
@@ -37,12 +38,14 @@ def decode_slots(kept_len: torch.Tensor, pos: torch.Tensor, groups: int, block_s
 def close_block(x_sum: torch.Tensor, x: torch.Tensor, pos: torch.Tensor, router_weight: torch.Tensor,
                 state_start: torch.Tensor, state_run: torch.Tensor, decay_sum: torch.Tensor,
                 kept_len: torch.Tensor, block_size: int, decay_skipped_blocks: bool,
-                fraction: float | None, seed: int, g_token: torch.Tensor | None = None) -> None:
+                fraction: float | None, seed: int, g_token: torch.Tensor | None = None,
+                bias: torch.Tensor | None = None) -> None:
     """Add the token x [B, d] to the block's running sum (and its log decay g_token [B, H], when
     given, to the block's decay sum); where it ends its block (pos % C == C-1), route the block,
     commit the state (both states become the committed one), add C to the kept length of kept
     groups and reset the block's sums. All in place; rows not at a block end keep their states.
-    `fraction` not None: the KeepFraction(fraction, seed) route instead of the router."""
+    `bias` [H]: the layer's keep bias on the router's keep score (None: none). `fraction` not None:
+    the KeepFraction(fraction, seed) route instead of the router."""
     C = block_size
     G = kept_len.shape[1]
     x_sum.add_(x.to(x_sum.dtype))
@@ -50,7 +53,8 @@ def close_block(x_sum: torch.Tensor, x: torch.Tensor, pos: torch.Tensor, router_
         decay_sum.add_(g_token.to(decay_sum.dtype))
     done = (pos % C) == C - 1
     if fraction is None:
-        keep = straight_through_route(router_scores(x_sum.to(router_weight.dtype) / C, router_weight, G))[0][..., 0]
+        scores = router_scores(x_sum.to(router_weight.dtype) / C, router_weight, G, bias)
+        keep = straight_through_route(scores)[0][..., 0]
     else:
         keep = keep_hash((pos // C)[:, None], G, seed, fraction)[:, 0]
     committed = commit_state(state_start, state_run, decay_sum, 1 - keep, decay_skipped_blocks)

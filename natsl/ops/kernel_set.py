@@ -115,13 +115,14 @@ class Reference:
         twin("store_blocks", self.fused)(src, mem, valid, before, kept0, n, block_size)
 
     def close_block(self, cache, x, pos, router_weight, route_override, route, block_size: int,
-                    decay_skipped_blocks: bool, g_token=None) -> None:
+                    decay_skipped_blocks: bool, g_token=None, router_bias=None) -> None:
         """A NAtS-L decode token's block end, in place on `cache` (its x_sum, decay_sum, state_start,
         state_run and kept_len): add the token x [B, d] (and its log decay g_token [B, H], when given)
         to its block's sums; where it ends its block (pos % C == C-1), route the block with `route`
         (the layer's `decide_routes`, which applies `route_override`), commit the state, add C to the
-        kept length of kept groups and reset the block's sums. `router_weight` and `route_override`
-        serve the compiled form (`Fused`)."""
+        kept length of kept groups and reset the block's sums. `router_weight`, `route_override` and
+        `router_bias` (the layer's keep bias [H] or None, which `route` applies itself) serve the
+        compiled form (`Fused`)."""
         C = block_size
         if g_token is not None:
             cache.decay_sum.add_(g_token)
@@ -165,16 +166,17 @@ class Fused(Reference):
         return twin("gdn_decode_step", True)(q[:, 0], k[:, 0], v[:, 0], a[:, 0], b[:, 0], A_log, dt_bias, state)
 
     def close_block(self, cache, x, pos, router_weight, route_override, route, block_size, decay_skipped_blocks,
-                    g_token=None):
-        # The compiled form knows the router and the fixed keep fraction's hash; any other override
-        # (a callable a user sets) keeps the eager bookkeeping, which calls it.
+                    g_token=None, router_bias=None):
+        # The compiled form knows the router (with its keep bias) and the fixed keep fraction's hash; any
+        # other override (a callable a user sets) keeps the eager bookkeeping, which calls it.
         if route_override is not None and not isinstance(route_override, KeepFraction):
             return super().close_block(cache, x, pos, router_weight, route_override, route, block_size,
-                                       decay_skipped_blocks, g_token)
+                                       decay_skipped_blocks, g_token, router_bias)
         block_end.close_block(cache.x_sum, x, pos, router_weight, cache.state_start, cache.state_run,
                               cache.decay_sum, cache.kept_len, block_size, decay_skipped_blocks,
                               None if route_override is None else route_override.fraction,
-                              0 if route_override is None else route_override.seed, g_token)
+                              0 if route_override is None else route_override.seed, g_token,
+                              None if route_override is not None else router_bias)
 
 
 # The full-sequence forward's shared steps (natsl.models.gated_deltanet, natsl_layer) take this set.

@@ -4,6 +4,11 @@
 `s_b = W_r xbar_b` gives two scores per head, `p = softmax(s_b)` and the route is the one-hot
 argmax with a straight-through gradient: `m = onehot(argmax p) + (p - stopgrad(p))`. The value of
 `m` is exactly 0/1 (the bracket is exactly zero), its gradient is that of `p`.
+
+With `model.router_keep_target` set (docs/recall.md, "Routing over training") the layer holds a bias
+per head, float32 [H], added to the keep score (index 0) before the softmax: `s_b[h, 0] += bias[h]`.
+Every route of the layer (full-sequence forward, cached prefill, decode block end) passes it to
+`router_scores`, so all paths decide alike.
 """
 
 from __future__ import annotations
@@ -33,15 +38,23 @@ def straight_through_route(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return hard + (probs - probs.detach()), probs
 
 
-def router_scores(xbar: torch.Tensor, weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Block means [..., d], weight [2H, d] -> the two scores per head [..., H, 2] (index 0: keep)."""
-    return F.linear(xbar, weight).view(*xbar.shape[:-1], num_heads, 2)
+def router_scores(xbar: torch.Tensor, weight: torch.Tensor, num_heads: int,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Block means [..., d], weight [2H, d] -> the two scores per head [..., H, 2] (index 0: keep).
+    `bias` [H] (float32), when given, is added to each head's keep score (the scores then come in
+    float32: the dtype the route's softmax takes anyway)."""
+    scores = F.linear(xbar, weight).view(*xbar.shape[:-1], num_heads, 2)
+    if bias is None:
+        return scores
+    return scores + F.pad(bias[:, None], (0, 1))  # [H, 2]: (bias, 0) per head
 
 
-def route_blocks(x: torch.Tensor, weight: torch.Tensor, num_heads: int, block_size: int):
-    """x [B, T, d], weight [2H, d] -> (keep [B, NB, H], write [B, NB, H], probs [B, NB, H, 2])."""
+def route_blocks(x: torch.Tensor, weight: torch.Tensor, num_heads: int, block_size: int,
+                 bias: torch.Tensor | None = None):
+    """x [B, T, d], weight [2H, d] (and the keep bias [H] or None) ->
+    (keep [B, NB, H], write [B, NB, H], probs [B, NB, H, 2])."""
     xbar = block_mean(x, block_size)
-    m, probs = straight_through_route(router_scores(xbar, weight, num_heads))
+    m, probs = straight_through_route(router_scores(xbar, weight, num_heads, bias))
     return m[..., 0], m[..., 1], probs
 
 

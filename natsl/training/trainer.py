@@ -501,8 +501,15 @@ class Trainer:
                 "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
                 "mfu": tokens_per_s * fpt / (self.peak * self.info.world_size) if self.peak else None,
                 "keep": {str(i): k for (i, _), k in zip(self.natsl_layers, keep)}, "keep_groups": keep_groups,
-                "skipped": not finite,
+                **self.router_bias_record(), "skipped": not finite,
                 "bad_steps": self.state["bad_steps"], "time_s": dt, "flops_per_token": fpt}
+
+    def router_bias_record(self) -> dict:
+        """{"router_bias": {layer: [bias per routing group]}} after this step's forwards, for the NAtS-L
+        layers with a keep bias (model.router_keep_target; this rank's copy); {} without one."""
+        biases = {str(i): layer.router_keep_bias.tolist() for i, layer in self.natsl_layers
+                  if layer.router_keep_bias is not None}
+        return {"router_bias": biases} if biases else {}
 
     @torch.no_grad()
     def evaluate(self) -> Optional[float]:
