@@ -8,7 +8,7 @@ import torch
 
 import natsl
 from natsl.errors import NatslError
-from natsl.models.attention import band_mask, sliding_window_attention
+from natsl.models.attention import band_mask, banded_attention, sliding_window_attention
 
 RECIPES = Path(__file__).resolve().parent.parent / "natsl" / "recipes"
 
@@ -36,6 +36,19 @@ def test_band_matches_flex_and_explicit_loop():
     flex = flex_attention(q.float(), k.float(), v.float(), block_mask=mask)
     torch.testing.assert_close(flex, got.float(), atol=1e-5, rtol=1e-5)
     assert band_mask(torch.arange(3), torch.arange(3), 2).tolist() == [[1, 0, 0], [1, 1, 0], [0, 1, 1]]
+
+
+@pytest.mark.parametrize("earlier, t, window", [(0, 1, 4), (0, 7, 4), (3, 10, 4), (0, 33, 8), (5, 64, 16),
+                                                (0, 4, 8), (7, 5, 8)])
+def test_banded_prefill_attention_equals_one_masked_call(earlier, t, window):
+    """The ring prefill's query chunks (each with the keys its band reaches) = one SDPA call over every
+    key with the whole band mask; `earlier` keys come from the ring before the new tokens."""
+    torch.manual_seed(t)
+    q = torch.randn(2, 3, t, 8, dtype=torch.float64)
+    k, v = (torch.randn(2, 3, earlier + t, 8, dtype=torch.float64) for _ in range(2))
+    pos = torch.arange(100 - earlier, 100 + t)
+    whole = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=band_mask(pos[-t:], pos, window))
+    torch.testing.assert_close(banded_attention(q, k, v, pos, window), whole, rtol=1e-12, atol=1e-12)
 
 
 def test_window_changes_the_output_only_past_the_window():

@@ -120,8 +120,7 @@ class SoftmaxAttention(nn.Module):
         keys = torch.cat([cache.k[:, :, old % window], k.transpose(1, 2).to(cache.k.dtype)], dim=2)
         values = torch.cat([cache.v[:, :, old % window], v.transpose(1, 2).to(cache.v.dtype)], dim=2)
         key_pos = torch.cat([old, torch.arange(start, start + t, device=x.device)])
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype),
-                                           attn_mask=band_mask(key_pos[-t:], key_pos, window))
+        o = banded_attention(q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype), key_pos, window)
         last = key_pos[-min(t, window):]
         cache.k.index_copy_(2, last % window, keys[:, :, -len(last):])
         cache.v.index_copy_(2, last % window, values[:, :, -len(last):])
@@ -154,6 +153,25 @@ def band_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int) -> to
     """[Tq, Tk] bool: key j is visible to query i when 0 <= pos_i - pos_j < window."""
     gap = query_pos[:, None] - key_pos[None, :]
     return (gap >= 0) & (gap < window)
+
+
+def banded_attention(q, keys, values, key_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """q [B, heads, t, D] for the last t of `key_pos` (consecutive positions of keys / values
+    [B, heads, n, D]) -> [B, heads, t, D], each query reading the keys of its window.
+
+    Queries go in chunks of `window`, each with only the keys its band can reach (< 2 x window), so a
+    long prefill holds an O(window^2) mask and O(t x window) scores instead of a [t, n] mask and all
+    t x n scores (at 128K tokens the single masked call needs a 16 GiB mask). Inference only, no compile
+    (a flex_attention block mask would recompile for every prompt length)."""
+    t, first = q.shape[2], keys.shape[2] - q.shape[2]
+    out = []
+    for a in range(0, t, window):
+        b = min(a + window, t)
+        lo = max(0, first + a - window + 1)
+        mask = band_mask(key_pos[first + a:first + b], key_pos[lo:first + b], window)
+        out.append(F.scaled_dot_product_attention(q[:, :, a:b], keys[:, :, lo:first + b],
+                                                  values[:, :, lo:first + b], attn_mask=mask))
+    return out[0] if len(out) == 1 else torch.cat(out, dim=2)
 
 
 def sliding_window_attention(q, k, v, window: int, *, flex: bool = False) -> torch.Tensor:
