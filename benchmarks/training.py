@@ -196,7 +196,9 @@ def run_child(cmd: list[str], **popen_kwargs) -> int:
         # Only signal here: the interrupted proc.wait() below holds Popen's wait lock.
         stopped_by.append(signum)
         kill_group(signal.SIGTERM)
-        timer = threading.Timer(10.0, kill_group, (signal.SIGKILL,))  # for a worker that ignores SIGTERM
+        # for a worker that ignores SIGTERM (one compiling can take longer to stop); well before `timeout -k 10`
+        # (benchmarks/gpu.sh) kills this script, after which nothing would kill the group
+        timer = threading.Timer(3.0, kill_group, (signal.SIGKILL,))
         timer.daemon = True
         timer.start()
 
