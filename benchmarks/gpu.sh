@@ -15,8 +15,9 @@
 # runner each, all at once under one CUDA MPS daemon, each with the deadline RECALL_DEADLINE (default
 # RECALL_S - 60) inside the hard cap RECALL_S (default 540, below the call's 600 s); their run folders
 # (checkpoints) stay in RECALL_WORK (default /tmp/natsl_recall) and, as soon as a sweep ends, its
-# summary.json / summary.png / sweep.json and a tarball of its runs' result.json, run.json, metrics.jsonl,
-# recall.json and log.txt go to OUT/recall_<spec>/. Not in `all`, and never beside other stages (the @gpu
+# summary.json / summary.png / sweep.json, a tarball of its runs' result.json, run.json, metrics.jsonl,
+# recall.json and log.txt, and its runs' bf16 models (models_N.tar.gz, two runs each: RUN/model folders that
+# `natsl compare` reads) go to OUT/recall_<spec>/. Not in `all`, and never beside other stages (the @gpu
 # tests and the 22 workers slow each other down).
 # Options per stage through variables: OPS="gated_delta routed_attention ..." (ops to run), SWEEP=1 (their
 # launch-setting sweeps), RECIPES="800m_hybrid 800m_transformer" (training), MBS (micro-batch, default 8),
@@ -42,6 +43,14 @@ collect() {  # collect WORK DEST: a sweep's summary, figure and spec, and its ru
   for f in summary.json summary.png sweep.json; do [ -f "$work/$f" ] && cp "$work/$f" "$dest/"; done
   [ -d "$work/runs" ] && (cd "$work" && find runs \( -name result.json -o -name run.json -o -name metrics.jsonl \
     -o -name recall.json -o -name log.txt \) -print0 | tar -czf "$dest/runs.tar.gz" --null -T -)
+  # the runs' bf16 inference folders (RUN/model, natsl.cli.sweep.export_model), two a tarball: each ~10 MB
+  local i=0 pair=() m
+  for m in "$work"/runs/*/model; do
+    [ -d "$m" ] || continue
+    pair+=("$(basename "$(dirname "$m")")/model")
+    if [ ${#pair[@]} -eq 2 ]; then tar -czf "$dest/models_$i.tar.gz" -C "$work/runs" "${pair[@]}"; i=$((i + 1)); pair=(); fi
+  done
+  [ ${#pair[@]} -gt 0 ] && tar -czf "$dest/models_$i.tar.gz" -C "$work/runs" "${pair[@]}"
   echo "== $(basename "$dest"): $(ls "$dest" | tr '\n' ' ')"
   [ -f "$dest/summary.json" ] && python3 - "$dest/summary.json" <<'PY'
 import json, sys

@@ -182,3 +182,13 @@ def test_compare_bad_recipe_input_is_one_line(tmp_path, args, fragment):
     result = CliRunner().invoke(app, ["compare", *args, "--out", str(out), "--device", "cpu", "--no-progress"])
     assert_one_line_error(result, fragment)
     assert not out.exists()  # refused before any folder is made
+
+
+def test_checkpoint_labels_name_the_run(tmp_path):
+    """Plot and table labels: run/step_N for a training step, the run for an exported RUN/model folder
+    (all of a sweep's exports are called `model`), else the folder's own name."""
+    from natsl.eval.common import checkpoint_name
+
+    assert checkpoint_name(tmp_path / "runA" / "checkpoints" / "step_000040") == "runA/step_000040"
+    assert checkpoint_name(tmp_path / "zoology-gdn-d128-lr0.0003" / "model") == "zoology-gdn-d128-lr0.0003"
+    assert checkpoint_name(tmp_path / "my_export") == "my_export"

@@ -114,6 +114,21 @@ def test_sweep_trains_evaluates_and_summarises(tmp_path):
     assert all(p["seeds_finished"] == p["seeds_total"] == 1 and p["short"] == 0 and p["seeds"][0]["steps"] == 4
                for p in summary["best"])
     assert (out / "summary.png").stat().st_size > 1000
+    # Each run leaves its trained model as a bf16 inference folder (what natsl compare reads), with the
+    # training checkpoint's weights rounded to bf16.
+    from safetensors.torch import load_file
+
+    from natsl.checkpoint import load_checkpoint, resolve_checkpoint_folder
+
+    for run in summary["runs"]:
+        folder = out / "runs" / run["id"]
+        exported = load_file(str(folder / "model" / "model.safetensors"))
+        trained = load_file(str(resolve_checkpoint_folder(folder / "train") / "model.safetensors"))
+        assert exported.keys() == trained.keys()
+        for name, tensor in trained.items():
+            assert exported[name].dtype == (torch.bfloat16 if tensor.is_floating_point() else tensor.dtype), name
+            assert torch.equal(exported[name], tensor.to(exported[name].dtype)), name
+        assert load_checkpoint(folder / "model")[0].recipe.name == load_checkpoint(folder / "train")[0].recipe.name
     # A forced budget (eval-recall --keep-fraction) rules the routes the evaluation reports.
     from natsl.cli.eval_recall import run_eval_recall
 

@@ -91,6 +91,7 @@ def run_worker(run_file: str) -> int:
         print(f"{asked['signal']}: {run['id']} stopped after {result['steps']} steps, not evaluated")
         return 128 + signal.Signals[asked["signal"]]
     _write_json(folder / "result.json", result)
+    export_model(folder)
     for sig in (signal.SIGTERM, signal.SIGINT):  # from here on a stop request ends the worker at once
         signal.signal(sig, signal.SIG_DFL)
     ev = run["eval"]
@@ -109,6 +110,18 @@ def run_worker(run_file: str) -> int:
     _write_json(folder / "result.json", result)
     print(f"{result['status']}: {run['id']} recall accuracy {report['mean_accuracy']} after {result['steps']} steps")
     return 0
+
+
+def export_model(folder: Path) -> None:
+    """The trained run as a bf16 inference folder, `RUN/model` (weights, config; a few MB at the recall
+    widths), which `natsl compare` and every eval command read: the training checkpoint beside it holds
+    fp32 weights and the optimizer state, ~6x the bytes, too much to bring back from a lent GPU by the
+    dozen. Before the evaluation, so a run whose evaluation the deadline cuts still leaves its model."""
+    import torch
+
+    from natsl.eval.convert import convert_checkpoint
+
+    convert_checkpoint(folder / "train", folder / "model", torch.bfloat16)
 
 
 EVAL_MARGIN_S = 3.0  # the evaluation starts no point this close to the deadline: result.json is written first

@@ -29,11 +29,15 @@ class EvalModel:
 
 
 def checkpoint_name(folder: Path) -> str:
-    """A short label for plots: `run/step_N` for a training step, else the folder name."""
+    """A short label for plots: `run/step_N` for a training step, the parent's name for a folder called
+    `model` (a sweep run's export RUN/model, natsl.cli.sweep.export_model: they all share that name),
+    else the folder name."""
     folder = Path(folder).resolve()
     if folder.name.startswith("step_"):
         run = folder.parent.parent if folder.parent.name == "checkpoints" else folder.parent
         return f"{run.name}/{folder.name}"
+    if folder.name == "model":
+        return folder.parent.name
     return folder.name
 
 
