@@ -377,3 +377,26 @@ def test_recipe_rules_and_checkpoints_from_before_the_fields(tmp_path):
     assert (shipped.model.router_keep_target, shipped.model.router_bias_rate) == (0.5, 0.001)
     assert dataclasses.replace(shipped.model, router_keep_target=None) == base.model
     assert shipped.train == base.train and shipped.optim == base.optim and shipped.data == base.data
+
+
+def test_metrics_plot_draws_the_keep_bias_beside_the_routes(tmp_path):
+    """metrics.png gets a third panel, the keep bias per layer and group, when the records carry it."""
+    import matplotlib.image
+
+    from natsl.training.metrics import MetricsLog, group_series
+
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    for step in range(1, 6):
+        log.write({"step": step, "loss": 5.0 - step / 10, "keep_groups": {"3": [0.1 * step, 0.5]},
+                   "router_bias": {"3": [0.001 * step, -0.001 * step]}})
+    log.write({"step": 5, "val_loss": 4.5})
+    log.close()
+    assert group_series(log.records(), "router_bias")["layer 3 group 1"] == [(s, -0.001 * s) for s in range(1, 6)]
+    log.plot(tmp_path / "with_bias.png")
+    plain = MetricsLog(tmp_path / "plain.jsonl")
+    for record in log.records():
+        plain.write({k: v for k, v in record.items() if k != "router_bias"})
+    plain.close()
+    plain.plot(tmp_path / "without_bias.png")
+    widths = [matplotlib.image.imread(tmp_path / name).shape[1] for name in ("with_bias.png", "without_bias.png")]
+    assert widths == [1700, 1200]  # three panels of 5 inches (+2) at 100 dpi against two

@@ -1,5 +1,5 @@
 """`OUT/metrics.jsonl` (one JSON record per step, plus eval records) and the `metrics.png` loss curve
-(beside it, the kept fraction per NAtS-L layer and routing group)."""
+(beside it, the kept fraction per NAtS-L layer and routing group, and the router keep bias when it is on)."""
 
 from __future__ import annotations
 
@@ -58,7 +58,9 @@ class MetricsLog:
         train = [(r["step"], r["loss"]) for r in records if "loss" in r and _finite(r["loss"])]
         val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r and _finite(r["val_loss"])]
         routes = keep_series(records)
-        fig, axes = plt.subplots(1, 2 if routes else 1, figsize=(12 if routes else 7, 4), dpi=100, squeeze=False)
+        biases = group_series(records, "router_bias")
+        panels = 1 + bool(routes) + bool(biases)
+        fig, axes = plt.subplots(1, panels, figsize=(2 + 5 * panels, 4), dpi=100, squeeze=False)
         ax = axes[0][0]
         if train:
             ax.plot(*zip(*train), label="train loss", linewidth=1)
@@ -79,6 +81,15 @@ class MetricsLog:
             ax.set_title("routing per NAtS-L layer / group")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7, ncol=2)
+        if biases:  # the keep bias that holds each group near model.router_keep_target
+            ax = axes[0][-1]
+            for label, points in biases.items():
+                ax.plot(*zip(*points), label=label, linewidth=1)
+            ax.set_xlabel("step")
+            ax.set_ylabel("keep-score bias")
+            ax.set_title("router keep bias per layer / group")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7, ncol=2)
         fig.tight_layout()
         tmp = png.with_name(f".{png.stem}.tmp-{os.getpid()}.png")
         try:
@@ -94,19 +105,25 @@ class MetricsLog:
 def keep_series(records: list[dict]) -> dict[str, list[tuple[int, float]]]:
     """{"layer L group G": [(step, kept fraction)]} from the step records' `keep_groups` (or, for
     records written before it existed, {"layer L": ...} from `keep`)."""
-    out: dict[str, list[tuple[int, float]]] = {}
+    out = group_series(records, "keep_groups")
     for r in records:
-        if "loss" not in r:
-            continue
-        if isinstance(r.get("keep_groups"), dict):
-            for layer, groups in r["keep_groups"].items():
-                for g, value in enumerate(groups):
-                    if _finite(value):
-                        out.setdefault(f"layer {layer} group {g}", []).append((r["step"], value))
-        elif isinstance(r.get("keep"), dict):
+        if "loss" in r and not isinstance(r.get("keep_groups"), dict) and isinstance(r.get("keep"), dict):
             for layer, value in r["keep"].items():
                 if _finite(value):
                     out.setdefault(f"layer {layer}", []).append((r["step"], value))
+    return out
+
+
+def group_series(records: list[dict], field: str) -> dict[str, list[tuple[int, float]]]:
+    """{"layer L group G": [(step, value)]} from the step records' per-layer, per-group `field`
+    (`keep_groups`; `router_bias`, logged when model.router_keep_target is set)."""
+    out: dict[str, list[tuple[int, float]]] = {}
+    for r in records:
+        if "loss" in r and isinstance(r.get(field), dict):
+            for layer, groups in r[field].items():
+                for g, value in enumerate(groups):
+                    if _finite(value):
+                        out.setdefault(f"layer {layer} group {g}", []).append((r["step"], value))
     return out
 
 
