@@ -133,14 +133,20 @@ def test_ablations_decode_as_they_train(changes):
             assert relative_error(got, full) < 1e-4, chunks
 
 
-def softmax_kv_of_full_forward(model, ids):
-    """Per NAtS-L layer: (keep [B, NB, H], ks [B, T, heads, Dk], vs) of a full forward."""
+def natsl_layer_inputs(model, ids) -> dict:
+    """Each NAtS-L layer's input x [B, T, d] in a full forward of `model` (which runs it)."""
     inputs = {}
     hooks = [layer.register_forward_hook(lambda mod, args, out, i=i: inputs.__setitem__(i, args[0]))
              for i, layer in model.natsl_layers().items()]
     model(ids)
-    for h in hooks:
-        h.remove()
+    for hook in hooks:
+        hook.remove()
+    return inputs
+
+
+def softmax_kv_of_full_forward(model, ids):
+    """Per NAtS-L layer: (keep [B, NB, H], ks [B, T, heads, Dk], vs) of a full forward."""
+    inputs = natsl_layer_inputs(model, ids)
     out = {}
     for i, layer in model.natsl_layers().items():
         q, k, v, *_ = layer.proj(inputs[i])

@@ -11,7 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_inference import BLOCK, LAYOUTS, mixed_routes, prefill_then_decode, relative_error, tiny_model
+from test_inference import (BLOCK, LAYOUTS, mixed_routes, natsl_layer_inputs, prefill_then_decode, relative_error,
+                            tiny_model)
 
 import natsl
 from natsl.devices import triton_interpreted
@@ -29,23 +30,12 @@ def biases(model) -> list[torch.Tensor]:
     return [layer.router_keep_bias.clone() for layer in model.natsl_layers().values()]
 
 
-def layer_inputs(model, ids) -> dict:
-    """Each NAtS-L layer's input x [B, T, d] in a full forward of `model`."""
-    inputs = {}
-    hooks = [layer.register_forward_hook(lambda mod, args, out, i=i: inputs.__setitem__(i, args[0]))
-             for i, layer in model.natsl_layers().items()]
-    model(ids)
-    for hook in hooks:
-        hook.remove()
-    return inputs
-
-
 def set_splitting_bias(model, ids) -> None:
     """Each layer's bias at minus the median keep-score gap of its blocks (no bias), per group, so that
     about half of the blocks change their route: layer by layer, as each bias changes the next layer's input."""
     with torch.no_grad():
         for i, layer in model.natsl_layers().items():
-            x = layer_inputs(model, ids)[i]
+            x = natsl_layer_inputs(model, ids)[i]
             scores = router_scores(block_mean(x, layer.config.block_size), layer.router.weight, layer.num_heads)
             gap = (scores[..., 0] - scores[..., 1])[:, :-1].flatten(0, 1)  # complete blocks only
             layer.router_keep_bias.copy_(-gap.median(dim=0).values + 1e-4)
