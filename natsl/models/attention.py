@@ -179,12 +179,12 @@ def sliding_window_attention(q, k, v, window: int, *, flex: bool = False) -> tor
 
     `flex`: through torch's flex_attention with a block mask of the band (compiled), which skips the
     key blocks outside the window, forward and backward, so a layer costs O(T * window); SDPA with a
-    mask would compute all T^2 scores (its flash kernels take no mask). Otherwise (CPU) SDPA with
-    the band as a boolean mask, the readable form."""
+    mask would compute all T^2 scores (its flash kernels take no mask). Otherwise (CPU) the ring
+    prefill's `banded_attention` with no earlier keys: SDPA with the band as a boolean mask, per chunk
+    of `window` queries, the readable form."""
     t = q.shape[2]
     if not flex:
-        pos = torch.arange(t, device=q.device)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=band_mask(pos, pos, window))
+        return banded_attention(q, k, v, torch.arange(t, device=q.device), window)
     return _compiled_flex()(q, k, v, block_mask=_window_block_mask(t, window, str(q.device)))
 
 
