@@ -322,6 +322,36 @@ def verify_manifest(folder: Path, hashed=None) -> dict:
     return sizes
 
 
+def initial_weights(path, model: ModelConfig, expected: dict) -> tuple[dict, Path, list[str]]:
+    """The weights that `train.init_from` starts a run from: (state dict on the CPU, the folder read, the
+    model fields whose values differ from the checkpoint's). Any folder `natsl train` or `natsl convert`
+    wrote (a step, a run folder: its newest step, an inference folder). Every tensor must match the new
+    model by name and shape; fields that change no shape (router options, backend) may differ and are
+    reported, so that a curriculum can change them on purpose and see that it did."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    folder = resolve_checkpoint_folder(path)
+    recipe = checkpoint_recipe(folder, read_config(folder))
+    weights = folder / "model.safetensors"
+    if not weights.is_file():
+        raise NatslError(f"train.init_from: {str(folder)!r} has no model.safetensors; pass a complete checkpoint")
+    if (folder / MANIFEST_FILE).is_file():
+        verify_manifest(folder, hashed=("model.safetensors", COMPLETE_MARKER))
+    try:
+        state = load_file(str(weights), device="cpu")
+    except (SafetensorError, OSError) as err:
+        raise NatslError(f"{str(weights)!r} is corrupt ({err}); use another checkpoint") from None
+    try:
+        check_state_dict(weights, state, expected, model.tie_embeddings)
+    except NatslError as err:
+        raise NatslError(f"train.init_from: the checkpoint's weights do not fit this recipe's model "
+                         f"({str(err).split(': ', 1)[-1].split('; ')[0]}); use a checkpoint of the same model "
+                         "(widths, layers, layer types)") from None
+    differing = [f.name for f in dataclasses.fields(model) if getattr(model, f.name) != getattr(recipe.model, f.name)]
+    return state, folder, differing
+
+
 def load_checkpoint(path, device=None, dtype: torch.dtype | None = None):
     """(model, tokenizer or None) from a folder that `natsl train` or `natsl convert` wrote."""
     from safetensors import SafetensorError

@@ -225,6 +225,9 @@ class TrainConfig:
     keep_last: int = 3
     max_bad_steps: int = 20
     out_dir: str = "runs/{name}"
+    # Start from these weights (any checkpoint folder of the same model) with a fresh optimizer and schedule:
+    # fine-tuning, or a curriculum's next stage. A run that resumes its own checkpoint ignores it.
+    init_from: Optional[str] = None
     # Also send every metrics.jsonl record to TensorBoard (OUT/tensorboard) or wandb (offline, OUT/wandb).
     tracker: Literal["none", "tensorboard", "wandb"] = "none"
 
@@ -238,6 +241,9 @@ class TrainConfig:
         check_seed(self.seed, f"recipe key '{prefix}.seed'")  # the one seed rule of every command
         # Checkpoint pruning keeps every step folder when keep_last is 0.
         _require(self.keep_last >= 0, f"{prefix}.keep_last", self.keep_last, "at least 0 (0 keeps every checkpoint)")
+        if self.init_from is not None and (not isinstance(self.init_from, str) or not self.init_from.strip()):
+            raise NatslError(f"recipe key '{prefix}.init_from' = {self.init_from!r} must be a checkpoint folder's path "
+                             "(or null: start from random weights)")
         if self.tokens_per_step % self.seq_len:
             raise NatslError(f"recipe key '{prefix}.tokens_per_step' = {self.tokens_per_step} must be a multiple "
                              f"of {prefix}.seq_len = {self.seq_len}")

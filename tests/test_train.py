@@ -105,6 +105,40 @@ def test_quick_start_loss_falls(base_run):
     assert torch.isfinite(logits).all()
 
 
+def test_init_from_starts_a_fresh_run_from_the_weights(base_run, tmp_path, cache_env):
+    """train.init_from: the weights of another run (its newest step), a fresh schedule from step 1; a changed
+    training-only field is reported; the weights read are exactly the checkpoint's."""
+    out, _ = base_run
+    result = natsl_inproc(["train", *BASE, "train.init_from=" + str(out), "model.router_noise=0.5",
+                           "--max-steps", "3", "--out", str(tmp_path / "next")], cache_env)
+    assert result.exit_code == 0, result.stderr
+    assert f"initialised from {out / 'checkpoints' / 'step_000050'}; model fields changed from it: router_noise" \
+        in result.stdout
+    steps, _ = train_records(tmp_path / "next")
+    base_steps, _ = train_records(out)
+    assert [r["step"] for r in steps] == [1, 2, 3] and steps[0]["lr"] < base_steps[-1]["lr"] * 1.01  # warmup again
+    # a fresh run starts near ln(1024) = 6.93; this one where the base run ended
+    assert steps[0]["loss"] < base_steps[0]["loss"] - 1.0 and abs(steps[0]["loss"] - base_steps[-1]["loss"]) < 0.5
+    from natsl.checkpoint import initial_weights
+
+    model, _ = natsl.load_checkpoint(out)
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    state, folder, differing = initial_weights(out, model.recipe.model, expected)
+    assert folder.name == "step_000050" and differing == []
+    assert all(torch.equal(state[name], tensor) for name, tensor in model.state_dict().items() if name in state)
+
+
+def test_init_from_a_checkpoint_of_another_model_is_one_line(base_run, tmp_path, cache_env):
+    out, _ = base_run
+    for extra, needle in ((["train.init_from=" + str(out), "model.intermediate_size=128"],
+                           "train.init_from: the checkpoint's weights do not fit this recipe's model"),
+                          (["train.init_from=" + str(tmp_path / "nowhere")], "does not exist"),
+                          (["train.init_from=3"], "train.init_from")):
+        result = natsl_inproc(["train", *BASE, *extra, "--max-steps", "1", "--out", str(tmp_path / "x")], cache_env)
+        lines = result.stderr.strip().splitlines()
+        assert result.exit_code == 2 and len(lines) == 1 and needle in lines[0], (extra, result.stderr)
+
+
 def test_killed_runs_resume_to_the_same_losses(base_run, tmp_path, cache_env):
     """SIGKILL mid-training and during a checkpoint write; resume auto reproduces the uninterrupted run."""
     broken = tmp_path / "broken"

@@ -29,6 +29,7 @@ import torch
 import yaml
 
 from natsl import __version__, switches
+from natsl import checkpoint as C
 from natsl.config import Recipe
 from natsl.errors import NatslError
 from natsl.data.tasks import IGNORE, TaskData, answer_hits, is_task
@@ -390,6 +391,10 @@ class Trainer:
             if missing or unexpected:
                 raise NatslError(f"checkpoint {ckpt.folder.name} does not match the model (missing {missing[:2]}, "
                                  f"unexpected {unexpected[:2]})")
+            if r.train.init_from:
+                self.log(f"train.init_from not read: the run continues from its own checkpoint {ckpt.folder.name}")
+        elif r.train.init_from:
+            self.init_weights(model, r.train.init_from)
         if self.options.loss_chunk < 0:
             raise NatslError(f"loss_chunk must be at least 0, got {self.options.loss_chunk}")
         self.use_bf16 = self.device.type == "cuda" and r.train.dtype == "bf16"
@@ -435,6 +440,17 @@ class Trainer:
         self.natsl_layers = list(model.natsl_layers().items())
         self.n_params = model.num_parameters()
         self.peak = peak_flops(self.device)
+
+    def init_weights(self, model: torch.nn.Module, path: str) -> None:
+        """train.init_from: the weights of another run, before any sharding; optimizer and step start afresh."""
+        expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+        state, folder, differing = C.initial_weights(path, self.recipe.model, expected)
+        with torch.no_grad():
+            params = model.state_dict()
+            for name, tensor in state.items():
+                params[name].copy_(tensor)  # casts a bf16 inference folder to the model's dtype
+        changed = f"; model fields changed from it: {', '.join(differing)}" if differing else ""
+        self.log(f"initialised from {folder}{changed}")
 
     # ------------------------------------------------------------------------- steps
 
