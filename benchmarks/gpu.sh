@@ -15,10 +15,12 @@
 # runner each, all at once under one CUDA MPS daemon, each with the deadline RECALL_DEADLINE (default
 # RECALL_S - 60) inside the hard cap RECALL_S (default 540, below the call's 600 s); their run folders
 # (checkpoints) stay in RECALL_WORK (default /tmp/natsl_recall) and, as soon as a sweep ends, its
-# summary.json / summary.png / sweep.json, a tarball of its runs' result.json, run.json, metrics.jsonl,
-# recall.json and log.txt, and its runs' bf16 models (models_N.tar.gz, two runs each: RUN/model folders that
-# `natsl compare` reads) go to OUT/recall_<spec>/. Not in `all`, and never beside other stages (the @gpu
-# tests and the 22 workers slow each other down).
+# summary.json / summary.png / sweep.json and a tarball of its runs' result.json, run.json, metrics.jsonl,
+# recall.json and log.txt go to OUT/recall_<spec>/; at the end all of them and the logs are packed into
+# OUT/recall_results.tar.gz (RECALL_PACK=0: left as folders), and the bf16 models of the runs whose id matches
+# RECALL_MODELS (a regex; default all) into OUT/recall_models_N.tar.gz (<= ~15 MiB each: RUN/model folders that
+# `natsl compare` reads). Not in `all`, and never beside other stages (the @gpu tests and the 22 workers slow
+# each other down).
 # Options per stage through variables: OPS="gated_delta routed_attention ..." (ops to run), SWEEP=1 (their
 # launch-setting sweeps), RECIPES="800m_hybrid 800m_transformer" (training), MBS (micro-batch, default 8),
 # TRAIN_FLAGS (e.g. --free-attention), KEEP="0.5 0.25" (latency). flash-linear-attention is timed where
@@ -43,14 +45,6 @@ collect() {  # collect WORK DEST: a sweep's summary, figure and spec, and its ru
   for f in summary.json summary.png sweep.json; do [ -f "$work/$f" ] && cp "$work/$f" "$dest/"; done
   [ -d "$work/runs" ] && (cd "$work" && find runs \( -name result.json -o -name run.json -o -name metrics.jsonl \
     -o -name recall.json -o -name log.txt \) -print0 | tar -czf "$dest/runs.tar.gz" --null -T -)
-  # the runs' bf16 inference folders (RUN/model, natsl.cli.sweep.export_model), two a tarball: each ~10 MB
-  local i=0 pair=() m
-  for m in "$work"/runs/*/model; do
-    [ -d "$m" ] || continue
-    pair+=("$(basename "$(dirname "$m")")/model")
-    if [ ${#pair[@]} -eq 2 ]; then tar -czf "$dest/models_$i.tar.gz" -C "$work/runs" "${pair[@]}"; i=$((i + 1)); pair=(); fi
-  done
-  [ ${#pair[@]} -gt 0 ] && tar -czf "$dest/models_$i.tar.gz" -C "$work/runs" "${pair[@]}"
   echo "== $(basename "$dest"): $(ls "$dest" | tr '\n' ' ')"
   [ -f "$dest/summary.json" ] && python3 - "$dest/summary.json" <<'PY'
 import json, sys
@@ -89,6 +83,29 @@ recall() {  # the recall sweeps: see the header
   wait $pids
   # `quit` waits for the daemon's clients; a worker stuck in the driver must not hold the call
   [ -n "$daemon" ] && { echo quit | timeout 10 nvidia-cuda-mps-control > /dev/null 2>&1; }
+  if [ "${RECALL_PACK:-1}" = 1 ]; then  # one tarball of every sweep's folder and log: the device tool's file count
+    (cd "$OUT" && tar -czf recall_results.tar.gz recall_* && rm -rf $(ls -d recall_* | grep -vx recall_results.tar.gz))
+  fi
+  pack_models "$work"
+  echo "== recall: $(ls "$OUT" | tr '\n' ' ')"
+  return 0
+}
+
+pack_models() {  # pack_models WORK: the runs' bf16 inference folders (RUN/model, natsl.cli.sweep.export_model)
+  # whose run id matches RECALL_MODELS (an extended regex, default every run), into OUT/recall_models_N.tar.gz
+  # of at most ~15 MiB each (the device tool brings back files of up to 16 MiB), for `natsl compare RUN/model`
+  local work=$1 i=0 size=0 group=() m id bytes
+  for m in "$work"/*/runs/*/model; do
+    [ -f "$m/model.safetensors" ] || continue
+    id=$(basename "$(dirname "$m")")
+    [[ $id =~ ${RECALL_MODELS:-.} ]] || continue
+    bytes=$(du -sb "$m" | cut -f1)
+    if [ ${#group[@]} -gt 0 ] && [ $((size + bytes)) -gt 15000000 ]; then
+      tar -czf "$OUT/recall_models_$i.tar.gz" "${group[@]}"; i=$((i + 1)); size=0; group=()
+    fi
+    group+=(-C "$(dirname "$(dirname "$m")")" "$id/model"); size=$((size + bytes))
+  done
+  [ ${#group[@]} -gt 0 ] && tar -czf "$OUT/recall_models_$i.tar.gz" "${group[@]}"
   return 0
 }
 
