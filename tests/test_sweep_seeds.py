@@ -4,9 +4,11 @@ crowded-GPU warning). CPU only: summaries are built from result.json files writt
 starts stand-in workers."""
 
 import json
+import os
 import re
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -238,3 +240,28 @@ def test_runner_prints_the_runs_and_max_parallel_at_start(tmp_path, monkeypatch)
     assert logged[0] == "sweep fake: 3 runs (1 done already, 2 to run), at most 2 at once, matched in steps"
     assert not any(line.startswith("warning") for line in logged)
     assert [r["status"] for r in summary["runs"]] == ["done"] * 3
+
+
+def test_gpu_sh_packs_the_chosen_models_in_tarballs_of_at_most_15_mb(tmp_path):
+    """benchmarks/gpu.sh's pack_models: the RUN/model folders whose run id matches RECALL_MODELS, grouped
+    into OUT/recall_models_N.tar.gz of at most ~15 MB of files each (the device tool's 16 MiB a file)."""
+    text = (ROOT / "benchmarks/gpu.sh").read_text()
+    function = re.search(r"^pack_models\(\) \{.*?^\}$", text, re.S | re.M).group(0)
+    work, out = tmp_path / "work", tmp_path / "out"
+    out.mkdir()
+    for run in ("t-a-d128-lr0.001", "t-b-d128-lr0.001", "t-a-d128-lr0.001-s1", "t-c-d128-lr0.001"):
+        model = work / "sweep_x" / "runs" / run / "model"
+        model.mkdir(parents=True)
+        (model / "model.safetensors").write_bytes(os.urandom(6_000_000))
+    (work / "sweep_x" / "runs" / "t-d-d128-lr0.001").mkdir()  # a run that exported no model: skipped
+    script = f"{function}\nOUT={out}\nRECALL_MODELS='-lr[^-]*$' pack_models {work}\n"
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    tarballs = sorted(out.iterdir())
+    assert [p.name for p in tarballs] == ["recall_models_0.tar.gz", "recall_models_1.tar.gz"]
+    members = []
+    for path in tarballs:
+        assert path.stat().st_size < 15_500_000
+        with tarfile.open(path) as tar:
+            members += [m.name for m in tar.getmembers() if m.name.endswith(".safetensors")]
+    assert sorted(members) == [f"t-{s}-d128-lr0.001/model/model.safetensors" for s in "abc"]
