@@ -101,8 +101,17 @@ def test_every_shipped_spec_loads(tmp_path):
     on (sweep_h200_long.yaml once set 16384 tokens a step at a micro-batch of 64 x 2048: all 8 runs failed)."""
     specs = sorted((ROOT / "natsl/recipes/recall").glob("sweep_*.yaml"))
     assert len(specs) >= 8
+    systems = {}
     for spec in specs:
-        assert S.load_spec(spec, tmp_path / spec.stem).runs, spec.name
+        runs = S.load_spec(spec, tmp_path / spec.stem).runs
+        assert runs, spec.name
+        for run in runs:
+            assert Path(run.recipe).is_file(), (spec.name, run.id)
+            systems.setdefault(run.system, set()).add(Path(run.recipe).name)
+    # the variants of docs/recall.md's results keep their system names (and so their run ids), as
+    # natsl_hybrid.yaml with a `set:` of their own rather than a recipe file each
+    for variant in ("balance", "noise", "rope", "full", "target", "target25"):
+        assert systems[f"natsl_hybrid_{variant}"] == {"natsl_hybrid.yaml"}, variant
 
 
 def test_a_step_that_is_no_whole_number_of_micro_batches_fails_at_load(tmp_path):
