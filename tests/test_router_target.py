@@ -362,11 +362,17 @@ def test_recipe_rules_and_checkpoints_from_before_the_fields(tmp_path):
         del recipe["model"][key]
     loaded = checkpoint_recipe(tmp_path, {"recipe": recipe})
     assert (loaded.model.router_keep_target, loaded.model.router_bias_rate) == (None, 1e-3)
-    shipped = natsl.load_recipe(ROOT / "natsl/recipes/recall/natsl_hybrid_target.yaml")
+    # the shipped sweep's keep-bias systems: natsl_hybrid.yaml with the two keys set per system, nothing else
+    from natsl.training.sweep import load_spec
+
     base = natsl.load_recipe(ROOT / "natsl/recipes/recall/natsl_hybrid.yaml")
-    assert (shipped.model.router_keep_target, shipped.model.router_bias_rate) == (0.5, 0.001)
-    assert dataclasses.replace(shipped.model, router_keep_target=None) == base.model
-    assert shipped.train == base.train and shipped.optim == base.optim and shipped.data == base.data
+    sweep = load_spec(ROOT / "natsl/recipes/recall/sweep_h200_target.yaml", tmp_path / "sweep")
+    for system, target in (("natsl_hybrid_target", 0.5), ("natsl_hybrid_target25", 0.25)):
+        run = next(r for r in sweep.runs if r.system == system and r.seed == 0)
+        assert Path(run.recipe).resolve() == (ROOT / "natsl/recipes/recall/natsl_hybrid.yaml").resolve()
+        shipped = natsl.config.apply_overrides(natsl.load_recipe(run.recipe), run.overrides)
+        assert (shipped.model.router_keep_target, shipped.model.router_bias_rate) == (target, 0.001)
+        assert dataclasses.replace(shipped.model, router_keep_target=None) == base.model
 
 
 def test_metrics_plot_draws_the_keep_bias_beside_the_routes(tmp_path):

@@ -1,7 +1,7 @@
 """The sweep runner's seeds (`seeds:`: runs, ids, the summary's mean / min / max and learning rate by the
-mean) and its matching of runs in steps or time (`budget.match`, `short` runs, the start line and the
-crowded-GPU warning). CPU only: summaries are built from result.json files written here, the runner
-starts stand-in workers."""
+mean), its matching of runs in steps or time (`budget.match`, `short` runs, the start line and the
+crowded-GPU warning), and a system's own `set:` (`systems: {NAME: {recipe: FILE, set: [...]}}`). CPU only:
+summaries are built from result.json files written here, the runner starts stand-in workers."""
 
 import json
 import os
@@ -103,8 +103,17 @@ def test_every_shipped_spec_loads(tmp_path):
     on (sweep_h200_long.yaml once set 16384 tokens a step at a micro-batch of 64 x 2048: all 8 runs failed)."""
     specs = sorted((ROOT / "natsl/recipes/recall").glob("sweep_*.yaml"))
     assert len(specs) >= 8
+    systems = {}
     for spec in specs:
-        assert S.load_spec(spec, tmp_path / spec.stem).runs, spec.name
+        runs = S.load_spec(spec, tmp_path / spec.stem).runs
+        assert runs, spec.name
+        for run in runs:
+            assert Path(run.recipe).is_file(), (spec.name, run.id)
+            systems.setdefault(run.system, set()).add(Path(run.recipe).name)
+    # the variants of docs/recall.md's results keep their system names (and so their run ids), as
+    # natsl_hybrid.yaml with a `set:` of their own rather than a recipe file each
+    for variant in ("balance", "noise", "rope", "full", "target", "target25"):
+        assert systems[f"natsl_hybrid_{variant}"] == {"natsl_hybrid.yaml"}, variant
 
 
 def test_a_step_that_is_no_whole_number_of_micro_batches_fails_at_load(tmp_path):
@@ -265,3 +274,77 @@ def test_gpu_sh_packs_the_chosen_models_in_tarballs_of_at_most_15_mb(tmp_path):
         with tarfile.open(path) as tar:
             members += [m.name for m in tar.getmembers() if m.name.endswith(".safetensors")]
     assert sorted(members) == [f"t-{s}-d128-lr0.001/model/model.safetensors" for s in "abc"]
+
+
+VARIANT = ("systems:\n  natsl_hybrid: recall/natsl_hybrid\n"
+           "  natsl_hybrid_target: {recipe: recall/natsl_hybrid, set: [model.router_keep_target=0.5, train.log_every=7]}\n"
+           "widths: [64]\ntasks: {t: 'task:mqar?seq_len=64&pairs=4'}\nlrs: [0.001]\nbudget: {max_steps: 8}\n"
+           "set: [train.log_every=3, model.router_bias_rate=0.002]\n")
+
+
+def test_a_systems_own_set_comes_after_the_spec_set_and_is_recorded(tmp_path, monkeypatch):
+    """`systems: {NAME: {recipe: FILE, set: [...]}}`: that system's items follow the spec's `set:` (so they win),
+    reach the config the worker builds (its recipe file plus run.json's overrides), are recorded in run.json
+    and sweep.json with the other overrides, and leave the run id as it was (TASK-SYSTEM-dWIDTH-lrLR)."""
+    spec = tmp_path / "s.yaml"
+    spec.write_text(VARIANT)
+    sweep = S.load_spec(spec, tmp_path / "out")
+    plain, variant = sweep.runs
+    assert (plain.id, variant.id) == ("t-natsl_hybrid-d64-lr0.001", "t-natsl_hybrid_target-d64-lr0.001")
+    assert plain.recipe == variant.recipe
+    spec_set = ["train.log_every=3", "model.router_bias_rate=0.002"]
+    own = ["model.router_keep_target=0.5", "train.log_every=7"]
+    assert variant.overrides[-2 - len(own) - len(spec_set):-2] == spec_set + own  # then the runner's last two
+    assert not set(own) & set(plain.overrides) and set(spec_set) <= set(plain.overrides)
+
+    def config(run):  # what the worker trains (natsl.cli.sweep)
+        return apply_overrides(load_recipe(run.recipe), run.overrides)
+
+    assert (config(plain).model.router_keep_target, config(plain).train.log_every) == (None, 3)
+    target = config(variant)
+    assert (target.model.router_keep_target, target.model.router_bias_rate, target.train.log_every) == (0.5, 0.002, 7)
+    assert target.model.hidden_size == 64 and target.train.seed == 0
+
+    worker = tmp_path / "worker.sh"
+    worker.write_text('#!/bin/sh\nprintf \'{"status": "done", "steps": 8, "recall_accuracy": 0.5}\' '
+                      '> "$(dirname "$1")/result.json"\n')
+    monkeypatch.setattr(S, "WORKER", ["/bin/sh", str(worker)])
+    sweep.min_train_s = 0.0
+    S.run_sweep(sweep, progress=False, log=lambda line: None)
+    recorded = json.loads((tmp_path / "out" / "runs" / variant.id / "run.json").read_text())
+    assert recorded["overrides"] == variant.overrides and recorded["recipe"] == variant.recipe
+    whole = json.loads((tmp_path / "out" / "sweep.json").read_text())
+    assert whole["runs"][1]["overrides"] == variant.overrides
+    assert whole["spec"]["systems"]["natsl_hybrid_target"]["set"] == own
+
+
+@pytest.mark.parametrize("entry, message", [
+    ("{recipe: recall/natsl_hybrid, sets: [model.router_keep_target=0.5]}",
+     "system 'v' has unknown key 'sets'; allowed: recipe, set"),
+    ("{set: [model.router_keep_target=0.5]}", r"system 'v' names no recipe file; write \{recipe: natsl_hybrid.yaml"),
+    ("{recipe: [recall/natsl_hybrid]}", "system 'v' names no recipe file"),
+    ("3", r"system 'v' is 3; give a recipe file, or \{recipe: FILE, set:"),
+    ("{recipe: recall/natsl_hybrid, set: model.router_keep_target=0.5}", "system 'v''s 'set' must be a list"),
+    ("{recipe: recall/natsl_hybrid, set: [model.router_keep_target]}",
+     "system 'v''s 'set' item 'model.router_keep_target' is not of the form section.key=value"),
+    ("{recipe: recall/natsl_hybrid, set: [train.seed=3]}",
+     r"system 'v''s 'set' item 'train.seed=3': the runner sets train.seed for every run; use seeds"),
+    ("{recipe: recall/natsl_hybrid, set: [model.router_keep_targt=0.5]}",
+     r"run t-v-d64-lr0.001: .*router_keep_targt.* \(in the spec's `set:` or system 'v''s `set:`\)"),
+    ("{recipe: recall/natsl_hybrid, set: [train.tokens_per_step=192]}",
+     r"not a multiple of micro_batch_size.* \(in the spec's `set:` or system 'v''s `set:`\)"),
+])
+def test_system_mapping_mistakes_are_one_line_errors(tmp_path, entry, message):
+    spec = tmp_path / "s.yaml"
+    spec.write_text(f"systems: {{gdn: recall/gdn, v: {entry}}}\nwidths: [64]\nlrs: [0.001]\n"
+                    "tasks: {t: 'task:mqar?seq_len=64&pairs=4'}\n")
+    with pytest.raises(NatslError, match=message) as err:
+        S.load_spec(spec, tmp_path / "out")
+    assert "\n" not in str(err.value) and str(err.value).startswith("sweep spec ")
+
+
+def test_the_spec_set_is_checked_as_a_systems_is(tmp_path):
+    for text, message in (("set: train.log_every=5\n", "'set' must be a list such as"),
+                          ("set: [train.log_every]\n", "'set' item 'train.log_every' is not of the form")):
+        with pytest.raises(NatslError, match=message):
+            S.load_spec(_spec(tmp_path, "lrs: [0.001]\n" + text), tmp_path / "out")

@@ -33,7 +33,10 @@ passed, ends itself (natsl.cli.sweep), so no orphan keeps the GPU.
 
 The spec:
 
-    systems: {gdn: gdn.yaml, natsl_hybrid: natsl_hybrid.yaml}    (recipe files beside the spec, or names)
+    systems:                       # name -> recipe file (beside the spec, or a name such as recall/gdn),
+      gdn: gdn.yaml                # or name -> {recipe: FILE, set: [...]}: that system's own overrides,
+      natsl_hybrid: natsl_hybrid.yaml   # applied after the spec's `set:` (a variant needs no recipe file)
+      natsl_hybrid_target: {recipe: natsl_hybrid.yaml, set: [model.router_keep_target=0.5]}
     widths: [128, 64, 256]         # hidden size; head dims, MLP and attention heads scale with it
     lrs: [0.001, 0.003]            # or by width {64: [...], 256: [...]}, or by system {gdn: [...], natsl_hybrid:
                                    # {128: [...]}} (a list, or a list per width); a width left out is not run
@@ -42,7 +45,7 @@ The spec:
     eval: {lengths: "512,1024", pairs: "32,64,128", samples: 128, batch_size: 32}
     seeds: [0, 1, 2]               # train.seed of each run (default [0]); ids end -s1, -s2 (seed 0: none)
     budget: {max_steps: 2000, run_s: 150, deadline_s: 470, eval_reserve_s: 40, match: steps}
-    set: [train.log_every=50]      # overrides for every run (natsl train --set)
+    set: [train.log_every=50]      # overrides for every run (natsl train --set), before a system's own
     compile: false                 # default (key absent): compile + CUDA graphs on CUDA, eager on the CPU
     max_parallel: 16
 
@@ -87,6 +90,7 @@ from natsl.errors import NatslError
 SCALED = ("hidden_size", "intermediate_size", "head_k_dim", "head_v_dim", "attn_head_dim")
 SPEC_KEYS = {"name", "systems", "widths", "lrs", "tasks", "eval", "budget", "set", "compile", "max_parallel",
              "device", "seeds"}
+SYSTEM_KEYS = ("recipe", "set")  # of a system given as a mapping: {recipe: FILE, set: [...]}
 BUDGET_KEYS = {"max_steps", "run_s", "deadline_s", "eval_reserve_s", "match"}
 MATCHES = ("steps", "time")
 # Recipe keys the runner sets for every run: a `set:` item must not overrule them (what to write instead).
@@ -173,9 +177,7 @@ def load_spec(path: str | Path, out: str | Path, max_parallel: Optional[int] = N
     unknown = sorted(set(spec) - SPEC_KEYS)
     if unknown:
         raise _spec_error(path, f"unknown key {unknown[0]!r}; allowed: {', '.join(sorted(SPEC_KEYS))}")
-    systems = spec.get("systems")
-    if not isinstance(systems, dict) or not systems:
-        raise _spec_error(path, "'systems' must map names to recipe files")
+    systems = system_entries(spec.get("systems"), path)
     widths = spec.get("widths")
     if not isinstance(widths, list) or not widths or not all(isinstance(w, int) and w > 0 for w in widths):
         raise _spec_error(path, "'widths' must be a list of positive integers (hidden sizes)")
@@ -186,12 +188,7 @@ def load_spec(path: str | Path, out: str | Path, max_parallel: Optional[int] = N
         raise _spec_error(path, "'tasks' must map names to data paths such as task:mqar?seq_len=512&pairs=64")
     budget, match = check_budget(spec.get("budget"), path)
     evals = {"samples": 128, "batch_size": 32, **(spec.get("eval") or {})}
-    overrides = [str(s) for s in spec.get("set") or []]
-    for item in overrides:
-        key = item.split("=", 1)[0].strip()
-        if key in RUNNER_KEYS:
-            raise _spec_error(path, f"'set' item {item!r}: the runner sets {key} for every run; "
-                                    f"use {RUNNER_KEYS[key]} instead")
+    overrides = set_items(spec.get("set"), "'set'", path)
     device = device or spec.get("device")
     compile_, compile_overrides = compile_settings(spec.get("compile"), device)
     root = Path.cwd()
@@ -201,7 +198,7 @@ def load_spec(path: str | Path, out: str | Path, max_parallel: Optional[int] = N
         for width in widths:
             for seed in seeds:  # the first seed's rates first: a sweep cut short has whole rate sweeps
                 for lr_index in range(max(len(lr_of[s].get(width, ())) for s in systems)):
-                    for system, recipe_path in systems.items():
+                    for system, (recipe_path, system_set) in systems.items():
                         values = lr_of[system].get(width, ())
                         if lr_index >= len(values):
                             continue  # this system has fewer rates at this width, or none (not run at it)
@@ -213,8 +210,8 @@ def load_spec(path: str | Path, out: str | Path, max_parallel: Optional[int] = N
                             recipe_file = Path(recipe_path)  # a shipped recipe's name, such as recall/gdn
                         recipe = load_recipe(recipe_file)
                         mbs = recipe.train.micro_batch_size
-                        for item in overrides:
-                            if item.startswith("train.micro_batch_size="):
+                        for item in overrides + system_set:
+                            if item.split("=", 1)[0].strip() == "train.micro_batch_size":
                                 mbs = int(item.split("=", 1)[1])
                         tokens = mbs * task_len  # one micro-batch per step
                         max_steps = int(budget.get("max_steps", recipe.train.max_steps
@@ -224,13 +221,15 @@ def load_spec(path: str | Path, out: str | Path, max_parallel: Optional[int] = N
                             f"optim.lr={lr}", f"optim.min_lr={lr / 10}", f"data.path={data}",
                             f"train.seq_len={task_len}", f"train.tokens_per_step={tokens}",
                             f"optim.warmup_tokens={min(recipe.optim.warmup_tokens, tokens * max_steps // 10)}"
-                        ] + compile_overrides + overrides  # the spec's `set:` last: it may undo the default
+                        ] + compile_overrides + overrides + system_set  # the spec's `set:`, then the system's,
+                        # last: they may undo the defaults above, and the system's may undo the spec's
                         run_id = f"{task_name}-{system}-d{width}-lr{lr:g}" + (f"-s{seed}" if seed else "")
-                        recipe = apply_overrides(recipe, run_overrides)  # a bad combination fails here, not in a worker
-                        try:  # the trainer's step rule, here rather than in every worker
-                            recipe.train.accumulation()
+                        where = "the spec's `set:`" + (f" or system {system!r}'s `set:`" if system_set else "")
+                        try:  # a bad combination fails here, not in a worker
+                            recipe = apply_overrides(recipe, run_overrides)
+                            recipe.train.accumulation()  # the trainer's step rule, here rather than in every worker
                         except NatslError as err:
-                            raise _spec_error(path, f"run {run_id}: {err} (in the spec's `set:`)") from None
+                            raise _spec_error(path, f"run {run_id}: {err} (in {where})") from None
                         # the cosine schedule ends at max_steps whatever step size the `set:` items chose
                         last = [f"train.total_tokens={recipe.train.tokens_per_step * max_steps}", f"train.seed={seed}"]
                         apply_overrides(recipe, last)
@@ -247,6 +246,49 @@ def load_spec(path: str | Path, out: str | Path, max_parallel: Optional[int] = N
                                 "fix --deadline or budget.deadline_s")
     return Sweep(str(spec.get("name", path.stem)), runs, int(max_parallel or spec.get("max_parallel", 1)),
                  deadline, float(budget.get("eval_reserve_s", 30)), Path(out), spec, match=match)
+
+
+def system_entries(systems, path) -> dict[str, tuple[str, list[str]]]:
+    """The spec's `systems`: name -> (recipe file, that system's `set:` items). A value is a recipe file, or
+    a mapping {recipe: FILE, set: [...]} whose items are applied after the spec's `set:` (variants of one
+    recipe without a recipe file each)."""
+    if not isinstance(systems, dict) or not systems:
+        raise _spec_error(path, "'systems' must map names to recipe files")
+    entries = {}
+    for name, value in systems.items():
+        if isinstance(value, str):
+            entries[name] = (value, [])
+            continue
+        if not isinstance(value, dict):
+            raise _spec_error(path, f"system {name!r} is {value!r}; give a recipe file, or "
+                                    "{recipe: FILE, set: [section.key=value, ...]}")
+        unknown = sorted(map(str, set(value) - set(SYSTEM_KEYS)))
+        if unknown:
+            raise _spec_error(path, f"system {name!r} has unknown key {unknown[0]!r}; allowed: {', '.join(SYSTEM_KEYS)}")
+        recipe = value.get("recipe")
+        if not isinstance(recipe, str) or not recipe:
+            raise _spec_error(path, f"system {name!r} names no recipe file; write {{recipe: natsl_hybrid.yaml, "
+                                    "set: [...]}")
+        entries[name] = (recipe, set_items(value.get("set"), f"system {name!r}'s 'set'", path))
+    return entries
+
+
+def set_items(value, where: str, path) -> list[str]:
+    """A `set:` list (the spec's, or one system's): section.key=value strings, none of the keys the runner
+    sets for every run (RUNNER_KEYS)."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise _spec_error(path, f"{where} must be a list such as [train.log_every=50], got {value!r}")
+    for item in value:
+        if not isinstance(item, str) or "=" not in item:
+            raise _spec_error(path, f"{where} item {item!r} is not of the form section.key=value "
+                                    "(e.g. model.router_keep_target=0.5)")
+        key = item.split("=", 1)[0].strip()
+        if key in RUNNER_KEYS:
+            raise _spec_error(path, f"{where} item {item!r}: the runner sets {key} for every run; "
+                                    f"use {RUNNER_KEYS[key]} instead")
+    return list(value)
 
 
 def seed_list(value, path) -> list[int]:
