@@ -251,6 +251,50 @@ def test_mamba2_saves_no_expanded_b_c_for_backward(monkeypatch):
     assert before - after >= expanded_b_c, (before, after, expanded_b_c)
 
 
+def test_mamba2_compiled_saves_no_expanded_b_c_for_backward(monkeypatch):
+    """The same under torch.compile (fullgraph, the fast SSD custom op and its fake impl with grouped B, C;
+    AOT autograd with the min-cut partitioner, as inductor partitions; bf16 autocast): the forward graph
+    saves no [b, t, H, N] copy of B or C, and at least their expanded bytes less the grouped ones fewer
+    bytes than with the expanded call."""
+    from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    use, _ = expanded_ssd(monkeypatch)
+    layer = mamba2_layer("fast", torch.float32)
+    b, t, H, G, N = 1, 16, layer.num_heads, layer.groups, layer.state_size
+
+    def saved():
+        graphs = []
+
+        def fw_compiler(gm, _):
+            outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+            graphs.append([o.meta["val"] for o in outputs[1:] if isinstance(o.meta.get("val"), torch.Tensor)])
+            return make_boxed_func(gm)
+
+        def backend(gm, inputs):
+            return aot_module_simplified(gm, inputs, fw_compiler=fw_compiler,
+                                         bw_compiler=lambda gm, _: make_boxed_func(gm),
+                                         partition_fn=min_cut_rematerialization_partition)
+
+        torch._dynamo.reset()
+        x = torch.randn(b, t, layer.config.hidden_size, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = torch.compile(layer, backend=backend, fullgraph=True)(x)
+        y.float().sum().backward()
+        (tensors,) = graphs
+        return tensors
+
+    use(True)
+    before = saved()
+    use(False)
+    after = saved()
+    torch._dynamo.reset()
+    nbytes = lambda ts: sum(v.numel() * v.element_size() for v in ts)  # noqa: E731
+    assert sum(tuple(v.shape) == (b, t, H, N) for v in before) == 2
+    assert not any(tuple(v.shape) == (b, t, H, N) for v in after)
+    assert nbytes(before) - nbytes(after) >= 2 * b * t * (H - G) * N * 2, (nbytes(before), nbytes(after))
+
+
 def test_mamba2_init():
     torch.manual_seed(2)
     config = tiny_config(base_layer="mamba2", natsl_layers=[1], natsl_state="mamba2", hidden_size=256,

@@ -224,9 +224,9 @@ def gated_linear_rule(
     q, k [B,T,Hk,K] with H % Hk == 0 (Hk = H, or Mamba2's groups: head h of v reads q/k head
     h // (H // Hk); grouped q, k are saved for the backward as they are, expanded only transiently
     inside the forward and backward ops, and dq, dk come back [B,T,Hk,K]); v [B,T,H,V]; g (log decay)
-    [B,T,H] (any float dtype); write [B,NB,H] (None = all ones), any float values; initial_state [B,H,K,V]. Returns o [B,T,H,V] in q's dtype (k, v compute
-    in q's dtype) and, if `output_final_state`, S_start(NB) [B,H,K,V] in fp32. Chunk size = block_size
-    (64 or 128). `intra_block=False` (the Table 4 ablation, with no kernel of its own) runs the
+    [B,T,H] (any float dtype); write [B,NB,H] (None = all ones), any float values; initial_state
+    [B,H,K,V]. Returns o [B,T,H,V] in q's dtype (k, v compute in q's dtype) and, if
+    `output_final_state`, S_start(NB) [B,H,K,V] in fp32. Chunk size = block_size (64 or 128). `intra_block=False` (the Table 4 ablation, with no kernel of its own) runs the
     chunked reference, so that both twins take the same arguments.
     """
     if not intra_block:
