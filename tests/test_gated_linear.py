@@ -83,6 +83,7 @@ def errors(twin, oracle, inputs, do, d_final, dtype=None, **kw):
         elif name == "dwrite" and not r.abs().max() > 0:  # all zero (e.g. active on an all-skip route)
             assert torch.equal(got[name], torch.zeros_like(got[name])), name
         else:
+            assert got[name].shape == r.shape, (name, got[name].shape, r.shape)
             out[name] = rel_rms(got[name], r)
     return out
 
@@ -200,6 +201,65 @@ def test_fast_refuses_what_it_has_no_kernel_for(bad, message):
     inputs, _, _ = make_inputs(1, 10, 1, K, 16, seed=31, **{k: v for k, v in bad.items() if k == "block_size"})
     with pytest.raises(NatslError, match=message):
         fast(*(inputs[n] for n in NAMES[:5]), **bad)
+
+
+# ----------------------------------------------------------------------------- grouped q, k (Mamba2's B, C)
+def grouped_inputs(B, T, H, Hk, K, V, *, seed, write_kind="random"):
+    """make_inputs with q, k cut to their first Hk heads (v, g, write and the state keep H)."""
+    inputs, do, d_final = make_inputs(B, T, H, K, V, seed=seed, write_kind=write_kind)
+    inputs["q"], inputs["k"] = (inputs[n][:, :, :Hk].contiguous() for n in ("q", "k"))
+    return inputs, do, d_final
+
+
+@pytest.mark.parametrize("Hk", [1, 2])
+@pytest.mark.parametrize("T", [1, 37, 130])
+@pytest.mark.parametrize("write_kind", ["ones", "zeros", "random"])
+def test_fast_grouped_qk_matches_reference(Hk, T, write_kind):
+    """q, k with Hk of v's H = 4 heads: forward and every gradient against the reference, dq and dk
+    [B, T, Hk, K] (errors checks every shape against the reference's)."""
+    inputs, do, d_final = grouped_inputs(2, T, 4, Hk, 8, 16, seed=100 + T + Hk, write_kind=write_kind)
+    check(errors(fast, reference, inputs, do, d_final, route_grad="full"), FP32_TOL, FP32_TOL)
+    check(errors(chunked, reference, inputs, do, d_final, route_grad="full"), FP32_TOL, FP32_TOL)
+
+
+def expand(inputs, H):
+    Hk = inputs["q"].shape[2]
+    return {n: t.repeat_interleave(H // Hk, dim=2) if n in ("q", "k") else t for n, t in inputs.items()}
+
+
+@pytest.mark.parametrize("Hk", [1, 2])
+@pytest.mark.parametrize("fn", [reference, chunked, fast], ids=["reference", "chunked", "fast"])
+def test_grouped_qk_is_the_expanded_call(fn, Hk):
+    """The grouped call computes what the call on repeat_interleave'd q, k computes: the same outputs and
+    gradients of v, g, write and the state (bit for bit), and dq, dk the expanded ones summed per group."""
+    H = 4
+    inputs, do, d_final = grouped_inputs(1, 70, H, Hk, 8, 16, seed=50 + Hk, write_kind="binary")
+    got, want = run(fn, inputs, do, d_final, route_grad="full"), run(fn, expand(inputs, H), do, d_final,
+                                                                       route_grad="full")
+    for name in ("o", "final", "dv", "dg", "dwrite", "dinitial_state"):
+        assert torch.equal(got[name], want[name]), name
+    for name in ("dq", "dk"):
+        B, T, _, K = want[name].shape
+        assert got[name].shape == (B, T, Hk, K)
+        torch.testing.assert_close(got[name], want[name].view(B, T, Hk, H // Hk, K).sum(3), rtol=1e-6, atol=1e-6)
+
+
+def test_fast_grouped_qk_bf16_gradients_keep_the_input_dtypes():
+    inputs, do, d_final = grouped_inputs(1, 100, 4, 2, 16, 16, seed=61, write_kind="binary")
+    tol = BF16_TOL if DEVICE == "cuda" else INTERPRETED_BF16_TOL
+    check(errors(fast, reference, inputs, do, d_final, dtype=torch.bfloat16, route_grad="full"), *tol)
+    got = run(fast, inputs, do, d_final, torch.bfloat16)
+    assert got["dq"].dtype == got["dk"].dtype == torch.bfloat16 and got["dq"].shape == (1, 100, 2, 16)
+
+
+@pytest.mark.parametrize("backend", ["reference", "chunked", "fast"])
+def test_grouped_qk_heads_must_divide_v_heads(backend):
+    inputs, _, _ = grouped_inputs(1, 10, 4, 3, 8, 16, seed=67)
+    with pytest.raises(ValueError, match=r"q and k have 3 heads, which do not divide v's 4: .*H % Hk == 0"):
+        natsl.ops.gated_linear_rule(*(inputs[n] for n in NAMES[:5]), backend=backend)
+    inputs["k"] = inputs["k"][:, :, :1]  # k must still match q
+    with pytest.raises(ValueError, match=r"k must have shape \[B, T, Hk, K\] \(as q\)"):
+        natsl.ops.gated_linear_rule(*(inputs[n] for n in NAMES[:5]), backend=backend)
 
 
 # ----------------------------------------------------------------------------- on the H200

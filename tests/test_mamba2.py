@@ -177,6 +177,124 @@ def test_the_skip_saves_no_fp32_copy_of_x_and_computes_what_it_did():
     assert torch.equal(add_skip(o.float(), x64, D), upcast_first(o.float(), x64, D))
 
 
+def expanded_ssd(monkeypatch):
+    """natsl.ops.gated_linear_rule as Mamba2 called it before grouped q, k: B and C repeat_interleave'd
+    to every head first (returned to restore the grouped call); records the q heads of each call."""
+    grouped, calls = natsl.ops.gated_linear_rule, []
+
+    def expanded(q, k, v, *args, **kwargs):
+        calls.append(q.shape[2])
+        per_group = v.shape[2] // q.shape[2]
+        return grouped(q.repeat_interleave(per_group, dim=2), k.repeat_interleave(per_group, dim=2), v, *args,
+                       **kwargs)
+
+    def use(old: bool):
+        monkeypatch.setattr(natsl.ops, "gated_linear_rule", expanded if old else grouped)
+    return use, calls
+
+
+def mamba2_layer(backend, dtype):
+    config = tiny_config(base_layer="mamba2", natsl_layers=[], intermediate_size=0, backend=backend)
+    torch.manual_seed(0)
+    layer = Mamba2(config).to(dtype)
+    with torch.no_grad():
+        layer.D.uniform_(0.5, 1.5)
+    return layer
+
+
+@pytest.mark.parametrize("backend,dtype", [("reference", torch.float64), ("fast", torch.float32)])
+def test_mamba2_passes_grouped_b_c_and_computes_what_the_expanded_call_did(monkeypatch, backend, dtype):
+    """The layer hands the SSD op B and C on their G groups (not repeat_interleave'd to the H heads):
+    output bit for bit and every gradient (x's and each parameter's) as with the expanded call, dB and
+    dC summed per group inside the op instead of by repeat_interleave's backward."""
+    use, calls = expanded_ssd(monkeypatch)
+    layer = mamba2_layer(backend, dtype)
+    x = torch.randn(2, 37, layer.config.hidden_size, dtype=dtype)
+    results = []
+    for old in (False, True):
+        use(old)
+        leaf = x.clone().requires_grad_()
+        y = layer(leaf)
+        dy = torch.linspace(-1, 1, y.numel(), dtype=dtype).view_as(y)
+        grads = torch.autograd.grad(y, [leaf, *layer.parameters()], dy)
+        results.append((y, grads))
+    assert calls == [layer.groups] and layer.groups < layer.num_heads
+    (y, grads), (y0, grads0) = results
+    assert torch.equal(y, y0)
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
+    for g, g0 in zip(grads, grads0):
+        torch.testing.assert_close(g, g0, **tol)
+
+
+def test_mamba2_saves_no_expanded_b_c_for_backward(monkeypatch):
+    """The saved tensors of one Mamba2 layer's forward (fast SSD op, eager, saved_tensors_hooks; storages
+    counted once, parameters and the input left out): at least the two H/G-fold expanded copies of B
+    and C fewer bytes than with the expanded call (the grouped B, C saved are views of the conv's output,
+    which the backward keeps anyway). At 800M (48 heads, 1 group, N 128, bf16): 24 KiB a token a layer."""
+    use, _ = expanded_ssd(monkeypatch)
+    layer = mamba2_layer("fast", torch.float32)
+    x = torch.randn(1, 16, layer.config.hidden_size, requires_grad=True)
+    known = {t.untyped_storage().data_ptr() for t in (x, *layer.parameters())}
+
+    def saved_bytes():
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            layer(x)
+        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved
+                    if t.untyped_storage().data_ptr() not in known}.values())
+
+    use(True)
+    before = saved_bytes()
+    use(False)
+    after = saved_bytes()
+    expanded_b_c = 2 * x.shape[0] * x.shape[1] * layer.num_heads * layer.state_size * x.element_size()
+    assert before - after >= expanded_b_c, (before, after, expanded_b_c)
+
+
+def test_mamba2_compiled_saves_no_expanded_b_c_for_backward(monkeypatch):
+    """The same under torch.compile (fullgraph, the fast SSD custom op and its fake impl with grouped B, C;
+    AOT autograd with the min-cut partitioner, as inductor partitions; bf16 autocast): the forward graph
+    saves no [b, t, H, N] copy of B or C, and at least their expanded bytes less the grouped ones fewer
+    bytes than with the expanded call."""
+    from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    use, _ = expanded_ssd(monkeypatch)
+    layer = mamba2_layer("fast", torch.float32)
+    b, t, H, G, N = 1, 16, layer.num_heads, layer.groups, layer.state_size
+
+    def saved():
+        graphs = []
+
+        def fw_compiler(gm, _):
+            outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+            graphs.append([o.meta["val"] for o in outputs[1:] if isinstance(o.meta.get("val"), torch.Tensor)])
+            return make_boxed_func(gm)
+
+        def backend(gm, inputs):
+            return aot_module_simplified(gm, inputs, fw_compiler=fw_compiler,
+                                         bw_compiler=lambda gm, _: make_boxed_func(gm),
+                                         partition_fn=min_cut_rematerialization_partition)
+
+        torch._dynamo.reset()
+        x = torch.randn(b, t, layer.config.hidden_size, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = torch.compile(layer, backend=backend, fullgraph=True)(x)
+        y.float().sum().backward()
+        (tensors,) = graphs
+        return tensors
+
+    use(True)
+    before = saved()
+    use(False)
+    after = saved()
+    torch._dynamo.reset()
+    nbytes = lambda ts: sum(v.numel() * v.element_size() for v in ts)  # noqa: E731
+    assert sum(tuple(v.shape) == (b, t, H, N) for v in before) == 2
+    assert not any(tuple(v.shape) == (b, t, H, N) for v in after)
+    assert nbytes(before) - nbytes(after) >= 2 * b * t * (H - G) * N * 2, (nbytes(before), nbytes(after))
+
+
 def test_mamba2_init():
     torch.manual_seed(2)
     config = tiny_config(base_layer="mamba2", natsl_layers=[1], natsl_state="mamba2", hidden_size=256,

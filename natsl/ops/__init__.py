@@ -133,6 +133,10 @@ def gated_linear_rule(
     gated_delta_rule without the delta erase and without beta: S_t = exp(g_t) S_{t-1} + k_t v_t^T,
     o_t = scale S_t^T q_t; write, the commit, `intra_block` and `route_grad` as there. Mamba2 passes
     q = C, k = B, v = x dt, g = A dt and scale = 1.
+
+    q, k may have fewer heads than v: [B,T,Hk,K] with H % Hk == 0, head h of v reading q/k head
+    h // (H // Hk) (as repeat_interleave(H // Hk, dim=2); Mamba2's G groups of B and C). The fast op
+    saves them grouped for the backward and returns dq, dk [B,T,Hk,K]; Hk == H is the plain op.
     """
     _check_route_grad(route_grad)
     chosen = resolve_backend(backend, q.device)

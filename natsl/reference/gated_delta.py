@@ -25,17 +25,22 @@ from natsl.reference.route_grad import (
 )
 
 
-def validate_layouts(q, k, v, g, beta, write, initial_state, block_size) -> tuple[int, int, int, int, int]:
+def validate_layouts(q, k, v, g, beta, write, initial_state, block_size, *,
+                     grouped_qk: bool = False) -> tuple[int, int, int, int, int]:
     """Check every layout of docs/spec.md section 5; return (B, T, H, K, V). `beta=None` checks the
-    gated linear rule's arguments (natsl.reference.gated_linear), which have no beta."""
+    gated linear rule's arguments (natsl.reference.gated_linear), which have no beta. `grouped_qk`
+    (the gated linear rule's) lets q and k have Hk heads with H % Hk == 0 (H = v's heads)."""
     check_block_size(block_size)
     if q.dim() != 4:
         raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
     if v.dim() != 4:
         raise ValueError(f"v must be [B, T, H, V], got shape {tuple(v.shape)}")
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    expect_shape("k", k, (B, T, H, K), "[B, T, H, K] (as q)")
+    B, T, Hk, K = q.shape
+    H, V = (v.shape[2], v.shape[3]) if grouped_qk else (Hk, v.shape[-1])
+    expect_shape("k", k, (B, T, Hk, K), "[B, T, Hk, K] (as q)" if grouped_qk else "[B, T, H, K] (as q)")
+    if grouped_qk and (Hk == 0 or H % Hk != 0):
+        raise ValueError(f"q and k have {Hk} heads, which do not divide v's {H}: give q and k H heads, or Hk "
+                         f"heads with H % Hk == 0 (head h of v reads q/k head h // (H // Hk))")
     expect_shape("v", v, (B, T, H, V), "[B, T, H, V]")
     expect_shape("g", g, (B, T, H), "[B, T, H]")
     if beta is not None:

@@ -21,6 +21,15 @@ from natsl.reference.gated_delta import _commit, _read, validate_layouts
 from natsl.reference.route_grad import apply_route_grad_policy, check_route_grad, compute_dtype, num_blocks
 
 
+def expand_groups(q: torch.Tensor, k: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k [B,T,Hk,K] -> [B,T,heads,K]: head h reads head h // (heads // Hk) (repeat_interleave on
+    dim 2, Mamba2's groups -> heads). Hk == heads returns q and k themselves (no copy)."""
+    if q.shape[2] == heads:
+        return q, k
+    per_group = heads // q.shape[2]
+    return q.repeat_interleave(per_group, dim=2), k.repeat_interleave(per_group, dim=2)
+
+
 def _token_step(state, k_t, v_t, g_t):
     """S <- exp(g) S + k v^T. state [B,H,K,V]; k [B,H,K]; v [B,H,V]; g [B,H]."""
     return g_t.exp()[..., None, None] * state + k_t[..., :, None] * v_t[..., None, :]
@@ -59,13 +68,15 @@ def gated_linear_rule(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated linear attention whose block content writes are committed only where `write` is 1.
 
-    q, k [B,T,H,K]; v [B,T,H,V]; g (log decay, <= 0) [B,T,H]; write [B,NB,H] with
-    NB = ceil(T / block_size), None = all ones (plain gated linear attention / Mamba2 SSD);
-    initial_state [B,H,K,V]. Returns o [B,T,H,V] in q's dtype and, if `output_final_state`,
-    S_start(NB) [B,H,K,V] in fp32 (float64 for float64 inputs); otherwise None.
+    q, k [B,T,Hk,K] with H % Hk == 0 (Hk = H, or Mamba2's groups: head h of v reads q/k head
+    h // (H // Hk), as repeat_interleave(H // Hk, dim=2)); v [B,T,H,V]; g (log decay, <= 0) [B,T,H];
+    write [B,NB,H] with NB = ceil(T / block_size), None = all ones (plain gated linear attention /
+    Mamba2 SSD); initial_state [B,H,K,V]. Returns o [B,T,H,V] in q's dtype and, if
+    `output_final_state`, S_start(NB) [B,H,K,V] in fp32 (float64 for float64 inputs); otherwise None.
     """
     check_route_grad(route_grad)
-    B, T, H, K, V = validate_layouts(q, k, v, g, None, write, initial_state, block_size)
+    B, T, H, K, V = validate_layouts(q, k, v, g, None, write, initial_state, block_size, grouped_qk=True)
+    q, k = expand_groups(q, k, H)  # autograd sums each group's gradient
     dt = compute_dtype(q, k, v, g, write, initial_state)
     scale = K**-0.5 if scale is None else scale
     NB = num_blocks(T, block_size)

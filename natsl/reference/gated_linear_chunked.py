@@ -21,6 +21,7 @@ import torch
 
 from natsl.reference.gated_delta import validate_layouts
 from natsl.reference.gated_delta_chunked import block_decay, block_writes, commit, to_blocks
+from natsl.reference.gated_linear import expand_groups
 from natsl.reference.route_grad import check_route_grad, compute_dtype, num_blocks
 
 
@@ -30,7 +31,8 @@ def gated_linear_rule(
 ):
     """Same arguments and results as `natsl.reference.gated_linear.gated_linear_rule`."""
     check_route_grad(route_grad)
-    B, T, H, K, V = validate_layouts(q, k, v, g, None, write, initial_state, block_size)
+    B, T, H, K, V = validate_layouts(q, k, v, g, None, write, initial_state, block_size, grouped_qk=True)
+    q, k = expand_groups(q, k, H)
     dt = compute_dtype(q, k, v, g, write, initial_state)
     scale = K**-0.5 if scale is None else scale
     C, NB = block_size, num_blocks(T, block_size)

@@ -5,6 +5,10 @@ Backward: intra-chunk dV -> reverse state pass (dh, dV, d initial state) -> grad
 route products). The gated-delta kernels do the chunk-parallel work with the pseudo values R = V
 (natsl/fast/gated_delta: output.chunk_output, output.local_dr, grad_qk.grad_qk); the route gradient is
 p1 + (Gamma_b - c) p2 as there.
+
+Grouped q, k (Mamba2's B and C: [B,T,Hk,K] with H % Hk == 0) enter the ops and are saved for the
+backward as they are; each op expands them to H heads (repeat_interleave, a transient copy) right
+before the kernels, and the backward sums dq, dk over each group's heads (in fp32) to Hk heads.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from natsl.fast.gated_delta.output import chunk_output, local_dr
 from natsl.fast.gated_linear import config
 from natsl.fast.gated_linear.state import _state_fwd_kernel, state_backward, state_forward
 from natsl.reference.gated_delta import validate_layouts
+from natsl.reference.gated_linear import expand_groups
 from natsl.reference.route_grad import check_route_grad, chosen
 
 
@@ -35,10 +40,27 @@ def chunk_cumsum(g: torch.Tensor, block_size: int) -> torch.Tensor:
     return padded.view(B, NB, block_size, H).cumsum(2).view(B, NB * block_size, H)[:, :T].contiguous()
 
 
+def _expanded(q, k, heads: int):
+    """q, k on `heads` heads, contiguous (the kernels' layout): a copy only when they are grouped."""
+    if q.shape[2] == heads:
+        return q, k
+    q, k = expand_groups(q, k, heads)
+    return q.contiguous(), k.contiguous()
+
+
+def _group_sum(d: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
+    """A gradient [B,T,H,K] of an expanded q or k -> [B,T,groups,K] in `dtype`: each group's heads
+    summed in fp32 (head h belongs to group h // (H // groups))."""
+    B, T, H, K = d.shape
+    return d.view(B, T, groups, H // groups, K).sum(3, dtype=torch.float32).to(dtype)
+
+
 def _forward_impl(q, k, v, g, write, initial_state, scale: float, output_final_state: bool, block_size: int,
                   decay_skipped_blocks: bool, route_grad: str):
-    """(o, final state or empty, and what the backward reads: write as fp32, gc, h)."""
-    B, T, H, _ = q.shape
+    """(o, final state or empty, and what the backward reads: write as fp32, gc, h). q, k may hold
+    Hk heads of v's H (expanded here, for the kernels)."""
+    B, T, H, _ = v.shape
+    q, k = _expanded(q, k, H)
     NB = triton.cdiv(T, block_size)
     prec = fp32_precision(q.dtype)
     # a copy even when write is fp32 already: a custom op may not return (an alias of) its input
@@ -63,8 +85,8 @@ def gated_linear_forward(
 
 @gated_linear_forward.register_fake
 def _(q, k, v, g, write, initial_state, scale, output_final_state, block_size, decay_skipped_blocks, route_grad):
-    B, T, H, K = q.shape
-    V = v.shape[-1]
+    B, T, _, K = q.shape
+    H, V = v.shape[2], v.shape[3]
     NB = triton.cdiv(T, block_size)
     f32 = dict(dtype=torch.float32)
     return (q.new_empty(B, T, H, V), q.new_empty((B, H, K, V) if output_final_state else _EMPTY, **f32),
@@ -73,9 +95,12 @@ def _(q, k, v, g, write, initial_state, scale, output_final_state, block_size, d
 
 def _backward_impl(q, k, v, w32, gc, h, do, d_final, scale: float, block_size: int, decay_skipped_blocks: bool,
                    route_grad: str, want_dh0: bool, want_dwrite: bool):
-    """(dq, dk, dv, dg fp32, dwrite fp32 or empty, d initial state fp32 or empty)."""
+    """(dq, dk, dv, dg fp32, dwrite fp32 or empty, d initial state fp32 or empty); dq, dk on q's and k's
+    heads (Hk of H: each group's heads summed)."""
     C = block_size
-    T = q.shape[1]
+    T, groups = q.shape[1], q.shape[2]
+    q_dtype, k_dtype = q.dtype, k.dtype
+    q, k = _expanded(q, k, v.shape[2])
     prec = fp32_precision(q.dtype)
     do = do.to(q.dtype).contiguous()
     d_final = None if d_final is None else d_final.float().contiguous()
@@ -95,7 +120,9 @@ def _backward_impl(q, k, v, w32, gc, h, do, d_final, scale: float, block_size: i
         dwrite = p1 if decay_skipped_blocks else p1 + (gamma - 1.0) * p2
         if route_grad == "active":
             dwrite = dwrite * chosen(w32).to(dwrite.dtype)
-    return (dq, dk.to(k.dtype), dv, dg, dwrite,
+    if groups != q.shape[2]:  # dq in q's dtype, dk fp32 (grad_qk's), each summed per group in fp32
+        dq, dk = _group_sum(dq, groups, q_dtype), _group_sum(dk, groups, k_dtype)
+    return (dq, dk.to(k_dtype), dv, dg, dwrite,
             dh0 if dh0 is not None else q.new_empty(_EMPTY, dtype=torch.float32))
 
 
@@ -111,8 +138,8 @@ def gated_linear_backward(
 
 @gated_linear_backward.register_fake
 def _(q, k, v, w32, gc, h, do, d_final, scale, block_size, decay_skipped_blocks, route_grad, want_dh0, want_dwrite):
-    B, T, H, K = q.shape
-    V = v.shape[-1]
+    B, T, _, K = q.shape
+    H, V = v.shape[2], v.shape[3]
     f32 = dict(dtype=torch.float32)
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), q.new_empty(B, T, H, **f32),
             q.new_empty(w32.shape if want_dwrite else _EMPTY, **f32),
@@ -157,7 +184,7 @@ def _run_forward(*inputs):
 
 def _validate(q, k, v, g, write, initial_state, block_size: int) -> None:
     """The reference's layout checks (docs/spec.md section 5), plus the fast path's own limits."""
-    _, _, _, K, _ = validate_layouts(q, k, v, g, None, write, initial_state, block_size)
+    _, _, _, K, _ = validate_layouts(q, k, v, g, None, write, initial_state, block_size, grouped_qk=True)
     if block_size not in BLOCK_SIZES:
         raise NatslError(f"the fast gated_linear_rule supports block_size 64 or 128, got {block_size}; "
                          "use backend='chunked'")
@@ -194,10 +221,12 @@ def gated_linear_rule(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated linear attention (Mamba2's SSD) whose block writes are committed only where `write` is 1 (Triton).
 
-    q, k [B,T,H,K]; v [B,T,H,V]; g (log decay) [B,T,H] (any float dtype); write [B,NB,H] (None = all
-    ones), any float values; initial_state [B,H,K,V]. Returns o [B,T,H,V] in q's dtype (k, v compute
-    in q's dtype) and, if `output_final_state`, S_start(NB) [B,H,K,V] in fp32. Chunk size = block_size
-    (64 or 128). `intra_block=False` (the Table 4 ablation, with no kernel of its own) runs the
+    q, k [B,T,Hk,K] with H % Hk == 0 (Hk = H, or Mamba2's groups: head h of v reads q/k head
+    h // (H // Hk); grouped q, k are saved for the backward as they are, expanded only transiently
+    inside the forward and backward ops, and dq, dk come back [B,T,Hk,K]); v [B,T,H,V]; g (log decay)
+    [B,T,H] (any float dtype); write [B,NB,H] (None = all ones), any float values; initial_state
+    [B,H,K,V]. Returns o [B,T,H,V] in q's dtype (k, v compute in q's dtype) and, if
+    `output_final_state`, S_start(NB) [B,H,K,V] in fp32. Chunk size = block_size (64 or 128). `intra_block=False` (the Table 4 ablation, with no kernel of its own) runs the
     chunked reference, so that both twins take the same arguments.
     """
     if not intra_block:
@@ -208,8 +237,8 @@ def gated_linear_rule(
                          decay_skipped_blocks=decay_skipped_blocks, route_grad=route_grad, intra_block=False)
     check_route_grad(route_grad)
     _validate(q, k, v, g, write, initial_state, block_size)
-    B, T, H, K = q.shape
-    V = v.shape[-1]
+    B, T, _, K = q.shape
+    H, V = v.shape[2], v.shape[3]
     scale = K**-0.5 if scale is None else float(scale)
     if T == 0:  # nothing to read; the state passes through untouched
         final = None
@@ -217,7 +246,11 @@ def gated_linear_rule(
             final = q.new_zeros(B, H, K, V, dtype=torch.float32) if initial_state is None else initial_state.float()
         return q.new_zeros(B, 0, H, V), final
     k, v = k.to(q.dtype), v.to(q.dtype)
-    q, k, v, g = (x.contiguous() for x in (q, k, v, g))
+    v, g = v.contiguous(), g.contiguous()
+    if q.shape[2] == H:
+        q, k = q.contiguous(), k.contiguous()
+    # else grouped: the ops expand them into contiguous copies, and save them as they come (Mamba2's B
+    # and C are views of the conv's output, whose storage the layer's backward keeps anyway)
     o, final, *_ = _run_forward(q, k, v, g, write, initial_state, scale, output_final_state, block_size,
                                 decay_skipped_blocks, route_grad)
     return o, (final if output_final_state else None)
