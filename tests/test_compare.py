@@ -76,6 +76,12 @@ def test_compare_writes_json_png_and_table(checkpoints, tmp_path):
     assert by[("gdn_swa", "window 16")]["kv_bytes"] == 2 * 16 * 4 * entry
     assert by[("natsl_hybrid", "keep 0.25")]["kv_bytes"] < by[("natsl_hybrid", "keep 1")]["kv_bytes"]
     assert by[("natsl_hybrid", "keep 1")]["keep_fraction"] == 1.0
+    # the kept fraction on the recall inputs: NAtS-L's variants only (a forced 1 keeps every block)
+    assert by[("natsl_hybrid", "keep 1")]["recall_keep_fraction"] == 1.0
+    assert 0.0 <= by[("natsl_hybrid", "router")]["recall_keep_fraction"] <= 1.0
+    assert by[("transformer", "full")]["recall_keep_fraction"] is None
+    table = (out / "compare.md").read_text()
+    assert " kept " in table and "what it kept on the recall inputs" in table
     assert (out / "compare.png").stat().st_size > 1000 and "snapkv 0.25" in (out / "compare.md").read_text()
 
 

@@ -104,6 +104,8 @@ def measure_quality(em: EvalModel, variant: Variant, *, recall=None, ppl=None, c
         spec, points, samples, batch_size = recall
         report = evaluate_recall(model, spec, points, samples, batch_size, seed, progress=False)
         out["recall_accuracy"] = report["mean_accuracy"]
+        # what a router kept on the recall inputs themselves (KV bytes come from a random prompt)
+        out["recall_keep_fraction"] = report["mean_keep_fraction"]
         out["recall_points"] = [{k: p[k] for k in ("seq_len", "count", "accuracy")} for p in report["points"]]
     if ppl is not None:
         wins, bucket = ppl
@@ -127,7 +129,7 @@ def measure_cost(em: EvalModel, variant: Variant, *, context: int, decode_tokens
     return {key: point[key] for key in ("kv_bytes", "cache_bytes", "prefill_s", "decode_ms", "keep_fraction")}
 
 
-QUALITY_KEYS = ("recall_accuracy", "recall_points", "ppl", "bits_per_byte")
+QUALITY_KEYS = ("recall_accuracy", "recall_keep_fraction", "recall_points", "ppl", "bits_per_byte")
 
 
 @dataclass
@@ -211,6 +213,10 @@ def notes(sources: list[Source], plans: list[list[Variant]], quality: bool) -> l
     if pressed:
         lines.append(f"the presses on {', '.join(pressed)} (random weights) still evict to their budget: their "
                      "scores are random, the KV bytes and times are what count")
+    routers = [s.name for s, plan in zip(sources, plans) if s.trained and any(v.method == "router" for v in plan)]
+    if routers and quality:
+        lines.append(f"{', '.join(routers)}: a router's KV bytes and times are those of a random prompt at the context; "
+                     "`kept` is what it kept on the recall inputs")
     routed = [s.name for s, plan in zip(sources, plans) if not s.trained and any(v.family == "natsl" for v in plan)]
     if routed:
         lines.append(f"{', '.join(routed)}: an untrained router, so each kept fraction is forced by a seeded random "
@@ -423,13 +429,14 @@ def format_table(result: dict) -> str:
     """The notes, then one row per (model, variant, context); the model column fits the longest name (run
     folders of one sweep differ only at their ends, so a cut name would hide which is which)."""
     width = max([20] + [len(e["name"]) for e in result["entries"]])
-    header = (f"{'model':<{width}} {'variant':<16} {'context':>8} {'recall':>7} {'ppl':>8} {'KV bytes':>10} {'cache':>10} "
-              f"{'prefill s':>10} {'decode ms':>10}")
+    header = (f"{'model':<{width}} {'variant':<16} {'context':>8} {'recall':>7} {'kept':>5} {'ppl':>8} {'KV bytes':>10} "
+              f"{'cache':>10} {'prefill s':>10} {'decode ms':>10}")
     lines = [f"note: {line}" for line in result.get("notes", [])] + [header, "-" * len(header)]
     for e in result["entries"]:
         recall = "-" if e.get("recall_accuracy") is None else f"{e['recall_accuracy']:.3f}"
+        kept = "-" if e.get("recall_keep_fraction") is None else f"{e['recall_keep_fraction']:.2f}"
         ppl = "-" if e.get("ppl") is None else f"{e['ppl']:.2f}"
-        row = f"{e['name']:<{width}} {e['label']:<16} {e['context']:>8} {recall:>7} {ppl:>8} "
+        row = f"{e['name']:<{width}} {e['label']:<16} {e['context']:>8} {recall:>7} {kept:>5} {ppl:>8} "
         if "error" in e:
             lines.append(row + e["error"])
         else:
