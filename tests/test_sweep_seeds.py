@@ -348,3 +348,24 @@ def test_the_spec_set_is_checked_as_a_systems_is(tmp_path):
                           ("set: [train.log_every]\n", "'set' item 'train.log_every' is not of the form")):
         with pytest.raises(NatslError, match=message):
             S.load_spec(_spec(tmp_path, "lrs: [0.001]\n" + text), tmp_path / "out")
+
+
+def test_a_missing_init_from_checkpoint_stops_the_runner_before_any_worker(tmp_path):
+    """train.init_from in a system's set: checked when the runner starts (not at load: a spec loads where its
+    checkpoints are not), one line naming the run; a model folder that is there passes."""
+    import natsl
+    from natsl.checkpoint import save_model_folder
+
+    recipe = load_recipe("recall/gdn")
+    save_model_folder(tmp_path / "ck", natsl.build_model(recipe), recipe)
+    text = ("systems: {gdn: {recipe: recall/gdn, set: [train.init_from=" + str(tmp_path / "ck") + "]},\n"
+            "          natsl_hybrid: {recipe: recall/natsl_hybrid, set: [train.init_from=" + str(tmp_path / "gone") + "]}}\n"
+            "widths: [64]\ntasks: {t: 'task:mqar?seq_len=64&pairs=4'}\nlrs: [0.001]\nbudget: {max_steps: 8}\n")
+    (tmp_path / "s.yaml").write_text(text)
+    sweep = S.load_spec(tmp_path / "s.yaml", tmp_path / "out")  # loads: the check is the runner's
+    with pytest.raises(NatslError, match=r"^run t-natsl_hybrid-d64-lr0.001: train.init_from '.*gone' is not a "
+                                         r"checkpoint \(checkpoint '.*gone' does not exist.*\); put the checkpoints"):
+        S.check_initial_weights(sweep)
+    assert not (tmp_path / "out" / "runs").exists()
+    sweep.runs = [r for r in sweep.runs if r.system == "gdn"]
+    S.check_initial_weights(sweep)  # the folder that is there passes
