@@ -322,26 +322,41 @@ def verify_manifest(folder: Path, hashed=None) -> dict:
     return sizes
 
 
-def initial_weights(path, model: ModelConfig, expected: dict) -> tuple[dict, Path, list[str]]:
-    """The weights that `train.init_from` starts a run from: (state dict on the CPU, the folder read, the
-    model fields whose values differ from the checkpoint's). Any folder `natsl train` or `natsl convert`
-    wrote (a step, a run folder: its newest step, an inference folder). Every tensor must match the new
-    model by name and shape; fields that change no shape (router options, backend) may differ and are
-    reported, so that a curriculum can change them on purpose and see that it did."""
+def model_files(path) -> tuple[Path, dict, Recipe, Path]:
+    """(folder, config.json's contents, recipe, weights file) of a folder that `natsl train` or `natsl convert` wrote (a step, a run
+    folder: its newest step, an inference folder), each checked to be there."""
+    folder = resolve_checkpoint_folder(path)
+    config = read_config(folder)
+    recipe = checkpoint_recipe(folder, config)
+    weights = folder / "model.safetensors"
+    if not weights.is_file():
+        raise NatslError(f"{str(folder)!r} has no model.safetensors; the checkpoint is incomplete, use another one")
+    return folder, config, recipe, weights
+
+
+def read_weights(folder: Path, weights: Path) -> dict:
+    """The tensors of `weights` on the CPU; in a training step folder, checked against its manifest first."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    folder = resolve_checkpoint_folder(path)
-    recipe = checkpoint_recipe(folder, read_config(folder))
-    weights = folder / "model.safetensors"
-    if not weights.is_file():
-        raise NatslError(f"train.init_from: {str(folder)!r} has no model.safetensors; pass a complete checkpoint")
     if (folder / MANIFEST_FILE).is_file():
+        # A training step folder: the files the model is built from must match their manifest. Their
+        # SHA-256 is one more pass over files the load reads next anyway (then from the page cache);
+        # the optimizer and RNG states, not read here, are checked by size only.
         verify_manifest(folder, hashed=("model.safetensors", COMPLETE_MARKER))
     try:
-        state = load_file(str(weights), device="cpu")
+        return load_file(str(weights), device="cpu")
     except (SafetensorError, OSError) as err:
         raise NatslError(f"{str(weights)!r} is corrupt ({err}); use another checkpoint") from None
+
+
+def initial_weights(path, model: ModelConfig, expected: dict) -> tuple[dict, Path, list[str]]:
+    """The weights that `train.init_from` starts a run from: (state dict on the CPU, the folder read, the
+    model fields whose values differ from the checkpoint's). Every tensor must match the new model by name
+    and shape; fields that change no shape (router options, backend) may differ and are reported, so that
+    a curriculum can change them on purpose and see that it did."""
+    folder, _, recipe, weights = model_files(path)
+    state = read_weights(folder, weights)
     try:
         check_state_dict(weights, state, expected, model.tie_embeddings)
     except NatslError as err:
@@ -354,27 +369,11 @@ def initial_weights(path, model: ModelConfig, expected: dict) -> tuple[dict, Pat
 
 def load_checkpoint(path, device=None, dtype: torch.dtype | None = None):
     """(model, tokenizer or None) from a folder that `natsl train` or `natsl convert` wrote."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     from natsl.models import build_model
     from natsl.tokenizer import Tokenizer
 
-    folder = resolve_checkpoint_folder(path)
-    config = read_config(folder)
-    recipe = checkpoint_recipe(folder, config)
-    weights = folder / "model.safetensors"
-    if not weights.is_file():
-        raise NatslError(f"{str(folder)!r} has no model.safetensors; the checkpoint is incomplete, use another one")
-    if (folder / MANIFEST_FILE).is_file():
-        # A training step folder: the files the model is built from must match their manifest. Their
-        # SHA-256 is one more pass over files the load reads next anyway (then from the page cache);
-        # the optimizer and RNG states, not read here, are checked by size only.
-        verify_manifest(folder, hashed=("model.safetensors", COMPLETE_MARKER))
-    try:
-        state = load_file(str(weights), device="cpu")
-    except (SafetensorError, OSError) as err:
-        raise NatslError(f"{str(weights)!r} is corrupt ({err}); use another checkpoint") from None
+    folder, config, recipe, weights = model_files(path)
+    state = read_weights(folder, weights)
     model = build_model(recipe, device="meta")
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     check_state_dict(weights, state, expected, recipe.model.tie_embeddings)

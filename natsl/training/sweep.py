@@ -487,17 +487,14 @@ def check_initial_weights(sweep: Sweep) -> None:
     """Every `train.init_from` of a run still to train names a checkpoint that is there, checked before any
     worker starts: a curriculum whose checkpoints were not carried fails in one line, not in every worker
     after the GPU is held. (Not in load_spec: a spec loads on machines that do not hold its checkpoints.)"""
-    from natsl.checkpoint import read_config, resolve_checkpoint_folder
+    from natsl.checkpoint import model_files
 
     for run in sweep.runs:
         paths = [item.split("=", 1)[1].strip() for item in run.overrides if item.split("=", 1)[0].strip() == "train.init_from"]
         if not paths or not paths[-1] or paths[-1] == "null" or _finished(run):
             continue
         try:
-            folder = resolve_checkpoint_folder(paths[-1])
-            read_config(folder)
-            if not (folder / "model.safetensors").is_file():
-                raise NatslError(f"{str(folder)!r} has no model.safetensors")
+            model_files(paths[-1])
         except NatslError as err:
             raise NatslError(f"run {run.id}: train.init_from {paths[-1]!r} is not a checkpoint ({err}); put the "
                              "checkpoints there (e.g. unpack the recall stage's recall_models_N.tar.gz) or fix the "

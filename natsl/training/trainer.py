@@ -445,10 +445,8 @@ class Trainer:
         """train.init_from: the weights of another run, before any sharding; optimizer and step start afresh."""
         expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
         state, folder, differing = C.initial_weights(path, self.recipe.model, expected)
-        with torch.no_grad():
-            params = model.state_dict()
-            for name, tensor in state.items():
-                params[name].copy_(tensor)  # casts a bf16 inference folder to the model's dtype
+        # every name and shape checked above; the copy casts a bf16 inference folder to the model's dtype
+        model.load_state_dict(state, strict=False)
         changed = f"; model fields changed from it: {', '.join(differing)}" if differing else ""
         self.log(f"initialised from {folder}{changed}")
 
