@@ -79,7 +79,7 @@ class Mamba2(nn.Module):
         xs, B, C = xbc.split([self.inner, self.groups * self.state_size, self.groups * self.state_size], dim=-1)
         xs = xs.view(b, t, self.num_heads, self.head_dim)
         # B, C stay [b, t, G, N]: the op reads group j for heads j H/G .. (j+1) H/G - 1 and saves them as
-        # they are for its backward (not H/G-fold expanded copies: 24.6 KB a token a layer at 800M).
+        # they are for its backward (not H/G-fold expanded copies of the same bytes).
         B = B.view(b, t, self.groups, self.state_size)
         C = C.view(b, t, self.groups, self.state_size)
         g, dt = mamba2_gates(a, self.A_log, self.dt_bias)
