@@ -287,7 +287,49 @@ def test_non_finite_steps_are_skipped_then_stop(tmp_path, cache_env):
     assert len(result.stderr.strip().splitlines()) == 1
     steps, _ = train_records(out)
     assert [r["skipped"] for r in steps[-3:]] == [True] * 3 and steps[-1]["bad_steps"] >= 3
-    assert not steps[0]["skipped"]
+    assert not steps[0]["skipped"] and "nonfinite_grads" not in steps[0]
+    # a skipped step names where its non-finite gradients are, and so does the stop's line
+    names = steps[-1]["nonfinite_grads"]
+    assert names and f"non-finite gradients first in {names[0]}" in result.stderr
+
+
+def test_a_skipped_step_names_its_non_finite_gradients_unclipped():
+    """clip_and_step (both forms) leaves the gradients of a skipped step as the backward made them, so
+    that Trainer.nonfinite_grads names only the parameters whose gradient is not finite; a finite step
+    clips exactly as clip_grad_norm_ does."""
+    from types import SimpleNamespace
+
+    from natsl.training.optim import clip_and_step
+    from natsl.training.trainer import Trainer
+
+    for fold in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fold)
+        for p in model.parameters():
+            p.grad = 5 * torch.randn_like(p)
+        model[1].weight.grad[0, 1] = float("nan")
+        grads = [p.grad.clone() for p in model.parameters()]
+        weights = [p.detach().clone() for p in model.parameters()]
+        assert not torch.isfinite(clip_and_step(opt, model.parameters(), 1.0, torch.tensor(2.0), fold))
+        for p, g, w in zip(model.parameters(), grads, weights):
+            assert torch.allclose(p.grad, g, rtol=0, atol=0, equal_nan=True)  # untouched, NaN included
+            assert torch.equal(p.detach(), w)  # no step
+        assert Trainer.nonfinite_grads(SimpleNamespace(model=model)) == ["1.weight"]
+
+        # a finite step clips as clip_grad_norm_ does (the plain form in place; the fused one inside AdamW)
+        model[1].weight.grad[0, 1] = 0.0
+        shadow = [torch.nn.Parameter(torch.zeros_like(p)) for p in model.parameters()]
+        for s_, p in zip(shadow, model.parameters()):
+            s_.grad = p.grad.clone()
+        want = torch.nn.utils.clip_grad_norm_(shadow, 1.0)
+        got = clip_and_step(opt, model.parameters(), 1.0, torch.tensor(2.0), fold)
+        assert torch.equal(got, want) and want > 1.0  # the clip is active
+        if not fold:
+            for p, s_ in zip(model.parameters(), shadow):
+                assert torch.equal(p.grad, s_.grad)
+        assert not torch.equal(model[0].weight.detach(), weights[0])  # stepped
+        assert Trainer.nonfinite_grads(SimpleNamespace(model=model)) == []
 
 
 def test_non_finite_steps_are_skipped_on_the_device_with_the_folded_clip(tmp_path, cache_env):

@@ -84,14 +84,20 @@ def clip_and_step(optimizer: torch.optim.Optimizer, parameters, max_norm: float,
     """After the backward: clip the gradients to a total norm of `max_norm` (<= 0: no clipping) and take
     the optimizer step unless the loss or the norm is not finite; returns the norm before clipping.
     `fold`: inside the fused step (fused_step_with_clip), nothing waits for the GPU; else
-    clip_grad_norm_ and a host check (`full_tensor` gathers an FSDP-sharded norm)."""
+    clip_grad_norm_'s norm, a host check (`full_tensor` gathers an FSDP-sharded norm) and its clip.
+    Either way a skipped step leaves the gradients untouched."""
     parameters = list(parameters)
     if fold:
         grad_norm = total_grad_norm(parameters)
         fused_step_with_clip(optimizer, grad_norm, max_norm, loss)
         return grad_norm
-    grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(parameters, max_norm if max_norm > 0 else float("inf")))
+    # clip_grad_norm_'s two halves, so that a non-finite norm leaves the gradients as the backward made
+    # them (clipping would multiply every one by NaN) for the trainer to name the non-finite ones.
+    norm = total_grad_norm(parameters)
+    grad_norm = full_tensor(norm)
     if math.isfinite(loss.item()) and math.isfinite(grad_norm.item()):
+        if max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
         optimizer.step()
     return grad_norm
 

@@ -495,11 +495,13 @@ class Trainer:
             at += layer.num_heads
         keep = [sum(g) / len(g) for g in keep_groups.values()]
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        nonfinite = {}
         if finite:
             self.state["bad_in_row"] = 0
         else:
             self.state["bad_steps"] += 1
             self.state["bad_in_row"] += 1
+            nonfinite = {"nonfinite_grads": self.nonfinite_grads()}
         self.optimizer.zero_grad(set_to_none=not self.keep_grads)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -515,8 +517,25 @@ class Trainer:
                 "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
                 "mfu": tokens_per_s * fpt / (self.peak * self.info.world_size) if self.peak else None,
                 "keep": {str(i): k for (i, _), k in zip(self.natsl_layers, keep)}, "keep_groups": keep_groups,
-                **self.router_bias_record(), "skipped": not finite,
+                **self.router_bias_record(), **nonfinite, "skipped": not finite,
                 "bad_steps": self.state["bad_steps"], "time_s": dt, "flops_per_token": fpt}
+
+    def nonfinite_grads(self, limit: int = 8) -> list[str]:
+        """Names of the first `limit` parameters whose gradient (this rank's shard) holds a NaN or an
+        infinity, in the model's order: a skipped step's record says where a non-finite gradient
+        starts, which the loss and the norm alone do not. Called only on skipped steps (one host sync
+        per parameter)."""
+        names = []
+        for name, param in self.model.named_parameters():
+            grad = param.grad
+            if grad is None:
+                continue
+            grad = grad.to_local() if hasattr(grad, "to_local") else grad  # FSDP2: this rank's shard
+            if not bool(torch.isfinite(grad).all()):
+                names.append(name)
+                if len(names) == limit:
+                    break
+        return names
 
     def router_bias_record(self) -> dict:
         """{"router_bias": {layer: [bias per routing group]}} after this step's forwards, for the NAtS-L
@@ -683,8 +702,10 @@ class Trainer:
                     elif self.state["bad_in_row"] >= tc.max_bad_steps:
                         good = S.list_checkpoints(self.out)
                         where = f"; the newest checkpoint is {good[-1][1]}" if good else ""
+                        grads = record.get("nonfinite_grads")
+                        first = f" (non-finite gradients first in {', '.join(grads[:3])})" if grads else ""
                         raise NatslError(f"stopped at step {step}: {self.state['bad_in_row']} steps in a row had a "
-                                         f"non-finite loss or gradient{where}; lower optim.lr or check the data")
+                                         f"non-finite loss or gradient{first}{where}; lower optim.lr or check the data")
                     fault_point("kill_after_step", step)
 
                     window_tokens += tc.tokens_per_step
