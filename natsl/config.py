@@ -116,7 +116,7 @@ class ModelConfig:
     # The keep budget (docs/recall.md): with router_keep_budget F set, the hard route of every NAtS-L
     # layer is a causal rule on the router's keep gaps instead of their sign: a block is kept when its
     # gap ranks in the top F of its group's blocks so far and the group's kept count stays at most
-    # floor(F n) over every prefix of n blocks (natsl.reference.router.budget_keep), on every path.
+    # ceil(F n) over every prefix of n blocks (natsl.reference.router.budget_keep), on every path.
     # None: the argmax (the paper's layer). With router_keep_target the bias shifts the gaps it ranks;
     # a route_override (a forced keep fraction) replaces it.
     router_keep_budget: Optional[float] = None

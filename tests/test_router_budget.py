@@ -5,6 +5,7 @@ tests/test_router_target.py builds them (block_size 16).
 """
 
 import dataclasses
+import math
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,7 @@ def rule_by_loop(gaps: list[float], fraction: float) -> list[float]:
     keep, kept = [], 0
     for i, d in enumerate(gaps):
         rank = sum(1 for e in gaps[:i] if e >= d)
-        k = rank < fraction * (i + 1) and kept + 1 <= fraction * (i + 1)
+        k = rank < fraction * (i + 1) and kept + 1 <= math.ceil(fraction * (i + 1))
         keep.append(float(k))
         kept += k
     return keep
@@ -58,12 +59,14 @@ def test_the_rule_on_hand_made_gaps_equals_the_loop(name, fraction):
 
 
 def test_what_the_rule_gives_on_simple_gaps():
-    """The first block is always written (the cap: 1 > F); rising gaps fill the budget exactly (kept
-    count floor(F n)); falling gaps pass the rank only while i < F / (1 - F); one sign changes nothing."""
+    """The first block is kept (rank 0 < F, cap 1 <= ceil(F)); rising gaps fill the budget exactly (kept
+    count ceil(F n)); falling gaps pass the rank only while i < F / (1 - F); one sign changes nothing;
+    equal gaps keep the first block and those with i < F / (1 - F)."""
     up = budget_of(SEQUENCES["increasing"], 0.5)
-    assert up[:6] == [0, 1, 0, 1, 0, 1] and sum(up) == 12
-    assert budget_of(SEQUENCES["decreasing"], 0.5) == [0.0] * 24
-    assert budget_of(SEQUENCES["decreasing"], 0.75) == [0, 1, 1] + [0] * 21  # i < 3 passes the rank
+    assert up[:6] == [1, 0, 1, 0, 1, 0] and sum(up) == 12
+    assert budget_of(SEQUENCES["decreasing"], 0.5) == [1.0] + [0.0] * 23
+    assert budget_of(SEQUENCES["decreasing"], 0.75) == [1, 1, 1] + [0] * 21  # i < 3 passes the rank
+    assert budget_of([0.5] * 8, 0.5) == [1.0] + [0.0] * 7
     for fraction in (0.25, 0.5):
         assert budget_of(SEQUENCES["all negative"], fraction) == budget_of(SEQUENCES["all positive"], fraction)
         assert abs(sum(budget_of(SEQUENCES["all negative"], fraction)) / 24 - fraction) <= 0.125
@@ -72,7 +75,7 @@ def test_what_the_rule_gives_on_simple_gaps():
 @pytest.mark.parametrize("fraction", [0.1, 0.25, 0.3, 0.5, 0.7])
 def test_the_cap_holds_on_every_prefix(fraction):
     """On random gaps, and on random walks (gaps that drift: the rank keeps more of a rising stretch): at
-    most floor(F n) of the first n blocks of every group are kept; on independent gaps the kept fraction
+    most ceil(F n) of the first n blocks of every group are kept; on independent gaps the kept fraction
     over many blocks comes near F (a walk that drifts down keeps less: its new blocks rank low)."""
     gen = torch.Generator().manual_seed(int(fraction * 100))
     walks = torch.randn(4, 200, 3, generator=gen).cumsum(1)
@@ -81,7 +84,7 @@ def test_the_cap_holds_on_every_prefix(fraction):
         assert set(keep.unique().tolist()) <= {0.0, 1.0}
         kept = keep.cumsum(1)  # [B, n, H]: blocks kept among the first n
         n = torch.arange(1, 201, dtype=torch.float64)[None, :, None]
-        assert (kept.double() <= torch.floor(fraction * n)).all()
+        assert (kept.double() <= torch.ceil(fraction * n)).all()
     independent = budget_keep(torch.randn(4, 200, 3, generator=gen), fraction)
     assert ((independent.mean(1) - fraction).abs() <= 0.1).all(), independent.mean(1)
 

@@ -62,13 +62,14 @@ def budget_keep(gaps: torch.Tensor, fraction: float, first: int | torch.Tensor =
     Per sequence and group, block i (absolute index) is kept when
 
         #{ j < i : d_j >= d_i } < F (i + 1)     (rank: its gap is in the top F of the blocks so far)
-        and  kept_{<i} + 1 <= F (i + 1)          (cap: the running kept count stays within the budget)
+        and  kept_{<i} + 1 <= ceil(F (i + 1))    (cap: the running kept count stays within the budget)
 
-    with both products in float64. Ties count against the later block. The cap means that
-    kept_{<=i} <= floor(F (i + 1)): among the first n blocks of a group at most floor(F n) are kept,
-    so the kept fraction of every prefix is at most F (rounding only ever keeps less, by under one
-    block). The first block (i = 0) passes the rank (0 < F) but never the cap (1 > F): it is always
-    written to the GDN state. Only earlier blocks are read, so a block's route is final at its end.
+    with both products in float64. Ties count against the later block. The cap means that among the
+    first n blocks of a group at most ceil(F n) are kept: the kept fraction of every prefix is at
+    most F plus under one block (F exactly where F n is whole). Rounding up rather than down lets the
+    first block be kept (rank 0 < F, cap 1 <= ceil(F)): a sequence's opening block (a prompt's start,
+    MQAR's first key-value pairs) can stay in exact memory, as an attention sink would. Only earlier
+    blocks are read, so a block's route is final at its end.
 
     `first`: the absolute index of the first new block, an int (prefill) or [B] int64 (decode:
     each sequence at its own block); `earlier` [B, H, M]: the gaps of earlier blocks by absolute
@@ -89,11 +90,11 @@ def budget_keep(gaps: torch.Tensor, fraction: float, first: int | torch.Tensor =
     index = first[:, None] + torch.arange(n, device=device)  # [B|1, N]: absolute block index
     limit = ((index + 1).double() * fraction)[:, None, :]  # [B|1, 1, N]: F (i + 1)
     candidate = (count.double() < limit).long()
-    # cap: kept_{i+1} = kept_i + candidate_i if that is <= cap_i = floor(F (i + 1)), else kept_i. As
+    # cap: kept_{i+1} = kept_i + candidate_i if that is <= cap_i = ceil(F (i + 1)), else kept_i. As
     # cap_i never falls and kept_i <= cap_{i-1}, that is kept_{i+1} = min(kept_i + candidate_i, cap_i),
     # whose closed form (a clamped running sum) is R_{i+1} + min(kept_0, min_{m<=i} cap_m - R_{m+1})
     # with R the running sum of candidates: no loop over blocks.
-    cap = limit.floor().long()
+    cap = limit.ceil().long()
     running = candidate.cumsum(-1)
     kept0 = torch.zeros(batch, heads, 1, dtype=torch.long, device=device) if kept is None else kept[..., None]
     kept_after = running + torch.minimum(kept0, (cap - running).cummin(-1).values)  # [B, H, N]
