@@ -113,6 +113,13 @@ class ModelConfig:
     # layer). The rate is read in training only.
     router_keep_target: Optional[float] = None
     router_bias_rate: float = 1e-3
+    # The keep budget (docs/recall.md): with router_keep_budget F set, the hard route of every NAtS-L
+    # layer is a causal rule on the router's keep gaps instead of their sign: a block is kept when its
+    # gap ranks in the top F of its group's blocks so far and the group's kept count stays at most
+    # ceil(F n) over every prefix of n blocks (natsl.reference.router.budget_keep), on every path.
+    # None: the argmax (the paper's layer). With router_keep_target the bias shifts the gaps it ranks;
+    # a route_override (a forced keep fraction) replaces it.
+    router_keep_budget: Optional[float] = None
     # Common.
     norm_eps: float = 1e-6
     init_std: float = 0.02
@@ -333,6 +340,8 @@ MODEL_RULES = {
     "router_keep_target": (lambda v: v is None or (math.isfinite(v) and 0 < v < 1),
                            "a number strictly between 0 and 1, or null (no keep bias)"),
     "router_bias_rate": _finite(0),
+    "router_keep_budget": (lambda v: v is None or (math.isfinite(v) and 0 < v < 1),
+                           "a number strictly between 0 and 1 (the kept fraction), or null (no budget)"),
 }
 OPTIM_RULES = {
     "lr": _finite(0),

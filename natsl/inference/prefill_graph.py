@@ -62,12 +62,16 @@ def bucket(length: int, quantum: int) -> int:
 
 def transfer(src, dst, length: int) -> None:
     """Copy a prefilled batch-1 cache `src` into the empty cache `dst` (same model, dtype, batch 1)
-    and advance `dst` by `length` tokens: every state whole, K/V buffers up to `length`."""
+    and advance `dst` by `length` tokens: every state whole, K/V buffers up to `length`, the keep
+    budget's gaps over the blocks the prompt completed."""
     for s, d in zip(src.layers, dst.layers):
         targets = d.tensors()
         for name, t in s.tensors().items():
             if name in KV_FIELDS:
                 targets[name][:, :, :length].copy_(t[:, :, :length])
+            elif name == "keep_gaps":  # per block [B, groups, max blocks] (sized by each cache's max_len)
+                blocks = length // src.positions.block_size
+                targets[name][..., :blocks].copy_(t[..., :blocks])
             else:
                 targets[name].copy_(t)
     dst.positions.pos.add_(length)

@@ -19,6 +19,10 @@ Per layer type:
   `0 .. kept_len-1` hold the kept blocks, compacted in order, and the current block's tokens follow
   at `kept_len + (position % block_size)`. When a block completes and is dropped, `kept_len` does
   not move and the next block overwrites it; when it is kept, `kept_len` grows by one block.
+  With `model.router_keep_budget`, also `keep_gaps [B, groups, ceil(max_len / block_size)]` (fp32):
+  the router's keep gap of every completed block, by block index, which the budget's rank reads;
+  the budget's kept count is `kept_len // block_size`. Allocated once for the cache's max length, so
+  a CUDA graph replays over it; without the budget it is None.
 
 Positions are per sequence (`Positions.pos` on the device, `Positions.lengths` mirrored on the host),
 so sequences of different lengths decode side by side with their own block boundaries; there is no
@@ -174,6 +178,7 @@ class NAtSLCache(LayerCache):
     k_mem: torch.Tensor | None = None  # [B, heads, capacity, K/R]: kept blocks, then the current block
     v_mem: torch.Tensor | None = None  # [B, heads, capacity, V/R]
     kept_len: torch.Tensor | None = None  # [B, groups] int64: tokens of kept blocks per routing group
+    keep_gaps: torch.Tensor | None = None  # [B, groups, max blocks] fp32 (router_keep_budget only): gaps by block
 
     def live_bytes(self) -> int:
         """Bytes this layer holds for its sequences: states, sums, tails, kept blocks and the current block."""
@@ -329,7 +334,8 @@ def new_model_cache(model, batch_size: int, max_len: int | None = None, device=N
                 state_run=zeros(B, H, K, V, dt=state_dtype), decay_sum=zeros(B, H, dt=state_dtype),
                 x_sum=zeros(B, config.hidden_size, dt=state_dtype),
                 k_mem=zeros(B, hs, L, config.softmax_k_dim), v_mem=zeros(B, hs, L, config.softmax_v_dim),
-                kept_len=zeros(B, H, dt=torch.long)))
+                kept_len=zeros(B, H, dt=torch.long),
+                keep_gaps=None if config.router_keep_budget is None else zeros(B, H, -(-L // C), dt=torch.float32)))
         elif layer_type == "nsa":
             from natsl.models.nsa import NO_CACHE
 

@@ -19,23 +19,36 @@ from natsl.models.cache import real_tokens
 from natsl.ops import kernel_set
 from natsl.ops.block_end import decode_slots
 from natsl.ops.cached import attend_cached, commit_state, masked_attention, read_state
-from natsl.reference.router import router_scores, straight_through_route
+from natsl.reference.router import budget_keep, keep_gaps, router_scores, straight_through_route
 
 
 class CachedNAtSL:
     """The cached prefill and decode paths of `natsl.models.natsl_layer.NAtSL`."""
 
-    def decide_routes(self, block_sums: torch.Tensor, count: int, block_index: torch.Tensor):
+    def decide_routes(self, block_sums: torch.Tensor, count: int, block_index: torch.Tensor, cache=None):
         """Sums of x over complete blocks [B, N, d], their token count and absolute indices [B|1, N]
-        -> keep, write [B, N, H] (0/1): the router on the block mean (with the layer's keep bias, if
-        any), exactly as `route_blocks`."""
+        (consecutive per row) -> keep, write [B, N, H] (0/1): the router on the block mean (with the
+        layer's keep bias, if any), exactly as `route_blocks`.
+
+        With `router_keep_budget` the route is `budget_keep` over the blocks before them, read from
+        `cache` (a NAtSLCache: the gaps in `keep_gaps`, the kept count in `kept_len`, which the caller
+        moves after this), and their gaps are recorded there at their block index. The decode block
+        end routes every row, also rows in mid-block: such a row records into its own block's slot,
+        which its block end overwrites, and no route reads a slot at or after its own block."""
         xbar = block_sums.to(self.router.weight.dtype) / count
         if self.route_override is not None:
             keep = self.route_override(block_index.expand(xbar.shape[0], -1), self.num_heads).to(xbar.dtype)
-        else:
-            scores = router_scores(xbar, self.router.weight, self.num_heads, self.router_keep_bias)
-            keep = straight_through_route(scores)[0][..., 0]
-            keep = keep.to(xbar.dtype)
+            return keep, 1 - keep
+        scores = router_scores(xbar, self.router.weight, self.num_heads, self.router_keep_bias)
+        hard = None
+        budget = self.config.router_keep_budget
+        if budget is not None:
+            gaps = keep_gaps(scores)  # [B, N, H]
+            hard = budget_keep(gaps, budget, block_index[:, 0], cache.keep_gaps,
+                               cache.kept_len // self.config.block_size)
+            slots = block_index.expand(gaps.shape[0], -1)[:, None, :].expand(-1, gaps.shape[2], -1)
+            cache.keep_gaps.scatter_(2, slots, gaps.transpose(1, 2))
+        keep = straight_through_route(scores, hard)[0][..., 0].to(xbar.dtype)
         return keep, 1 - keep
 
     def forward_cached(self, x: torch.Tensor, cache) -> torch.Tensor:
@@ -121,7 +134,7 @@ class CachedNAtSL:
         keep = write = None
         if completed:
             index = torch.arange(start // C, start // C + completed, device=x.device)[None]
-            keep, write = self.decide_routes(torch.cat(sums, 1), C, index)
+            keep, write = self.decide_routes(torch.cat(sums, 1), C, index, cache)
 
         # GDN branch, on a second stream beside the softmax branch for long calls (inference/overlap.py).
         side = overlap.side_stream(x, T)

@@ -12,7 +12,8 @@ eager bookkeeping of `natsl.ops.kernel_set.Reference.close_block`.
 
 The route is computed exactly as `CachedNAtSL.decide_routes` (natsl/models/natsl_cached.py) does (router on the block mean,
 plus the layer's keep bias when it has one, ties to keep; or the layer's KeepFraction hash), and the commit as
-`natsl.ops.cached.commit_state` on the reference.
+`natsl.ops.cached.commit_state` on the reference. The keep budget (model.router_keep_budget) is not here: its
+rank reads every earlier block's gap, so the fused set keeps the eager block end for it.
 """
 
 from __future__ import annotations

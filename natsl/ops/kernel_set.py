@@ -18,7 +18,7 @@ step below on the set it got, with no choice of its own:
 | `gla_decode_step` (Mamba2's gates, L2 norms, SSD token step, + D x) | `natsl.fast.cached.gla_decode_step` (switch `fused_gla_decode`, on by default) | its twin `natsl.reference.cached.gla_decode_step` |
 | `write_kv` | `natsl.fast.cached.write_kv` (contiguous rows) | `natsl.reference.cached.write_kv` |
 | `store_blocks` | `natsl.fast.cached.store_blocks` | `natsl.reference.cached.store_blocks` |
-| `close_block` (NAtS-L block end) | `natsl.ops.block_end.close_block` (compiled) | eager bookkeeping, commit on `natsl.ops.cached.commit_state` |
+| `close_block` (NAtS-L block end) | `natsl.ops.block_end.close_block` (compiled); with a keep budget or a custom override, the reference's | eager bookkeeping, commit on `natsl.ops.cached.commit_state` |
 
 The reference side is what the models ran before the fused kernels existed, moved here step for
 step: the compiled pieces on CUDA (as in training), the reference twins elsewhere, and where one
@@ -119,16 +119,16 @@ class Reference:
         """A NAtS-L decode token's block end, in place on `cache` (its x_sum, decay_sum, state_start,
         state_run and kept_len): add the token x [B, d] (and its log decay g_token [B, H], when given)
         to its block's sums; where it ends its block (pos % C == C-1), route the block with `route`
-        (the layer's `decide_routes`, which applies `route_override`), commit the state, add C to the
-        kept length of kept groups and reset the block's sums. `router_weight`, `route_override` and
-        `router_bias` (the layer's keep bias [H] or None, which `route` applies itself) serve the
-        compiled form (`Fused`)."""
+        (the layer's `decide_routes`, which applies `route_override`, and with a keep budget reads and
+        records the cache's `keep_gaps`), commit the state, add C to the kept length of kept groups and
+        reset the block's sums. `router_weight`, `route_override` and `router_bias` (the layer's keep
+        bias [H] or None, which `route` applies itself) serve the compiled form (`Fused`)."""
         C = block_size
         if g_token is not None:
             cache.decay_sum.add_(g_token)
         cache.x_sum.add_(x.to(cache.x_sum.dtype))
         done = pos % C == C - 1
-        keep, write = route(cache.x_sum[:, None], C, (pos // C)[:, None])
+        keep, write = route(cache.x_sum[:, None], C, (pos // C)[:, None], cache)
         keep, write = keep[:, 0], write[:, 0]
         committed = cached.commit_state(cache.state_start, cache.state_run, cache.decay_sum, write,
                                         decay_skipped_blocks, backend=self.backend)
@@ -168,8 +168,12 @@ class Fused(Reference):
     def close_block(self, cache, x, pos, router_weight, route_override, route, block_size, decay_skipped_blocks,
                     g_token=None, router_bias=None):
         # The compiled form knows the router (with its keep bias) and the fixed keep fraction's hash; any
-        # other override (a callable a user sets) keeps the eager bookkeeping, which calls it.
-        if route_override is not None and not isinstance(route_override, KeepFraction):
+        # other override (a callable a user sets) keeps the eager bookkeeping, which calls it. So does the
+        # keep budget (a cache with keep_gaps, and no override to win over it): its rank reads the gaps of
+        # every earlier block, which the compiled form does not carry. The cost: the eager bookkeeping's
+        # few dozen small kernels on every decode token (natsl.ops.block_end says why that matters).
+        budget = route_override is None and getattr(cache, "keep_gaps", None) is not None
+        if budget or (route_override is not None and not isinstance(route_override, KeepFraction)):
             return super().close_block(cache, x, pos, router_weight, route_override, route, block_size,
                                        decay_skipped_blocks, g_token, router_bias)
         block_end.close_block(cache.x_sum, x, pos, router_weight, cache.state_start, cache.state_run,

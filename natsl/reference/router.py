@@ -9,6 +9,11 @@ With `model.router_keep_target` set (docs/recall.md, "Routing over training") th
 per head, float32 [H], added to the keep score (index 0) before the softmax: `s_b[h, 0] += bias[h]`.
 Every route of the layer (full-sequence forward, cached prefill, decode block end) passes it to
 `router_scores`, so all paths decide alike.
+
+With `model.router_keep_budget` set, the hard route is not the argmax but `budget_keep`: a causal
+rule on the keep gaps (`s_b[h, 0] - s_b[h, 1]`, after the bias) that keeps at most a fraction F of
+every prefix of a group's blocks (docs/recall.md, "Routing over training"). The gradient is the
+same straight-through one, `m = hard + (p - stopgrad(p))`.
 """
 
 from __future__ import annotations
@@ -28,14 +33,73 @@ def block_mean(x: torch.Tensor, block_size: int) -> torch.Tensor:
     return sums / counts[None, :, None]
 
 
-def straight_through_route(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def straight_through_route(scores: torch.Tensor, keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """scores [..., 2] -> (m [..., 2] one-hot valued with softmax gradient, p [..., 2]).
 
     Index 0 is softmax KV memory (`keep`), index 1 the GDN state (`write`); ties go to index 0.
+    `keep` [...] (0/1, from `budget_keep`), when given, is the hard route instead of the argmax.
     """
     probs = torch.softmax(scores.float(), dim=-1)
-    hard = F.one_hot(probs.argmax(dim=-1), num_classes=2).to(probs.dtype)
+    if keep is None:
+        hard = F.one_hot(probs.argmax(dim=-1), num_classes=2).to(probs.dtype)
+    else:
+        hard = torch.stack([keep, 1 - keep], dim=-1).to(probs.dtype)
     return hard + (probs - probs.detach()), probs
+
+
+def keep_gaps(scores: torch.Tensor) -> torch.Tensor:
+    """scores [..., 2] -> the keep gap s_keep - s_write [...] in float32 (the dtype of the route's
+    softmax), the quantity `budget_keep` ranks; every path computes it alike so that they rank alike."""
+    scores = scores.float()
+    return scores[..., 0] - scores[..., 1]
+
+
+def budget_keep(gaps: torch.Tensor, fraction: float, first: int | torch.Tensor = 0,
+                earlier: torch.Tensor | None = None, kept: torch.Tensor | None = None) -> torch.Tensor:
+    """The budgeted hard route (model.router_keep_budget = F): gaps [B, N, H] of the blocks
+    first .. first+N-1 of each sequence -> keep [B, N, H] float32 0/1.
+
+    Per sequence and group, block i (absolute index) is kept when
+
+        #{ j < i : d_j >= d_i } < F (i + 1)     (rank: its gap is in the top F of the blocks so far)
+        and  kept_{<i} + 1 <= ceil(F (i + 1))    (cap: the running kept count stays within the budget)
+
+    with both products in float64. Ties count against the later block. The cap means that among the
+    first n blocks of a group at most ceil(F n) are kept: the kept fraction of every prefix is at
+    most F plus under one block (F exactly where F n is whole). Rounding up rather than down lets the
+    first block be kept (rank 0 < F, cap 1 <= ceil(F)): a sequence's opening block (a prompt's start,
+    MQAR's first key-value pairs) can stay in exact memory, as an attention sink would. Only earlier
+    blocks are read, so a block's route is final at its end.
+
+    `first`: the absolute index of the first new block, an int (prefill) or [B] int64 (decode:
+    each sequence at its own block); `earlier` [B, H, M]: the gaps of earlier blocks by absolute
+    index (slots >= first are not read); `kept` [B, H] int64: blocks kept before `first`.
+    """
+    batch, n, heads = gaps.shape
+    d = gaps.float().transpose(1, 2)  # [B, H, N]
+    device = d.device
+    # rank: earlier new blocks (j < i within this call) whose gap is at least block i's
+    before = torch.ones(n, n, dtype=torch.bool, device=device).tril(-1)  # [i, j]: j < i
+    count = ((d[..., None, :] >= d[..., :, None]) & before).sum(-1)  # [B, H, N]
+    if isinstance(first, int):
+        first = torch.full((1,), first, dtype=torch.long, device=device)
+    if earlier is not None:  # and the blocks of earlier calls (decode: one row per sequence)
+        readable = torch.arange(earlier.shape[-1], device=device) < first[:, None]  # [B|1, M]
+        ahead = (earlier[:, :, None, :] >= d[..., None]) & readable[:, None, None, :]
+        count = count + ahead.sum(-1)
+    index = first[:, None] + torch.arange(n, device=device)  # [B|1, N]: absolute block index
+    limit = ((index + 1).double() * fraction)[:, None, :]  # [B|1, 1, N]: F (i + 1)
+    candidate = (count.double() < limit).long()
+    # cap: kept_{i+1} = kept_i + candidate_i if that is <= cap_i = ceil(F (i + 1)), else kept_i. As
+    # cap_i never falls and kept_i <= cap_{i-1}, that is kept_{i+1} = min(kept_i + candidate_i, cap_i),
+    # whose closed form (a clamped running sum) is R_{i+1} + min(kept_0, min_{m<=i} cap_m - R_{m+1})
+    # with R the running sum of candidates: no loop over blocks.
+    cap = limit.ceil().long()
+    running = candidate.cumsum(-1)
+    kept0 = torch.zeros(batch, heads, 1, dtype=torch.long, device=device) if kept is None else kept[..., None]
+    kept_after = running + torch.minimum(kept0, (cap - running).cummin(-1).values)  # [B, H, N]
+    kept_before = torch.cat([kept0, kept_after[..., :-1]], dim=-1)
+    return (kept_after - kept_before).float().transpose(1, 2)
 
 
 def router_scores(xbar: torch.Tensor, weight: torch.Tensor, num_heads: int,
@@ -50,11 +114,13 @@ def router_scores(xbar: torch.Tensor, weight: torch.Tensor, num_heads: int,
 
 
 def route_blocks(x: torch.Tensor, weight: torch.Tensor, num_heads: int, block_size: int,
-                 bias: torch.Tensor | None = None):
-    """x [B, T, d], weight [2H, d] (and the keep bias [H] or None) ->
+                 bias: torch.Tensor | None = None, budget: float | None = None):
+    """x [B, T, d], weight [2H, d] (and the keep bias [H] or None, the keep budget F or None) ->
     (keep [B, NB, H], write [B, NB, H], probs [B, NB, H, 2])."""
     xbar = block_mean(x, block_size)
-    m, probs = straight_through_route(router_scores(xbar, weight, num_heads, bias))
+    scores = router_scores(xbar, weight, num_heads, bias)
+    hard = None if budget is None else budget_keep(keep_gaps(scores), budget)
+    m, probs = straight_through_route(scores, hard)
     return m[..., 0], m[..., 1], probs
 
 
