@@ -172,7 +172,7 @@ class Fused(Reference):
         # keep budget (a cache with keep_gaps, and no override to win over it): its rank reads the gaps of
         # every earlier block, which the compiled form does not carry. The cost: the eager bookkeeping's
         # few dozen small kernels on every decode token (natsl.ops.block_end says why that matters).
-        budget = route_override is None and getattr(cache, "keep_gaps", None) is not None
+        budget = route_override is None and cache.keep_gaps is not None
         if budget or (route_override is not None and not isinstance(route_override, KeepFraction)):
             return super().close_block(cache, x, pos, router_weight, route_override, route, block_size,
                                        decay_skipped_blocks, g_token, router_bias)

@@ -488,15 +488,19 @@ def check_initial_weights(sweep: Sweep) -> None:
     worker starts: a curriculum whose checkpoints were not carried fails in one line, not in every worker
     after the GPU is held. (Not in load_spec: a spec loads on machines that do not hold its checkpoints.)"""
     from natsl.checkpoint import model_files
+    from natsl.config import apply_overrides, load_recipe
 
     for run in sweep.runs:
-        paths = [item.split("=", 1)[1].strip() for item in run.overrides if item.split("=", 1)[0].strip() == "train.init_from"]
-        if not paths or not paths[-1] or paths[-1] == "null" or _finished(run):
+        # only runs whose overrides name it (a recipe load each); read as the worker reads it
+        if _finished(run) or not any(item.split("=", 1)[0].strip() == "train.init_from" for item in run.overrides):
+            continue
+        path = apply_overrides(load_recipe(run.recipe), run.overrides).train.init_from
+        if path is None:
             continue
         try:
-            model_files(paths[-1])
+            model_files(path)
         except NatslError as err:
-            raise NatslError(f"run {run.id}: train.init_from {paths[-1]!r} is not a checkpoint ({err}); put the "
+            raise NatslError(f"run {run.id}: train.init_from {path!r} is not a checkpoint ({err}); put the "
                              "checkpoints there (e.g. unpack the recall stage's recall_models_N.tar.gz) or fix the "
                              "spec's set:") from None
 
