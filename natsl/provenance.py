@@ -16,7 +16,7 @@ from natsl import switches
 
 # Variables that change how natsl runs but are not its speed switches (natsl/switches.py says why):
 # recorded where set, beside every speed switch.
-ENVIRONMENT = ("NATSL_BACKEND", "NATSL_PEAK_FLOPS", "TRITON_INTERPRET", "TORCH_COMPILE_DISABLE")
+ENVIRONMENT = ("NATSL_BACKEND", "NATSL_PEAK_FLOPS", "NATSL_CHECK_OPS", "TRITON_INTERPRET", "TORCH_COMPILE_DISABLE")
 # NATSL_ variables that change neither speed nor numerics (where files go; the crash tests' hook).
 NOT_SWITCHES = ("NATSL_CACHE_DIR", "NATSL_DEBUG_DIR", "NATSL_FAULT")
 

@@ -19,8 +19,10 @@ are built then).
 
 Not speed switches, read where they are used: `NATSL_BACKEND` (a user's choice of backend, part of
 the ops' public contract, natsl.ops), `NATSL_PEAK_FLOPS` (the MFU denominator, not how anything runs;
-natsl.training.flops), `NATSL_CACHE_DIR` and `NATSL_DEBUG_DIR` (where files go), `NATSL_FAULT` (the
-crash tests' kill hook, natsl.training.faults). `natsl.provenance` records the first two where set.
+natsl.training.flops), `NATSL_CHECK_OPS` (a debugging aid that checks every fast kernel call for
+non-finite values, natsl.fast.op_check), `NATSL_CACHE_DIR` and `NATSL_DEBUG_DIR` (where files go),
+`NATSL_FAULT` (the crash tests' kill hook, natsl.training.faults). `natsl.provenance` records the first
+three where set.
 """
 
 from __future__ import annotations

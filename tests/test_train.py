@@ -478,10 +478,10 @@ def recall_run_at_width(system: str, width: int, out, device: str, backend: str,
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("system", ["natsl", "gdn"])
 def test_gpu_compiled_recall_models_at_width_64_have_finite_gradients(tmp_path, system):
-    """The d=64 recall models (NAtS-L softmax heads of 16 / 32, GDN heads K 32, V 64) trained as the sweep
-    trains them (fast kernels, whole-model compile): no step may be skipped for a non-finite gradient.
-    Holds the defect of docs/recall.md, "Width 64" (NaN gradient norms on some steps, different between
-    identical runs, only under compile on the GPU) until it is fixed; a failure names the parameters."""
+    """The d=64 recall models (NAtS-L softmax heads of 16 / 32, GDN heads K 32, V 64) trained with the sweep's
+    kernels (fast, whole-model compile), outside the sweep: no step may be skipped for a non-finite gradient;
+    a failure names the parameters. The guard of the direct path for the open defect of docs/recall.md,
+    "Width 64" (non-finite gradients inside the sweep's workers, not reproduced outside them)."""
     history = recall_run_at_width(system, 64, tmp_path / system, "cuda", "fast", True, steps=8)
     skipped = [(r["step"], r.get("nonfinite_grads")) for r in history if r["skipped"]]
     assert len(history) == 8 and not skipped, skipped

@@ -32,6 +32,7 @@ from natsl import __version__, switches
 from natsl import checkpoint as C
 from natsl.config import Recipe
 from natsl.errors import NatslError
+from natsl.fast import op_check
 from natsl.data.tasks import IGNORE, TaskData, answer_hits, is_task
 from natsl.atomic import write_text as atomic_write_text
 from natsl.files import check_output_folder
@@ -85,6 +86,8 @@ def train(recipe: Recipe, options: TrainOptions) -> TrainResult:
     """Run (or continue) the training a recipe describes; see the module doc."""
     from natsl.runtime import pick_device
 
+    # NATSL_CHECK_OPS=1: every fast kernel call checked for non-finite values (natsl/fast/op_check.py)
+    op_check.install_from_env(options.log)
     info = D.setup(pick_device(options.device))
     if info.device.type == "cpu":
         torch.set_num_threads(cpu_threads(options.threads))

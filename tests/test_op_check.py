@@ -1,0 +1,137 @@
+"""NATSL_CHECK_OPS (natsl/fast/op_check.py): each event it reports, on ops made to misbehave, eager and
+under torch.compile; the real natsl ops wrapped and restored; the trainer installing it from the variable."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+import natsl
+from natsl.fast import op_check
+
+NS = "natsl_opcheck_test"
+
+
+@torch.library.custom_op(f"{NS}::nan_maker", mutates_args=())
+def nan_maker(x: torch.Tensor) -> torch.Tensor:
+    y = x.clone()
+    y[..., 1] = float("nan")  # finite in, NaN out: the op's own doing
+    return y
+
+
+@torch.library.custom_op(f"{NS}::writer", mutates_args=())
+def writer(x: torch.Tensor) -> torch.Tensor:
+    x.add_(1.0)  # declares no mutation, writes anyway
+    return x * 2
+
+
+@torch.library.custom_op(f"{NS}::plain", mutates_args=())
+def plain(x: torch.Tensor, scale: float) -> torch.Tensor:
+    return x * scale
+
+
+for _op in (nan_maker, writer, plain):
+    _op.register_fake(lambda x, *rest: torch.empty_like(x))
+
+
+def _check(lines):
+    return op_check.OpCheck(lines.append, namespace=NS, devices=("cpu",))
+
+
+def test_each_event_names_the_op_and_what_went_wrong():
+    lines = []
+    check = _check(lines)
+    try:
+        x = torch.randn(3, 4)
+        out = torch.ops.natsl_opcheck_test.nan_maker(x)
+        assert torch.isnan(out[..., 1]).all()  # the op's result is passed on untouched
+        torch.ops.natsl_opcheck_test.writer(torch.randn(2, 2))
+        torch.ops.natsl_opcheck_test.plain(torch.tensor([1.0, float("inf")]), 2.0)
+        torch.ops.natsl_opcheck_test.plain(torch.randn(5), 2.0)  # nothing to say
+    finally:
+        check.remove()
+    events = [e["event"] for e in check.events]
+    assert events == ["nonfinite_output", "wrote_into_input", "nonfinite_input"]
+    made = check.events[0]
+    assert made["op"] == f"{NS}::nan_maker" and made["reruns_bad_outputs"] == [[0], [0]]  # deterministic
+    assert made["outputs"][0]["fraction"] == 0.25 and made["outputs"][0]["distinct_per_dim"] == [3, 1]
+    assert made["inputs"] == [[0, [3, 4], [4, 1], "float32"]]
+    assert check.events[2]["args"] == [0] and check.events[2]["op"] == f"{NS}::plain"
+    assert len(lines) == 3 and all(line.startswith("op check: ") for line in lines)
+    assert json.loads(lines[0][len("op check: "):])["event"] == "nonfinite_output"
+
+
+def test_calls_inside_a_compiled_graph_are_checked_and_remove_restores_the_op():
+    lines = []
+    check = _check(lines)
+    try:
+        compiled = torch.compile(lambda x: torch.ops.natsl_opcheck_test.nan_maker(x * 1.5) + 1, backend="aot_eager",
+                                 fullgraph=True)
+        compiled(torch.randn(2, 3))
+    finally:
+        check.remove()
+    assert [e["event"] for e in check.events] == ["nonfinite_output"]
+    torch.ops.natsl_opcheck_test.nan_maker(torch.randn(2, 3))
+    assert len(check.events) == 1  # removed: no checks any more
+
+
+def test_the_line_limit_caps_the_log_not_the_record():
+    lines = []
+    check = op_check.OpCheck(lines.append, limit=2, namespace=NS, devices=("cpu",))
+    try:
+        for _ in range(4):
+            torch.ops.natsl_opcheck_test.plain(torch.tensor([float("nan")]), 1.0)
+    finally:
+        check.remove()
+    assert len(lines) == 2 and len(check.events) == 4
+
+
+def test_install_from_env_wraps_the_fast_ops_and_routes_eager_calls_through_them(monkeypatch):
+    from natsl.fast import eager
+    from natsl.fast.mix import mix_branches
+
+    monkeypatch.setenv(op_check.ENV, "0")
+    assert op_check.install_from_env() is None
+    monkeypatch.setenv(op_check.ENV, "1")
+    lines = []
+    check = op_check.install_from_env(lines.append)
+    try:
+        assert check is op_check.install(lines.append)  # idempotent
+        names = {e for op in op_check._custom_ops("natsl") for e in [op._name]}
+        assert {"gated_delta_forward", "gated_delta_backward", "routed_attention_forward", "mix_forward",
+                "short_conv_forward", "gated_linear_forward"} <= names
+        assert eager._compiling()
+        g = torch.Generator().manual_seed(0)
+        o_la, o_nla, gate = (torch.randn(1, 3, 2 * 16, generator=g) for _ in range(3))
+        o_la[0, 1, 0] = float("nan")
+        logits = torch.randn(1, 3, 2, 2, generator=g)
+        w1, w2 = torch.ones(16), torch.ones(16)
+        mix_branches(o_la.view(1, 3, 2, 16), o_nla.view(1, 3, 2, 16), logits, gate, w1, w2, 1e-6)
+    finally:
+        op_check.uninstall()
+    assert not eager._compiling()
+    assert [(e["event"], e["op"], e["args"]) for e in check.events] == [("nonfinite_input", "natsl::mix_forward", [0])]
+
+
+def test_the_trainer_installs_it_from_the_variable(tmp_path, monkeypatch):
+    from natsl.config import apply_overrides
+    from natsl.training import TrainOptions, train
+
+    monkeypatch.setenv(op_check.ENV, "1")
+    assert op_check._installed is None
+
+    def eager_routed():
+        from natsl.fast import eager
+
+        return eager._compiling()
+    recipe = apply_overrides(natsl.load_recipe("tiny_hybrid"), [
+        "train.seq_len=64", "train.micro_batch_size=2", "train.tokens_per_step=128", "train.eval_every=1000",
+        "train.save_every=1000", "data.path=task:mqar?seq_len=64&pairs=4"])
+    try:
+        run = train(recipe, TrainOptions(out_dir=str(tmp_path / "run"), resume="never", device="cpu", backend="chunked",
+                                         max_steps=1, save_final=False, progress=False, log=lambda *_: None))
+        assert op_check._installed is not None and len(run.history) == 1
+        assert eager_routed() and not run.history[0]["skipped"]
+    finally:
+        op_check.uninstall()
