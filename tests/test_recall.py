@@ -105,6 +105,9 @@ def test_sweep_trains_evaluates_and_summarises(tmp_path):
         assert recall["trained_on"].startswith("task:mqar") and recall["points"][0]["samples"] == 8
         records = [json.loads(line) for line in (out / "runs" / run["id"] / "train" / "metrics.jsonl").open()]
         assert any("val_accuracy" in r for r in records)
+        # how the worker ran: its switches and environment (the runner's OMP_NUM_THREADS=1 among them)
+        made = json.loads((out / "runs" / run["id"] / "result.json").read_text())["provenance"]
+        assert made["environment"]["OMP_NUM_THREADS"] == "1" and "fused_mix" in made["switches"]
     hybrid = next(r for r in summary["runs"] if r["system"] == "natsl_hybrid")
     assert hybrid["keep_fraction"] is not None and set(hybrid["keep_groups_last_step"]) == {"3"}
     assert len(hybrid["keep_groups_last_step"]["3"]) == 2  # per routing group

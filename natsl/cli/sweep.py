@@ -45,6 +45,7 @@ def run_worker(run_file: str) -> int:
     point after the sweep's deadline (`complete: false` then; such a run is ranked by validation accuracy)."""
     from natsl.cli.eval_recall import run_eval_recall
     from natsl.config import apply_overrides, load_recipe
+    from natsl.provenance import provenance
     from natsl.training.sweep import _write_json
     from natsl.training.trainer import TrainOptions, train
 
@@ -84,7 +85,7 @@ def run_worker(run_file: str) -> int:
               "val_accuracy": evals[-1]["val_accuracy"] if evals else None,
               "parameters": build_model(recipe.model, device="meta").num_parameters(),
               "keep_groups_last_step": step_records[-1].get("keep_groups") if step_records else None,
-              "recall_accuracy": None, "keep_fraction": None}
+              "recall_accuracy": None, "keep_fraction": None, "provenance": provenance()}
     if asked["signal"]:  # told to stop: no evaluation
         result["stopped_by_signal"] = asked["signal"]
         _write_json(folder / "result.json", result)

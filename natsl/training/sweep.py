@@ -665,8 +665,8 @@ def run_record(run: RunSpec) -> dict:
     base = {"id": run.id, "system": run.system, "width": run.width, "lr": run.lr, "task": run.task,
             "seed": run.seed, "max_steps": run.max_steps}
     result = _read_json(folder / "result.json")
-    if result:
-        record = {**base, **result}
+    if result:  # its provenance stays in result.json (the same for every run of a sweep, mostly)
+        record = {**base, **{key: value for key, value in result.items() if key != "provenance"}}
     else:
         records = []
         metrics = folder / "train" / "metrics.jsonl"
