@@ -214,10 +214,10 @@ MAMBA2_MODEL_FIELDS = {"natsl_state": "gdn", "mamba2_head_dim": 64, "mamba2_stat
 # with (attn_window: full causal attention, the only attention there was; the NSA fields: no NSA layers,
 # the rest at their defaults, which such a model never reads; router_keep_target: no keep bias, which
 # inference reads too: with it set, the layers hold the bias buffer that the weights file must supply;
-# router_keep_budget: the argmax route, as every earlier model was trained and routes at inference).
+# router_keep_budget: the argmax route, as every earlier model was trained and routes at inference; its sink: none).
 LATER_MODEL_FIELDS = {"attn_window": 0, "nsa_layers": [], "nsa_num_heads": 16, "nsa_kv_heads": 1, "nsa_head_dim": 128,
                       "nsa_block_size": 64, "nsa_block_counts": 16, "nsa_window": 512, "router_keep_target": None,
-                      "router_keep_budget": None}
+                      "router_keep_budget": None, "router_keep_budget_sink": 0}
 
 
 def complete_model_section(model: dict, where: str) -> None:

@@ -120,6 +120,10 @@ class ModelConfig:
     # None: the argmax (the paper's layer). With router_keep_target the bias shifts the gaps it ranks;
     # a route_override (a forced keep fraction) replaces it.
     router_keep_budget: Optional[float] = None
+    # With the budget: the first router_keep_budget_sink blocks of every sequence are always kept and lie
+    # outside it (the budget's rank and cap count from the block after them), so that a prompt's opening
+    # blocks (MQAR's key-value pairs) are never split between the two memories. 0: no sink.
+    router_keep_budget_sink: int = 0
     # Common.
     norm_eps: float = 1e-6
     init_std: float = 0.02
@@ -137,6 +141,9 @@ class ModelConfig:
 
     def validate(self, prefix: str = "model") -> None:
         check_ranges(self, prefix, MODEL_RULES)
+        if self.router_keep_budget_sink and self.router_keep_budget is None:
+            raise NatslError(f"recipe key '{prefix}.router_keep_budget_sink' = {self.router_keep_budget_sink} needs "
+                             f"'{prefix}.router_keep_budget' (the sink lies outside a keep budget); set one, or the sink to 0")
         seen: dict[int, str] = {}
         for name in ("natsl_layers", "attention_layers", "gdn_layers", "nsa_layers"):
             for i in getattr(self, name):
@@ -342,6 +349,7 @@ MODEL_RULES = {
     "router_bias_rate": _finite(0),
     "router_keep_budget": (lambda v: v is None or (math.isfinite(v) and 0 < v < 1),
                            "a number strictly between 0 and 1 (the kept fraction), or null (no budget)"),
+    "router_keep_budget_sink": _count(0),
 }
 OPTIM_RULES = {
     "lr": _finite(0),

@@ -111,6 +111,58 @@ def test_in_pieces_equals_in_one_go():
     assert torch.equal(one[:, 0], whole[torch.arange(3), at])
 
 
+@pytest.mark.parametrize("sink", [1, 2, 5])
+@pytest.mark.parametrize("fraction", [0.25, 0.5])
+def test_a_sink_keeps_its_blocks_and_routes_the_rest_as_if_alone(sink, fraction):
+    """router_keep_budget_sink S: blocks 0 .. S-1 kept; blocks S, S+1, ... route exactly as they would
+    alone without a sink (the rank and the cap count from block S); the cap then holds for them."""
+    gen = torch.Generator().manual_seed(sink)
+    for gaps in (torch.randn(3, 40, 2, generator=gen), torch.randn(3, 40, 2, generator=gen).cumsum(1),
+                 torch.tensor(SEQUENCES["decreasing"])[None, :, None]):
+        keep = budget_keep(gaps, fraction, sink=sink)
+        assert (keep[:, :sink] == 1).all()
+        assert torch.equal(keep[:, sink:], budget_keep(gaps[:, sink:], fraction))
+    short = torch.randn(2, 3, 2, generator=gen)  # fewer blocks than the sink: all kept
+    assert (budget_keep(short, fraction, sink=5) == 1).all()
+    # MQAR's failure at F = 0.5 (docs/recall.md, "The keep budget, measured"): with falling gaps blocks 0 and
+    # 1 are never both kept; a sink of 2 keeps both
+    falling = torch.tensor(SEQUENCES["decreasing"])[None, :, None]
+    assert budget_keep(falling, 0.5)[0, :2, 0].tolist() == [1.0, 0.0]
+    assert budget_keep(falling, 0.5, sink=2)[0, :3, 0].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_a_sink_in_pieces_equals_in_one_go():
+    """Calls that start inside the sink, end in it, cross its end; decode rows inside and past it."""
+    gen = torch.Generator().manual_seed(3)
+    gaps = torch.randn(3, 30, 2, generator=gen)
+    whole = budget_keep(gaps, 0.4, sink=3)
+    history = torch.randn(3, 2, 32, generator=gen)
+    kept = torch.zeros(3, 2, dtype=torch.long)
+    pieces = []
+    for a, b in ((0, 1), (1, 2), (2, 5), (5, 6), (6, 30)):
+        piece = budget_keep(gaps[:, a:b], 0.4, a, history, kept, sink=3)
+        history[:, :, a:b] = gaps[:, a:b].transpose(1, 2)
+        kept += piece.sum(1).long()
+        pieces.append(piece)
+    assert torch.equal(torch.cat(pieces, 1), whole)
+    at = torch.tensor([1, 3, 29])
+    history = gaps.transpose(1, 2).contiguous()
+    before = torch.stack([whole[b, :i].sum(0) for b, i in enumerate(at.tolist())]).long()
+    one = budget_keep(gaps[torch.arange(3), at][:, None], 0.4, at, history, before, sink=3)
+    assert torch.equal(one[:, 0], whole[torch.arange(3), at])
+
+
+def test_the_sink_needs_the_budget_and_a_count():
+    with pytest.raises(NatslError, match="'model.router_keep_budget_sink' = 2 needs 'model.router_keep_budget'") as err:
+        natsl.config.recipe_from_dict({"model": {"router_keep_budget_sink": 2}})
+    assert "\n" not in str(err.value)
+    with pytest.raises(NatslError, match="recipe key 'model.router_keep_budget_sink'"):
+        natsl.config.recipe_from_dict({"model": {"router_keep_budget": 0.5, "router_keep_budget_sink": -1}})
+    ok = natsl.config.recipe_from_dict({"model": {"router_keep_budget": 0.5, "router_keep_budget_sink": 2}})
+    assert ok.model.router_keep_budget_sink == 2
+    assert natsl.config.recipe_from_dict({}).model.router_keep_budget_sink == 0
+
+
 # -- the layer -----------------------------------------------------------------------------------
 
 def test_off_by_default_and_routes_as_the_argmax():
@@ -130,13 +182,16 @@ def test_off_by_default_and_routes_as_the_argmax():
     assert torch.equal(m, torch.nn.functional.one_hot(p.argmax(-1), 2).float())
 
 
-@pytest.mark.parametrize("backend", ["reference", "chunked"])
-@pytest.mark.parametrize("layout", ["natsl_hybrid", "natsl"])
-def test_full_forward_routes_as_prefill_and_decode_token_by_token(layout, backend):
+@pytest.mark.parametrize("backend,layout,sink", [("reference", "natsl_hybrid", 0), ("reference", "natsl", 0),
+                                                  ("chunked", "natsl_hybrid", 0), ("chunked", "natsl", 0),
+                                                  ("chunked", "natsl", 2)])
+def test_full_forward_routes_as_prefill_and_decode_token_by_token(layout, backend, sink):
     """The full forward's routes of complete blocks against the cache's kept count after every call: a
     prefill in one go, in several chunks, or none (decode from the first token), then one token at a
-    time, at T = 1, T < C, T not a multiple of C over several blocks; the same logits."""
-    model = tiny_model(backend, torch.float64, **LAYOUTS[layout], router_keep_budget=0.5)
+    time, at T = 1, T < C, T not a multiple of C over several blocks; the same logits. Also with a sink
+    of two blocks (router_keep_budget_sink), which chunks start inside, end in and cross."""
+    model = tiny_model(backend, torch.float64, **LAYOUTS[layout], router_keep_budget=0.5,
+                       router_keep_budget_sink=sink)
     for length, splits in ((1, [[], [1]]), (BLOCK - 3, [[], [5]]),
                            (6 * BLOCK + 5, [[], [1], [BLOCK + 3], [7, 2 * BLOCK, 4 * BLOCK + 1], [6 * BLOCK + 5]])):
         ids = ids_of(2, length, length)
@@ -154,7 +209,8 @@ def test_full_forward_routes_as_prefill_and_decode_token_by_token(layout, backen
                         assert torch.equal(r[:, :done].sum(1).long() * BLOCK, c.kept_len), (length, chunks, end)
                 assert relative_error(torch.cat(parts, 1), full) < 1e-6, (length, chunks)
     kept = torch.stack([r[:, :6].sum(1) for r in routes])  # of the first 6 blocks at most 3 kept, per group
-    assert (kept <= 3).all() and (kept > 0).any()
+    assert (kept <= sink + math.ceil(0.5 * (6 - sink))).all() and (kept > 0).any()  # (the sink's outside it)
+    assert all((r[:, :sink] == 1).all() for r in routes)
 
 
 def test_gradients_reach_the_router_through_the_budget():
@@ -298,6 +354,10 @@ def test_good_values_and_the_shipped_sweep(tmp_path):
         shipped = natsl.config.apply_overrides(natsl.load_recipe(runs[0].recipe), runs[0].overrides)
         assert shipped.model.router_keep_budget == fraction
         assert dataclasses.replace(shipped.model, router_keep_budget=None) == base.model
+    sink = load_spec(ROOT / "natsl/recipes/recall/sweep_h200_budget_sink.yaml", tmp_path / "sink").runs
+    assert sorted(r.seed for r in sink) == [0, 1, 2]
+    shipped = natsl.config.apply_overrides(natsl.load_recipe(sink[0].recipe), sink[0].overrides)
+    assert (shipped.model.router_keep_budget, shipped.model.router_keep_budget_sink) == (0.5, 2)
 
 
 @pytest.mark.slow

@@ -45,7 +45,7 @@ class CachedNAtSL:
         if budget is not None:
             gaps = keep_gaps(scores)  # [B, N, H]
             hard = budget_keep(gaps, budget, block_index[:, 0], cache.keep_gaps,
-                               cache.kept_len // self.config.block_size)
+                               cache.kept_len // self.config.block_size, self.config.router_keep_budget_sink)
             slots = block_index.expand(gaps.shape[0], -1)[:, None, :].expand(-1, gaps.shape[2], -1)
             cache.keep_gaps.scatter_(2, slots, gaps.transpose(1, 2))
         keep = straight_through_route(scores, hard)[0][..., 0].to(xbar.dtype)

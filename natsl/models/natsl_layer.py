@@ -114,7 +114,7 @@ class NAtSL(CachedNAtSL, nn.Module):
             keep, write = self._route_for_training(x)
         else:
             keep, write, _ = route_blocks(x, self.router.weight, self.num_heads, c.block_size, self.router_keep_bias,
-                                          c.router_keep_budget)
+                                          c.router_keep_budget, c.router_keep_budget_sink)
         if self.training and self.router_keep_bias is not None:
             self._update_keep_bias(keep)
         return keep, write
@@ -140,7 +140,8 @@ class NAtSL(CachedNAtSL, nn.Module):
         if c.router_noise > 0:
             u = torch.rand_like(scores, dtype=torch.float32).clamp_(1e-6, 1 - 1e-6)
             scores = scores.float() - c.router_noise * torch.log(-torch.log(u))
-        hard = None if c.router_keep_budget is None else budget_keep(keep_gaps(scores), c.router_keep_budget)
+        hard = None if c.router_keep_budget is None else budget_keep(keep_gaps(scores), c.router_keep_budget,
+                                                                      sink=c.router_keep_budget_sink)
         m, probs = straight_through_route(scores, hard)
         if c.router_balance > 0:
             keep_prob = probs[..., 0].mean(dim=(0, 1))  # [H]: mean keep probability per routing group

@@ -55,7 +55,7 @@ def keep_gaps(scores: torch.Tensor) -> torch.Tensor:
 
 
 def budget_keep(gaps: torch.Tensor, fraction: float, first: int | torch.Tensor = 0,
-                earlier: torch.Tensor | None = None, kept: torch.Tensor | None = None) -> torch.Tensor:
+                earlier: torch.Tensor | None = None, kept: torch.Tensor | None = None, sink: int = 0) -> torch.Tensor:
     """The budgeted hard route (model.router_keep_budget = F): gaps [B, N, H] of the blocks
     first .. first+N-1 of each sequence -> keep [B, N, H] float32 0/1.
 
@@ -74,21 +74,29 @@ def budget_keep(gaps: torch.Tensor, fraction: float, first: int | torch.Tensor =
     `first`: the absolute index of the first new block, an int (prefill) or [B] int64 (decode:
     each sequence at its own block); `earlier` [B, H, M]: the gaps of earlier blocks by absolute
     index (slots >= first are not read); `kept` [B, H] int64: blocks kept before `first`.
+
+    `sink` (model.router_keep_budget_sink): blocks 0 .. sink-1 are always kept and lie outside the
+    budget: for i >= sink the rule above reads i - sink for i, and only blocks >= sink for j and for
+    the kept count. So routing blocks sink, sink+1, ... equals routing them alone with no sink.
     """
     batch, n, heads = gaps.shape
     d = gaps.float().transpose(1, 2)  # [B, H, N]
     device = d.device
-    # rank: earlier new blocks (j < i within this call) whose gap is at least block i's
-    before = torch.ones(n, n, dtype=torch.bool, device=device).tril(-1)  # [i, j]: j < i
-    count = ((d[..., None, :] >= d[..., :, None]) & before).sum(-1)  # [B, H, N]
     if isinstance(first, int):
         first = torch.full((1,), first, dtype=torch.long, device=device)
+    index = first[:, None] + torch.arange(n, device=device)  # [B|1, N]: absolute block index
+    budgeted = index >= sink  # [B|1, N]: blocks under the budget (the sink's are kept outright)
+    # rank: earlier new blocks (j < i within this call, both past the sink) whose gap is at least block i's
+    before = torch.ones(n, n, dtype=torch.bool, device=device).tril(-1)  # [i, j]: j < i
+    before = before & budgeted[:, None, :]  # [B|1, i, j]
+    count = ((d[..., None, :] >= d[..., :, None]) & before[:, None]).sum(-1)  # [B, H, N]
     if earlier is not None:  # and the blocks of earlier calls (decode: one row per sequence)
-        readable = torch.arange(earlier.shape[-1], device=device) < first[:, None]  # [B|1, M]
+        slots = torch.arange(earlier.shape[-1], device=device)
+        readable = (slots < first[:, None]) & (slots >= sink)  # [B|1, M]
         ahead = (earlier[:, :, None, :] >= d[..., None]) & readable[:, None, None, :]
         count = count + ahead.sum(-1)
-    index = first[:, None] + torch.arange(n, device=device)  # [B|1, N]: absolute block index
-    limit = ((index + 1).double() * fraction)[:, None, :]  # [B|1, 1, N]: F (i + 1)
+    # F (i - sink + 1), 0 inside the sink (no candidate there, cap 0: the budget's count stays 0)
+    limit = ((index - sink + 1).clamp(min=0).double() * fraction)[:, None, :]  # [B|1, 1, N]
     candidate = (count.double() < limit).long()
     # cap: kept_{i+1} = kept_i + candidate_i if that is <= cap_i = ceil(F (i + 1)), else kept_i. As
     # cap_i never falls and kept_i <= cap_{i-1}, that is kept_{i+1} = min(kept_i + candidate_i, cap_i),
@@ -97,9 +105,14 @@ def budget_keep(gaps: torch.Tensor, fraction: float, first: int | torch.Tensor =
     cap = limit.ceil().long()
     running = candidate.cumsum(-1)
     kept0 = torch.zeros(batch, heads, 1, dtype=torch.long, device=device) if kept is None else kept[..., None]
+    if sink:  # the budget's own count: the sink's blocks before `first` were all kept
+        kept0 = kept0 - first.clamp(max=sink).view(-1, 1, 1)
     kept_after = running + torch.minimum(kept0, (cap - running).cummin(-1).values)  # [B, H, N]
     kept_before = torch.cat([kept0, kept_after[..., :-1]], dim=-1)
-    return (kept_after - kept_before).float().transpose(1, 2)
+    keep = kept_after - kept_before
+    if sink:
+        keep = torch.where(budgeted[:, None, :], keep, 1)
+    return keep.float().transpose(1, 2)
 
 
 def router_scores(xbar: torch.Tensor, weight: torch.Tensor, num_heads: int,
@@ -114,12 +127,12 @@ def router_scores(xbar: torch.Tensor, weight: torch.Tensor, num_heads: int,
 
 
 def route_blocks(x: torch.Tensor, weight: torch.Tensor, num_heads: int, block_size: int,
-                 bias: torch.Tensor | None = None, budget: float | None = None):
-    """x [B, T, d], weight [2H, d] (and the keep bias [H] or None, the keep budget F or None) ->
-    (keep [B, NB, H], write [B, NB, H], probs [B, NB, H, 2])."""
+                 bias: torch.Tensor | None = None, budget: float | None = None, sink: int = 0):
+    """x [B, T, d], weight [2H, d] (and the keep bias [H] or None, the keep budget F or None and its
+    sink) -> (keep [B, NB, H], write [B, NB, H], probs [B, NB, H, 2])."""
     xbar = block_mean(x, block_size)
     scores = router_scores(xbar, weight, num_heads, bias)
-    hard = None if budget is None else budget_keep(keep_gaps(scores), budget)
+    hard = None if budget is None else budget_keep(keep_gaps(scores), budget, sink=sink)
     m, probs = straight_through_route(scores, hard)
     return m[..., 0], m[..., 1], probs
 
