@@ -361,10 +361,12 @@ def test_good_values_and_the_shipped_sweep(tmp_path):
 
 
 @pytest.mark.slow
-def test_compiled_route_equals_eager():
-    """The route with the budget compiled whole by Inductor (fullgraph: no graph break, no host read, as
-    the sweep's compiled, CUDA-graphed training needs): the same routes and router gradient."""
-    model = tiny_model("chunked", **LAYOUTS["natsl_hybrid"], router_keep_budget=0.5).train()
+@pytest.mark.parametrize("sink", [0, 2])
+def test_compiled_route_equals_eager(sink):
+    """The route with the budget (and a sink) compiled whole by Inductor (fullgraph: no graph break, no host
+    read, as the sweep's compiled, CUDA-graphed training needs): the same routes and router gradient."""
+    model = tiny_model("chunked", **LAYOUTS["natsl_hybrid"], router_keep_budget=0.5,
+                       router_keep_budget_sink=sink).train()
     layer = model.natsl_layers()[3]
     x = torch.randn(2, 6 * BLOCK, model.config.hidden_size, generator=torch.Generator().manual_seed(9))
     w = torch.randn(2, 6, 2, generator=torch.Generator().manual_seed(10))
