@@ -135,3 +135,31 @@ def test_the_trainer_installs_it_from_the_variable(tmp_path, monkeypatch):
         assert eager_routed() and not run.history[0]["skipped"]
     finally:
         op_check.uninstall()
+
+
+def test_a_checked_fast_model_trains_as_an_unchecked_one():
+    """The fast NAtS-L Hybrid (Triton's interpreter on the CPU), forward and backward, with the checks on:
+    eager calls then go through the custom ops, with the same outputs and gradients, and nothing to report."""
+    from test_inference import LAYOUTS, tiny_model
+
+    model = tiny_model("fast", **LAYOUTS["natsl_hybrid"], block_size=64).train()
+    ids = torch.randint(0, 1024, (1, 70), generator=torch.Generator().manual_seed(0))
+
+    def step():
+        model.zero_grad()
+        out = model(ids)
+        out.float().square().mean().backward()
+        return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain, plain_grads = step()
+    check = op_check.install(lambda *_: None)
+    try:
+        checked, checked_grads = step()
+    finally:
+        op_check.uninstall()
+    assert torch.equal(plain, checked) and plain_grads.keys() == checked_grads.keys()
+    assert all(torch.equal(plain_grads[n], checked_grads[n]) for n in plain_grads)
+    assert check.events == [] and len(plain_grads) > 10
+    for op in ("gated_delta", "routed_attention", "mix", "short_conv"):  # each kernel pair was checked
+        assert check.calls.get(f"natsl::{op}_forward", 0) > 0 and check.calls.get(f"natsl::{op}_backward", 0) > 0, \
+            check.calls
