@@ -89,25 +89,30 @@ def test_the_cap_holds_on_every_prefix(fraction):
     assert ((independent.mean(1) - fraction).abs() <= 0.1).all(), independent.mean(1)
 
 
-def test_in_pieces_equals_in_one_go():
+@pytest.mark.parametrize("sink,seed,calls,at", [
+    (0, 1, ((0, 1), (1, 9), (9, 10), (10, 30)), [0, 7, 29]),
+    # calls that start inside the sink, end in it, cross its end; decode rows inside and past it
+    (3, 3, ((0, 1), (1, 2), (2, 5), (5, 6), (6, 30)), [1, 3, 29]),
+])
+def test_in_pieces_equals_in_one_go(sink, seed, calls, at):
     """Blocks routed in calls (the earlier gaps and the kept count carried, as a cache does), and one block
-    per sequence at different indices (decode), route as all blocks at once."""
-    gen = torch.Generator().manual_seed(1)
+    per sequence at different indices (decode), route as all blocks at once; also with a sink."""
+    gen = torch.Generator().manual_seed(seed)
     gaps = torch.randn(3, 30, 2, generator=gen)
-    whole = budget_keep(gaps, 0.4)
+    whole = budget_keep(gaps, 0.4, sink=sink)
     history = torch.randn(3, 2, 32, generator=gen)  # slots not yet written hold garbage: never read
     kept = torch.zeros(3, 2, dtype=torch.long)
     pieces = []
-    for a, b in ((0, 1), (1, 9), (9, 10), (10, 30)):
-        piece = budget_keep(gaps[:, a:b], 0.4, a, history, kept)
+    for a, b in calls:
+        piece = budget_keep(gaps[:, a:b], 0.4, a, history, kept, sink=sink)
         history[:, :, a:b] = gaps[:, a:b].transpose(1, 2)
         kept += piece.sum(1).long()
         pieces.append(piece)
     assert torch.equal(torch.cat(pieces, 1), whole)
-    at = torch.tensor([0, 7, 29])  # decode: each sequence at its own block
+    at = torch.tensor(at)  # decode: each sequence at its own block
     history = gaps.transpose(1, 2).contiguous()
     before = torch.stack([whole[b, :i].sum(0) for b, i in enumerate(at.tolist())]).long()
-    one = budget_keep(gaps[torch.arange(3), at][:, None], 0.4, at, history, before)
+    one = budget_keep(gaps[torch.arange(3), at][:, None], 0.4, at, history, before, sink=sink)
     assert torch.equal(one[:, 0], whole[torch.arange(3), at])
 
 
@@ -129,27 +134,6 @@ def test_a_sink_keeps_its_blocks_and_routes_the_rest_as_if_alone(sink, fraction)
     falling = torch.tensor(SEQUENCES["decreasing"])[None, :, None]
     assert budget_keep(falling, 0.5)[0, :2, 0].tolist() == [1.0, 0.0]
     assert budget_keep(falling, 0.5, sink=2)[0, :3, 0].tolist() == [1.0, 1.0, 1.0]
-
-
-def test_a_sink_in_pieces_equals_in_one_go():
-    """Calls that start inside the sink, end in it, cross its end; decode rows inside and past it."""
-    gen = torch.Generator().manual_seed(3)
-    gaps = torch.randn(3, 30, 2, generator=gen)
-    whole = budget_keep(gaps, 0.4, sink=3)
-    history = torch.randn(3, 2, 32, generator=gen)
-    kept = torch.zeros(3, 2, dtype=torch.long)
-    pieces = []
-    for a, b in ((0, 1), (1, 2), (2, 5), (5, 6), (6, 30)):
-        piece = budget_keep(gaps[:, a:b], 0.4, a, history, kept, sink=3)
-        history[:, :, a:b] = gaps[:, a:b].transpose(1, 2)
-        kept += piece.sum(1).long()
-        pieces.append(piece)
-    assert torch.equal(torch.cat(pieces, 1), whole)
-    at = torch.tensor([1, 3, 29])
-    history = gaps.transpose(1, 2).contiguous()
-    before = torch.stack([whole[b, :i].sum(0) for b, i in enumerate(at.tolist())]).long()
-    one = budget_keep(gaps[torch.arange(3), at][:, None], 0.4, at, history, before, sink=3)
-    assert torch.equal(one[:, 0], whole[torch.arange(3), at])
 
 
 def test_the_sink_needs_the_budget_and_a_count():

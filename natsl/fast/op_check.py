@@ -31,6 +31,7 @@ import torch
 
 ENV = "NATSL_CHECK_OPS"
 _installed: Optional["OpCheck"] = None
+_eager_compiling = None  # natsl.fast.eager's `_compiling` before install, put back by uninstall
 
 
 def _custom_ops(namespace: str) -> list:
@@ -56,6 +57,14 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
+def _as_tuple(result) -> tuple:
+    return tuple(result) if isinstance(result, (tuple, list)) else (result,)
+
+
+def _bad_outputs(outs) -> list[int]:
+    return [j for j, o in enumerate(outs) if isinstance(o, torch.Tensor) and _bad(o)]
+
+
 def _sync(tensors) -> None:
     if any(t.is_cuda for t in tensors):
         torch.cuda.synchronize()
@@ -78,10 +87,9 @@ class OpCheck:
         self._saved = []
         for op in _custom_ops(namespace):
             for device in devices:
-                previous = op._backend_fns.get(device)
-                original = previous or op._backend_fns.get(None) or op._init_fn
+                original = op._backend_fns.get(device) or op._backend_fns.get(None) or op._init_fn
                 op.register_kernel(device, self._checked(f"{namespace}::{op._name}", original))
-                self._saved.append((op, device, previous))
+                self._saved.append((op, device, original))
 
     def report(self, event: str, op: str, **fields) -> None:
         record = {"event": event, "op": op, **fields}
@@ -100,7 +108,7 @@ class OpCheck:
                 self.report("nonfinite_input", name, args=bad_inputs)
             copies = {i: a.clone() for i, a in tensors.items()}
             result = fn(*args, **kwargs)
-            outs = result if isinstance(result, (tuple, list)) else (result,)
+            outs = _as_tuple(result)
             _sync([o for o in outs if isinstance(o, torch.Tensor)] + list(tensors.values()))
             for i, a in tensors.items():
                 if not _same(a, copies[i]):
@@ -109,13 +117,11 @@ class OpCheck:
                     if isinstance(o, torch.Tensor) and o.numel() and a.numel() and \
                             o.untyped_storage().data_ptr() == a.untyped_storage().data_ptr():
                         self.report("output_aliases_input", name, out=j, arg=i)
-            bad_outputs = [j for j, o in enumerate(outs) if isinstance(o, torch.Tensor) and _bad(o)]
+            bad_outputs = _bad_outputs(outs)
             if bad_outputs and not bad_inputs:
-                reruns = []
-                for _ in range(2):
-                    again = fn(*[copies[i].clone() if i in copies else a for i, a in enumerate(args)], **kwargs)
-                    again = again if isinstance(again, (tuple, list)) else (again,)
-                    reruns.append([j for j, o in enumerate(again) if isinstance(o, torch.Tensor) and _bad(o)])
+                reruns = [_bad_outputs(_as_tuple(fn(*[copies[i].clone() if i in copies else a
+                                                      for i, a in enumerate(args)], **kwargs)))
+                          for _ in range(2)]
                 self.report("nonfinite_output", name, outputs={j: _where(outs[j]) for j in bad_outputs},
                             reruns_bad_outputs=reruns,
                             inputs=[[i, list(a.shape), list(a.stride()), str(a.dtype).replace("torch.", "")]
@@ -127,21 +133,19 @@ class OpCheck:
         return checked
 
     def remove(self) -> None:
-        for op, device, previous in reversed(self._saved):
-            if previous is None:
-                op._backend_fns[device] = op._backend_fns.get(None) or op._init_fn
-            else:
-                op._backend_fns[device] = previous
+        for op, device, original in reversed(self._saved):
+            op._backend_fns[device] = original  # the dispatcher entry stays; it calls the original again
         self._saved.clear()
 
 
 def install(log: Callable[[str], None] = print, limit: int = 20) -> OpCheck:
     """Check every natsl custom op from now on (eager calls routed through them); idempotent."""
-    global _installed
+    global _installed, _eager_compiling
     if _installed is None:
         from natsl.fast import eager
 
         _installed = OpCheck(log, limit)
+        _eager_compiling = eager._compiling
         eager._compiling = lambda: True  # eager calls take the custom ops, so that they are checked too
     return _installed
 
@@ -152,7 +156,7 @@ def uninstall() -> None:
         from natsl.fast import eager
 
         _installed.remove()
-        eager._compiling = torch.compiler.is_compiling
+        eager._compiling = _eager_compiling
         _installed = None
 
 
