@@ -320,7 +320,10 @@ def test_a_systems_own_set_comes_after_the_spec_set_and_is_recorded(tmp_path, mo
 
 @pytest.mark.parametrize("entry, message", [
     ("{recipe: recall/natsl_hybrid, sets: [model.router_keep_target=0.5]}",
-     "system 'v' has unknown key 'sets'; allowed: recipe, set"),
+     "system 'v' has unknown key 'sets'; allowed: recipe, set, env"),
+    ("{recipe: recall/natsl_hybrid, env: NATSL_CHECK_OPS=1}", r"system 'v''s 'env' is 'NATSL_CHECK_OPS=1'; write a mapping"),
+    ("{recipe: recall/natsl_hybrid, env: {NATSL_CHECK_OPS: [1]}}",
+     r"system 'v''s env variable 'NATSL_CHECK_OPS' has no plain value; write NATSL_CHECK_OPS: 1"),
     ("{set: [model.router_keep_target=0.5]}", r"system 'v' names no recipe file; write \{recipe: natsl_hybrid.yaml"),
     ("{recipe: [recall/natsl_hybrid]}", "system 'v' names no recipe file"),
     ("3", r"system 'v' is 3; give a recipe file, or \{recipe: FILE, set:"),
@@ -341,6 +344,33 @@ def test_system_mapping_mistakes_are_one_line_errors(tmp_path, entry, message):
     with pytest.raises(NatslError, match=message) as err:
         S.load_spec(spec, tmp_path / "out")
     assert "\n" not in str(err.value) and str(err.value).startswith("sweep spec ")
+
+
+def test_a_systems_env_reaches_its_workers_only_and_is_recorded(tmp_path, monkeypatch):
+    """`systems: {NAME: {recipe: FILE, env: {VAR: value}}}`: the variables are set in that system's workers'
+    environment (over the runner's own), not in another system's, and recorded in run.json; the run id is
+    unchanged."""
+    spec = tmp_path / "s.yaml"
+    spec.write_text("systems:\n  gdn: recall/gdn\n  checked: {recipe: recall/gdn, env: {NATSL_CHECK_OPS: 1, "
+                    "NATSL_PROBE: true}}\nwidths: [64]\ntasks: {t: 'task:mqar?seq_len=64&pairs=4'}\n"
+                    "lrs: [0.001]\nbudget: {max_steps: 8}\n")
+    sweep = S.load_spec(spec, tmp_path / "out")
+    plain, checked = sweep.runs
+    assert (plain.env, checked.env) == ({}, {"NATSL_CHECK_OPS": "1", "NATSL_PROBE": "true"})
+    assert checked.id == "t-checked-d64-lr0.001" and checked.overrides == plain.overrides
+    worker = tmp_path / "worker.sh"  # writes what it saw of the two variables into its result
+    worker.write_text('#!/bin/sh\nprintf \'{"status": "done", "steps": 8, "recall_accuracy": 0.5, '
+                      '"seen": "%s/%s"}\' "${NATSL_CHECK_OPS:-unset}" "${NATSL_PROBE:-unset}" '
+                      '> "$(dirname "$1")/result.json"\n')
+    monkeypatch.setattr(S, "WORKER", ["/bin/sh", str(worker)])
+    monkeypatch.setenv("NATSL_PROBE", "runner")
+    monkeypatch.delenv("NATSL_CHECK_OPS", raising=False)
+    sweep.min_train_s = 0.0
+    S.run_sweep(sweep, progress=False, log=lambda line: None)
+    seen = {run.id: json.loads((Path(run.out) / "result.json").read_text())["seen"] for run in sweep.runs}
+    assert seen == {plain.id: "unset/runner", checked.id: "1/true"}
+    recorded = json.loads((Path(checked.out) / "run.json").read_text())
+    assert recorded["env"] == {"NATSL_CHECK_OPS": "1", "NATSL_PROBE": "true"}
 
 
 def test_the_spec_set_is_checked_as_a_systems_is(tmp_path):

@@ -37,6 +37,7 @@ The spec:
       gdn: gdn.yaml                # or name -> {recipe: FILE, set: [...]}: that system's own overrides,
       natsl_hybrid: natsl_hybrid.yaml   # applied after the spec's `set:` (a variant needs no recipe file)
       natsl_hybrid_target: {recipe: natsl_hybrid.yaml, set: [model.router_keep_target=0.5]}
+      natsl_checked: {recipe: natsl.yaml, env: {NATSL_CHECK_OPS: 1}}   # env: that system's workers' variables
     widths: [128, 64, 256]         # hidden size; head dims, MLP and attention heads scale with it
     lrs: [0.001, 0.003]            # or by width {64: [...], 256: [...]}, or by system {gdn: [...], natsl_hybrid:
                                    # {128: [...]}} (a list, or a list per width); a width left out is not run
@@ -90,7 +91,7 @@ from natsl.errors import NatslError
 SCALED = ("hidden_size", "intermediate_size", "head_k_dim", "head_v_dim", "attn_head_dim")
 SPEC_KEYS = {"name", "systems", "widths", "lrs", "tasks", "eval", "budget", "set", "compile", "max_parallel",
              "device", "seeds"}
-SYSTEM_KEYS = ("recipe", "set")  # of a system given as a mapping: {recipe: FILE, set: [...]}
+SYSTEM_KEYS = ("recipe", "set", "env")  # of a system given as a mapping: {recipe: FILE, set: [...], env: {...}}
 BUDGET_KEYS = {"max_steps", "run_s", "deadline_s", "eval_reserve_s", "match"}
 MATCHES = ("steps", "time")
 # Recipe keys the runner sets for every run: a `set:` item must not overrule them (what to write instead).
@@ -119,6 +120,7 @@ class RunSpec:
     deadline: Optional[float] = None  # absolute time.time() of the sweep's deadline: the worker is gone by then
     seed: int = 0  # its train.seed
     match: str = "steps"  # steps: it must reach max_steps (run_s only caps it); time: run_s is its budget
+    env: dict = field(default_factory=dict)  # its system's `env:`: set in its worker's environment
 
 
 @dataclass
@@ -198,7 +200,7 @@ def load_spec(path: str | Path, out: str | Path, max_parallel: Optional[int] = N
         for width in widths:
             for seed in seeds:  # the first seed's rates first: a sweep cut short has whole rate sweeps
                 for lr_index in range(max(len(lr_of[s].get(width, ())) for s in systems)):
-                    for system, (recipe_path, system_set) in systems.items():
+                    for system, (recipe_path, system_set, system_env) in systems.items():
                         values = lr_of[system].get(width, ())
                         if lr_index >= len(values):
                             continue  # this system has fewer rates at this width, or none (not run at it)
@@ -236,7 +238,8 @@ def load_spec(path: str | Path, out: str | Path, max_parallel: Optional[int] = N
                         runs.append(RunSpec(run_id, system, str(recipe_file if recipe_file.is_absolute() or not recipe_file.is_file() else root / recipe_file),
                                             width, lr, task_name, data, run_overrides + last, max_steps,
                                             float(budget.get("run_s", 1e9)), evals, compile_,
-                                            device, str(Path(out) / "runs" / run_id), seed=seed, match=match))
+                                            device, str(Path(out) / "runs" / run_id), seed=seed, match=match,
+                                            env=system_env))
     if len({r.id for r in runs}) != len(runs):
         raise _spec_error(path, "two runs share an id (the same system, width, lr and task twice)")
     deadline = deadline_s if deadline_s is not None else budget.get("deadline_s")  # --deadline wins
@@ -248,16 +251,17 @@ def load_spec(path: str | Path, out: str | Path, max_parallel: Optional[int] = N
                  deadline, float(budget.get("eval_reserve_s", 30)), Path(out), spec, match=match)
 
 
-def system_entries(systems, path) -> dict[str, tuple[str, list[str]]]:
-    """The spec's `systems`: name -> (recipe file, that system's `set:` items). A value is a recipe file, or
-    a mapping {recipe: FILE, set: [...]} whose items are applied after the spec's `set:` (variants of one
-    recipe without a recipe file each)."""
+def system_entries(systems, path) -> dict[str, tuple[str, list[str], dict[str, str]]]:
+    """The spec's `systems`: name -> (recipe file, that system's `set:` items, its `env:`). A value is a recipe
+    file, or a mapping {recipe: FILE, set: [...], env: {NAME: value}} whose `set:` items are applied after the
+    spec's (variants of one recipe without a recipe file each) and whose `env:` variables are set for its
+    workers only (a diagnostic such as NATSL_CHECK_OPS on one system; a run's provenance records the ones it reads)."""
     if not isinstance(systems, dict) or not systems:
         raise _spec_error(path, "'systems' must map names to recipe files")
     entries = {}
     for name, value in systems.items():
         if isinstance(value, str):
-            entries[name] = (value, [])
+            entries[name] = (value, [], {})
             continue
         if not isinstance(value, dict):
             raise _spec_error(path, f"system {name!r} is {value!r}; give a recipe file, or "
@@ -269,8 +273,23 @@ def system_entries(systems, path) -> dict[str, tuple[str, list[str]]]:
         if not isinstance(recipe, str) or not recipe:
             raise _spec_error(path, f"system {name!r} names no recipe file; write {{recipe: natsl_hybrid.yaml, "
                                     "set: [...]}")
-        entries[name] = (recipe, set_items(value.get("set"), f"system {name!r}'s 'set'", path))
+        entries[name] = (recipe, set_items(value.get("set"), f"system {name!r}'s 'set'", path),
+                         env_items(value.get("env"), name, path))
     return entries
+
+
+def env_items(value, system: str, path) -> dict[str, str]:
+    """A system's `env:` mapping as environment strings; absent: none."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(k, str) and k and "=" not in k for k in value):
+        raise _spec_error(path, f"system {system!r}'s 'env' is {value!r}; write a mapping such as "
+                                "{NATSL_CHECK_OPS: 1}")
+    bad = [k for k, v in value.items() if isinstance(v, (dict, list)) or v is None]
+    if bad:
+        raise _spec_error(path, f"system {system!r}'s env variable {bad[0]!r} has no plain value; write "
+                                f"{bad[0]}: 1 (a string, number or boolean)")
+    return {k: (str(v).lower() if isinstance(v, bool) else str(v)) for k, v in value.items()}
 
 
 def set_items(value, where: str, path) -> list[str]:
@@ -622,7 +641,7 @@ def _launch(run: RunSpec, env: dict) -> tuple[subprocess.Popen, RunSpec, Any]:
     fh = open(folder / "log.txt", "a", encoding="utf-8")
     # its own session and process group: stop_workers signals the worker with everything it starts
     proc = subprocess.Popen([*WORKER, str(folder / "run.json")], stdin=subprocess.DEVNULL, stdout=fh,
-                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                            stderr=subprocess.STDOUT, env={**env, **run.env}, start_new_session=True)
     return proc, run, fh
 
 
