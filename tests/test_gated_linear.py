@@ -20,7 +20,9 @@ import torch.nn.functional as F  # noqa: E402
 
 import natsl.ops  # noqa: E402
 from natsl.errors import NatslError  # noqa: E402
+from natsl.fast.gated_linear import config as gla_config  # noqa: E402
 from natsl.fast.gated_linear import gated_linear_rule as fast  # noqa: E402
+from natsl.fast.gated_linear import state as gla_state  # noqa: E402
 from natsl.fast.gated_linear.state import _state_fwd_kernel  # noqa: E402
 from natsl.ops.cached import commit_state  # noqa: E402
 from natsl.reference.cached import gla_token_step  # noqa: E402
@@ -201,6 +203,79 @@ def test_fast_refuses_what_it_has_no_kernel_for(bad, message):
     inputs, _, _ = make_inputs(1, 10, 1, K, 16, seed=31, **{k: v for k, v in bad.items() if k == "block_size"})
     with pytest.raises(NatslError, match=message):
         fast(*(inputs[n] for n in NAMES[:5]), **bad)
+
+
+# ----------------------------------------------------------------------------- the forward state kernel's K split
+# (K, T, with_h0, splits in effect for K_SPLIT = 1, 2, 4): K = 64 is one 64-row tile, so 2 and 4 narrow it to 32
+# and 16 rows; K = 128 is two, dealt out whole at 2 and narrowed to 32 rows at 4; K = 48 (one masked tile)
+# splits into 32-row tiles at 2 and falls back to 2 at 4 (a fourth 16-row tile would hold no real row).
+K_SPLIT_CASES = [(64, 70, True, (1, 2, 4)), (128, 37, True, (1, 2, 4)), (128, 1, False, (1, 2, 4)),
+                 (48, 70, True, (1, 2, 2))]
+
+
+@pytest.mark.parametrize("K,T,with_h0,splits", K_SPLIT_CASES, ids=[f"K{c[0]}-T{c[1]}" for c in K_SPLIT_CASES])
+def test_fast_k_split_matches_one_program_per_slice(monkeypatch, K, T, with_h0, splits):
+    """config.STATE_FWD["K_SPLIT"] forced to 1, 2 and 4 on a random route: the output, the final state and
+    every gradient (the backward reads the per-chunk states h the split programs stored) as with one
+    program per V slice and as the reference. V = 40 is two V slices, the second masked."""
+    inputs, do, d_final = make_inputs(1, T, 2, K, 40, seed=200 + K + T, with_h0=with_h0)
+    chosen, choose = [], gla_state.choose_k_split
+    monkeypatch.setattr(gla_state, "choose_k_split", lambda *a, **kw: chosen.append(choose(*a, **kw)) or chosen[-1])
+    got = {}
+    for split in (1, 2, 4):
+        monkeypatch.setitem(gla_config.STATE_FWD, "K_SPLIT", split)
+        got[split] = run(fast, inputs, do, d_final, route_grad="full")
+    assert tuple(chosen) == splits
+    ref = run(reference, inputs, do, d_final, route_grad="full")
+    for split, out in got.items():
+        for name, r in ref.items():
+            if r is None:
+                assert out[name] is None, name
+                continue
+            assert rel_rms(out[name], got[1][name]) <= 1e-6, (split, name)
+            assert rel_rms(out[name], r) <= FP32_TOL, (split, name)
+
+
+def test_k_split_tiles_cover_the_rows():
+    """Each split's tiles: powers of two of at least 16 rows that together cover K, the last program
+    owning a real row; None where no such tiling exists."""
+    for K in (8, 16, 20, 48, 64, 80, 100, 128, 160, 192, 200, 256):
+        for split in range(1, 9):
+            tiles = gla_state.k_split_tiles(K, split)
+            if tiles is None:
+                continue
+            BK, NK_LOCAL = tiles
+            assert BK >= 16 and BK & (BK - 1) == 0 and 1 <= NK_LOCAL <= 4, (K, split, tiles)
+            assert split * NK_LOCAL * BK >= K > (split - 1) * NK_LOCAL * BK, (K, split, tiles)
+    assert gla_state.k_split_tiles(128, 1) == (64, 2) and gla_state.k_split_tiles(128, 2) == (64, 1)
+    assert gla_state.k_split_tiles(128, 4) == (32, 1) and gla_state.k_split_tiles(64, 4) == (16, 1)
+    assert gla_state.k_split_tiles(256, 2) == (64, 2) and gla_state.k_split_tiles(192, 3) == (64, 1)
+    assert gla_state.k_split_tiles(16, 2) is None and gla_state.k_split_tiles(48, 4) is None
+    assert gla_state.k_split_tiles(192, 2) is None and gla_state.k_split_tiles(80, 4) is None
+
+
+def test_k_split_choice():
+    """K_SPLIT 0 doubles the split while the programs stay below the SMs (and the doubled split fits K);
+    a fixed split falls back to the largest that fits."""
+    choose = gla_state.choose_k_split
+    # 800M Mamba2 (H = 48, K = 128, V = 64, BV = 32) on 132 SMs: 96 programs at batch 1 -> 2; 192 at batch 2 -> 1
+    assert choose(128, 0, programs=96, sms=132) == 2 and choose(128, 0, programs=192, sms=132) == 1
+    assert choose(128, 0, programs=8, sms=132) == 4  # capped at AUTO_K_SPLIT_MAX, though 8 fits
+    assert choose(128, 0, programs=8, sms=132, auto_max=8) == 8
+    assert choose(128, 0, programs=40, sms=132) == 4 and choose(128, 0, programs=66, sms=132) == 2
+    assert choose(128, 0, programs=132, sms=132) == 1
+    assert choose(64, 0, programs=2, sms=4) == 2 and choose(64, 0, programs=1, sms=4) == 4
+    assert choose(48, 0, programs=1, sms=132) == 2  # 4 would leave a program only masked rows
+    assert choose(16, 0, programs=1, sms=132) == 1 and choose(192, 0, programs=72, sms=132) == 1
+    for K in (16, 48, 64, 80, 128, 192, 256):
+        assert choose(K, 1, programs=1, sms=132) == 1
+    assert choose(128, 4, 1000, 132) == 4 and choose(128, 2, 1, 132) == 2  # fixed: the SMs do not matter
+    assert choose(48, 4, 1, 132) == 2 and choose(16, 4, 1, 132) == 1 and choose(192, 4, 1, 132) == 3
+    assert choose(192, 2, 1, 132) == 1 and choose(80, 4, 1, 132) == 2
+
+
+def test_k_split_default_is_automatic():
+    assert gla_config.STATE_FWD["K_SPLIT"] == 0
 
 
 # ----------------------------------------------------------------------------- grouped q, k (Mamba2's B, C)

@@ -2,7 +2,9 @@
 
 As in the gated-delta package (natsl/fast/gated_delta/state.py), one program owns a BV-wide column
 slice of the [K, V] state of one (batch, head), its K rows held as up to four BK-row register tiles.
-Without the delta erase the chunk's pseudo values are V itself, so no W S product is needed.
+Without the delta erase the chunk's pseudo values are V itself, so no W S product is needed, and the
+forward recurrence is independent per K row: its programs may also split the K rows between them
+(K_SPLIT in config.STATE_FWD; k_split_tiles), which gives small batches more programs than SMs.
 
 Forward, chunk n (S = S_start(n), stored as h[n] for the output and backward kernels):
     S <- a S + write * K_dec^T V              (the route commit; a, K_dec: common.chunk_decay)
@@ -17,36 +19,38 @@ import torch
 import triton
 import triton.language as tl
 
-from natsl.fast.gated_delta.common import chunk_decay, dim_tile, launch_options, load_tile, load_tile_t, mm, store_tile
+from natsl.devices import sm_count
+from natsl.fast.gated_delta.common import (MIN_TILE, chunk_decay, dim_tile, launch_options, load_tile, load_tile_t, mm,
+                                           store_tile)
 from natsl.fast.gated_delta.state import _commit_tile, _k_tiles, _kd_tile
 
 
 @triton.jit
-def _store_state(ptr, s0, s1, s2, s3, v0, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+def _store_state(ptr, s0, s1, s2, s3, k0, v0, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                  NK: tl.constexpr):
-    """The K-row tiles of a [K, V] state slice to `ptr` (a [K, V] matrix)."""
-    store_tile(ptr, s0, 0, v0, K, V, V, BK, BV)
+    """NK BK-row tiles, from row k0 on, of a [K, V] state slice to `ptr` (a [K, V] matrix)."""
+    store_tile(ptr, s0, k0, v0, K, V, V, BK, BV)
     if NK > 1:
-        store_tile(ptr, s1, BK, v0, K, V, V, BK, BV)
+        store_tile(ptr, s1, k0 + BK, v0, K, V, V, BK, BV)
     if NK > 2:
-        store_tile(ptr, s2, 2 * BK, v0, K, V, V, BK, BV)
+        store_tile(ptr, s2, k0 + 2 * BK, v0, K, V, V, BK, BV)
     if NK > 3:
-        store_tile(ptr, s3, 3 * BK, v0, K, V, V, BK, BV)
+        store_tile(ptr, s3, k0 + 3 * BK, v0, K, V, V, BK, BV)
 
 
 @triton.jit
-def _load_state(ptr, v0, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr):
-    """The K-row tiles (fp32) of a [K, V] state slice; tiles past NK are zeros."""
-    s0 = load_tile(ptr, 0, v0, K, V, V, BK, BV).to(tl.float32)
+def _load_state(ptr, k0, v0, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr):
+    """NK BK-row tiles (fp32), from row k0 on, of a [K, V] state slice; tiles past NK are zeros."""
+    s0 = load_tile(ptr, k0, v0, K, V, V, BK, BV).to(tl.float32)
     s1 = tl.zeros([BK, BV], dtype=tl.float32)
     s2 = tl.zeros([BK, BV], dtype=tl.float32)
     s3 = tl.zeros([BK, BV], dtype=tl.float32)
     if NK > 1:
-        s1 = load_tile(ptr, BK, v0, K, V, V, BK, BV).to(tl.float32)
+        s1 = load_tile(ptr, k0 + BK, v0, K, V, V, BK, BV).to(tl.float32)
     if NK > 2:
-        s2 = load_tile(ptr, 2 * BK, v0, K, V, V, BK, BV).to(tl.float32)
+        s2 = load_tile(ptr, k0 + 2 * BK, v0, K, V, V, BK, BV).to(tl.float32)
     if NK > 3:
-        s3 = load_tile(ptr, 3 * BK, v0, K, V, V, BK, BV).to(tl.float32)
+        s3 = load_tile(ptr, k0 + 3 * BK, v0, K, V, V, BK, BV).to(tl.float32)
     return s0, s1, s2, s3
 
 
@@ -54,11 +58,17 @@ def _load_state(ptr, v0, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV:
 def _state_fwd_kernel(
     k_ptr, v_ptr, gc_ptr, write_ptr, h0_ptr, h_ptr, ht_ptr,
     T, H, NB,
-    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr,
+    K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    NK_LOCAL: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, DECAY_SKIPPED: tl.constexpr, PREC: tl.constexpr,
 ):
     iv = tl.program_id(0)
     bh = tl.program_id(1)
+    # The K split: program ik owns the NK_LOCAL tiles of BK rows from row k0 on. Each row of S evolves on
+    # its own (a S + K^T rd mixes no rows), so the programs of one V slice need no reduction; each
+    # re-reads the chunk's V and decay, the price of more programs at small B * H (k_split_tiles).
+    ik = tl.program_id(2)
+    k0 = ik * (NK_LOCAL * BK)
     b = bh // H
     h = bh % H
     v0 = iv * BV
@@ -70,7 +80,7 @@ def _state_fwd_kernel(
     vd = v_ptr.dtype.element_ty  # the inputs' dtype: operands of the commit product
 
     if HAS_H0:
-        s0, s1, s2, s3 = _load_state(h0_ptr + bh.to(tl.int64) * K * V, v0, K, V, BK, BV, NK)
+        s0, s1, s2, s3 = _load_state(h0_ptr + bh.to(tl.int64) * K * V, k0, v0, K, V, BK, BV, NK_LOCAL)
     else:
         s0 = tl.zeros([BK, BV], dtype=tl.float32)
         s1 = tl.zeros([BK, BV], dtype=tl.float32)
@@ -79,21 +89,22 @@ def _state_fwd_kernel(
 
     for n in range(NB):
         t0 = n * C
-        _store_state(h_ptr + ((b * NB + n) * H + h).to(tl.int64) * K * V, s0, s1, s2, s3, v0, K, V, BK, BV, NK)
+        _store_state(h_ptr + ((b * NB + n) * H + h).to(tl.int64) * K * V, s0, s1, s2, s3, k0, v0, K, V, BK, BV,
+                     NK_LOCAL)
         # Commit: S <- a S + K^T (write * exp(G_last - gc) * V); the decay scales V's C rows, not K.
         gc, dec, wt, a = chunk_decay(gc_ptr, write_ptr, t0, n, T, H, C, DECAY_SKIPPED)
         vv = load_tile(v_ptr, t0, v0, T, H * V, V, C, BV).to(tl.float32)
         rd = ((wt * dec)[:, None] * vv).to(vd)
-        s0 = _commit_tile(s0, a, k_ptr, rd, t0, 0, T, H, K, C, BK, PREC)
-        if NK > 1:
-            s1 = _commit_tile(s1, a, k_ptr, rd, t0, BK, T, H, K, C, BK, PREC)
-        if NK > 2:
-            s2 = _commit_tile(s2, a, k_ptr, rd, t0, 2 * BK, T, H, K, C, BK, PREC)
-        if NK > 3:
-            s3 = _commit_tile(s3, a, k_ptr, rd, t0, 3 * BK, T, H, K, C, BK, PREC)
+        s0 = _commit_tile(s0, a, k_ptr, rd, t0, k0, T, H, K, C, BK, PREC)
+        if NK_LOCAL > 1:
+            s1 = _commit_tile(s1, a, k_ptr, rd, t0, k0 + BK, T, H, K, C, BK, PREC)
+        if NK_LOCAL > 2:
+            s2 = _commit_tile(s2, a, k_ptr, rd, t0, k0 + 2 * BK, T, H, K, C, BK, PREC)
+        if NK_LOCAL > 3:
+            s3 = _commit_tile(s3, a, k_ptr, rd, t0, k0 + 3 * BK, T, H, K, C, BK, PREC)
 
     if STORE_HT:
-        _store_state(ht_ptr + bh.to(tl.int64) * K * V, s0, s1, s2, s3, v0, K, V, BK, BV, NK)
+        _store_state(ht_ptr + bh.to(tl.int64) * K * V, s0, s1, s2, s3, k0, v0, K, V, BK, BV, NK_LOCAL)
 
 
 @triton.jit
@@ -127,7 +138,7 @@ def _state_bwd_kernel(
     wd: tl.constexpr = q_ptr.dtype.element_ty
 
     if HAS_DHT:
-        d0, d1, d2, d3 = _load_state(dht_ptr + bh.to(tl.int64) * K * V, v0, K, V, BK, BV, NK)
+        d0, d1, d2, d3 = _load_state(dht_ptr + bh.to(tl.int64) * K * V, 0, v0, K, V, BK, BV, NK)
     else:
         d0 = tl.zeros([BK, BV], dtype=tl.float32)
         d1 = tl.zeros([BK, BV], dtype=tl.float32)
@@ -137,7 +148,7 @@ def _state_bwd_kernel(
     for m in range(NB):
         n = NB - 1 - m
         t0 = n * C
-        _store_state(dh_ptr + ((b * NB + n) * H + h).to(tl.int64) * K * V, d0, d1, d2, d3, v0, K, V, BK, BV, NK)
+        _store_state(dh_ptr + ((b * NB + n) * H + h).to(tl.int64) * K * V, d0, d1, d2, d3, 0, v0, K, V, BK, BV, NK)
 
         # dV = dV_local + write * diag(exp(G_last - gc)) K D
         gc, dec, wt, a = chunk_decay(gc_ptr, write_ptr, t0, n, T, H, C, DECAY_SKIPPED)
@@ -162,7 +173,44 @@ def _state_bwd_kernel(
             d3 = _reverse_tile(d3, a, q_ptr, dos, t0, 3 * BK, T, H, K, C, BK, PREC)
 
     if STORE_DH0:
-        _store_state(dh0_ptr + bh.to(tl.int64) * K * V, d0, d1, d2, d3, v0, K, V, BK, BV, NK)
+        _store_state(dh0_ptr + bh.to(tl.int64) * K * V, d0, d1, d2, d3, 0, v0, K, V, BK, BV, NK)
+
+
+AUTO_K_SPLIT_MAX = 4  # the automatic split stops here: the largest that the benchmark sweep times
+
+
+def k_split_tiles(K: int, split: int) -> tuple[int, int] | None:
+    """The register tiles (BK, NK_LOCAL) of each of `split` forward programs that share a state's K rows
+    (program ik owns rows ik * NK_LOCAL * BK on), or None where that split does not fit K.
+
+    _k_tiles' NK tiles of BK rows are dealt out whole where `split` divides NK. A split past NK (K = 64 is
+    one 64-row tile, K = 128 two) narrows the tile instead, to BK * NK / split rows, which must stay a
+    power of two (a tl.arange length) of at least MIN_TILE (tl.dot), and then the last program must
+    still own a real row (K = 48 over four 16-row tiles would leave the fourth only masked rows)."""
+    BK, NK = _k_tiles(K)
+    if split < 1:
+        return None
+    if NK % split == 0:
+        return BK, NK // split
+    rows = BK * NK // split
+    if split % NK or rows < MIN_TILE or rows & (rows - 1) or (split - 1) * rows >= K:
+        return None
+    return rows, 1
+
+
+def choose_k_split(K: int, requested: int, programs: int, sms: int, auto_max: int = AUTO_K_SPLIT_MAX) -> int:
+    """The K split of the forward state kernel (config.STATE_FWD["K_SPLIT"] = `requested`).
+
+    A fixed split (requested >= 1) falls back to the largest split below it that fits K (k_split_tiles;
+    1 always does). 0 is automatic: `programs` (B * H * cdiv(V, BV), one per V slice) is below the
+    `sms` SMs at small batches (96 on the H200's 132 at the 800M Mamba2 shape, batch 1), so the split
+    doubles while that still holds and the doubled split fits, up to auto_max."""
+    if requested >= 1:
+        return next(s for s in range(requested, 0, -1) if k_split_tiles(K, s) is not None)
+    split = 1
+    while programs * split < sms and 2 * split <= auto_max and k_split_tiles(K, 2 * split) is not None:
+        split *= 2
+    return split
 
 
 def state_forward(k, v, gc, write, initial_state, output_final_state: bool, block_size: int,
@@ -171,13 +219,15 @@ def state_forward(k, v, gc, write, initial_state, output_final_state: bool, bloc
     B, T, H, K = k.shape
     V = v.shape[-1]
     NB = triton.cdiv(T, block_size)
-    BK, NK = _k_tiles(K)
     BV = min(cfg["BV"], dim_tile(V))
+    # A dict without K_SPLIT (e.g. one built by hand) keeps one program per V slice, as before the split.
+    split = choose_k_split(K, cfg.get("K_SPLIT", 1), B * H * triton.cdiv(V, BV), sm_count(k.device))
+    BK, NK_LOCAL = k_split_tiles(K, split)
     h = torch.empty(B, NB, H, K, V, device=k.device, dtype=k.dtype)
     final = torch.empty(B, H, K, V, device=k.device, dtype=torch.float32) if output_final_state else None
-    _state_fwd_kernel[(triton.cdiv(V, BV), B * H)](
+    _state_fwd_kernel[(triton.cdiv(V, BV), B * H, split)](
         k, v, gc, write, initial_state, h, final, T, H, NB,
-        K=K, V=V, C=block_size, BK=BK, BV=BV, NK=NK,
+        K=K, V=V, C=block_size, BK=BK, BV=BV, NK_LOCAL=NK_LOCAL,
         HAS_H0=initial_state is not None, STORE_HT=output_final_state, DECAY_SKIPPED=decay_skipped_blocks,
         PREC=precision, **launch_options(cfg, block_size, v.dtype),
     )
