@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 import natsl
@@ -74,6 +75,54 @@ def test_calls_inside_a_compiled_graph_are_checked_and_remove_restores_the_op():
     assert [e["event"] for e in check.events] == ["nonfinite_output"]
     torch.ops.natsl_opcheck_test.nan_maker(torch.randn(2, 3))
     assert len(check.events) == 1  # removed: no checks any more
+
+
+def test_calls_during_a_cuda_graph_capture_run_unchecked(monkeypatch):
+    """While a stream is captured the op runs as it is (no synchronisation, which would break the capture)
+    and the call is counted as captured, not as checked."""
+    lines = []
+    check = _check(lines)
+    monkeypatch.setattr(op_check, "_capturing", lambda tensors: True)
+    try:
+        out = torch.ops.natsl_opcheck_test.nan_maker(torch.randn(2, 3))
+    finally:
+        check.remove()
+    assert torch.isnan(out[..., 1]).all() and check.events == [] and lines == []
+    assert check.captured == {f"{NS}::nan_maker": 1} and check.calls == {}
+
+
+def test_the_trainer_turns_cuda_graphs_off_while_the_ops_are_checked():
+    from natsl.training.trainer import graphs_beside_op_check
+
+    said = []
+    assert graphs_beside_op_check(True, said.append) and not said  # no checks: graphs as asked
+    op_check.install(lambda *_: None)
+    try:
+        assert not graphs_beside_op_check(True, said.append)
+        assert not graphs_beside_op_check(False, said.append)
+    finally:
+        op_check.uninstall()
+    assert len(said) == 1 and said[0].startswith("NATSL_CHECK_OPS: CUDA graphs off")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_a_checked_op_captures_into_a_cuda_graph_and_replays():
+    """On the GPU a checked op inside torch.cuda.graph capture does not break it; calls outside are checked."""
+    check = op_check.OpCheck(lambda *_: None, namespace=NS, devices=("cuda",))
+    try:
+        x = torch.randn(4, 8, device="cuda")
+        torch.ops.natsl_opcheck_test.plain(x, 2.0)  # warm-up, checked
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = torch.ops.natsl_opcheck_test.plain(x, 3.0)
+        x.copy_(torch.ones_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+    finally:
+        check.remove()
+    assert torch.equal(y, torch.full_like(x, 3.0))
+    assert check.calls == {f"{NS}::plain": 1} and check.captured == {f"{NS}::plain": 1}
 
 
 def test_the_line_limit_caps_the_log_not_the_record():

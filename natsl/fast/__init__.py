@@ -7,6 +7,9 @@ Subpackages: `gated_delta` (chunked Gated DeltaNet with the write mask, and the 
 op's so that `natsl.fast.<op>` is always the function.
 """
 
+from natsl.fast.toolchain import pin_ptxas
+
+pin_ptxas()  # every natsl kernel assembled by one ptxas, however Inductor compiles (natsl/fast/toolchain.py)
 
 __all__ = ["gated_delta_rule", "gated_linear_rule", "routed_attention"]
 

@@ -15,6 +15,10 @@ checked twin that, on every call, synchronises and then reports:
   so Inductor may reuse such a buffer);
 - `output_aliases_input`: an output sharing an input's storage.
 
+While a CUDA stream is being captured into a graph the calls run unchecked (a synchronisation there
+would invalidate the capture, and a replay never calls Python again): the trainer turns its CUDA graphs
+off while the checks are on.
+
 Each event is one JSON line through `log` (the trainer's log: a run's output, a sweep worker's log.txt),
 at most `limit` lines in all. Eager calls are routed through the custom ops while installed so that they
 are checked too (the same implementations). A debugging aid: every call clones its inputs and waits for
@@ -70,6 +74,11 @@ def _sync(tensors) -> None:
         torch.cuda.synchronize()
 
 
+def _capturing(tensors) -> bool:
+    """Whether these CUDA tensors' stream is being captured into a CUDA graph (no checks possible)."""
+    return any(t.is_cuda for t in tensors) and torch.cuda.is_current_stream_capturing()
+
+
 def _where(t: torch.Tensor) -> dict:
     idx = torch.nonzero(~torch.isfinite(t))
     return {"shape": list(t.shape), "fraction": round(idx.shape[0] / t.numel(), 6), "first": idx[:4].tolist(),
@@ -84,6 +93,7 @@ class OpCheck:
         self.log, self.limit, self.lines = log, limit, 0
         self.events: list[dict] = []
         self.calls: dict[str, int] = {}  # checked calls per op, so that a quiet report is known to have looked
+        self.captured: dict[str, int] = {}  # calls made while a CUDA graph was captured: run unchecked
         self._saved = []
         for op in _custom_ops(namespace):
             for device in devices:
@@ -100,8 +110,11 @@ class OpCheck:
 
     def _checked(self, name: str, fn):
         def checked(*args, **kwargs):
-            self.calls[name] = self.calls.get(name, 0) + 1
             tensors = {i: a for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
+            if _capturing(tensors.values()):
+                self.captured[name] = self.captured.get(name, 0) + 1
+                return fn(*args, **kwargs)
+            self.calls[name] = self.calls.get(name, 0) + 1
             _sync(tensors.values())
             bad_inputs = [i for i, a in tensors.items() if _bad(a)]
             if bad_inputs:
@@ -136,6 +149,11 @@ class OpCheck:
         for op, device, original in reversed(self._saved):
             op._backend_fns[device] = original  # the dispatcher entry stays; it calls the original again
         self._saved.clear()
+
+
+def installed() -> Optional[OpCheck]:
+    """The checks in force, or None."""
+    return _installed
 
 
 def install(log: Callable[[str], None] = print, limit: int = 20) -> OpCheck:

@@ -97,6 +97,16 @@ def train(recipe: Recipe, options: TrainOptions) -> TrainResult:
         D.teardown()
 
 
+def graphs_beside_op_check(graphs: bool, log) -> bool:
+    """CUDA graphs off while NATSL_CHECK_OPS checks the ops: a replay launches the recorded kernels without
+    running any Python, so no call could be checked, and a check's synchronisation would break the capture."""
+    if graphs and op_check.installed() is not None:
+        log(f"{op_check.ENV}: CUDA graphs off (a graph replay runs no Python: its kernels could not be checked); "
+            "the compiled model runs as is")
+        return False
+    return graphs
+
+
 def cpu_threads(requested: Optional[int]) -> int:
     """Threads for CPU training: --threads, else OMP_NUM_THREADS, else 1.
 
@@ -411,6 +421,7 @@ class Trainer:
         graphs = cuda_graphs_wanted(graphs_requested, compile_, self.info.world_size, self.device)
         if r.train.cuda_graphs and not graphs:
             self.log(f"train.cuda_graphs: nothing to replay on {self.device.type}; the compiled model runs as is")
+        graphs = graphs_beside_op_check(graphs, self.log)
         body = HiddenStates(model)
         if compile_:
             body = torch.compile(body, mode="reduce-overhead" if graphs else None)
