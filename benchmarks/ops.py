@@ -445,8 +445,8 @@ REGISTRY = {op.name: op for op in (
                         "natsl_reference": gla_natsl("chunked"), "fla": gla_fla},
        gla_inputs,
        sweep=("natsl.fast.gated_linear.config", _settings(
-           STATE_FWD=[{"BV": 64}, {"BV": 16}, {"num_stages": 2}, {"K_SPLIT": 1}, {"K_SPLIT": 2}, {"K_SPLIT": 4},
-                      {"K_SPLIT": 2, "BV": 64}],
+           STATE_FWD=[{"BV": 32}, {"BV": 32, "K_SPLIT": 1}, {"BV": 16}, {"num_stages": 2}, {"K_SPLIT": 1},
+                      {"K_SPLIT": 2}, {"K_SPLIT": 4}],
            STATE_BWD=[{"BV": 64}, {"BV": 16}], OUTPUT=[{"BV": 32}],
            LOCAL_DV=[{"BV": 32}], GRAD_QK=[{"num_warps": 8}, {"BV": 64}]))),
     Op("routed_attention", {"natsl_fast": routed_natsl("fast"), "natsl_reference": routed_natsl("chunked"),

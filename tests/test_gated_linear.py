@@ -217,8 +217,9 @@ K_SPLIT_CASES = [(64, 70, True, (1, 2, 4)), (128, 37, True, (1, 2, 4)), (128, 1,
 def test_fast_k_split_matches_one_program_per_slice(monkeypatch, K, T, with_h0, splits):
     """config.STATE_FWD["K_SPLIT"] forced to 1, 2 and 4 on a random route: the output, the final state and
     every gradient (the backward reads the per-chunk states h the split programs stored) as with one
-    program per V slice and as the reference. V = 40 is two V slices, the second masked."""
-    inputs, do, d_final = make_inputs(1, T, 2, K, 40, seed=200 + K + T, with_h0=with_h0)
+    program per V slice and as the reference. V = 80 is two 64-wide V slices, the second masked."""
+    assert gla_config.STATE_FWD["BV"] == 64
+    inputs, do, d_final = make_inputs(1, T, 2, K, 80, seed=200 + K + T, with_h0=with_h0)
     chosen, choose = [], gla_state.choose_k_split
     monkeypatch.setattr(gla_state, "choose_k_split", lambda *a, **kw: chosen.append(choose(*a, **kw)) or chosen[-1])
     got = {}
@@ -233,7 +234,10 @@ def test_fast_k_split_matches_one_program_per_slice(monkeypatch, K, T, with_h0, 
                 assert out[name] is None, name
                 continue
             assert rel_rms(out[name], got[1][name]) <= 1e-6, (split, name)
-            assert rel_rms(out[name], r) <= FP32_TOL, (split, name)
+            if r.abs().max() == 0:  # e.g. dg of one token without an initial state: exactly 0, fp32 rounding here
+                assert out[name].abs().max() <= 1e-5, (split, name)
+            else:
+                assert rel_rms(out[name], r) <= FP32_TOL, (split, name)
 
 
 def test_k_split_tiles_cover_the_rows():
@@ -255,14 +259,16 @@ def test_k_split_tiles_cover_the_rows():
 
 
 def test_k_split_choice():
-    """K_SPLIT 0 doubles the split while the programs stay below the SMs (and the doubled split fits K);
-    a fixed split falls back to the largest that fits."""
+    """K_SPLIT 0 doubles the split while the doubled program count still fits in one wave of SMs (and the
+    doubled split fits K); a fixed split falls back to the largest that fits."""
     choose = gla_state.choose_k_split
-    # 800M Mamba2 (H = 48, K = 128, V = 64, BV = 32) on 132 SMs: 96 programs at batch 1 -> 2; 192 at batch 2 -> 1
-    assert choose(128, 0, programs=96, sms=132) == 2 and choose(128, 0, programs=192, sms=132) == 1
+    # 800M Mamba2 (H = 48, K = 128, V = 64) on 132 SMs: BV 64 gives 48 programs at batch 1 -> 2 (96);
+    # BV 32 gives 96 -> 1 (192 would be a second wave); batch 2, BV 64: 96 -> 1
+    assert choose(128, 0, programs=48, sms=132) == 2 and choose(128, 0, programs=96, sms=132) == 1
     assert choose(128, 0, programs=8, sms=132) == 4  # capped at AUTO_K_SPLIT_MAX, though 8 fits
     assert choose(128, 0, programs=8, sms=132, auto_max=8) == 8
-    assert choose(128, 0, programs=40, sms=132) == 4 and choose(128, 0, programs=66, sms=132) == 2
+    assert choose(128, 0, programs=33, sms=132) == 4 and choose(128, 0, programs=34, sms=132) == 2
+    assert choose(128, 0, programs=66, sms=132) == 2 and choose(128, 0, programs=67, sms=132) == 1
     assert choose(128, 0, programs=132, sms=132) == 1
     assert choose(64, 0, programs=2, sms=4) == 2 and choose(64, 0, programs=1, sms=4) == 4
     assert choose(48, 0, programs=1, sms=132) == 2  # 4 would leave a program only masked rows

@@ -1,11 +1,13 @@
-"""Launch settings of the gated-linear kernels (Hopper defaults, not yet swept on this op).
+"""Launch settings of the gated-linear kernels (Hopper defaults; the forward state kernel swept on the H200).
 
 The chunk-parallel kernels are the gated-delta package's (output, local dR = intra-chunk dV, grad_qk)
 and start from its settings; the two sequential state kernels are this package's own. BV is the
 width of the V slice one program owns: the state kernels get B * H * V / BV programs. The forward one
 may also split each slice's K rows over K_SPLIT programs (the recurrence is independent per K row):
 1, 2, 4 fix the split (falling back to the largest that fits K: state.choose_k_split), 0 doubles it
-from 1 while B * H * V / BV * split is below the SM count (at most state.AUTO_K_SPLIT_MAX).
+from 1 while B * H * V / BV * split still fits in one wave of SMs (at most state.AUTO_K_SPLIT_MAX).
+The forward's BV 64 with the automatic split was the fastest setting at batch 1 (16K, 64K) and 8 x 4K
+in the sweep (docs/performance.md, "Gated linear (Mamba2's SSD) op").
 `python -m benchmarks.ops --op gated_linear --sweep` overrides these dicts in place.
 """
 
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 from natsl.fast.gated_delta import config as _gdn
 
-STATE_FWD = {"BV": 32, "num_warps": 4, "num_stages": 3, "K_SPLIT": 0}
+STATE_FWD = {"BV": 64, "num_warps": 4, "num_stages": 3, "K_SPLIT": 0}
 STATE_BWD = {"BV": 32, "num_warps": 4, "num_stages": 2}
 OUTPUT = dict(_gdn.OUTPUT)
 LOCAL_DV = dict(_gdn.LOCAL_DR)

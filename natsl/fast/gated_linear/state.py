@@ -202,13 +202,14 @@ def choose_k_split(K: int, requested: int, programs: int, sms: int, auto_max: in
     """The K split of the forward state kernel (config.STATE_FWD["K_SPLIT"] = `requested`).
 
     A fixed split (requested >= 1) falls back to the largest split below it that fits K (k_split_tiles;
-    1 always does). 0 is automatic: `programs` (B * H * cdiv(V, BV), one per V slice) is below the
-    `sms` SMs at small batches (96 on the H200's 132 at the 800M Mamba2 shape, batch 1), so the split
-    doubles while that still holds and the doubled split fits, up to auto_max."""
+    1 always does). 0 is automatic: `programs` (B * H * cdiv(V, BV), one per V slice) leaves SMs idle at
+    small batches (48 of the H200's 132 at the 800M Mamba2 shape, batch 1, BV 64), so the split doubles
+    while the doubled count still fits in one wave of `sms` programs and the doubled split fits K, up to
+    auto_max (past one wave, a second, mostly empty wave cost more than the split gained: docs/performance.md)."""
     if requested >= 1:
         return next(s for s in range(requested, 0, -1) if k_split_tiles(K, s) is not None)
     split = 1
-    while programs * split < sms and 2 * split <= auto_max and k_split_tiles(K, 2 * split) is not None:
+    while programs * 2 * split <= sms and 2 * split <= auto_max and k_split_tiles(K, 2 * split) is not None:
         split *= 2
     return split
 
