@@ -230,9 +230,18 @@ def state_forward(k, v, gc, write, initial_state, output_final_state: bool, bloc
         k, v, gc, write, initial_state, h, final, T, H, NB,
         K=K, V=V, C=block_size, BK=BK, BV=BV, NK_LOCAL=NK_LOCAL,
         HAS_H0=initial_state is not None, STORE_HT=output_final_state, DECAY_SKIPPED=decay_skipped_blocks,
-        PREC=precision, **launch_options(cfg, block_size, v.dtype),
+        PREC=precision, **launch_options(split_launch(cfg, split), block_size, v.dtype),
     )
     return h, final
+
+
+def split_launch(cfg: dict, split: int) -> dict:
+    """The forward's launch settings for a split: with the K rows split (small batches, few programs) its
+    `num_stages_split` pipeline depth, else `num_stages` (docs/performance.md: a deeper prefetch of the
+    next chunk's K and V paid at batch 1 and cost at 8 x 4K)."""
+    if split > 1 and "num_stages_split" in cfg:
+        return {**cfg, "num_stages": cfg["num_stages_split"]}
+    return cfg
 
 
 def state_backward(q, k, gc, write, do, dv_local, d_final, want_dh0: bool, scale: float, block_size: int,
