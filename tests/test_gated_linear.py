@@ -372,6 +372,33 @@ def test_gpu_realistic_shapes_bf16(case):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("acc_dot", [False, True])
+def test_gpu_state_forward_settings_bf16(monkeypatch, acc_dot):
+    """The forward state kernel's launch variants at batch 1 (K rows split, 4 stages) with and without the
+    accumulate-into-dot commit: bf16 against the chunked form in fp32, forward and every gradient."""
+    monkeypatch.setitem(gla_config.STATE_FWD, "acc_dot", acc_dot)
+    inputs, do, d_final = make_inputs(1, 2048 + 17, 8, 128, 64, seed=59, write_kind="binary")
+    inputs["q"], inputs["k"] = inputs["q"] * 128**-0.5, inputs["k"] * 128**-0.5
+    check(errors(fast, chunked, inputs, do, d_final, dtype=torch.bfloat16, route_grad="full"), *BF16_TOL)
+
+
+def test_fast_acc_dot_commit_matches(monkeypatch):
+    """config.STATE_FWD["acc_dot"]: the same outputs and gradients as the plain commit (the interpreter adds
+    the accumulator after the dot, so equal to rounding), split and unsplit."""
+    inputs, do, d_final = make_inputs(1, 70, 2, 64, 80, seed=71, with_h0=True)
+    got = {}
+    for acc_dot, split in ((False, 1), (True, 1), (True, 2)):
+        monkeypatch.setitem(gla_config.STATE_FWD, "acc_dot", acc_dot)
+        monkeypatch.setitem(gla_config.STATE_FWD, "K_SPLIT", split)
+        got[acc_dot, split] = run(fast, inputs, do, d_final, route_grad="full")
+    for key in ((True, 1), (True, 2)):
+        for name, r in got[False, 1].items():
+            if r is not None:
+                assert rel_rms(got[key][name], r) <= 1e-6, (key, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_fp32_against_the_reference():
     inputs, do, d_final = make_inputs(1, 700, 2, 128, 64, seed=53, write_kind="binary")
     check(errors(fast, reference, inputs, do, d_final, route_grad="active"), FP32_TOL, FP32_TOL)
