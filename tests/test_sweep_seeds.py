@@ -112,7 +112,7 @@ def test_every_shipped_spec_loads(tmp_path):
             systems.setdefault(run.system, set()).add(Path(run.recipe).name)
     # the variants of docs/recall.md's results keep their system names (and so their run ids), as
     # natsl_hybrid.yaml with a `set:` of their own rather than a recipe file each
-    for variant in ("balance", "noise", "rope", "full", "target", "target25", "budget", "budget_sink"):
+    for variant in ("balance", "noise", "rope", "full", "target", "target25", "budget", "budget_sink", "budget25_sink"):
         assert systems[f"natsl_hybrid_{variant}"] == {"natsl_hybrid.yaml"}, variant
 
 
