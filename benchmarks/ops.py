@@ -15,7 +15,9 @@ with one line. `--shapes` takes recipe names or paths (800m = 800m_hybrid, 380m 
 tiny_hybrid): the op's tensors take that model's widths; `--lengths` / `--batch` replace the op's
 default (batch, length) points. Before timing, every provider's output at a point is compared with
 the first provider's that ran there (relative RMS, forward output). `--sweep` times natsl_fast under
-each of the op's other launch settings too, each checked against the default's output.
+each of the op's other launch settings too, each checked against the default's output. `--graph` times
+forwards as CUDA graph replays, so that a small op whose Python launch cost exceeds its GPU time is
+measured by the GPU's time, as it runs inside a model compiled with CUDA graphs.
 Results: OUT/ops_<op>.json and .png (median ms per provider; the table also gives each provider's
 time over the first provider's).
 """
@@ -520,6 +522,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch", type=int, help="replace the op's default batch sizes")
     parser.add_argument("--keep", type=float, nargs="+", default=[1.0, 0.5, 0.25], help="routed_attention's keep fractions")
     parser.add_argument("--sweep", action="store_true", help="also time natsl_fast under the op's other launch settings")
+    parser.add_argument("--graph", action="store_true",
+                        help="time forwards as CUDA graph replays: the GPU's time without Python's launch cost, as a "
+                             "model compiled with CUDA graphs runs the op (fwdbwd is timed as usual)")
     parser.add_argument("--device", default=None, help="cuda (default where present) or cpu")
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on CUDA, fp32 on the CPU")
     parser.add_argument("--list", action="store_true", help="print the registry and exit")
@@ -570,11 +575,18 @@ def enumerate_cases(args) -> list[tuple[str, str, str]]:
             for provider in args.providers if provider in REGISTRY[name].providers]
 
 
-def time_call(call: Call, mode: str, cuda: bool) -> float:
+GRAPH_CALLS = 10  # forwards per captured graph under --graph
+
+
+def time_call(call: Call, mode: str, cuda: bool, graph: bool = False) -> float:
     torch = _torch()
     if call.graph and cuda:
         with torch.no_grad():
             return common.graph_ms(call.fn)
+    if graph and cuda and mode == "fwd":
+        # few calls per graph: each call's outputs and workspaces come from the graph's own pool
+        with torch.no_grad():
+            return common.graph_ms(lambda: call.fn(*call.args), calls=GRAPH_CALLS)
     if mode == "fwd":
         with torch.no_grad():
             return common.time_ms(lambda: call.fn(*call.args), cuda=cuda)
@@ -619,7 +631,7 @@ def run_point(op: Op, point: Point, providers: list[str], mode: str, args, devic
                             first = (provider, out)
                         elif out.shape == first[1].shape:
                             row[f"rel_rms_vs_{first[0]}"] = common.rel_rms(out.float(), first[1].float())
-                    row["ms"] = time_call(call, mode, cuda)
+                    row["ms"] = time_call(call, mode, cuda, graph=getattr(args, "graph", False))
             except Skip as why:
                 print(f"skip {op.name} {provider} {mode} at {point.label}: {why}", flush=True)
                 break
@@ -658,7 +670,7 @@ def run(args) -> dict:
                 rows += run_point(op, point, providers, mode, args, device, dtype)
                 # rewritten after every point: a run cut short by its time cap keeps what it measured
                 common.write_result(f"ops_{name}", {"op": name, "device": str(device), "dtype": str(dtype),
-                                                    "rows": rows}, args.out)
+                                                    "graph": bool(args.graph), "rows": rows}, args.out)
         results[name] = rows
         if not rows:
             continue

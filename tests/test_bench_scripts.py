@@ -301,6 +301,35 @@ def test_the_gated_linear_entry_builds_mamba2_shaped_inputs_and_times_its_chunke
     assert [r["provider"] for r in rows] == ["natsl_reference"] and rows[0]["ms"] > 0
 
 
+def test_graph_times_forwards_by_replay_and_leaves_fwdbwd_alone(monkeypatch):
+    """--graph: a forward on CUDA goes to common.graph_ms with the call's own arguments, GRAPH_CALLS calls a
+    graph; fwdbwd, and anything off CUDA, keeps its usual timing."""
+    seen = []
+
+    def fake_graph_ms(fn, *, calls=50, replays=20):
+        seen.append((fn(), calls))
+        return 1.5
+
+    monkeypatch.setattr(ops.common, "graph_ms", fake_graph_ms)
+    monkeypatch.setattr(ops.common, "time_ms", lambda fn, **kw: (fn(), 2.5)[1])
+    x = torch.ones(3)
+    call = ops.Call(lambda a: a * 2, [x], grads=[x], out=lambda r: r.sum())
+    assert ops.time_call(call, "fwd", cuda=True, graph=True) == 1.5
+    assert len(seen) == 1 and torch.equal(seen[0][0], x * 2) and seen[0][1] == ops.GRAPH_CALLS
+    assert ops.time_call(call, "fwd", cuda=True, graph=False) == 2.5
+    assert ops.time_call(call, "fwdbwd", cuda=True, graph=True) == 2.5
+    assert ops.time_call(call, "fwd", cuda=False, graph=True) == 2.5
+    assert len(seen) == 1
+
+
+def test_graph_is_recorded_in_the_result(tmp_path):
+    args = ops.parse(["--op", "gated_linear", "--provider", "natsl_reference", "--shapes", "tiny", "--lengths", "16",
+                      "--mode", "fwd", "--device", "cpu", "--graph", "--out", str(tmp_path)])
+    ops.run(args)
+    result = json.loads((tmp_path / "ops_gated_linear.json").read_text())
+    assert result["graph"] is True and result["rows"][0]["ms"] > 0
+
+
 @pytest.mark.parametrize("op", ["gated_delta", "gated_linear", "routed_attention"])
 def test_an_op_entry_runs_in_a_fresh_process(op, tmp_path):
     """Each op entry imports what it calls: run alone, nothing else has imported natsl.ops for it."""
