@@ -20,13 +20,17 @@ import torch.nn.functional as F  # noqa: E402
 
 import natsl.ops  # noqa: E402
 from natsl.errors import NatslError  # noqa: E402
+from natsl.fast.gated_delta.function import BLOCK_SIZES  # noqa: E402
 from natsl.fast.gated_linear import config as gla_config  # noqa: E402
 from natsl.fast.gated_linear import gated_linear_rule as fast  # noqa: E402
 from natsl.fast.gated_linear import state as gla_state  # noqa: E402
+from natsl.fast.gated_linear.cumsum import chunk_cumsum as fast_chunk_cumsum  # noqa: E402
+from natsl.fast.gated_linear.cumsum import chunk_cumsum_and_write  # noqa: E402
 from natsl.fast.gated_linear.state import _state_fwd_kernel  # noqa: E402
 from natsl.ops.cached import commit_state  # noqa: E402
 from natsl.reference.cached import gla_token_step  # noqa: E402
 from natsl.reference.gated_linear import gated_linear_rule as reference  # noqa: E402
+from natsl.reference.gated_linear_chunked import chunk_cumsum  # noqa: E402
 from natsl.reference.gated_linear_chunked import gated_linear_rule as chunked  # noqa: E402
 from numerics import rel_rms  # noqa: E402
 
@@ -205,6 +209,62 @@ def test_fast_refuses_what_it_has_no_kernel_for(bad, message):
         fast(*(inputs[n] for n in NAMES[:5]), **bad)
 
 
+# ----------------------------------------------------------------------------- gc and w32 (cumsum.py)
+def random_g(B, T, H, *, seed, dtype=torch.float32):
+    """Fresh g shaped like make_inputs' (A dt <= 0), rounded to `dtype`."""
+    gen = torch.Generator().manual_seed(seed)
+    return (-F.softplus(torch.randn(B, T, H, generator=gen) - 2.0)).to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("block_size", sorted({16, *BLOCK_SIZES}))  # the kernel takes any power of two
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("H", [1, 3, 48])
+@pytest.mark.parametrize("T", [1, 37, 64, 70, 130])
+def test_fast_chunk_cumsum_matches_its_twin(T, H, dtype, block_size):
+    """The Triton gc against its PyTorch twin: one token, a sequence shorter than a chunk, partial last
+    chunks; 1 and 3 heads (one masked tile), 48 (three full tiles of config.CUMSUM's 16)."""
+    g = random_g(2, T, H, seed=T * 1000 + H + block_size, dtype=dtype)
+    got, want = fast_chunk_cumsum(g, block_size), chunk_cumsum(g, block_size)
+    assert got.dtype == torch.float32 and got.shape == (2, T, H) and got.is_contiguous()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_fast_chunk_cumsum_reads_any_layout_and_dtype():
+    """A strided g (a slice of a wider tensor) in fp16 and in float64, and an empty sequence."""
+    for dtype in (torch.float16, torch.float64):
+        g = random_g(2, 100, 6, seed=3, dtype=dtype)[..., ::2]
+        assert not g.is_contiguous()
+        torch.testing.assert_close(fast_chunk_cumsum(g, 64), chunk_cumsum(g, 64), rtol=1e-5, atol=1e-6)
+    assert fast_chunk_cumsum(random_g(2, 0, 3, seed=4), 64).shape == (2, 0, 3)
+
+
+@pytest.mark.parametrize("write_kind", [None, "fp32", "bf16-transposed", "broadcast"])
+def test_fast_write_mask_comes_with_gc(write_kind):
+    """chunk_cumsum_and_write's w32: write in fp32 (ones for None), contiguous and in new storage whatever
+    write's layout, next to the same gc as chunk_cumsum's."""
+    B, T, H = 2, 130, 20
+    NB = -(-T // 64)
+    gen = torch.Generator().manual_seed(5)
+    write = {None: None, "fp32": torch.rand(B, NB, H, generator=gen).to(DEVICE),
+             "bf16-transposed": torch.rand(B, H, NB, generator=gen).to(torch.bfloat16).to(DEVICE).transpose(1, 2),
+             "broadcast": torch.rand(1, 1, H, generator=gen).to(DEVICE).expand(B, NB, H)}[write_kind]
+    g = random_g(B, T, H, seed=6)
+    gc, w32 = chunk_cumsum_and_write(g, write, 64, gla_config.CUMSUM)
+    want = torch.ones(B, NB, H, device=DEVICE) if write is None else write.float()
+    assert w32.dtype == torch.float32 and w32.is_contiguous() and torch.equal(w32, want)
+    assert write is None or w32.data_ptr() != write.data_ptr()
+    assert torch.equal(gc, fast_chunk_cumsum(g, 64))
+
+
+def test_fast_reads_a_write_mask_in_any_layout():
+    """A write mask laid out [B, H, NB] and viewed as [B, NB, H] (dense, not contiguous): forward and every
+    gradient as the reference's (the kernels index w32 as contiguous; cumsum.py builds it so)."""
+    inputs, do, d_final = make_inputs(1, 130, 3, 16, 16, seed=73)
+    inputs["write"] = inputs["write"].transpose(1, 2).contiguous().transpose(1, 2)
+    assert not inputs["write"].is_contiguous()
+    check(errors(fast, reference, inputs, do, d_final, route_grad="full"), FP32_TOL, FP32_TOL)
+
+
 # ----------------------------------------------------------------------------- the forward state kernel's K split
 # (K, T, with_h0, splits in effect for K_SPLIT = 1, 2, 4): K = 64 is one 64-row tile, so 2 and 4 narrow it to 32
 # and 16 rows; K = 128 is two, dealt out whole at 2 and narrowed to 32 rows at 4; K = 48 (one masked tile)
@@ -372,29 +432,12 @@ def test_gpu_realistic_shapes_bf16(case):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("acc_dot", [False, True])
-def test_gpu_state_forward_settings_bf16(monkeypatch, acc_dot):
-    """The forward state kernel's launch variants at batch 1 (K rows split, 4 stages) with and without the
-    accumulate-into-dot commit: bf16 against the chunked form in fp32, forward and every gradient."""
-    monkeypatch.setitem(gla_config.STATE_FWD, "acc_dot", acc_dot)
+def test_gpu_state_forward_settings_bf16():
+    """The forward state kernel's batch-1 launch (8 heads of V 64: the K rows split over programs, with
+    their own pipeline depth): bf16 against the chunked form in fp32, forward and every gradient."""
     inputs, do, d_final = make_inputs(1, 2048 + 17, 8, 128, 64, seed=59, write_kind="binary")
     inputs["q"], inputs["k"] = inputs["q"] * 128**-0.5, inputs["k"] * 128**-0.5
     check(errors(fast, chunked, inputs, do, d_final, dtype=torch.bfloat16, route_grad="full"), *BF16_TOL)
-
-
-def test_fast_acc_dot_commit_matches(monkeypatch):
-    """config.STATE_FWD["acc_dot"]: the same outputs and gradients as the plain commit (the interpreter adds
-    the accumulator after the dot, so equal to rounding), split and unsplit."""
-    inputs, do, d_final = make_inputs(1, 70, 2, 64, 80, seed=71, with_h0=True)
-    got = {}
-    for acc_dot, split in ((False, 1), (True, 1), (True, 2)):
-        monkeypatch.setitem(gla_config.STATE_FWD, "acc_dot", acc_dot)
-        monkeypatch.setitem(gla_config.STATE_FWD, "K_SPLIT", split)
-        got[acc_dot, split] = run(fast, inputs, do, d_final, route_grad="full")
-    for key in ((True, 1), (True, 2)):
-        for name, r in got[False, 1].items():
-            if r is not None:
-                assert rel_rms(got[key][name], r) <= 1e-6, (key, name)
 
 
 @pytest.mark.gpu

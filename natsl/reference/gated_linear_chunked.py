@@ -18,11 +18,22 @@ decay_skipped_blocks=False, S + write * (S_end - S)).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from natsl.reference.gated_delta import validate_layouts
 from natsl.reference.gated_delta_chunked import block_decay, block_writes, commit, to_blocks
 from natsl.reference.gated_linear import expand_groups
 from natsl.reference.route_grad import check_route_grad, compute_dtype, num_blocks
+
+
+def chunk_cumsum(g: torch.Tensor, block_size: int) -> torch.Tensor:
+    """gc [B,T,H] fp32: G above in g's own [B,T,H] layout, the cumulative sum of g inside each chunk of
+    `block_size` tokens (the last chunk may be partial), summed in fp32. The twin of the fast op's
+    first kernel (natsl.fast.gated_linear.cumsum.chunk_cumsum)."""
+    B, T, H = g.shape
+    NB = num_blocks(T, block_size)
+    padded = F.pad(g.float(), (0, 0, 0, NB * block_size - T))  # a padded token adds 0
+    return padded.view(B, NB, block_size, H).cumsum(2).view(B, NB * block_size, H)[:, :T].contiguous()
 
 
 def gated_linear_rule(

@@ -45,16 +45,6 @@ def mm(a, b, PREC: tl.constexpr):
 
 
 @triton.jit
-def mm_acc(a, b, acc, PREC: tl.constexpr):
-    """acc + a @ b, with acc (fp32) handed to the dot as its accumulator on the GPU: the tensor cores add
-    into it, with no separate pass over the tile (the rounding of the sum may differ from mm's + acc)."""
-    if INTERPRET:
-        return acc + mm(a, b, PREC)
-    else:
-        return tl.dot(a, b, acc, input_precision=PREC)
-
-
-@triton.jit
 def load_tile(base, r0, c0, n_rows, row_stride, N_COLS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     """Rows r0.., columns c0.. of a [n_rows, N_COLS] matrix with rows `row_stride` apart; zero outside."""
     rr = r0 + tl.arange(0, BR)

@@ -1,6 +1,7 @@
 """The op's custom-op pair with its autograd formula, and the public entry point with the reference's exact signature.
 
-Forward: gc (in-chunk cumulative log decay) -> state recurrence (h, final state) -> output.
+Forward: gc (in-chunk cumulative log decay) and write as fp32 (one kernel) -> state recurrence (h, final
+state) -> output.
 Backward: intra-chunk dV -> reverse state pass (dh, dV, d initial state) -> grad_qk (dq, dk, dg terms,
 route products). The gated-delta kernels do the chunk-parallel work with the pseudo values R = V
 (natsl/fast/gated_delta: output.chunk_output, output.local_dr, grad_qk.grad_qk); the route gradient is
@@ -16,7 +17,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 import triton
 
 from natsl.errors import NatslError
@@ -26,18 +26,11 @@ from natsl.fast.gated_delta.function import _EMPTY, BLOCK_SIZES, DTYPES, _chunk_
 from natsl.fast.gated_delta.grad_qk import grad_qk
 from natsl.fast.gated_delta.output import chunk_output, local_dr
 from natsl.fast.gated_linear import config
+from natsl.fast.gated_linear.cumsum import chunk_cumsum_and_write
 from natsl.fast.gated_linear.state import _state_fwd_kernel, state_backward, state_forward
 from natsl.reference.gated_delta import validate_layouts
 from natsl.reference.gated_linear import expand_groups
 from natsl.reference.route_grad import check_route_grad, chosen
-
-
-def chunk_cumsum(g: torch.Tensor, block_size: int) -> torch.Tensor:
-    """gc [B,T,H] fp32: the cumulative sum of g inside each chunk of `block_size` tokens."""
-    B, T, H = g.shape
-    NB = triton.cdiv(T, block_size)
-    padded = F.pad(g.float(), (0, 0, 0, NB * block_size - T))
-    return padded.view(B, NB, block_size, H).cumsum(2).view(B, NB * block_size, H)[:, :T].contiguous()
 
 
 def _expanded(q, k, heads: int):
@@ -59,14 +52,11 @@ def _forward_impl(q, k, v, g, write, initial_state, scale: float, output_final_s
                   decay_skipped_blocks: bool, route_grad: str):
     """(o, final state or empty, and what the backward reads: write as fp32, gc, h). q, k may hold
     Hk heads of v's H (expanded here, for the kernels)."""
-    B, T, H, _ = v.shape
-    q, k = _expanded(q, k, H)
-    NB = triton.cdiv(T, block_size)
+    q, k = _expanded(q, k, v.shape[2])
     prec = fp32_precision(q.dtype)
-    # a copy even when write is fp32 already: a custom op may not return (an alias of) its input
-    w32 = q.new_ones(B, NB, H, dtype=torch.float32) if write is None else write.to(torch.float32, copy=True)
     h0 = None if initial_state is None else initial_state.float().contiguous()
-    gc = chunk_cumsum(g, block_size)
+    # w32 is a new tensor even for an fp32 write: a custom op may not return (an alias of) its input
+    gc, w32 = chunk_cumsum_and_write(g, write, block_size, config.CUMSUM)
     h, final = state_forward(k, v, gc, w32, h0, output_final_state, block_size, decay_skipped_blocks, prec,
                              config.STATE_FWD)
     o = chunk_output(q, k, gc, h, v, scale, block_size, prec, config.OUTPUT)

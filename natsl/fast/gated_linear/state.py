@@ -21,7 +21,7 @@ import triton.language as tl
 
 from natsl.devices import sm_count
 from natsl.fast.gated_delta.common import (MIN_TILE, chunk_decay, dim_tile, launch_options, load_tile, load_tile_t, mm,
-                                           mm_acc, store_tile)
+                                           store_tile)
 from natsl.fast.gated_delta.state import _commit_tile, _k_tiles, _kd_tile
 
 
@@ -54,18 +54,6 @@ def _load_state(ptr, k0, v0, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     return s0, s1, s2, s3
 
 
-@triton.jit
-def _commit(s, a, k_ptr, rd, t0, k0, T, H, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
-            ACC_DOT: tl.constexpr):
-    """a S + K^T rd for one K tile (gated_delta's _commit_tile), or with ACC_DOT the decayed tile handed to
-    the dot as its accumulator (config.STATE_FWD["acc_dot"])."""
-    if ACC_DOT:
-        kt = load_tile_t(k_ptr, t0, k0, T, H * K, K, C, BK).to(rd.dtype)
-        return mm_acc(kt, rd, a * s, PREC)
-    else:
-        return _commit_tile(s, a, k_ptr, rd, t0, k0, T, H, K, C, BK, PREC)
-
-
 @triton.jit(do_not_specialize=["T", "NB"])  # one compile for every sequence length
 def _state_fwd_kernel(
     k_ptr, v_ptr, gc_ptr, write_ptr, h0_ptr, h_ptr, ht_ptr,
@@ -73,7 +61,6 @@ def _state_fwd_kernel(
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     NK_LOCAL: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, DECAY_SKIPPED: tl.constexpr, PREC: tl.constexpr,
-    ACC_DOT: tl.constexpr,
 ):
     iv = tl.program_id(0)
     bh = tl.program_id(1)
@@ -108,13 +95,13 @@ def _state_fwd_kernel(
         gc, dec, wt, a = chunk_decay(gc_ptr, write_ptr, t0, n, T, H, C, DECAY_SKIPPED)
         vv = load_tile(v_ptr, t0, v0, T, H * V, V, C, BV).to(tl.float32)
         rd = ((wt * dec)[:, None] * vv).to(vd)
-        s0 = _commit(s0, a, k_ptr, rd, t0, k0, T, H, K, C, BK, PREC, ACC_DOT)
+        s0 = _commit_tile(s0, a, k_ptr, rd, t0, k0, T, H, K, C, BK, PREC)
         if NK_LOCAL > 1:
-            s1 = _commit(s1, a, k_ptr, rd, t0, k0 + BK, T, H, K, C, BK, PREC, ACC_DOT)
+            s1 = _commit_tile(s1, a, k_ptr, rd, t0, k0 + BK, T, H, K, C, BK, PREC)
         if NK_LOCAL > 2:
-            s2 = _commit(s2, a, k_ptr, rd, t0, k0 + 2 * BK, T, H, K, C, BK, PREC, ACC_DOT)
+            s2 = _commit_tile(s2, a, k_ptr, rd, t0, k0 + 2 * BK, T, H, K, C, BK, PREC)
         if NK_LOCAL > 3:
-            s3 = _commit(s3, a, k_ptr, rd, t0, k0 + 3 * BK, T, H, K, C, BK, PREC, ACC_DOT)
+            s3 = _commit_tile(s3, a, k_ptr, rd, t0, k0 + 3 * BK, T, H, K, C, BK, PREC)
 
     if STORE_HT:
         _store_state(ht_ptr + bh.to(tl.int64) * K * V, s0, s1, s2, s3, k0, v0, K, V, BK, BV, NK_LOCAL)
@@ -243,8 +230,7 @@ def state_forward(k, v, gc, write, initial_state, output_final_state: bool, bloc
         k, v, gc, write, initial_state, h, final, T, H, NB,
         K=K, V=V, C=block_size, BK=BK, BV=BV, NK_LOCAL=NK_LOCAL,
         HAS_H0=initial_state is not None, STORE_HT=output_final_state, DECAY_SKIPPED=decay_skipped_blocks,
-        PREC=precision, ACC_DOT=bool(cfg.get("acc_dot", False)),
-        **launch_options(split_launch(cfg, split), block_size, v.dtype),
+        PREC=precision, **launch_options(split_launch(cfg, split), block_size, v.dtype),
     )
     return h, final
 
