@@ -60,6 +60,8 @@ def make_write(B, NB, H, kind, *, seed, device=DEVICE):
         return torch.zeros(B, NB, H, device=device)
     if kind == "binary":
         return torch.randint(0, 2, (B, NB, H), generator=gen).float().to(device)
+    if kind == "transposed":  # laid out [B, H, NB], viewed as [B, NB, H]: dense but not contiguous
+        return torch.rand(B, H, NB, generator=gen).to(device).transpose(1, 2)
     return torch.rand(B, NB, H, generator=gen).to(device)  # fractional: write enters linearly
 
 
@@ -125,6 +127,13 @@ def check(errors, fwd_tol, grad_tol):
 @pytest.mark.parametrize("T", [1, 37, 64, 100, 200])
 def test_fp32_matches_reference_across_lengths(T):
     check(compare(2, T, 2, 16, 32, seed=T), FP32_TOL, FP32_TOL)
+
+
+def test_a_write_mask_in_any_layout():
+    """The kernels index the fp32 write mask as contiguous [B, NB, H]: a transposed view must be read as
+    its values, forward and every gradient."""
+    assert not make_write(1, 3, 2, "transposed", seed=0).is_contiguous()
+    check(compare(1, 130, 2, 16, 32, seed=11, write_kind="transposed"), FP32_TOL, FP32_TOL)
 
 
 @pytest.mark.parametrize("write_kind", ["ones", "zeros", None, "binary"])

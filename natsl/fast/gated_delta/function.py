@@ -49,8 +49,10 @@ def _forward_impl(q, k, v, g, beta, write, initial_state, scale: float, output_f
     NB = triton.cdiv(T, block_size)
     prec = fp32_precision(q.dtype)
     wdt = torch.float32 if fp32_intermediates else q.dtype  # see config.INTERMEDIATE
-    # a copy even when write is fp32 already: a custom op may not return (an alias of) its input
-    w32 = q.new_ones(B, NB, H, dtype=torch.float32) if write is None else write.to(torch.float32, copy=True)
+    # a copy even when write is fp32 already (a custom op may not return an alias of its input), and
+    # contiguous: the kernels index it as [B, NB, H], and .to() would keep a transposed view's strides
+    w32 = (q.new_ones(B, NB, H, dtype=torch.float32) if write is None
+           else write.to(torch.float32, memory_format=torch.contiguous_format, copy=True))
     h0 = None if initial_state is None else initial_state.float().contiguous()
     gc, ai, w, u = prepare_chunks(k, v, g, beta, block_size, config.PREPARE, wdt)
     h, r, final = state_forward(w, u, k, gc, w32, h0, output_final_state, block_size, decay_skipped_blocks,
