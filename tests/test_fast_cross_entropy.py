@@ -80,6 +80,19 @@ def test_kernel_is_stable_far_from_zero_and_skips_the_gradient_without_a_scale()
     assert torch.equal(untouched, logits) and torch.equal(loss_only, loss)
 
 
+def test_kernel_reads_strided_rows_targets_and_row_scale():
+    """Every other row of a chunk, with targets and row_scale as strided views: loss and in-place
+    gradient as the reference's on the same values (the kernel reads the logits by their row stride;
+    targets and row_scale go to it contiguous)."""
+    chunk, targets, row_scale = make(14, 37, torch.float32, seed=5)
+    logits, targets, row_scale = chunk[::2], targets[::2], row_scale[::2]
+    assert not (logits.is_contiguous() or targets.is_contiguous() or row_scale.is_contiguous())
+    ref_loss, ref_grad = reference(logits, targets, row_scale)
+    work = chunk.clone()[::2]
+    loss = xent.softmax_cross_entropy_(work, targets, row_scale, block_v=16)
+    assert rel_rms(loss, ref_loss) < 1e-6 and rel_rms(work, ref_grad) < 1e-5
+
+
 def test_a_target_outside_the_vocabulary_gives_a_nan_loss_not_a_stray_read():
     logits, targets, row_scale = make(4, 40, torch.float32)
     targets[1], targets[2] = 40, -1

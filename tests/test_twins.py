@@ -60,6 +60,14 @@ def randn(*shape, seed=0, dtype=torch.float32):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype).to(DEVICE)
 
 
+def every_other(x, seed=99):
+    """x's values as every other element along the last dim of a tensor twice as wide (other random
+    values between them): a strided view, as a slice of a joined parameter or buffer is."""
+    view = torch.stack([x, randn(*x.shape, seed=seed, dtype=x.dtype)], -1).flatten(-2)[..., ::2]
+    assert torch.equal(view, x) and not view.is_contiguous()
+    return view
+
+
 def gdn_inputs(T, H=2, K=16, V=16, block_size=64):
     q = torch.nn.functional.normalize(randn(1, T, H, K, seed=1), dim=-1)
     k = torch.nn.functional.normalize(randn(1, T, H, K, seed=2), dim=-1)
@@ -204,6 +212,27 @@ def test_gla_decode_step_twins_agree(G, l2, skip, dtype):
     assert rel_rms(o.float(), o_ref.float()) < tol and rel_rms(g, g_ref) < TOL and rel_rms(s, s_ref) < tol
 
 
+@pytest.mark.parametrize("family", ["gdn_decode_step", "gla_decode_step"])
+def test_decode_steps_read_strided_per_head_vectors(family):
+    """A_log, dt_bias and D [H] as strided views (the kernels index them as contiguous): output, log
+    decay and the state (updated in place) as the reference's on contiguous copies."""
+    reference, fast = pair(family)
+    B, H, K, V = 2, 4, 16, 24
+    q, k, v, a, b = (randn(B, H * K, seed=1), randn(B, H * K, seed=2), randn(B, H * V, seed=3), randn(B, H, seed=4),
+                     randn(B, H, seed=5))
+    heads = [randn(H, seed=6) * 0.5, randn(H, seed=7), randn(H, seed=8)]  # A_log, dt_bias, D
+    start = randn(B, H, K, V, seed=9)
+    results = []
+    for fn, (A_log, dt_bias, D) in ((reference, heads), (fast, [every_other(t) for t in heads])):
+        state = start.clone()
+        if family == "gdn_decode_step":
+            o, g = fn(q, k, v, a, b, A_log, dt_bias, state, scale=0.3)
+        else:
+            o, g = fn(q, k, v, a, A_log, dt_bias, state, D=D, scale=0.3, l2=True)
+        results.append((o, g, state))
+    assert all(rel_rms(got, want) < TOL for got, want in zip(*reversed(results)))
+
+
 @pytest.mark.parametrize("T", [1, 2, 37])
 def test_conv_chunk_twins_agree(T):
     """A chunk after a cached tail (T below and above the tail's length); the tail is read only."""
@@ -285,6 +314,19 @@ def test_norm_twins_agree(rows):
                                  ("add_rms_norm", (x, r, weight, 1e-6), {})):
         reference, fast = pair(family)
         want, got = (fn(*args, **kwargs) for fn in (reference, fast))
+        for a, b in zip(*((got, want) if family == "add_rms_norm" else ((got,), (want,)))):
+            assert rel_rms(a, b) < TOL, family
+
+
+def test_norm_twins_read_a_strided_weight():
+    """The norm weight [D] as a strided view (the kernel indexes it as contiguous): as the reference
+    with a contiguous copy."""
+    x, r, weight, gate = randn(5, 48, seed=1), randn(5, 48, seed=2), randn(48, seed=3), randn(5, 48, seed=4)
+    for family, args in (("rms_norm", (x, weight, 1e-6)), ("rms_norm", (x, weight, 1e-6, gate)),
+                         ("add_rms_norm", (x, r, weight, 1e-6))):
+        reference, fast = pair(family)
+        want = reference(*args)
+        got = fast(*(every_other(a) if a is weight else a for a in args))
         for a, b in zip(*((got, want) if family == "add_rms_norm" else ((got,), (want,)))):
             assert rel_rms(a, b) < TOL, family
 

@@ -251,6 +251,12 @@ def _step_launch(tensors, state, scale, widest_tile):
     return tensors, o, g, (-(-V // BV), B * H), rows, launch
 
 
+def _per_head(*vectors):
+    """The per-head vectors [H] (A_log, dt_bias, D; None passes) contiguous: the kernels index them
+    as h, so a strided view (a slice of a joined parameter) would be read at the wrong heads."""
+    return [None if t is None else t.contiguous() for t in vectors]
+
+
 def gdn_decode_step(q, k, v, a, b, A_log, dt_bias, state, *, scale=None):
     """One GDN token from the raw post-conv projections, the state updated in place.
 
@@ -258,6 +264,7 @@ def gdn_decode_step(q, k, v, a, b, A_log, dt_bias, state, *, scale=None):
     outputs); state [B, H, K, V] (fp32, updated in place). Returns (o [B, H, V] in q's dtype,
     g [B, H] fp32: the token's log decay).
     """
+    A_log, dt_bias = _per_head(A_log, dt_bias)
     tensors, o, g, grid, rows, launch = _step_launch((q, k, v, a, b), state, scale, 64)
     _kernels()[1][grid](*tensors, A_log, dt_bias, state, o, g, state.shape[1], *rows, **launch)
     return o, g
@@ -273,6 +280,7 @@ def gla_decode_step(q, k, v, a, A_log, dt_bias, state, *, D=None, scale=None, l2
     _, H, K, V = state.shape
     G = q.shape[-1] // K
     assert q.shape[-1] == k.shape[-1] == G * K and G >= 1 and H % G == 0 and v.shape[-1] == H * V
+    A_log, dt_bias, D = _per_head(A_log, dt_bias, D)
     # V tiles of 32: twice the programs of 64-wide tiles (B*H is small at batch 1: 48 heads at 800M)
     tensors, o, g, grid, rows, launch = _step_launch((q, k, v, a), state, scale, 32)
     _kernels()[4][grid](*tensors, A_log, dt_bias, A_log if D is None else D, state, o, g, H, H // G, *rows,

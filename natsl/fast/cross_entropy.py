@@ -85,6 +85,9 @@ def softmax_cross_entropy_(logits: torch.Tensor, targets: torch.Tensor,
     loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
     if rows:
         write = row_scale is not None
-        _softmax_xent_kernel[(rows,)](logits, targets.contiguous(), row_scale if write else loss, loss, vocab,
+        # targets and row_scale contiguous: the kernel reads them at `row`, so a strided view (a slice) would be
+        # read at the wrong rows; the logits go by their row stride
+        scale = row_scale.contiguous() if write else loss
+        _softmax_xent_kernel[(rows,)](logits, targets.contiguous(), scale, loss, vocab,
                                       logits.stride(0), WRITE_GRAD=write, BLOCK_V=block, num_warps=NUM_WARPS)
     return loss

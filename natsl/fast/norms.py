@@ -97,6 +97,8 @@ def _launch_rms(xr, weight, g, y, rr, total, eps, has_gate: bool, mean: bool) ->
     block = max(16, next_pow2(D))
     rows_per_program = RMS_LAUNCH.get("rows", max(1, min(16, 2048 // block)))  # tiles of about 2048 values
     warps = RMS_LAUNCH.get("warps", 4 if block <= 2048 else 8)
+    if weight is not None:  # the kernel reads it at cols: a strided view (a slice) would give wrong values
+        weight = weight.contiguous()
     _kernel()[(-(-n // rows_per_program),)](
         xr, weight if weight is not None else xr, g, y, rr if rr is not None else xr,
         total if total is not None else y, n, D, float(eps), HAS_W=weight is not None,
