@@ -155,6 +155,14 @@ def test_without_initial_or_final_state():
 
 
 def test_block_size_128_and_head_dims_not_powers_of_two():
+    if DEVICE == "cuda":  # the GPU runs 128-token chunks forward only (the backward is refused: too much shared memory)
+        q, k, v, g, beta = make_inputs(1, 300, 2, 24, 40, seed=17)
+        write = make_write(1, 3, 2, "random", seed=18)
+        with torch.no_grad():
+            got, want = (fn(q, k, v, g, beta, write, output_final_state=True, block_size=128)
+                         for fn in (gated_delta_rule, reference))
+        check({"o": rel_rms(got[0], want[0]), "final": rel_rms(got[1], want[1])}, FP32_TOL, FP32_TOL)
+        return
     check(compare(1, 300, 2, 24, 40, seed=17, block_size=128), FP32_TOL, FP32_TOL)
 
 

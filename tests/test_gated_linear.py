@@ -125,7 +125,7 @@ def test_reference_is_the_recurrence_with_the_commit():
     """The reference against the formula written out: two blocks, the second's write dropped."""
     inputs, _, _ = make_inputs(1, 6, 1, 3, 2, seed=11, write_kind=None)
     q, k, v, g, s0 = (inputs[n].double() for n in ("q", "k", "v", "g", "initial_state"))
-    write = torch.tensor([[[1.0], [0.0]]], dtype=torch.float64)
+    write = torch.tensor([[[1.0], [0.0]]], dtype=torch.float64, device=q.device)
     o, final = reference(q, k, v, g, write, initial_state=s0, output_final_state=True, block_size=3, scale=0.5)
     state, outs = s0[0, 0], []
     for t in range(6):
@@ -184,6 +184,12 @@ def test_fast_without_initial_state_block_128_and_odd_dims():
     """No initial state, 128-token chunks, K = 80 (two K tiles, the last masked) and V = 40, scale 1."""
     inputs, do, d_final = make_inputs(1, 300, 1, 80, 40, seed=19, with_h0=False, block_size=128)
     kw = dict(block_size=128, scale=1.0, route_grad="full")
+    if DEVICE == "cuda":  # the GPU runs 128-token chunks forward only (the backward is refused: too much shared memory)
+        with torch.no_grad():
+            got, want = (fn(*(inputs[n] for n in ("q", "k", "v", "g", "write")), output_final_state=True, **kw)
+                         for fn in (fast, chunked))
+        check({"o": rel_rms(got[0], want[0]), "final": rel_rms(got[1], want[1])}, FP32_TOL, FP32_TOL)
+        return
     check(errors(fast, chunked, inputs, do, d_final, **kw), FP32_TOL, FP32_TOL)
 
 
