@@ -17,7 +17,8 @@ default (batch, length) points. Before timing, every provider's output at a poin
 the first provider's that ran there (relative RMS, forward output). `--sweep` times natsl_fast under
 each of the op's other launch settings too, each checked against the default's output. `--graph` times
 forwards as CUDA graph replays, so that a small op whose Python launch cost exceeds its GPU time is
-measured by the GPU's time, as it runs inside a model compiled with CUDA graphs.
+measured by the GPU's time, as it runs inside a model compiled with CUDA graphs. `--profile` adds each
+provider's slowest kernels per call (torch.profiler; operators on the CPU) to the table's log and the JSON.
 Results: OUT/ops_<op>.json and .png (median ms per provider; the table also gives each provider's
 time over the first provider's).
 """
@@ -522,6 +523,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch", type=int, help="replace the op's default batch sizes")
     parser.add_argument("--keep", type=float, nargs="+", default=[1.0, 0.5, 0.25], help="routed_attention's keep fractions")
     parser.add_argument("--sweep", action="store_true", help="also time natsl_fast under the op's other launch settings")
+    parser.add_argument("--profile", action="store_true",
+                        help="also trace each provider's call (torch.profiler) and list its slowest kernels, ms per call")
     parser.add_argument("--graph", action="store_true",
                         help="time forwards as CUDA graph replays: the GPU's time without Python's launch cost, as a "
                              "model compiled with CUDA graphs runs the op (fwdbwd is timed as usual)")
@@ -598,6 +601,47 @@ def time_call(call: Call, mode: str, cuda: bool, graph: bool = False) -> float:
                           cuda=cuda)
 
 
+PROFILE_CALLS = 10  # calls per --profile trace; kernel times are per call
+
+
+def kernel_breakdown(call: Call, mode: str, cuda: bool, top: int = 8) -> list[dict]:
+    """The `top` kernels (CUDA) or operators (CPU) of one call by their time, from torch.profiler over
+    PROFILE_CALLS calls after a warm-up: [{name, ms, count}] per call, as --profile prints them."""
+    torch = _torch()
+    from torch.profiler import ProfilerActivity, profile
+
+    if mode == "fwd":
+        def step():
+            with torch.no_grad():
+                call.fn(*call.args)
+    else:
+        leaves = [g.detach().requires_grad_() for g in call.grads]
+        index = {id(g): i for i, g in enumerate(call.grads)}
+        args = [leaves[index[id(a)]] if id(a) in index else a for a in call.args]
+
+        def step():
+            out = call.out(call.fn(*args))
+            torch.autograd.grad(out, leaves, torch.ones_like(out))
+    step()
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as trace:
+        for _ in range(PROFILE_CALLS):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+    # CUDA: the device's own events (kernels, copies), not the CPU operators that launched them; CPU: operators
+    if cuda:
+        from torch.autograd import DeviceType
+
+        events = [(e.key, e.device_time_total, e.count) for e in trace.key_averages()
+                  if e.device_type == DeviceType.CUDA]
+    else:
+        events = [(e.key, e.self_cpu_time_total, e.count) for e in trace.key_averages()]
+    events.sort(key=lambda e: -e[1])
+    return [{"name": k[:120], "ms": t / 1000 / PROFILE_CALLS, "count": c / PROFILE_CALLS} for k, t, c in events[:top]]
+
+
 def forward_output(call: Call):
     torch = _torch()
     with torch.no_grad():
@@ -632,6 +676,8 @@ def run_point(op: Op, point: Point, providers: list[str], mode: str, args, devic
                         elif out.shape == first[1].shape:
                             row[f"rel_rms_vs_{first[0]}"] = common.rel_rms(out.float(), first[1].float())
                     row["ms"] = time_call(call, mode, cuda, graph=getattr(args, "graph", False))
+                    if getattr(args, "profile", False) and not call.graph:
+                        row["kernels"] = kernel_breakdown(call, mode, cuda)
             except Skip as why:
                 print(f"skip {op.name} {provider} {mode} at {point.label}: {why}", flush=True)
                 break
@@ -642,6 +688,8 @@ def run_point(op: Op, point: Point, providers: list[str], mode: str, args, devic
             rows.append(row)
             result = f"{row['ms']:.4g} ms" if "ms" in row else row["error"]
             print(f"{op.name} {mode} {point.label} {provider} [{row['setting']}]: {result}", flush=True)
+            for kernel in row.get("kernels", []):
+                print(f"    {kernel['ms']:.4f} ms x{kernel['count']:g}  {kernel['name']}", flush=True)
     base_ms = next((r["ms"] for r in rows if "ms" in r), None)
     for r in rows:
         if "ms" in r and base_ms:

@@ -322,6 +322,25 @@ def test_graph_times_forwards_by_replay_and_leaves_fwdbwd_alone(monkeypatch):
     assert len(seen) == 1
 
 
+def test_profile_lists_each_calls_slowest_operators(tmp_path, capsys):
+    """--profile: every timed row carries its slowest kernels (operators on the CPU), per call, slowest first,
+    forward and forward + backward, and the log prints them under the row."""
+    args = ops.parse(["--op", "gated_linear", "--provider", "natsl_reference", "--shapes", "tiny", "--lengths", "70",
+                      "--mode", "fwd,fwdbwd", "--device", "cpu", "--profile", "--out", str(tmp_path)])
+    rows = ops.run(args)["gated_linear"]
+    assert [r["mode"] for r in rows] == ["fwd", "fwdbwd"]
+    for row in rows:
+        kernels = row["kernels"]
+        assert 0 < len(kernels) <= 8 and all(k["ms"] > 0 and k["count"] > 0 for k in kernels)
+        assert [k["ms"] for k in kernels] == sorted((k["ms"] for k in kernels), reverse=True)
+    # the backward's trace holds more than the forward's: its matmuls run more often per call
+    bmm = {r["mode"]: next(k["count"] for k in r["kernels"] if k["name"] == "aten::bmm") for r in rows}
+    assert bmm["fwdbwd"] > bmm["fwd"]
+    assert f"x{rows[0]['kernels'][0]['count']:g}  {rows[0]['kernels'][0]['name']}" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "ops_gated_linear.json").read_text())["rows"]
+    assert saved[0]["kernels"] == rows[0]["kernels"]
+
+
 def test_graph_is_recorded_in_the_result(tmp_path):
     args = ops.parse(["--op", "gated_linear", "--provider", "natsl_reference", "--shapes", "tiny", "--lengths", "16",
                       "--mode", "fwd", "--device", "cpu", "--graph", "--out", str(tmp_path)])
