@@ -341,6 +341,22 @@ def test_profile_lists_each_calls_slowest_operators(tmp_path, capsys):
     assert saved[0]["kernels"] == rows[0]["kernels"]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_profile_and_graph_time_the_kernels(tmp_path):
+    """On CUDA, --profile lists the device's kernels (the SSD forward's three Triton kernels, not the CPU
+    operators that launched them), and --graph's replay time is at most the launch-bound time plus noise."""
+    base = ["--op", "gated_linear", "--provider", "natsl_fast", "--shapes", "tiny", "--lengths", "4096", "--batch", "1",
+            "--mode", "fwd", "--out", str(tmp_path)]
+    row = ops.run(ops.parse(base + ["--profile"]))["gated_linear"][0]
+    names = [k["name"] for k in row["kernels"]]
+    assert {"_chunk_cumsum_kernel", "_state_fwd_kernel", "_output_kernel"} <= set(names), names
+    assert not any(n.startswith("aten::") for n in names)
+    assert all(k["count"] == 1 for k in row["kernels"] if k["name"].endswith("_kernel"))  # per call
+    graphed = ops.run(ops.parse(base + ["--graph"]))["gated_linear"][0]
+    assert 0 < graphed["ms"] <= 1.2 * row["ms"]
+
+
 def test_graph_is_recorded_in_the_result(tmp_path):
     args = ops.parse(["--op", "gated_linear", "--provider", "natsl_reference", "--shapes", "tiny", "--lengths", "16",
                       "--mode", "fwd", "--device", "cpu", "--graph", "--out", str(tmp_path)])
