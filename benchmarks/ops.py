@@ -581,6 +581,13 @@ def enumerate_cases(args) -> list[tuple[str, str, str]]:
 GRAPH_CALLS = 10  # forwards per captured graph under --graph
 
 
+def differentiable_args(call: Call) -> tuple[list, list]:
+    """(leaves, args): fresh leaves requiring grad for the call's `grads`, and its args with those in place."""
+    index = {id(g): i for i, g in enumerate(call.grads)}
+    leaves = [g.detach().requires_grad_() for g in call.grads]
+    return leaves, [leaves[index[id(a)]] if id(a) in index else a for a in call.args]
+
+
 def time_call(call: Call, mode: str, cuda: bool, graph: bool = False) -> float:
     torch = _torch()
     if call.graph and cuda:
@@ -593,9 +600,7 @@ def time_call(call: Call, mode: str, cuda: bool, graph: bool = False) -> float:
     if mode == "fwd":
         with torch.no_grad():
             return common.time_ms(lambda: call.fn(*call.args), cuda=cuda)
-    index = {id(g): i for i, g in enumerate(call.grads)}
-    leaves = [g.detach().requires_grad_() for g in call.grads]
-    args = [leaves[index[id(a)]] if id(a) in index else a for a in call.args]
+    leaves, args = differentiable_args(call)
     dout = torch.randn_like(call.out(call.fn(*args)))
     return common.time_ms(lambda: torch.autograd.grad(call.out(call.fn(*args)), leaves, dout), grad_to_none=leaves,
                           cuda=cuda)
@@ -615,9 +620,7 @@ def kernel_breakdown(call: Call, mode: str, cuda: bool, top: int = 8) -> list[di
             with torch.no_grad():
                 call.fn(*call.args)
     else:
-        leaves = [g.detach().requires_grad_() for g in call.grads]
-        index = {id(g): i for i, g in enumerate(call.grads)}
-        args = [leaves[index[id(a)]] if id(a) in index else a for a in call.args]
+        leaves, args = differentiable_args(call)
 
         def step():
             out = call.out(call.fn(*args))
@@ -675,8 +678,8 @@ def run_point(op: Op, point: Point, providers: list[str], mode: str, args, devic
                             first = (provider, out)
                         elif out.shape == first[1].shape:
                             row[f"rel_rms_vs_{first[0]}"] = common.rel_rms(out.float(), first[1].float())
-                    row["ms"] = time_call(call, mode, cuda, graph=getattr(args, "graph", False))
-                    if getattr(args, "profile", False) and not call.graph:
+                    row["ms"] = time_call(call, mode, cuda, graph=args.graph)
+                    if args.profile and not call.graph:
                         row["kernels"] = kernel_breakdown(call, mode, cuda)
             except Skip as why:
                 print(f"skip {op.name} {provider} {mode} at {point.label}: {why}", flush=True)
