@@ -84,7 +84,7 @@ def test_training_logs_to_wandb_offline(tmp_path, monkeypatch, natsl_cache_dir):
     run = tiny_run(tmp_path, "wandb")
     (path,) = (tmp_path / "wandb_dir" / "wandb").glob("offline-run-*/run-*.wandb")  # WANDB_DIR is honoured
     # wandb's service process writes the file; on a loaded machine it may still be flushing when finish()
-    # has returned (an empty history once in a full parallel run), so wait for it, briefly
+    # has returned, so wait for the records, briefly
     deadline, history = time.monotonic() + 60, []
     while len(history) < 2 and time.monotonic() < deadline:
         try:
