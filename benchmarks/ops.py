@@ -450,8 +450,8 @@ REGISTRY = {op.name: op for op in (
        sweep=("natsl.fast.gated_linear.config", _settings(
            STATE_FWD=[{"BV": 32}, {"BV": 32, "K_SPLIT": 1}, {"BV": 16}, {"num_stages": 2}, {"K_SPLIT": 1},
                       {"K_SPLIT": 2}, {"K_SPLIT": 4}, {"num_warps": 8}, {"num_stages": 4}, {"num_stages_split": 3},
-                      {"num_stages_split": 5}],
-           STATE_BWD=[{"BV": 64}, {"BV": 16}],
+                      {"num_stages_split": 5}, {"num_warps_split": 4}],
+           STATE_BWD=[{"BV": 64}, {"BV": 16}], CUMSUM=[{"BH": 8}, {"BH": 32}, {"num_warps": 1}, {"num_warps": 4}],
            OUTPUT=[{"BV": 32}, {"num_warps": 8}, {"num_stages": 3}, {"num_stages": 1}],
            LOCAL_DV=[{"BV": 32}], GRAD_QK=[{"num_warps": 8}, {"BV": 64}]))),
     Op("routed_attention", {"natsl_fast": routed_natsl("fast"), "natsl_reference": routed_natsl("chunked"),

@@ -67,8 +67,8 @@ def test_fused_mix_matches_the_formula(dtype, b, t, heads, d, monkeypatch):
 
 @pytest.mark.parametrize("settings", [{"BLOCK_ROWS": 16, "num_warps": 8}, {"BLOCK_ROWS": 64, "num_stages": 2}])
 def test_fused_mix_backward_settings_give_the_same_gradients(settings, monkeypatch):
-    """Other backward launch settings (`python -m benchmarks.ops --op mix --sweep`): the per-row gradients bitwise equal, the
-    norm weights' (summed in another order) within fp32 rounding."""
+    """Other backward launch settings (`python -m benchmarks.ops --op mix --sweep`): the per-row gradients bitwise equal
+    (on a GPU within fp32 rounding), the norm weights' (summed in another order) within fp32 rounding."""
     monkeypatch.setattr(mix, "sm_count", lambda device: 1)
     inputs, dout = make_inputs(2, 37, 3, 32, torch.float32)
     _, default = run(lambda *xs: mix.mix_branches(*xs, 1e-6), inputs, dout)
@@ -78,6 +78,8 @@ def test_fused_mix_backward_settings_give_the_same_gradients(settings, monkeypat
     for name, a, b in zip(NAMES, other, default):
         if name.endswith("weight"):
             assert rel_rms(a, b) < 1e-6, name
+        elif DEVICE == "cuda":  # other num_warps split a row's sums across warps: another order on the GPU
+            assert rel_rms(a, b) < 1e-6, (name, rel_rms(a, b))
         else:
             assert torch.equal(a, b), name
 

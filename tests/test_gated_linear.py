@@ -350,10 +350,13 @@ def test_k_split_default_is_automatic():
     assert gla_config.STATE_FWD["K_SPLIT"] == 0
 
 
-def test_a_split_forward_launches_with_its_own_pipeline_depth():
+def test_a_split_forward_launches_with_its_own_pipeline_depth_and_warps():
     cfg = {"BV": 64, "num_warps": 4, "num_stages": 3, "num_stages_split": 4}
     assert gla_state.split_launch(cfg, 2)["num_stages"] == 4 and gla_state.split_launch(cfg, 1)["num_stages"] == 3
     assert gla_state.split_launch({"num_warps": 4, "num_stages": 3}, 2)["num_stages"] == 3  # no key: as before
+    warps = {**cfg, "num_warps_split": 8}
+    assert gla_state.split_launch(warps, 2)["num_warps"] == 8 and gla_state.split_launch(warps, 1)["num_warps"] == 4
+    assert gla_state.split_launch(cfg, 2)["num_warps"] == 4
     assert cfg["num_stages"] == 3  # the config itself untouched
 
 

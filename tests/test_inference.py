@@ -165,8 +165,9 @@ def test_committed_kv_holds_exactly_the_kept_blocks(chunks, fused, monkeypatch, 
 
     if fused and not torch.cuda.is_available() and not triton_interpreted():
         pytest.skip("needs CUDA or the Triton interpreter")
-    model = tiny_model("chunked", **LAYOUTS["natsl"])
-    ids = torch.randint(0, 1024, (2, 70), generator=torch.Generator().manual_seed(4))
+    device = "cuda" if fused and torch.cuda.is_available() else "cpu"  # on a GPU: the compiled kernels
+    model = tiny_model("chunked", **LAYOUTS["natsl"]).to(device)
+    ids = torch.randint(0, 1024, (2, 70), generator=torch.Generator().manual_seed(4)).to(device)
     with torch.no_grad():
         expected = softmax_kv_of_full_forward(model, ids)
         use_switches(force_fused_inference=fused)
@@ -436,9 +437,10 @@ def test_fused_inference_kernels_equal_the_full_forward(layout, monkeypatch, use
     if not torch.cuda.is_available() and not triton_interpreted():
         pytest.skip("needs CUDA or the Triton interpreter")
     name, _, intra = layout.partition("-intra-")
-    model = tiny_model(**LAYOUTS[name], **({"intra_block_output": intra} if intra else {}))
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU: the compiled kernels
+    model = tiny_model(**LAYOUTS[name], **({"intra_block_output": intra} if intra else {})).to(device)
     torch.manual_seed(1)
-    ids = torch.randint(0, model.config.vocab_size, (2, 40))
+    ids = torch.randint(0, model.config.vocab_size, (2, 40)).to(device)
     with torch.no_grad():
         full = model(ids)
         use_switches(force_fused_inference=True)

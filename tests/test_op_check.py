@@ -12,6 +12,9 @@ import natsl
 from natsl.fast import op_check
 
 NS = "natsl_opcheck_test"
+# The tests that run natsl's fast (Triton) ops run them on the GPU where there is one, else on the CPU under
+# Triton's interpreter (tests/conftest.py); the made-to-misbehave test ops below stay on the CPU.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @torch.library.custom_op(f"{NS}::nan_maker", mutates_args=())
@@ -152,10 +155,10 @@ def test_install_from_env_wraps_the_fast_ops_and_routes_eager_calls_through_them
                 "short_conv_forward", "gated_linear_forward"} <= names
         assert eager._compiling()
         g = torch.Generator().manual_seed(0)
-        o_la, o_nla, gate = (torch.randn(1, 3, 2 * 16, generator=g) for _ in range(3))
+        o_la, o_nla, gate = (torch.randn(1, 3, 2 * 16, generator=g).to(DEVICE) for _ in range(3))
         o_la[0, 1, 0] = float("nan")
-        logits = torch.randn(1, 3, 2, 2, generator=g)
-        w1, w2 = torch.ones(16), torch.ones(16)
+        logits = torch.randn(1, 3, 2, 2, generator=g).to(DEVICE)
+        w1, w2 = torch.ones(16, device=DEVICE), torch.ones(16, device=DEVICE)
         mix_branches(o_la.view(1, 3, 2, 16), o_nla.view(1, 3, 2, 16), logits, gate, w1, w2, 1e-6)
     finally:
         op_check.uninstall()
@@ -187,12 +190,14 @@ def test_the_trainer_installs_it_from_the_variable(tmp_path, monkeypatch):
 
 
 def test_a_checked_fast_model_trains_as_an_unchecked_one():
-    """The fast NAtS-L Hybrid (Triton's interpreter on the CPU), forward and backward, with the checks on:
-    eager calls then go through the custom ops, with the same outputs and gradients, and nothing to report."""
+    """The fast NAtS-L Hybrid (on the GPU, else Triton's interpreter on the CPU), forward and backward, with
+    the checks on: eager calls then go through the custom ops, with the same outputs and gradients (the same
+    kernels on the same inputs: bitwise, on either device), and nothing to report."""
     from test_inference import LAYOUTS, tiny_model
 
-    model = tiny_model("fast", **LAYOUTS["natsl_hybrid"], block_size=64).train()
-    ids = torch.randint(0, 1024, (1, 70), generator=torch.Generator().manual_seed(0))
+    # initialised and drawn on the CPU, then moved: the same weights and tokens on either device
+    model = tiny_model("fast", **LAYOUTS["natsl_hybrid"], block_size=64).to(DEVICE).train()
+    ids = torch.randint(0, 1024, (1, 70), generator=torch.Generator().manual_seed(0)).to(DEVICE)
 
     def step():
         model.zero_grad()

@@ -237,11 +237,13 @@ def state_forward(k, v, gc, write, initial_state, output_final_state: bool, bloc
 
 def split_launch(cfg: dict, split: int) -> dict:
     """The forward's launch settings for a split: with the K rows split (small batches, few programs) its
-    `num_stages_split` pipeline depth, else `num_stages` (docs/performance.md: a deeper prefetch of the
-    next chunk's K and V paid at batch 1 and cost at 8 x 4K)."""
-    if split > 1 and "num_stages_split" in cfg:
-        return {**cfg, "num_stages": cfg["num_stages_split"]}
-    return cfg
+    `num_stages_split` pipeline depth and `num_warps_split` warps where the dict has them, else
+    `num_stages` and `num_warps` (docs/performance.md: a deeper prefetch of the next chunk's K and V paid
+    at batch 1 and cost at 8 x 4K)."""
+    if split <= 1:
+        return cfg
+    return {**cfg, "num_stages": cfg.get("num_stages_split", cfg["num_stages"]),
+            "num_warps": cfg.get("num_warps_split", cfg["num_warps"])}
 
 
 def state_backward(q, k, gc, write, do, dv_local, d_final, want_dh0: bool, scale: float, block_size: int,
