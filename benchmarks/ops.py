@@ -6,7 +6,7 @@
     python -m benchmarks.ops --list                                                     # the registry
 
 Ops: gated_delta, gated_linear (Mamba2's SSD), routed_attention, short_conv, mix, cross_entropy, decode_attention, gemv, pointwise.
-Providers: natsl_fast (the Triton path), natsl_fast_dense (gated_linear without a write mask, as fla
+Providers: natsl_fast (the Triton path), natsl_fast_dense (gated_delta, gated_linear without a write mask, as fla
 runs it), natsl_reference (natsl's PyTorch path: the chunked GDN, the
 dense routed attention, the model's pointwise formulas -- compiled on CUDA), fla
 (flash-linear-attention), sdpa_flash and sdpa_cudnn (causal SDPA with that backend), cublas
@@ -14,7 +14,9 @@ dense routed attention, the model's pointwise formulas -- compiled on CUDA), fla
 with one line. `--shapes` takes recipe names or paths (800m = 800m_hybrid, 380m = 380m_hybrid, tiny =
 tiny_hybrid): the op's tensors take that model's widths; `--lengths` / `--batch` replace the op's
 default (batch, length) points. Before timing, every provider's output at a point is compared with
-the first provider's that ran there (relative RMS, forward output). `--sweep` times natsl_fast under
+the first provider's that ran there (relative RMS, forward output; in fwdbwd also the worst of the
+gradients, for one fixed upstream gradient). `--fla-unguarded` runs fla's backward where its issue-640
+guard would refuse it (Hopper, Triton 3.4-3.7.0): the gradient comparison then says whether it computed. `--sweep` times natsl_fast under
 each of the op's other launch settings too, each checked against the default's output. `--graph` times
 forwards as CUDA graph replays, so that a small op whose Python launch cost exceeds its GPU time is
 measured by the GPU's time, as it runs inside a model compiled with CUDA graphs. `--profile` adds each
@@ -114,21 +116,37 @@ def gdn_inputs(p: Point, device, dtype):
             "write": torch.randint(0, 2, (B, -(-T // m.block_size), H), device=device).float()}
 
 
-def gdn_natsl(backend):
+def gdn_natsl(backend, masked=True):
     def build(x, p, mode):
         import natsl.ops
 
         if backend == "fast":
             _needs_cuda(x["q"].device)
-        args = [x["q"], x["k"], x["v"], x["g"], x["beta"], x["write"]]
-        return Call(lambda *a: natsl.ops.gated_delta_rule(*a, block_size=p.model.block_size, backend=backend)[0],
-                    args, grads=args[:5])
+        args = [x["q"], x["k"], x["v"], x["g"], x["beta"]]
+        write = x["write"] if masked else None
+        return Call(lambda *a: natsl.ops.gated_delta_rule(*a, write, block_size=p.model.block_size,
+                                                          backend=backend)[0], args, grads=args)
     return build
+
+
+def fla_ops(name: str, mode: str):
+    """flash-linear-attention's op module; its backward on Hopper with Triton 3.4-3.7.0 refuses to run (its
+    issue 640: a miscompiled gated dq/dk/dg kernel) unless --fla-unguarded lifted that guard."""
+    module = _module(name, "flash-linear-attention")
+    if mode == "fwdbwd" and FLA_UNGUARDED:
+        import natsl.fast  # noqa: F401 - pins the ptxas (natsl/fast/toolchain.py) before fla's kernels compile
+        from fla.ops.common import chunk_o
+
+        chunk_o.TRITON_ABOVE_3_7_1 = True  # the guard's only condition this process can change
+    return module
+
+
+FLA_UNGUARDED = False  # set by --fla-unguarded
 
 
 def gdn_fla(x, p, mode):
     _needs_cuda(x["q"].device)
-    fla = _module("fla.ops.gated_delta_rule", "flash-linear-attention")
+    fla = fla_ops("fla.ops.gated_delta_rule", mode)
     args = [x["q"], x["k"], x["v"], x["g"], x["beta"]]
     # FLA's rule has no write mask: every block writes (the dense work natsl's mask can only reduce)
     return Call(lambda *a: fla.chunk_gated_delta_rule(*a, scale=p.model.head_k_dim ** -0.5)[0], args, grads=args)
@@ -426,7 +444,7 @@ def gla_natsl(backend, masked=True):
 
 def gla_fla(x, p, mode):
     _needs_cuda(x["q"].device)
-    fla = _module("fla.ops.simple_gla", "flash-linear-attention")
+    fla = fla_ops("fla.ops.simple_gla", mode)
     args = [x["q"], x["k"], x["v"], x["g"]]
     # FLA's chunk_simple_gla has no write mask: every block writes (compare natsl_fast_dense)
     return Call(lambda *a: fla.chunk_simple_gla(*a, scale=1.0)[0], args, grads=args)
@@ -438,7 +456,8 @@ def _settings(**groups) -> list[dict]:
 
 
 REGISTRY = {op.name: op for op in (
-    Op("gated_delta", {"natsl_fast": gdn_natsl("fast"), "natsl_reference": gdn_natsl("chunked"), "fla": gdn_fla},
+    Op("gated_delta", {"natsl_fast": gdn_natsl("fast"), "natsl_fast_dense": gdn_natsl("fast", masked=False),
+                       "natsl_reference": gdn_natsl("chunked"), "fla": gdn_fla},
        gdn_inputs,
        sweep=("natsl.fast.gated_delta.config", _settings(
            PREPARE=[{"num_warps": 4}], STATE_FWD=[{"num_stages": 2}, {"BV_WIDE": 32}],
@@ -453,7 +472,7 @@ REGISTRY = {op.name: op for op in (
                       {"num_stages_split": 5}, {"num_warps_split": 4}],
            STATE_BWD=[{"BV": 64}, {"BV": 16}], CUMSUM=[{"BH": 8}, {"BH": 32}, {"num_warps": 1}, {"num_warps": 4}],
            OUTPUT=[{"BV": 32}, {"num_warps": 8}, {"num_stages": 3}, {"num_stages": 1}],
-           LOCAL_DV=[{"BV": 32}], GRAD_QK=[{"num_warps": 8}, {"BV": 64}]))),
+           DV=[{"BV": 32}, {"num_warps": 8}], GRAD_QK=[{"num_warps": 8}, {"BV": 64}]))),
     Op("routed_attention", {"natsl_fast": routed_natsl("fast"), "natsl_reference": routed_natsl("chunked"),
                             "sdpa_flash": sdpa("FLASH_ATTENTION"), "sdpa_cudnn": sdpa("CUDNN_ATTENTION")},
        routed_inputs, variants=keep_variants,
@@ -528,6 +547,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--graph", action="store_true",
                         help="time forwards as CUDA graph replays: the GPU's time without Python's launch cost, as a "
                              "model compiled with CUDA graphs runs the op (fwdbwd is timed as usual)")
+    parser.add_argument("--fla-unguarded", action="store_true",
+                        help="run flash-linear-attention's backward where its issue-640 guard refuses it (Hopper, "
+                             "Triton 3.4-3.7.0), under the ptxas natsl pins; fwdbwd compares every gradient with the "
+                             "first provider's, so a miscompile shows in the table")
     parser.add_argument("--device", default=None, help="cuda (default where present) or cpu")
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on CUDA, fp32 on the CPU")
     parser.add_argument("--list", action="store_true", help="print the registry and exit")
@@ -652,6 +675,17 @@ def forward_output(call: Call):
     return call.out(result() if callable(result) else result)
 
 
+def gradients(call: Call) -> list:
+    """The gradients of the call's `grads` for an upstream gradient drawn from a fixed seed (the same for
+    every provider at a point), so that providers' backwards can be compared."""
+    torch = _torch()
+    leaves, args = differentiable_args(call)
+    out = call.out(call.fn(*args))
+    gen = torch.Generator(device=out.device).manual_seed(1)
+    dout = torch.randn(out.shape, generator=gen, device=out.device, dtype=out.dtype)
+    return list(torch.autograd.grad(out, leaves, dout))
+
+
 def run_point(op: Op, point: Point, providers: list[str], mode: str, args, device, dtype) -> list[dict]:
     """Every provider (and with --sweep natsl_fast's settings) at one point: rows of median ms."""
     torch = _torch()
@@ -674,10 +708,15 @@ def run_point(op: Op, point: Point, providers: list[str], mode: str, args, devic
                     call = op.providers[provider](inputs, point, mode)
                     if not call.graph:
                         out = forward_output(call)
+                        grads = gradients(call) if mode == "fwdbwd" else []
                         if first is None:
-                            first = (provider, out)
+                            first = (provider, out, grads)
                         elif out.shape == first[1].shape:
                             row[f"rel_rms_vs_{first[0]}"] = common.rel_rms(out.float(), first[1].float())
+                            if grads and [g.shape for g in grads] == [g.shape for g in first[2]]:
+                                # the worst of the gradients: one wrong kernel of a backward shows here
+                                row[f"grad_rel_rms_vs_{first[0]}"] = max(
+                                    common.rel_rms(a.float(), b.float()) for a, b in zip(grads, first[2]))
                     row["ms"] = time_call(call, mode, cuda, graph=args.graph)
                     if args.profile and not call.graph:
                         row["kernels"] = kernel_breakdown(call, mode, cuda)
@@ -731,7 +770,8 @@ def run(args) -> dict:
                 groups.setdefault(f"{r['shape']} {r['mode']}", {})[
                     r["provider"] + ("" if r["setting"] == "default" else f" [{r['setting']}]")] = r["ms"]
         common.bar_png(f"{args.out}/ops_{name}.png", groups, "median ms", f"{name} on {device}, {dtype}")
-        print(common.table(rows, ["shape", "mode", "provider", "setting", "ms", "x_first"]))
+        compared = sorted({k for r in rows for k in r if k.startswith(("rel_rms_vs_", "grad_rel_rms_vs_"))})
+        print(common.table(rows, ["shape", "mode", "provider", "setting", "ms", "x_first", *compared]))
     return results
 
 
@@ -745,10 +785,12 @@ def describe() -> str:
 
 
 def main(argv=None) -> None:
+    global FLA_UNGUARDED
     args = parse(argv)
     if args.list:
         print(describe())
         return
+    FLA_UNGUARDED = args.fla_unguarded
     run(args)
 
 

@@ -46,8 +46,9 @@ from natsl.training.loss import linear_cross_entropy
 from natsl.training.optim import build_optimizer, clip_and_step, fold_clip_requested, no_decay_names
 from natsl.training.trainer import HiddenStates
 
+# the gated-delta kernels and the gated linear rule's own (Mamba2's SSD), which shares most of them
 GDN_KERNELS = ("_prepare_kernel", "_state_fwd_kernel", "_output_kernel", "_local_dr_kernel", "_state_bwd_kernel",
-               "_grad_qk_kernel", "_grad_wy_kernel")
+               "_grad_qk_kernel", "_grad_wy_kernel", "_dv_kernel", "_chunk_cumsum_kernel")
 ROUTED_KERNELS = ("_forward_kernel", "_dq_kernel", "_dkdv_kernel", "_row_delta_kernel", "_block_lists_kernel")
 # Kernel names as the profiler reports them (matched as text, never imported)
 SHORT_CONV_KERNELS = ("_conv_fwd_kernel", "_conv_bwd_kernel", "_conv_dx_kernel", "_conv_bwd_walk_kernel",

@@ -82,7 +82,7 @@ def test_the_registry_holds_every_op_and_its_points_take_the_recipes_widths():
     gemv = ops.points(ops.REGISTRY["gemv"], args)
     assert {(p.batch, p.length) for p in gemv} == {(2, 7)}
     assert {"product": "lm head", "N": 32000, "K": 1536} in [p.variant for p in gemv]
-    assert "gated_delta: providers natsl_fast, natsl_reference, fla" in ops.describe()
+    assert "gated_delta: providers natsl_fast, natsl_fast_dense, natsl_reference, fla" in ops.describe()
 
 
 def test_a_sweep_setting_is_applied_and_then_restored():
@@ -125,7 +125,26 @@ def test_providers_of_one_point_are_compared_with_the_first():
     rows = ops.run_point(op, point, ["natsl_reference", "natsl_fast"], "fwdbwd", args, torch.device("cpu"),
                          torch.float32)
     assert rows[1]["rel_rms_vs_natsl_reference"] == pytest.approx(0.25)
+    assert rows[1]["grad_rel_rms_vs_natsl_reference"] == pytest.approx(0.25)  # 2.5 dout against 2 dout
+    assert "grad_rel_rms_vs_natsl_reference" not in rows[0]
     assert rows[1]["x_first"] == pytest.approx(rows[1]["ms"] / rows[0]["ms"])
+
+
+def test_fla_unguarded_lifts_only_the_issue_640_guard_of_the_backward(monkeypatch):
+    """--fla-unguarded: fla's gated dq/dk backward no longer refuses on Hopper with Triton < 3.7.1; the
+    forward-only runs and a run without the flag leave fla as it is."""
+    chunk_o = pytest.importorskip("fla.ops.common.chunk_o")
+    monkeypatch.setattr(chunk_o, "TRITON_ABOVE_3_7_1", False)
+    for unguarded, mode in ((False, "fwdbwd"), (True, "fwd")):
+        monkeypatch.setattr(ops, "FLA_UNGUARDED", unguarded)
+        assert ops.fla_ops("fla.ops.simple_gla", mode).chunk_simple_gla and chunk_o.TRITON_ABOVE_3_7_1 is False
+    monkeypatch.setattr(ops, "FLA_UNGUARDED", True)
+    ops.fla_ops("fla.ops.gated_delta_rule", "fwdbwd")
+    assert chunk_o.TRITON_ABOVE_3_7_1 is True
+    from natsl.fast.toolchain import torch_ptxas
+
+    assert torch_ptxas() is None or os.environ["TRITON_PTXAS_PATH"]  # natsl's ptxas pinned before fla compiles
+    assert ops.parse(["--op", "gated_linear", "--fla-unguarded"]).fla_unguarded
 
 
 def test_results_are_written_with_provenance_and_tables_fill_missing_cells(tmp_path):

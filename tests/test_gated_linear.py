@@ -441,6 +441,17 @@ def test_gpu_realistic_shapes_bf16(case):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("Hk", [1, 2])
+def test_gpu_grouped_qk_read_in_place_bf16(Hk):
+    """Mamba2's one B/C group (and two) for 8 heads, read in place by every head of the group: bf16 against
+    the chunked form in fp32, forward and every gradient, dq and dk [B,T,Hk,K]."""
+    inputs, do, d_final = grouped_inputs(2, 2048 + 17, 8, Hk, 128, 64, seed=71, write_kind="binary")
+    inputs["q"], inputs["k"] = inputs["q"] * 128**-0.5, inputs["k"] * 128**-0.5
+    check(errors(fast, chunked, inputs, do, d_final, dtype=torch.bfloat16, route_grad="full"), *BF16_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_state_forward_settings_bf16():
     """The forward state kernel's batch-1 launch (8 heads of V 64: the K rows split over programs, with
     their own pipeline depth): bf16 against the chunked form in fp32, forward and every gradient."""

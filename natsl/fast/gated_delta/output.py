@@ -18,7 +18,7 @@ from natsl.fast.gated_delta.common import dim_tile, launch_options, load_tile, l
 @triton.jit(do_not_specialize=["T", "NB"])  # one compile for every sequence length
 def _output_kernel(
     q_ptr, k_ptr, gc_ptr, h_ptr, r_ptr, o_ptr,
-    scale, T, H, NB,
+    scale, T, H, HK, NB,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     PREC: tl.constexpr,
 ):
@@ -30,8 +30,9 @@ def _output_kernel(
     v0 = iv * BV
     t0 = n * C
     row0 = b.to(tl.int64) * T * H + h
-    q_ptr += row0 * K
-    k_ptr += row0 * K
+    qk_row0 = b.to(tl.int64) * T * HK + h // (H // HK)  # q, k of HK heads: head h reads its group's
+    q_ptr += qk_row0 * K
+    k_ptr += qk_row0 * K
     r_ptr += row0 * V
     o_ptr += row0 * V
     gc_ptr += row0
@@ -40,8 +41,8 @@ def _output_kernel(
     qs = tl.zeros([C, BV], dtype=tl.float32)
     qk = tl.zeros([C, C], dtype=tl.float32)
     for k0 in range(0, K, BK):
-        q = load_tile(q_ptr, t0, k0, T, H * K, K, C, BK)
-        k = load_tile(k_ptr, t0, k0, T, H * K, K, C, BK)
+        q = load_tile(q_ptr, t0, k0, T, HK * K, K, C, BK)
+        k = load_tile(k_ptr, t0, k0, T, HK * K, K, C, BK)
         s = load_tile(h_ptr, k0, v0, K, V, V, BK, BV)
         qs += mm(q, s, PREC)
         qk += mm(q, tl.trans(k), PREC)
@@ -56,7 +57,7 @@ def _output_kernel(
 @triton.jit(do_not_specialize=["T"])
 def _local_dr_kernel(
     q_ptr, k_ptr, gc_ptr, do_ptr, drl_ptr,
-    scale, T, H,
+    scale, T, H, HK,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     PREC: tl.constexpr,
 ):
@@ -66,16 +67,17 @@ def _local_dr_kernel(
     h = bh % H
     t0 = n * C
     row0 = b.to(tl.int64) * T * H + h
-    q_ptr += row0 * K
-    k_ptr += row0 * K
+    qk_row0 = b.to(tl.int64) * T * HK + h // (H // HK)
+    q_ptr += qk_row0 * K
+    k_ptr += qk_row0 * K
     do_ptr += row0 * V
     drl_ptr += row0 * V
     gc_ptr += row0
 
     kq = tl.zeros([C, C], dtype=tl.float32)  # kq[j, i] = k_j . q_i
     for k0 in range(0, K, BK):
-        q = load_tile(q_ptr, t0, k0, T, H * K, K, C, BK)
-        k = load_tile(k_ptr, t0, k0, T, H * K, K, C, BK)
+        q = load_tile(q_ptr, t0, k0, T, HK * K, K, C, BK)
+        k = load_tile(k_ptr, t0, k0, T, HK * K, K, C, BK)
         kq += mm(k, tl.trans(q), PREC)
     gc = load_vec(gc_ptr, t0, T, H, C)
     rows = tl.arange(0, C)
@@ -88,14 +90,16 @@ def _local_dr_kernel(
 
 
 def chunk_output(q, k, gc, h, r, scale: float, block_size: int, precision: str, cfg: dict) -> torch.Tensor:
-    B, T, H, K = q.shape
-    V = r.shape[-1]
+    """O [B,T,H,V] in q's dtype; q, k contiguous [B,T,HK,K] with H % HK == 0 (head h reads q, k head
+    h // (H // HK): Mamba2's groups, read in place rather than expanded)."""
+    B, T, HK, K = q.shape
+    H, V = r.shape[2], r.shape[-1]
     NB = triton.cdiv(T, block_size)
     BV = min(cfg["BV"], dim_tile(V))
     o = torch.empty(B, T, H, V, device=q.device, dtype=q.dtype)
     grid = (triton.cdiv(V, BV), NB, B * H)
     _output_kernel[grid](
-        q, k, gc, h, r, o, scale, T, H, NB,
+        q, k, gc, h, r, o, scale, T, H, HK, NB,
         K=K, V=V, C=block_size, BK=dim_tile(K), BV=BV, PREC=precision,
         **launch_options(cfg, block_size, r.dtype),
     )
@@ -103,13 +107,13 @@ def chunk_output(q, k, gc, h, r, scale: float, block_size: int, precision: str, 
 
 
 def local_dr(q, k, gc, do, scale: float, block_size: int, precision: str, cfg: dict, work_dtype) -> torch.Tensor:
-    """dR_local [B,T,H,V] in work_dtype: the intra-chunk part of dL/dR."""
-    B, T, H, K = q.shape
-    V = do.shape[-1]
+    """dR_local [B,T,H,V] in work_dtype: the intra-chunk part of dL/dR (q, k on HK heads as chunk_output's)."""
+    B, T, HK, K = q.shape
+    H, V = do.shape[2], do.shape[-1]
     drl = torch.empty(B, T, H, V, device=q.device, dtype=work_dtype)
     grid = (triton.cdiv(T, block_size), B * H)
     _local_dr_kernel[grid](
-        q, k, gc, do, drl, scale, T, H,
+        q, k, gc, do, drl, scale, T, H, HK,
         K=K, V=V, C=block_size, BK=dim_tile(K), BV=min(cfg["BV"], dim_tile(V)), PREC=precision,
         **launch_options(cfg, block_size, work_dtype),
     )

@@ -8,8 +8,9 @@ route products). The gated-delta kernels do the chunk-parallel work with the pse
 p1 + (Gamma_b - c) p2 as there.
 
 Grouped q, k (Mamba2's B and C: [B,T,Hk,K] with H % Hk == 0) enter the ops and are saved for the
-backward as they are; each op expands them to H heads (repeat_interleave, a transient copy) right
-before the kernels, and the backward sums dq, dk over each group's heads (in fp32) to Hk heads.
+backward as they are; the kernels read them in place on their Hk heads (head h reads group
+h // (H // Hk)), each op making them contiguous first (a copy only of a strided view, Hk heads wide), and
+the backward sums the per-head dq, dk over each group's heads (in fp32) to Hk heads.
 """
 
 from __future__ import annotations
@@ -24,25 +25,17 @@ from natsl.fast import eager
 from natsl.fast.gated_delta.common import MAX_K, fp32_precision
 from natsl.fast.gated_delta.function import _EMPTY, BLOCK_SIZES, DTYPES, _chunk_gamma
 from natsl.fast.gated_delta.grad_qk import grad_qk
-from natsl.fast.gated_delta.output import chunk_output, local_dr
+from natsl.fast.gated_delta.output import chunk_output
 from natsl.fast.gated_linear import config
 from natsl.fast.gated_linear.cumsum import chunk_cumsum_and_write
+from natsl.fast.gated_linear.dv import chunk_dv
 from natsl.fast.gated_linear.state import _state_fwd_kernel, state_backward, state_forward
 from natsl.reference.gated_delta import validate_layouts
-from natsl.reference.gated_linear import expand_groups
 from natsl.reference.route_grad import check_route_grad, chosen
 
 
-def _expanded(q, k, heads: int):
-    """q, k on `heads` heads, contiguous (the kernels' layout): a copy only when they are grouped."""
-    if q.shape[2] == heads:
-        return q, k
-    q, k = expand_groups(q, k, heads)
-    return q.contiguous(), k.contiguous()
-
-
 def _group_sum(d: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
-    """A gradient [B,T,H,K] of an expanded q or k -> [B,T,groups,K] in `dtype`: each group's heads
+    """A per-head gradient [B,T,H,K] of a grouped q or k -> [B,T,groups,K] in `dtype`: each group's heads
     summed in fp32 (head h belongs to group h // (H // groups))."""
     B, T, H, K = d.shape
     return d.view(B, T, groups, H // groups, K).sum(3, dtype=torch.float32).to(dtype)
@@ -51,8 +44,8 @@ def _group_sum(d: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor
 def _forward_impl(q, k, v, g, write, initial_state, scale: float, output_final_state: bool, block_size: int,
                   decay_skipped_blocks: bool, route_grad: str):
     """(o, final state or empty, and what the backward reads: write as fp32, gc, h). q, k may hold
-    Hk heads of v's H (expanded here, for the kernels)."""
-    q, k = _expanded(q, k, v.shape[2])
+    Hk heads of v's H (the kernels read each group's in place)."""
+    q, k = q.contiguous(), k.contiguous()
     prec = fp32_precision(q.dtype)
     h0 = None if initial_state is None else initial_state.float().contiguous()
     # w32 is a new tensor even for an fp32 write: a custom op may not return (an alias of) its input
@@ -90,15 +83,17 @@ def _backward_impl(q, k, v, w32, gc, h, do, d_final, scale: float, block_size: i
     C = block_size
     T, groups = q.shape[1], q.shape[2]
     q_dtype, k_dtype = q.dtype, k.dtype
-    q, k = _expanded(q, k, v.shape[2])
+    q, k = q.contiguous(), k.contiguous()
     prec = fp32_precision(q.dtype)
     do = do.to(q.dtype).contiguous()
     d_final = None if d_final is None else d_final.float().contiguous()
-    dvl = local_dr(q, k, gc, do, scale, C, prec, config.LOCAL_DV, q.dtype)
-    dh, dv, dh0 = state_backward(q, k, gc, w32, do, dvl, d_final, want_dh0, scale, C, decay_skipped_blocks, prec,
-                                 config.STATE_BWD)
-    # grad_qk's R is V and its dR is dV; its dW output (-dR S^T, a delta-rule term) is not used here.
-    dq, dk, _, dgp, p1, p2 = grad_qk(q, k, gc, w32, h, dh, v, dv, do, scale, C, prec, config.GRAD_QK)
+    dh, dh0 = state_backward(q, gc, w32, do, d_final, want_dh0, scale, C, decay_skipped_blocks, prec, config.STATE_BWD)
+    dv = chunk_dv(q, k, gc, w32, do, dh, scale, C, decay_skipped_blocks, prec, config.DV)
+    # grad_qk's R is V and its dR is dV; its dW (-dR S^T, a delta-rule term) is skipped. dq, dk per head of H.
+    # dk straight in k's dtype unless each group's heads are summed first (in fp32, as dq's are from q's dtype)
+    grouped = groups != v.shape[2]
+    dq, dk, _, dgp, p1, p2 = grad_qk(q, k, gc, w32, h, dh, v, dv, do, scale, C, prec, config.GRAD_QK, store_dw=False,
+                                     dk_dtype=torch.float32 if grouped else k_dtype)
     p1, p2 = p1.sum(0), p2.sum(0)
     gamma = _chunk_gamma(gc, C)
     # G_last enters through the commit's a = Gamma (or 1 - write + write Gamma): da/dG_last, and
@@ -110,7 +105,7 @@ def _backward_impl(q, k, v, w32, gc, h, do, d_final, scale: float, block_size: i
         dwrite = p1 if decay_skipped_blocks else p1 + (gamma - 1.0) * p2
         if route_grad == "active":
             dwrite = dwrite * chosen(w32).to(dwrite.dtype)
-    if groups != q.shape[2]:  # dq in q's dtype, dk fp32 (grad_qk's), each summed per group in fp32
+    if grouped:  # dq in q's dtype, dk fp32, each summed per group in fp32
         dq, dk = _group_sum(dq, groups, q_dtype), _group_sum(dk, groups, k_dtype)
     return (dq, dk.to(k_dtype), dv, dg, dwrite,
             dh0 if dh0 is not None else q.new_empty(_EMPTY, dtype=torch.float32))
@@ -212,8 +207,8 @@ def gated_linear_rule(
     """Gated linear attention (Mamba2's SSD) whose block writes are committed only where `write` is 1 (Triton).
 
     q, k [B,T,Hk,K] with H % Hk == 0 (Hk = H, or Mamba2's groups: head h of v reads q/k head
-    h // (H // Hk); grouped q, k are saved for the backward as they are, expanded only transiently
-    inside the forward and backward ops, and dq, dk come back [B,T,Hk,K]); v [B,T,H,V]; g (log decay)
+    h // (H // Hk); grouped q, k are saved for the backward as they are and read in place by the kernels,
+    never expanded to H heads, and dq, dk come back [B,T,Hk,K]); v [B,T,H,V]; g (log decay)
     [B,T,H] (any float dtype); write [B,NB,H] (None = all ones), any float values; initial_state
     [B,H,K,V]. Returns o [B,T,H,V] in q's dtype (k, v compute in q's dtype) and, if
     `output_final_state`, S_start(NB) [B,H,K,V] in fp32. Chunk size = block_size (64 or 128). `intra_block=False` (the Table 4 ablation, with no kernel of its own) runs the
@@ -239,8 +234,8 @@ def gated_linear_rule(
     v, g = v.contiguous(), g.contiguous()
     if q.shape[2] == H:
         q, k = q.contiguous(), k.contiguous()
-    # else grouped: the ops expand them into contiguous copies, and save them as they come (Mamba2's B
-    # and C are views of the conv's output, whose storage the layer's backward keeps anyway)
+    # else grouped: the ops save them as they come (Mamba2's B and C are views of the conv's output, whose
+    # storage the layer's backward keeps anyway) and make Hk-head contiguous copies only transiently
     o, final, *_ = _run_forward(q, k, v, g, write, initial_state, scale, output_final_state, block_size,
                                 decay_skipped_blocks, route_grad)
     return o, (final if output_final_state else None)

@@ -9,8 +9,8 @@ forward recurrence is independent per K row: its programs may also split the K r
 Forward, chunk n (S = S_start(n), stored as h[n] for the output and backward kernels):
     S <- a S + write * K_dec^T V              (the route commit; a, K_dec: common.chunk_decay)
 Backward, chunk n from last to first (D = dL/dS_start(n+1), stored as dh[n]):
-    dV = dV_local + write * K_dec D           (stored: the whole of dL/dV)
     D  <- a D + scale (diag(exp(gc)) Q)^T dO
+(dV, which reads D but feeds nothing back into the chain, is dv.py's chunk-parallel kernel.)
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import triton.language as tl
 from natsl.devices import sm_count
 from natsl.fast.gated_delta.common import (MIN_TILE, chunk_decay, dim_tile, launch_options, load_tile, load_tile_t, mm,
                                            store_tile)
-from natsl.fast.gated_delta.state import _commit_tile, _k_tiles, _kd_tile
+from natsl.fast.gated_delta.state import _commit_tile, _k_tiles
 
 
 @triton.jit
@@ -57,7 +57,7 @@ def _load_state(ptr, k0, v0, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
 @triton.jit(do_not_specialize=["T", "NB"])  # one compile for every sequence length
 def _state_fwd_kernel(
     k_ptr, v_ptr, gc_ptr, write_ptr, h0_ptr, h_ptr, ht_ptr,
-    T, H, NB,
+    T, H, HK, NB,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     NK_LOCAL: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, DECAY_SKIPPED: tl.constexpr, PREC: tl.constexpr,
@@ -73,7 +73,7 @@ def _state_fwd_kernel(
     h = bh % H
     v0 = iv * BV
     row0 = b.to(tl.int64) * T * H + h
-    k_ptr += row0 * K
+    k_ptr += (b.to(tl.int64) * T * HK + h // (H // HK)) * K  # k of HK heads: head h reads its group's
     v_ptr += row0 * V
     gc_ptr += row0
     write_ptr += b.to(tl.int64) * NB * H + h
@@ -95,13 +95,13 @@ def _state_fwd_kernel(
         gc, dec, wt, a = chunk_decay(gc_ptr, write_ptr, t0, n, T, H, C, DECAY_SKIPPED)
         vv = load_tile(v_ptr, t0, v0, T, H * V, V, C, BV).to(tl.float32)
         rd = ((wt * dec)[:, None] * vv).to(vd)
-        s0 = _commit_tile(s0, a, k_ptr, rd, t0, k0, T, H, K, C, BK, PREC)
+        s0 = _commit_tile(s0, a, k_ptr, rd, t0, k0, T, HK, K, C, BK, PREC)
         if NK_LOCAL > 1:
-            s1 = _commit_tile(s1, a, k_ptr, rd, t0, k0 + BK, T, H, K, C, BK, PREC)
+            s1 = _commit_tile(s1, a, k_ptr, rd, t0, k0 + BK, T, HK, K, C, BK, PREC)
         if NK_LOCAL > 2:
-            s2 = _commit_tile(s2, a, k_ptr, rd, t0, k0 + 2 * BK, T, H, K, C, BK, PREC)
+            s2 = _commit_tile(s2, a, k_ptr, rd, t0, k0 + 2 * BK, T, HK, K, C, BK, PREC)
         if NK_LOCAL > 3:
-            s3 = _commit_tile(s3, a, k_ptr, rd, t0, k0 + 3 * BK, T, H, K, C, BK, PREC)
+            s3 = _commit_tile(s3, a, k_ptr, rd, t0, k0 + 3 * BK, T, HK, K, C, BK, PREC)
 
     if STORE_HT:
         _store_state(ht_ptr + bh.to(tl.int64) * K * V, s0, s1, s2, s3, k0, v0, K, V, BK, BV, NK_LOCAL)
@@ -117,8 +117,8 @@ def _reverse_tile(d, a, q_ptr, dos, t0, k0, T, H, K: tl.constexpr, C: tl.constex
 
 @triton.jit(do_not_specialize=["T", "NB"])
 def _state_bwd_kernel(
-    q_ptr, k_ptr, gc_ptr, write_ptr, do_ptr, dvl_ptr, dht_ptr, dh_ptr, dv_ptr, dh0_ptr,
-    scale, T, H, NB,
+    q_ptr, gc_ptr, write_ptr, do_ptr, dht_ptr, dh_ptr, dh0_ptr,
+    scale, T, H, HK, NB,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr,
     HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, DECAY_SKIPPED: tl.constexpr, PREC: tl.constexpr,
 ):
@@ -128,11 +128,8 @@ def _state_bwd_kernel(
     h = bh % H
     v0 = iv * BV
     row0 = b.to(tl.int64) * T * H + h
-    q_ptr += row0 * K
-    k_ptr += row0 * K
+    q_ptr += (b.to(tl.int64) * T * HK + h // (H // HK)) * K
     do_ptr += row0 * V
-    dvl_ptr += row0 * V
-    dv_ptr += row0 * V
     gc_ptr += row0
     write_ptr += b.to(tl.int64) * NB * H + h
     wd: tl.constexpr = q_ptr.dtype.element_ty
@@ -150,27 +147,16 @@ def _state_bwd_kernel(
         t0 = n * C
         _store_state(dh_ptr + ((b * NB + n) * H + h).to(tl.int64) * K * V, d0, d1, d2, d3, 0, v0, K, V, BK, BV, NK)
 
-        # dV = dV_local + write * diag(exp(G_last - gc)) K D
-        gc, dec, wt, a = chunk_decay(gc_ptr, write_ptr, t0, n, T, H, C, DECAY_SKIPPED)
-        kd = _kd_tile(k_ptr, d0, t0, 0, T, H, K, C, BK, PREC, wd)
-        if NK > 1:
-            kd += _kd_tile(k_ptr, d1, t0, BK, T, H, K, C, BK, PREC, wd)
-        if NK > 2:
-            kd += _kd_tile(k_ptr, d2, t0, 2 * BK, T, H, K, C, BK, PREC, wd)
-        if NK > 3:
-            kd += _kd_tile(k_ptr, d3, t0, 3 * BK, T, H, K, C, BK, PREC, wd)
-        dv = load_tile(dvl_ptr, t0, v0, T, H * V, V, C, BV).to(tl.float32) + (wt * dec)[:, None] * kd
-        store_tile(dv_ptr, dv, t0, v0, T, H * V, V, C, BV)
-
+        gc, _, _, a = chunk_decay(gc_ptr, write_ptr, t0, n, T, H, C, DECAY_SKIPPED)
         # D <- a D + Q^T (scale exp(gc) dO); the decay scales dO's C rows, not Q.
         dos = (load_tile(do_ptr, t0, v0, T, H * V, V, C, BV).to(tl.float32) * (scale * tl.exp(gc))[:, None]).to(wd)
-        d0 = _reverse_tile(d0, a, q_ptr, dos, t0, 0, T, H, K, C, BK, PREC)
+        d0 = _reverse_tile(d0, a, q_ptr, dos, t0, 0, T, HK, K, C, BK, PREC)
         if NK > 1:
-            d1 = _reverse_tile(d1, a, q_ptr, dos, t0, BK, T, H, K, C, BK, PREC)
+            d1 = _reverse_tile(d1, a, q_ptr, dos, t0, BK, T, HK, K, C, BK, PREC)
         if NK > 2:
-            d2 = _reverse_tile(d2, a, q_ptr, dos, t0, 2 * BK, T, H, K, C, BK, PREC)
+            d2 = _reverse_tile(d2, a, q_ptr, dos, t0, 2 * BK, T, HK, K, C, BK, PREC)
         if NK > 3:
-            d3 = _reverse_tile(d3, a, q_ptr, dos, t0, 3 * BK, T, H, K, C, BK, PREC)
+            d3 = _reverse_tile(d3, a, q_ptr, dos, t0, 3 * BK, T, HK, K, C, BK, PREC)
 
     if STORE_DH0:
         _store_state(dh0_ptr + bh.to(tl.int64) * K * V, d0, d1, d2, d3, 0, v0, K, V, BK, BV, NK)
@@ -216,9 +202,10 @@ def choose_k_split(K: int, requested: int, programs: int, sms: int, auto_max: in
 
 def state_forward(k, v, gc, write, initial_state, output_final_state: bool, block_size: int,
                   decay_skipped_blocks: bool, precision: str, cfg: dict):
-    """(h [B,NB,H,K,V] in k's dtype, final state [B,H,K,V] fp32 or None)."""
-    B, T, H, K = k.shape
-    V = v.shape[-1]
+    """(h [B,NB,H,K,V] in k's dtype, final state [B,H,K,V] fp32 or None); k contiguous [B,T,HK,K] with
+    H % HK == 0 (Mamba2's groups: head h reads k head h // (H // HK) in place)."""
+    B, T, HK, K = k.shape
+    H, V = v.shape[2], v.shape[-1]
     NB = triton.cdiv(T, block_size)
     BV = min(cfg["BV"], dim_tile(V))
     # A dict without K_SPLIT (e.g. one built by hand) keeps one program per V slice, as before the split.
@@ -227,7 +214,7 @@ def state_forward(k, v, gc, write, initial_state, output_final_state: bool, bloc
     h = torch.empty(B, NB, H, K, V, device=k.device, dtype=k.dtype)
     final = torch.empty(B, H, K, V, device=k.device, dtype=torch.float32) if output_final_state else None
     _state_fwd_kernel[(triton.cdiv(V, BV), B * H, split)](
-        k, v, gc, write, initial_state, h, final, T, H, NB,
+        k, v, gc, write, initial_state, h, final, T, H, HK, NB,
         K=K, V=V, C=block_size, BK=BK, BV=BV, NK_LOCAL=NK_LOCAL,
         HAS_H0=initial_state is not None, STORE_HT=output_final_state, DECAY_SKIPPED=decay_skipped_blocks,
         PREC=precision, **launch_options(split_launch(cfg, split), block_size, v.dtype),
@@ -246,21 +233,21 @@ def split_launch(cfg: dict, split: int) -> dict:
             "num_warps": cfg.get("num_warps_split", cfg["num_warps"])}
 
 
-def state_backward(q, k, gc, write, do, dv_local, d_final, want_dh0: bool, scale: float, block_size: int,
+def state_backward(q, gc, write, do, d_final, want_dh0: bool, scale: float, block_size: int,
                    decay_skipped_blocks: bool, precision: str, cfg: dict):
-    """(dh [B,NB,H,K,V] = dL/dS_start(n+1) per chunk, dV [B,T,H,V] in q's dtype, dL/dS_start(0) fp32 or None)."""
-    B, T, H, K = k.shape
-    V = do.shape[-1]
+    """(dh [B,NB,H,K,V] = dL/dS_start(n+1) per chunk in q's dtype, dL/dS_start(0) fp32 or None); q on HK heads
+    as state_forward's k."""
+    B, T, HK, K = q.shape
+    H, V = do.shape[2], do.shape[-1]
     NB = triton.cdiv(T, block_size)
     BK, NK = _k_tiles(K)
     BV = min(cfg["BV"], dim_tile(V))
-    dh = torch.empty(B, NB, H, K, V, device=k.device, dtype=k.dtype)
-    dv = torch.empty(B, T, H, V, device=k.device, dtype=q.dtype)
-    dh0 = torch.empty(B, H, K, V, device=k.device, dtype=torch.float32) if want_dh0 else None
+    dh = torch.empty(B, NB, H, K, V, device=q.device, dtype=q.dtype)
+    dh0 = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32) if want_dh0 else None
     _state_bwd_kernel[(triton.cdiv(V, BV), B * H)](
-        q, k, gc, write, do, dv_local, d_final, dh, dv, dh0, scale, T, H, NB,
+        q, gc, write, do, d_final, dh, dh0, scale, T, H, HK, NB,
         K=K, V=V, C=block_size, BK=BK, BV=BV, NK=NK,
         HAS_DHT=d_final is not None, STORE_DH0=want_dh0, DECAY_SKIPPED=decay_skipped_blocks,
         PREC=precision, **launch_options(cfg, block_size, q.dtype),
     )
-    return dh, dv, dh0
+    return dh, dh0
