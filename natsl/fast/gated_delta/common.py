@@ -54,6 +54,13 @@ def load_tile(base, r0, c0, n_rows, row_stride, N_COLS: tl.constexpr, BR: tl.con
 
 
 @triton.jit
+def group_row0(b, h, T, H, HK):
+    """The row of (b, t = 0) in a token-major [B, T, HK, D] tensor read by head h of H (H % HK == 0): the
+    heads of a group share their q, k (Mamba2's B and C on HK groups; HK = H where each head has its own)."""
+    return b.to(tl.int64) * T * HK + h // (H // HK)
+
+
+@triton.jit
 def load_tile_t(base, r0, c0, n_rows, row_stride, N_COLS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     """The transpose [BC, BR] of load_tile's tile, read straight from memory (no register transpose)."""
     rr = r0 + tl.arange(0, BR)

@@ -23,6 +23,7 @@ import triton.language as tl
 from natsl.fast.gated_delta.common import (
     chunk_decay,
     dim_tile,
+    group_row0,
     launch_options,
     load_tile,
     mm,
@@ -49,7 +50,7 @@ def _grad_qk_kernel(
     k0 = ik * BK
     t0 = n * C
     row0 = b.to(tl.int64) * T * H + h
-    qk_row0 = b.to(tl.int64) * T * HK + h // (H // HK)  # q, k of HK heads; dq, dk per head of H
+    qk_row0 = group_row0(b, h, T, H, HK)  # q, k of HK heads; dq, dk per head of H
     q_ptr += qk_row0 * K
     k_ptr += qk_row0 * K
     dq_ptr += row0 * K

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from natsl.fast.gated_delta.common import dim_tile, launch_options, load_tile, load_vec, mm, store_tile
+from natsl.fast.gated_delta.common import dim_tile, group_row0, launch_options, load_tile, load_vec, mm, store_tile
 
 
 @triton.jit(do_not_specialize=["T", "NB"])  # one compile for every sequence length
@@ -30,7 +30,7 @@ def _output_kernel(
     v0 = iv * BV
     t0 = n * C
     row0 = b.to(tl.int64) * T * H + h
-    qk_row0 = b.to(tl.int64) * T * HK + h // (H // HK)  # q, k of HK heads: head h reads its group's
+    qk_row0 = group_row0(b, h, T, H, HK)  # q, k of HK heads: head h reads its group's
     q_ptr += qk_row0 * K
     k_ptr += qk_row0 * K
     r_ptr += row0 * V
@@ -67,7 +67,7 @@ def _local_dr_kernel(
     h = bh % H
     t0 = n * C
     row0 = b.to(tl.int64) * T * H + h
-    qk_row0 = b.to(tl.int64) * T * HK + h // (H // HK)
+    qk_row0 = group_row0(b, h, T, H, HK)
     q_ptr += qk_row0 * K
     k_ptr += qk_row0 * K
     do_ptr += row0 * V

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from natsl.fast.gated_delta.common import chunk_decay, dim_tile, launch_options, load_tile, mm, store_tile
+from natsl.fast.gated_delta.common import chunk_decay, dim_tile, group_row0, launch_options, load_tile, mm, store_tile
 
 
 @triton.jit(do_not_specialize=["T", "NB"])  # one compile for every sequence length
@@ -31,7 +31,7 @@ def _dv_kernel(
     h = bh % H
     t0 = n * C
     row0 = b.to(tl.int64) * T * H + h
-    qk_row0 = b.to(tl.int64) * T * HK + h // (H // HK)
+    qk_row0 = group_row0(b, h, T, H, HK)
     q_ptr += qk_row0 * K
     k_ptr += qk_row0 * K
     do_ptr += row0 * V

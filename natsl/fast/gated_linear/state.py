@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 
 from natsl.devices import sm_count
-from natsl.fast.gated_delta.common import (MIN_TILE, chunk_decay, dim_tile, launch_options, load_tile, load_tile_t, mm,
-                                           store_tile)
+from natsl.fast.gated_delta.common import (MIN_TILE, chunk_decay, dim_tile, group_row0, launch_options, load_tile,
+                                           load_tile_t, mm, store_tile)
 from natsl.fast.gated_delta.state import _commit_tile, _k_tiles
 
 
@@ -73,7 +73,7 @@ def _state_fwd_kernel(
     h = bh % H
     v0 = iv * BV
     row0 = b.to(tl.int64) * T * H + h
-    k_ptr += (b.to(tl.int64) * T * HK + h // (H // HK)) * K  # k of HK heads: head h reads its group's
+    k_ptr += group_row0(b, h, T, H, HK) * K  # k of HK heads: head h reads its group's
     v_ptr += row0 * V
     gc_ptr += row0
     write_ptr += b.to(tl.int64) * NB * H + h
@@ -128,7 +128,7 @@ def _state_bwd_kernel(
     h = bh % H
     v0 = iv * BV
     row0 = b.to(tl.int64) * T * H + h
-    q_ptr += (b.to(tl.int64) * T * HK + h // (H // HK)) * K
+    q_ptr += group_row0(b, h, T, H, HK) * K
     do_ptr += row0 * V
     gc_ptr += row0
     write_ptr += b.to(tl.int64) * NB * H + h
