@@ -14,7 +14,8 @@ dense routed attention, the model's pointwise formulas -- compiled on CUDA), fla
 with one line. `--shapes` takes recipe names or paths (800m = 800m_hybrid, 380m = 380m_hybrid, tiny =
 tiny_hybrid): the op's tensors take that model's widths; `--lengths` / `--batch` replace the op's
 default (batch, length) points. Before timing, every provider's output at a point is compared with
-the first provider's that ran there (relative RMS, forward output; in fwdbwd also the worst of the
+the first provider's that ran there (relative RMS, forward output; the row keeps how long those first
+calls took, compiles and autotuning included, as `first_call_s`; in fwdbwd also the worst of the
 gradients, for one fixed upstream gradient). `--fla-unguarded` runs fla's backward where its issue-640
 guard would refuse it (Hopper, Triton 3.4-3.7.0): the gradient comparison then says whether it computed. `--sweep` times natsl_fast under
 each of the op's other launch settings too, each checked against the default's output. `--graph` times
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -707,8 +709,13 @@ def run_point(op: Op, point: Point, providers: list[str], mode: str, args, devic
                 with applied(module, setting) if setting else contextlib.nullcontext():
                     call = op.providers[provider](inputs, point, mode)
                     if not call.graph:
+                        started = time.perf_counter()
                         out = forward_output(call)
                         grads = gradients(call) if mode == "fwdbwd" else []
+                        if cuda:
+                            torch.cuda.synchronize()
+                        # the first call(s) with their compiles and autotuning, as a fresh process pays them
+                        row["first_call_s"] = time.perf_counter() - started
                         if first is None:
                             first = (provider, out, grads)
                         elif out.shape == first[1].shape:
@@ -729,6 +736,8 @@ def run_point(op: Op, point: Point, providers: list[str], mode: str, args, devic
                     torch.cuda.empty_cache()
             rows.append(row)
             result = f"{row['ms']:.4g} ms" if "ms" in row else row["error"]
+            if "first_call_s" in row and setting == {}:
+                result += f" (first call {row['first_call_s']:.1f} s)"
             print(f"{op.name} {mode} {point.label} {provider} [{row['setting']}]: {result}", flush=True)
             for kernel in row.get("kernels", []):
                 print(f"    {kernel['ms']:.4f} ms x{kernel['count']:g}  {kernel['name']}", flush=True)

@@ -110,6 +110,8 @@ def test_a_tiny_cpu_run_of_the_reference_provider_writes_json_and_png(tmp_path, 
     assert "skip mix sdpa_flash: not a provider of this op" in printed
     assert [(r["provider"], r["mode"]) for r in rows] == [("natsl_reference", "fwd"), ("natsl_reference", "fwdbwd")]
     assert all(r["ms"] > 0 and r["x_first"] == 1.0 for r in rows)
+    assert all(isinstance(r["first_call_s"], float) for r in rows)  # the first calls' wall time rides along
+    assert "(first call " in printed
     data = json.loads((tmp_path / "ops_mix.json").read_text())
     assert data["benchmark"] == "ops_mix" and data["rows"] == rows and "source_sha256" in data["provenance"]
     assert (tmp_path / "ops_mix.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
