@@ -59,7 +59,7 @@ MIX_KERNELS = ("_mix_fwd_kernel", "_mix_bwd_kernel")  # natsl.fast.mix, the NAtS
 def kernel_kind(name: str) -> str:
     """The kind of a GPU kernel from its name, for the by-kind summary."""
     if any(k in name for k in GDN_KERNELS):
-        return "GDN kernels"
+        return "GDN / SSD state kernels"
     if any(k in name for k in ROUTED_KERNELS):
         return "routed attention kernels"
     if any(k in name for k in SHORT_CONV_KERNELS):
