@@ -12,6 +12,7 @@ import natsl
 import natsl.ops
 from natsl.fast.block_sparse.function import routed_attention_forward
 from natsl.fast.gated_delta.function import gated_delta_forward
+from natsl.fast.gated_linear.function import gated_linear_forward
 from natsl.fast import short_conv
 from natsl.fast.short_conv import short_conv_forward, short_conv_split_forward
 
@@ -30,6 +31,20 @@ def test_gated_delta_custom_op_passes_opcheck(with_write):
     write = torch.randint(0, 2, (B, 2, H), generator=gen).float().to(DEVICE).requires_grad_() if with_write else None
     h0 = torch.randn(B, H, K, V, generator=gen).to(DEVICE).requires_grad_()
     torch.library.opcheck(gated_delta_forward, (q, k, v, g, beta, write, h0, K**-0.5, True, 64, True, "full", True))
+
+
+@pytest.mark.parametrize("with_write, heads_qk", [(True, 2), (False, 1), (True, 4)])
+def test_gated_linear_custom_op_passes_opcheck(with_write, heads_qk):
+    """Mamba2's SSD op, also with q, k on fewer heads than v (groups read in place, dq, dk summed back)."""
+    gen = torch.Generator().manual_seed(7)
+    B, T, H, K, V = 1, 70, 4, 16, 16
+    q = torch.randn(B, T, heads_qk, K, generator=gen).to(DEVICE).requires_grad_()
+    k = torch.randn(B, T, heads_qk, K, generator=gen).to(DEVICE).requires_grad_()
+    v = torch.randn(B, T, H, V, generator=gen).to(DEVICE).requires_grad_()
+    g = (-torch.rand(B, T, H, generator=gen) * 0.1).to(DEVICE).requires_grad_()
+    write = torch.randint(0, 2, (B, 2, H), generator=gen).float().to(DEVICE).requires_grad_() if with_write else None
+    h0 = torch.randn(B, H, K, V, generator=gen).to(DEVICE).requires_grad_()
+    torch.library.opcheck(gated_linear_forward, (q, k, v, g, write, h0, 1.0, True, 64, True, "full"))
 
 
 def test_routed_attention_custom_op_passes_opcheck():
