@@ -48,7 +48,7 @@ from natsl.training.trainer import HiddenStates
 
 # the gated-delta kernels and the gated linear rule's own (Mamba2's SSD), which shares most of them
 GDN_KERNELS = ("_prepare_kernel", "_state_fwd_kernel", "_output_kernel", "_local_dr_kernel", "_state_bwd_kernel",
-               "_grad_qk_kernel", "_grad_wy_kernel", "_dv_kernel", "_chunk_cumsum_kernel")
+               "_grad_qk_kernel", "_grad_wy_kernel", "_chunk_cumsum_kernel")
 ROUTED_KERNELS = ("_forward_kernel", "_dq_kernel", "_dkdv_kernel", "_row_delta_kernel", "_block_lists_kernel")
 # Kernel names as the profiler reports them (matched as text, never imported)
 SHORT_CONV_KERNELS = ("_conv_fwd_kernel", "_conv_bwd_kernel", "_conv_dx_kernel", "_conv_bwd_walk_kernel",

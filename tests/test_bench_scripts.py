@@ -403,9 +403,9 @@ def test_profile_sorts_kernels_by_kind_from_their_names():
     """The by-kind summary of `python -m benchmarks.profile`: natsl's own kernels by package, then the
     libraries' by their naming (as the profiler reports them on the H200)."""
     kinds = {name: profile.kernel_kind(name) for name in (
-        "_dv_kernel", "_grad_qk_kernel", "_chunk_cumsum_kernel", "_dkdv_kernel", "_conv_bwd_walk_kernel",
+        "_local_dr_kernel", "_grad_qk_kernel", "_chunk_cumsum_kernel", "_dkdv_kernel", "_conv_bwd_walk_kernel",
         "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", "triton_poi_fused__to_copy_add_cat_mul_silu_12")}
-    assert kinds == {"_dv_kernel": "GDN / SSD state kernels", "_grad_qk_kernel": "GDN / SSD state kernels",
+    assert kinds == {"_local_dr_kernel": "GDN / SSD state kernels", "_grad_qk_kernel": "GDN / SSD state kernels",
                      "_chunk_cumsum_kernel": "GDN / SSD state kernels", "_dkdv_kernel": "routed attention kernels",
                      "_conv_bwd_walk_kernel": "short conv kernels",
                      "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT": "matmuls",

@@ -3,7 +3,10 @@
 With S = S_start(n), R the chunk's pseudo values and gc its cumulative log decay:
     O = scale * ( diag(exp(gc)) Q S + (Q K^T * exp(gc_i - gc_j) * [j <= i]) R )
 The transposed intra-chunk product dR_local = scale * (...)^T dO is built from K Q^T directly, so
-no dot result is transposed in registers.
+no dot result is transposed in registers. With COMMIT (the gated linear rule, whose R is V itself) the same
+kernel adds the commit's term from the reverse pass's D = dh[n]: dV = dR_local + write diag(exp(G_last - gc)) K D,
+the whole of dL/dV, chunk-parallel, so that the sequential pass carries only the D recurrence (as
+flash-linear-attention splits chunk_bwd_dh from chunk_bwd_dv).
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from natsl.fast.gated_delta.common import dim_tile, group_row0, launch_options, load_tile, load_vec, mm, store_tile
+from natsl.fast.gated_delta.common import (chunk_decay, dim_tile, group_row0, launch_options, load_tile, load_vec, mm,
+                                           store_tile)
 
 
 @triton.jit(do_not_specialize=["T", "NB"])  # one compile for every sequence length
@@ -54,12 +58,12 @@ def _output_kernel(
     store_tile(o_ptr, o, t0, v0, T, H * V, V, C, BV)
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T", "NB"])
 def _local_dr_kernel(
-    q_ptr, k_ptr, gc_ptr, do_ptr, drl_ptr,
-    scale, T, H, HK,
+    q_ptr, k_ptr, gc_ptr, do_ptr, drl_ptr, write_ptr, dh_ptr,
+    scale, T, H, HK, NB,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, COMMIT: tl.constexpr, DECAY_SKIPPED: tl.constexpr,
 ):
     n = tl.program_id(0)
     bh = tl.program_id(1)
@@ -79,14 +83,26 @@ def _local_dr_kernel(
         q = load_tile(q_ptr, t0, k0, T, HK * K, K, C, BK)
         k = load_tile(k_ptr, t0, k0, T, HK * K, K, C, BK)
         kq += mm(k, tl.trans(q), PREC)
-    gc = load_vec(gc_ptr, t0, T, H, C)
+    if COMMIT:
+        gc, dec, wt, _ = chunk_decay(gc_ptr, write_ptr + b.to(tl.int64) * NB * H + h, t0, n, T, H, C, DECAY_SKIPPED)
+        commit = wt * dec  # the commit's weight of each row's value
+        dh_ptr += ((b * NB + n) * H + h).to(tl.int64) * K * V
+    else:
+        gc = load_vec(gc_ptr, t0, T, H, C)
     rows = tl.arange(0, C)
     pt = tl.where(rows[:, None] <= rows[None, :], scale * kq * tl.exp(gc[None, :] - gc[:, None]), 0.0)
     wd = drl_ptr.dtype.element_ty
     pt = pt.to(wd)
     for v0 in range(0, V, BV):
         do = load_tile(do_ptr, t0, v0, T, H * V, V, C, BV).to(wd)
-        store_tile(drl_ptr, mm(pt, do, PREC), t0, v0, T, H * V, V, C, BV)
+        dr = mm(pt, do, PREC)
+        if COMMIT:
+            kd = tl.zeros([C, BV], dtype=tl.float32)
+            for k0 in range(0, K, BK):
+                k = load_tile(k_ptr, t0, k0, T, HK * K, K, C, BK).to(wd)
+                kd += mm(k, load_tile(dh_ptr, k0, v0, K, V, V, BK, BV).to(wd), PREC)
+            dr += commit[:, None] * kd
+        store_tile(drl_ptr, dr, t0, v0, T, H * V, V, C, BV)
 
 
 def chunk_output(q, k, gc, h, r, scale: float, block_size: int, precision: str, cfg: dict) -> torch.Tensor:
@@ -106,15 +122,19 @@ def chunk_output(q, k, gc, h, r, scale: float, block_size: int, precision: str, 
     return o
 
 
-def local_dr(q, k, gc, do, scale: float, block_size: int, precision: str, cfg: dict, work_dtype) -> torch.Tensor:
-    """dR_local [B,T,H,V] in work_dtype: the intra-chunk part of dL/dR (q, k on HK heads as chunk_output's)."""
+def local_dr(q, k, gc, do, scale: float, block_size: int, precision: str, cfg: dict, work_dtype, write=None, dh=None,
+             decay_skipped_blocks: bool = True) -> torch.Tensor:
+    """dR_local [B,T,H,V] in work_dtype: the intra-chunk part of dL/dR (q, k on HK heads as chunk_output's).
+    With `write` (fp32 [B,NB,H]) and `dh` ([B,NB,H,K,V], the reverse pass's dL/dS_start(n+1)) also the
+    commit's term: the gated linear rule's whole dL/dV."""
     B, T, HK, K = q.shape
     H, V = do.shape[2], do.shape[-1]
+    NB = triton.cdiv(T, block_size)
     drl = torch.empty(B, T, H, V, device=q.device, dtype=work_dtype)
-    grid = (triton.cdiv(T, block_size), B * H)
+    grid = (NB, B * H)
     _local_dr_kernel[grid](
-        q, k, gc, do, drl, scale, T, H, HK,
+        q, k, gc, do, drl, write, dh, scale, T, H, HK, NB,
         K=K, V=V, C=block_size, BK=dim_tile(K), BV=min(cfg["BV"], dim_tile(V)), PREC=precision,
-        **launch_options(cfg, block_size, work_dtype),
+        COMMIT=dh is not None, DECAY_SKIPPED=decay_skipped_blocks, **launch_options(cfg, block_size, work_dtype),
     )
     return drl

@@ -1,7 +1,7 @@
 """Launch settings of the gated-linear kernels (Hopper defaults; the forward state kernel swept on the H200).
 
-The chunk-parallel kernels are the gated-delta package's (output, grad_qk) and this package's dV (dv.py),
-which start from the gated-delta settings; the two sequential state kernels are this package's own. BV is the
+The chunk-parallel kernels are the gated-delta package's (output, local dR with the commit term = dV,
+grad_qk) and start from its settings; the two sequential state kernels are this package's own. BV is the
 width of the V slice one program owns: the state kernels get B * H * V / BV programs. The forward one
 may also split each slice's K rows over K_SPLIT programs (the recurrence is independent per K row):
 1, 2, 4 fix the split (falling back to the largest that fits K: state.choose_k_split), 0 doubles it
@@ -23,5 +23,5 @@ CUMSUM = {"BH": 16, "num_warps": 2}
 STATE_FWD = {"BV": 64, "num_warps": 4, "num_stages": 3, "K_SPLIT": 0, "num_stages_split": 4, "num_warps_split": 8}
 STATE_BWD = {"BV": 32, "num_warps": 4, "num_stages": 2}
 OUTPUT = dict(_gdn.OUTPUT)
-DV = dict(_gdn.LOCAL_DR)  # dv.py: the gated-delta local dR's settings, whose loop it extends
+DV = dict(_gdn.LOCAL_DR)  # local_dr with the commit term
 GRAD_QK = dict(_gdn.GRAD_QK)

@@ -25,10 +25,9 @@ from natsl.fast import eager
 from natsl.fast.gated_delta.common import MAX_K, fp32_precision
 from natsl.fast.gated_delta.function import _EMPTY, BLOCK_SIZES, DTYPES, _chunk_gamma
 from natsl.fast.gated_delta.grad_qk import grad_qk
-from natsl.fast.gated_delta.output import chunk_output
+from natsl.fast.gated_delta.output import chunk_output, local_dr
 from natsl.fast.gated_linear import config
 from natsl.fast.gated_linear.cumsum import chunk_cumsum_and_write
-from natsl.fast.gated_linear.dv import chunk_dv
 from natsl.fast.gated_linear.state import _state_fwd_kernel, state_backward, state_forward
 from natsl.reference.gated_delta import validate_layouts
 from natsl.reference.route_grad import check_route_grad, chosen
@@ -88,7 +87,9 @@ def _backward_impl(q, k, v, w32, gc, h, do, d_final, scale: float, block_size: i
     do = do.to(q.dtype).contiguous()
     d_final = None if d_final is None else d_final.float().contiguous()
     dh, dh0 = state_backward(q, gc, w32, do, d_final, want_dh0, scale, C, decay_skipped_blocks, prec, config.STATE_BWD)
-    dv = chunk_dv(q, k, gc, w32, do, dh, scale, C, decay_skipped_blocks, prec, config.DV)
+    # dV chunk-parallel from dh: the intra-chunk transpose product plus the commit's term, in one kernel
+    dv = local_dr(q, k, gc, do, scale, C, prec, config.DV, q.dtype, write=w32, dh=dh,
+                  decay_skipped_blocks=decay_skipped_blocks)
     # grad_qk's R is V and its dR is dV; its dW (-dR S^T, a delta-rule term) is skipped. dq, dk per head of H.
     # dk straight in k's dtype unless each group's heads are summed first (in fp32, as dq's are from q's dtype)
     grouped = groups != v.shape[2]
@@ -107,7 +108,7 @@ def _backward_impl(q, k, v, w32, gc, h, do, d_final, scale: float, block_size: i
             dwrite = dwrite * chosen(w32).to(dwrite.dtype)
     if grouped:  # dq in q's dtype, dk fp32, each summed per group in fp32
         dq, dk = _group_sum(dq, groups, q_dtype), _group_sum(dk, groups, k_dtype)
-    return (dq, dk.to(k_dtype), dv, dg, dwrite,
+    return (dq, dk, dv, dg, dwrite,
             dh0 if dh0 is not None else q.new_empty(_EMPTY, dtype=torch.float32))
 
 

@@ -10,7 +10,7 @@ Forward, chunk n (S = S_start(n), stored as h[n] for the output and backward ker
     S <- a S + write * K_dec^T V              (the route commit; a, K_dec: common.chunk_decay)
 Backward, chunk n from last to first (D = dL/dS_start(n+1), stored as dh[n]):
     D  <- a D + scale (diag(exp(gc)) Q)^T dO
-(dV, which reads D but feeds nothing back into the chain, is dv.py's chunk-parallel kernel.)
+(dV, which reads D but feeds nothing back into the chain, is chunk-parallel: gated_delta.output.local_dr's commit term.)
 """
 
 from __future__ import annotations
