@@ -460,8 +460,11 @@ def test_fused_mamba2_decode_equals_the_reference_decode(layout, monkeypatch, us
     layer after the conv step, dt, g, the SSD step, the read and + D x; in NAtS-L on a Mamba2 state
     its L2 norms or none, the gates and the step, with D v and without) in Triton's interpreter, against
     the reference backend's plain decode: logits and every cached state at 1e-4 in fp32, across a
-    block end, with the kernel run once per Mamba2 state, layer and token."""
+    block end, with the kernel run once per Mamba2 state, layer and token; and a Mamba2 layer's
+    prefill and decode on the fused set run its write x dt (prefill) and its skip + gated norm (both)
+    as the fused kernels."""
     from natsl import ops
+    from natsl.models.mamba2 import Mamba2
 
     if not torch.cuda.is_available() and not triton_interpreted():
         pytest.skip("needs CUDA or the Triton interpreter")
@@ -472,6 +475,11 @@ def test_fused_mamba2_decode_equals_the_reference_decode(layout, monkeypatch, us
     calls = []
     kernel = ops.twin("gla_decode_step", True)  # the fused kernel set reaches it through ops.twin's memory
     monkeypatch.setitem(ops._LOADED, ("gla_decode_step", True), lambda *args, **kw: calls.append(1) or kernel(*args, **kw))
+    mixer_calls = {"step_values": [], "gated_input_rms_norm": []}
+    for family, seen in mixer_calls.items():
+        fast = ops.twin(family, True)
+        monkeypatch.setitem(ops._LOADED, (family, True),
+                            lambda *args, fast=fast, seen=seen, **kw: seen.append(1) or fast(*args, **kw))
     ids = torch.randint(0, 1024, (2, BLOCK + 6), generator=torch.Generator().manual_seed(3)).to(device)
     prompt = BLOCK - 3  # the decoded tokens cross the end of the first block
     results = {}
@@ -486,6 +494,9 @@ def test_fused_mamba2_decode_equals_the_reference_decode(layout, monkeypatch, us
     # (a state of zeros, one that a dropped first block left so, must stay exactly zero)
     assert all(torch.equal(a, b) or relative_error(a, b) < 1e-4 for a, b in zip(got_states, plain_states))
     assert len(calls) == (ids.shape[1] - prompt) * len(model.layers)  # every layer holds a Mamba2 state
+    mixers = sum(isinstance(m, Mamba2) for m in model.modules())
+    assert len(mixer_calls["step_values"]) == mixers  # (the prefill)
+    assert len(mixer_calls["gated_input_rms_norm"]) == mixers * (1 + ids.shape[1] - prompt)
 
 
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])

@@ -331,6 +331,46 @@ def test_norm_twins_read_a_strided_weight():
             assert rel_rms(a, b) < TOL, family
 
 
+@pytest.mark.parametrize("rows", [1, 37])
+@pytest.mark.parametrize("skip", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_input_norm_twins_agree(rows, skip, dtype):
+    """Mamba2's output norm, x, gate and skip as column slices of wider rows (as the in_proj's z and
+    the conv's x are; the kernel reads them through their row strides); 48 = 4 heads of 12. In bf16
+    the skip's rounding is the reference's, so only the sum's order differs."""
+    wide = randn(rows, 48 * 3, seed=1, dtype=dtype)
+    x, gate, skip_in = wide[:, :48], wide[:, 48:96], wide[:, 96:]
+    weight, scale = 1.0 + 0.2 * randn(48, seed=3), randn(4, seed=4)
+    args = (x, weight, 1e-6, gate) + ((skip_in, scale) if skip else ())
+    reference, fast = pair("gated_input_rms_norm")
+    want, got = reference(*args), fast(*args)
+    assert got.dtype == dtype and got.shape == x.shape and got.is_contiguous()
+    assert rel_rms(got, want) < (TOL if dtype == torch.float32 else 5e-3)
+    if skip:  # the skip really enters: without it the result differs
+        assert rel_rms(reference(x, weight, 1e-6, gate), want) > 0.05
+
+
+@pytest.mark.parametrize("T", [1, 37, 130])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_step_values_twins_agree(T, dtype):
+    """Mamba2's write v dt, v a column slice of the conv's output (x of x|B|C) read in place: the same
+    fp32 product and rounding as the reference, so equal on the GPU; Triton's interpreter casts to bf16
+    by truncation, so there a bf16 value may be one step (2^-7 relative) nearer zero."""
+    H, P = 3, 40
+    xbc = randn(2, T, H * P + 16, seed=1, dtype=dtype)
+    v = xbc[..., : H * P].view(2, T, H, P)
+    dt = torch.rand(2, T, H, generator=torch.Generator().manual_seed(2)).to(DEVICE) * 0.1
+    reference, fast = pair("step_values")
+    want, got = reference(v, dt), fast(v, dt)
+    assert got.dtype == dtype and got.shape == v.shape
+    if dtype == torch.float32 or DEVICE == "cuda":
+        assert torch.equal(got, want)
+    else:
+        exact = (v.float() * dt[..., None]).abs()
+        assert torch.all((got.float().abs() <= exact) & (exact - got.float().abs() <= exact * 2.0**-7))
+        assert torch.equal(got.sign(), want.sign()) and rel_rms(got, want) < 5e-3
+
+
 @pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("gated", [False, True])
 def test_gemv_twins_agree(rows, gated):

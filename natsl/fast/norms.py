@@ -3,7 +3,9 @@
 
 - `rms_norm(x, weight, eps, gate=None)`: RMSNorm in fp32 (optionally times silu(gate)), one kernel;
   `l2_normalize(x, eps)` the same kernel without weight and with the sum instead of the mean;
-  `add_rms_norm(x, r, weight, eps)` the residual add and the next norm in one pass.
+  `add_rms_norm(x, r, weight, eps)` the residual add and the next norm in one pass;
+  `gated_input_rms_norm(x, weight, eps, gate, skip, skip_scale)` Mamba2's output norm (the gate
+  before the norm, optionally after its + D x) in one pass over x, gate and skip read in place.
 
 Why one kernel: see `natsl.fast.cached` (an fp32 RMSNorm is nine eager kernels in bf16). They compute
 the reference's formulas (fp32 math, one rounding at the end) with a different reduction order, so
@@ -59,6 +61,40 @@ def _kernel():
     return rms_kernel
 
 
+@functools.lru_cache(maxsize=None)
+def _gated_input_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gated_input_kernel(x_ptr, gate_ptr, skip_ptr, scale_ptr, w_ptr, y_ptr, N, D, stride_x, stride_gate,
+                           stride_skip, eps, HEAD: tl.constexpr, HAS_SKIP: tl.constexpr, BLOCK: tl.constexpr,
+                           ROWS: tl.constexpr, PDL: tl.constexpr):
+        # Mamba2's x, gate and skip are column slices of wider rows (the in_proj's z, the conv's x):
+        # read through their row strides, not copied first.
+        if PDL:  # kernels.pdl: wait for the earlier kernels' writes, then let the next kernel start
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        cols = tl.arange(0, BLOCK)
+        col_mask = cols < D
+        mask = (rows < N)[:, None] & col_mask[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+        if HAS_SKIP:
+            # + D skip per head in fp32, rounded to x's dtype as add_skip rounds it
+            skip = tl.load(skip_ptr + rows[:, None] * stride_skip + cols[None, :], mask=mask, other=0.0)
+            scale = tl.load(scale_ptr + cols // HEAD, mask=col_mask, other=0.0).to(tl.float32)
+            x = (x.to(tl.float32) + scale[None, :] * skip.to(tl.float32)).to(x.dtype)
+        gate = tl.load(gate_ptr + rows[:, None] * stride_gate + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        h = x.to(tl.float32) * (gate / (1.0 + tl.exp(-gate)))
+        mean_square = tl.sum(h * h, 1) / D
+        y = h * (1.0 / tl.sqrt(mean_square + eps))[:, None]
+        y = y * tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + rows[:, None] * D + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+    return gated_input_kernel
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(-1, x.shape[-1])
 
@@ -104,6 +140,38 @@ def _launch_rms(xr, weight, g, y, rr, total, eps, has_gate: bool, mean: bool) ->
         total if total is not None else y, n, D, float(eps), HAS_W=weight is not None,
         HAS_GATE=has_gate, MEAN=mean, BLOCK=block, ROWS=rows_per_program, HAS_RES=rr is not None,
         num_warps=warps, PDL=on, **launch_options(on))
+
+
+def _strided_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as rows [n, D] of unit column stride, a view where x's leading dims merge (a column slice of
+    a contiguous tensor does), else a copy."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def gated_input_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor,
+                         skip: torch.Tensor | None = None, skip_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm(x * silu(gate)) * weight in fp32 (as its reference twin
+    `natsl.reference.norms.gated_input_rms_norm`), first x + skip_scale skip per head when `skip` is
+    given; x, gate, skip [..., D] (column slices read in place), skip_scale [H]; one kernel."""
+    D = x.shape[-1]
+    xr, gr = _strided_rows(x), _strided_rows(gate)
+    n = xr.shape[0]
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if n == 0:
+        return y
+    has_skip = skip is not None
+    sr = _strided_rows(skip) if has_skip else xr
+    scale = skip_scale.contiguous() if has_skip else weight
+    head = D // skip_scale.shape[0] if has_skip else 1
+    on = pdl(x.device)
+    block = max(16, next_pow2(D))
+    rows_per_program = max(1, min(16, 2048 // block))
+    _gated_input_kernel()[(-(-n // rows_per_program),)](
+        xr, gr, sr, scale, weight.contiguous(), y, n, D, xr.stride(0), gr.stride(0), sr.stride(0), float(eps),
+        HEAD=head, HAS_SKIP=has_skip, BLOCK=block, ROWS=rows_per_program, PDL=on,
+        num_warps=4 if block <= 2048 else 8, **launch_options(on))
+    return y
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

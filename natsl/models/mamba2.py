@@ -24,7 +24,7 @@ from natsl.models.conv import ShortConv
 from natsl.models.gated_deltanet import GatedDeltaProjections, init_decay
 from natsl.models.linear import Linear
 from natsl.models.norms import RMSNorm
-from natsl.models.pointwise import gated_input_rms_norm, mamba2_gates
+from natsl.models.pointwise import mamba2_gates
 from natsl.ops import kernel_set
 from natsl.ops.cached import gla_token_step
 from natsl.reference.gates import add_skip, step_values
@@ -64,10 +64,12 @@ class Mamba2(nn.Module):
             self.D.fill_(1.0)
 
     def forward(self, x: torch.Tensor, cache=None, rope=None) -> torch.Tensor:
-        """x [B, T, d] -> [B, T, d]; with `cache` (a GDNCache) the tokens follow those in it.
-        `rope` is accepted like every mixer's and unused."""
+        """x [B, T, d] -> [B, T, d]; with `cache` (a GDNCache) the tokens follow those in it, their
+        elementwise steps on the call's kernel set (natsl.ops.kernel_set: one kernel each on the fused
+        set). `rope` is accepted like every mixer's and unused."""
         b, t, _ = x.shape
         z, xbc, a = self.in_proj(x).split([self.inner, self.conv_dim, self.num_heads], dim=-1)
+        kernels = kernel_set.REFERENCE
         if cache is None:
             xbc, _ = self.conv(xbc)
         else:
@@ -77,21 +79,20 @@ class Mamba2(nn.Module):
             xbc, tail = self.conv(xbc, cache.conv[0], kernels=kernels)
             cache.store_conv([tail])
         xs, B, C = xbc.split([self.inner, self.groups * self.state_size, self.groups * self.state_size], dim=-1)
-        xs = xs.view(b, t, self.num_heads, self.head_dim)
         # B, C stay [b, t, G, N]: the op reads group j for heads j H/G .. (j+1) H/G - 1 and saves them as
         # they are for its backward (not H/G-fold expanded copies of the same bytes).
         B = B.view(b, t, self.groups, self.state_size)
         C = C.view(b, t, self.groups, self.state_size)
         g, dt = mamba2_gates(a, self.A_log, self.dt_bias)
-        v = step_values(xs, dt)
+        v = kernels.step_values(xs.view(b, t, self.num_heads, self.head_dim), dt)
         if cache is None:
             y, _ = ops.gated_linear_rule(C, B, v, g, scale=SSD_SCALE, backend=self.backend)
         else:
             y, state = ops.gated_linear_rule(C, B, v, g, scale=SSD_SCALE, initial_state=cache.state,
                                              output_final_state=True, backend=self.backend)
             cache.state.copy_(state)
-        y = add_skip(y, xs, self.D).reshape(b, t, self.inner)
-        return self.out_proj(gated_input_rms_norm(y, self.norm.weight, self.norm.eps, z))
+        y = kernels.gated_input_norm(y.reshape(b, t, self.inner), self.norm, z, skip=xs, skip_scale=self.D)
+        return self.out_proj(y)
 
     def decode(self, z: torch.Tensor, xbc: torch.Tensor, a: torch.Tensor, cache, kernels) -> torch.Tensor:
         """One token [B, 1, ...] of the in_proj's z, xBC and a on the kernel set `kernels`
@@ -109,8 +110,7 @@ class Mamba2(nn.Module):
         xs, B, C = xbc.split([self.inner, width, width], dim=-1)
         y, _ = kernels.gla_decode_step(C, B, xs, a, self.A_log, self.dt_bias, cache.state, D=self.D,
                                        scale=SSD_SCALE)
-        y = y.reshape(b, 1, self.inner)
-        return self.out_proj(gated_input_rms_norm(y, self.norm.weight, self.norm.eps, z))
+        return self.out_proj(kernels.gated_input_norm(y.reshape(b, 1, self.inner), self.norm, z))
 
 
 class Mamba2StateProjections(GatedDeltaProjections):

@@ -16,22 +16,20 @@ forms against the eager ones (on the GPU, and on the CPU with NATSL_COMPILE_POIN
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from natsl.ops.cached import gdn_gates  # noqa: F401
 from natsl.ops.compiled import compile_dynamic, compile_for, pointwise, RECOMPILE_LIMIT  # noqa: F401
 from natsl.ops.gemv import swiglu  # noqa: F401
 from natsl.ops.mix import compiled_reference as mix_read  # noqa: F401
-from natsl.ops.norms import gated_rms_norm, l2_normalize, rms_norm  # noqa: F401
+from natsl.ops.norms import gated_input_rms_norm, gated_rms_norm, l2_normalize, rms_norm  # noqa: F401
 from natsl.ops.short_conv import compiled_reference as conv_silu, conv_tail  # noqa: F401
-from natsl.reference import norms
 from natsl.reference.gates import decay as _decay
 
-# rms_norm, gated_rms_norm and l2_normalize (natsl.ops.norms), conv_silu (SiLU of the causal depthwise
-# conv) and conv_tail (natsl.ops.short_conv), mix_read (the NAtS-L read of its two memories,
-# natsl.ops.mix), gdn_gates (natsl.ops.cached) and swiglu (natsl.ops.gemv) are compiled below the
-# models, where the doors of natsl.ops run them as the reference side of a fused kernel; they are the
-# same objects, named here too.
+# rms_norm, gated_rms_norm, gated_input_rms_norm (Mamba2's: the gate before the norm) and
+# l2_normalize (natsl.ops.norms), conv_silu (SiLU of the causal depthwise conv) and conv_tail
+# (natsl.ops.short_conv), mix_read (the NAtS-L read of its two memories, natsl.ops.mix), gdn_gates
+# (natsl.ops.cached) and swiglu (natsl.ops.gemv) are compiled below the models, where the doors of
+# natsl.ops run them as the reference side of a fused kernel; they are the same objects, named here too.
 
 
 @pointwise
@@ -40,10 +38,3 @@ def mamba2_gates(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
     dt = softplus(a + dt_bias), both fp32 (the decay is the GDN's; dt also scales the write)."""
     return _decay(a, A_log, dt_bias)
 
-
-@pointwise
-def gated_input_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor) -> torch.Tensor:
-    """RMSNorm(x * silu(gate)) * weight over the last dim, fp32 inside, in x's dtype: Mamba2's gated
-    norm (norm_before_gate=False), where gated_rms_norm gates after the norm."""
-    y = norms.normalize(norms.up(x) * F.silu(norms.up(gate)), eps, mean=True) * norms.up(weight)
-    return y.to(x.dtype)

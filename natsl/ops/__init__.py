@@ -207,6 +207,8 @@ TWINS = {
     "rms_norm": ("natsl.reference.norms:rms_norm", "natsl.fast.norms:rms_norm"),
     "l2_normalize": ("natsl.reference.norms:l2_normalize", "natsl.fast.norms:l2_normalize"),
     "add_rms_norm": ("natsl.reference.norms:add_rms_norm", "natsl.fast.norms:add_rms_norm"),
+    "gated_input_rms_norm": ("natsl.reference.norms:gated_input_rms_norm", "natsl.fast.norms:gated_input_rms_norm"),
+    "step_values": ("natsl.reference.gates:step_values", "natsl.fast.gates:step_values"),
     "gemv": ("natsl.reference.gemv:linear", "natsl.fast.gemv:linear"),
     "cross_entropy": ("natsl.reference.cross_entropy:softmax_cross_entropy_",
                       "natsl.fast.cross_entropy:softmax_cross_entropy_"),

@@ -10,6 +10,8 @@ step below on the set it got, with no choice of its own:
 | step | `Fused` | `Reference` |
 |---|---|---|
 | `norm` (RMSNorm, optionally x silu(gate)) | `natsl.fast.norms.rms_norm` | the `RMSNorm` module; with a gate `natsl.ops.norms.gated_rms_norm` |
+| `gated_input_norm` (Mamba2's output: optional + D x, then RMSNorm(y silu(z))) | `natsl.fast.norms.gated_input_rms_norm` | `add_skip`, then `natsl.ops.norms.gated_input_rms_norm` |
+| `step_values` (Mamba2's write x dt) | `natsl.fast.gates.step_values` | `natsl.reference.gates.step_values` |
 | `add_norm` (residual add + the next norm) | `natsl.fast.norms.add_rms_norm` | `x + residual`, then the module |
 | `l2_normalize` | `natsl.fast.norms.l2_normalize` | `natsl.ops.norms.l2_normalize` |
 | `short_conv_silu` (a chunk after a cached tail) | `natsl.fast.cached.conv_chunk` (grad-free, no bias) | `natsl.ops.short_conv.compiled_reference` |
@@ -37,6 +39,7 @@ import torch
 
 from natsl import switches
 from natsl.ops import block_end, cached, fused, norms, short_conv, twin
+from natsl.reference import gates
 from natsl.reference.router import KeepFraction
 
 
@@ -55,6 +58,21 @@ class Reference:
         if gate is None:
             return norm(x)
         return norms.gated_rms_norm(x, norm.weight, norm.eps, gate)
+
+    def gated_input_norm(self, x: torch.Tensor, norm, gate: torch.Tensor, skip: torch.Tensor | None = None,
+                         skip_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """Mamba2's output norm RMSNorm(x silu(gate)) with `norm`'s weight and eps; with `skip` first
+        x + skip_scale skip per head (x, gate, skip [..., H P]; skip_scale [H]). The reference side is
+        the full forward's: `add_skip` eagerly (so that D's gradient reads skip in its own dtype), then
+        the compiled norm."""
+        if skip is not None:
+            heads = skip_scale.shape[0]
+            x = gates.add_skip(x.unflatten(-1, (heads, -1)), skip.unflatten(-1, (heads, -1)), skip_scale).flatten(-2)
+        return norms.gated_input_rms_norm(x, norm.weight, norm.eps, gate)
+
+    def step_values(self, v: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
+        """Mamba2's write v dt: v [..., H, P], dt [..., H] fp32, in v's dtype."""
+        return gates.step_values(v, dt)
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm):
         """(x + residual, norm(x + residual)); residual None: (x, norm(x)). The residual stream of a
@@ -147,6 +165,12 @@ class Fused(Reference):
 
     def norm(self, x, norm, gate=None):
         return twin("rms_norm", True)(x, norm.weight, norm.eps, gate)
+
+    def gated_input_norm(self, x, norm, gate, skip=None, skip_scale=None):
+        return twin("gated_input_rms_norm", True)(x, norm.weight, norm.eps, gate, skip, skip_scale)
+
+    def step_values(self, v, dt):
+        return twin("step_values", True)(v, dt)
 
     def add_norm(self, x, residual, norm):
         if residual is None:

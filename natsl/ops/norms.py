@@ -25,3 +25,4 @@ def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torc
 
 
 l2_normalize = pointwise(reference.l2_normalize)
+gated_input_rms_norm = pointwise(reference.gated_input_rms_norm)

@@ -1,6 +1,7 @@
 """The norms of the layers, in fp32 with one rounding at the end: the reference twins of the fused
-kernels in `natsl.fast.norms` (`rms_norm`, `l2_normalize`, `add_rms_norm`, same signatures) and the
-single definition of the formulas that `natsl.models.pointwise` compiles for the model's forward."""
+kernels in `natsl.fast.norms` (`rms_norm`, `l2_normalize`, `add_rms_norm`, `gated_input_rms_norm`,
+same signatures) and the single definition of the formulas that `natsl.models.pointwise` compiles for
+the model's forward."""
 
 from __future__ import annotations
 
@@ -48,3 +49,18 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     from that rounded value."""
     total = x + residual
     return total, rms_norm(total, weight, eps)
+
+
+def gated_input_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor,
+                         skip: torch.Tensor | None = None, skip_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Mamba2's output norm, RMSNorm(x * silu(gate)) * weight over the last dim (the gate before the
+    norm, mamba_ssm's norm_before_gate=False; `rms_norm` gates after it), fp32 inside, rounded once to
+    x's dtype. With `skip` (x's shape) x is first x + skip_scale skip per head (skip_scale [H], the
+    last dim cut into H heads), rounded to x's dtype: Mamba2's + D x, as natsl.reference.gates.add_skip
+    computes it (that module imports this one, so the two lines are written here again)."""
+    if skip is not None:
+        heads = skip_scale.shape[0]
+        wide = up(x).unflatten(-1, (heads, -1)) + up(skip_scale)[:, None] * up(skip).unflatten(-1, (heads, -1))
+        x = wide.flatten(-2).to(x.dtype)
+    y = normalize(up(x) * F.silu(up(gate)), eps, mean=True) * up(weight)
+    return y.to(x.dtype)
