@@ -75,6 +75,37 @@ def test_mamba2_layer_is_the_ssd_recurrence(T, conv_bias):
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("T", [1, 37])
+def test_mamba2_forward_without_autograd_runs_the_fused_kernels(T, monkeypatch, use_switches):
+    """Evaluation's full forward (no autograd, no cache: eval-ppl's windows) takes the fused kernel set
+    for the write x dt and the skip + gated norm, and computes what the training forward (the compiled
+    formulas) does; with autograd on, the fused kernels are never called."""
+    from natsl import ops
+    from natsl.devices import triton_interpreted
+
+    if DEVICE == "cpu" and not triton_interpreted():
+        pytest.skip("the fused kernels need CUDA or the Triton interpreter")
+    use_switches(force_fused_inference=True)
+    config = tiny_config(base_layer="mamba2", natsl_layers=[], intermediate_size=0)
+    torch.manual_seed(0)
+    layer = Mamba2(config).to(DEVICE)
+    with torch.no_grad():
+        layer.D.uniform_(0.5, 1.5)
+        layer.norm.weight.uniform_(0.5, 1.5)
+    calls = []
+    for family in ("step_values", "gated_input_rms_norm"):
+        fast = ops.twin(family, True)
+        monkeypatch.setitem(ops._LOADED, (family, True),
+                            lambda *args, fast=fast, family=family, **kw: calls.append(family) or fast(*args, **kw))
+    x = torch.randn(2, T, config.hidden_size, device=DEVICE)
+    trained = layer(x)
+    assert calls == []
+    with torch.no_grad():
+        evaluated = layer(x)
+    assert sorted(calls) == ["gated_input_rms_norm", "step_values"]
+    assert float((evaluated - trained).abs().max() / trained.abs().max()) < 1e-5
+
+
 def test_a_biased_conv_never_reaches_the_triton_kernels(monkeypatch):
     """natsl.ops.short_conv sends a call with a bias to the reference formula on the fast backend too,
     full sequence and cached chunk (fused) alike; the kernels take no bias."""
