@@ -12,6 +12,7 @@ import functools
 import torch
 
 from natsl.fast.cached import launch_options, next_pow2, pdl
+from natsl.fast.norms import strided_rows
 
 BLOCK_COLUMNS = 1024  # columns per program: a few rows of 3072 values (800M Mamba2) per program
 
@@ -38,19 +39,13 @@ def _kernel():
     return step_values_kernel
 
 
-def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
-    """x as rows [n, width] of unit column stride: a view where x's dims merge, else a copy."""
-    rows = x.reshape(-1, width)
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
-
-
 def step_values(v: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
     """v [..., H, P] scaled by the step dt [..., H] (fp32): the SSD's write x dt, in v's dtype
     (contiguous); one kernel."""
     H, P = v.shape[-2:]
     width = H * P
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    vr, dtr = _rows(v, width), _rows(dt, H)
+    vr, dtr = strided_rows(v, width), strided_rows(dt, H)
     n = vr.shape[0]
     if n == 0:
         return out

@@ -142,10 +142,10 @@ def _launch_rms(xr, weight, g, y, rr, total, eps, has_gate: bool, mean: bool) ->
         num_warps=warps, PDL=on, **launch_options(on))
 
 
-def _strided_rows(x: torch.Tensor) -> torch.Tensor:
-    """x as rows [n, D] of unit column stride, a view where x's leading dims merge (a column slice of
-    a contiguous tensor does), else a copy."""
-    rows = x.reshape(-1, x.shape[-1])
+def strided_rows(x: torch.Tensor, width: int | None = None) -> torch.Tensor:
+    """x as rows [n, width] (default: its last dim) of unit column stride, a view where x's dims merge
+    (a column slice of a contiguous tensor does), else a copy: the kernels take the row stride."""
+    rows = x.reshape(-1, x.shape[-1] if width is None else width)
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
@@ -155,13 +155,13 @@ def gated_input_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate
     `natsl.reference.norms.gated_input_rms_norm`), first x + skip_scale skip per head when `skip` is
     given; x, gate, skip [..., D] (column slices read in place), skip_scale [H]; one kernel."""
     D = x.shape[-1]
-    xr, gr = _strided_rows(x), _strided_rows(gate)
+    xr, gr = strided_rows(x), strided_rows(gate)
     n = xr.shape[0]
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if n == 0:
         return y
     has_skip = skip is not None
-    sr = _strided_rows(skip) if has_skip else xr
+    sr = strided_rows(skip) if has_skip else xr
     scale = skip_scale.contiguous() if has_skip else weight
     head = D // skip_scale.shape[0] if has_skip else 1
     on = pdl(x.device)

@@ -65,17 +65,13 @@ class Mamba2(nn.Module):
 
     def forward(self, x: torch.Tensor, cache=None, rope=None) -> torch.Tensor:
         """x [B, T, d] -> [B, T, d]; with `cache` (a GDNCache) the tokens follow those in it. The
-        elementwise steps run on a kernel set (natsl.ops.kernel_set: one kernel each on the fused set):
-        the call's with a cache or without autograd, else the full forward's compiled formulas.
+        elementwise steps run on the call's kernel set (natsl.ops.kernel_set: one kernel each on the fused
+        set; without a cache `pick_full_forward`'s: fused only where nothing is differentiated).
         `rope` is accepted like every mixer's and unused."""
         b, t, _ = x.shape
         z, xbc, a = self.in_proj(x).split([self.inner, self.conv_dim, self.num_heads], dim=-1)
-        kernels = kernel_set.REFERENCE
         if cache is None:
-            if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
-                # evaluation (eval-ppl's full windows): nothing to differentiate, so the cached paths'
-                # kernels serve; training and a compiled model keep the compiled formulas
-                kernels = kernel_set.pick(self.backend, x.device)
+            kernels = kernel_set.pick_full_forward(self.backend, x.device)
             xbc, _ = self.conv(xbc)
         else:
             kernels = kernel_set.pick(self.backend, x.device, cache.state.dtype)

@@ -66,8 +66,7 @@ class Reference:
         the full forward's: `add_skip` eagerly (so that D's gradient reads skip in its own dtype), then
         the compiled norm."""
         if skip is not None:
-            heads = skip_scale.shape[0]
-            x = gates.add_skip(x.unflatten(-1, (heads, -1)), skip.unflatten(-1, (heads, -1)), skip_scale).flatten(-2)
+            x = gates.add_head_skip(x, skip, skip_scale)
         return norms.gated_input_rms_norm(x, norm.weight, norm.eps, gate)
 
     def step_values(self, v: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
@@ -216,6 +215,15 @@ def pick(backend: str | None, device: torch.device, state_dtype: torch.dtype | N
     recurrent state (if any) in `state_dtype`: `Fused` where `natsl.ops.fused.enabled` and the state
     is fp32, else `Reference`."""
     return _kernel_set(fused.enabled(backend, device) and state_dtype in (None, torch.float32), backend)
+
+
+def pick_full_forward(backend: str | None, device: torch.device) -> Reference:
+    """The kernel set of a full-sequence forward (no cache): `pick`'s where nothing is differentiated
+    and no model is being compiled (evaluation's windows: the fused kernels have no backward), else
+    `REFERENCE`, the compiled formulas that training's backward and a compiled model trace."""
+    if torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return REFERENCE
+    return pick(backend, device)
 
 
 @functools.lru_cache(maxsize=None)

@@ -34,6 +34,12 @@ def add_skip(o: torch.Tensor, v: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
     return (o.to(dtype) + D.to(dtype)[:, None] * v).to(o.dtype)
 
 
+def add_head_skip(o: torch.Tensor, v: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
+    """`add_skip` on rows [..., H P] (o, v) whose last dim is cut into D's H heads."""
+    heads = D.shape[0]
+    return add_skip(o.unflatten(-1, (heads, -1)), v.unflatten(-1, (heads, -1)), D).flatten(-2)
+
+
 def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
     """Gated DeltaNet's gates from the a and b projections [B, T, H]: log decay
     g = -exp(A_log) softplus(a + dt_bias) in fp32, and write strength beta = sigmoid(b) in b's dtype."""

@@ -56,11 +56,10 @@ def gated_input_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate
     """Mamba2's output norm, RMSNorm(x * silu(gate)) * weight over the last dim (the gate before the
     norm, mamba_ssm's norm_before_gate=False; `rms_norm` gates after it), fp32 inside, rounded once to
     x's dtype. With `skip` (x's shape) x is first x + skip_scale skip per head (skip_scale [H], the
-    last dim cut into H heads), rounded to x's dtype: Mamba2's + D x, as natsl.reference.gates.add_skip
-    computes it (that module imports this one, so the two lines are written here again)."""
+    last dim cut into H heads), rounded to x's dtype: Mamba2's + D x (natsl.reference.gates.add_skip)."""
     if skip is not None:
-        heads = skip_scale.shape[0]
-        wide = up(x).unflatten(-1, (heads, -1)) + up(skip_scale)[:, None] * up(skip).unflatten(-1, (heads, -1))
-        x = wide.flatten(-2).to(x.dtype)
+        from natsl.reference.gates import add_head_skip  # (gates imports this module for `up`)
+
+        x = add_head_skip(x, skip, skip_scale)
     y = normalize(up(x) * F.silu(up(gate)), eps, mean=True) * up(weight)
     return y.to(x.dtype)
