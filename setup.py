@@ -1,4 +1,9 @@
-"""What pyproject.toml cannot say: install `natsl-lm-eval.pth` into site-packages (see _natsl_lm_eval.py).
+"""What pyproject.toml cannot say: ship the top-level recipes/ inside the wheel as natsl/recipes/, and
+install `natsl-lm-eval.pth` into site-packages (see _natsl_lm_eval.py).
+
+The recipes live once in git, at the checkout's top level (`natsl train recipes/800m_hybrid.yaml` works as
+written there); a wheel gets a copy as package data so that `natsl train tiny_hybrid` finds them when installed
+(natsl.config.recipes_root). An editable install reads the checkout's folder directly.
 
 A wheel gets the file beside the packages (build_py copies it into build_lib); an editable install
 (PEP 660) builds its wheel from a finder and a .pth of its own, so the file is added to that wheel
@@ -16,6 +21,12 @@ from setuptools.command.build_py import build_py
 from setuptools.command.editable_wheel import editable_wheel
 
 PTH = "natsl-lm-eval.pth"
+RECIPES = Path("recipes")
+
+
+def recipe_files() -> list[Path]:
+    """The shipped recipes, relative to the checkout: recipes/*.yaml and one folder level below."""
+    return sorted([*RECIPES.glob("*.yaml"), *RECIPES.glob("*/*.yaml")])
 
 
 class BuildPyWithPth(build_py):
@@ -23,9 +34,14 @@ class BuildPyWithPth(build_py):
         super().run()
         if not self.editable_mode:
             self.copy_file(PTH, str(Path(self.build_lib) / PTH), preserve_mode=False)
+            for recipe in recipe_files():
+                target = Path(self.build_lib) / "natsl" / recipe
+                self.mkpath(str(target.parent))
+                self.copy_file(str(recipe), str(target), preserve_mode=False)
 
     def get_outputs(self, include_bytecode=True):
-        return [*super().get_outputs(include_bytecode), str(Path(self.build_lib) / PTH)]
+        copies = [str(Path(self.build_lib) / "natsl" / recipe) for recipe in recipe_files()]
+        return [*super().get_outputs(include_bytecode), str(Path(self.build_lib) / PTH), *copies]
 
 
 class EditableWheelWithPth(editable_wheel):

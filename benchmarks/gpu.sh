@@ -73,7 +73,7 @@ recall() {  # the recall sweeps: see the header
       echo "== recall: MPS daemon started"
     else echo "== recall: no MPS daemon ($(head -c 200 "$work/mps/start.log")); the workers time-slice the GPU"; fi
   fi
-  for spec in ${RECALL_SPECS:-natsl/recipes/recall/sweep_h200_widths.yaml}; do
+  for spec in ${RECALL_SPECS:-recipes/recall/sweep_h200_widths.yaml}; do
     name=$(basename "$spec" .yaml)
     ( run "recall_$name" "$cap" python3 -m natsl.training.sweep "$spec" --deadline "$deadline" --no-progress \
         --out "$work/$name"

@@ -22,8 +22,10 @@ from natsl.errors import NatslError
 from natsl.seeding import check_seed
 
 LAYER_TYPES = ("gdn", "attention", "natsl", "mamba2", "nsa")
-# The shipped recipes are package data (natsl/recipes/, read through importlib.resources so a wheel
-# finds them too); `load_recipe("800m_hybrid")` or `load_recipe("recall/gdn")` names one.
+# The shipped recipes live once, in the checkout's top-level recipes/ (so that `natsl train
+# recipes/800m_hybrid.yaml` works from a checkout as written); a wheel ships them as package data
+# natsl/recipes/, copied there by setup.py's build step. `load_recipe("800m_hybrid")` or
+# `load_recipe("recall/gdn")` names one from either place (recipes_root).
 RECIPES_PACKAGE = "natsl"
 
 
@@ -506,10 +508,19 @@ def check_unique_keys(text: str, where: str) -> None:
             stack.extend(node.value)
 
 
+def recipes_root():
+    """The folder of the shipped recipes (a Traversable): an installed wheel's package data natsl/recipes/,
+    else the checkout's top-level recipes/ beside the natsl package (editable installs, PYTHONPATH runs)."""
+    packaged = resources.files(RECIPES_PACKAGE) / "recipes"
+    if packaged.is_dir():
+        return packaged
+    return Path(__file__).resolve().parent.parent / "recipes"
+
+
 def recipe_names() -> list[str]:
     """Names of the recipes shipped with natsl ("tiny_hybrid", "recall/gdn", ...), sorted."""
     names = []
-    folders = [("", resources.files(RECIPES_PACKAGE) / "recipes")]
+    folders = [("", recipes_root())]
     while folders:
         prefix, folder = folders.pop()
         for entry in folder.iterdir():
@@ -524,7 +535,7 @@ def shipped_recipe(name: str):
     """The packaged recipe file called `name` (a Traversable), or None."""
     if not name or name.startswith(("/", ".")) or "\\" in name or ".." in name.split("/"):
         return None
-    entry = resources.files(RECIPES_PACKAGE) / "recipes"
+    entry = recipes_root()
     for part in f"{name}.yaml".split("/"):
         entry = entry / part
     return entry if entry.is_file() else None
@@ -554,7 +565,7 @@ def load_recipe(path: str | Path) -> Recipe:
                          "values, at most a list of numbers); fix the file") from None
     if data is None:  # from_dict would read it as {}: silently the 800M defaults
         raise NatslError(f"recipe file {str(path)!r} is empty; a recipe needs at least a model section "
-                         "(see natsl/recipes/tiny_hybrid.yaml)")
+                         "(see recipes/tiny_hybrid.yaml)")
     recipe = recipe_from_dict(data)
     if recipe.name == "unnamed":
         recipe.name = Path(path.name).stem

@@ -16,7 +16,7 @@ from natsl.eval.compare import format_table, pareto, run_compare, variants
 
 from cli_checks import assert_one_line_error
 
-RECIPES = Path(__file__).resolve().parent.parent / "natsl" / "recipes"
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 TASK = "task:mqar?vocab=128&seq_len=64&pairs=4"
 FAMILIES = {
     "natsl_hybrid": {},

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-ARGS = [str(ROOT / "natsl" / "recipes" / "tiny_hybrid.yaml"), "--set", "train.seq_len=128", "train.micro_batch_size=2",
+ARGS = [str(ROOT / "recipes" / "tiny_hybrid.yaml"), "--set", "train.seq_len=128", "train.micro_batch_size=2",
         "train.tokens_per_step=512", "train.save_every=3", "--max-steps", "3", "--device", "cpu",
         "--backend", "chunked", "--no-progress"]
 

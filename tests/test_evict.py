@@ -10,7 +10,7 @@ import natsl
 from natsl.errors import NatslError
 from natsl.inference.evict import METHODS, EvictingLM, Press, budget_entries, evict, kept_entries, layer_budgets, observe
 
-RECIPES = Path(__file__).resolve().parent.parent / "natsl" / "recipes"
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 LAYOUTS = {"transformer": {"base_layer": "attention"}, "gdn_hybrid": {"base_layer": "gdn", "attention_layers": [1, 3]}}
 
 

@@ -19,7 +19,7 @@ from natsl.tokenizer import train_bpe
 from cli_checks import assert_one_line_error
 
 ROOT = Path(__file__).resolve().parent.parent
-RECIPES = ROOT / "natsl" / "recipes"
+RECIPES = ROOT / "recipes"
 MAX_SEQ_LEN = 96
 
 WORDS = "the a cat dog sat on mat ran far and then slept under warm sun while birds sang songs".split()

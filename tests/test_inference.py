@@ -19,7 +19,7 @@ from natsl.inference.generate import TextStream
 from natsl.models.routing import force_keep_fraction
 from natsl.inference.sampling import filter_logits
 
-RECIPES = Path(__file__).resolve().parent.parent / "natsl" / "recipes"
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 BLOCK = 16
 TINY_MAMBA2 = {"mamba2_head_dim": 32, "mamba2_state_size": 16}  # 4 heads over 2 x 64 channels
 

@@ -101,7 +101,7 @@ def test_model_hidden_states_and_parameter_gradients():
 
     from pathlib import Path
 
-    recipe = load_recipe(Path(__file__).resolve().parent.parent / "natsl" / "recipes" / "tiny_hybrid.yaml")
+    recipe = load_recipe(Path(__file__).resolve().parent.parent / "recipes" / "tiny_hybrid.yaml")
     torch.manual_seed(0)
     model = build_model(recipe, device="cpu").double()
     model.set_backend("chunked")
@@ -128,7 +128,7 @@ def test_trainer_losses_unchanged(tmp_path, natsl_cache_dir, monkeypatch):
     from pathlib import Path
 
     monkeypatch.setenv("NATSL_CACHE_DIR", natsl_cache_dir)
-    recipe = apply_overrides(load_recipe(Path(__file__).resolve().parent.parent / "natsl" / "recipes" / "tiny_hybrid.yaml"),
+    recipe = apply_overrides(load_recipe(Path(__file__).resolve().parent.parent / "recipes" / "tiny_hybrid.yaml"),
                              ["train.seq_len=128", "train.micro_batch_size=4", "train.tokens_per_step=1024",
                               "train.eval_every=2", "train.eval_tokens=2048"])
 

@@ -21,7 +21,7 @@ from natsl.models.mamba2 import Mamba2, Mamba2StateProjections
 
 from cli_checks import assert_one_line_error
 
-RECIPES = Path(__file__).resolve().parent.parent / "natsl" / "recipes"
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 TINY_MAMBA2 = {"mamba2_head_dim": 16, "mamba2_state_size": 8, "mamba2_groups": 2}  # 8 heads, 4 per group
 # The fast backend's tests run on the GPU where there is one (its kernels take no CPU tensors there), else
 # in Triton's interpreter on the CPU (tests/conftest.py).

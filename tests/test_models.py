@@ -11,7 +11,7 @@ from natsl.config import ModelConfig
 from natsl.models.natsl_layer import NAtSL
 from natsl.reference.router import block_mean, route_blocks
 
-RECIPES = Path(__file__).resolve().parent.parent / "natsl" / "recipes"
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 
 
 def tiny_config(**changes) -> ModelConfig:

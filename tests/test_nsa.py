@@ -15,7 +15,7 @@ pytest.importorskip("fla", reason="NSA layers need flash-linear-attention (natsl
 
 from natsl.models.nsa import block_means, sparse_attention  # noqa: E402
 
-RECIPES = Path(__file__).resolve().parent.parent / "natsl" / "recipes"
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 
 
 TINY_NSA = dict(natsl_layers=[], nsa_layers=[1], backend="chunked", nsa_num_heads=16, nsa_kv_heads=1, nsa_head_dim=16,

@@ -92,7 +92,7 @@ def test_zoology_mixture():
 def test_sweep_trains_evaluates_and_summarises(tmp_path):
     """The CPU sweep (2 runs x 4 steps) through the module entry point: results and summary."""
     out = tmp_path / "sweep"
-    proc = subprocess.run([sys.executable, "-m", "natsl.training.sweep", str(ROOT / "natsl/recipes/recall/sweep_cpu.yaml"),
+    proc = subprocess.run([sys.executable, "-m", "natsl.training.sweep", str(ROOT / "recipes/recall/sweep_cpu.yaml"),
                            "--out", str(out), "--no-progress"], capture_output=True, text=True, cwd=ROOT,
                           env={**__import__("os").environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -148,7 +148,7 @@ def test_sweep_trains_evaluates_and_summarises(tmp_path):
     assert late["points"] == [] and late["complete"] is False and late["mean_accuracy"] is None
     assert summary["stopped"] is None
     # A second call finds every run done and only rebuilds the summary.
-    again = subprocess.run([sys.executable, "-m", "natsl.training.sweep", str(ROOT / "natsl/recipes/recall/sweep_cpu.yaml"),
+    again = subprocess.run([sys.executable, "-m", "natsl.training.sweep", str(ROOT / "recipes/recall/sweep_cpu.yaml"),
                             "--out", str(out), "--no-progress"], capture_output=True, text=True, cwd=ROOT,
                            env={**__import__("os").environ, "PYTHONPATH": str(ROOT)}, timeout=300)
     assert again.returncode == 0 and "2 of 2 runs done" in again.stdout
@@ -197,7 +197,7 @@ def test_sweep_learning_rates_by_width_and_system_and_the_deadline_flag(tmp_path
     assert load_spec(spec, tmp_path / "out", deadline_s=7.5).deadline_s == 7.5
     with pytest.raises(NatslError, match="deadline must be a positive number"):
         load_spec(spec, tmp_path / "out", deadline_s=-1)
-    widths = load_spec(ROOT / "natsl/recipes/recall/sweep_h200_widths.yaml", tmp_path / "out").runs
+    widths = load_spec(ROOT / "recipes/recall/sweep_h200_widths.yaml", tmp_path / "out").runs
     assert {(r.width, r.system.startswith("natsl_hybrid_")) for r in widths} == {(64, False), (128, True), (256, False)}
     assert len(widths) == 22
 
@@ -207,7 +207,7 @@ def _tiny(**changes):
 
     import natsl
 
-    base = natsl.load_recipe(ROOT / "natsl" / "recipes" / "tiny_hybrid.yaml").model
+    base = natsl.load_recipe(ROOT / "recipes" / "tiny_hybrid.yaml").model
     torch.manual_seed(0)
     return natsl.build_model(dataclasses.replace(base, backend="chunked", block_size=16, **changes))
 
@@ -255,7 +255,7 @@ def test_router_option_validation_and_old_checkpoints(tmp_path):
         natsl.config.recipe_from_dict({"model": {"router_target_keep": 1.5}})
     with pytest.raises(NatslError, match="router_noise"):
         natsl.config.recipe_from_dict({"model": {"router_noise": -1}})
-    recipe = natsl.load_recipe(ROOT / "natsl" / "recipes" / "tiny_hybrid.yaml").to_dict()
+    recipe = natsl.load_recipe(ROOT / "recipes" / "tiny_hybrid.yaml").to_dict()
     for key in ("router_noise", "router_balance", "router_target_keep"):  # a checkpoint from before them
         del recipe["model"][key]
     loaded = checkpoint_recipe(tmp_path, {"recipe": recipe})
@@ -267,7 +267,7 @@ def test_sweep_compiles_with_cuda_graphs_on_cuda_unless_the_spec_says_compile(tm
     undo it), eager on the CPU; `compile: false` is kept as written."""
     from natsl.training.sweep import load_spec
 
-    spec = ROOT / "natsl/recipes/recall/sweep_cpu.yaml"
+    spec = ROOT / "recipes/recall/sweep_cpu.yaml"
     for run in load_spec(spec, tmp_path / "a", device="cuda").runs:
         assert run.compile and run.device == "cuda"
         at = run.overrides.index("train.cuda_graphs=true")
@@ -304,7 +304,7 @@ def test_sweep_mps_flag_starts_and_stops_the_daemon(tmp_path, monkeypatch):
     assert seen == [False, True, False, True]  # `natsl sweep` passes --mps on the same way
     monkeypatch.undo()
 
-    sweep = S.load_spec(ROOT / "natsl/recipes/recall/sweep_cpu.yaml", tmp_path / "out", device="cuda")
+    sweep = S.load_spec(ROOT / "recipes/recall/sweep_cpu.yaml", tmp_path / "out", device="cuda")
     calls = tmp_path / "calls.txt"
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

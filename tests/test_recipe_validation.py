@@ -15,7 +15,7 @@ from natsl.config import recipe_from_dict
 from natsl.errors import NatslError
 
 ROOT = Path(__file__).resolve().parent.parent
-RECIPES = ROOT / "natsl" / "recipes"
+RECIPES = ROOT / "recipes"
 
 
 def _tiny_with(**values):
@@ -129,7 +129,7 @@ def test_train_on_an_empty_recipe_exits_2_without_a_traceback(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
     assert proc.stderr.strip().splitlines() == [f"error: recipe file {str(path)!r} is empty; a recipe needs at "
-                                                "least a model section (see natsl/recipes/tiny_hybrid.yaml)"]
+                                                "least a model section (see recipes/tiny_hybrid.yaml)"]
     assert not (tmp_path / "run").exists()
 
 

@@ -15,7 +15,7 @@ import natsl
 from natsl.config import apply_overrides, recipe_from_dict
 from natsl.errors import NatslError
 
-RECIPES = Path(__file__).resolve().parent.parent / "natsl" / "recipes"
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 
 # Paper, Sec. 5 (docs/spec.md section 6): parameter counts of the 800M systems.
 PAPER_800M = {"gdn": 793e6, "transformer": 778e6, "gdn_hybrid": 802e6, "natsl": 794e6, "hybrid": 793e6}
@@ -169,7 +169,7 @@ def test_missing_and_invalid_files(tmp_path):
     bad.write_text("model: [unclosed\n")
     with pytest.raises(NatslError, match="not valid YAML"):
         natsl.load_recipe(bad)
-    assert natsl.load_recipe("tiny_hybrid").name == "tiny_hybrid"  # a bare name finds natsl/recipes/
+    assert natsl.load_recipe("tiny_hybrid").name == "tiny_hybrid"  # a bare name finds recipes/
 
 
 def test_recipe_names_include_the_recall_systems_and_load_by_name():
@@ -182,11 +182,14 @@ def test_recipe_names_include_the_recall_systems_and_load_by_name():
 
 
 def test_a_built_wheel_ships_the_recipes(tmp_path):
-    """From the wheel alone (no checkout on sys.path), recipes load by name."""
-    root = RECIPES.parent.parent
+    """From the wheel alone (no checkout on sys.path), recipes load by name: setup.py copies the checkout's
+    top-level recipes/ into the wheel's natsl/recipes/, and git holds no second copy inside the package."""
+    root = RECIPES.parent
+    assert not (root / "natsl" / "recipes").exists()
     source = tmp_path / "src"  # a copy, so the build's egg-info and build/ stay out of the checkout
-    shutil.copytree(root / "natsl", source / "natsl", ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("pyproject.toml", "README.md"):
+    for folder in ("natsl", "recipes"):
+        shutil.copytree(root / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md", "setup.py", "MANIFEST.in", "natsl-lm-eval.pth", "_natsl_lm_eval.py"):
         shutil.copy(root / name, source / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                     "-w", str(tmp_path / "wheel"), str(source)], check=True, capture_output=True, timeout=300)
@@ -201,3 +204,5 @@ def test_a_built_wheel_ships_the_recipes(tmp_path):
     where, names = proc.stdout.strip().splitlines()
     assert where.startswith(str(tmp_path / "unpacked"))
     assert names == "tiny_hybrid recall_gdn"
+    shipped = sorted(p.relative_to(tmp_path / "unpacked" / "natsl") for p in (tmp_path / "unpacked" / "natsl" / "recipes").rglob("*.yaml"))
+    assert shipped == sorted(p.relative_to(root) for p in RECIPES.rglob("*.yaml"))

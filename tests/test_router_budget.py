@@ -280,7 +280,7 @@ def test_fused_kernel_set_decodes_with_the_budget(use_switches):
 
 def test_decode_step_with_the_budget_never_reads_the_device_on_the_host():
     """On meta tensors (a CUDA graph's requirement, as tests/test_inference.py checks the plain layer)."""
-    config = dataclasses.replace(natsl.load_recipe(ROOT / "natsl/recipes/tiny_hybrid.yaml").model, block_size=BLOCK,
+    config = dataclasses.replace(natsl.load_recipe(ROOT / "recipes/tiny_hybrid.yaml").model, block_size=BLOCK,
                                  router_keep_budget=0.5)
     model = natsl.build_model(config, device="meta")
     cache = model.new_cache(2, max_len=64)
@@ -299,14 +299,14 @@ def test_the_budget_round_trips_through_a_checkpoint(tmp_path):
     ids = ids_of(2, 4 * BLOCK + 1, 8)
     with torch.no_grad():
         expected = model(ids)
-    recipe = dataclasses.replace(natsl.load_recipe(ROOT / "natsl/recipes/tiny_hybrid.yaml"), model=model.config)
+    recipe = dataclasses.replace(natsl.load_recipe(ROOT / "recipes/tiny_hybrid.yaml"), model=model.config)
     save_model_folder(tmp_path / "ckpt", model, recipe)
     loaded, _ = load_checkpoint(tmp_path / "ckpt")
     loaded.set_backend("chunked")
     assert loaded.config.router_keep_budget == 0.25
     with torch.no_grad():
         assert torch.equal(loaded(ids), expected)
-    older = natsl.load_recipe(ROOT / "natsl/recipes/tiny_hybrid.yaml").to_dict()
+    older = natsl.load_recipe(ROOT / "recipes/tiny_hybrid.yaml").to_dict()
     del older["model"]["router_keep_budget"]  # a checkpoint from before the field
     assert checkpoint_recipe(tmp_path, {"recipe": older}).model.router_keep_budget is None
 
@@ -329,8 +329,8 @@ def test_good_values_and_the_shipped_sweep(tmp_path):
     recomputed = natsl.config.recipe_from_dict({"model": {"router_keep_budget": 0.25},
                                                 "train": {"activation_checkpointing": True}})
     assert recomputed.model.router_keep_budget == 0.25
-    base = natsl.load_recipe(ROOT / "natsl/recipes/recall/natsl_hybrid.yaml")
-    sweep = load_spec(ROOT / "natsl/recipes/recall/sweep_h200_budget.yaml", tmp_path / "sweep")
+    base = natsl.load_recipe(ROOT / "recipes/recall/natsl_hybrid.yaml")
+    sweep = load_spec(ROOT / "recipes/recall/sweep_h200_budget.yaml", tmp_path / "sweep")
     assert len(sweep.runs) == 3
     for system, fraction in (("natsl_hybrid_budget", 0.5),):
         runs = [r for r in sweep.runs if r.system == system]
@@ -338,7 +338,7 @@ def test_good_values_and_the_shipped_sweep(tmp_path):
         shipped = natsl.config.apply_overrides(natsl.load_recipe(runs[0].recipe), runs[0].overrides)
         assert shipped.model.router_keep_budget == fraction
         assert dataclasses.replace(shipped.model, router_keep_budget=None) == base.model
-    sink = load_spec(ROOT / "natsl/recipes/recall/sweep_h200_budget_sink.yaml", tmp_path / "sink").runs
+    sink = load_spec(ROOT / "recipes/recall/sweep_h200_budget_sink.yaml", tmp_path / "sink").runs
     assert sorted(r.seed for r in sink) == [0, 1, 2]
     shipped = natsl.config.apply_overrides(natsl.load_recipe(sink[0].recipe), sink[0].overrides)
     assert (shipped.model.router_keep_budget, shipped.model.router_keep_budget_sink) == (0.5, 2)

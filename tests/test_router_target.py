@@ -66,7 +66,7 @@ def test_off_by_default_no_buffer_and_the_plain_router(tmp_path):
         assert torch.equal(biased(ids), expected)
     assert all(torch.equal(a, b.last_keep) for a, b in zip(routes, biased.natsl_layers().values()))
     # a plain checkpoint loads as before: no bias, the same logits
-    recipe = dataclasses.replace(natsl.load_recipe(ROOT / "natsl/recipes/tiny_hybrid.yaml"), model=plain.config)
+    recipe = dataclasses.replace(natsl.load_recipe(ROOT / "recipes/tiny_hybrid.yaml"), model=plain.config)
     save_model_folder(tmp_path / "plain", plain, recipe)
     loaded, _ = load_checkpoint(tmp_path / "plain")
     assert all(layer.router_keep_bias is None for layer in loaded.natsl_layers().values())
@@ -221,7 +221,7 @@ def test_compiled_block_end_with_the_bias_equals_the_reference(compiled, use_swi
 
 def test_decode_step_with_a_bias_never_reads_the_device_on_the_host():
     """On meta tensors (a CUDA graph's requirement, as tests/test_inference.py checks the plain layer)."""
-    config = dataclasses.replace(natsl.load_recipe(ROOT / "natsl/recipes/tiny_hybrid.yaml").model, block_size=BLOCK,
+    config = dataclasses.replace(natsl.load_recipe(ROOT / "recipes/tiny_hybrid.yaml").model, block_size=BLOCK,
                                  router_keep_target=0.3)
     model = natsl.build_model(config, device="meta")
     cache = model.new_cache(2, max_len=64)
@@ -245,7 +245,7 @@ def test_the_bias_round_trips_through_a_checkpoint(tmp_path):
         set_splitting_bias(model, ids)
         expected = model(ids)
     routes = [layer.last_keep.clone() for layer in model.natsl_layers().values()]
-    recipe = dataclasses.replace(natsl.load_recipe(ROOT / "natsl/recipes/tiny_hybrid.yaml"), model=model.config)
+    recipe = dataclasses.replace(natsl.load_recipe(ROOT / "recipes/tiny_hybrid.yaml"), model=model.config)
     save_model_folder(tmp_path / "ckpt", model, recipe)
     stored = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
     assert {k for k in stored if "router_keep_bias" in k} == {"layers.1.mixer.router_keep_bias",
@@ -357,7 +357,7 @@ def test_recipe_rules_and_checkpoints_from_before_the_fields(tmp_path):
     assert (ok.model.router_keep_target, ok.model.router_bias_rate) == (0.25, 0.01)
     with pytest.raises(NatslError, match="activation_checkpointing"):
         natsl.config.recipe_from_dict({"model": {"router_keep_target": 0.5}, "train": {"activation_checkpointing": True}})
-    recipe = natsl.load_recipe(ROOT / "natsl/recipes/tiny_hybrid.yaml").to_dict()
+    recipe = natsl.load_recipe(ROOT / "recipes/tiny_hybrid.yaml").to_dict()
     for key in ("router_keep_target", "router_bias_rate"):  # a checkpoint from before them
         del recipe["model"][key]
     loaded = checkpoint_recipe(tmp_path, {"recipe": recipe})
@@ -365,11 +365,11 @@ def test_recipe_rules_and_checkpoints_from_before_the_fields(tmp_path):
     # the shipped sweep's keep-bias systems: natsl_hybrid.yaml with the two keys set per system, nothing else
     from natsl.training.sweep import load_spec
 
-    base = natsl.load_recipe(ROOT / "natsl/recipes/recall/natsl_hybrid.yaml")
-    sweep = load_spec(ROOT / "natsl/recipes/recall/sweep_h200_target.yaml", tmp_path / "sweep")
+    base = natsl.load_recipe(ROOT / "recipes/recall/natsl_hybrid.yaml")
+    sweep = load_spec(ROOT / "recipes/recall/sweep_h200_target.yaml", tmp_path / "sweep")
     for system, target in (("natsl_hybrid_target", 0.5), ("natsl_hybrid_target25", 0.25)):
         run = next(r for r in sweep.runs if r.system == system and r.seed == 0)
-        assert Path(run.recipe).resolve() == (ROOT / "natsl/recipes/recall/natsl_hybrid.yaml").resolve()
+        assert Path(run.recipe).resolve() == (ROOT / "recipes/recall/natsl_hybrid.yaml").resolve()
         shipped = natsl.config.apply_overrides(natsl.load_recipe(run.recipe), run.overrides)
         assert (shipped.model.router_keep_target, shipped.model.router_bias_rate) == (target, 0.001)
         assert dataclasses.replace(shipped.model, router_keep_target=None) == base.model

@@ -10,7 +10,7 @@ import natsl
 from natsl.errors import NatslError
 from natsl.models.attention import band_mask, banded_attention, sliding_window_attention
 
-RECIPES = Path(__file__).resolve().parent.parent / "natsl" / "recipes"
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 
 
 def tiny_swa(window=5, seed=0, **changes):

@@ -94,14 +94,14 @@ def test_shipped_h200_specs_keep_their_wall_clock_runs(tmp_path):
     """The specs behind docs/recall.md's results say match: time; sweep_cpu.yaml's runs are matched in steps."""
     for name in ("sweep_h200", "sweep_h200_ablations", "sweep_h200_widths", "sweep_h200_baselines", "sweep_h200_seeds",
                  "sweep_h200_long"):
-        assert S.load_spec(ROOT / f"natsl/recipes/recall/{name}.yaml", tmp_path / name).match == "time"
-    assert S.load_spec(ROOT / "natsl/recipes/recall/sweep_cpu.yaml", tmp_path / "cpu").match == "steps"
+        assert S.load_spec(ROOT / f"recipes/recall/{name}.yaml", tmp_path / name).match == "time"
+    assert S.load_spec(ROOT / "recipes/recall/sweep_cpu.yaml", tmp_path / "cpu").match == "steps"
 
 
 def test_every_shipped_spec_loads(tmp_path):
-    """Every sweep spec under natsl/recipes/recall loads, and so passes the step rule a worker would fail
+    """Every sweep spec under recipes/recall loads, and so passes the step rule a worker would fail
     on (sweep_h200_long.yaml once set 16384 tokens a step at a micro-batch of 64 x 2048: all 8 runs failed)."""
-    specs = sorted((ROOT / "natsl/recipes/recall").glob("sweep_*.yaml"))
+    specs = sorted((ROOT / "recipes/recall").glob("sweep_*.yaml"))
     assert len(specs) >= 8
     systems = {}
     for spec in specs:

@@ -22,7 +22,7 @@ from natsl.data.dataset import step_sample_indices
 from natsl.training.optim import lr_at, param_groups
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY = [str(ROOT / "natsl" / "recipes" / "tiny_hybrid.yaml"), "--set", "train.seq_len=128", "train.micro_batch_size=4",
+TINY = [str(ROOT / "recipes" / "tiny_hybrid.yaml"), "--set", "train.seq_len=128", "train.micro_batch_size=4",
         "train.tokens_per_step=512", "--device", "cpu", "--backend", "chunked", "--no-progress"]
 
 
@@ -458,7 +458,7 @@ def test_cuda_graphs_train_as_the_plain_compiled_model(tmp_path, accumulate, mon
 
 def recall_run_at_width(system: str, width: int, out, device: str, backend: str, compile: bool, steps: int,
                         micro_batch: int = 64):
-    """A short training run of a recall model (natsl/recipes/recall) scaled to `width` as the sweep scales
+    """A short training run of a recall model (recipes/recall) scaled to `width` as the sweep scales
     it, on the sweep's data and step settings; returns its step records."""
     from natsl.config import apply_overrides
     from natsl.training import TrainOptions, train

@@ -9,7 +9,7 @@ from natsl.cli.main import app
 
 from cli_checks import assert_one_line_error
 
-RECIPE = Path(__file__).resolve().parent.parent / "natsl" / "recipes" / "tiny_hybrid.yaml"
+RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "tiny_hybrid.yaml"
 
 
 def run(*args):

@@ -20,7 +20,7 @@ from natsl.cli.app import command
 
 @command("sweep")
 def sweep(
-    spec: str = typer.Argument(..., help="Sweep spec YAML (e.g. natsl/recipes/recall/sweep_h200.yaml)."),
+    spec: str = typer.Argument(..., help="Sweep spec YAML (e.g. recipes/recall/sweep_h200.yaml)."),
     out: str = typer.Option(..., help="Folder for runs/, summary.json and summary.png."),
     max_parallel: Optional[int] = typer.Option(None, help="Worker processes at once (default: the spec's)."),
     deadline: Optional[float] = typer.Option(None, help="Seconds for the whole sweep (default: the spec's "

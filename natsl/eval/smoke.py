@@ -1,6 +1,6 @@
 """A tiny, briefly trained checkpoint for smoke runs and the evaluation tests.
 
-`tiny_trained(...)` trains `natsl/recipes/tiny_hybrid.yaml` for a few dozen AdamW steps on generated
+`tiny_trained(...)` trains `recipes/tiny_hybrid.yaml` for a few dozen AdamW steps on generated
 essay prose with a small byte-level BPE, so the evaluation commands have a real model (finite,
 better-than-uniform perplexity, non-trivial routing) in seconds on one CPU core.
 """

@@ -1,7 +1,7 @@
 """Small-model sweeps: many short trainings in parallel processes on one device (Zoology's figure).
 
-    python -m natsl.training.sweep natsl/recipes/recall/sweep_h200.yaml --max-parallel 16 --out OUT
-    natsl sweep natsl/recipes/recall/sweep_cpu.yaml --out OUT          (the same, as a subcommand)
+    python -m natsl.training.sweep recipes/recall/sweep_h200.yaml --max-parallel 16 --out OUT
+    natsl sweep recipes/recall/sweep_cpu.yaml --out OUT          (the same, as a subcommand)
 
 A spec (YAML) names systems (a recipe each), model widths, learning rates (one list for all systems
 or one per system), training tasks and seeds; every combination is one run. A run is one worker process
@@ -167,7 +167,7 @@ def load_spec(path: str | Path, out: str | Path, max_parallel: Optional[int] = N
 
     path = Path(path)
     if not path.is_file():
-        raise NatslError(f"sweep spec {str(path)!r} does not exist; pass a file such as natsl/recipes/recall/sweep_cpu.yaml")
+        raise NatslError(f"sweep spec {str(path)!r} does not exist; pass a file such as recipes/recall/sweep_cpu.yaml")
     try:
         spec = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError) as err:
@@ -844,7 +844,7 @@ def plot_summary(summary: dict, path: Path) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m natsl.training.sweep", description=__doc__.splitlines()[0])
-    parser.add_argument("spec", help="sweep spec YAML, e.g. natsl/recipes/recall/sweep_h200.yaml")
+    parser.add_argument("spec", help="sweep spec YAML, e.g. recipes/recall/sweep_h200.yaml")
     parser.add_argument("--out", required=True, help="folder for runs/, summary.json and summary.png")
     parser.add_argument("--max-parallel", type=int, default=None, help="worker processes at once (default: the spec's)")
     parser.add_argument("--deadline", type=float, default=None, help="seconds for the whole sweep (default: the spec's budget.deadline_s); at it every worker is killed")
