@@ -206,3 +206,24 @@ def test_a_built_wheel_ships_the_recipes(tmp_path):
     assert names == "tiny_hybrid recall_gdn"
     shipped = sorted(p.relative_to(tmp_path / "unpacked" / "natsl") for p in (tmp_path / "unpacked" / "natsl" / "recipes").rglob("*.yaml"))
     assert shipped == sorted(p.relative_to(root) for p in RECIPES.rglob("*.yaml"))
+
+
+MINI = ("gdn", "mamba2", "transformer", "gdn_hybrid", "natsl", "natsl_hybrid")
+
+
+def test_the_miniature_ladder_matches_parameters_within_one_percent():
+    """recipes/mini: the paper's six systems at width 256, their parameters (total, and without the shared
+    embeddings, where the systems differ) within 1% of each other, trained alike."""
+    recipes = {name: natsl.load_recipe(RECIPES / "mini" / f"{name}.yaml") for name in MINI}
+    totals = {name: natsl.build_model(r, device="meta").num_parameters() for name, r in recipes.items()}
+    embeddings = {name: 2 * r.model.vocab_size * r.model.hidden_size for name, r in recipes.items()}
+    inner = {name: totals[name] - embeddings[name] for name in MINI}
+    for counts in (totals, inner):
+        assert max(counts.values()) / min(counts.values()) - 1 < 0.01, counts
+    assert len({(r.train.seq_len, r.train.tokens_per_step, r.train.total_tokens, r.data.path) for r in recipes.values()}) == 1
+    layouts = {name: r.model.layer_types() for name, r in recipes.items()}
+    assert layouts["natsl_hybrid"] == ["natsl" if i in (3, 7, 11) else "gdn" for i in range(12)]
+    assert layouts["gdn_hybrid"] == ["attention" if i in (3, 7, 12) else "gdn" for i in range(13)]
+    assert set(layouts["natsl"]) == {"natsl"} and set(layouts["transformer"]) == {"attention"}
+    assert set(layouts["mamba2"]) == {"mamba2"} and set(layouts["gdn"]) == {"gdn"}
+    assert {n for n in natsl.config.recipe_names() if n.startswith("mini/")} == {f"mini/{n}" for n in MINI}
