@@ -446,3 +446,13 @@ def test_eval_ppl_checks_for_a_tokenizer_before_evaluating_the_first(world, tmp_
                  "--device", "cpu", "--no-progress", "--out", tmp_path / "o")
     assert_one_line_error(result, "has no tokenizer.json")
     assert "ppl" not in result.stdout and not (tmp_path / "o").exists()
+
+
+def test_converting_with_a_tokenizer_bigger_than_the_model_is_refused(world, small_model, tmp_path):
+    from natsl.eval.convert import write_imported
+
+    small = natsl.checkpoint.checkpoint_recipe(small_model, natsl.checkpoint.read_config(small_model))
+    state = natsl.build_model(small).state_dict()
+    with pytest.raises(NatslError, match="the tokenizer has 300 entries but the model's vocabulary only 280"):
+        write_imported(small_model, tmp_path / "out", small, state, None, world["tokens"] / "tokenizer.json", "natsl")
+    assert not (tmp_path / "out").exists()
