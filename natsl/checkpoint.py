@@ -372,9 +372,9 @@ def initial_weights(path, model: ModelConfig, expected: dict) -> tuple[dict, Pat
 def load_checkpoint(path, device=None, dtype: torch.dtype | None = None):
     """(model, tokenizer or None) from a folder that `natsl train` or `natsl convert` wrote."""
     from natsl.models import build_model
-    from natsl.tokenizer import Tokenizer
 
     folder, config, recipe, weights = model_files(path)
+    tokenizer = checkpoint_tokenizer(folder, config, recipe.model.vocab_size)
     state = read_weights(folder, weights)
     model = build_model(recipe, device="meta")
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
@@ -386,8 +386,26 @@ def load_checkpoint(path, device=None, dtype: torch.dtype | None = None):
     if dtype is not None:
         model = model.to(dtype)
     model.eval()
-    tokenizer = Tokenizer.from_file(folder) if (folder / "tokenizer.json").is_file() else None
-    if tokenizer is not None:  # older checkpoints record nothing: they trained without BOS
-        tokenizer.apply_conventions(config.get("tokenizer") or {})
     model.recipe = recipe
     return model, tokenizer
+
+
+def checkpoint_tokenizer(folder: Path, config: dict, vocab_size: int):
+    """The tokenizer of a checkpoint folder (None without tokenizer.json) with the conventions its model was
+    trained with, checked to fit the model's `vocab_size`; reads no weights.
+
+    Args:
+        folder: the checkpoint folder (resolved).
+        config: its config.json.
+        vocab_size: its model's vocabulary.
+    Returns:
+        A natsl.tokenizer.Tokenizer, or None.
+    """
+    from natsl.tokenizer import Tokenizer, check_fits_model
+
+    if not (folder / "tokenizer.json").is_file():
+        return None
+    tokenizer = Tokenizer.from_file(folder)
+    tokenizer.apply_conventions(config.get("tokenizer") or {})  # older checkpoints record nothing: no BOS
+    check_fits_model(tokenizer, vocab_size, f"checkpoint {str(folder)!r}")
+    return tokenizer

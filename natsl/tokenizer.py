@@ -87,6 +87,22 @@ class Tokenizer:
             raise NatslError(f"{str(path)!r} is not a valid tokenizer.json ({str(err).splitlines()[0]})") from None
 
 
+def check_fits_model(tokenizer: Tokenizer, vocab_size: int, where: str) -> None:
+    """NatslError when `tokenizer` has more entries than a model's vocabulary: its ids would index past the
+    model's embedding (an IndexError deep in a forward pass). A smaller tokenizer is fine (models pad
+    their vocabulary). The one check wherever a model is paired with a tokenizer.
+
+    Args:
+        tokenizer: the tokenizer.
+        vocab_size: the model's `vocab_size`.
+        where: what pairs them (a checkpoint folder, a --tokenizer), for the message.
+    """
+    if tokenizer.vocab_size > vocab_size:
+        raise NatslError(f"{where}: the tokenizer has {tokenizer.vocab_size:,} entries but the model's vocabulary "
+                         f"only {vocab_size:,}, so its ids would run past the embedding; use the tokenizer.json the "
+                         "model was trained with")
+
+
 def train_bpe(texts: Iterable[str], vocab_size: int, eos_token: str = "<|endoftext|>") -> Tokenizer:
     """A byte-level BPE trained on `texts` with `vocab_size` entries, EOS included."""
     from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers

@@ -36,6 +36,7 @@ def eval_ppl(
     import sys
 
     from natsl.atomic import write_json
+    from natsl.checkpoint import checkpoint_tokenizer, read_config
     from natsl.runtime import check_length, checkpoint_recipe_of, on_cuda
     from natsl.errors import NatslError
     from natsl.eval.common import human_count, load_eval_model, prepare_out_dir, print_estimate
@@ -64,21 +65,27 @@ def eval_ppl(
               file=sys.stderr)
         bucket = max_len
     limit = windows or None
-    out_dir = prepare_out_dir(out)
-    results, train_lens, cache = [], set(), {}
-    for number, path in enumerate(checkpoints):
-        em = load_eval_model(path, device, dtype, backend)
-        force_keep_fraction(em.model, keep_fraction, 0)
-        key = em.tokenizer.sha256() if em.tokenizer is not None else None
+    # Every checkpoint's tokenizer against the data, and its windows, before any model is loaded: a
+    # mismatch of the second checkpoint is refused before the first one's evaluation, not after.
+    cache, plans = {}, []
+    for folder, r in recipes:
+        tokenizer = checkpoint_tokenizer(folder, read_config(folder), r.model.vocab_size)
+        key = tokenizer.sha256() if tokenizer is not None else None
         if key not in cache:
-            cache[key] = load_token_data(data, em.tokenizer, text_key=text_key, split=split,
+            cache[key] = load_token_data(data, tokenizer, text_key=text_key, split=split,
                                          max_tokens=limit * max_len if limit else None)
         token_data = cache[key]
-        check_vocab(token_data, em.recipe.model.vocab_size)
-        eos = em.tokenizer.eos_id if em.tokenizer is not None else None
-        wins = make_windows(token_data, max_len, limit, concat=concat, eos_id=eos)
+        check_vocab(token_data, r.model.vocab_size)
+        wins = make_windows(token_data, max_len, limit, concat=concat,
+                            eos_id=tokenizer.eos_id if tokenizer is not None else None)
         if not wins:
             raise NatslError(f"data {data!r} has no window of at least 2 tokens")
+        plans.append(wins)
+    out_dir = prepare_out_dir(out)
+    results, train_lens = [], set()
+    for number, (path, wins) in enumerate(zip(checkpoints, plans)):
+        em = load_eval_model(path, device, dtype, backend)
+        force_keep_fraction(em.model, keep_fraction, 0)
         on_first = None
         if number == 0 and (len(wins) > 1 or len(checkpoints) > 1):
             tokens = sum(len(w) for w in wins)

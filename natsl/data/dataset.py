@@ -10,13 +10,13 @@ set of samples that makes a step does not depend on the number of ranks.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from natsl.data.tokenize import SPLITS, TOKEN_DTYPES, read_meta
+from natsl.data.shards import check_splits, open_shard, path_inside, token_dtype_named
+from natsl.data.tokenize import META, PROGRESS, SPLITS, read_meta
 from natsl.errors import NatslError
 
 
@@ -26,15 +26,10 @@ class TokenStream:
     def __init__(self, folder: Path, shards: list[dict], dtype: np.dtype, vocab_size: int):
         self.arrays, self.paths, self.vocab_size = [], [], vocab_size
         for shard in shards:
-            path = folder / shard["file"]
-            want = shard["tokens"] * dtype.itemsize
-            if not path.is_file():
-                raise NatslError(f"token shard {str(path)!r} is missing; tokenize the data again")
-            if path.stat().st_size != want:
-                raise NatslError(f"token shard {str(path)!r} has {path.stat().st_size} bytes but meta.json says "
-                                 f"{shard['tokens']} tokens = {want} bytes; tokenize the data again")
-            if shard["tokens"]:
-                self.arrays.append(np.memmap(path, dtype=dtype, mode="r", shape=(shard["tokens"],)))
+            path = path_inside(folder, shard["file"], f"{str(folder / META)!r}")
+            array = open_shard(path, dtype, shard["tokens"])
+            if len(array):
+                self.arrays.append(array)
                 self.paths.append(path)
         self.starts = np.cumsum([0] + [len(a) for a in self.arrays])
         self.n_tokens = int(self.starts[-1])
@@ -71,23 +66,35 @@ def check_meta(meta: dict, path: Path) -> None:
     def bad(what: str) -> NatslError:
         return NatslError(f"{str(path)!r} is damaged: {what}; tokenize the data again")
 
-    if meta.get("dtype") not in TOKEN_DTYPES:
-        raise bad(f"dtype {meta.get('dtype')!r} is not one of {', '.join(TOKEN_DTYPES)}")
+    token_dtype_named(meta.get("dtype"), repr(str(path)))
     for key in ("vocab_size", "eos_id"):
         if not isinstance(meta.get(key), int) or isinstance(meta.get(key), bool) or meta[key] < 0:
             raise bad(f"{key} {meta.get(key)!r} is not a count")
     if meta["vocab_size"] > np.iinfo(meta["dtype"]).max + 1 or meta["eos_id"] >= meta["vocab_size"]:
         raise bad(f"vocab_size {meta['vocab_size']} and eos_id {meta['eos_id']} do not fit dtype {meta['dtype']}")
-    splits = meta.get("splits")
-    for name in SPLITS:
-        shards = splits.get(name, {}).get("shards") if isinstance(splits, dict) and isinstance(splits.get(name), dict) \
-            else None
-        if not isinstance(shards, list):
-            raise bad(f"it lists no shards for the {name} split")
-        for shard in shards:
-            if not (isinstance(shard, dict) and isinstance(shard.get("file"), str) and "/" not in shard["file"]
-                    and isinstance(shard.get("tokens"), int) and shard["tokens"] >= 0):
-                raise bad(f"a {name} shard entry {json.dumps(shard)[:80]} is not a file name with a token count >= 0")
+    if not isinstance(meta.get("tokenizer_sha256"), str):
+        raise bad("it names no tokenizer_sha256")
+    check_splits(meta.get("splits"), path.parent, repr(str(path)), SPLITS)
+
+
+def check_resumed_data(trainer_state: dict, meta: dict, folder, checkpoint: Path) -> None:
+    """NatslError when a run resumes from `checkpoint` on data other than it trained on: its data position
+    (`samples_seen`) means nothing in another corpus. Checkpoints and folders that record no fingerprint
+    pass.
+
+    Args:
+        trainer_state: the checkpoint's trainer state (`data`, `data_fingerprint`).
+        meta: the data now named (`fingerprint`).
+        folder: that data's folder (or task spec), for the message.
+        checkpoint: the checkpoint folder, for the message.
+    """
+    old, new = trainer_state.get("data_fingerprint"), meta.get("fingerprint")
+    if old is None or new is None or old == new:
+        return
+    raise NatslError(f"checkpoint {checkpoint.name} was trained on other data ({trainer_state.get('data')!r}, "
+                     f"fingerprint {str(old)[:12]}) than data.path {str(folder)!r} (fingerprint {str(new)[:12]}); "
+                     f"resume with --set data.path={trainer_state.get('data')}, or train on this data from those "
+                     f"weights in a new run: --out NEW_FOLDER --set train.init_from={checkpoint}")
 
 
 class TokenData:
@@ -104,9 +111,9 @@ class TokenData:
         meta = read_meta(self.folder)
         if meta is None:
             hint = (" (an unfinished `natsl tokenize` run: run the same command again to finish it)"
-                    if (self.folder / ".progress.json").is_file() else "")
+                    if (self.folder / PROGRESS).is_file() else "")
             raise NatslError(f"{str(folder)!r} has no meta.json, so it is not a finished `natsl tokenize` folder{hint}")
-        check_meta(meta, self.folder / "meta.json")
+        check_meta(meta, self.folder / META)
         self.meta = meta
         self.dtype = np.dtype(meta["dtype"])
         self.eos_id = meta["eos_id"]
@@ -124,10 +131,14 @@ class TokenData:
     def tokenizer(self):
         from natsl.tokenizer import Tokenizer
 
-        tok = Tokenizer.from_file(self.folder / self.meta.get("tokenizer_file", "tokenizer.json"))
+        where = repr(str(self.folder / META))
+        tok = Tokenizer.from_file(path_inside(self.folder, self.meta.get("tokenizer_file", "tokenizer.json"), where))
         if tok.sha256() != self.meta["tokenizer_sha256"]:
             raise NatslError(f"the tokenizer in {str(self.folder)!r} does not match meta.json (sha256 differs); "
                              "tokenize the data again")
+        if tok.vocab_size != self.vocab_size:  # the ids are checked against meta.json's count as they are read
+            raise NatslError(f"{where} is damaged: vocab_size {self.vocab_size} is not its tokenizer's "
+                             f"{tok.vocab_size}; tokenize the data again")
         tok.eos_id = self.eos_id
         tok.add_bos = bool(self.meta.get("add_bos", False))  # folders from before the option: no BOS
         return tok

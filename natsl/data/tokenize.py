@@ -12,10 +12,12 @@ Output folder:
 Documents go to the validation split at an even rate of `val_fraction` (document i is held out
 when floor((i+1) f) > floor(i f)), so the split is deterministic and needs no shuffle buffer.
 
-Idempotent and resumable: the output grows in committed chunks; after each chunk the shard
-lengths and the number of source items consumed are written to `.progress.json` (atomically).
-A rerun with the same inputs and settings (the fingerprint) finds `meta.json` and does nothing, or
-finds `.progress.json`, cuts every shard back to its committed length and continues from there.
+Idempotent and resumable: a fresh run first writes `.progress.json` with its fingerprint alone
+(the folder is this run's from then on), then the tokenizer and a progress file that names it; the
+output grows in committed chunks; after each chunk the shard lengths and the number of source items
+consumed are written to `.progress.json` (atomically). A rerun with the same inputs and settings
+(the fingerprint) finds `meta.json` and does nothing, or finds `.progress.json` and either starts
+over (no tokenizer saved yet) or cuts every shard back to its committed length and continues.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import numpy as np
 
 from natsl.errors import NatslError
 from natsl.atomic import write_text as atomic_write_text
+from natsl.data.shards import check_splits, path_inside, read_json_object
 from natsl.files import check_output_folder
 from natsl.tokenizer import Tokenizer, train_bpe
 from natsl.training.faults import fault_point
@@ -44,6 +47,12 @@ FORMAT_VERSION = 1
 SPLITS = ("train", "validation")
 META = "meta.json"
 PROGRESS = ".progress.json"
+
+
+MIN_VOCAB = 258
+# The BPE trainer reserves memory by the vocabulary size and aborts the process (a Rust allocation failure,
+# no exception) when it cannot; 2^20 ids is four times the largest vocabulary of a published model.
+MAX_VOCAB = 1 << 20
 
 
 @dataclass
@@ -67,17 +76,15 @@ class TokenizeSettings:
             raise NatslError("pass either --tokenizer or --train-tokenizer, not both")
         if not self.train_tokenizer and not self.tokenizer:
             raise NatslError("no tokenizer: pass --tokenizer PATH_OR_NAME, or --train-tokenizer --vocab-size N")
-        if self.train_tokenizer and not 258 <= self.vocab_size <= 1 << 32:
-            raise NatslError(f"--vocab-size must be at least 258 (256 bytes + EOS + 1), got {self.vocab_size}")
+        if self.train_tokenizer and not MIN_VOCAB <= self.vocab_size <= MAX_VOCAB:
+            raise NatslError(f"--vocab-size must be between {MIN_VOCAB} (256 bytes + EOS + 1) and {MAX_VOCAB:,} "
+                             f"(2^20), got {self.vocab_size:,}")
         for name in ("shard_tokens", "commit_tokens", "batch_docs"):
             if getattr(self, name) < 1:
                 raise NatslError(f"{name} must be at least 1, got {getattr(self, name)}")
         for flag, value in (("--max-documents", self.max_documents), ("--tokenizer-train-docs", self.tokenizer_train_docs)):
             if value is not None and value < 1:
                 raise NatslError(f"{flag} must be at least 1, got {value}")
-
-
-TOKEN_DTYPES = ("uint16", "uint32")  # what token_dtype writes, and all that a reader takes
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -126,11 +133,8 @@ def read_meta(folder: Path) -> dict | None:
     path = Path(folder) / META
     if not path.is_file():
         return None
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise NatslError(f"{str(path)!r} is corrupt (not JSON); delete the folder and tokenize again") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+    meta = read_json_object(path, "delete the folder and tokenize again")
+    if meta.get("format") != FORMAT:
         raise NatslError(f"{str(folder)!r} is not a folder written by `natsl tokenize` (meta.json has another format)")
     return meta
 
@@ -147,7 +151,7 @@ class ShardWriter:
         keep = set()
         for info in self.splits.values():
             for shard in info["shards"]:
-                path = self.folder / shard["file"]
+                path = path_inside(self.folder, shard["file"], repr(str(self.folder / PROGRESS)))
                 want = shard["tokens"] * self.dtype.itemsize
                 if not path.is_file() or path.stat().st_size < want:
                     raise NatslError(f"the unfinished output in {str(self.folder)!r} is damaged ({shard['file']} is "
@@ -236,34 +240,23 @@ def _tokenize(source, out: Path, settings: TokenizeSettings, progress: bool, log
         raise NatslError(f"{str(out)!r} already holds tokenized data of other inputs or settings; choose another "
                          "--out or delete that folder")
     progress_path = out / PROGRESS
-    state = None
-    if progress_path.is_file():
-        try:
-            state = json.loads(progress_path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise NatslError(f"{str(progress_path)!r} is corrupt; delete {str(out)!r} and run again") from None
-        if state.get("fingerprint") != fingerprint:
-            raise NatslError(f"{str(out)!r} holds an unfinished run of other inputs or settings; delete it or "
-                             "choose another --out")
-    elif out.exists() and (not out.is_dir() or any(out.iterdir())):
+    state = read_progress(out, fingerprint)
+    if state is None and out.exists() and (not out.is_dir() or any(p not in _own_temporaries(out) for p in out.iterdir())):
         raise NatslError(f"{str(out)!r} exists and is not a natsl tokenize folder; choose another --out")
 
     if hasattr(source, "check"):
         source.check()  # fail fast (one line) when the Hub cannot be reached
     out.mkdir(parents=True, exist_ok=True)
-    if state is not None:
+    if state is not None and "tokenizer_sha256" in state:
         tok = set_eos(Tokenizer.from_file(out / "tokenizer.json"), settings.eos_token)
         if tok.sha256() != state["tokenizer_sha256"]:
             raise NatslError(f"the tokenizer in the unfinished run {str(out)!r} was changed; delete the folder and run again")
         log(f"resuming the interrupted run in {out}: {state['items']:,} source items "
             f"({sum(s['tokens'] for s in state['splits'].values()):,} tokens) already done")
     else:
-        if settings.train_tokenizer:
-            tok = _train_tokenizer(source, settings, progress, log)
-        elif tok is None:
-            tok = resolve_tokenizer(settings.tokenizer)
-        set_eos(tok, settings.eos_token)
-        tok.save(out)
+        if state is not None:
+            log(f"restarting the interrupted run in {out}: it stopped before its tokenizer was saved")
+        tok = _start(out, source, settings, fingerprint, tok, progress, log)
         state = {"fingerprint": fingerprint, "tokenizer_sha256": tok.sha256(), "items": 0, "commits": 0,
                  "splits": {name: {"tokens": 0, "documents": 0, "shards": []} for name in SPLITS}}
         _write_json_atomic(progress_path, state)
@@ -355,6 +348,56 @@ def _tokenize(source, out: Path, settings: TokenizeSettings, progress: bool, log
         f"{splits['train']['tokens']:,} tokens in {len(splits['train']['shards'])} shard(s), validation "
         f"{splits['validation']['tokens']:,}; wrote {out}")
     return meta
+
+
+def read_progress(out: Path, fingerprint: str) -> dict | None:
+    """The state of an unfinished run in `out` (None: there is none), checked before it is trusted: its
+    shard list names the files that resuming cuts back and removes. A state without `tokenizer_sha256`
+    is a run that stopped before its tokenizer was saved (it starts over)."""
+    path = out / PROGRESS
+    if not path.is_file():
+        return None
+    fix = f"delete {str(out)!r} and run again"
+    state = read_json_object(path, fix)
+    if state.get("fingerprint") != fingerprint:
+        raise NatslError(f"{str(out)!r} holds an unfinished run of other inputs or settings; delete it or "
+                         "choose another --out")
+    if "tokenizer_sha256" in state:
+        splits = state.get("splits")
+        check_splits(splits, out, repr(str(path)), SPLITS)
+        counts = [state.get("items"), state.get("commits")]
+        counts += [splits[name].get(key) for name in SPLITS for key in ("tokens", "documents")]
+        if not isinstance(state["tokenizer_sha256"], str) or set(splits) != set(SPLITS) or not all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts):
+            raise NatslError(f"{str(path)!r} is damaged; {fix}")
+    return state
+
+
+def _own_temporaries(out: Path) -> set[Path]:
+    """What a run killed while writing its first progress file leaves: that file's temporary copy
+    (natsl.atomic's `.NAME.RANDOM.tmp`)."""
+    return set(out.glob(f".{PROGRESS}.*.tmp"))
+
+
+def _start(out: Path, source, settings: TokenizeSettings, fingerprint: str, tok: Tokenizer | None, progress: bool,
+           log) -> Tokenizer:
+    """A fresh run: a progress file first, naming the folder this run's (a kill from here on leaves a folder
+    the same command restarts), then the tokenizer, saved in `out`."""
+    for path in _own_temporaries(out) | set(out.glob("*.bin")) | {out / "tokenizer.json"}:  # a run killed this early
+        path.unlink(missing_ok=True)
+    progress_path = out / PROGRESS
+    _write_json_atomic(progress_path, {"fingerprint": fingerprint})
+    try:
+        if settings.train_tokenizer:
+            tok = _train_tokenizer(source, settings, progress, log)
+        elif tok is None:
+            tok = resolve_tokenizer(settings.tokenizer)
+        set_eos(tok, settings.eos_token)
+    except NatslError:  # nothing done: leave the folder empty, as a fresh run finds it
+        progress_path.unlink()
+        raise
+    tok.save(out)
+    return tok
 
 
 def _train_tokenizer(source, settings: TokenizeSettings, progress: bool, log) -> Tokenizer:

@@ -408,7 +408,7 @@ def write_imported(folder: Path, out, recipe, state: dict, dtype, tokenizer_path
     tokenizer at `tokenizer_path` (default: the source folder's tokenizer.json, if any)."""
     from natsl.checkpoint import atomic_folder, write_model_files
     from natsl.models import build_model
-    from natsl.tokenizer import Tokenizer
+    from natsl.tokenizer import Tokenizer, check_fits_model
 
     if dtype is None:
         dtype = next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
@@ -421,6 +421,7 @@ def write_imported(folder: Path, out, recipe, state: dict, dtype, tokenizer_path
     tokenizer = Tokenizer.from_file(tok_file) if (tokenizer_path or tok_file.is_file()) else None
     if tokenizer is not None:  # Hugging Face says whether texts start with BOS in tokenizer_config.json
         tokenizer.apply_conventions({"add_bos": _hf_adds_bos(folder)})
+        check_fits_model(tokenizer, recipe.model.vocab_size, f"tokenizer {str(tok_file)!r}")
     extra = {"converted_from": str(folder.resolve()), "source_model_type": source_type,
              "dtype": DTYPE_NAMES.get(dtype, str(dtype))}
     return atomic_folder(Path(out), lambda tmp: write_model_files(tmp, model, recipe, tokenizer, dtype, extra_config=extra))

@@ -88,24 +88,31 @@ def _find_sha(meta: dict) -> str | None:
     return None
 
 
-def _shard_paths(folder: Path, meta: dict) -> list[Path]:
+def _foreign_shards(folder: Path, meta: dict) -> list[tuple[Path, int | None]]:
+    """(path, declared token count or None) of each shard of a folder in another layout: those listed
+    under "shards" / "files" (a name, or an object with "path" / "file" / "name" and "tokens"), else
+    every *.bin / *.npy below the folder in name order; each one inside the folder."""
+    from natsl.data.shards import path_inside
+
+    where = repr(str(folder / "meta.json"))
     listed = meta.get("shards") or meta.get("files")
-    paths = []
+    shards = []
     if isinstance(listed, list):
         for item in listed:
-            name = item if isinstance(item, str) else (item.get("path") or item.get("file") or item.get("name")
-                                                       if isinstance(item, dict) else None)
-            if name:
-                paths.append(folder / name)
-    if not paths:
-        paths = sorted(p for p in folder.rglob("*") if p.suffix in SHARD_SUFFIXES and p.is_file())
-    return paths
-
-
-def _read_shard(path: Path, dtype) -> np.ndarray:
-    if path.suffix == ".npy":
-        return np.load(path, mmap_mode="r", allow_pickle=False)
-    return np.memmap(path, dtype=dtype, mode="r")
+            if isinstance(item, dict):
+                name = item.get("path") or item.get("file") or item.get("name")
+                tokens = item.get("tokens")
+                if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0):
+                    raise NatslError(f"{where} gives shard {name!r} the token count {tokens!r}, not a count >= 0; "
+                                     "re-run `natsl tokenize`")
+            else:
+                name, tokens = item, None
+            shards.append((path_inside(folder, name, where), tokens))
+    if not shards:
+        found = sorted(p for p in folder.rglob("*") if p.suffix in SHARD_SUFFIXES and p.is_file())
+        shards = [(path_inside(folder, str(p.relative_to(folder)), f"the search of {str(folder)!r}"), None)
+                  for p in found]
+    return shards
 
 
 def read_natsl_tokens(folder: Path, split: str = "auto", max_tokens: int | None = None):
@@ -127,15 +134,13 @@ def read_natsl_tokens(folder: Path, split: str = "auto", max_tokens: int | None 
 
 def read_token_folder(folder: Path, max_tokens: int | None = None, split: str = "auto") -> tuple[np.ndarray, dict, str | None]:
     """(the token ids of a `natsl tokenize` folder as one stream, at most `max_tokens` of them when
-    given; its meta.json; the sha256 of the tokenizer that made them)."""
+    given; its meta.json; the sha256 of the tokenizer that made them), every shard checked before it
+    is read (natsl.data.shards)."""
+    from natsl.data.shards import open_shard, path_inside, read_json_object, token_dtype_named
+
     folder = Path(folder)
     meta_path = folder / "meta.json"
-    try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise NatslError(f"{str(meta_path)!r} is corrupt (not JSON); re-run `natsl tokenize`") from None
-    if not isinstance(meta, dict):
-        raise NatslError(f"{str(meta_path)!r} is not a JSON object; re-run `natsl tokenize`")
+    meta = read_json_object(meta_path)
     if meta.get("format") == NATSL_TOKENS_FORMAT:
         stream, meta, sha, used = read_natsl_tokens(folder, split, max_tokens)
         return np.asarray(stream, dtype=np.int64), {**meta, "split_used": used}, sha
@@ -147,20 +152,23 @@ def read_token_folder(folder: Path, max_tokens: int | None = None, split: str = 
     if sha is None and (folder / "tokenizer.json").is_file():
         from natsl.tokenizer import Tokenizer
 
-        sha = Tokenizer.from_file(folder).sha256()
-    dtype = np.dtype(str(meta.get("dtype", "uint16")))
-    shards = _shard_paths(folder, meta)
+        sha = Tokenizer.from_file(path_inside(folder, "tokenizer.json", f"{str(folder)!r}")).sha256()
+    dtype = token_dtype_named(meta["dtype"], repr(str(meta_path))) if "dtype" in meta else None
+    shards = _foreign_shards(folder, meta)
     if not shards:
         raise NatslError(f"{str(folder)!r} has a meta.json but no token shards (*.bin / *.npy); re-run `natsl tokenize`")
-    parts, total = [], 0
-    for shard in shards:
-        if not shard.is_file():
-            raise NatslError(f"token shard {str(shard)!r} listed in meta.json is missing; re-run `natsl tokenize`")
-        arr = _read_shard(shard, dtype)
-        take = len(arr) if max_tokens is None else min(len(arr), max_tokens - total)
-        parts.append(np.asarray(arr[:take], dtype=np.int64))
-        total += take
-        if max_tokens is not None and total >= max_tokens:
+    arrays = [open_shard(path, dtype, tokens) for path, tokens in shards]  # every shard checked before any is read
+    total = meta.get("total_tokens")
+    if isinstance(total, int) and not isinstance(total, bool) and total != sum(len(a) for a in arrays):
+        raise NatslError(f"{str(meta_path)!r} says total_tokens {total} but its shards hold "
+                         f"{sum(len(a) for a in arrays)} ids of their dtype: its dtype or counts are wrong; "
+                         "re-run `natsl tokenize`")
+    parts, taken = [], 0
+    for array in arrays:
+        take = len(array) if max_tokens is None else min(len(array), max_tokens - taken)
+        parts.append(np.asarray(array[:take], dtype=np.int64))
+        taken += take
+        if max_tokens is not None and taken >= max_tokens:
             break
     stream = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
     return stream, meta, sha

@@ -654,13 +654,15 @@ class Trainer:
     def _run(self) -> TrainResult:
         from tqdm import tqdm
 
-        from natsl.data.dataset import step_sample_indices
+        from natsl.data.dataset import check_resumed_data, step_sample_indices
 
         r, tc, info = self.recipe, self.recipe.train, self.info
         ckpt = self.choose_checkpoint()
         if ckpt is not None:
             self.check_compatible(ckpt)
         self.open_data()
+        if ckpt is not None:
+            check_resumed_data(ckpt.trainer_state, self.data.meta, self.data.folder, ckpt.folder)
         self.build(ckpt)
         self.metrics = metrics_log(self.out / "metrics.jsonl", tc.tracker if info.is_main else "none", self.out, r)
         start = self.state["step"]
