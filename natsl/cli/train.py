@@ -13,6 +13,7 @@ from typing import List, Optional
 import typer
 
 from natsl.cli.app import command
+from natsl.cli.options import threads_option
 
 
 @command("train")
@@ -32,8 +33,7 @@ def train(
     compile_: Optional[bool] = typer.Option(None, "--compile/--no-compile", help="torch.compile the model "
                                             "(default: train.compile; on one GPU a small model, natsl.training.trainer.auto_compile, "
                                             "compiles with CUDA-graphed steps unless the recipe sets either)."),
-    threads: Optional[int] = typer.Option(None, help="CPU threads (default: OMP_NUM_THREADS, else 1: tiny models "
-                                                     "gain nothing from more, and they fight on shared machines)."),
+    threads: Optional[int] = threads_option(),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show the progress bar."),
 ) -> None:
     """Train from a recipe: AdamW, warmup + cosine, checkpoints you can resume, metrics.jsonl + metrics.png."""

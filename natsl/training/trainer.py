@@ -54,7 +54,7 @@ class TrainOptions:
     backend: Optional[str] = None  # default: fast on CUDA, chunked on the CPU
     compile: Optional[bool] = None  # default: recipe.train.compile
     max_steps: Optional[int] = None  # default: recipe.train.max_steps; an absolute step number
-    threads: Optional[int] = None  # CPU threads (default: OMP_NUM_THREADS, else 1; see cpu_threads)
+    threads: Optional[int] = None  # CPU threads (default: OMP_NUM_THREADS, else 1; natsl.runtime.cpu_threads)
     save_final: bool = True  # write a checkpoint at the last step (benchmarks turn it off)
     loss_chunk: int = DEFAULT_CHUNK  # tokens per chunk of logits in the loss; 0: the full logits (for checks)
     progress: bool = True
@@ -84,15 +84,14 @@ class TrainResult:
 
 def train(recipe: Recipe, options: TrainOptions) -> TrainResult:
     """Run (or continue) the training a recipe describes; see the module doc."""
-    from natsl.runtime import pick_device
+    from natsl.runtime import pick_device, set_cpu_threads
 
     # NATSL_CHECK_OPS=1: every fast kernel call checked for non-finite values (natsl/fast/op_check.py)
     op_check.install_from_env(options.log)
     info = D.setup(pick_device(options.device))
-    if info.device.type == "cpu":
-        torch.set_num_threads(cpu_threads(options.threads))
+    threads = set_cpu_threads(options.threads, info.device)
     try:
-        return Trainer(recipe, options, info).run()
+        return Trainer(recipe, options, info, threads).run()
     finally:
         D.teardown()
 
@@ -105,20 +104,6 @@ def graphs_beside_op_check(graphs: bool, log) -> bool:
             "the compiled model runs as is")
         return False
     return graphs
-
-
-def cpu_threads(requested: Optional[int]) -> int:
-    """Threads for CPU training: --threads, else OMP_NUM_THREADS, else 1.
-
-    CPU training is for smoke runs of tiny models, whose ops are too small to gain from threads;
-    on a shared machine OpenMP threads that wait for each other can make a step many times slower.
-    """
-    if requested is not None:
-        if requested < 1:
-            raise NatslError(f"--threads must be at least 1, got {requested}")
-        return requested
-    env = os.environ.get("OMP_NUM_THREADS", "")
-    return int(env) if env.isdigit() and int(env) > 0 else 1
 
 
 def _out_dir(recipe: Recipe, options: TrainOptions) -> Path:
@@ -270,8 +255,9 @@ class LanguageModelLoss(torch.nn.Module):
 
 
 class Trainer:
-    def __init__(self, recipe: Recipe, options: TrainOptions, info: D.DistInfo):
+    def __init__(self, recipe: Recipe, options: TrainOptions, info: D.DistInfo, threads: str = ""):
         self.recipe, self.options, self.info = recipe, options, info
+        self.threads = threads  # the CPU thread count and why, for the start line (natsl.runtime.set_cpu_threads)
         self.log = options.log if info.is_main else (lambda *_: None)
         self.device = info.device
 
@@ -679,7 +665,7 @@ class Trainer:
         self.log(f"{r.name}: {self.n_params / 1e6:.2f}M parameters; steps {start} -> {self.end_step} of "
                  f"{self.total_steps}, {tc.tokens_per_step:,} tokens each ({tc.micro_batch_size} x {tc.seq_len} x "
                  f"{self.accum} accum x {world} rank{'s' if world > 1 else ''}"
-                 f"{', ' + tc.parallel if world > 1 else ''}); {self.device.type}, backend "
+                 f"{', ' + tc.parallel if world > 1 else ''}); {self.device.type}{', ' + self.threads if self.threads else ''}, backend "
                   f"{self.backend}; data {self.data.folder} ({self._data_size()}); out {self.out}")
         debug_dir = os.environ.get("NATSL_DEBUG_DIR")
         seen_samples: list[int] = []
