@@ -85,6 +85,7 @@ def test_quick_start_loss_falls(base_run):
     out, stdout = base_run
     last = stdout.strip().splitlines()[-1]
     assert last.startswith("done: step 50/") and str(out / "checkpoints" / "step_000050") in last
+    assert f"metrics {out / 'metrics.jsonl'} and {out / 'metrics.png'}" in last  # every file a user looks at
     steps, evals = train_records(out)
     assert [r["step"] for r in steps] == list(range(1, 51))
     first = sum(r["loss"] for r in steps[:3]) / 3

@@ -67,5 +67,7 @@ def train(
     loss = f"{result.loss:.4f}" if result.loss is not None else "n/a"
     val = f", validation loss {result.val_loss:.4f}" if result.val_loss is not None else ""
     skipped = f", {result.skipped_steps} skipped step(s)" if result.skipped_steps else ""
-    print(f"done: step {result.step}/{result.end_step}, loss {loss}{val}{skipped}; checkpoint "
-          f"{result.checkpoint}; metrics {result.out_dir / 'metrics.jsonl'}")
+    metrics = " and ".join(str(p) for p in (result.out_dir / "metrics.jsonl", result.out_dir / "metrics.png")
+                           if p.is_file())
+    print(f"done: step {result.step}/{result.end_step}, loss {loss}{val}{skipped}"
+          f"{f'; checkpoint {result.checkpoint}' if result.checkpoint else ''}{f'; metrics {metrics}' if metrics else ''}")
