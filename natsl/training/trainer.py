@@ -106,6 +106,23 @@ def graphs_beside_op_check(graphs: bool, log) -> bool:
     return graphs
 
 
+def missing_data(recipe: Recipe) -> NatslError:
+    """The one line for a `data.path` that does not exist: the command lines that make it, or that train
+    on the embedded corpus instead, ready to paste."""
+    import shlex
+
+    data = recipe.data
+    if data.tokenizer:
+        tokenizer = f"--tokenizer {shlex.quote(data.tokenizer)}"
+    elif recipe.model.vocab_size == 32000:  # the paper's Llama-2 tokenizer (docs/training.md, "The paper's tokenizer")
+        tokenizer = "--tokenizer tokenizers/llama-2"
+    else:
+        tokenizer = f"--train-tokenizer --vocab-size {recipe.model.vocab_size}"
+    return NatslError(f"data.path {data.path!r} does not exist: make it with `natsl tokenize YOUR_TEXT_FILES... --out "
+                      f"{shlex.quote(data.path)} {tokenizer}` (docs/training.md), or add `--set data.path=builtin` "
+                      "for a smoke run on the embedded corpus")
+
+
 def _out_dir(recipe: Recipe, options: TrainOptions) -> Path:
     if options.out_dir:
         return Path(options.out_dir)
@@ -351,6 +368,8 @@ class Trainer:
                 folder = builtin_data(r.model.vocab_size, r.data.tokenizer, False, lambda *_: None, r.data.bos)
         else:
             folder = Path(r.data.path)
+            if not folder.exists():
+                raise missing_data(r)
         data = TokenData(folder)
         if data.vocab_size > r.model.vocab_size:
             raise NatslError(f"the data's tokenizer has {data.vocab_size} tokens but model.vocab_size is "
