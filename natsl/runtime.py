@@ -1,4 +1,4 @@
-"""Device, dtype and backend choices shared by the commands, training and evaluation (below the CLI)."""
+"""Device, dtype, backend and CPU-thread choices shared by the commands, training and evaluation (below the CLI)."""
 
 from __future__ import annotations
 
@@ -69,27 +69,41 @@ def on_cuda(device: str | None) -> bool:
 
 
 def cpu_threads(requested: Optional[int]) -> tuple[int, str]:
-    """(count, where it came from) of the CPU threads a command runs its model on: `--threads`, else
-    OMP_NUM_THREADS, else 1.
+    """The CPU threads a command runs its model on: `--threads`, else OMP_NUM_THREADS, else 1.
 
     natsl's CPU runs are smoke runs of small models, whose ops are too small to gain from threads; on a
     shared machine OpenMP threads that wait for each other make a step or a decoded token many times
     slower, and their timings noise.
+
+    Args:
+        requested: `--threads` (None: not given).
+    Returns:
+        (count, where it came from: "--threads", "OMP_NUM_THREADS" or "default"); a count below 1 or
+        above 4x the usable CPUs (OpenMP would start them all) is refused with a NatslError.
     """
     if requested is not None:
         if requested < 1:
             raise NatslError(f"--threads must be at least 1, got {requested}")
-        return requested, "--threads"
-    env = os.environ.get("OMP_NUM_THREADS", "")
-    if env.isdigit() and int(env) > 0:
-        return int(env), "OMP_NUM_THREADS"
-    return 1, "default"
+        count, source, fix = requested, "--threads", "pass"
+    else:
+        env = os.environ.get("OMP_NUM_THREADS", "")
+        if not (env.isdigit() and int(env) > 0):
+            return 1, "default"
+        count, source, fix = int(env), "OMP_NUM_THREADS", "set OMP_NUM_THREADS to"
+    limit = 4 * usable_cpus()
+    if count > limit:
+        raise NatslError(f"{source} {count} is more than 4x the {usable_cpus()} CPUs this process may use; "
+                         f"{fix} at most {limit}")
+    return count, source
 
 
 def set_cpu_threads(requested: Optional[int], device: torch.device) -> str:
     """Set torch's CPU thread count (`cpu_threads`) where it matters: on the CPU always, on a GPU only
     when `--threads` asks.
 
+    Args:
+        requested: `--threads` (None: OMP_NUM_THREADS, else 1).
+        device: the device the command runs its model on.
     Returns:
         What was set and why, for the command's output, e.g. "1 CPU thread of 8 (default; --threads N to
         change)"; "" where nothing was set.

@@ -90,8 +90,17 @@ def test_default_is_one_thread_or_omp_num_threads(name, inputs, tmp_path, thread
 
 
 @pytest.mark.parametrize("name", sorted(COMMANDS))
-def test_threads_below_one_is_refused(name, inputs, tmp_path):
-    assert_one_line_error(invoke(name, inputs, tmp_path, "--threads", "0"), "--threads must be at least 1, got 0")
+@pytest.mark.parametrize("count, message", [("0", "--threads must be at least 1, got 0"),
+                                            ("1000000", "--threads 1000000 is more than 4x the "),
+                                            (str(2**31), "CPUs this process may use; pass at most ")])
+def test_a_thread_count_out_of_range_is_refused(name, inputs, tmp_path, count, message):
+    assert_one_line_error(invoke(name, inputs, tmp_path, "--threads", count), message)
+
+
+def test_omp_num_threads_out_of_range_is_refused(inputs, tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1000000")
+    assert_one_line_error(invoke("generate", inputs, tmp_path), "OMP_NUM_THREADS 1000000 is more than 4x the ",
+                          "set OMP_NUM_THREADS to at most ")
 
 
 def test_train_says_its_threads(tmp_path, natsl_cache_dir, threads_restored, monkeypatch):
