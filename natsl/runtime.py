@@ -1,6 +1,9 @@
-"""Device, dtype and backend choices shared by the commands, training and evaluation (below the CLI)."""
+"""Device, dtype, backend and CPU-thread choices shared by the commands, training and evaluation (below the CLI)."""
 
 from __future__ import annotations
+
+import os
+from typing import Optional
 
 import torch
 
@@ -63,3 +66,59 @@ def on_cuda(device: str | None) -> bool:
     """Whether `--device` (None / auto: cuda when there is one) runs on a GPU; for the defaults that
     fit the device."""
     return pick_device(device).type == "cuda"
+
+
+def cpu_threads(requested: Optional[int]) -> tuple[int, str]:
+    """The CPU threads a command runs its model on: `--threads`, else OMP_NUM_THREADS, else 1.
+
+    natsl's CPU runs are smoke runs of small models, whose ops are too small to gain from threads; on a
+    shared machine OpenMP threads that wait for each other make a step or a decoded token many times
+    slower, and their timings noise.
+
+    Args:
+        requested: `--threads` (None: not given).
+    Returns:
+        (count, where it came from: "--threads", "OMP_NUM_THREADS" or "default"); a count below 1 or
+        above 4x the usable CPUs (OpenMP would start them all) is refused with a NatslError.
+    """
+    if requested is not None:
+        if requested < 1:
+            raise NatslError(f"--threads must be at least 1, got {requested}")
+        count, source, fix = requested, "--threads", "pass"
+    else:
+        env = os.environ.get("OMP_NUM_THREADS", "")
+        if not (env.isdigit() and int(env) > 0):
+            return 1, "default"
+        count, source, fix = int(env), "OMP_NUM_THREADS", "set OMP_NUM_THREADS to"
+    limit = 4 * usable_cpus()
+    if count > limit:
+        raise NatslError(f"{source} {count} is more than 4x the {usable_cpus()} CPUs this process may use; "
+                         f"{fix} at most {limit}")
+    return count, source
+
+
+def set_cpu_threads(requested: Optional[int], device: torch.device) -> str:
+    """Set torch's CPU thread count (`cpu_threads`) where it matters: on the CPU always, on a GPU only
+    when `--threads` asks.
+
+    Args:
+        requested: `--threads` (None: OMP_NUM_THREADS, else 1).
+        device: the device the command runs its model on.
+    Returns:
+        What was set and why, for the command's output, e.g. "1 CPU thread of 8 (default; --threads N to
+        change)"; "" where nothing was set.
+    """
+    if device.type != "cpu" and requested is None:
+        return ""
+    count, source = cpu_threads(requested)
+    torch.set_num_threads(count)
+    why = source if source == "--threads" else f"{source}; --threads N to change"
+    return f"{count} CPU thread{'s' if count > 1 else ''} of {usable_cpus()} ({why})"
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (a container's or taskset's share, not the whole machine's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1

@@ -198,3 +198,46 @@ def test_checkpoint_labels_name_the_run(tmp_path):
     assert checkpoint_name(tmp_path / "runA" / "checkpoints" / "step_000040") == "runA/step_000040"
     assert checkpoint_name(tmp_path / "zoology-gdn-d128-lr0.0003" / "model") == "zoology-gdn-d128-lr0.0003"
     assert checkpoint_name(tmp_path / "my_export") == "my_export"
+
+
+def synthetic_result(name_suffix: str = "") -> dict:
+    """A compare result of two contexts: a NAtS-L model at three budgets, a Transformer with snapkv, and a
+    GDN (no softmax KV bytes, on the symlog axis)."""
+    entries = []
+    for context in (4096, 16384):
+        for keep in (0.25, 0.5, 1.0):
+            entries.append({"name": f"natsl_hybrid{name_suffix}", "label": f"keep {keep}", "method": "keep_fraction",
+                            "family": "natsl", "context": context, "kv_bytes": keep * context * 512,
+                            "decode_ms": 5 + keep, "prefill_s": 0.1 * keep, "recall_accuracy": 0.5 + keep / 4})
+        for method, keep in (("full", 1.0), ("snapkv", 0.25)):
+            entries.append({"name": f"transformer{name_suffix}", "label": method, "method": method,
+                            "family": "attention", "context": context, "kv_bytes": keep * context * 2048,
+                            "decode_ms": 4.0, "prefill_s": 0.05, "recall_accuracy": 0.9 * keep})
+        entries.append({"name": f"gdn{name_suffix}", "label": "gdn", "method": "gdn", "family": "gdn",
+                        "context": context, "kv_bytes": 0, "decode_ms": 3.0, "prefill_s": 0.04,
+                        "recall_accuracy": 0.2})
+    return {"entries": entries, "contexts": [4096, 16384], "device": "cpu", "dtype": "float32"}
+
+
+@pytest.mark.parametrize("name_suffix", ["", "_d64_lr3e-3_seed0_recall_sweep_h200_run"])
+def test_compare_png_is_readable(tmp_path, monkeypatch, name_suffix):
+    """compare.png was one 2484 x 500 px row of panels with 7-9 pt text: now two panels a row, at most
+    1600 px wide (long legend labels included), and no text below 10 pt."""
+    from matplotlib.text import Text
+    from PIL import Image
+
+    import natsl.eval.common as common
+    from natsl.eval.compare import plot
+
+    sizes = []
+    save = common.save_figure
+
+    def record(fig, path):
+        sizes.extend(t.get_fontsize() for t in fig.findobj(Text) if t.get_text().strip())
+        return save(fig, path)
+
+    monkeypatch.setattr(common, "save_figure", record)
+    path = plot(synthetic_result(name_suffix), tmp_path / "compare.png")
+    width, height = Image.open(path).size
+    assert width <= 1600 and height <= 4 * 600  # two contexts x two rows of two panels
+    assert sizes and min(sizes) >= 10

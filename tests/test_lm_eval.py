@@ -140,16 +140,22 @@ def test_eval_lm_runs_local_tasks(ckpt, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     tasks = tmp_path / "tasks"
     write_tasks(tasks)
-    result = CliRunner().invoke(app, ["eval-lm", str(ckpt), "--tasks", "natsl_tiny_mc,natsl_tiny_ppl,natsl_tiny_gen",
-                                      "--include-path", str(tasks), "--out", str(tmp_path / "out"),
-                                      "--batch-size", "2", "--device", "cpu"])
-    assert result.exit_code == 0, result.output
+    torch.set_num_threads(2)  # so that --threads 1 shows
+    try:
+        result = CliRunner().invoke(app, ["eval-lm", str(ckpt), "--tasks", "natsl_tiny_mc,natsl_tiny_ppl,natsl_tiny_gen",
+                                          "--include-path", str(tasks), "--out", str(tmp_path / "out"),
+                                          "--batch-size", "2", "--device", "cpu", "--threads", "1"])
+        assert result.exit_code == 0, result.output
+        assert torch.get_num_threads() == 1 and "1 CPU thread of " in result.output
+    finally:
+        torch.set_num_threads(1)
     report = json.loads((tmp_path / "out" / "lm_eval.json").read_text())
     assert 0.0 <= report["results"]["natsl_tiny_mc"]["acc,none"] <= 1.0
     assert report["results"]["natsl_tiny_ppl"]["word_perplexity,none"] > 1.0
     assert "natsl_tiny_gen" in report["results"]
     assert (tmp_path / "out" / "lm_eval.png").stat().st_size > 0
     assert "natsl_tiny_mc" in (tmp_path / "out" / "lm_eval.md").read_text()
+    assert "samples: natsl_tiny_mc 4, natsl_tiny_ppl 4, natsl_tiny_gen 4" in result.output
     bad = CliRunner().invoke(app, ["eval-lm", str(ckpt), "--tasks", " ,", "--out", str(tmp_path / "out")])
     assert bad.exit_code == 2 and "--tasks names no task" in bad.stderr
 
@@ -204,3 +210,29 @@ def test_lm_eval_command_finds_natsl_once_installed(ckpt, tmp_path):
     report = json.loads(results.read_text())
     assert report["config"]["model"] == "natsl"
     assert 0.0 <= report["results"]["natsl_tiny_mc"]["acc,none"] <= 1.0
+
+
+LM_EVAL_RESULTS = {  # the shape of lm-eval's simple_evaluate results
+    "results": {"arc": {"alias": "arc", "name": "arc", "sample_len": 100, "acc,none": 0.4, "acc_stderr,none": 0.05,
+                        "acc_norm,none": 0.45, "acc_norm_stderr,none": "N/A"},
+                "wiki": {"alias": "wiki", "sample_len": 62, "word_perplexity,none": 35.2,
+                         "word_perplexity_stderr,none": "N/A", "bits_per_byte,none": 0.9}},
+    "higher_is_better": {"arc": {"acc": True, "acc_norm": True},
+                         "wiki": {"word_perplexity": False, "bits_per_byte": False}},
+    "n-samples": {"arc": {"original": 1172, "effective": 100}, "wiki": {"original": 62, "effective": 62}},
+}
+
+
+def test_lm_eval_plot_shows_scores_only_on_labelled_axes_of_their_own_scale():
+    from natsl.eval.lm_eval_run import sample_counts, score_bars, score_panels
+
+    bars = score_bars(LM_EVAL_RESULTS)
+    assert [(b["task"], b["metric"]) for b in bars] == [("arc", "acc"), ("arc", "acc_norm"),
+                                                        ("wiki", "word_perplexity"), ("wiki", "bits_per_byte")]
+    assert bars[0]["stderr"] == 0.05 and bars[1]["stderr"] is None  # "N/A" is no error bar
+    panels = score_panels(bars)
+    assert [(label, [b["metric"] for b in group]) for label, group in panels] == [
+        ("score (0 to 1)", ["acc", "acc_norm"]),
+        ("word_perplexity; lower is better", ["word_perplexity"]),
+        ("bits_per_byte; lower is better", ["bits_per_byte"])]
+    assert sample_counts(LM_EVAL_RESULTS) == {"arc": 100, "wiki": 62}  # in the table and under the bars

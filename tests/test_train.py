@@ -21,6 +21,8 @@ from natsl.config import OptimConfig
 from natsl.data.dataset import step_sample_indices
 from natsl.training.optim import lr_at, param_groups
 
+from cli_checks import assert_one_line_error
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY = [str(ROOT / "recipes" / "tiny_hybrid.yaml"), "--set", "train.seq_len=128", "train.micro_batch_size=4",
         "train.tokens_per_step=512", "--device", "cpu", "--backend", "chunked", "--no-progress"]
@@ -85,6 +87,7 @@ def test_quick_start_loss_falls(base_run):
     out, stdout = base_run
     last = stdout.strip().splitlines()[-1]
     assert last.startswith("done: step 50/") and str(out / "checkpoints" / "step_000050") in last
+    assert f"metrics {out / 'metrics.jsonl'} and {out / 'metrics.png'}" in last  # every file a user looks at
     steps, evals = train_records(out)
     assert [r["step"] for r in steps] == list(range(1, 51))
     first = sum(r["loss"] for r in steps[:3]) / 3
@@ -765,6 +768,19 @@ def test_damaged_token_data_is_one_line(token_folder, tmp_path, cache_env, edit,
     (line,) = result.stderr.strip().splitlines()
     assert needle in line, line
     assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / ".train.lock").exists()
+
+
+@pytest.mark.parametrize("overrides, tokenize", [
+    ([], "--train-tokenizer --vocab-size 1024"),
+    (["model.vocab_size=32000"], "--tokenizer tokenizers/llama-2"),  # the paper's recipes
+    (["data.tokenizer=my tok/tokenizer.json"], "--tokenizer 'my tok/tokenizer.json'")])
+def test_missing_data_folder_says_how_to_make_it_or_run_on_builtin(tmp_path, cache_env, overrides, tokenize):
+    """`natsl train recipes/800m_hybrid.yaml` without data/fineweb-edu: the command lines to paste."""
+    missing = tmp_path / "data" / "fineweb-edu"
+    result = natsl_inproc(["train", *TINY, f"data.path={missing}", *overrides, "--out", str(tmp_path / "run")],
+                          cache_env)
+    assert_one_line_error(result, f"data.path '{missing}' does not exist",
+                          f"`natsl tokenize YOUR_TEXT_FILES... --out {missing} {tokenize}`", "`--set data.path=builtin`")
 
 
 def test_data_path_naming_a_file_says_so(token_folder, tmp_path, cache_env):

@@ -30,12 +30,33 @@ import typer  # noqa: E402
 
 from natsl.errors import NatslError
 
+class _Commands(typer.core.TyperGroup):
+    """`natsl --help` lists each command's whole first paragraph, wrapped (click cuts it at the terminal's
+    width with '...')."""
+
+    def format_commands(self, ctx, formatter) -> None:
+        import inspect
+
+        rows = []
+        for name in self.list_commands(ctx):
+            cmd = self.get_command(ctx, name)
+            if cmd is not None and not cmd.hidden:
+                rows.append((name, " ".join(inspect.cleandoc(cmd.help or "").split("\n\n")[0].split())))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+
 app = typer.Typer(
     name="natsl",
+    cls=_Commands,
     help="NAtS-L: train, run, evaluate and measure Neural Attention Search Linear models.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # click's plain help wraps every help text at the terminal's width; rich's tables cut long words and
+    # option names with '…' in an 80-column terminal
+    rich_markup_mode=None,
 )
 
 

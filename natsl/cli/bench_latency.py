@@ -8,6 +8,7 @@ from typing import List, Optional
 import typer
 
 from natsl.cli.app import command
+from natsl.cli.options import threads_option, use_threads
 from natsl.errors import NatslError
 
 
@@ -31,6 +32,7 @@ def bench_latency(
     device: Optional[str] = typer.Option(None, help="cpu, cuda or cuda:N (default: cuda if present)."),
     dtype: Optional[str] = typer.Option(None, help="fp32, bf16 or fp16 (default: bf16 on CUDA, fp32 on CPU)."),
     cuda_graphs: bool = typer.Option(True, help="Replay decode steps as CUDA graphs (CUDA only)."),
+    threads: Optional[int] = threads_option(),
     progress: bool = typer.Option(True, help="Show a progress bar."),
     time_budget: Optional[float] = typer.Option(None, help="Seconds for the whole run, shared by the models; "
                                                            "points past a model's share are recorded as skipped."),
@@ -70,6 +72,7 @@ def bench_latency(
     for path, limit in limits:
         check_length("--max-len", max_len, limit, path)
 
+    use_threads(threads, torch_device)
     folder = Path(out)
     json_path, png_path = folder / "latency.json", folder / "latency.png"
     result = bench.run_benchmark(specs, bench.context_lengths(min_len, max_len), device=torch_device, dtype=torch_dtype,

@@ -8,6 +8,7 @@ from typing import List, Optional
 import typer
 
 from natsl.cli.app import command
+from natsl.cli.options import threads_option, use_threads
 
 
 def parse_fractions(text: str, option: str) -> list[float]:
@@ -63,6 +64,7 @@ def compare(
     dtype: Optional[str] = typer.Option(None, help="fp32, bf16 or fp16 (default: bf16 on CUDA, fp32 on the CPU)."),
     backend: Optional[str] = typer.Option(None, help="reference, chunked or fast (default: fast on CUDA, chunked on the CPU)."),
     cuda_graphs: bool = typer.Option(True, help="Replay decode steps as CUDA graphs (CUDA only)."),
+    threads: Optional[int] = threads_option(),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show the progress bar."),
 ) -> None:
     """Quality (recall, perplexity) against KV bytes and prefill / decode latency, per model, budget and context."""
@@ -94,6 +96,7 @@ def compare(
     method_list = [m.strip() for m in methods.split(",") if m.strip()]
     logic.check_budgets(budget_list, method_list)
     logic.check_sources([logic.resolve_source(m) for m in models], contexts)  # before the output folder is made
+    use_threads(threads, device)
     out_dir = prepare_out_dir(out)
     recall_args = {"task": task, "lengths": parse_lengths(lengths) if lengths else None,
                    "pairs": parse_lengths(pairs) if pairs else None, "vocab": None,

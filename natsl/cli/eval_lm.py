@@ -7,6 +7,7 @@ from typing import Optional
 import typer
 
 from natsl.cli.app import command
+from natsl.cli.options import threads_option, use_threads
 
 
 @command("eval-lm")
@@ -25,6 +26,7 @@ def eval_lm(
     device: Optional[str] = typer.Option(None, help="cpu, cuda or cuda:N (default: cuda when available)."),
     dtype: Optional[str] = typer.Option(None, help="fp32, bf16 or fp16 (default: bf16 on CUDA, fp32 on the CPU)."),
     backend: Optional[str] = typer.Option(None, help="reference, chunked or fast (default: fast on CUDA, chunked on the CPU)."),
+    threads: Optional[int] = threads_option(),
 ) -> None:
     """Score a checkpoint on lm-eval tasks (loglikelihood, rolling loglikelihood, generation) with natsl's cache."""
     from natsl.errors import NatslError
@@ -37,6 +39,7 @@ def eval_lm(
         raise NatslError(f"--batch-size must be at least 1, got {batch_size}")
     if limit is not None and limit >= 1:
         limit = int(limit)
+    use_threads(threads, device)
     args = {"device": device, "dtype": dtype, "backend": backend, "add_bos": add_bos}
     if max_length is not None:
         args["max_length"] = max_length

@@ -7,6 +7,7 @@ from typing import List, Optional
 import typer
 
 from natsl.cli.app import command
+from natsl.cli.options import threads_option, use_threads
 
 
 @command("eval-ppl")
@@ -30,6 +31,7 @@ def eval_ppl(
     device: Optional[str] = typer.Option(None, help="cpu, cuda or cuda:N (default: cuda when available)."),
     dtype: Optional[str] = typer.Option(None, help="fp32, bf16 or fp16 (default: bf16 on CUDA, fp32 on the CPU)."),
     backend: Optional[str] = typer.Option(None, help="reference, chunked or fast (default: fast on CUDA, chunked on the CPU)."),
+    threads: Optional[int] = threads_option(),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show the progress bar."),
 ) -> None:
     """Per-token loss over full-length windows, bucketed by position; perplexity and bits per byte."""
@@ -65,6 +67,7 @@ def eval_ppl(
               file=sys.stderr)
         bucket = max_len
     limit = windows or None
+    use_threads(threads, device)
     # Every checkpoint's tokenizer against the data, and its windows, before any model is loaded: a
     # mismatch of the second checkpoint is refused before the first one's evaluation, not after.
     cache, plans = {}, []

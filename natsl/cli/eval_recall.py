@@ -7,13 +7,14 @@ from typing import Optional
 import typer
 
 from natsl.cli.app import command
+from natsl.cli.options import threads_option, use_threads
 
 
 def run_eval_recall(checkpoint: str, task: Optional[str] = None, lengths: Optional[str] = None,
                     pairs: Optional[str] = None, samples: int = 256, batch_size: int = 32, seed: int = 0,
                     vocab: Optional[int] = None, keep_fraction: Optional[float] = None, out: str = "eval_recall",
                     device=None, dtype=None, backend=None, progress: bool = True, quiet: bool = False,
-                    deadline: Optional[float] = None) -> dict:
+                    deadline: Optional[float] = None, threads: Optional[int] = None) -> dict:
     """The command's work (the sweep's workers call it too): returns the report written to recall.json.
     `deadline` (a time.time()): no grid point is started after it (the report's `complete` is then false)."""
     from natsl.cli.eval_ruler import parse_lengths
@@ -27,6 +28,7 @@ def run_eval_recall(checkpoint: str, task: Optional[str] = None, lengths: Option
         raise NatslError("--samples and --batch-size must be at least 1")
     if keep_fraction is not None and not 0.0 <= keep_fraction <= 1.0:
         raise NatslError(f"--keep-fraction must lie in [0, 1], got {keep_fraction}")
+    use_threads(threads, device, say=not quiet)
     out_dir = prepare_out_dir(out)
     em = load_eval_model(checkpoint, device, dtype, backend)
     spec, points = recall_grid(em, task, parse_lengths(lengths) if lengths else None,
@@ -65,8 +67,9 @@ def eval_recall(
     device: Optional[str] = typer.Option(None, help="cpu, cuda or cuda:N (default: cuda when available)."),
     dtype: Optional[str] = typer.Option(None, help="fp32, bf16 or fp16 (default: bf16 on CUDA, fp32 on the CPU)."),
     backend: Optional[str] = typer.Option(None, help="reference, chunked or fast (default: fast on CUDA, chunked on the CPU)."),
+    threads: Optional[int] = threads_option(),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show the progress bar."),
 ) -> None:
     """Answer accuracy on MQAR (Zoology) or passkey per (length, pairs), with the kept fraction per layer and group."""
     run_eval_recall(checkpoint, task, lengths, pairs, samples, batch_size, seed, vocab, keep_fraction, out,
-                    device, dtype, backend, progress)
+                    device, dtype, backend, progress, threads=threads)

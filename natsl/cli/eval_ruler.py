@@ -7,6 +7,7 @@ from typing import Optional
 import typer
 
 from natsl.cli.app import command
+from natsl.cli.options import threads_option, use_threads
 
 
 def parse_lengths(text: str) -> list[int]:
@@ -50,6 +51,7 @@ def eval_ruler(
     device: Optional[str] = typer.Option(None, help="cpu, cuda or cuda:N (default: cuda when available)."),
     dtype: Optional[str] = typer.Option(None, help="fp32, bf16 or fp16 (default: bf16 on CUDA, fp32 on the CPU)."),
     backend: Optional[str] = typer.Option(None, help="reference, chunked or fast (default: fast on CUDA, chunked on the CPU)."),
+    threads: Optional[int] = threads_option(),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show the progress bar."),
 ) -> None:
     """Generate RULER's retrieval tasks with the checkpoint's tokenizer, decode greedily, score by string match."""
@@ -99,6 +101,7 @@ def eval_ruler(
         if not sentences:
             raise NatslError(f"--essay-file {essay_file!r} holds no sentences")
         essay = EssaySentences(sentences=sentences)
+    use_threads(threads, device)
     out_dir = prepare_out_dir(out)
     em = load_eval_model(folder, device, dtype, backend)
     force_keep_fraction(em.model, keep_fraction, 0)

@@ -10,6 +10,7 @@ from typing import List, Optional
 import typer
 
 from natsl.cli.app import command
+from natsl.cli.options import threads_option, use_threads
 from natsl.errors import NatslError, NonFiniteError
 
 
@@ -70,6 +71,7 @@ def generate(
     device: Optional[str] = typer.Option(None, help="cpu, cuda or cuda:N (default: cuda if present)."),
     dtype: Optional[str] = typer.Option(None, help="fp32, bf16 or fp16 (default: bf16 on CUDA, fp32 on CPU)."),
     cuda_graphs: bool = typer.Option(True, help="Replay decode steps as CUDA graphs (CUDA only)."),
+    threads: Optional[int] = threads_option(),
 ) -> None:
     """Continue prompts with a checkpoint; one prompt streams to the terminal as it is generated.
 
@@ -97,6 +99,7 @@ def generate(
     torch_device = pick_device(device)
     torch_dtype = pick_dtype(dtype, torch_device)
     chosen_backend = pick_backend(backend, torch_device)
+    threads_note = use_threads(threads, torch_device, say=False)
     model, tokenizer = load_checkpoint(checkpoint, device=torch_device, dtype=torch_dtype)
     if tokenizer is None:
         raise NatslError(f"checkpoint {checkpoint!r} has no tokenizer.json; generate needs one to read and write text")
@@ -159,5 +162,6 @@ def generate(
     reason = f", stop: {rows[0]['stop_reason']}" if single else ""
     print(f"[{len(rows)} prompt(s), {totals['prompt_tokens']} prompt tokens prefilled in {totals['prefill_s']:.2f} s, "
           f"time to first token {first_token_s:.3f} s, "
-          f"{totals['new_tokens']} new tokens in {totals['decode_s']:.2f} s ({rate:.1f} tok/s decode) on {torch_device}, "
+          f"{totals['new_tokens']} new tokens in {totals['decode_s']:.2f} s ({rate:.1f} tok/s decode) on {torch_device}"
+          f"{' with ' + threads_note if threads_note else ''}, "
           f"{str(torch_dtype).replace('torch.', '')}, backend {chosen_backend}{reason}]", file=sys.stderr)

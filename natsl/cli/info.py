@@ -10,6 +10,7 @@ from typing import Optional
 import typer
 
 from natsl.cli.app import command
+from natsl.cli.options import threads_option, use_threads
 
 
 def routing_map(keep) -> list[str]:
@@ -27,6 +28,7 @@ def info(
     backend: Optional[str] = typer.Option(None, help="reference, chunked or fast (default: chunked; the forward pass "
                                                      "runs on the CPU, where fast needs TRITON_INTERPRET=1)."),
     seed: int = typer.Option(0, help="Seed for the weights (of a recipe) and the random tokens (0 to 2**63-1)."),
+    threads: Optional[int] = threads_option(),
 ) -> None:
     """Print what a recipe builds or a checkpoint holds; with --forward, run random tokens through it and show
     the routing."""
@@ -59,6 +61,7 @@ def info(
           + f"   (G = GDN, A = softmax attention, N = NAtS-L{natsl_on}, M = Mamba2, S = NSA)")
     if not forward:
         return
+    use_threads(threads, torch.device("cpu"))
     torch.manual_seed(seed)
     model = natsl.load_checkpoint(folder, dtype=torch.float32)[0] if folder else natsl.build_model(rec)
     model.set_backend(chosen_backend)

@@ -7,6 +7,7 @@ from typing import List, Optional
 import typer
 
 from natsl.cli.app import command
+from natsl.cli.options import threads_option, use_threads
 
 KV_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
@@ -29,6 +30,7 @@ def inspect_routing(
     device: Optional[str] = typer.Option(None, help="cpu, cuda or cuda:N (default: cuda when available)."),
     dtype: Optional[str] = typer.Option(None, help="fp32, bf16 or fp16 (default: bf16 on CUDA, fp32 on the CPU)."),
     backend: Optional[str] = typer.Option(None, help="reference, chunked or fast (default: fast on CUDA, chunked on the CPU)."),
+    threads: Optional[int] = threads_option(),
 ) -> None:
     """Fraction of blocks kept in softmax memory per NAtS-L layer and routing group, per dataset and over position."""
     import numpy as np
@@ -52,6 +54,7 @@ def inspect_routing(
     check_length("--seq-len", seq_len, recipe.model.max_seq_len, folder)
     if kv_dtype not in KV_BYTES:
         raise NatslError(f"unknown --kv-dtype {kv_dtype!r}: use one of {', '.join(KV_BYTES)}")
+    use_threads(threads, device)
     out_dir = prepare_out_dir(out)
     em = load_eval_model(folder, device, dtype, backend)
     config = em.recipe.model

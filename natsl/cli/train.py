@@ -13,6 +13,7 @@ from typing import List, Optional
 import typer
 
 from natsl.cli.app import command
+from natsl.cli.options import threads_option
 
 
 @command("train")
@@ -32,8 +33,7 @@ def train(
     compile_: Optional[bool] = typer.Option(None, "--compile/--no-compile", help="torch.compile the model "
                                             "(default: train.compile; on one GPU a small model, natsl.training.trainer.auto_compile, "
                                             "compiles with CUDA-graphed steps unless the recipe sets either)."),
-    threads: Optional[int] = typer.Option(None, help="CPU threads (default: OMP_NUM_THREADS, else 1: tiny models "
-                                                     "gain nothing from more, and they fight on shared machines)."),
+    threads: Optional[int] = threads_option(),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show the progress bar."),
 ) -> None:
     """Train from a recipe: AdamW, warmup + cosine, checkpoints you can resume, metrics.jsonl + metrics.png."""
@@ -67,5 +67,7 @@ def train(
     loss = f"{result.loss:.4f}" if result.loss is not None else "n/a"
     val = f", validation loss {result.val_loss:.4f}" if result.val_loss is not None else ""
     skipped = f", {result.skipped_steps} skipped step(s)" if result.skipped_steps else ""
-    print(f"done: step {result.step}/{result.end_step}, loss {loss}{val}{skipped}; checkpoint "
-          f"{result.checkpoint}; metrics {result.out_dir / 'metrics.jsonl'}")
+    metrics = " and ".join(str(p) for p in (result.out_dir / "metrics.jsonl", result.out_dir / "metrics.png")
+                           if p.is_file())
+    print(f"done: step {result.step}/{result.end_step}, loss {loss}{val}{skipped}"
+          f"{f'; checkpoint {result.checkpoint}' if result.checkpoint else ''}{f'; metrics {metrics}' if metrics else ''}")

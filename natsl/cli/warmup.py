@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 
 from natsl.cli.app import command
+from natsl.cli.options import threads_option, use_threads
 from natsl.errors import NatslError
 
 
@@ -22,6 +23,7 @@ def warmup(
     backend: Optional[str] = typer.Option(None, help="reference, chunked or fast (default: fast on CUDA, chunked on CPU)."),
     device: Optional[str] = typer.Option(None, help="cpu, cuda or cuda:N (default: cuda if present)."),
     dtype: Optional[str] = typer.Option(None, help="fp32, bf16 or fp16 (default: bf16 on CUDA, fp32 on CPU)."),
+    threads: Optional[int] = threads_option(),
 ) -> None:
     """Prefill and decode at each length so that Triton's and Inductor's on-disk caches hold the kernels.
 
@@ -50,6 +52,7 @@ def warmup(
     torch_device = pick_device(device)
     torch_dtype = pick_dtype(dtype, torch_device)
     chosen_backend = pick_backend(backend, torch_device)
+    threads_note = use_threads(threads, torch_device, say=False)
 
     from natsl.inference import bench
     from natsl.inference.warmup import cache_dirs, warm_up
@@ -59,7 +62,7 @@ def warmup(
     model, name, _ = bench.load_model(spec, torch_device, torch_dtype, chosen_backend, seed)
     dirs = cache_dirs()
     print(f"warming up {name} on {torch_device}, {str(torch_dtype).replace('torch.', '')}, backend {chosen_backend}, "
-          f"batch {batch_size}")
+          f"batch {batch_size}{'; ' + threads_note if threads_note else ''}")
     header = f"{'length':>8} {'first prefill s':>16} {'warm prefill s':>15} {'ragged s':>9} {'decode s':>9} " \
              f"{'triton files':>13} " \
              f"{'inductor files':>15} {'graphs':>7}"

@@ -383,16 +383,29 @@ def panel(ax, entries: list[dict], x: str, y: str, higher_better: bool, colors: 
                 label="Pareto front")
     positive = [e[x] for e in entries if e[x] > 0]
     if x == "kv_bytes" and positive:  # symlog keeps GDN's zero bytes on the axis
+        # powers of two: the budgets halve the bytes, and the ticks read as whole KB / MB / GB
         if len(positive) < len(entries):
-            ax.set_xscale("symlog", linthresh=min(positive))
+            ax.set_xscale("symlog", base=2, linthresh=min(positive))
         else:
-            ax.set_xscale("log")
+            ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(_bytes_label)
+        ax.xaxis.set_minor_formatter("")
     ax.grid(True, alpha=0.3)
 
 
+def _bytes_label(value: float, _position=None) -> str:
+    """A byte count as a tick label: 0, 512 B, 16 KB, 1.5 MB."""
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(value) < 1024 or unit == "GB":
+            return f"{value:.3g} {unit}" if value else "0"
+        value /= 1024
+
+
 def plot(result: dict, path):
-    """One row per context: decode ms and prefill s against KV bytes, and where quality was measured,
-    quality against KV bytes and against decode ms; one marker per family, the Pareto front dashed."""
+    """Per context, decode ms and prefill s against KV bytes, and where quality was measured, quality
+    against KV bytes and against decode ms: two panels a row (a context takes one or two rows), 11 pt
+    text, at most 12.4 in (1488 px) wide; one marker per family, the Pareto front dashed, one legend
+    above the panels."""
     from natsl.eval.common import pyplot, save_figure
 
     plt = pyplot()
@@ -404,25 +417,29 @@ def plot(result: dict, path):
         key, label, higher = quality
         axes_spec += [("kv_bytes", key, higher, "softmax KV bytes", label), ("decode_ms", key, higher,
                                                                             "decode ms per token", label)]
-    contexts = result["contexts"]
-    fig, axes = plt.subplots(len(contexts), len(axes_spec), figsize=(5.2 * len(axes_spec), 4.2 * len(contexts)),
-                             squeeze=False)
+    rows = [(context, axes_spec[i:i + 2]) for context in result["contexts"] for i in range(0, len(axes_spec), 2)]
     palette = plt.get_cmap("tab20").colors
     colors = {label: palette[i % len(palette)] for i, label in enumerate(series(measured))}
-    for row, context in zip(axes, contexts):
-        at = [e for e in measured if e["context"] == context]
-        for ax, (x, y, higher, xlabel, ylabel) in zip(row, axes_spec):
-            panel(ax, [e for e in at if e.get(y) is not None], x, y, higher, colors)
-            ax.set_xlabel(xlabel)
-            ax.set_ylabel(ylabel)
-            ax.set_title(f"context {context} tokens", fontsize=9)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    if handles:
-        axes[0][0].legend(fontsize=7)
-    fig.suptitle(f"{result['device']}, {result['dtype']}" + ("" if result.get("quality", True) else
-                                                             ", latency and memory only"), fontsize=9)
-    fig.tight_layout()
-    return save_figure(fig, path)
+    with plt.rc_context({"font.size": 11}):
+        fig, axes = plt.subplots(len(rows), 2, figsize=(12.4, 4.4 * len(rows)), squeeze=False)
+        for row, (context, specs) in zip(axes, rows):
+            at = [e for e in measured if e["context"] == context]
+            for ax, (x, y, higher, xlabel, ylabel) in zip(row, specs):
+                panel(ax, [e for e in at if e.get(y) is not None], x, y, higher, colors)
+                ax.set_xlabel(xlabel)
+                ax.set_ylabel(ylabel)
+                ax.set_title(f"context {context} tokens")
+        legend = {}
+        for ax in axes.flat:
+            legend.update(zip(*reversed(ax.get_legend_handles_labels())))
+        fig.tight_layout(h_pad=2.0)
+        title = f"{result['device']}, {result['dtype']}" + ("" if result.get("quality", True) else
+                                                           ", latency and memory only")
+        # as many columns as fit the figure's width: run folders of a sweep make long labels
+        longest = max([len(label) for label in legend] + [1])
+        fig.legend(list(legend.values()), list(legend), loc="lower center", bbox_to_anchor=(0.5, 1.0),
+                   ncol=max(1, min(3, len(legend), int(12 / (1.0 + 0.085 * longest)))), title=title, frameon=False)
+        return save_figure(fig, path)
 
 
 def format_table(result: dict) -> str:

@@ -54,7 +54,7 @@ class TrainOptions:
     backend: Optional[str] = None  # default: fast on CUDA, chunked on the CPU
     compile: Optional[bool] = None  # default: recipe.train.compile
     max_steps: Optional[int] = None  # default: recipe.train.max_steps; an absolute step number
-    threads: Optional[int] = None  # CPU threads (default: OMP_NUM_THREADS, else 1; see cpu_threads)
+    threads: Optional[int] = None  # CPU threads (default: OMP_NUM_THREADS, else 1; natsl.runtime.cpu_threads)
     save_final: bool = True  # write a checkpoint at the last step (benchmarks turn it off)
     loss_chunk: int = DEFAULT_CHUNK  # tokens per chunk of logits in the loss; 0: the full logits (for checks)
     progress: bool = True
@@ -84,15 +84,14 @@ class TrainResult:
 
 def train(recipe: Recipe, options: TrainOptions) -> TrainResult:
     """Run (or continue) the training a recipe describes; see the module doc."""
-    from natsl.runtime import pick_device
+    from natsl.runtime import pick_device, set_cpu_threads
 
     # NATSL_CHECK_OPS=1: every fast kernel call checked for non-finite values (natsl/fast/op_check.py)
     op_check.install_from_env(options.log)
     info = D.setup(pick_device(options.device))
-    if info.device.type == "cpu":
-        torch.set_num_threads(cpu_threads(options.threads))
+    threads = set_cpu_threads(options.threads, info.device)
     try:
-        return Trainer(recipe, options, info).run()
+        return Trainer(recipe, options, info, threads).run()
     finally:
         D.teardown()
 
@@ -107,18 +106,21 @@ def graphs_beside_op_check(graphs: bool, log) -> bool:
     return graphs
 
 
-def cpu_threads(requested: Optional[int]) -> int:
-    """Threads for CPU training: --threads, else OMP_NUM_THREADS, else 1.
+def missing_data(recipe: Recipe) -> NatslError:
+    """The one line for a `data.path` that does not exist: the command lines that make it, or that train
+    on the embedded corpus instead, ready to paste."""
+    import shlex
 
-    CPU training is for smoke runs of tiny models, whose ops are too small to gain from threads;
-    on a shared machine OpenMP threads that wait for each other can make a step many times slower.
-    """
-    if requested is not None:
-        if requested < 1:
-            raise NatslError(f"--threads must be at least 1, got {requested}")
-        return requested
-    env = os.environ.get("OMP_NUM_THREADS", "")
-    return int(env) if env.isdigit() and int(env) > 0 else 1
+    data = recipe.data
+    if data.tokenizer:
+        tokenizer = f"--tokenizer {shlex.quote(data.tokenizer)}"
+    elif recipe.model.vocab_size == 32000:  # the paper's Llama-2 tokenizer (docs/training.md, "The paper's tokenizer")
+        tokenizer = "--tokenizer tokenizers/llama-2"
+    else:
+        tokenizer = f"--train-tokenizer --vocab-size {recipe.model.vocab_size}"
+    return NatslError(f"data.path {data.path!r} does not exist: make it with `natsl tokenize YOUR_TEXT_FILES... --out "
+                      f"{shlex.quote(data.path)} {tokenizer}` (docs/training.md), or add `--set data.path=builtin` "
+                      "for a smoke run on the embedded corpus")
 
 
 def _out_dir(recipe: Recipe, options: TrainOptions) -> Path:
@@ -270,8 +272,9 @@ class LanguageModelLoss(torch.nn.Module):
 
 
 class Trainer:
-    def __init__(self, recipe: Recipe, options: TrainOptions, info: D.DistInfo):
+    def __init__(self, recipe: Recipe, options: TrainOptions, info: D.DistInfo, threads: str = ""):
         self.recipe, self.options, self.info = recipe, options, info
+        self.threads = threads  # the CPU thread count and why, for the start line (natsl.runtime.set_cpu_threads)
         self.log = options.log if info.is_main else (lambda *_: None)
         self.device = info.device
 
@@ -365,6 +368,8 @@ class Trainer:
                 folder = builtin_data(r.model.vocab_size, r.data.tokenizer, False, lambda *_: None, r.data.bos)
         else:
             folder = Path(r.data.path)
+            if not folder.exists():
+                raise missing_data(r)
         data = TokenData(folder)
         if data.vocab_size > r.model.vocab_size:
             raise NatslError(f"the data's tokenizer has {data.vocab_size} tokens but model.vocab_size is "
@@ -681,7 +686,7 @@ class Trainer:
         self.log(f"{r.name}: {self.n_params / 1e6:.2f}M parameters; steps {start} -> {self.end_step} of "
                  f"{self.total_steps}, {tc.tokens_per_step:,} tokens each ({tc.micro_batch_size} x {tc.seq_len} x "
                  f"{self.accum} accum x {world} rank{'s' if world > 1 else ''}"
-                 f"{', ' + tc.parallel if world > 1 else ''}); {self.device.type}, backend "
+                 f"{', ' + tc.parallel if world > 1 else ''}); {self.device.type}{', ' + self.threads if self.threads else ''}, backend "
                   f"{self.backend}; data {self.data.folder} ({self._data_size()}); out {self.out}")
         debug_dir = os.environ.get("NATSL_DEBUG_DIR")
         seen_samples: list[int] = []
