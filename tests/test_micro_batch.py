@@ -438,3 +438,17 @@ def test_the_benchmarks_micro_batch_list(given, entries, sequences):
             training.micro_batches(given)
     else:
         assert training.micro_batches(given) == entries and training.step_sequences(entries) == sequences
+
+
+def test_a_sweep_of_a_recipe_with_auto_asks_for_a_count(tmp_path):
+    """A sweep's step is one micro-batch: a system whose recipe says auto needs a count in `set:`."""
+    from natsl.training import sweep
+
+    spec = tmp_path / "s.yaml"
+    base = "systems: {big: 380m_gdn}\nwidths: [64]\nlrs: [0.001]\ntasks: {t: 'task:mqar?seq_len=64&pairs=4'}\n"
+    spec.write_text(base)
+    with pytest.raises(NatslError, match="system 'big': recipe 380m_gdn has train.micro_batch_size auto.*set:"):
+        sweep.load_spec(spec, tmp_path / "out")
+    spec.write_text(base + "set: [train.micro_batch_size=4]\n")
+    (run,) = sweep.load_spec(spec, tmp_path / "out").runs
+    assert "train.tokens_per_step=256" in run.overrides

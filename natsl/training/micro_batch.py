@@ -25,8 +25,9 @@ per-rank sequences up to `CPU_MICRO_BATCH`.
 With `--compile` the probe still runs eagerly (compiling each candidate would cost minutes): the
 compiled model runs the same custom ops, and Inductor's partitioner saves for the backward what eager
 autograd saves or less (it recomputes cheap pointwise results instead of keeping them) and fuses
-pointwise chains whose intermediates eager allocates, so the eager peak bounds the compiled one; the
-margin covers the allocator's fragmentation and the CUDA-graph pool's slack.
+pointwise chains whose intermediates eager allocates, so the eager peak is expected to bound the compiled
+one (`bash benchmarks/gpu.sh microbatch` with TRAIN_FLAGS=--compile measures the compiled peak at auto's
+pick); the margin covers the allocator's fragmentation and the CUDA-graph pool's slack.
 """
 
 from __future__ import annotations
