@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The one shell entry for the H200: named stages, each with its own time cap, run from the repository root.
-#   bash benchmarks/gpu.sh tests|ops|layer|training|small|latency|firstcall|profile|compare|all [more stages...]
+#   bash benchmarks/gpu.sh tests|ops|layer|training|microbatch|small|latency|firstcall|profile|compare|all [more stages...]
 #   bash benchmarks/gpu.sh recall          # alone: the recall sweeps take a whole 10-minute call
 # Results go to $OUT when set (the device tool's folder), else bench_results/; each stage's log to
-# OUT/<stage>.log (its tail printed). Caps: TESTS_S, OPS_S, LAYER_S, TRAINING_S, LATENCY_S, PROFILE_S,
+# OUT/<stage>.log (its tail printed). Caps: TESTS_S, OPS_S, LAYER_S, TRAINING_S, MICROBATCH_S, LATENCY_S, PROFILE_S,
 # COMPARE_S, RECALL_S seconds.
+# microbatch (docs/training.md, "Micro-batch auto"): the 800M recipes that outgrow an 80 GB card at micro-batch 8,
+# each at 8 and at `auto` side by side (the same tokens per step; tokens/s, peak GiB, auto's micro-batch x
+# accumulation), eager (TRAIN_FLAGS=--compile compiles, ~2 minutes per run), one process per run.
 # small (docs/training.md, "Small models"): the d=128 recall recipes' training steps, one process each, compile + graphs.
 # firstcall (docs/performance.md, "First calls"): `natsl warmup` at 128K for three 800M models, then a fresh
 # `natsl bench-latency` process each at 128K (its cold column against its warm one).
@@ -22,13 +25,14 @@
 # `natsl compare` reads). Not in `all`, and never beside other stages (the @gpu tests and the 22 workers slow
 # each other down).
 # Options per stage through variables: OPS="gated_delta routed_attention ..." (ops to run), SWEEP=1 (their
-# launch-setting sweeps), RECIPES="800m_hybrid 800m_transformer" (training), MBS (micro-batch, default 8),
+# launch-setting sweeps), RECIPES="800m_hybrid 800m_transformer" (training, microbatch), MBS (micro-batch, default 8;
+# microbatch: 8,auto),
 # TRAIN_FLAGS (e.g. --free-attention), KEEP="0.5 0.25" (latency). flash-linear-attention is timed where
 # importable: carry its wheels and add them to PYTHONPATH before calling.
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-bench_results}; export OUT; mkdir -p "$OUT"
-[ $# -gt 0 ] || { echo "usage: bash benchmarks/gpu.sh tests|ops|layer|training|small|latency|firstcall|profile|compare|recall|all ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash benchmarks/gpu.sh tests|ops|layer|training|microbatch|small|latency|firstcall|profile|compare|recall|all ..." >&2; exit 2; }
 case " $* " in *" recall "*) [ $# -eq 1 ] || { echo "recall runs alone: one device call of its own" >&2; exit 2; } ;; esac
 
 run() {  # run STAGE CAP COMMAND...: the command under its cap, its log in $OUT/STAGE.log
@@ -119,6 +123,9 @@ stage() {
     layer)    run layer "${LAYER_S:-240}" python3 -m benchmarks.layer --energy --out "$OUT" ;;
     training) run training "${TRAINING_S:-540}" python3 -m benchmarks.training --recipes ${RECIPES:-800m_hybrid 800m_transformer} \
                 --compile --micro-batch-size "${MBS:-8}" ${TRAIN_FLAGS:-} --out "$OUT" ;;
+    microbatch) run microbatch "${MICROBATCH_S:-540}" python3 -m benchmarks.training --recipes \
+                ${RECIPES:-800m_natsl 800m_mamba2 800m_hybrid} --micro-batch-size "${MBS:-8,auto}" --max-steps 12 \
+                --warmup-steps 4 ${TRAIN_FLAGS:-} --out "$OUT" ;;
     small)    run small "${SMALL_S:-300}" python3 -m benchmarks.training --recipes recall/natsl_hybrid recall/transformer \
                 recall/gdn --seq-len 512 --micro-batch-size 64 --max-steps 50 --warmup-steps 15 --compile --cuda-graphs --out "$OUT" ;;
     firstcall) for r in 800m_hybrid 800m_transformer 800m_gdn; do
@@ -138,8 +145,8 @@ stage() {
                 800m_gdn_hybrid 800m_gdn_swa 800m_gdn --no-quality --context 32768,65536,131072 \
                 --budgets 0.125,0.25,0.5,1 --repeats 2 --time-budget $(( ${COMPARE_S:-540} - 60 )) --no-progress --out "$OUT/compare" ;;
     recall)   recall ;;
-    all)      for s in tests ops layer training small latency firstcall profile compare; do stage $s; done ;;
-    *)        echo "unknown stage $1: use tests, ops, layer, training, small, latency, firstcall, profile, compare, recall or all" >&2; exit 2 ;;
+    all)      for s in tests ops layer training microbatch small latency firstcall profile compare; do stage $s; done ;;
+    *)        echo "unknown stage $1: use tests, ops, layer, training, microbatch, small, latency, firstcall, profile, compare, recall or all" >&2; exit 2 ;;
   esac
 }
 

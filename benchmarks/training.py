@@ -2,6 +2,7 @@
 
     python -m benchmarks.training                      # the five 800M systems, 4096 context, 30 steps
     python -m benchmarks.training --recipes 800m_hybrid 800m_transformer --compile --micro-batch-size 8
+    python -m benchmarks.training --recipes 800m_natsl 800m_mamba2 --micro-batch-size 8,auto   # side by side
     python -m benchmarks.training --nproc 8            # each recipe under torchrun on 8 GPUs (DDP)
     python -m benchmarks.training --nproc 2 --parallel fsdp
     python -m benchmarks.training --recipes 800m_hybrid --free-attention    # the bound: attention for free
@@ -9,7 +10,12 @@
 Each recipe runs in its own process (a fresh CUDA context; an out-of-memory failure is retried with
 half the micro-batch, down to 1) on the embedded corpus at the model's vocabulary (built once in
 the cache), with `--max-steps` steps of one micro-batch per rank each (set --tokens-per-step for
-gradient accumulation), no checkpoint and a one-window evaluation. The first `--warmup-steps`
+gradient accumulation), no checkpoint and a one-window evaluation. `--micro-batch-size` takes a
+comma list of counts and `auto` (`train.micro_batch_size: auto`, natsl.training.micro_batch): each
+recipe runs once per entry, all at the same tokens per step (the largest count's micro-batch per rank,
+or 8 sequences, unless --tokens-per-step says), so `8,auto` puts today's fixed micro-batch beside
+what auto picks (micro-batch, accumulation, activation checkpointing, the probe's peak and the card's
+memory in each result); with `auto` in the list an out-of-memory run is a result, not retried. The first `--warmup-steps`
 steps (allocation, autotuning, compilation) are left out of the averages. MFU uses
 natsl.training.flops (6 N per token plus attention/GDN terms, measured keep fraction) over the
 bf16 peak of the GPU (989 TFLOP/s for H100/H200). Where NVML can tell (nvidia-ml-py; common.GpuMeter),
@@ -77,6 +83,7 @@ def install_free_attention() -> None:
 def worker(args) -> None:
     """One recipe, in this process (or in each torchrun rank); rank 0 writes the result JSON."""
     from natsl.config import apply_overrides, load_recipe
+    from natsl.errors import NatslError
     from natsl.training import TrainOptions, train
     from natsl.training.flops import flops_per_token, peak_flops
 
@@ -84,11 +91,12 @@ def worker(args) -> None:
     if args.free_attention:  # a bound on what the attention kernel can give
         install_free_attention()
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    tokens_per_step = args.tokens_per_step or args.micro_batch_size * args.seq_len * world
+    micro = micro_batches(args.micro_batch_size)[0]
+    tokens_per_step = args.tokens_per_step or step_sequences([micro]) * args.seq_len * world
     overrides = [f"train.seq_len={args.seq_len}", f"train.tokens_per_step={tokens_per_step}",
-                 f"train.micro_batch_size={args.micro_batch_size}", "train.save_every=1000000000",
+                 f"train.micro_batch_size={micro}", "train.save_every=1000000000",
                  "train.eval_every=1000000000", f"train.eval_tokens={args.seq_len}", "train.log_every=1",
-                 f"train.activation_checkpointing={str(args.activation_checkpointing).lower()}",
+                 "train.activation_checkpointing=" + ("true" if args.activation_checkpointing else "auto"),
                  f"train.parallel={args.parallel}", f"train.cuda_graphs={str(args.cuda_graphs).lower()}",
                  f"train.total_tokens={max(recipe.train.total_tokens, tokens_per_step * (args.max_steps + 1))}",
                  "data.path=builtin"]
@@ -96,7 +104,7 @@ def worker(args) -> None:
     rank = int(os.environ.get("RANK", "0"))
     from natsl.provenance import provenance
 
-    result = {"recipe": args.worker, "provenance": provenance(), "micro_batch_size": args.micro_batch_size,
+    result = {"recipe": args.worker, "provenance": provenance(), "micro_batch_size": micro,
               "seq_len": args.seq_len,
               "tokens_per_step": tokens_per_step, "world_size": world, "compile": args.compile,
               "cuda_graphs": args.cuda_graphs,
@@ -116,6 +124,8 @@ def worker(args) -> None:
                                              on_step=lambda record: step_ends.append(time.perf_counter())))
         except torch.cuda.OutOfMemoryError as err:
             result.update(status="oom", error=str(err).splitlines()[0])
+        except NatslError as err:  # auto: not even one sequence fits
+            result.update(status="refused", error=str(err))
         else:
             steps = [r for r in run.history[args.warmup_steps:] if not r["skipped"]]
             seconds = sum(r["time_s"] for r in steps)
@@ -136,7 +146,7 @@ def worker(args) -> None:
                           peak_memory_gib=(torch.cuda.max_memory_allocated(device) / 2**30
                                            if device.type == "cuda" else None),
                           device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                          params=None)
+                          params=None, **micro_batch_record(run))
             # Energy of the timed steps (from the end of the last warm-up step), where NVML can tell: the
             # H200 trains at its power limit, so joules per step are what a step costs (common.GpuMeter)
             timed = len(run.history) - args.warmup_steps
@@ -159,7 +169,52 @@ def worker(args) -> None:
         Path(args.result).write_text(json.dumps(result, indent=2))
 
 
-def run_one(recipe: str, mbs: int, args, result_path: Path) -> dict:
+def micro_batches(text: str) -> list:
+    """`--micro-batch-size`: a comma list of counts and `auto`, e.g. "8,auto" -> [8, "auto"]."""
+    entries = []
+    for part in str(text).split(","):
+        part = part.strip()
+        if part == "auto":
+            entries.append(part)
+        elif part.isdigit() and int(part) >= 1:
+            entries.append(int(part))
+        else:
+            raise argparse.ArgumentTypeError(f"{part!r} is neither a micro-batch (1 or more) nor auto")
+    if not entries:
+        raise argparse.ArgumentTypeError("give a micro-batch, auto, or a comma list of them")
+    return entries
+
+
+def step_sequences(entries: list) -> int:
+    """Sequences per rank and step when --tokens-per-step is not given: the largest count, else 8."""
+    counts = [m for m in entries if m != "auto"]
+    return max(counts) if counts else 8
+
+
+def micro_batch_record(run) -> dict:
+    """What the run trained at: its micro-batch and accumulation, and for auto what the probe measured."""
+    record = {"micro_batch": run.micro_batch, "accumulation": run.accumulation}
+    choice = run.micro_batch_choice
+    if choice is not None:
+        record.update(activation_checkpointing=choice.checkpointing, micro_batch_note=choice.note,
+                      probe_peak_gib=choice.peak_bytes / 2**30 if choice.peak_bytes is not None else None,
+                      usable_memory_gib=choice.limit_bytes / 2**30 if choice.limit_bytes is not None else None,
+                      device_memory_gib=choice.total_bytes / 2**30 if choice.total_bytes is not None else None)
+    return record
+
+
+def micro_batch_text(result: dict) -> str:
+    """"8", or "auto 4x2" (micro-batch x accumulation, "+ckpt" with activation checkpointing)."""
+    asked = result.get("micro_batch_size")
+    if asked != "auto":
+        return str(asked)
+    if result.get("micro_batch") is None:
+        return "auto"
+    ckpt = "+ckpt" if result.get("activation_checkpointing") else ""
+    return f"auto {result['micro_batch']}x{result['accumulation']}{ckpt}"
+
+
+def run_one(recipe: str, mbs, args, result_path: Path) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.training", "--worker", recipe, "--result", str(result_path),
            "--micro-batch-size", str(mbs), "--seq-len", str(args.seq_len), "--max-steps", str(args.max_steps),
            "--warmup-steps", str(args.warmup_steps)]
@@ -228,7 +283,8 @@ def plot(results: list[dict], png: Path) -> None:
     if not ok:
         return
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), dpi=100)
-    names = [label(r) for r in ok]
+    several = len({micro_batch_text(r) for r in ok}) > 1
+    names = [label(r) + (f"\nmbs {micro_batch_text(r)}" if several else "") for r in ok]
     axes[0].bar(names, [r["tokens_per_s"] / 1e3 for r in ok])
     axes[0].set_ylabel("thousand tokens / s")
     axes[1].bar(names, [100 * (r["mfu"] or 0) for r in ok])
@@ -251,7 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-steps", type=int, default=30)
     parser.add_argument("--warmup-steps", type=int, default=5)
     parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--micro-batch-size", type=int, default=8)
+    parser.add_argument("--micro-batch-size", "--micro-batch", default="8",
+                        help="a micro-batch, auto, or a comma list of them run side by side (e.g. 8,auto)")
     parser.add_argument("--tokens-per-step", type=int, default=None,
                         help="default: one micro-batch per rank (no accumulation)")
     parser.add_argument("--nproc", type=int, default=1, help="GPUs per recipe (torchrun)")
@@ -260,7 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--cuda-graphs", action="store_true", help="with --compile: train.cuda_graphs")
     parser.add_argument("--parallel", choices=["ddp", "fsdp"], default="ddp", help="with --nproc > 1")
-    parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="always (default: auto, on only where auto finds that one sequence does not fit)")
     parser.add_argument("--free-attention", action="store_true",
                         help="a bound: the NAtS-L layers' routed attention costs nothing (see above)")
     parser.add_argument("--in-process", action="store_true",
@@ -288,34 +346,44 @@ def main(argv=None) -> None:
         parser.error("--warmup-steps must be below --max-steps")
     if args.cuda_graphs and not args.compile:
         parser.error("--cuda-graphs replays the compiled model: add --compile")
+    try:
+        entries = micro_batches(args.micro_batch_size)
+    except argparse.ArgumentTypeError as err:
+        parser.error(f"--micro-batch-size: {err}")
+    if args.tokens_per_step is None:  # every entry at the same step: a side-by-side compares like with like
+        args.tokens_per_step = step_sequences(entries) * args.seq_len * args.nproc
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = []
     for recipe in args.recipes:
-        mbs = args.micro_batch_size
-        while True:
-            print(f"== {recipe}: micro-batch {mbs} x {args.seq_len}, {args.max_steps} steps", flush=True)
-            where = out / f".{Path(recipe).stem}.json"
-            result = run_in_process(recipe, args, where) if args.in_process else run_one(recipe, mbs, args, where)
-            if result.get("status") != "oom" or mbs == 1 or args.in_process:
-                break
-            mbs //= 2
-            print(f"   out of memory; retrying with micro-batch {mbs}", flush=True)
-        results.append(result)
-        common.write_result("training", {"results": results}, out)  # rewritten after each recipe
+        for first in entries:
+            mbs = first
+            while True:
+                print(f"== {recipe}: micro-batch {mbs} x {args.seq_len}, {args.tokens_per_step:,} tokens per step, "
+                      f"{args.max_steps} steps", flush=True)
+                where = out / f".{Path(recipe).stem}.json"
+                result = run_in_process(recipe, argparse.Namespace(**{**vars(args), "micro_batch_size": str(mbs)}),
+                                        where) if args.in_process else run_one(recipe, mbs, args, where)
+                if result.get("status") != "oom" or mbs == "auto" or mbs == 1 or "auto" in entries \
+                        or args.in_process:
+                    break
+                mbs //= 2
+                print(f"   out of memory; retrying with micro-batch {mbs}", flush=True)
+            results.append(result)
+            common.write_result("training", {"results": results}, out)  # rewritten after each run
     plot(results, out / "training.png")
-    print(f"\n{'recipe':<20} {'params':>8} {'mbs':>4} {'tok/s':>10} {'tok/s/GPU':>10} {'MFU':>7} {'keep':>5} "
+    print(f"\n{'recipe':<20} {'params':>8} {'mbs':>12} {'tok/s':>10} {'tok/s/GPU':>10} {'MFU':>7} {'keep':>5} "
           f"{'step ms':>8} {'median':>7} {'mem GiB':>8} {'J/step':>7} {'W':>5} {'SM MHz':>6}")
     for r in results:
         if r.get("status") != "ok":
-            print(f"{label(r):<20} {r.get('status')}: {r.get('error', '')}")
+            print(f"{label(r):<20} {'':>8} {micro_batch_text(r):>12} {r.get('status')}: {r.get('error', '')}")
             continue
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
         mem = f"{r['peak_memory_gib']:.1f}" if r["peak_memory_gib"] is not None else "n/a"
         median = f"{r['step_ms_median']:.0f}" if r.get("step_ms_median") is not None else "n/a"
         energy = (f"{r['energy_j_per_step']:>7.1f} {r['power_w_mean']:>5.0f} {r['sm_clock_mhz_median']:>6.0f}"
                   if r.get("energy_j_per_step") is not None else f"{'n/a':>7} {'n/a':>5} {'n/a':>6}")
-        print(f"{label(r):<20} {r['params'] / 1e6:>7.1f}M {r['micro_batch_size']:>4} {r['tokens_per_s']:>10,.0f} "
+        print(f"{label(r):<20} {r['params'] / 1e6:>7.1f}M {micro_batch_text(r):>12} {r['tokens_per_s']:>10,.0f} "
               f"{r['tokens_per_s_per_gpu']:>10,.0f} {mfu:>7} {r['keep_fraction']:>5.2f} {r['step_ms']:>8.0f} "
               f"{median:>7} {mem:>8} {energy}")
     print(f"\nwrote {out / 'training.json'} and {out / 'training.png'}")

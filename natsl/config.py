@@ -220,7 +220,9 @@ class OptimConfig:
 class TrainConfig:
     seq_len: int = 4096
     tokens_per_step: int = 524288
-    micro_batch_size: int = 8
+    # Sequences per forward/backward; "auto": the largest that fits the device, found before the first
+    # step (natsl.training.micro_batch), with accumulation keeping tokens_per_step.
+    micro_batch_size: int | Literal["auto"] = 8
     total_tokens: int = 50_000_000_000
     max_steps: Optional[int] = None
     seed: int = 0
@@ -230,7 +232,9 @@ class TrainConfig:
     # (torch.compile's "reduce-overhead" mode), for models small enough that the host falls behind the
     # GPU; the 800M ones at micro-batch 8 gained nothing (docs/training.md).
     cuda_graphs: bool = False
-    activation_checkpointing: bool = False
+    # Recompute each block in the backward (less memory, slower steps); "auto": on only where
+    # micro_batch_size auto finds that not even one sequence fits without it.
+    activation_checkpointing: bool | Literal["auto"] = "auto"
     # Several ranks (torchrun): "ddp" replicates the model; "fsdp" shards parameters, gradients and
     # optimizer state with PyTorch's FSDP2 (fully_shard per block).
     parallel: Literal["ddp", "fsdp"] = "ddp"
@@ -249,9 +253,11 @@ class TrainConfig:
 
     def validate(self, prefix: str = "train") -> None:
         # Sizes and intervals; the trainer reads none of them as 0 = 'never'.
-        for key in ("seq_len", "tokens_per_step", "micro_batch_size", "total_tokens", "log_every",
+        for key in ("seq_len", "tokens_per_step", "total_tokens", "log_every",
                     "eval_every", "eval_tokens", "save_every", "max_bad_steps"):
             _require(getattr(self, key) >= 1, f"{prefix}.{key}", getattr(self, key), "at least 1")
+        _require(self.micro_batch_size == "auto" or self.micro_batch_size >= 1, f"{prefix}.micro_batch_size",
+                 self.micro_batch_size, "at least 1, or auto (the largest that fits the device)")
         _require(self.max_steps is None or self.max_steps >= 1, f"{prefix}.max_steps", self.max_steps,
                  "at least 1 (null: no limit)")
         check_seed(self.seed, f"recipe key '{prefix}.seed'")  # the one seed rule of every command
@@ -264,13 +270,21 @@ class TrainConfig:
             raise NatslError(f"recipe key '{prefix}.tokens_per_step' = {self.tokens_per_step} must be a multiple "
                              f"of {prefix}.seq_len = {self.seq_len}")
 
-    def accumulation(self, world: int = 1) -> int:
-        """Micro-batches each of `world` ranks runs per optimizer step; tokens_per_step must be a whole
-        number of micro-batches over the ranks (the trainer's rule; the sweep checks it at load)."""
-        micro_tokens = self.micro_batch_size * self.seq_len
+    def accumulation(self, world: int = 1, micro_batch: Optional[int] = None) -> Optional[int]:
+        """Micro-batches each of `world` ranks runs per optimizer step at `micro_batch` (default:
+        micro_batch_size); tokens_per_step must be a whole number of micro-batches over the ranks (the
+        trainer's rule; the sweep checks it at load). None for micro_batch_size auto, after checking that
+        the ranks share the step's sequences evenly: the trainer picks the micro-batch on the device."""
+        micro_batch = self.micro_batch_size if micro_batch is None else micro_batch
+        if micro_batch == "auto":
+            if self.tokens_per_step % (self.seq_len * world):
+                raise NatslError(f"train.tokens_per_step = {self.tokens_per_step} is not a multiple of seq_len x "
+                                 f"ranks = {self.seq_len} x {world}; change one of them")
+            return None
+        micro_tokens = micro_batch * self.seq_len
         if self.tokens_per_step % (micro_tokens * world):
             raise NatslError(f"train.tokens_per_step = {self.tokens_per_step} is not a multiple of micro_batch_size x "
-                             f"seq_len x ranks = {self.micro_batch_size} x {self.seq_len} x {world}; change one of them")
+                             f"seq_len x ranks = {micro_batch} x {self.seq_len} x {world}; change one of them")
         return self.tokens_per_step // (micro_tokens * world)
 
 
@@ -380,7 +394,8 @@ def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
 def _type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
     if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+        options = typing.get_args(tp)
+        return repr(options[0]) if len(options) == 1 else "one of " + ", ".join(repr(a) for a in options)
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
     if origin is list:
@@ -478,7 +493,7 @@ def recipe_from_dict(data: Any) -> Recipe:
     recipe.model.validate()
     recipe.optim.validate()
     recipe.train.validate()
-    if recipe.model.router_keep_target is not None and recipe.train.activation_checkpointing:
+    if recipe.model.router_keep_target is not None and recipe.train.activation_checkpointing is True:
         # the backward's recompute of a block would route on the keep bias that its forward already moved
         raise NatslError("recipe key 'model.router_keep_target' cannot train with 'train.activation_checkpointing: "
                          "true' (a recomputed block would route on the bias its forward already updated); "

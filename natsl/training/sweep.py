@@ -215,6 +215,10 @@ def load_spec(path: str | Path, out: str | Path, max_parallel: Optional[int] = N
                         for item in overrides + system_set:
                             if item.split("=", 1)[0].strip() == "train.micro_batch_size":
                                 mbs = int(item.split("=", 1)[1])
+                        if mbs == "auto":  # the step below is one micro-batch: it needs a count
+                            raise _spec_error(path, f"system {system!r}: recipe {recipe_path} has train.micro_batch_size "
+                                              "auto, but a sweep's step is one micro-batch; set "
+                                              "train.micro_batch_size to a count in `set:`")
                         tokens = mbs * task_len  # one micro-batch per step
                         max_steps = int(budget.get("max_steps", recipe.train.max_steps
                                                    or recipe.train.total_tokens // recipe.train.tokens_per_step))

@@ -37,6 +37,7 @@ from natsl.data.tasks import IGNORE, TaskData, answer_hits, is_task
 from natsl.atomic import write_text as atomic_write_text
 from natsl.files import check_output_folder
 from natsl.training import distributed as D
+from natsl.training import micro_batch as M
 from natsl.training import state as S
 from natsl.training.faults import fault_point
 from natsl.training.flops import flops_per_token, peak_flops
@@ -66,6 +67,9 @@ class TrainOptions:
     # called with the signal's name when SIGINT / SIGTERM arrives during training (the run then ends after
     # the current step): tells a caller that someone asked it to stop
     on_signal: Optional[Callable[[str], None]] = None
+    # train.micro_batch_size auto: how a micro-batch is tried (natsl.training.micro_batch.MemoryProbe);
+    # default a real step on CUDA and nothing on the CPU. Tests pass a stand-in.
+    memory_probe: Optional[M.MemoryProbe] = None
 
 
 @dataclass
@@ -80,6 +84,9 @@ class TrainResult:
     resumed_from: Optional[Path] = None
     skipped_steps: int = 0
     history: list = field(default_factory=list)
+    micro_batch: Optional[int] = None  # the micro-batch the steps ran at (train.micro_batch_size, or auto's pick)
+    accumulation: Optional[int] = None
+    micro_batch_choice: Optional[M.Choice] = None  # auto's pick and its measurement; None for a fixed one
 
 
 def train(recipe: Recipe, options: TrainOptions) -> TrainResult:
@@ -285,7 +292,10 @@ class Trainer:
         # A recipe built in Python (dataclasses.replace) has not met the loader's rules.
         tc.validate()
         self.recipe.optim.validate()
+        # micro_batch_size auto: both are picked on the device (pick_micro_batch), after the model is built
         self.accum = tc.accumulation(self.info.world_size)
+        self.micro_batch = None if tc.micro_batch_size == M.AUTO else tc.micro_batch_size
+        self.micro_batch_choice = None
         self.samples_per_step = tc.tokens_per_step // tc.seq_len
         self.total_steps = tc.total_tokens // tc.tokens_per_step
         if self.total_steps < 1:
@@ -398,7 +408,7 @@ class Trainer:
         model = build_model(r, device=self.device)
         self.backend = pick_backend(self.options.backend, self.device)
         model.set_backend(self.backend)
-        model.activation_checkpointing = r.train.activation_checkpointing
+        model.activation_checkpointing = r.train.activation_checkpointing is True
         model.train()
         self.model = model
         self.state = {"step": 0, "tokens_seen": 0, "samples_seen": 0, "bad_steps": 0, "bad_in_row": 0,
@@ -416,6 +426,8 @@ class Trainer:
         if self.options.loss_chunk < 0:
             raise NatslError(f"loss_chunk must be at least 0, got {self.options.loss_chunk}")
         self.use_bf16 = self.device.type == "cuda" and r.train.dtype == "bf16"
+        if self.micro_batch is None:  # before compiling and wrapping: the probe runs the plain model
+            self.pick_micro_batch(ckpt)
         compile_ = self.options.compile if self.options.compile is not None else r.train.compile
         graphs_requested = r.train.cuda_graphs
         if self.options.compile is None and not compile_ and not graphs_requested \
@@ -459,6 +471,24 @@ class Trainer:
         self.natsl_layers = list(model.natsl_layers().items())
         self.n_params = model.num_parameters()
         self.peak = peak_flops(self.device)
+
+    def pick_micro_batch(self, ckpt: Optional[S.LoadedCheckpoint]) -> None:
+        """train.micro_batch_size auto: the largest micro-batch that fits (natsl.training.micro_batch), the
+        same on every rank; sets micro_batch, accum and the model's activation checkpointing, and says so."""
+        tc, model = self.recipe.train, self.model
+        per_rank = tc.tokens_per_step // (tc.seq_len * self.info.world_size)
+        probe = self.options.memory_probe
+        if probe is None:
+            eager = LanguageModelLoss(model, HiddenStates(model), self.use_bf16, self.options.loss_chunk)
+            probe = M.device_probe(eager, model, tc.seq_len, self.recipe.model.vocab_size, self.device)
+        refused = "model.router_keep_target is set (a recomputed block would route on the bias its forward " \
+            "already moved)" if self.recipe.model.router_keep_target is not None else ""
+        choice = M.pick(per_rank, tc.seq_len, probe, tc.activation_checkpointing, self.info,
+                        checkpoint_state=ckpt.trainer_state if ckpt is not None else None,
+                        checkpointing_refused=refused, log=self.log)
+        model.activation_checkpointing = choice.checkpointing
+        self.micro_batch, self.accum, self.micro_batch_choice = choice.micro_batch, choice.accumulation, choice
+        self.log(choice.describe())
 
     def init_weights(self, model: torch.nn.Module, path: str) -> None:
         """train.init_from: the weights of another run, before any sharding; optimizer and step start afresh."""
@@ -569,7 +599,7 @@ class Trainer:
             return None
         if isinstance(self.data, TaskData):
             return self.evaluate_task()
-        seq, mbs, world = self.recipe.train.seq_len, self.recipe.train.micro_batch_size, self.info.world_size
+        seq, mbs, world = self.recipe.train.seq_len, self.micro_batch, self.info.world_size
         mine = list(range(self.info.rank, self.val_windows, world))
         # FSDP gathers each block's weights inside the forward, a collective: every rank must run as
         # many forwards as the busiest one. A rank out of windows runs window 0 again, uncounted.
@@ -594,12 +624,11 @@ class Trainer:
     def evaluate_task(self) -> float:
         """Loss over the answers of held-out task samples; the answer accuracy goes to
         self.task_accuracy (one process: the sweep's runs; under several ranks it is left None)."""
-        tc = self.recipe.train
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         hits, counted = 0, 0
         self.loss_module.eval()
         try:
-            for inputs, targets in self.data.eval_batches(self.val_windows, tc.micro_batch_size):
+            for inputs, targets in self.data.eval_batches(self.val_windows, self.micro_batch):
                 totals[0] += self.train_model(inputs, targets, reduction="sum").double()
                 totals[1] += (targets != IGNORE).sum()
                 if not self.info.enabled:
@@ -626,7 +655,7 @@ class Trainer:
         if self.info.is_main:
             tc = self.recipe.train
             trainer_state = {**self.state, "seq_len": tc.seq_len, "tokens_per_step": tc.tokens_per_step,
-                             "micro_batch_size": tc.micro_batch_size, "world_size": self.info.world_size,
+                             "micro_batch_size": self.micro_batch, "world_size": self.info.world_size,
                              "seed": tc.seed, "data": str(self.data.folder),
                              "data_fingerprint": self.data.meta.get("fingerprint"), "natsl_version": __version__}
             try:
@@ -684,14 +713,16 @@ class Trainer:
             self.log("note: train.dtype bf16 means bf16 autocast on GPUs; the CPU trains in fp32")
         world = info.world_size
         self.log(f"{r.name}: {self.n_params / 1e6:.2f}M parameters; steps {start} -> {self.end_step} of "
-                 f"{self.total_steps}, {tc.tokens_per_step:,} tokens each ({tc.micro_batch_size} x {tc.seq_len} x "
+                 f"{self.total_steps}, {tc.tokens_per_step:,} tokens each ({self.micro_batch} x {tc.seq_len} x "
                  f"{self.accum} accum x {world} rank{'s' if world > 1 else ''}"
                  f"{', ' + tc.parallel if world > 1 else ''}); {self.device.type}{', ' + self.threads if self.threads else ''}, backend "
                   f"{self.backend}; data {self.data.folder} ({self._data_size()}); out {self.out}")
         debug_dir = os.environ.get("NATSL_DEBUG_DIR")
         seen_samples: list[int] = []
         result = TrainResult(self.out, start, self.end_step, None, None, ckpt.folder if ckpt else None, None,
-                             resumed_from=ckpt.folder if ckpt else None, skipped_steps=self.state["bad_steps"])
+                             resumed_from=ckpt.folder if ckpt else None, skipped_steps=self.state["bad_steps"],
+                             micro_batch=self.micro_batch, accumulation=self.accum,
+                             micro_batch_choice=self.micro_batch_choice)
         if start >= self.end_step:
             self.log(f"already at step {start} (the end is {self.end_step}); nothing to train")
             result.loss = ckpt.trainer_state.get("last_loss") if ckpt else None
@@ -707,7 +738,7 @@ class Trainer:
         with stop_signals(world == 1, self.options.on_signal) as stop:
             try:
                 while step < self.end_step:
-                    samples = step_sample_indices(self.state["samples_seen"], tc.micro_batch_size, self.accum,
+                    samples = step_sample_indices(self.state["samples_seen"], self.micro_batch, self.accum,
                                                   info.rank, world)
                     if debug_dir:
                         seen_samples.extend(i for mb in samples for i in mb)
