@@ -186,8 +186,7 @@ def _replace_folder(target: Path, fill) -> Path:
         if set_aside and not (target.exists() or target.is_symlink()):
             os.replace(old, target)  # the new copy did not get in place: the previous one goes back
         for path in (tmp, new, old):
-            if path != target:
-                _remove(path)
+            _remove(path)
         raise
     finally:
         _in_flight.difference_update(mine)

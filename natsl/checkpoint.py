@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from natsl import __version__
-from natsl.atomic import atomic_folder  # noqa: F401  (where natsl's modules have always found it)
+from natsl.atomic import atomic_folder  # noqa: F401  (the model-folder writers import it from here)
 from natsl.config import ModelConfig, Recipe, from_dict
 from natsl.errors import NatslError
 
