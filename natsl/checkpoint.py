@@ -12,52 +12,32 @@ import hashlib
 import json
 import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 import yaml
 
 from natsl import __version__
+from natsl.atomic import atomic_folder  # noqa: F401  (the model-folder writers import it from here)
 from natsl.config import ModelConfig, Recipe, from_dict
 from natsl.errors import NatslError
-from natsl.files import os_error_at
 
 FORMAT = "natsl"
 FORMAT_VERSION = 1
 COMPLETE_MARKER = "config.json"  # written last inside the temporary folder
 MANIFEST_FILE = "manifest.json"  # a training step folder's sizes and SHA-256 (natsl.training.state)
-# Every file a checkpoint folder holds: the model files (write_model_files) and a training step's
-# state (natsl/training/state.py). A folder with anything else is not ours to replace.
-CHECKPOINT_FILES = frozenset({"config.json", "model.safetensors", "tokenizer.json", "recipe.yaml",
-                              "optimizer.safetensors", "rng.safetensors", "trainer_state.json", "manifest.json"})
-
-
-def fsync_tree(folder: Path) -> None:
-    for path in sorted(folder.rglob("*")):
-        if path.is_file():
-            with open(path, "rb") as fh:
-                os.fsync(fh.fileno())
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_folder(target: Path, fill) -> Path:
-    """Create `target` atomically: `fill(tmp_folder)` writes the files, then one rename publishes it."""
-    target = Path(target)
-    try:
-        return _atomic_folder(target, fill)
-    except OSError as err:  # name what the user asked for, not the hidden temporary sibling
-        raise os_error_at(err, target) from None
+# Every file an inference folder holds (write_model_files). A folder with anything else is not ours to replace.
+CHECKPOINT_FILES = frozenset({"config.json", "model.safetensors", "tokenizer.json", "recipe.yaml"})
+# What only a training step folder holds (natsl/training/state.py): the state that lets a run continue
+# (and its manifest, which other software names a file too: it counts only beside model.safetensors).
+TRAINING_FILES = frozenset({"optimizer.safetensors", "rng.safetensors", "trainer_state.json"})
+TRAINING_STEP_RE = re.compile(r"^step_\d+$")  # OUT/checkpoints/step_NNNNNN (natsl.training.state.step_folder)
 
 
 def save_tensors(tensors: dict, path: Path) -> None:
     """safetensors' save_file, whose I/O failures (a full disk) come as SafetensorError with the OS
-    error in the text: raised here as the OSError they are, so that the CLI says it in one line."""
+    error in the text: raised here as the OSError they are (any other as an EIO), so that the CLI says it
+    in one line."""
     import errno as errno_
 
     from safetensors import SafetensorError
@@ -73,50 +53,41 @@ def save_tensors(tensors: dict, path: Path) -> None:
             raise OSError(number, os.strerror(number), str(path)) from None
         if "No space left" in text:
             raise OSError(errno_.ENOSPC, os.strerror(errno_.ENOSPC), str(path)) from None
-        raise
+        # Any other failure to write, as an OSError too: the folder writers name their target in it, not the
+        # hidden temporary folder the file was in (natsl.files.os_error_at).
+        first = text.splitlines()[0] if text else type(err).__name__
+        raise OSError(errno_.EIO, f"could not write the weights ({first})", str(path)) from None
 
 
-def _atomic_folder(target: Path, fill) -> Path:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        fill(tmp)
-        usual_permissions(tmp)
-        fsync_tree(tmp)
-        if target.exists():
-            old = target.with_name(f".{target.name}.old-{os.getpid()}")
-            os.replace(target, old)
-            os.replace(tmp, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, target)
-        fd = os.open(target.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
+def is_training_checkpoint(folder) -> bool:
+    """Whether `folder` is a training step folder (natsl.training.state): it holds training state, or it
+    is a `step_N` folder of a run's `checkpoints/`. Either way its optimizer state, RNG state and manifest
+    are what lets the run continue, and no command but `natsl train` may write there."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return False
+    if TRAINING_STEP_RE.match(folder.name) and folder.parent.name == "checkpoints":
+        return True
+    present = {name for name in (*TRAINING_FILES, MANIFEST_FILE, "model.safetensors")
+               if (folder / name).exists() or (folder / name).is_symlink()}
+    return bool(present & TRAINING_FILES) or {MANIFEST_FILE, "model.safetensors"} <= present
 
 
-def usual_permissions(folder: Path) -> None:
-    """mkdtemp makes the folder 0700 (and safetensors some files 0600); publish with the umask's modes."""
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(folder, 0o777 & ~mask)
-    for path in folder.iterdir():
-        if path.is_file() and not path.is_symlink():
-            os.chmod(path, 0o666 & ~mask)
+def training_checkpoint_at(path) -> Path | None:
+    """The training checkpoint that `path` is or lies inside (links resolved), else None."""
+    path = Path(os.path.realpath(path))
+    return next((folder for folder in (path, *path.parents) if is_training_checkpoint(folder)), None)
 
 
 def check_replaceable(target) -> None:
-    """Refuse to replace `target` unless it is absent, an empty folder or a natsl checkpoint folder:
-    `--force` must never wipe the user's other data."""
+    """Refuse to replace `target` unless it is absent, an empty folder or a natsl inference folder:
+    `--force` must never wipe the user's other data, nor a training checkpoint."""
     target = Path(target)
     if not target.exists() and not target.is_symlink():
         return
+    if is_training_checkpoint(target):
+        raise NatslError(f"{str(target)!r} is a training checkpoint; natsl never replaces one, not even with --force "
+                         "(its optimizer and RNG state and manifest would be lost): choose another output folder")
 
     def refuse(why: str) -> NatslError:
         return NatslError(f"{str(target)!r} exists and is not a natsl checkpoint folder ({why}); only a checkpoint "

@@ -1,9 +1,10 @@
-"""Output folders and operating-system errors that name the user's path (files themselves are
-written by natsl.atomic)."""
+"""Paths: output folders, paths read from files, outputs that must not overwrite inputs, and
+operating-system errors that name the user's path (files themselves are written by natsl.atomic)."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
+from pathlib import Path, PurePath
 
 
 def check_output_folder(path, flag: str) -> None:
@@ -24,3 +25,85 @@ def check_output_folder(path, flag: str) -> None:
 def os_error_at(err: OSError, path) -> OSError:
     """The same operating-system error, naming `path` (e.g. the target instead of its temporary file)."""
     return type(err)(err.errno, err.strerror or str(err), str(path)) if err.errno else err
+
+
+def real_path(path) -> Path:
+    """`path` with every link and `..` resolved, as far as it exists (the rest is appended as written)."""
+    return Path(os.path.realpath(path))
+
+
+def _within(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+def resolve_inside(folder, name, where: str, also_inside=()) -> Path:
+    """The path that a file inside `folder` names (a shard list, an index, a manifest), refused unless it
+    resolves inside `folder`, links resolved: an untrusted file must not make natsl read or write elsewhere.
+
+    Args:
+        folder: the folder the naming file belongs to.
+        name: the path as read from the file (relative to `folder`).
+        where: what named it, for the message (e.g. "'x/model.safetensors.index.json'").
+        also_inside: further folders a link may lead into (e.g. a Hugging Face cache's blobs/ folder).
+    Returns:
+        `folder / name`.
+    Raises:
+        NatslError: `name` is not a non-empty string, is absolute, or leads (by `..` or by a link) outside.
+    """
+    from natsl.errors import NatslError
+
+    folder = Path(folder)
+
+    def refuse(why: str) -> NatslError:
+        return NatslError(f"{where} names {name!r}, which {why}; natsl reads only files inside {str(folder)!r} "
+                          "(links resolved), so this looks damaged or made to read other files: use another copy")
+
+    if not isinstance(name, str) or not name or "\x00" in name:
+        raise refuse("is not a file name")
+    if PurePath(name).is_absolute() or name.startswith(("/", "\\")):
+        raise refuse("is an absolute path")
+    base = real_path(folder)
+    if not _within(Path(os.path.normpath(base / name)), base):
+        raise refuse("leads outside the folder")
+    if not any(_within(real_path(folder / name), real_path(root)) for root in (folder, *also_inside)):
+        raise refuse("is a link to a file outside the folder")
+    return folder / name
+
+
+def check_output(output, inputs, flag: str) -> None:
+    """Refuse an output path that would overwrite what the same command reads, or a training checkpoint:
+    the output must not be any input, lie inside one or hold one (links resolved), and must not be or lie
+    inside a training checkpoint (natsl.checkpoint.training_checkpoint_at), whose optimizer state, RNG
+    state and manifest nothing else can rebuild. Call it before any work.
+
+    Args:
+        output: the path the command writes (a file or a folder).
+        inputs: the paths it reads; None and paths that do not exist (names of recipes, Hub datasets) are skipped.
+        flag: the option or argument naming `output`, for the message (e.g. "--out").
+    Raises:
+        NatslError: one line naming the clash and the fix.
+    """
+    from natsl.checkpoint import training_checkpoint_at
+    from natsl.errors import NatslError
+
+    out = real_path(output)
+    for given in inputs:
+        if given is None or not (Path(given).exists() or Path(given).is_symlink()):
+            continue
+        source = real_path(given)
+        if out == source:
+            relation = "is"
+        elif source in out.parents:
+            relation = "lies inside"
+        elif out in source.parents:
+            relation = "holds"
+        else:
+            continue
+        raise NatslError(f"{flag} {str(output)!r} {relation} the input {str(given)!r}, which this command reads: "
+                         f"writing there would overwrite or mix with it; choose a {flag} path apart from the inputs")
+    checkpoint = training_checkpoint_at(out)
+    if checkpoint is not None:
+        relation = "is" if checkpoint == out else "lies inside"
+        raise NatslError(f"{flag} {str(output)!r} {relation} the training checkpoint {str(checkpoint)!r}; natsl never "
+                         "writes into one, not even with --force (its optimizer and RNG state and manifest would be "
+                         "lost): choose another path (`natsl convert` of it writes an inference folder elsewhere)")

@@ -40,9 +40,11 @@ def bench_latency(
     """Measure latency for recipes (default: the 800M NAtS-L Hybrid, Transformer, GDN and Mamba2) or checkpoints."""
     import natsl
     from natsl.runtime import check_length, checkpoint_recipe_of, pick_backend, pick_device, pick_dtype
+    from natsl.files import check_output
     from natsl.inference import bench
     from natsl.seeding import check_seed
 
+    check_output(out, [*(recipe or []), *(checkpoint or [])], "--out")
     check_seed(seed, "--seed")
     if min_len is None:
         min_len = min(1024, max_len)

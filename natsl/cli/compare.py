@@ -73,8 +73,10 @@ def compare(
     from natsl.errors import NatslError
     from natsl.eval.common import prepare_out_dir
     from natsl.eval import compare as logic
+    from natsl.files import check_output
     from natsl.seeding import check_seed
 
+    check_output(out, [*models, data], "--out")
     check_seed(seed, "--seed")
     contexts = parse_contexts(context)
     logic.check_contexts(contexts)

@@ -32,10 +32,13 @@ def convert(
     from natsl.runtime import DTYPES
     from natsl.errors import NatslError
     from natsl.eval.convert import convert_checkpoint, import_hf
-    from natsl.files import check_output_folder
+    from natsl.atomic import recover_folder
+    from natsl.files import check_output, check_output_folder
 
     target = Path(out)
     check_output_folder(target, "OUT")
+    check_output(target, [src, tokenizer], "OUT")
+    recover_folder(target)  # a convert killed while replacing OUT: its previous (or complete new) copy first
     if target.exists() and not force:
         raise NatslError(f"{out!r} exists; pass --force to replace it or choose another folder")
     if dtype is not None and dtype not in DTYPES:

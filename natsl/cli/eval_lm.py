@@ -31,7 +31,9 @@ def eval_lm(
     """Score a checkpoint on lm-eval tasks (loglikelihood, rolling loglikelihood, generation) with natsl's cache."""
     from natsl.errors import NatslError
     from natsl.eval.lm_eval_run import run_tasks
+    from natsl.files import check_output
 
+    check_output(out, [checkpoint, include_path], "--out")
     names = [t.strip() for t in tasks.split(",") if t.strip()]
     if not names:
         raise NatslError("--tasks names no task; pass e.g. --tasks hellaswag,arc_easy")

@@ -44,8 +44,10 @@ def eval_ppl(
     from natsl.eval.common import human_count, load_eval_model, prepare_out_dir, print_estimate
     from natsl.eval.data import check_vocab, load_token_data, windows as make_windows
     from natsl.eval.ppl import evaluate_windows, plot_curves
+    from natsl.files import check_output
     from natsl.models.routing import force_keep_fraction
 
+    check_output(out, [*checkpoints, data], "--out")
     if keep_fraction is not None and not 0.0 <= keep_fraction <= 1.0:
         raise NatslError(f"--keep-fraction must lie in [0, 1], got {keep_fraction}")
     if windows < 0:

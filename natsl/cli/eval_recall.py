@@ -22,8 +22,10 @@ def run_eval_recall(checkpoint: str, task: Optional[str] = None, lengths: Option
     from natsl.atomic import write_json
     from natsl.eval.common import load_eval_model, prepare_out_dir
     from natsl.eval.recall import evaluate_recall, format_table, plot_recall, recall_grid
+    from natsl.files import check_output
     from natsl.models.routing import force_keep_fraction
 
+    check_output(out, [checkpoint], "--out")
     if samples < 1 or batch_size < 1:
         raise NatslError("--samples and --batch-size must be at least 1")
     if keep_fraction is not None and not 0.0 <= keep_fraction <= 1.0:

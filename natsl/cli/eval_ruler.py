@@ -63,9 +63,11 @@ def eval_ruler(
     from natsl.eval.common import human_count, load_eval_model, prepare_out_dir, print_estimate
     from natsl.eval.haystack import EssaySentences, split_sentences
     from natsl.eval.ruler import TASKS, format_table, plot_scores, run_ruler
+    from natsl.files import check_output
     from natsl.models.routing import force_keep_fraction
     from natsl.seeding import check_seed
 
+    check_output(out, [checkpoint, essay_file], "--out")
     if keep_fraction is not None and not 0.0 <= keep_fraction <= 1.0:
         raise NatslError(f"--keep-fraction must lie in [0, 1], got {keep_fraction}")
     check_seed(seed, "--seed")

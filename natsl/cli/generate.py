@@ -90,6 +90,9 @@ def generate(
     if batch_size < 1:
         raise NatslError(f"--batch-size must be at least 1, got {batch_size}")
     if output:  # refused before generating, not after
+        from natsl.files import check_output
+
+        check_output(output, [checkpoint, prompt_file], "--output")
         out_path = Path(output)
         if out_path.is_dir():
             raise NatslError(f"--output {output} is a folder; give a file path")

@@ -31,8 +31,10 @@ def sweep(
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show the progress bar."),
 ) -> None:
     """Train many small models (systems x widths x learning rates x tasks) in parallel; summary JSON + PNG."""
+    from natsl.files import check_output
     from natsl.training.sweep import exit_code, load_spec, run_sweep
 
+    check_output(out, [spec], "--out")
     code = exit_code(run_sweep(load_spec(spec, out, max_parallel, deadline, device), progress=progress, mps=mps))
     if code:
         raise typer.Exit(code)  # stopped by a signal: 128 + its number, as the module entry point

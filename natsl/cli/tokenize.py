@@ -34,7 +34,9 @@ def tokenize(
     """Tokenize text into uint16/uint32 shards with EOS between documents and a train/validation split."""
     from natsl.data.sources import open_source
     from natsl.data.tokenize import TokenizeSettings, tokenize_corpus
+    from natsl.files import check_output
 
+    check_output(out, [*inputs, tokenizer], "--out")
     settings = TokenizeSettings(tokenizer=tokenizer, train_tokenizer=train_tokenizer, vocab_size=vocab_size,
                                 tokenizer_train_docs=tokenizer_train_docs, eos_token=eos_token, bos=bos,
                                 val_fraction=val_fraction, shard_tokens=shard_tokens, max_documents=max_documents)

@@ -12,6 +12,7 @@ refused rather than unpickled. The full name mapping and what it assumes is in d
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -46,7 +47,7 @@ def convert_checkpoint(src, out, dtype: torch.dtype | None = None) -> Path:
     from natsl.checkpoint import atomic_folder, load_checkpoint, read_config, resolve_checkpoint_folder, write_model_files
 
     folder = resolve_checkpoint_folder(src)
-    _check_target(Path(out), folder)  # before any loading
+    _check_target(Path(out), src, folder)  # before any loading
     model, tokenizer = load_checkpoint(folder)
     dtype = dtype or stored_dtype(folder) or torch.float32
     recipe = model.recipe
@@ -57,12 +58,13 @@ def convert_checkpoint(src, out, dtype: torch.dtype | None = None) -> Path:
     return atomic_folder(Path(out), lambda tmp: write_model_files(tmp, model, recipe, tokenizer, dtype, extra_config=extra))
 
 
-def _check_target(out: Path, src: Path) -> None:
+def _check_target(out: Path, *sources) -> None:
+    """Writing replaces what is at `out`: never an input, a training checkpoint or the user's other data."""
     from natsl.checkpoint import check_replaceable
+    from natsl.files import check_output
 
-    if out.resolve() == Path(src).resolve():
-        raise NatslError("the output folder is the source folder; pass another --out folder")
-    check_replaceable(out)  # writing replaces what is at `out`: never the user's other data
+    check_output(out, sources, "OUT")
+    check_replaceable(out)
 
 
 # ----------------------------------------------------------------------------- Hugging Face import
@@ -84,17 +86,32 @@ def read_hf_config(folder: Path) -> dict:
     return config
 
 
+def hub_blobs(folder: Path) -> list[Path]:
+    """Where the files of a Hugging Face cache snapshot (HUB/models--ORG--NAME/snapshots/REVISION) link to:
+    that model's blobs/ folder; none for any other folder."""
+    real = Path(os.path.realpath(folder))
+    return [real.parent.parent / "blobs"] if real.parent.name == "snapshots" else []
+
+
 def read_hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a (possibly sharded) safetensors checkpoint; never unpickles anything."""
+    """All tensors of a (possibly sharded) safetensors checkpoint; never unpickles anything, and never
+    reads outside `folder` (or, for a Hugging Face cache snapshot, its blobs), whatever the index names."""
     from safetensors.torch import load_file
 
+    from natsl.files import resolve_inside
+
     index = folder / "model.safetensors.index.json"
+    where = f"the folder {str(folder)!r}"
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError):
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
             raise NatslError(f"{str(index)!r} is not a valid safetensors index") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise NatslError(f"{str(index)!r} is not a valid safetensors index (its weight_map must map tensor "
+                             "names to file names); use another copy of the checkpoint")
         files = sorted(set(weight_map.values()))
+        where = repr(str(index))
     elif (folder / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
@@ -106,7 +123,7 @@ def read_hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
         raise NatslError(f"{str(folder)!r} has no .safetensors weights{hint}")
     tensors: dict[str, torch.Tensor] = {}
     for name in files:
-        path = folder / name
+        path = resolve_inside(folder, name, where, also_inside=hub_blobs(folder))
         if not path.is_file():
             raise NatslError(f"weight shard {str(path)!r} is missing")
         try:
@@ -387,7 +404,7 @@ def import_hf(src, out, dtype: torch.dtype | None = None, tokenizer_path=None) -
     folder = Path(src)
     if not folder.is_dir():
         raise NatslError(f"{str(folder)!r} is not a folder; pass the folder of a Hugging Face checkpoint")
-    _check_target(Path(out), folder)  # before any loading
+    _check_target(Path(out), folder, tokenizer_path)  # before any loading
     config = read_hf_config(folder)
     tensors = read_hf_tensors(folder)
     recipe = hf_recipe(config, tensors, name=f"hf-{folder.resolve().name}")

@@ -137,13 +137,12 @@ def write_tokenizer_files(folder: Path, tokenizer, max_len: int) -> None:
 
 def export_hf(src, out, dtype: torch.dtype | None = None) -> Path:
     """A natsl checkpoint (or run folder: newest step) -> a Hugging Face folder (see the module doc)."""
-    from safetensors.torch import save_file
-
-    from natsl.checkpoint import atomic_folder, load_checkpoint, resolve_checkpoint_folder, state_dict_for_saving
+    from natsl.checkpoint import (atomic_folder, load_checkpoint, resolve_checkpoint_folder, save_tensors,
+                                  state_dict_for_saving)
     from natsl.eval.convert import _check_target, stored_dtype
 
     folder = resolve_checkpoint_folder(src)
-    _check_target(Path(out), folder)
+    _check_target(Path(out), src, folder)
     model, tokenizer = load_checkpoint(folder)
     recipe = model.recipe
     dtype = dtype or stored_dtype(folder) or torch.float32
@@ -157,7 +156,7 @@ def export_hf(src, out, dtype: torch.dtype | None = None) -> Path:
                   "pad_token_id": config["eos_token_id"], "do_sample": False}
 
     def fill(tmp: Path) -> None:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_tensors(tensors, tmp / "model.safetensors")  # a full disk: one line, not a SafetensorError
         if tokenizer is not None:
             write_tokenizer_files(tmp, tokenizer, recipe.model.max_seq_len)
         if not llama:
@@ -252,7 +251,7 @@ def import_own_hf(src, out, dtype: torch.dtype | None = None, tokenizer_path=Non
     from natsl.models import build_model
 
     folder = Path(src)
-    _check_target(Path(out), folder)
+    _check_target(Path(out), folder, tokenizer_path)
     config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     kind = config.get("model_type")
     if kind == LLAMA:

@@ -10,10 +10,10 @@
         manifest.json           written last: the size and SHA-256 of every file above
 
 Nothing is pickled. The folder is filled in a hidden temporary sibling and renamed into place
-(`natsl.checkpoint.atomic_folder`), so a crash leaves either the whole checkpoint or a
-`.step_*.tmp-*` folder that the next run reports and removes. On resume every file is checked
-against the manifest (size, then SHA-256: a same-size corruption too) and loaded; a damaged
-checkpoint is reported in one line and skipped. Weights holding a non-finite value are never written,
+(`natsl.atomic.atomic_folder`), so a crash leaves either the whole checkpoint or hidden
+`.step_*.tmp-*` (`.new-*`, `.old-*`) folders that the next run reports and puts right. On resume
+every file is checked against the manifest (size, then SHA-256: a same-size corruption too) and
+loaded; a damaged checkpoint is reported in one line and skipped. Weights holding a non-finite value are never written,
 so a diverged run cannot push its last good checkpoints out of keep-last-k.
 """
 
@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from natsl.atomic import recover_folders_in
 from natsl.checkpoint import (MANIFEST_FILE, atomic_folder, checkpoint_recipe, read_config, save_tensors, sha256_file,
                               verify_manifest, write_model_files)
 from natsl.errors import NatslError
@@ -39,7 +40,6 @@ OPTIMIZER_FILE = "optimizer.safetensors"
 RNG_FILE = "rng.safetensors"
 STATE_FILE = "trainer_state.json"
 STEP_RE = re.compile(r"^step_(\d+)$")
-PARTIAL_RE = re.compile(r"^\.step_\d+\.(tmp|old)-")
 
 
 def step_folder(out: Path, step: int) -> Path:
@@ -56,14 +56,9 @@ def list_checkpoints(out: Path) -> list[tuple[int, Path]]:
 
 
 def remove_partial_writes(out: Path, log) -> None:
-    """Delete the temporary folders of checkpoint writes that a crash interrupted (one line each)."""
-    root = Path(out) / CHECKPOINTS
-    if not root.is_dir():
-        return
-    for path in sorted(root.iterdir()):
-        if path.is_dir() and PARTIAL_RE.match(path.name):
-            log(f"removing {path}: an unfinished checkpoint write (the run was killed while saving)")
-            shutil.rmtree(path, ignore_errors=True)
+    """Put right the checkpoint writes that a crash interrupted (natsl.atomic.recover_folder: a step folder
+    caught between its renames is completed or restored, the rest removed; one line each)."""
+    recover_folders_in(Path(out) / CHECKPOINTS, log, what="checkpoint write")
 
 
 def prune(out: Path, keep_last: int, written: int) -> None:
