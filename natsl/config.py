@@ -527,7 +527,7 @@ def recipes_root():
     """The folder of the shipped recipes (a Traversable): an installed wheel's package data natsl/recipes/,
     else the checkout's top-level recipes/ beside the natsl package (editable installs, PYTHONPATH runs)."""
     packaged = resources.files(RECIPES_PACKAGE) / "recipes"
-    if packaged.is_dir():
+    if (packaged / "tiny_hybrid.yaml").is_file():  # not a bare folder left behind by an older checkout
         return packaged
     return Path(__file__).resolve().parent.parent / "recipes"
 
