@@ -35,7 +35,7 @@ import numpy as np
 
 from natsl.errors import NatslError
 from natsl.atomic import write_text as atomic_write_text
-from natsl.files import check_output_folder
+from natsl.files import check_output_folder, read_json
 from natsl.tokenizer import Tokenizer, train_bpe
 from natsl.training.faults import fault_point
 
@@ -126,10 +126,7 @@ def read_meta(folder: Path) -> dict | None:
     path = Path(folder) / META
     if not path.is_file():
         return None
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise NatslError(f"{str(path)!r} is corrupt (not JSON); delete the folder and tokenize again") from None
+    meta = read_json(path, "the file is corrupt: delete the folder and tokenize again")
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise NatslError(f"{str(folder)!r} is not a folder written by `natsl tokenize` (meta.json has another format)")
     return meta
@@ -238,10 +235,9 @@ def _tokenize(source, out: Path, settings: TokenizeSettings, progress: bool, log
     progress_path = out / PROGRESS
     state = None
     if progress_path.is_file():
-        try:
-            state = json.loads(progress_path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise NatslError(f"{str(progress_path)!r} is corrupt; delete {str(out)!r} and run again") from None
+        state = read_json(progress_path, f"the file is corrupt: delete {str(out)!r} and run again")
+        if not isinstance(state, dict):
+            raise NatslError(f"{str(progress_path)!r} is corrupt (not a JSON object); delete {str(out)!r} and run again")
         if state.get("fingerprint") != fingerprint:
             raise NatslError(f"{str(out)!r} holds an unfinished run of other inputs or settings; delete it or "
                              "choose another --out")
