@@ -21,6 +21,7 @@ from natsl import __version__
 from natsl.atomic import atomic_folder  # noqa: F401  (the model-folder writers import it from here)
 from natsl.config import ModelConfig, Recipe, from_dict
 from natsl.errors import NatslError
+from natsl.files import read_json
 
 FORMAT = "natsl"
 FORMAT_VERSION = 1
@@ -105,8 +106,8 @@ def check_replaceable(target) -> None:
     if not {"config.json", "model.safetensors"} <= names:
         raise refuse(f"it has no {'config.json' if 'config.json' not in names else 'model.safetensors'}")
     try:
-        fmt = json.loads((target / "config.json").read_text(encoding="utf-8")).get("format")
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        fmt = read_json(target / "config.json", "").get("format")
+    except (NatslError, AttributeError):
         fmt = None
     if fmt != FORMAT:
         raise refuse("its config.json is not a natsl config")
@@ -136,8 +137,9 @@ def write_model_files(folder: Path, model, recipe: Recipe, tokenizer=None, dtype
     if tokenizer is not None:
         tokenizer.save(folder)
     (folder / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False), encoding="utf-8")
+    saved = recipe.to_dict()
     config = {"format": FORMAT, "format_version": FORMAT_VERSION, "natsl_version": __version__,
-              "recipe": recipe.to_dict(), **(extra_config or {})}
+              "recipe": saved, "model_sha256": model_fingerprint(saved["model"]), **(extra_config or {})}
     if tokenizer is not None:  # how the model's documents were delimited, for evaluation and generation
         config["tokenizer"] = tokenizer.conventions()
     (folder / COMPLETE_MARKER).write_text(json.dumps(config, indent=2), encoding="utf-8")
@@ -153,10 +155,7 @@ def read_config(folder: Path) -> dict:
     if not path.is_file():
         raise NatslError(f"{str(folder)!r} is not a natsl checkpoint (no config.json); "
                          "pass a folder written by `natsl train` or `natsl convert`")
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise NatslError(f"{str(path)!r} is corrupt (not JSON); use another checkpoint") from None
+    config = read_json(path, "the file is corrupt: use another checkpoint")
     if not isinstance(config, dict):
         raise NatslError(f"{str(path)!r} holds {json.dumps(config)[:40]}, not a natsl config (a JSON object): the "
                          "file is damaged; use another checkpoint")
@@ -168,7 +167,45 @@ def read_config(folder: Path) -> dict:
         hint = (f" (model type {kind!r}: import it with `natsl convert --from-hf`)" if kind else "")
         raise NatslError(f"{str(folder)!r} holds a checkpoint of another model type{hint}; natsl reads folders "
                          "written by `natsl train` or `natsl convert`")
+    check_format_version(config.get("format_version"), config.get("natsl_version"), repr(str(path)), "format_version")
     return config
+
+
+def check_format_version(version, written_by, where: str, key: str) -> None:
+    """Refuse a folder whose format this natsl cannot read: a newer one (written by a later natsl, whose
+    version `written_by` the folder records) or a value that is no version at all.
+
+    Args:
+        version: the folder's format version (config.json's `key`).
+        written_by: the natsl version recorded beside it (natsl_version), or None.
+        where: the file, for the error line.
+        key: the key's name in that file.
+    """
+    if isinstance(version, int) and not isinstance(version, bool) and 1 <= version <= FORMAT_VERSION:
+        return
+    if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
+        by = f"natsl {written_by}" if isinstance(written_by, str) else "a newer natsl"
+        raise NatslError(f"{where} has {key} {version}, written by {by}; this natsl ({__version__}) reads up to "
+                         f"{FORMAT_VERSION}: install that natsl or a newer one (pip install -U natsl), or use a "
+                         "folder this version wrote")
+    raise NatslError(f"{where} has {key} {version!r}, not a format version natsl wrote (1 to {FORMAT_VERSION}): "
+                     "the file is damaged; use another checkpoint")
+
+
+def model_fingerprint(model: dict) -> str:
+    """SHA-256 of a recipe's model section as JSON with sorted keys. config.json records it beside the
+    recipe, so that an edit of a value that no weight shape shows (block_size, natsl_rope, the routing
+    options) is refused instead of silently running another model than the one trained."""
+    return hashlib.sha256(json.dumps(model, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def check_fingerprint(as_read: str, recorded, where: str) -> None:
+    """Compare the fingerprint of a model section as read (before complete_model_section fills in later
+    fields) with the one written beside it; folders from before fingerprints (recorded None) pass."""
+    if recorded is not None and recorded != as_read:
+        raise NatslError(f"{where}: the model section differs from the one natsl wrote (its fingerprint "
+                         f"{str(recorded)[:12]}... does not match: a value such as block_size was edited, which no "
+                         "weight shape shows); restore the file, or delete the fingerprint to run the edited model")
 
 
 # Model fields that only training reads, at values that train as checkpoints from before them did (off).
@@ -213,15 +250,19 @@ def checkpoint_recipe(folder: Path, config: dict) -> Recipe:
     if not isinstance(model, dict):
         raise NatslError(f"{path!r} has no recipe with a model section: this is not a complete natsl checkpoint "
                          "config; use a folder written by `natsl train` or `natsl convert`, or fix the file")
+    as_read = model_fingerprint(model)
     complete_model_section(model, repr(path))
     try:
         # Only the model's rules: the train and optim sections do not change the model, and a rule added
         # to them later must not make a saved model unloadable (resuming checks them in full).
         loaded = from_dict(Recipe, recipe)
         loaded.model.validate()
-        return loaded
     except NatslError as err:
-        raise NatslError(f"{path!r}: {err}") from None
+        skew = "" if config.get("natsl_version") in (None, __version__) else \
+            f" (written by natsl {config.get('natsl_version')}, this is natsl {__version__})"
+        raise NatslError(f"{path!r}{skew}: {err}") from None
+    check_fingerprint(as_read, config.get("model_sha256"), repr(path))
+    return loaded
 
 
 def check_state_dict(weights: Path, state: dict, expected: dict, tied: bool) -> None:
@@ -275,12 +316,12 @@ def verify_manifest(folder: Path, hashed=None) -> dict:
     manifest_path = folder / MANIFEST_FILE
     if not manifest_path.is_file():
         raise NatslError(f"{str(folder)!r} is not a complete training checkpoint (no {MANIFEST_FILE})")
+    manifest = read_json(manifest_path, "the checkpoint is corrupt: use another one")
     try:
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
         sizes = manifest["files"]
         hashes = manifest.get("sha256", {})  # the first manifests held sizes only
         sizes.items(), hashes.items()
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
+    except (KeyError, TypeError, AttributeError):
         raise NatslError(f"{str(manifest_path)!r} is corrupt") from None
     for name, size in sizes.items():
         path = folder / name

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from importlib import resources
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -311,6 +312,39 @@ class Recipe:
         return dataclasses.asdict(self)
 
 
+# The default output folders of `natsl train`: runs/NAME. A recipe's name and train.out_dir come from a
+# file, and a name such as `../../x` must not put a run (and its writes) anywhere else.
+RUNS_FOLDER = "runs"
+RUN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]{0,127}")
+
+
+def run_folder(recipe: Recipe) -> Path:
+    """The folder `natsl train` writes to without --out: train.out_dir with {name} replaced by the
+    recipe's name; it must lie inside runs/ (a relative path, no `..`), and the name must be one plain
+    folder name.
+
+    Args:
+        recipe: the validated recipe.
+
+    Returns:
+        The relative path, e.g. runs/tiny_hybrid.
+    """
+    template = recipe.train.out_dir
+    try:
+        folder = template.format(name=recipe.name)
+    except (KeyError, IndexError, ValueError, AttributeError):
+        raise NatslError(f"recipe key 'train.out_dir' = {template!r} may only use the placeholder "
+                         "{name}") from None
+    if "{name}" in template and not RUN_NAME.fullmatch(recipe.name):
+        raise NatslError(f"recipe name {recipe.name!r} cannot name a run folder (letters, digits and _ . + = - only, "
+                         "not starting with a dot, at most 128 characters); set `name:` in the recipe, or pass --out")
+    parts = Path(folder).parts
+    if Path(folder).is_absolute() or ".." in parts or len(parts) < 2 or parts[0] != RUNS_FOLDER or "\\" in folder:
+        raise NatslError(f"recipe key 'train.out_dir' = {template!r} gives {folder!r}, not a folder inside "
+                         f"{RUNS_FOLDER}/ (e.g. {RUNS_FOLDER}/{{name}}); pass --out to train anywhere else")
+    return Path(folder)
+
+
 def _finite(low: float, high: float = math.inf, *, open_low: bool = True) -> tuple:
     """A rule: a finite number above `low` (or from `low`, with open_low=False) and at most `high`."""
     def ok(v):
@@ -501,26 +535,97 @@ def recipe_from_dict(data: Any) -> Recipe:
     return recipe
 
 
-def check_unique_keys(text: str, where: str) -> None:
-    """Refuse a mapping that names a key twice: yaml.safe_load silently keeps the last value, so a
-    recipe with two `lr:` lines would train with whichever came last. Only the node tree is built
-    (yaml.compose constructs no objects)."""
-    root = yaml.compose(text, Loader=yaml.SafeLoader)
-    stack = [root] if root is not None else []
-    while stack:  # a loop, not recursion: a deep file must not exhaust the stack here
-        node = stack.pop()
+# Every YAML file natsl reads (recipes, sweep specs, override values) comes through load_yaml_text.
+# A recipe holds about a hundred values and a sweep spec a few hundred; a document that expands far
+# beyond that through its aliases (*name repeats what &name marked: "billion laughs") would make every
+# later walk over the data -- the duplicate-key check, validation, copies, JSON records -- pay for
+# the expansion, not for the text. Counting is linear: each distinct node is visited once.
+MAX_YAML_VALUES = 100_000
+MAX_YAML_BYTES = 1 << 20  # a recipe or sweep spec is a few KB
+
+
+def load_yaml_text(text: str, what: str) -> Any:
+    """Parse YAML from an untrusted source: safe constructors only (nothing is executed), one document,
+    no key given twice in a mapping, no alias that contains itself, and at most MAX_YAML_VALUES values
+    with every alias counted as a copy of what it names.
+
+    Args:
+        text: the YAML text.
+        what: what it is, starting every error line (e.g. "recipe file 'x.yaml'").
+
+    Returns:
+        The parsed value (None for an empty document).
+    """
+    loader = yaml.SafeLoader(text)
+    try:
+        root = loader.get_single_node()  # the node graph only: an alias is one shared node here
+        if root is None:
+            return None
+        check_yaml_nodes(root, what)
+        return loader.construct_document(root)
+    except yaml.YAMLError as err:
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise NatslError(f"{what} is not valid YAML ({first}); correct it") from None
+    except RecursionError:
+        raise NatslError(f"{what} is nested too deeply (a recipe or sweep spec nests a few levels); "
+                         "correct it") from None
+    finally:
+        loader.dispose()
+
+
+def load_yaml_file(path: str | Path, what: str) -> Any:
+    """load_yaml_text of a file of at most MAX_YAML_BYTES of UTF-8 (natsl.files.read_small_text).
+
+    Args:
+        path: the file.
+        what: what it is, starting every error line (e.g. "sweep spec 'x.yaml'").
+
+    Returns:
+        The parsed value (None for an empty file).
+    """
+    from natsl.files import read_small_text
+
+    return load_yaml_text(read_small_text(path, MAX_YAML_BYTES, "fix the file"), what)
+
+
+def check_yaml_nodes(root: yaml.Node, what: str) -> None:
+    """Refuse a node graph with a key given twice in one mapping (yaml.safe_load would silently keep the
+    last value: a recipe with two `lr:` lines would train with whichever came last), an alias inside what
+    it names, or more than MAX_YAML_VALUES values once expanded. A loop over an explicit stack, each
+    distinct node visited once (its expanded size kept): linear in the text, and a deep file cannot
+    exhaust Python's stack here."""
+    sizes: dict[int, int] = {}  # id(node) -> how many values it expands to
+    path: set[int] = set()  # the nodes being expanded (an alias to one of them contains itself)
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, expanded = stack.pop()
+        children = ([part for pair in node.value for part in pair] if isinstance(node, yaml.MappingNode)
+                    else node.value if isinstance(node, yaml.SequenceNode) else [])
+        if expanded:
+            path.discard(id(node))
+            sizes[id(node)] = 1 + sum(sizes[id(child)] for child in children)
+            if sizes[id(node)] > MAX_YAML_VALUES:
+                raise NatslError(f"{what} expands to more than {MAX_YAML_VALUES} values (each alias *name counts as "
+                                 "a copy of what &name marks); a recipe or sweep spec needs far fewer: write the "
+                                 "values out instead of nesting aliases")
+            continue
+        if id(node) in sizes:
+            continue
+        if id(node) in path:
+            raise NatslError(f"{what} has an alias inside the value it names (line {node.start_mark.line + 1}), "
+                             "an endless value; write the value out")
         if isinstance(node, yaml.MappingNode):
             seen: dict[Any, int] = {}
-            for key, value in node.value:
+            for key, _ in node.value:
                 name = key.value if isinstance(key, yaml.ScalarNode) else None
                 if name is not None and name in seen:
-                    raise NatslError(f"{where} gives key {name!r} twice (lines {seen[name]} and "
+                    raise NatslError(f"{what} gives key {name!r} twice (lines {seen[name]} and "
                                      f"{key.start_mark.line + 1}); keep one")
                 if name is not None:
                     seen[name] = key.start_mark.line + 1
-                stack.append(value)
-        elif isinstance(node, yaml.SequenceNode):
-            stack.extend(node.value)
+        path.add(id(node))
+        stack.append((node, True))
+        stack.extend((child, False) for child in children)
 
 
 def recipes_root():
@@ -556,9 +661,23 @@ def shipped_recipe(name: str):
     return entry if entry.is_file() else None
 
 
-def load_recipe(path: str | Path) -> Recipe:
+# What a recipe without the section (or with an empty one) would silently run: from_dict fills a
+# missing section with its defaults, which are the 800M model and its 50B-token training.
+SECTION_DEFAULTS = {"model": "the 800M default model", "train": "the 800M training run (50B tokens at seq_len 4096)"}
+
+
+def load_recipe(path: str | Path, require: tuple[str, ...] = ("model",)) -> Recipe:
     """Read and validate a recipe: a YAML file, or the name of a shipped one such as `800m_hybrid` or
-    `recall/gdn` (yaml.safe_load; nothing is executed)."""
+    `recall/gdn` (load_yaml_file: safe constructors, bounded aliases; nothing is executed).
+
+    Args:
+        path: the file, or a shipped recipe's name.
+        require: sections that must be present and non-empty (SECTION_DEFAULTS says what each would
+            silently fall back to); `natsl train` needs the train section too.
+
+    Returns:
+        The validated recipe, named after the file when it sets no name.
+    """
     path = Path(path)
     if not path.is_file() and path.suffix == "" and (shipped := shipped_recipe(path.as_posix())) is not None:
         path = shipped
@@ -568,23 +687,30 @@ def load_recipe(path: str | Path) -> Recipe:
     elif not path.is_file():
         raise NatslError(f"recipe file {str(path)!r} does not exist; pass a path to a YAML file or a recipe name "
                          f"({', '.join(recipe_names())})")
-    try:
-        text = path.read_text(encoding="utf-8")
-        check_unique_keys(text, f"recipe file {str(path)!r}")
-        data = yaml.safe_load(text)
-    except (yaml.YAMLError, UnicodeDecodeError) as err:
-        first = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise NatslError(f"recipe file {str(path)!r} is not valid YAML ({first}); fix the file") from None
-    except RecursionError:
-        raise NatslError(f"recipe file {str(path)!r} is nested too deeply to be a recipe (sections hold keys and "
-                         "values, at most a list of numbers); fix the file") from None
-    if data is None:  # from_dict would read it as {}: silently the 800M defaults
-        raise NatslError(f"recipe file {str(path)!r} is empty; a recipe needs at least a model section "
-                         "(see recipes/tiny_hybrid.yaml)")
+    if isinstance(path, Path):
+        data = load_yaml_file(path, f"recipe file {str(path)!r}")
+    else:  # a shipped recipe inside an installed wheel (a Traversable)
+        data = load_yaml_text(path.read_text(encoding="utf-8"), f"recipe file {str(path)!r}")
+    check_sections(data, f"recipe file {str(path)!r}", require)
     recipe = recipe_from_dict(data)
     if recipe.name == "unnamed":
         recipe.name = Path(path.name).stem
     return recipe
+
+
+def check_sections(data: Any, where: str, require: tuple[str, ...]) -> None:
+    """Refuse an empty recipe, or one whose required sections are absent, null or empty (a mapping
+    that is not one is left to recipe_from_dict's message)."""
+    if data is None:  # from_dict would read it as {}: silently the 800M defaults
+        raise NatslError(f"{where} is empty; a recipe needs at least a model section (see recipes/tiny_hybrid.yaml)")
+    if not isinstance(data, dict):
+        return
+    for section in require:
+        if section in data and data[section] is not None and data[section] != {}:
+            continue
+        state = "has no" if section not in data else "has an empty"
+        raise NatslError(f"{where} {state} {section} section, which would silently be {SECTION_DEFAULTS[section]}; "
+                         f"write the {section} section out (see recipes/tiny_hybrid.yaml)")
 
 
 def apply_overrides(recipe: Recipe, overrides: list[str]) -> Recipe:
@@ -601,9 +727,5 @@ def apply_overrides(recipe: Recipe, overrides: list[str]) -> Recipe:
                 raise NatslError(f"override key '{'.'.join(parts[:i + 1])}' is not a recipe section; "
                                  f"sections: {', '.join(k for k, v in data.items() if isinstance(v, dict))}")
             node = node[part]
-        try:
-            node[parts[-1]] = yaml.safe_load(raw)
-        except (yaml.YAMLError, RecursionError):
-            raise NatslError(f"override value {raw[:80]!r} for '{dotted}' is not valid YAML (or nested too "
-                             "deeply)") from None
+        node[parts[-1]] = load_yaml_text(raw, f"override value {raw[:80]!r} for '{dotted}'")
     return recipe_from_dict(data)

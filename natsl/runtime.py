@@ -54,6 +54,22 @@ def check_length(option: str, length: int, limit: int, source) -> None:
         raise NatslError(f"{option} {length} is beyond the max_seq_len {limit} of {source}; lower {option}")
 
 
+def check_keeps_natsl(keep_fraction: float | None, recipe, source, flag: str = "--keep-fraction") -> None:
+    """Refuse --keep-fraction for a model without NAtS-L layers: it forces their kept blocks only, and a
+    report would record a budget that nothing applied.
+
+    Args:
+        keep_fraction: the option's value (None: not given).
+        recipe: the model's recipe (natsl.config.Recipe).
+        source: the checkpoint or recipe, for the error line.
+        flag: the option that asked for it.
+    """
+    if keep_fraction is not None and "natsl" not in recipe.model.layer_types():
+        kinds = ", ".join(sorted(set(recipe.model.layer_types())))
+        raise NatslError(f"{flag} forces the kept blocks of NAtS-L layers, and {str(source)!r} has none "
+                         f"(its layers: {kinds}); drop {flag}")
+
+
 def checkpoint_recipe_of(path):
     """(folder, recipe) of a checkpoint or run folder, read from its config.json without loading weights."""
     from natsl.checkpoint import checkpoint_recipe, read_config, resolve_checkpoint_folder

@@ -92,7 +92,11 @@ def test_missing_and_unexpected_tensors(ckpt, tmp_path):
 
 
 def test_vocab_size_not_matching_the_weights(ckpt, tmp_path):
-    bad = variant(ckpt, tmp_path / "bad", config=lambda d: d["recipe"]["model"].update(vocab_size=1000))
+    def edit(config):  # a folder from before model_sha256, which would refuse any edit first
+        config["recipe"]["model"].update(vocab_size=1000)
+        del config["model_sha256"]
+
+    bad = variant(ckpt, tmp_path / "bad", config=edit)
     assert_one_line_error(run("convert", bad, tmp_path / "out"), "embed.weight", "(1024, 64)", "(1000, 64)")
 
 

@@ -182,7 +182,8 @@ def test_lm_eval_command_finds_natsl_once_installed(ckpt, tmp_path):
     (wheel,) = (tmp_path / "wheel").glob("natsl-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         assert {"natsl-lm-eval.pth", "_natsl_lm_eval.py"} <= set(archive.namelist())
-        entry_points = archive.read("natsl-0.1.0.dist-info/entry_points.txt").decode()
+        # the wheel's version is natsl.__version__ (pyproject.toml reads it)
+        entry_points = archive.read(f"natsl-{natsl.__version__}.dist-info/entry_points.txt").decode()
     assert "[lm_eval.models]\nnatsl = natsl.eval.lm_eval_adapter:NatslLM" in entry_points
 
     # A venv that sees this environment's packages (lm-eval, torch) behind its own site-packages.

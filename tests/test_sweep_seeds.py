@@ -23,8 +23,10 @@ BASE = ("systems: {gdn: recall/gdn, natsl_hybrid: recall/natsl_hybrid}\nwidths: 
 
 
 def _spec(tmp_path, text: str, name: str = "s.yaml") -> Path:
+    """BASE with `text` added; a top-level key that `text` gives replaces BASE's (specs refuse a key given twice)."""
+    given = {line.split(":")[0] for line in text.splitlines() if line and not line[0].isspace()}
     path = tmp_path / name
-    path.write_text(BASE + text)
+    path.write_text("".join(line + "\n" for line in BASE.splitlines() if line.split(":")[0] not in given) + text)
     return path
 
 

@@ -39,7 +39,8 @@ def bench_latency(
 ) -> None:
     """Measure latency for recipes (default: the 800M NAtS-L Hybrid, Transformer, GDN and Mamba2) or checkpoints."""
     import natsl
-    from natsl.runtime import check_length, checkpoint_recipe_of, pick_backend, pick_device, pick_dtype
+    from natsl.runtime import (check_keeps_natsl, check_length, checkpoint_recipe_of, pick_backend, pick_device,
+                               pick_dtype)
     from natsl.files import check_output
     from natsl.inference import bench
     from natsl.seeding import check_seed
@@ -66,10 +67,15 @@ def bench_latency(
     if not recipes and not checkpoint:
         recipes = list(bench.DEFAULT_RECIPES)
     for path in recipes:
-        limits.append((path, natsl.load_recipe(path).model.max_seq_len))  # validates the recipe now
-        specs.append(bench.BenchModel("recipe", path, keep_fraction))
+        rec = natsl.load_recipe(path)  # validates the recipe now
+        limits.append((path, rec.model.max_seq_len))
+        # the fraction is forced on NAtS-L layers only: a model without them records none
+        specs.append(bench.BenchModel("recipe", path, keep_fraction if "natsl" in rec.model.layer_types() else None))
     for path in checkpoint or []:
-        limits.append((path, checkpoint_recipe_of(path)[1].model.max_seq_len))
+        folder, rec = checkpoint_recipe_of(path)
+        limits.append((path, rec.model.max_seq_len))
+        if force_keep:  # asked for by name: a checkpoint it cannot apply to is refused
+            check_keeps_natsl(keep_fraction, rec, folder, "--force-keep")
         specs.append(bench.BenchModel("checkpoint", path, keep_fraction if force_keep else None))
     for path, limit in limits:
         check_length("--max-len", max_len, limit, path)

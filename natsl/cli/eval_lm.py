@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import typer
@@ -32,6 +33,7 @@ def eval_lm(
     from natsl.errors import NatslError
     from natsl.eval.lm_eval_run import run_tasks
     from natsl.files import check_output
+    from natsl.runtime import check_length, checkpoint_recipe_of
 
     check_output(out, [checkpoint, include_path], "--out")
     names = [t.strip() for t in tasks.split(",") if t.strip()]
@@ -39,11 +41,23 @@ def eval_lm(
         raise NatslError("--tasks names no task; pass e.g. --tasks hellaswag,arc_easy")
     if batch_size < 1:
         raise NatslError(f"--batch-size must be at least 1, got {batch_size}")
-    if limit is not None and limit >= 1:
-        limit = int(limit)
+    if limit is not None:
+        # lm-eval reads a limit below 1 as a fraction of each task's documents and any other as a count
+        # (int(limit): 1.5 would silently be 1; 0 and negatives fail inside it)
+        whole = math.isfinite(limit) and limit >= 1 and limit == int(limit)
+        if not (whole or 0 < limit < 1):
+            raise NatslError(f"--limit {limit:g} is neither a whole number of documents (1, 2, ...) nor a fraction "
+                             "of them between 0 and 1; pass e.g. --limit 100 or --limit 0.1")
+        limit = int(limit) if whole else limit
+    if num_fewshot is not None and num_fewshot < 0:
+        raise NatslError(f"--num-fewshot must be 0 or more examples, got {num_fewshot}")
     use_threads(threads, device)
     args = {"device": device, "dtype": dtype, "backend": backend, "add_bos": add_bos}
     if max_length is not None:
+        if max_length < 1:
+            raise NatslError(f"--max-length must be at least 1 token, got {max_length}")
+        folder, recipe = checkpoint_recipe_of(checkpoint)  # config.json only: refuse before loading
+        check_length("--max-length", max_length, recipe.model.max_seq_len, folder)
         args["max_length"] = max_length
     report = run_tasks(checkpoint, names, out, include_path=include_path, num_fewshot=num_fewshot, limit=limit,
                        batch_size=batch_size, model_args=args)

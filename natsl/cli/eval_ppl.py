@@ -39,7 +39,7 @@ def eval_ppl(
 
     from natsl.atomic import write_json
     from natsl.checkpoint import checkpoint_tokenizer, read_config
-    from natsl.runtime import check_length, checkpoint_recipe_of, on_cuda
+    from natsl.runtime import check_keeps_natsl, check_length, checkpoint_recipe_of, on_cuda
     from natsl.errors import NatslError
     from natsl.eval.common import human_count, load_eval_model, prepare_out_dir, print_estimate
     from natsl.eval.data import check_vocab, load_token_data, windows as make_windows
@@ -60,6 +60,7 @@ def eval_ppl(
         raise NatslError(f"--max-len must be at least 2, got {max_len}")
     for folder, r in recipes:
         check_length("--max-len", max_len, r.model.max_seq_len, folder)
+        check_keeps_natsl(keep_fraction, r, folder)
     if bucket is None:
         bucket = max(1, max_len // 32)
     if bucket < 1:

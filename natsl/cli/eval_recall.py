@@ -24,6 +24,7 @@ def run_eval_recall(checkpoint: str, task: Optional[str] = None, lengths: Option
     from natsl.eval.recall import evaluate_recall, format_table, plot_recall, recall_grid
     from natsl.files import check_output
     from natsl.models.routing import force_keep_fraction
+    from natsl.runtime import check_keeps_natsl, checkpoint_recipe_of
 
     check_output(out, [checkpoint], "--out")
     if samples < 1 or batch_size < 1:
@@ -31,6 +32,9 @@ def run_eval_recall(checkpoint: str, task: Optional[str] = None, lengths: Option
     if keep_fraction is not None and not 0.0 <= keep_fraction <= 1.0:
         raise NatslError(f"--keep-fraction must lie in [0, 1], got {keep_fraction}")
     use_threads(threads, device, say=not quiet)
+    if keep_fraction is not None:  # config.json only: refuse before loading
+        folder, recipe = checkpoint_recipe_of(checkpoint)
+        check_keeps_natsl(keep_fraction, recipe, folder)
     out_dir = prepare_out_dir(out)
     em = load_eval_model(checkpoint, device, dtype, backend)
     spec, points = recall_grid(em, task, parse_lengths(lengths) if lengths else None,

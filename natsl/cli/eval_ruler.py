@@ -58,7 +58,7 @@ def eval_ruler(
     from pathlib import Path
 
     from natsl.atomic import write_json, write_jsonl
-    from natsl.runtime import check_length, checkpoint_recipe_of, on_cuda
+    from natsl.runtime import check_keeps_natsl, check_length, checkpoint_recipe_of, on_cuda
     from natsl.errors import NatslError
     from natsl.eval.common import human_count, load_eval_model, prepare_out_dir, print_estimate
     from natsl.eval.haystack import EssaySentences, split_sentences
@@ -72,6 +72,7 @@ def eval_ruler(
         raise NatslError(f"--keep-fraction must lie in [0, 1], got {keep_fraction}")
     check_seed(seed, "--seed")
     folder, recipe = checkpoint_recipe_of(checkpoint)  # config.json only: refuse before loading
+    check_keeps_natsl(keep_fraction, recipe, folder)
     limit = recipe.model.max_seq_len
     if lengths is None:
         base = max(recipe.train.seq_len, 1024)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -12,6 +11,7 @@ import typer
 from natsl.cli.app import command
 from natsl.cli.options import threads_option, use_threads
 from natsl.errors import NatslError, NonFiniteError
+from natsl.files import parse_json
 
 
 def read_prompts(prompt: str | None, prompt_file: str | None) -> list[str]:
@@ -38,10 +38,7 @@ def read_prompts(prompt: str | None, prompt_file: str | None) -> list[str]:
     for number, line in enumerate(raw.splitlines(), start=1):
         if not line.strip():
             continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise NatslError(f"{path}:{number} is not valid JSON ({err.msg}); write one object per line") from None
+        record = parse_json(line, f"{path}:{number}", "write one object per line")
         text = record.get("prompt", record.get("text")) if isinstance(record, dict) else None
         if not isinstance(text, str) or not text:
             raise NatslError(f"{path}:{number} has no non-empty string field 'prompt' or 'text'")

@@ -53,7 +53,7 @@ def train(
         key, _, value = item.partition("=")
         if given.setdefault(key.strip(), value) != value:
             raise NatslError(f"override '{key.strip()}' is given twice with different values; give it once")
-    rec = load_recipe(recipe)
+    rec = load_recipe(recipe, require=("model", "train"))  # no silent 800M defaults
     if overrides:
         rec = apply_overrides(rec, overrides)
     pick_backend(backend, pick_device(device))  # reject a bad --device / --backend before any work

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from natsl.errors import NatslError
+from natsl.files import read_json
 
 TOKEN_DTYPES = ("uint16", "uint32")  # what `natsl tokenize` writes, and all that a reader takes
 RETOKENIZE = "tokenize the data again with `natsl tokenize`"
@@ -49,10 +50,7 @@ def read_json_object(path: Path, fix: str = RETOKENIZE) -> dict:
     Returns:
         The parsed object.
     """
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
-        raise NatslError(f"{str(path)!r} is corrupt (not JSON); {fix}") from None
+    data = read_json(path, f"the file is corrupt: {fix}")
     if not isinstance(data, dict):
         raise NatslError(f"{str(path)!r} is not a JSON object; {fix}")
     return data

@@ -9,7 +9,6 @@ Text must be UTF-8: anything else is refused with one line that names the file a
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Iterator
 from urllib.parse import urlparse
 
 from natsl.errors import NatslError
+from natsl.files import parse_json
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
 TXT_DOCS = ("file", "paragraph", "line")
@@ -104,11 +104,7 @@ def _read_jsonl(path: Path, field: str) -> Iterator[tuple[str, int]]:
         if not line.strip():
             yield "", len(raw)
             continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise NatslError(f"{str(path)!r} line {number} is not valid JSON ({err.msg}); "
-                             "a .jsonl file holds one JSON object per line") from None
+        record = parse_json(line, f"{str(path)!r} line {number}", "a .jsonl file holds one JSON object per line")
         if not isinstance(record, dict):
             raise NatslError(f"{str(path)!r} line {number} is not a JSON object; expected {{\"{field}\": \"...\"}}")
         yield _text_of(record.get(field), f"{str(path)!r} line {number}", field), len(raw)

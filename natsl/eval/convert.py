@@ -11,13 +11,13 @@ refused rather than unpickled. The full name mapping and what it assumes is in d
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import torch
 
 from natsl.errors import NatslError
+from natsl.files import read_json
 
 HF_MODEL_TYPE = "neural_attention_search_linear_attn_gdn"
 # The authors' NAtS-L on Mamba2 (src/nats/models/natsl_attn_mamba2): hf_mamba2_recipe.
@@ -73,10 +73,7 @@ def read_hf_config(folder: Path) -> dict:
     path = folder / "config.json"
     if not path.is_file():
         raise NatslError(f"{str(folder)!r} has no config.json; pass the folder of a Hugging Face checkpoint")
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise NatslError(f"{str(path)!r} is not valid JSON") from None
+    config = read_json(path, "fix the file or download the checkpoint again")
     kind = config.get("model_type") if isinstance(config, dict) else None
     if kind not in (HF_MODEL_TYPE, HF_MAMBA2_MODEL_TYPE):
         if isinstance(config, dict) and config.get("format") == "natsl":
@@ -104,8 +101,8 @@ def read_hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
     where = f"the folder {str(folder)!r}"
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+            weight_map = read_json(index, "fix the file or download the checkpoint again")["weight_map"]
+        except (KeyError, TypeError):
             raise NatslError(f"{str(index)!r} is not a valid safetensors index") from None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise NatslError(f"{str(index)!r} is not a valid safetensors index (its weight_map must map tensor "
@@ -415,8 +412,8 @@ def import_hf(src, out, dtype: torch.dtype | None = None, tokenizer_path=None) -
 def _hf_adds_bos(folder: Path) -> bool:
     path = folder / "tokenizer_config.json"
     try:
-        return json.loads(path.read_text(encoding="utf-8")).get("add_bos_token") is True
-    except (OSError, ValueError, AttributeError):  # absent or not a JSON object: nothing said
+        return read_json(path, "").get("add_bos_token") is True
+    except (OSError, NatslError, AttributeError):  # absent, unreadable or not a JSON object: nothing said
         return False
 
 

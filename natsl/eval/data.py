@@ -7,13 +7,13 @@ whose tokenizer differs would score the wrong symbols, so that is refused with o
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from natsl.errors import NatslError
+from natsl.files import parse_json
 
 TEXT_SUFFIXES = (".txt", ".text", ".md")
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
@@ -52,11 +52,8 @@ def read_text_documents(path: Path, text_key: str = "text") -> list[str]:
             for number, line in enumerate(fh, 1):
                 if not line.strip():
                     continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    raise NatslError(f"{str(path)!r} line {number} is not JSON; each line must be an object "
-                                     f"with a {text_key!r} field") from None
+                row = parse_json(line, f"{str(path)!r} line {number}",
+                                 f"each line must be an object with a {text_key!r} field")
                 if isinstance(row, str):
                     docs.append(row)
                 elif isinstance(row, dict) and isinstance(row.get(text_key), str):

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from natsl.errors import NatslError
+from natsl.files import read_json
 
 LLAMA = "llama"
 NATSL = "natsl"
@@ -151,7 +152,7 @@ def export_hf(src, out, dtype: torch.dtype | None = None) -> Path:
     state = state_dict_for_saving(model.state_dict(), dtype)
     tensors = {names[k]: v for k, v in state.items()}
     config = llama_config(recipe, tokenizer) if llama else natsl_config(recipe, tokenizer)
-    config.update(dtype=DTYPE_NAMES.get(dtype, "float32"), natsl_recipe=recipe.to_dict())
+    config.update(dtype=DTYPE_NAMES.get(dtype, "float32"), **export_record(recipe))
     generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
                   "pad_token_id": config["eos_token_id"], "do_sample": False}
 
@@ -167,13 +168,43 @@ def export_hf(src, out, dtype: torch.dtype | None = None) -> Path:
     return atomic_folder(Path(out), fill)
 
 
+def export_record(recipe) -> dict:
+    """What an export's config.json says about natsl: the recipe, the natsl version that wrote it (the
+    remote code names it when the installed natsl cannot run the folder), the format of the recipe (a
+    checkpoint's format_version) and the fingerprint of its model section (natsl.checkpoint.model_fingerprint)."""
+    from natsl import __version__
+    from natsl.checkpoint import FORMAT_VERSION, model_fingerprint
+
+    saved = recipe.to_dict()
+    return {"natsl_recipe": saved, "natsl_version": __version__, "natsl_format_version": FORMAT_VERSION,
+            "natsl_model_sha256": model_fingerprint(saved["model"])}
+
+
+def check_export_record(config: dict, where: str) -> None:
+    """Refuse an export whose natsl_format_version this natsl cannot read, or whose natsl_recipe model
+    section was edited after export (exports from before these keys pass).
+
+    Args:
+        config: the export's config.json (a transformers config's to_dict() in the remote code).
+        where: the file, for the error line.
+    """
+    from natsl.checkpoint import check_fingerprint, check_format_version, model_fingerprint
+
+    if config.get("natsl_format_version") is not None:
+        check_format_version(config["natsl_format_version"], config.get("natsl_version"), where, "natsl_format_version")
+    recipe = config.get("natsl_recipe")
+    model = recipe.get("model") if isinstance(recipe, dict) else None
+    if isinstance(model, dict):
+        check_fingerprint(model_fingerprint(model), config.get("natsl_model_sha256"), f"{where}'s natsl_recipe")
+
+
 # ----------------------------------------------------------------------------- import
 
 def hf_model_type(folder: Path) -> str | None:
     """The `model_type` of a Hugging Face folder's config.json (None when there is none to read)."""
     try:
-        config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        config = read_json(Path(folder) / "config.json", "")
+    except (OSError, NatslError):
         return None
     return config.get("model_type") if isinstance(config, dict) else None
 
@@ -252,7 +283,8 @@ def import_own_hf(src, out, dtype: torch.dtype | None = None, tokenizer_path=Non
 
     folder = Path(src)
     _check_target(Path(out), folder, tokenizer_path)
-    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    config = read_json(folder / "config.json", "fix the file or export the checkpoint again")
+    check_export_record(config, repr(str(folder / "config.json")))
     kind = config.get("model_type")
     if kind == LLAMA:
         recipe = recipe_from_llama(config, name=f"hf-{folder.resolve().name}")

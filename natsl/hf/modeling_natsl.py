@@ -4,7 +4,10 @@
 `natsl convert CKPT OUT --to hf` copies this file into OUT and names it in config.json's `auto_map`,
 so `AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)` builds `NatslForCausalLM`.
 The file holds no model code of its own: it imports the installed natsl (`pip install natsl`) and
-runs natsl's layers, kernels and cache, so its logits and `generate()` are natsl's.
+runs natsl's layers, kernels and cache, so its logits and `generate()` are natsl's. config.json
+records the natsl that exported it (`natsl_version`); where the installed natsl lacks a name this file
+imports, the ImportError says which natsl to install (or to re-export), and a different version that
+runs is named in a warning.
 
 Generation: `generate()` keeps a natsl cache (not a transformers `Cache`) sized for the call. Each
 prompt is prefilled alone into its row of the cache (left padding, as `tokenizer.padding_side =
@@ -16,14 +19,46 @@ tokens, and sampling on the CPU too when the global seed (`torch.manual_seed(see
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 from transformers import GenerationMixin, PreTrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutput
+from transformers.utils import logging
 
 # Prompt tokens per prefill call on the CPU, as natsl.inference.generate (quadratic memory otherwise).
 CPU_PREFILL_CHUNK = 2048
+# The natsl keys of an export's config.json (natsl.hf.export.export_record).
+EXPORT_KEYS = ("natsl_recipe", "natsl_version", "natsl_format_version", "natsl_model_sha256")
+
+logger = logging.get_logger(__name__)
+
+
+def version_skew(config) -> str | None:
+    """What to do when the installed natsl is not the one that exported the folder (None: the same)."""
+    exported = getattr(config, "natsl_version", None)
+    try:
+        from natsl import __version__ as installed
+    except ImportError:
+        installed = "not installed"
+    if exported == installed:
+        return None
+    if exported is None:
+        return (f"this folder was exported by a natsl that did not record its version; installed natsl is {installed}; "
+                "install the natsl that exported it, or re-export the checkpoint with `natsl convert CKPT OUT --to hf`")
+    return (f"this folder was exported by natsl {exported}; installed natsl is {installed}; install natsl {exported} "
+            f"(pip install natsl=={exported}) or re-export the checkpoint with `natsl convert CKPT OUT --to hf`")
+
+
+@contextlib.contextmanager
+def installed_natsl(config):
+    """Around every import of natsl: a name the installed natsl lacks (an older or newer one than the
+    exporting natsl) becomes an ImportError that names both versions and the fix."""
+    try:
+        yield
+    except ImportError as err:
+        raise ImportError(f"{version_skew(config) or 'natsl cannot run this folder'} ({err})") from err
 
 
 class NatslConfig(PreTrainedConfig):
@@ -47,9 +82,19 @@ class NatslConfig(PreTrainedConfig):
     def natsl_model_config(self):
         """The natsl ModelConfig; an export older than a model field gets the value that reproduces its
         model (older exports lack the Mamba2 fields and attn_window), any other missing field is refused."""
-        from natsl.hf.export import exported_recipe
+        with installed_natsl(self):
+            from natsl.errors import NatslError
+            from natsl.hf.export import check_export_record, exported_recipe
 
-        return exported_recipe(self.natsl_recipe).model
+        skew = version_skew(self)
+        try:
+            check_export_record({key: getattr(self, key, None) for key in EXPORT_KEYS}, "config.json")
+            model = exported_recipe(self.natsl_recipe).model
+        except NatslError as err:  # e.g. a model key of a newer natsl
+            raise NatslError(f"{err}; {skew}" if skew else str(err)) from None
+        if skew:
+            logger.warning(f"{skew}; running it as this natsl reads it")
+        return model
 
 
 @dataclass
@@ -70,7 +115,8 @@ class NatslForCausalLM(PreTrainedModel, GenerationMixin):
 
     def __init__(self, config: NatslConfig):
         super().__init__(config)
-        from natsl.models import build_model
+        with installed_natsl(config):
+            from natsl.models import build_model
 
         self.model = build_model(config.natsl_model_config())
         self.post_init()
@@ -138,7 +184,8 @@ class NatslForCausalLM(PreTrainedModel, GenerationMixin):
         return inputs
 
     def _generation_step(self, input_ids, attention_mask, state: _GenerationState) -> torch.Tensor:
-        from natsl.inference.decode import DecodeRunner
+        with installed_natsl(self.config):
+            from natsl.inference.decode import DecodeRunner
 
         if state.cache is None:  # the prompts: each into its own row, as natsl.inference.generate
             rows = _unpadded_rows(input_ids, attention_mask)

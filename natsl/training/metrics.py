@@ -25,8 +25,8 @@ class MetricsLog:
         for line in self.path.read_text(encoding="utf-8").splitlines():
             try:
                 out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line cut short by a crash
+            except (ValueError, RecursionError):
+                continue  # a line cut short by a crash (or not natsl's)
         return out
 
     def truncate(self, last_step: int) -> None:

@@ -32,6 +32,7 @@ from natsl.atomic import recover_folders_in
 from natsl.checkpoint import (MANIFEST_FILE, atomic_folder, checkpoint_recipe, read_config, save_tensors, sha256_file,
                               verify_manifest, write_model_files)
 from natsl.errors import NatslError
+from natsl.files import read_json
 from natsl.training.faults import fault_point
 
 CHECKPOINTS = "checkpoints"
@@ -101,7 +102,7 @@ def set_aside_later(out: Path, step: int, metrics_name: str = "metrics.jsonl") -
 def _record_step(line: str) -> int:
     try:
         return int(json.loads(line).get("step", 0))
-    except (json.JSONDecodeError, AttributeError, TypeError, ValueError):
+    except (AttributeError, TypeError, ValueError, RecursionError):  # a line cut short, or not natsl's
         return 0
 
 
@@ -204,11 +205,11 @@ def load_training_checkpoint(folder: Path) -> LoadedCheckpoint:
         if name not in sizes:
             raise NatslError(f"{str(folder)!r} is incomplete: the manifest lists no {name}")
     recipe = checkpoint_recipe(folder, read_config(folder))  # resuming compares its model with the new recipe's
+    state = read_json(folder / STATE_FILE, "the checkpoint is corrupt: use another one")
     try:
-        state = json.loads((folder / STATE_FILE).read_text(encoding="utf-8"))
         for key in ("step", "tokens_seen", "samples_seen", "optimizer_groups"):
             state[key]
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+    except (KeyError, TypeError):
         raise NatslError(f"{str(folder / STATE_FILE)!r} is corrupt or incomplete") from None
     loaded = {}
     for name in ("model.safetensors", OPTIMIZER_FILE, RNG_FILE):

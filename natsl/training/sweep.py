@@ -84,8 +84,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-import yaml
-
 from natsl.errors import NatslError
 
 SCALED = ("hidden_size", "intermediate_size", "head_k_dim", "head_v_dim", "attn_head_dim")
@@ -163,15 +161,12 @@ def compile_settings(spec_compile, device: Optional[str]) -> tuple[bool, list[st
 def load_spec(path: str | Path, out: str | Path, max_parallel: Optional[int] = None,
               deadline_s: Optional[float] = None, device: Optional[str] = None) -> Sweep:
     """Read and check a sweep spec; expand it into runs (every recipe loads and validates here)."""
-    from natsl.config import apply_overrides, load_recipe
+    from natsl.config import apply_overrides, load_recipe, load_yaml_file
 
     path = Path(path)
     if not path.is_file():
         raise NatslError(f"sweep spec {str(path)!r} does not exist; pass a file such as recipes/recall/sweep_cpu.yaml")
-    try:
-        spec = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as err:
-        raise _spec_error(path, f"not valid YAML ({str(err).splitlines()[0]}); fix the file") from None
+    spec = load_yaml_file(path, f"sweep spec {str(path)!r}")  # bounded aliases, no key twice
     if not isinstance(spec, dict):
         raise _spec_error(path, "must be a mapping with systems, widths, lrs, tasks")
     if "seed" in spec:

@@ -30,7 +30,7 @@ import yaml
 
 from natsl import __version__, switches
 from natsl import checkpoint as C
-from natsl.config import Recipe
+from natsl.config import Recipe, run_folder
 from natsl.errors import NatslError
 from natsl.fast import op_check
 from natsl.data.tasks import IGNORE, TaskData, answer_hits, is_task
@@ -133,11 +133,7 @@ def missing_data(recipe: Recipe) -> NatslError:
 def _out_dir(recipe: Recipe, options: TrainOptions) -> Path:
     if options.out_dir:
         return Path(options.out_dir)
-    try:
-        return Path(recipe.train.out_dir.format(name=recipe.name))
-    except (KeyError, IndexError, ValueError):
-        raise NatslError(f"recipe key 'train.out_dir' = {recipe.train.out_dir!r} may only use the placeholder "
-                         "{name}") from None
+    return run_folder(recipe)  # inside runs/, whatever the recipe's name and train.out_dir say
 
 
 @contextlib.contextmanager
