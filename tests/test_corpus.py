@@ -92,6 +92,14 @@ def test_globs_and_include_choose_the_files(tmp_path):
     # a pattern naming files takes them whatever their suffix; one matching nothing is refused
     md = [p.name for _, p in expand_inputs([f"{tmp_path}/share/**/*.md"])]
     assert md == [f"README{i}.md" for i in range(8)]
+    # `**` names folders and the files in them: each file is read once, if --include chooses it
+    every = [p.relative_to(tmp_path).as_posix() for _, p in expand_inputs([f"{tmp_path}/share/**"], ["*.md"])]
+    assert every == [f"share/doc/tool/README{i}.md" for i in range(8)]
+    every = [p.relative_to(tmp_path).as_posix() for _, p in expand_inputs([f"{tmp_path}/share/**"])]
+    assert every == [f"share/doc/tool/README{i}.md" for i in range(8)] + ["share/man/man1/ls.1.gz"]
+    # a file whose name looks like a pattern is itself
+    (tmp_path / "[draft].txt").write_text("draft")
+    assert [p.name for _, p in expand_inputs([str(tmp_path / "[draft].txt")])] == ["[draft].txt"]
     with pytest.raises(NatslError, match="nowhere.*no file that counts"):
         expand_inputs([f"{tmp_path}/nowhere*/x"])
     with pytest.raises(NatslError, match="does not exist"):

@@ -26,8 +26,8 @@ def tokenize(
     text_field: str = typer.Option("text", help="Field (.jsonl, Hub) or column (.parquet) holding the text."),
     txt_docs: str = typer.Option("file", help="What a document is in a .txt file: file, paragraph or line."),
     include: Optional[List[str]] = typer.Option(None, "--include", help="File-name pattern of the files that count "
-                                                "inside folders (repeatable, e.g. --include '*.py' --include '*.gz'; "
-                                                "default *.txt, *.jsonl, *.parquet). A file that is not .jsonl or "
+                                                "in folders and among a glob's matches (repeatable, e.g. --include "
+                                                "'*.py' --include '*.gz'; default in folders *.txt, *.jsonl, *.parquet). A file that is not .jsonl or "
                                                 ".parquet is one plain-text document; a .gz one is decompressed."),
     skip_bad_files: bool = typer.Option(False, "--skip-bad-files", help="Leave out (and count) files that are not "
                                         "UTF-8, binary, unreadable or larger than --max-file-bytes, instead of "

@@ -2,9 +2,9 @@
 
 An input is a file, a folder (searched recursively, hidden entries left out) or a glob pattern
 (expanded by natsl with `glob.glob(recursive=True)`, so a quoted pattern means the same on every
-shell). A file that is named, or that a pattern names, is read whatever its name; inside a folder
-only the files whose names match an `--include` pattern (fnmatch; default `*.txt`, `*.jsonl`,
-`*.parquet`) count. `.jsonl` and `.parquet` files hold records (the `--text-field`); a `.txt` file is
+shell). A file that is named is read whatever its name; of the files a pattern matches, those
+that match an `--include` pattern (fnmatch on the name) count, or all when no --include is given;
+inside a folder, those that match an `--include` pattern (default `*.txt`, `*.jsonl`, `*.parquet`). `.jsonl` and `.parquet` files hold records (the `--text-field`); a `.txt` file is
 split by `--txt-docs`; any other file is one plain-text document, and a `.gz` file is that document
 compressed (a man page, a changelog), decompressed in memory up to a bound.
 
@@ -86,33 +86,39 @@ def _folder_files(folder: Path, include: tuple[str, ...]) -> list[Path]:
 def expand_inputs(inputs: list[str], include=None) -> list[tuple[int, Path]]:
     """Files, folders and glob patterns -> (input index, file) pairs in reading order.
 
-    A path that does not exist is an error; a pattern that matches nothing, or a folder without a file that
-    counts, only when no input has one (see `empty_inputs`: one command serves hosts that lack some folders).
+    A file named by its path always counts; a file that a pattern matches counts when it matches an
+    --include pattern, or always when none is given; a folder's files when they match one (default
+    DEFAULT_INCLUDE). A path that does not exist is an error; a pattern that matches nothing, or a
+    folder without a file that counts, only when no input gives a file (`empty_inputs` names them:
+    one command serves hosts that lack some folders).
 
     Args:
         inputs: the command's input arguments.
-        include: fnmatch patterns choosing the files inside folders (default DEFAULT_INCLUDE).
+        include: the --include patterns (None or empty: none given).
     Returns:
         Every file once per input that names it, in input order; a folder's files sorted by relative path,
         a pattern's matches sorted.
     """
+    chosen = bool(include)  # --include given: it chooses among what patterns match too
     include = check_include(include)
     files: list[tuple[int, Path]] = []
     for index, item in enumerate(inputs):
-        matches = [Path(p) for p in sorted(glob.glob(item, recursive=True))] if has_glob(item) else [Path(item)]
+        pattern = has_glob(item) and not Path(item).exists()  # a file named `[draft].txt` is itself
+        matches = [Path(p) for p in sorted(glob.glob(item, recursive=True))] if pattern else [Path(item)]
+        found: dict[Path, None] = {}  # `dir/**` names folders and the files in them: each file once per input
         for path in matches:
             if path.is_dir():
-                files.extend((index, p) for p in _folder_files(path, include))
-            elif path.is_file():
-                files.append((index, path))
-            elif not has_glob(item):
+                found.update(dict.fromkeys(_folder_files(path, include)))
+            elif path.is_file() and (not pattern or not chosen or include_of(path.name, include) != OTHER):
+                found[path] = None
+            elif not pattern:
                 raise NatslError(f"input {item!r} does not exist; pass files, folders, quoted glob patterns, "
                                  "or a Hugging Face dataset name")
+        files.extend((index, path) for path in found)
     if not files:
         where = "an --include pattern" if include != DEFAULT_INCLUDE else ".txt, .jsonl or .parquet"
         raise NatslError(f"{', '.join(repr(i) for i in inputs)} hold(s) no file that counts ({where}); point at the "
-                         "data files, or name the files to read with --include PATTERN (a pattern that matches "
-                         "nothing is left as it is: quote it, natsl expands it)")
+                         "data files, or name the files to read with --include PATTERN")
     return files
 
 
