@@ -54,7 +54,16 @@ class Tokenizer:
         return self.inner.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.inner.encode_batch(texts, add_special_tokens=False)]
+        """Token ids of many texts, encoded on all cores (the `tokenizers` library's threads).
+
+        Args:
+            texts: the texts.
+        Returns:
+            One id list per text, as `encode` gives.
+        """
+        # encode_batch_fast skips the character offsets nobody here reads (tokenizers >= 0.21)
+        encode = getattr(self.inner, "encode_batch_fast", self.inner.encode_batch)
+        return [e.ids for e in encode(texts, add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.inner.decode(list(ids), skip_special_tokens=False)

@@ -1,4 +1,4 @@
-"""Assertions shared by the CLI tests."""
+"""Assertions and fault helpers shared by the CLI tests."""
 
 
 def assert_one_line_error(result, *fragments):
@@ -10,3 +10,17 @@ def assert_one_line_error(result, *fragments):
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     for fragment in fragments:
         assert fragment in lines[0], lines[0]
+
+
+def kill_after_commit(monkeypatch, module, commit: int) -> type:
+    """Make `natsl tokenize` (`module`: natsl.data.tokenize) raise the returned exception right after its
+    `commit`-th committed chunk, where NATSL_FAULT=kill_after_commit:N would SIGKILL it."""
+    class Killed(Exception):
+        pass
+
+    def die(name, value):
+        if name == "kill_after_commit" and value == commit:
+            raise Killed
+
+    monkeypatch.setattr(module, "fault_point", die)
+    return Killed

@@ -16,6 +16,8 @@ from natsl.data import TokenData
 from natsl.data.sources import FileSource, open_source
 from natsl.errors import NatslError
 
+from cli_checks import kill_after_commit
+
 DOCS_TXT = ["Première ligne, avec des accents: é à ü.\nSecond line of the same file.\n\n漢字 and emoji 🙂 too."]
 DOCS_JSONL = [f"record {i}: the quick brown fox jumps over the lazy dog {i * 7}" for i in range(9)]
 DOCS_PARQUET = [f"row {i}\twith a tab and a newline\nand <b>markup</b> number {i ** 3}" for i in range(6)]
@@ -91,16 +93,8 @@ def test_rerun_does_nothing_and_a_killed_run_resumes(tmp_path, monkeypatch):
         T.tokenize_corpus(src(), tmp_path / "clean", settings(val_fraction=0.5), progress=False, log=lambda *_: None)
 
     # A run that dies after its second commit leaves .progress.json and no meta.json ...
-    class Killed(Exception):
-        pass
-
-    def die(name, value):
-        if name == "kill_after_commit" and value == 2:
-            raise Killed
-
-    monkeypatch.setattr(T, "fault_point", die)
     small = dict(batch_docs=2, commit_tokens=1)
-    with pytest.raises(Killed):
+    with pytest.raises(kill_after_commit(monkeypatch, T, 2)):
         T.tokenize_corpus(src(), tmp_path / "part", settings(**small), progress=False, log=lambda *_: None)
     monkeypatch.undo()
     assert (tmp_path / "part" / T.PROGRESS).is_file() and not (tmp_path / "part" / T.META).exists()
@@ -122,12 +116,12 @@ def test_rerun_does_nothing_and_a_killed_run_resumes(tmp_path, monkeypatch):
 
 def test_text_field_and_txt_modes(tmp_path):
     (tmp_path / "p.txt").write_text("one\ntwo\n\n\nthree\n", encoding="utf-8")
-    docs = [t for t, _ in FileSource([str(tmp_path / "p.txt")], txt_docs="paragraph").documents() if t]
+    docs = [t for t, _, _ in FileSource([str(tmp_path / "p.txt")], txt_docs="paragraph").documents() if t]
     assert docs == ["one\ntwo", "three"]
-    docs = [t for t, _ in FileSource([str(tmp_path / "p.txt")], txt_docs="line").documents() if t]
+    docs = [t for t, _, _ in FileSource([str(tmp_path / "p.txt")], txt_docs="line").documents() if t]
     assert docs == ["one", "two", "three"]
     (tmp_path / "b.jsonl").write_text(json.dumps({"body": "x"}) + "\n", encoding="utf-8")
-    assert [t for t, _ in FileSource([str(tmp_path / "b.jsonl")], text_field="body").documents()] == ["x"]
+    assert [t for t, _, _ in FileSource([str(tmp_path / "b.jsonl")], text_field="body").documents()] == ["x"]
     with pytest.raises(NatslError, match="no string field 'text'"):
         list(FileSource([str(tmp_path / "b.jsonl")]).documents())
     # a name that is no local path is a Hub dataset; a path-like name that does not exist is a missing file

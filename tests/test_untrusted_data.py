@@ -4,7 +4,9 @@ behaviour; nothing crashes, reads outside its folder or overwrites what it reads
 Classes: memory-unsafe reads (dtypes that are not token ids, sizes that disagree with the declared counts,
 .npy files of objects); paths read from a file that leave its folder; resuming on other data; a killed
 `natsl tokenize` before its first progress file; a --vocab-size that would abort the BPE trainer; a
-tokenizer bigger than its model; eval-ppl's checkpoints checked against the data before any work."""
+tokenizer bigger than its model; eval-ppl's checkpoints checked against the data before any work; bad files in a
+corpus of local files (not UTF-8, binary, too large, gzip bombs, corrupt archives, unreadable), one line or skipped
+and counted with --skip-bad-files; a progress file whose mix or validation_texts record is damaged."""
 
 import dataclasses
 import json
@@ -256,6 +258,10 @@ BAD_PROGRESS = {
     "items not a count": (lambda st: st.update(items="many"), "is damaged"),
     "split tokens missing": (lambda st: st["splits"]["train"].pop("tokens"), "is damaged"),
     "another fingerprint": (lambda st: st.update(fingerprint=[1]), "unfinished run of other inputs"),
+    "mix count negative": (lambda st: st["mix"][0]["train"].update(tokens=-1), "mix counters"),
+    "mix of other inputs": (lambda st: st["mix"].append(st["mix"][0]), "mix counters"),
+    "val text outside": (lambda st: st["val_texts"].update({"../../victim.bin": 0}), "validation_texts record"),
+    "val text not a length": (lambda st: st["val_texts"].update({"00_test.jsonl": "all"}), "validation_texts record"),
 }
 
 
@@ -268,14 +274,31 @@ def test_a_damaged_progress_file_is_one_line_and_truncates_nothing(tmp_path, mon
     docs = documents()
     killed = kill_at(monkeypatch, "commit")
     with pytest.raises(killed):
-        tokenize(tmp_path / "out", docs, commit_tokens=64, batch_docs=4)
+        tokenize(tmp_path / "out", docs, commit_tokens=64, batch_docs=4, val_texts=True)
     progress = json.loads((tmp_path / "out" / T.PROGRESS).read_text())
     edit(progress)
     (tmp_path / "out" / T.PROGRESS).write_text(json.dumps(progress))
     monkeypatch.undo()
     with pytest.raises(NatslError, match=needle):
-        tokenize(tmp_path / "out", docs, commit_tokens=64, batch_docs=4)
+        tokenize(tmp_path / "out", docs, commit_tokens=64, batch_docs=4, val_texts=True)
     assert victim.read_bytes() == b"keep me" * 100
+
+
+def test_a_validation_texts_link_to_another_folder_is_refused_and_left_alone(tmp_path, monkeypatch):
+    """Resuming empties validation_texts/ of files it did not commit: a link there must not aim that elsewhere."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "victim.txt").write_text("keep me")
+    docs = documents()
+    killed = kill_at(monkeypatch, "commit")
+    with pytest.raises(killed):
+        tokenize(tmp_path / "out", docs, commit_tokens=64, batch_docs=4, val_texts=True)
+    monkeypatch.undo()
+    shutil.rmtree(tmp_path / "out" / "validation_texts")
+    (tmp_path / "out" / "validation_texts").symlink_to(elsewhere)
+    with pytest.raises(NatslError, match="lies outside its folder"):
+        tokenize(tmp_path / "out", docs, commit_tokens=64, batch_docs=4, val_texts=True)
+    assert (elsewhere / "victim.txt").read_text() == "keep me" and len(list(elsewhere.iterdir())) == 1
 
 
 # -- meta.json that is not a JSON object, or nested too deep to parse -----------------------------------
@@ -456,3 +479,71 @@ def test_converting_with_a_tokenizer_bigger_than_the_model_is_refused(world, sma
     with pytest.raises(NatslError, match="the tokenizer has 300 entries but the model's vocabulary only 280"):
         write_imported(small_model, tmp_path / "out", small, state, None, world["tokens"] / "tokenizer.json", "natsl")
     assert not (tmp_path / "out").exists()
+
+
+# -- bad files in a corpus of local files: one line each, or left out and counted with --skip-bad-files --------
+
+def _gzip(data: bytes) -> bytes:
+    import gzip
+
+    return gzip.compress(data, mtime=0)
+
+
+BAD_FILES = {  # name -> (file name, bytes, the error's words, the reason it is skipped for)
+    "not utf8": ("latin1.txt", "caf\xe9 cr\xe8me\n".encode("latin-1"), "is not UTF-8 text (line 1", "not-utf8"),
+    "binary": ("blob.md", b"text\x00\x01\x02", "is binary (a NUL byte at offset 4)", "binary"),
+    "too large": ("big.md", b"x" * 100_001, "is larger than --max-file-bytes 100,000 bytes", "too-large"),
+    "gzip bomb": ("bomb.1.gz", _gzip(b"a" * 800_001), "decompresses to more than 8x --max-file-bytes = 800,000",
+                  "too-large"),
+    "gzip bomb of zeros": ("zeros.1.gz", _gzip(bytes(64 << 20)), "decompresses to more than", "too-large"),
+    "gzip of latin1": ("latin1.1.gz", _gzip("\xe9t\xe9\n".encode("latin-1")), "is not UTF-8 text", "not-utf8"),
+    "gzip of binary": ("blob.1.gz", _gzip(b"\x00" * 10), "is binary", "binary"),
+    "corrupt gzip": ("junk.1.gz", b"\x1f\x8b\x08junk" * 4, "is not a readable gzip file", "unreadable"),
+    "truncated gzip": ("cut.1.gz", _gzip(b"some text\n" * 50)[:30], "is not a readable gzip file", "unreadable"),
+    "corrupt parquet": ("rows.parquet", b"PAR1 not really", "is not a readable Parquet file", "unreadable"),
+    "jsonl of non-objects": ("rows.jsonl", b"[1, 2]\n", "is not a JSON object", "unreadable"),
+}
+
+
+@pytest.mark.parametrize("name, data, words, reason", BAD_FILES.values(), ids=BAD_FILES.keys())
+def test_a_bad_file_is_one_line_or_skipped_and_counted(tmp_path, name, data, words, reason):
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "good.txt").write_text(essay_text(3, seed=1), encoding="utf-8")
+    (folder / name).write_bytes(data)
+    args = ["tokenize", folder, "--include", "*.txt", "--include", "*.md", "--include", "*.gz", "--include",
+            "*.parquet", "--include", "*.jsonl", "--max-file-bytes", "100000", "--train-tokenizer", "--vocab-size",
+            "300", "--no-progress", "--out"]
+    result = run(*args, tmp_path / "strict")
+    assert_one_line_error(result, name, words)
+    assert not (tmp_path / "strict").exists()
+    result = run(*args, tmp_path / "lenient", "--skip-bad-files")
+    assert result.exit_code == 0, result.output
+    meta = json.loads((tmp_path / "lenient" / "meta.json").read_text())
+    assert meta["skipped"]["files"] == 1 and meta["skipped"]["reasons"] == {reason: 1}
+    assert meta["skipped"]["examples"][reason] == [str(folder / name)] and meta["documents"] >= 1
+    assert f"1 bad file(s) skipped ({reason} 1)" in result.stdout.strip().splitlines()[-1]
+
+
+def test_an_unreadable_file_is_one_line_or_skipped(tmp_path, monkeypatch):
+    """A file the operating system will not read (no permission: the tests may run as root, so open() fails here)."""
+    import builtins
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "good.txt").write_text(essay_text(3, seed=1), encoding="utf-8")
+    (folder / "secret.txt").write_text("private")
+    real_open = builtins.open
+
+    def guarded(path, *a, **kw):
+        if str(path).endswith("secret.txt"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *a, **kw)
+
+    monkeypatch.setattr(builtins, "open", guarded)
+    args = ["tokenize", folder, "--train-tokenizer", "--vocab-size", "300", "--no-progress", "--out"]
+    assert_one_line_error(run(*args, tmp_path / "strict"), "secret.txt' cannot be read (Permission denied)",
+                          "--skip-bad-files")
+    result = run(*args, tmp_path / "lenient", "--skip-bad-files")
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "lenient" / "meta.json").read_text())["skipped"]["reasons"] == {"unreadable": 1}

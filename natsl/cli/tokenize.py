@@ -11,8 +11,9 @@ from natsl.cli.app import command
 
 @command("tokenize")
 def tokenize(
-    inputs: List[str] = typer.Argument(..., help="Local .txt/.jsonl/.parquet files or folders, or one Hugging Face "
-                                                 "dataset name (streamed)."),
+    inputs: List[str] = typer.Argument(..., help="Local files, folders or quoted glob patterns ('/usr/lib/python3*/"
+                                                 "site-packages', 'docs/**/*.md'; natsl expands them), or one Hugging "
+                                                 "Face dataset name (streamed)."),
     out: str = typer.Option(..., "--out", help="Output folder (created; rerunning the same command resumes or "
                                                "does nothing)."),
     tokenizer: Optional[str] = typer.Option(None, help="tokenizer.json, a folder holding one, or a Hub tokenizer name."),
@@ -24,6 +25,19 @@ def tokenize(
                                                           "when it has one, as Llama-2's tokenizer does."),
     text_field: str = typer.Option("text", help="Field (.jsonl, Hub) or column (.parquet) holding the text."),
     txt_docs: str = typer.Option("file", help="What a document is in a .txt file: file, paragraph or line."),
+    include: Optional[List[str]] = typer.Option(None, "--include", help="File-name pattern of the files that count "
+                                                "in folders and among a glob's matches (repeatable, e.g. --include "
+                                                "'*.py' --include '*.gz'; default in folders *.txt, *.jsonl, *.parquet). A file that is not .jsonl or "
+                                                ".parquet is one plain-text document; a .gz one is decompressed."),
+    skip_bad_files: bool = typer.Option(False, "--skip-bad-files", help="Leave out (and count) files that are not "
+                                        "UTF-8, binary, unreadable or larger than --max-file-bytes, instead of "
+                                        "stopping."),
+    max_file_bytes: Optional[int] = typer.Option(None, help="Largest file read as one document (default 1 MiB with "
+                                                 "--skip-bad-files, else any); a .gz file may decompress to 8x it."),
+    dedup: bool = typer.Option(False, "--dedup", help="Drop exact duplicate documents (same text), counted in "
+                                                      "meta.json's mix."),
+    val_texts: bool = typer.Option(False, "--val-texts", help="Also write the held-out documents as text, one "
+                                   "validation_texts/NN_NAME.jsonl per input (for inspect-routing per source)."),
     val_fraction: float = typer.Option(0.01, help="Fraction of documents held out for validation."),
     shard_tokens: int = typer.Option(1 << 28, help="Tokens per shard file."),
     max_documents: Optional[int] = typer.Option(None, help="Stop after this many documents."),
@@ -31,7 +45,8 @@ def tokenize(
     hf_split: str = typer.Option("train", help="Hub dataset split to stream."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show the progress bar."),
 ) -> None:
-    """Tokenize text into uint16/uint32 shards with EOS between documents and a train/validation split."""
+    """Tokenize text into uint16/uint32 shards with EOS between documents and a train/validation split by document;
+    the last line gives the token count and the mix (per input and --include pattern)."""
     from natsl.data.sources import open_source
     from natsl.data.tokenize import TokenizeSettings, tokenize_corpus
     from natsl.files import check_output
@@ -39,10 +54,12 @@ def tokenize(
     check_output(out, [*inputs, tokenizer], "--out")
     settings = TokenizeSettings(tokenizer=tokenizer, train_tokenizer=train_tokenizer, vocab_size=vocab_size,
                                 tokenizer_train_docs=tokenizer_train_docs, eos_token=eos_token, bos=bos,
-                                val_fraction=val_fraction, shard_tokens=shard_tokens, max_documents=max_documents)
+                                val_fraction=val_fraction, shard_tokens=shard_tokens, max_documents=max_documents,
+                                dedup=dedup, val_texts=val_texts)
     settings.validate()
     check_option_typos(inputs)
-    source = open_source(inputs, text_field=text_field, txt_docs=txt_docs, hub_config=hf_config, hub_split=hf_split)
+    source = open_source(inputs, text_field=text_field, txt_docs=txt_docs, hub_config=hf_config, hub_split=hf_split,
+                         include=include, skip_bad_files=skip_bad_files, max_file_bytes=max_file_bytes)
     tokenize_corpus(source, out, settings, progress=progress)
 
 

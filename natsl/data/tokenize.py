@@ -8,6 +8,11 @@ Output folder:
     validation_00000.bin   every document followed by the EOS id, and preceded by the BOS id when the
                            tokenizer has one (Llama-2's <s>, as the paper trained; `bos=False` /
                            `--no-bos` leaves it out); meta.json's `add_bos` and `bos_id` say which
+    validation_texts/      with `val_texts`: the held-out documents as text, one .jsonl per input
+                           (natsl.data.val_texts)
+
+meta.json's `mix` counts documents, bytes and tokens per split, per input and per --include pattern,
+with the exact duplicates dropped (`dedup`, natsl.data.dedup) and the bad files skipped.
 
 Documents go to the validation split at an even rate of `val_fraction` (document i is held out
 when floor((i+1) f) > floor(i f)), so the split is deterministic and needs no shuffle buffer.
@@ -37,7 +42,10 @@ import numpy as np
 
 from natsl.errors import NatslError
 from natsl.atomic import write_text as atomic_write_text
+from natsl.data.dedup import SeenDocuments
+from natsl.data.mix import build_mix, check_cells, describe_mix, new_cells
 from natsl.data.shards import check_splits, path_inside, read_json_object
+from natsl.data.val_texts import FOLDER as VAL_TEXTS, ValTextWriter, file_names as val_file_names
 from natsl.files import check_output_folder
 from natsl.tokenizer import Tokenizer, train_bpe
 from natsl.training.faults import fault_point
@@ -68,6 +76,8 @@ class TokenizeSettings:
     max_documents: Optional[int] = None
     commit_tokens: int = 1 << 24
     batch_docs: int = 512
+    dedup: bool = False  # drop exact duplicates (same normalised text), counted in meta.json's mix
+    val_texts: bool = False  # also write the held-out documents as text, one .jsonl per input
 
     def validate(self) -> None:
         if not 0.0 <= self.val_fraction < 1.0:
@@ -189,6 +199,9 @@ def _fingerprint(source_info: dict, tokenizer_info: dict, settings: TokenizeSett
             "shard_tokens": settings.shard_tokens, "max_documents": settings.max_documents}
     if not settings.bos:  # only when set: folders made before the option keep their fingerprint
         data["bos"] = False
+    for name in ("dedup", "val_texts"):  # likewise
+        if getattr(settings, name):
+            data[name] = True
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode("utf-8")).hexdigest()
 
 
@@ -246,6 +259,9 @@ def _tokenize(source, out: Path, settings: TokenizeSettings, progress: bool, log
 
     if hasattr(source, "check"):
         source.check()  # fail fast (one line) when the Hub cannot be reached
+    for item in getattr(source, "empty_inputs", ()):
+        log(f"warning: input {item!r} gives no file (a pattern that matches nothing, or a folder without a file that "
+            "--include chooses); the other inputs are tokenized, and the mix records it with 0 documents")
     out.mkdir(parents=True, exist_ok=True)
     if state is not None and "tokenizer_sha256" in state:
         tok = set_eos(Tokenizer.from_file(out / "tokenizer.json"), settings.eos_token)
@@ -258,9 +274,20 @@ def _tokenize(source, out: Path, settings: TokenizeSettings, progress: bool, log
             log(f"restarting the interrupted run in {out}: it stopped before its tokenizer was saved")
         tok = _start(out, source, settings, fingerprint, tok, progress, log)
         state = {"fingerprint": fingerprint, "tokenizer_sha256": tok.sha256(), "items": 0, "commits": 0,
-                 "splits": {name: {"tokens": 0, "documents": 0, "shards": []} for name in SPLITS}}
+                 "splits": {name: {"tokens": 0, "documents": 0, "shards": []} for name in SPLITS},
+                 "mix": new_cells(source.origins)}
+        if settings.val_texts:
+            state["val_texts"] = {}
         _write_json_atomic(progress_path, state)
 
+    fix = f"delete {str(out)!r} and run again"
+    cells = check_cells(state.setdefault("mix", new_cells(source.origins)), source.origins, repr(str(progress_path)), fix)
+    inputs = list(dict.fromkeys(item for item, _ in source.origins))
+    input_of = [inputs.index(item) for item, _ in source.origins]
+    val_writer = None
+    if settings.val_texts:
+        val_writer = ValTextWriter(out, val_file_names(inputs), state.setdefault("val_texts", {}))
+        val_writer.restore(repr(str(progress_path)), fix)
     dtype = token_dtype(tok.vocab_size)
     writer = ShardWriter(out, dtype, settings.shard_tokens, state["splits"])
     writer.restore()
@@ -270,20 +297,35 @@ def _tokenize(source, out: Path, settings: TokenizeSettings, progress: bool, log
     start = np.array(tok.document_start(), dtype=np.int64)
     skip = state["items"]
     documents = sum(s["documents"] for s in state["splits"].values())
-    pending: list[str] = []
+    pending: list[tuple[str, int]] = []  # (text, origin)
     buffers: dict[str, list[np.ndarray]] = {name: [] for name in SPLITS}
     buffered = 0
     items = 0
+    seen = SeenDocuments() if settings.dedup else None
+    duplicates: dict[int, int] = {}  # origin -> exact duplicates dropped
+
+    def is_new(text: str, origin: int) -> bool:
+        if seen is None or seen.add(text):
+            return True
+        duplicates[origin] = duplicates.get(origin, 0) + 1
+        return False
 
     def encode_pending() -> int:
         nonlocal documents
         count = 0
-        for ids in tok.encode_batch(pending):
+        for (text, origin), ids in zip(pending, tok.encode_batch([text for text, _ in pending])):
             split = "validation" if is_validation(documents, fraction) else "train"
             buffers[split] += [start, np.asarray(ids, dtype=np.int64), eos]
             state["splits"][split]["documents"] += 1
             documents += 1
-            count += len(start) + len(ids) + 1
+            length = len(start) + len(ids) + 1
+            cell = cells[origin][split]
+            cell["documents"] += 1
+            cell["bytes"] += len(text.encode("utf-8", "surrogatepass"))
+            cell["tokens"] += length
+            if val_writer is not None and split == "validation":
+                val_writer.add(input_of[origin], text)
+            count += length
         pending.clear()
         return count
 
@@ -293,6 +335,8 @@ def _tokenize(source, out: Path, settings: TokenizeSettings, progress: bool, log
             if buffers[name]:
                 writer.append(name, np.concatenate(buffers[name]))
                 buffers[name].clear()
+        if val_writer is not None:
+            val_writer.commit()
         buffered = 0
         state["items"] = items
         state["commits"] += 1
@@ -302,16 +346,18 @@ def _tokenize(source, out: Path, settings: TokenizeSettings, progress: bool, log
     bar = tqdm(total=source.total, unit=source.unit, unit_scale=True, desc="tokenize", disable=not progress,
                dynamic_ncols=True, mininterval=1.0)
     try:
-        for text, moved in source.documents():
+        for text, moved, origin in source.documents():
             bar.update(moved)
-            if items < skip:
+            if items < skip:  # done before the interruption; rereading it rebuilds the duplicate record
                 items += 1
+                if text and seen is not None:
+                    is_new(text, origin)
                 continue
             if settings.max_documents is not None and documents + len(pending) >= settings.max_documents:
                 break
             items += 1
-            if text:
-                pending.append(text)
+            if text and is_new(text, origin):
+                pending.append((text, origin))
             if len(pending) >= settings.batch_docs:
                 buffered += encode_pending()
                 bar.set_postfix_str(f"{documents:,} docs", refresh=False)
@@ -324,18 +370,26 @@ def _tokenize(source, out: Path, settings: TokenizeSettings, progress: bool, log
 
     splits = state["splits"]
     total = sum(s["tokens"] for s in splits.values())
+    skipped = getattr(source, "skipped", None) or {"files": 0, "reasons": {}, "examples": {}, "by_origin": {}}
     if splits["train"]["tokens"] == 0:
-        raise NatslError(f"the input produced no training tokens (documents: {documents}); check the input files "
-                         f"(and --text-field)")
+        bad = f", bad files skipped: {skipped['files']}" if skipped["files"] else ""
+        raise NatslError(f"the input produced no training tokens (documents: {documents}{bad}); check the input files "
+                         f"(and --text-field, --include)")
+    mix = build_mix(source.origins, cells, duplicates, skipped["by_origin"])
     meta = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "dtype": dtype.name,
         "eos_id": tok.eos_id, "eos_token": tok.eos_token, "add_bos": tok.add_bos,
         "bos_id": tok.bos_id if tok.add_bos else None, "vocab_size": tok.vocab_size,
         "tokenizer_file": "tokenizer.json", "tokenizer_sha256": tok.sha256(),
         "total_tokens": total, "documents": documents, "val_fraction": settings.val_fraction,
-        "splits": splits, "source": source_info, "settings": asdict(settings), "fingerprint": fingerprint,
+        "splits": splits, "mix": mix,
+        "skipped": {key: skipped[key] for key in ("files", "reasons", "examples")},
+        "source": getattr(source, "summary", source.describe)(), "settings": asdict(settings),
+        "fingerprint": fingerprint,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
+    if val_writer is not None:
+        meta["validation_texts"] = [f"{VAL_TEXTS}/{name}" for name in val_writer.names]
     _write_json_atomic(out / META, meta)
     progress_path.unlink()
     if splits["validation"]["tokens"] == 0 and settings.val_fraction > 0:
@@ -344,9 +398,10 @@ def _tokenize(source, out: Path, settings: TokenizeSettings, progress: bool, log
             f"{settings.val_fraction} hold out none (the first held out is document {needed}), so `natsl train` "
             "will report no validation loss; give more documents, a larger --val-fraction, or --txt-docs "
             "paragraph/line to cut .txt files into more documents")
+    described = describe_mix(mix, skipped)
     log(f"tokenized {documents:,} documents into {total:,} tokens ({dtype.name}): train "
         f"{splits['train']['tokens']:,} tokens in {len(splits['train']['shards'])} shard(s), validation "
-        f"{splits['validation']['tokens']:,}; wrote {out}")
+        f"{splits['validation']['tokens']:,}; {described + '; ' if described else ''}wrote {out}")
     return meta
 
 
@@ -385,6 +440,8 @@ def _start(out: Path, source, settings: TokenizeSettings, fingerprint: str, tok:
     the same command restarts), then the tokenizer, saved in `out`."""
     for path in _own_temporaries(out) | set(out.glob("*.bin")) | {out / "tokenizer.json"}:  # a run killed this early
         path.unlink(missing_ok=True)
+    if (out / VAL_TEXTS).is_dir() and not (out / VAL_TEXTS).is_symlink():
+        shutil.rmtree(out / VAL_TEXTS)
     progress_path = out / PROGRESS
     _write_json_atomic(progress_path, {"fingerprint": fingerprint})
     try:
@@ -409,10 +466,11 @@ def _train_tokenizer(source, settings: TokenizeSettings, progress: bool, log) ->
         bar = tqdm(total=source.total, unit=source.unit, unit_scale=True, desc="train BPE", disable=not progress,
                    dynamic_ncols=True, mininterval=1.0)
         count = 0
+        seen = SeenDocuments() if settings.dedup else None  # the tokenizer sees each text once, as the model does
         try:
-            for text, moved in source.documents():
+            for text, moved, _ in source.documents():
                 bar.update(moved)
-                if text:
+                if text and (seen is None or seen.add(text)):
                     yield text
                     count += 1
                     if limit is not None and count >= limit:
