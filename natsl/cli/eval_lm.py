@@ -7,9 +7,10 @@ from typing import Optional
 import typer
 
 from natsl.cli.app import command
+from natsl.cli.jobs import force_option
 
 
-@command("eval-lm")
+@command("eval-lm", stop_soon=True)
 def eval_lm(
     checkpoint: str = typer.Argument(..., help="A checkpoint folder (or training run folder: newest step)."),
     tasks: str = typer.Option(..., "--tasks", help="Comma-separated lm-eval task names (e.g. hellaswag,arc_easy)."),
@@ -25,10 +26,17 @@ def eval_lm(
     device: Optional[str] = typer.Option(None, help="cpu, cuda or cuda:N (default: cuda when available)."),
     dtype: Optional[str] = typer.Option(None, help="fp32, bf16 or fp16 (default: bf16 on CUDA, fp32 on the CPU)."),
     backend: Optional[str] = typer.Option(None, help="reference, chunked or fast (default: fast on CUDA, chunked on the CPU)."),
+    force: bool = force_option(),
 ) -> None:
-    """Score a checkpoint on lm-eval tasks (loglikelihood, rolling loglikelihood, generation) with natsl's cache."""
+    """Score a checkpoint on lm-eval tasks (loglikelihood, rolling loglikelihood, generation) with natsl's cache.
+
+    A forward of --batch-size windows of --max-length tokens that the device's memory cannot hold is refused
+    before lm-eval starts (--force starts it anyway)."""
     from natsl.errors import NatslError
     from natsl.eval.lm_eval_run import run_tasks
+    from natsl.cli.jobs import check_job
+    from natsl.estimate import Work
+    from natsl.runtime import checkpoint_recipe_of, pick_device, pick_dtype
 
     names = [t.strip() for t in tasks.split(",") if t.strip()]
     if not names:
@@ -37,6 +45,13 @@ def eval_lm(
         raise NatslError(f"--batch-size must be at least 1, got {batch_size}")
     if limit is not None and limit >= 1:
         limit = int(limit)
+    _, recipe = checkpoint_recipe_of(checkpoint)  # config.json only: refuse before loading
+    torch_device = pick_device(device)
+    window = max_length or min(recipe.train.seq_len, recipe.model.max_seq_len)  # the adapter's default
+    if window > 0:  # a bad --max-length is the adapter's to refuse
+        check_job(f"eval-lm: windows of up to {window:,} tokens, {batch_size} per forward", recipe.model,
+                  [Work("prefill", batch_size, window)], device=torch_device, dtype=pick_dtype(dtype, torch_device),
+                  backend=backend, force=force, fix="lower --max-length or --batch-size")
     args = {"device": device, "dtype": dtype, "backend": backend, "add_bos": add_bos}
     if max_length is not None:
         args["max_length"] = max_length

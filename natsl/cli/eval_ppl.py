@@ -7,9 +7,10 @@ from typing import List, Optional
 import typer
 
 from natsl.cli.app import command
+from natsl.cli.jobs import force_option
 
 
-@command("eval-ppl")
+@command("eval-ppl", stop_soon=True)
 def eval_ppl(
     checkpoints: List[str] = typer.Argument(..., help="One or more checkpoint folders (or training run folders: newest step)."),
     data: str = typer.Option(..., "--data", help="A `natsl tokenize` folder, or a .txt / .jsonl file tokenized on the fly."),
@@ -31,8 +32,12 @@ def eval_ppl(
     dtype: Optional[str] = typer.Option(None, help="fp32, bf16 or fp16 (default: bf16 on CUDA, fp32 on the CPU)."),
     backend: Optional[str] = typer.Option(None, help="reference, chunked or fast (default: fast on CUDA, chunked on the CPU)."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show the progress bar."),
+    force: bool = force_option(),
 ) -> None:
-    """Per-token loss over full-length windows, bucketed by position; perplexity and bits per byte."""
+    """Per-token loss over full-length windows, bucketed by position; perplexity and bits per byte.
+
+    A run the estimate calls long or large says so before the first window; one the device's memory cannot
+    hold is refused (--force starts it anyway)."""
     import sys
 
     from natsl.atomic import write_json
@@ -42,6 +47,8 @@ def eval_ppl(
     from natsl.eval.data import check_vocab, load_token_data, windows as make_windows
     from natsl.eval.ppl import evaluate_windows, plot_curves
     from natsl.models.routing import force_keep_fraction
+    from natsl.cli.jobs import check_job, held_bytes
+    from natsl.estimate import Work
 
     if keep_fraction is not None and not 0.0 <= keep_fraction <= 1.0:
         raise NatslError(f"--keep-fraction must lie in [0, 1], got {keep_fraction}")
@@ -79,6 +86,11 @@ def eval_ppl(
         wins = make_windows(token_data, max_len, limit, concat=concat, eos_id=eos)
         if not wins:
             raise NatslError(f"data {data!r} has no window of at least 2 tokens")
+        if number == 0:
+            check_job(f"eval-ppl: {len(checkpoints)} checkpoint(s) x {len(wins)} windows of up to {max_len} tokens",
+                      em.recipe.model, [Work("forward", 1, max_len, calls=len(wins) * len(checkpoints))],
+                      device=em.device, dtype=em.dtype, backend=backend, force=force,
+                      fix="lower --max-len or --windows", held=held_bytes(em.model))
         on_first = None
         if number == 0 and (len(wins) > 1 or len(checkpoints) > 1):
             tokens = sum(len(w) for w in wins)
