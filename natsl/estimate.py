@@ -13,10 +13,13 @@ decode steps) on one model. Its estimate:
   reference and chunked backends a NAtS-L layer's routed attention is dense: `QUADRATIC_BYTES` per
   (query, key, softmax head) on top. The coefficients come from saved-tensor counts of the chunked forms
   and from the peak memory of the 800M recipes on an 80 GB card (docs/performance.md).
-- time: the model's FLOPs (natsl.training.flops, natsl.models.state_cost) at a rate the device reaches
-  (on the CPU a short matmul measured at the thread count in use, times `EFFICIENCY`), a decode step at
-  least the bytes it reads over the memory bandwidth, plus a fixed cost per layer call (Python and
-  kernel launches: what small models spend most of their time on).
+- time: per token the model's FLOPs (natsl.training.flops, natsl.models.state_cost) at `EFFICIENCY` of
+  the device's matmul rate, or its memory traffic (`TRAFFIC` per unit of width) at the device's copy rate,
+  whichever takes longer (on the CPU both rates are measured at the thread count in use, so that a busy
+  machine gives a longer estimate); the dense routed attention's traffic (`QUADRATIC_TRAFFIC`); a decode
+  step at least the bytes of its weights and cache over the copy rate; plus a fixed cost per layer call
+  (Python and kernel launches: what small models spend most of their time on). A training step is three
+  forwards and an AdamW pass over its fp32 state.
 
 Meant to be within a small factor, never exact: commands use it to warn and to refuse before any work.
 This module imports natsl.training.flops: only the commands (natsl.cli) import it.
@@ -159,7 +162,7 @@ def measured_cpu_rates(threads: int) -> tuple[float, float]:
         n = 256
         a, b = torch.randn(n, n), torch.randn(n, n)
         flops = 2 * n**3 / median_seconds(lambda: torch.matmul(a, b), 7)
-        src = torch.empty(32 << 20, dtype=torch.uint8)
+        src = torch.empty(64 << 20, dtype=torch.uint8)  # beyond most caches
         dst = torch.empty_like(src)
         copy = 2 * src.numel() / median_seconds(lambda: dst.copy_(src), 5)
     finally:
@@ -194,9 +197,13 @@ def dtype_bytes(dtype: torch.dtype) -> int:
 
 
 def cache_bytes(facts: ModelFacts, batch: int, tokens: int, dtype: torch.dtype) -> int:
-    """Bytes a cache for `batch` sequences of up to `tokens` allocates (built on the meta device)."""
+    """Bytes a cache for `batch` sequences of up to `tokens` allocates (built on the meta device); 0 for a
+    model without one (NSA layers: the command that needs it says so itself)."""
     model = facts.model.to(dtype)
-    return model.new_cache(batch, max_len=tokens).allocated_bytes()
+    try:
+        return model.new_cache(batch, max_len=tokens).allocated_bytes()
+    except NatslError:
+        return 0
 
 
 def routed_heads(config: ModelConfig) -> int:

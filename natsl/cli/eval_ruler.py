@@ -134,7 +134,8 @@ def eval_ruler(
             raise NatslError(f"--essay-file {essay_file!r} holds no sentences")
         essay = EssaySentences(sentences=sentences)
     torch_device = pick_device(device)
-    prompts = [n - max_new_tokens for n in length_list for _ in range(len(task_list) * samples)]
+    # a prompt takes the length but the new tokens (a length too short for them is refused with the samples)
+    prompts = [max(n - max_new_tokens, 1) for n in length_list for _ in range(len(task_list) * samples)]
     check_job(f"eval-ruler: {len(prompts)} prompts of up to {max(length_list):,} tokens", recipe.model,
                    decoding_works(prompts, max_new_tokens), device=torch_device,
                    dtype=pick_dtype(dtype, torch_device), backend=backend, force=force,
