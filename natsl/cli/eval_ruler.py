@@ -134,13 +134,12 @@ def eval_ruler(
             raise NatslError(f"--essay-file {essay_file!r} holds no sentences")
         essay = EssaySentences(sentences=sentences)
     torch_device = pick_device(device)
-    # a prompt takes the length but the new tokens (a length too short for them is refused with the samples)
+    # a prompt fills its length less the new tokens (a length too short for them is refused with the samples)
     prompts = [max(n - max_new_tokens, 1) for n in length_list for _ in range(len(task_list) * samples)]
     check_job(f"eval-ruler: {len(prompts)} prompts of up to {max(length_list):,} tokens", recipe.model,
-                   decoding_works(prompts, max_new_tokens), device=torch_device,
-                   dtype=pick_dtype(dtype, torch_device), backend=backend, force=force,
-                   fix="lower --lengths, --samples or --max-new-tokens",
-                   note=f"every sample decoding all {max_new_tokens} new tokens; answers that stop early take less")
+              decoding_works(prompts, max_new_tokens), device=torch_device, dtype=pick_dtype(dtype, torch_device),
+              backend=backend, force=force, fix="lower --lengths, --samples or --max-new-tokens",
+              note=f"every sample decoding all {max_new_tokens} new tokens; answers that stop early take less")
     out_dir = prepare_out_dir(out)
     em = load_eval_model(folder, device, dtype, backend)
     force_keep_fraction(em.model, keep_fraction, 0)
