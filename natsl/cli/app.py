@@ -23,12 +23,14 @@ def _interrupted(exc_type, exc, tb, _previous=sys.excepthook):
 
 sys.excepthook = _interrupted
 
+import contextlib  # noqa: E402
 import errno  # noqa: E402
 import functools  # noqa: E402
 
 import typer  # noqa: E402
 
-from natsl.errors import NatslError
+from natsl import interrupts  # noqa: E402
+from natsl.errors import NatslError  # noqa: E402
 
 class _Commands(typer.core.TyperGroup):
     """`natsl --help` lists each command's whole first paragraph, wrapped (click cuts it at the terminal's
@@ -71,15 +73,18 @@ def _out_of_memory(err: RuntimeError) -> bool:
     return type(err).__name__ == "OutOfMemoryError" or "can't allocate memory" in str(err)
 
 
-def command(*args, **kwargs):
+def command(*args, stop_soon: bool = False, **kwargs):
     """`app.command` that reports NatslError, operating-system errors (a missing file, a path that
-    cannot be written) and running out of memory as one line with exit code 2."""
+    cannot be written) and running out of memory as one line with exit code 2. `stop_soon`: the first
+    Ctrl-C ends the command within about two seconds, even inside a long native call
+    (natsl.interrupts.stop_soon)."""
 
     def register(fn):
         @functools.wraps(fn)
         def wrapped(*a, **kw):
             try:
-                return fn(*a, **kw)
+                with interrupts.stop_soon() if stop_soon else contextlib.nullcontext():
+                    return fn(*a, **kw)
             except NatslError as err:
                 fail(str(err))
             except FileNotFoundError as err:

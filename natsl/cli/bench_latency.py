@@ -9,10 +9,11 @@ import typer
 
 from natsl.cli.app import command
 from natsl.cli.options import threads_option, use_threads
+from natsl.cli.jobs import force_option
 from natsl.errors import NatslError
 
 
-@command("bench-latency")
+@command("bench-latency", stop_soon=True)
 def bench_latency(
     recipe: Optional[List[str]] = typer.Option(None, help="Recipe to measure with random weights (repeatable)."),
     checkpoint: Optional[List[str]] = typer.Option(None, help="Checkpoint folder to measure, trained router (repeatable)."),
@@ -36,14 +37,21 @@ def bench_latency(
     progress: bool = typer.Option(True, help="Show a progress bar."),
     time_budget: Optional[float] = typer.Option(None, help="Seconds for the whole run, shared by the models; "
                                                            "points past a model's share are recorded as skipped."),
+    force: bool = force_option(),
 ) -> None:
-    """Measure latency for recipes (default: the 800M NAtS-L Hybrid, Transformer, GDN and Mamba2) or checkpoints."""
+    """Measure latency for recipes (default: the 800M NAtS-L Hybrid, Transformer, GDN and Mamba2) or checkpoints.
+
+    A run the estimate calls long or large says so first; one the device's memory cannot hold is refused
+    (--force starts it anyway). The first Ctrl-C stops within about two seconds and writes the points
+    measured so far (latency.json with "interrupted": true, and latency.png); exit code 130."""
     import natsl
     from natsl.runtime import (check_keeps_natsl, check_length, checkpoint_recipe_of, pick_backend, pick_device,
                                pick_dtype)
     from natsl.files import check_output
     from natsl.inference import bench
     from natsl.seeding import check_seed
+    from natsl.cli.jobs import check_bench
+    from natsl.interrupts import Partial
 
     check_output(out, [*(recipe or []), *(checkpoint or [])], "--out")
     check_seed(seed, "--seed")
@@ -81,13 +89,31 @@ def bench_latency(
         check_length("--max-len", max_len, limit, path)
 
     use_threads(threads, torch_device)
+    lengths = bench.context_lengths(min_len, max_len)
+    check_bench(specs, lengths, batch=batch_size, decode_tokens=decode_tokens, repeats=repeats, device=torch_device,
+                dtype=torch_dtype, backend=chosen_backend, force=force)
+
     folder = Path(out)
     json_path, png_path = folder / "latency.json", folder / "latency.png"
-    result = bench.run_benchmark(specs, bench.context_lengths(min_len, max_len), device=torch_device, dtype=torch_dtype,
-                                 backend=chosen_backend, batch=batch_size, decode_tokens=decode_tokens, repeats=repeats,
-                                 seed=seed, cuda_graphs=cuda_graphs, progress=progress, time_budget_s=time_budget,
-                                 on_update=lambda r: bench.save_json(r, json_path))
+    partial = Partial(lambda r: write_partial(r, json_path, png_path), each=lambda r: bench.save_json(r, json_path))
+    with partial.kept():
+        result = bench.run_benchmark(specs, lengths, device=torch_device, dtype=torch_dtype, backend=chosen_backend,
+                                     batch=batch_size, decode_tokens=decode_tokens, repeats=repeats, seed=seed,
+                                     cuda_graphs=cuda_graphs, progress=progress, time_budget_s=time_budget,
+                                     on_update=partial.update)
     bench.save_json(result, json_path)
     bench.plot(result, png_path)
     print(bench.format_table(result))
     print(f"wrote {json_path} and {png_path}")
+
+
+def write_partial(result: dict, json_path: Path, png_path: Path) -> None:
+    """What an interrupted run measured: latency.json (with "interrupted": true) and latency.png."""
+    import sys
+
+    from natsl.inference import bench
+
+    bench.save_json(result, json_path)
+    bench.plot(result, png_path)
+    points = sum(1 for entry in result["models"] for p in entry["points"] if "error" not in p)
+    print(f"interrupted: wrote the {points} point(s) measured to {json_path} and {png_path}", file=sys.stderr)

@@ -9,6 +9,7 @@ import typer
 
 from natsl.cli.app import command
 from natsl.cli.options import threads_option, use_threads
+from natsl.cli.jobs import force_option
 
 
 def parse_fractions(text: str, option: str) -> list[float]:
@@ -31,7 +32,7 @@ def parse_contexts(text: str) -> list[int]:
                          "32768,65536,131072") from None
 
 
-@command("compare")
+@command("compare", stop_soon=True)
 def compare(
     models: List[str] = typer.Argument(..., help="Checkpoint folders or recipes (a YAML file or a shipped name such as "
                                                    "800m_hybrid: random weights, latency and memory only): NAtS-L, "
@@ -66,8 +67,12 @@ def compare(
     cuda_graphs: bool = typer.Option(True, help="Replay decode steps as CUDA graphs (CUDA only)."),
     threads: Optional[int] = threads_option(),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show the progress bar."),
+    force: bool = force_option(),
 ) -> None:
-    """Quality (recall, perplexity) against KV bytes and prefill / decode latency, per model, budget and context."""
+    """Quality (recall, perplexity) against KV bytes and prefill / decode latency, per model, budget and context.
+
+    A run the estimate calls long or large says so first; one the device's memory cannot hold is refused
+    (--force starts it anyway)."""
     from natsl.atomic import write_json, write_text
     from natsl.cli.eval_ruler import parse_lengths
     from natsl.errors import NatslError
@@ -75,6 +80,7 @@ def compare(
     from natsl.eval import compare as logic
     from natsl.files import check_output
     from natsl.seeding import check_seed
+    from natsl.cli.jobs import check_compare
 
     check_output(out, [*models, data], "--out")
     check_seed(seed, "--seed")
@@ -99,11 +105,14 @@ def compare(
     logic.check_budgets(budget_list, method_list)
     logic.check_sources([logic.resolve_source(m) for m in models], contexts)  # before the output folder is made
     use_threads(threads, device)
+    ppl_args = {"data": data, "max_len": max_len, "windows": windows} if data else None
+    check_compare(models, budgets=budget_list, methods=method_list, contexts=contexts, decode_tokens=decode_tokens,
+                  repeats=repeats, ppl_args=ppl_args, chunk=chunk, device=device, dtype=dtype, backend=backend,
+                  force=force)
     out_dir = prepare_out_dir(out)
     recall_args = {"task": task, "lengths": parse_lengths(lengths) if lengths else None,
                    "pairs": parse_lengths(pairs) if pairs else None, "vocab": None,
                    "samples": samples, "batch_size": batch_size} if recall and quality else None
-    ppl_args = {"data": data, "max_len": max_len, "windows": windows} if data else None
     json_path = out_dir / "compare.json"
     result = logic.run_compare(models, budgets=budget_list, methods=method_list, contexts=contexts, quality=quality,
                                recall_args=recall_args, ppl_args=ppl_args, chunk=chunk, decode_tokens=decode_tokens,

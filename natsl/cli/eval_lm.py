@@ -9,9 +9,10 @@ import typer
 
 from natsl.cli.app import command
 from natsl.cli.options import threads_option, use_threads
+from natsl.cli.jobs import force_option
 
 
-@command("eval-lm")
+@command("eval-lm", stop_soon=True)
 def eval_lm(
     checkpoint: str = typer.Argument(..., help="A checkpoint folder (or training run folder: newest step)."),
     tasks: str = typer.Option(..., "--tasks", help="Comma-separated lm-eval task names (e.g. hellaswag,arc_easy)."),
@@ -28,12 +29,18 @@ def eval_lm(
     dtype: Optional[str] = typer.Option(None, help="fp32, bf16 or fp16 (default: bf16 on CUDA, fp32 on the CPU)."),
     backend: Optional[str] = typer.Option(None, help="reference, chunked or fast (default: fast on CUDA, chunked on the CPU)."),
     threads: Optional[int] = threads_option(),
+    force: bool = force_option(),
 ) -> None:
-    """Score a checkpoint on lm-eval tasks (loglikelihood, rolling loglikelihood, generation) with natsl's cache."""
+    """Score a checkpoint on lm-eval tasks (loglikelihood, rolling loglikelihood, generation) with natsl's cache.
+
+    A forward of --batch-size windows of --max-length tokens that the device's memory cannot hold is refused
+    before lm-eval starts (--force starts it anyway)."""
     from natsl.errors import NatslError
     from natsl.eval.lm_eval_run import run_tasks
+    from natsl.cli.jobs import check_job
+    from natsl.estimate import Work
     from natsl.files import check_output
-    from natsl.runtime import check_length, checkpoint_recipe_of
+    from natsl.runtime import check_length, checkpoint_recipe_of, pick_device, pick_dtype
 
     check_output(out, [checkpoint, include_path], "--out")
     names = [t.strip() for t in tasks.split(",") if t.strip()]
@@ -52,13 +59,18 @@ def eval_lm(
     if num_fewshot is not None and num_fewshot < 0:
         raise NatslError(f"--num-fewshot must be 0 or more examples, got {num_fewshot}")
     use_threads(threads, device)
+    folder, recipe = checkpoint_recipe_of(checkpoint)  # config.json only: refuse before loading
     args = {"device": device, "dtype": dtype, "backend": backend, "add_bos": add_bos}
     if max_length is not None:
         if max_length < 1:
             raise NatslError(f"--max-length must be at least 1 token, got {max_length}")
-        folder, recipe = checkpoint_recipe_of(checkpoint)  # config.json only: refuse before loading
         check_length("--max-length", max_length, recipe.model.max_seq_len, folder)
         args["max_length"] = max_length
+    torch_device = pick_device(device)
+    window = max_length or min(recipe.train.seq_len, recipe.model.max_seq_len)  # the adapter's default
+    check_job(f"eval-lm: windows of up to {window:,} tokens, {batch_size} per forward", recipe.model,
+              [Work("prefill", batch_size, window)], device=torch_device, dtype=pick_dtype(dtype, torch_device),
+              backend=backend, force=force, fix="lower --max-length or --batch-size")
     report = run_tasks(checkpoint, names, out, include_path=include_path, num_fewshot=num_fewshot, limit=limit,
                        batch_size=batch_size, model_args=args)
     print(report["table"])

@@ -8,9 +8,10 @@ import typer
 
 from natsl.cli.app import command
 from natsl.cli.options import threads_option, use_threads
+from natsl.cli.jobs import force_option
 
 
-@command("eval-ppl")
+@command("eval-ppl", stop_soon=True)
 def eval_ppl(
     checkpoints: List[str] = typer.Argument(..., help="One or more checkpoint folders (or training run folders: newest step)."),
     data: str = typer.Option(..., "--data", help="A `natsl tokenize` folder, or a .txt / .jsonl file tokenized on the fly."),
@@ -33,8 +34,12 @@ def eval_ppl(
     backend: Optional[str] = typer.Option(None, help="reference, chunked or fast (default: fast on CUDA, chunked on the CPU)."),
     threads: Optional[int] = threads_option(),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show the progress bar."),
+    force: bool = force_option(),
 ) -> None:
-    """Per-token loss over full-length windows, bucketed by position; perplexity and bits per byte."""
+    """Per-token loss over full-length windows, bucketed by position; perplexity and bits per byte.
+
+    A run the estimate calls long or large says so before the first window; one the device's memory cannot
+    hold is refused (--force starts it anyway)."""
     import sys
 
     from natsl.atomic import write_json
@@ -46,6 +51,8 @@ def eval_ppl(
     from natsl.eval.ppl import evaluate_windows, plot_curves
     from natsl.files import check_output
     from natsl.models.routing import force_keep_fraction
+    from natsl.cli.jobs import check_job, held_bytes
+    from natsl.estimate import Work
 
     check_output(out, [*checkpoints, data], "--out")
     if keep_fraction is not None and not 0.0 <= keep_fraction <= 1.0:
@@ -92,6 +99,11 @@ def eval_ppl(
     for number, (path, wins) in enumerate(zip(checkpoints, plans)):
         em = load_eval_model(path, device, dtype, backend)
         force_keep_fraction(em.model, keep_fraction, 0)
+        if number == 0:
+            check_job(f"eval-ppl: {len(checkpoints)} checkpoint(s) x {len(wins)} windows of up to {max_len} tokens",
+                      em.recipe.model, [Work("forward", 1, max_len, calls=len(wins) * len(checkpoints))],
+                      device=em.device, dtype=em.dtype, backend=backend, force=force,
+                      fix="lower --max-len or --windows", held=held_bytes(em.model))
         on_first = None
         if number == 0 and (len(wins) > 1 or len(checkpoints) > 1):
             tokens = sum(len(w) for w in wins)

@@ -8,15 +8,17 @@ import typer
 
 from natsl.cli.app import command
 from natsl.cli.options import threads_option, use_threads
+from natsl.cli.jobs import force_option
 
 
 def run_eval_recall(checkpoint: str, task: Optional[str] = None, lengths: Optional[str] = None,
                     pairs: Optional[str] = None, samples: int = 256, batch_size: int = 32, seed: int = 0,
                     vocab: Optional[int] = None, keep_fraction: Optional[float] = None, out: str = "eval_recall",
                     device=None, dtype=None, backend=None, progress: bool = True, quiet: bool = False,
-                    deadline: Optional[float] = None, threads: Optional[int] = None) -> dict:
+                    deadline: Optional[float] = None, threads: Optional[int] = None, force: bool = False) -> dict:
     """The command's work (the sweep's workers call it too): returns the report written to recall.json.
-    `deadline` (a time.time()): no grid point is started after it (the report's `complete` is then false)."""
+    `deadline` (a time.time()): no grid point is started after it (the report's `complete` is then false).
+    `force`: start even when the estimate says the device's memory cannot hold the evaluation."""
     from natsl.cli.eval_ruler import parse_lengths
     from natsl.errors import NatslError
     from natsl.atomic import write_json
@@ -25,6 +27,8 @@ def run_eval_recall(checkpoint: str, task: Optional[str] = None, lengths: Option
     from natsl.files import check_output
     from natsl.models.routing import force_keep_fraction
     from natsl.runtime import check_keeps_natsl, checkpoint_recipe_of
+    from natsl.cli.jobs import check_job, held_bytes
+    from natsl.estimate import Work
 
     check_output(out, [checkpoint], "--out")
     if samples < 1 or batch_size < 1:
@@ -40,6 +44,10 @@ def run_eval_recall(checkpoint: str, task: Optional[str] = None, lengths: Option
     spec, points = recall_grid(em, task, parse_lengths(lengths) if lengths else None,
                                parse_lengths(pairs) if pairs else None, vocab)
     force_keep_fraction(em.model, keep_fraction, seed)
+    check_job(f"eval-recall: {len(points)} points x {samples} samples", em.recipe.model,
+              [Work("forward", min(batch_size, samples), length, calls=-(-samples // batch_size)) for length, _ in points],
+              device=em.device, dtype=em.dtype, backend=backend, force=force,
+              fix="lower --batch-size or --lengths", held=held_bytes(em.model))
     report = evaluate_recall(em, spec, points, samples, batch_size, seed, progress=progress, deadline=deadline)
     report = {"checkpoint": str(em.folder), "name": em.name, "trained_on": em.recipe.data.path, "seed": seed,
               "forced_keep_fraction": keep_fraction, **report}
@@ -55,7 +63,7 @@ def run_eval_recall(checkpoint: str, task: Optional[str] = None, lengths: Option
     return report
 
 
-@command("eval-recall")
+@command("eval-recall", stop_soon=True)
 def eval_recall(
     checkpoint: str = typer.Argument(..., help="Checkpoint folder (or a training run folder: newest step)."),
     task: Optional[str] = typer.Option(None, help="mqar or passkey (default: the task the checkpoint trained on, else mqar)."),
@@ -75,7 +83,11 @@ def eval_recall(
     backend: Optional[str] = typer.Option(None, help="reference, chunked or fast (default: fast on CUDA, chunked on the CPU)."),
     threads: Optional[int] = threads_option(),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show the progress bar."),
+    force: bool = force_option(),
 ) -> None:
-    """Answer accuracy on MQAR (Zoology) or passkey per (length, pairs), with the kept fraction per layer and group."""
+    """Answer accuracy on MQAR (Zoology) or passkey per (length, pairs), with the kept fraction per layer and group.
+
+    A run the estimate calls long or large says so first; one the device's memory cannot hold is refused
+    (--force starts it anyway)."""
     run_eval_recall(checkpoint, task, lengths, pairs, samples, batch_size, seed, vocab, keep_fraction, out,
-                    device, dtype, backend, progress, threads=threads)
+                    device, dtype, backend, progress, threads=threads, force=force)

@@ -8,6 +8,7 @@ import typer
 
 from natsl.cli.app import command
 from natsl.cli.options import threads_option, use_threads
+from natsl.cli.jobs import force_option
 
 
 def parse_lengths(text: str) -> list[int]:
@@ -34,7 +35,33 @@ def parse_lengths(text: str) -> list[int]:
     return out
 
 
-@command("eval-ruler")
+def ruler_estimate(facts, stats: dict, measured_length: int, prompt_lengths: list[int], max_new_tokens: int,
+                   device, *, dtype=None, backend: str = "chunked", rates=None) -> tuple[float, float]:
+    """Seconds of every sample (prompts of `prompt_lengths`), from one warm sample measured at a prompt
+    of `measured_length` tokens (`stats` of natsl.eval.decode.greedy_generate): (likely, at most).
+
+    A prefill's time scales from the measured one as the estimate (natsl.estimate) of each length to
+    that of the measured length; a decode step takes the measured step's time (the estimate's where the
+    sample decoded no step). Likely: every answer as long as the measured one; at most: `max_new_tokens`
+    each. Both count every sample, those done included."""
+    import torch
+
+    from natsl import estimate as E
+
+    def seconds(work):
+        return E.estimate(facts, [work], device, dtype=dtype or torch.float32, backend=backend, rates=rates).seconds
+
+    base = seconds(E.Work("prefill", 1, measured_length))
+    prefill = sum(stats["prefill_s"] * seconds(E.Work("prefill", 1, n)) / base for n in prompt_lengths)
+    steps = stats["decode_steps"]
+    per_step = stats["decode_s"] / steps if steps else seconds(E.Work("decode", 1, measured_length + 1))
+    generated = steps + 1  # the first new token comes out of the prefill
+    decode_likely = len(prompt_lengths) * min(generated, max_new_tokens) * per_step
+    decode_most = len(prompt_lengths) * max_new_tokens * per_step
+    return prefill + decode_likely, prefill + decode_most
+
+
+@command("eval-ruler", stop_soon=True)
 def eval_ruler(
     checkpoint: str = typer.Argument(..., help="Checkpoint folder (or a training run folder: newest step)."),
     lengths: Optional[str] = typer.Option(None, help="Context lengths in tokens, comma separated (4k = 4096; default: "
@@ -53,14 +80,21 @@ def eval_ruler(
     backend: Optional[str] = typer.Option(None, help="reference, chunked or fast (default: fast on CUDA, chunked on the CPU)."),
     threads: Optional[int] = threads_option(),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show the progress bar."),
+    force: bool = force_option(),
 ) -> None:
-    """Generate RULER's retrieval tasks with the checkpoint's tokenizer, decode greedily, score by string match."""
+    """Generate RULER's retrieval tasks with the checkpoint's tokenizer, decode greedily, score by string match.
+
+    A run the estimate calls long or large says so first; one the device's memory cannot hold is refused
+    (--force starts it anyway). Once a warm sample is decoded, the time of the whole run is said again,
+    measured on it."""
     from pathlib import Path
 
     from natsl.atomic import write_json, write_jsonl
-    from natsl.runtime import check_keeps_natsl, check_length, checkpoint_recipe_of, on_cuda
+    from natsl.runtime import check_keeps_natsl, check_length, checkpoint_recipe_of, on_cuda, pick_backend, pick_device, pick_dtype
     from natsl.errors import NatslError
-    from natsl.eval.common import human_count, load_eval_model, prepare_out_dir, print_estimate
+    from natsl.estimate import model_facts
+    from natsl.eval.common import human_count, human_duration, load_eval_model, prepare_out_dir, print_estimate
+    from natsl.cli.jobs import check_job, decoding_works
     from natsl.eval.haystack import EssaySentences, split_sentences
     from natsl.eval.ruler import TASKS, format_table, plot_scores, run_ruler
     from natsl.files import check_output
@@ -105,19 +139,28 @@ def eval_ruler(
             raise NatslError(f"--essay-file {essay_file!r} holds no sentences")
         essay = EssaySentences(sentences=sentences)
     use_threads(threads, device)
+    torch_device = pick_device(device)
+    # a prompt fills its length less the new tokens (a length too short for them is refused with the samples)
+    prompts = [max(n - max_new_tokens, 1) for n in length_list for _ in range(len(task_list) * samples)]
+    check_job(f"eval-ruler: {len(prompts)} prompts of up to {max(length_list):,} tokens", recipe.model,
+              decoding_works(prompts, max_new_tokens), device=torch_device, dtype=pick_dtype(dtype, torch_device),
+              backend=backend, force=force, fix="lower --lengths, --samples or --max-new-tokens",
+              note=f"every sample decoding all {max_new_tokens} new tokens; answers that stop early take less")
     out_dir = prepare_out_dir(out)
     em = load_eval_model(folder, device, dtype, backend)
     force_keep_fraction(em.model, keep_fraction, 0)
 
-    def on_first(stats, todo):
+    def on_first(stats, todo, measured):
         prompt_tokens = sum(len(s.prompt_ids) for s in todo)
-        per_token = stats["prefill_s"] / len(todo[0].prompt_ids)
-        per_step = stats["decode_s"] / stats["decode_steps"] if stats["decode_steps"] else stats["prefill_s"]
+        likely, most = ruler_estimate(model_facts(em.recipe.model), stats, len(measured.prompt_ids),
+                                      [len(s.prompt_ids) for s in todo], max_new_tokens, em.device, dtype=em.dtype,
+                                      backend=pick_backend(backend, em.device))
         plan = (f"eval-ruler: {len(task_list)} tasks x {len(length_list)} lengths x {samples} samples = {len(todo)} "
                 f"prompts, {human_count(prompt_tokens)} prompt tokens + up to {human_count(len(todo) * max_new_tokens)} "
                 "generated")
-        print_estimate(plan, prompt_tokens * per_token + len(todo) * (max_new_tokens - 1) * per_step,
-                       f"the first prompt: {stats['prefill_s']:.1f} s prefill, {per_step * 1e3:.0f} ms per new token")
+        print_estimate(plan, likely, f"at most {human_duration(most)} if every answer takes all {max_new_tokens} "
+                       f"tokens; measured on a {len(measured.prompt_ids)}-token prompt: {stats['prefill_s']:.1f} s "
+                       f"prefill, {stats['decode_steps'] + 1} new tokens in {stats['decode_s']:.1f} s")
 
     summary, rows = run_ruler(em, task_list, length_list, samples, seed=seed, max_new_tokens=max_new_tokens,
                               essay=essay, progress=progress, on_first=on_first if samples * len(task_list) * len(length_list) > 1 else None)

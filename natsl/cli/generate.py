@@ -10,6 +10,7 @@ import typer
 
 from natsl.cli.app import command
 from natsl.cli.options import threads_option, use_threads
+from natsl.cli.jobs import force_option
 from natsl.errors import NatslError, NonFiniteError
 from natsl.files import parse_json
 
@@ -50,7 +51,7 @@ def tokens_per_s(tokens: int, seconds: float) -> float:
     return tokens / seconds if seconds > 0 else float("nan")
 
 
-@command("generate")
+@command("generate", stop_soon=True)
 def generate(
     checkpoint: str = typer.Argument(..., help="Model folder written by `natsl train` or `natsl convert` (or a run folder)."),
     prompt: Optional[str] = typer.Option(None, help="The prompt text."),
@@ -69,8 +70,12 @@ def generate(
     dtype: Optional[str] = typer.Option(None, help="fp32, bf16 or fp16 (default: bf16 on CUDA, fp32 on CPU)."),
     cuda_graphs: bool = typer.Option(True, help="Replay decode steps as CUDA graphs (CUDA only)."),
     threads: Optional[int] = threads_option(),
+    force: bool = force_option(),
 ) -> None:
     """Continue prompts with a checkpoint; one prompt streams to the terminal as it is generated.
+
+    Long prompts that the estimate calls long or large say so before generating; prompts the device's
+    memory cannot hold are refused (--force starts anyway).
 
     The last line (stderr) gives the time to first token (from the start of generation, the model
     loaded, to the first sampled token of the first batch) and the decode rate in tokens/s; --output
@@ -79,6 +84,8 @@ def generate(
     from natsl.runtime import pick_backend, pick_device, pick_dtype
     from natsl.inference.generate import generate as run_generate
     from natsl.inference.sampling import SamplingConfig
+    from natsl.inference.generate import CPU_PREFILL_CHUNK
+    from natsl.cli.jobs import check_job, decoding_works, held_bytes
 
     texts = read_prompts(prompt, prompt_file)
     config = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -113,6 +120,12 @@ def generate(
         if len(ids) >= limit:
             raise NatslError(f"{where} has {len(ids)} tokens but the model takes at most {limit} (max_seq_len) "
                              "including the new ones; shorten it")
+    lengths = [len(ids) for ids in prompts]
+    check_job(f"generate: {len(prompts)} prompt(s) of up to {max(lengths):,} tokens + {max_new_tokens} new",
+              model.config, decoding_works(lengths, max_new_tokens, batch=batch_size,
+                                           chunk=CPU_PREFILL_CHUNK if torch_device.type == "cpu" else None),
+              device=torch_device, dtype=torch_dtype, backend=chosen_backend, force=force, held=held_bytes(model),
+              fix="shorten the prompts, or lower --max-new-tokens or --batch-size")
 
     single = len(prompts) == 1
     rows = []

@@ -14,9 +14,10 @@ import typer
 
 from natsl.cli.app import command
 from natsl.cli.options import threads_option
+from natsl.cli.jobs import force_option
 
 
-@command("train")
+@command("train", stop_soon=True)
 def train(
     recipe: str = typer.Argument(..., help="Recipe YAML file or the name of a shipped recipe (e.g. tiny_hybrid, recall/gdn)."),
     more: Optional[List[str]] = typer.Argument(None, metavar="[KEY=VALUE]...",
@@ -35,13 +36,20 @@ def train(
                                             "compiles with CUDA-graphed steps unless the recipe sets either)."),
     threads: Optional[int] = threads_option(),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show the progress bar."),
+    force: bool = force_option(),
 ) -> None:
-    """Train from a recipe: AdamW, warmup + cosine, checkpoints you can resume, metrics.jsonl + metrics.png."""
+    """Train from a recipe: AdamW, warmup + cosine, checkpoints you can resume, metrics.jsonl + metrics.png.
+
+    A run the estimate calls long or large says so first; one the device's memory cannot hold is refused
+    (--force starts it anyway). The first Ctrl-C stops within about two seconds: after the step in
+    progress with its checkpoint when that step ends in time, else at once keeping the newest checkpoint
+    (exit code 130)."""
     from natsl.runtime import pick_backend, pick_device
     from natsl.config import apply_overrides, load_recipe
     from natsl.errors import NatslError
     from natsl.training import TrainOptions, train as run_training
     from natsl.training.distributed import launched_by_torchrun
+    from natsl.cli.jobs import check_training
 
     overrides = list(set_ or [])
     for item in more or []:
@@ -59,6 +67,7 @@ def train(
     pick_backend(backend, pick_device(device))  # reject a bad --device / --backend before any work
     if resume not in ("auto", "never") and not resume.strip():
         raise NatslError("--resume takes auto, never or a checkpoint folder")
+    check_training(rec, device=device, backend=backend, threads=threads, max_steps=max_steps, force=force)
     result = run_training(rec, TrainOptions(out_dir=out, resume=resume, device=device, backend=backend,
                                             compile=compile_, max_steps=max_steps, threads=threads,
                                             progress=progress))

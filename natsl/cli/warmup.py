@@ -9,10 +9,11 @@ import typer
 
 from natsl.cli.app import command
 from natsl.cli.options import threads_option, use_threads
+from natsl.cli.jobs import force_option
 from natsl.errors import NatslError
 
 
-@command("warmup")
+@command("warmup", stop_soon=True)
 def warmup(
     model_path: str = typer.Argument(..., metavar="RECIPE_OR_CKPT",
                                      help="A recipe (YAML or name; random weights) or a checkpoint folder."),
@@ -24,17 +25,21 @@ def warmup(
     device: Optional[str] = typer.Option(None, help="cpu, cuda or cuda:N (default: cuda if present)."),
     dtype: Optional[str] = typer.Option(None, help="fp32, bf16 or fp16 (default: bf16 on CUDA, fp32 on CPU)."),
     threads: Optional[int] = threads_option(),
+    force: bool = force_option(),
 ) -> None:
     """Prefill and decode at each length so that Triton's and Inductor's on-disk caches hold the kernels.
 
     Triton keeps its kernels in TRITON_CACHE_DIR (default ~/.triton/cache), Inductor in
     TORCHINDUCTOR_CACHE_DIR (default /tmp/torchinductor_$USER); a later process with the same model,
     dtype, backend, batch size, torch, Triton and GPU (and the same two variables) loads them from
-    there instead of compiling. On the CPU nothing is compiled: the calls just run.
+    there instead of compiling. On the CPU nothing is compiled: the calls just run. Lengths the estimate
+    calls long or large say so first; lengths the device's memory cannot hold are refused (--force starts
+    anyway).
     """
     from natsl.cli.eval_ruler import parse_lengths
     from natsl.runtime import check_length, checkpoint_recipe_of, pick_backend, pick_device, pick_dtype
     from natsl.seeding import check_seed
+    from natsl.cli.jobs import check_models, latency_works
 
     check_seed(seed, "--seed")
     length_list = parse_lengths(lengths)
@@ -44,7 +49,8 @@ def warmup(
     import natsl
 
     is_checkpoint = Path(model_path).is_dir()
-    limit = (checkpoint_recipe_of(model_path)[1] if is_checkpoint else natsl.load_recipe(model_path)).model.max_seq_len
+    config = (checkpoint_recipe_of(model_path)[1] if is_checkpoint else natsl.load_recipe(model_path)).model
+    limit = config.max_seq_len
     check_length("--lengths", max(length_list), limit, model_path)
     if decode_tokens >= limit:
         raise NatslError(f"--decode-tokens {decode_tokens} leaves no prompt within the max_seq_len {limit} of "
@@ -53,6 +59,10 @@ def warmup(
     torch_dtype = pick_dtype(dtype, torch_device)
     chosen_backend = pick_backend(backend, torch_device)
     threads_note = use_threads(threads, torch_device, say=False)
+    works = latency_works(length_list, batch=batch_size, decode_tokens=decode_tokens, repeats=2)
+    check_models(f"warmup: {len(length_list)} length(s) up to {max(length_list):,} tokens",
+                 [(config, 1.0 if is_checkpoint else 0.5, works)], device=torch_device, dtype=torch_dtype,
+                 backend=chosen_backend, force=force, fix="lower --lengths or --batch-size")
 
     from natsl.inference import bench
     from natsl.inference.warmup import cache_dirs, warm_up

@@ -100,7 +100,9 @@ def human_duration(seconds: float) -> str:
         return f"{seconds:.0f} s"
     if seconds < 5400:
         return f"{seconds / 60:.1f} min"
-    return f"{seconds / 3600:.1f} h"
+    if seconds < 3 * 86400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"
 
 
 def human_count(n: float) -> str:

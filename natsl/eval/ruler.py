@@ -267,8 +267,9 @@ def run_ruler(em, tasks: list[str], lengths: list[int], samples: int, *, seed: i
               use_cache: bool = True, progress: bool = True, on_first=None) -> tuple[dict, list[dict]]:
     """Generate, decode greedily and score every (length, task, sample). Returns (summary, rows).
 
-    `on_first(stats, samples)` is called once the first sample is decoded, with its timings (see
-    `greedy_generate`) and every sample to run (for an estimate of the rest)."""
+    `on_first(stats, samples, sample)` is called once, after a warm sample is decoded (the second: the
+    first pays the compiles of a new length), with its timings (see `greedy_generate`), every sample to
+    run and the sample measured (for an estimate of the whole run)."""
     from tqdm import tqdm
 
     from natsl.eval.decode import greedy_generate
@@ -290,8 +291,8 @@ def run_ruler(em, tasks: list[str], lengths: list[int], samples: int, *, seed: i
                                       use_cache=use_cache, device=em.device, stats=stats)
             except NonFiniteError as err:
                 raise NatslError(f"checkpoint {str(em.folder)!r}: {err}; check its weights or try --dtype fp32") from None
-            if number == 0 and on_first is not None:
-                on_first(stats, todo)
+            if number == min(1, len(todo) - 1) and on_first is not None:
+                on_first(stats, todo, sample)
             if out and out[-1] == tokenizer.eos_id:
                 out = out[:-1]
             prediction = tokenizer.decode(out)

@@ -312,6 +312,8 @@ def run_benchmark(specs: list[BenchModel], lengths: list[int], *, device: torch.
         "decode_tokens": decode_tokens, "repeats": repeats, "torch": torch.__version__, "provenance": provenance(),
         "started": time.strftime("%Y-%m-%d %H:%M:%S"), "rates": rates, "models": [],
     }
+    if on_update is not None:  # an interrupted run then has a result to keep, even before its first point
+        on_update(result)
     bar = tqdm(total=len(specs) * len(lengths), desc="bench-latency", unit="point", disable=not progress)
     began = time.monotonic()
     for index, spec in enumerate(specs):

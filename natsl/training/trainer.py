@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import yaml
 
-from natsl import __version__, switches
+from natsl import __version__, interrupts, switches
 from natsl import checkpoint as C
 from natsl.config import Recipe, run_folder
 from natsl.errors import NatslError
@@ -731,7 +731,12 @@ class Trainer:
         window_tokens, window_time = 0, 0.0
         last_saved = start if ckpt is not None else None
         tokens_per_s = None
-        with stop_signals(world == 1, self.options.on_signal) as stop:
+
+        def say_dropped() -> None:  # a Ctrl-C's deadline ended the process in a step (natsl.interrupts)
+            kept = f"the newest checkpoint is step {last_saved}'s" if last_saved is not None else "no checkpoint written"
+            say(f"SIGINT: step {step + 1} was not finished and is not saved; {kept}; continue with --resume auto")
+
+        with stop_signals(world == 1, self.options.on_signal) as stop, interrupts.keep(say_dropped):
             try:
                 while step < self.end_step:
                     samples = step_sample_indices(self.state["samples_seen"], self.micro_batch, self.accum,
@@ -776,11 +781,13 @@ class Trainer:
                             say(f"step {step}: validation loss {val_loss:.4f}")
                             result.val_loss = val_loss
                     if step % tc.save_every == 0 or (step == self.end_step and self.options.save_final):
-                        result.checkpoint = self.save(step)
+                        with interrupts.saving():  # a Ctrl-C's deadline (natsl.interrupts) waits for it
+                            result.checkpoint = self.save(step)
                         last_saved = step
                     if stop["signal"]:
                         if last_saved != step:
-                            result.checkpoint = self.save(step)
+                            with interrupts.saving():
+                                result.checkpoint = self.save(step)
                         say(f"{stop['signal']}: stopped after step {step} with a checkpoint; "
                             "continue with --resume auto")
                         raise KeyboardInterrupt
