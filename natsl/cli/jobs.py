@@ -37,21 +37,25 @@ def combine(estimates: Sequence["Estimate"]) -> "Estimate":
 
 def check_training(recipe, *, device: Optional[str], backend: Optional[str], threads: Optional[int],
                    max_steps: Optional[int], force: bool) -> None:
-    """`natsl train`: the steps to run at the recipe's micro-batch (the smallest, 1, where the recipe leaves
-    it to the trainer), with their activations, the fp32 weights, gradients and AdamW moments. The ranks of
+    """`natsl train`: the steps to run at the recipe's micro-batch (with `auto`: the CPU's pick, or on a GPU
+    the smallest, 1, which the probe falls back to), with their activations, the fp32 weights, gradients and AdamW moments. The ranks of
     a torchrun job only warn (rank 0): one refusing alone would leave the others waiting."""
     import os
 
     from natsl import estimate as E
     from natsl.runtime import pick_backend, pick_device
     from natsl.training.distributed import launched_by_torchrun
-    from natsl.training.trainer import cpu_threads
+    from natsl.training.micro_batch import cpu_micro_batch
+    from natsl.runtime import cpu_threads
 
     tc = recipe.train
     dev = pick_device(device)
     chosen = pick_backend(backend, dev)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    micro = tc.micro_batch_size if isinstance(tc.micro_batch_size, int) else 1
+    micro = tc.micro_batch_size
+    if not isinstance(micro, int):  # auto: the CPU's pick (no probe there); on a GPU the smallest the probe can take
+        per_rank = max(tc.tokens_per_step // (tc.seq_len * world), 1)
+        micro = cpu_micro_batch(per_rank) if dev.type == "cpu" else 1
     accum = max(tc.tokens_per_step // (micro * tc.seq_len * world), 1)
     steps = max(tc.total_tokens // tc.tokens_per_step, 1)
     limit = max_steps if max_steps is not None else tc.max_steps
@@ -60,7 +64,7 @@ def check_training(recipe, *, device: Optional[str], backend: Optional[str], thr
     work = E.Work("train", micro, tc.seq_len, calls=steps, micro_batches=accum)
     rates = None
     if dev.type == "cpu":  # at the thread count the trainer will use
-        rates = E.device_rates(dev, threads=cpu_threads(threads))
+        rates = E.device_rates(dev, threads=cpu_threads(threads)[0])
     est = E.estimate(recipe.model, [work], dev, backend=chosen, checkpointing=tc.activation_checkpointing,
                      rates=rates)
     what = (f"train {recipe.name}: up to {steps:,} steps of {tc.tokens_per_step:,} tokens ({micro} x {tc.seq_len} x "
