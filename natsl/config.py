@@ -508,6 +508,29 @@ def check_unique_keys(text: str, where: str) -> None:
             stack.extend(node.value)
 
 
+def read_yaml(path, what: str, kind: str) -> Any:
+    """The data of a YAML file that may come from a stranger: no mapping names a key twice
+    (check_unique_keys), then yaml.safe_load (nothing is executed). Recipes and sweep specs read through it.
+
+    Args:
+        path: the file.
+        what: how errors name the file ("recipe file", "sweep spec").
+        kind: what such a file is, for the error of one nested too deeply ("a recipe (...)").
+    Returns:
+        what yaml.safe_load gives (None for an empty file).
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+        check_unique_keys(text, f"{what} {str(path)!r}")
+        return yaml.safe_load(text)
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise NatslError(f"{what} {str(path)!r} is not valid YAML ({first}); fix the file") from None
+    except RecursionError:
+        raise NatslError(f"{what} {str(path)!r} is nested too deeply to be {kind}; fix the file") from None
+
+
 def recipes_root():
     """The folder of the shipped recipes (a Traversable): an installed wheel's package data natsl/recipes/,
     else the checkout's top-level recipes/ beside the natsl package (editable installs, PYTHONPATH runs)."""
@@ -553,16 +576,7 @@ def load_recipe(path: str | Path) -> Recipe:
     elif not path.is_file():
         raise NatslError(f"recipe file {str(path)!r} does not exist; pass a path to a YAML file or a recipe name "
                          f"({', '.join(recipe_names())})")
-    try:
-        text = path.read_text(encoding="utf-8")
-        check_unique_keys(text, f"recipe file {str(path)!r}")
-        data = yaml.safe_load(text)
-    except (yaml.YAMLError, UnicodeDecodeError) as err:
-        first = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise NatslError(f"recipe file {str(path)!r} is not valid YAML ({first}); fix the file") from None
-    except RecursionError:
-        raise NatslError(f"recipe file {str(path)!r} is nested too deeply to be a recipe (sections hold keys and "
-                         "values, at most a list of numbers); fix the file") from None
+    data = read_yaml(path, "recipe file", "a recipe (sections hold keys and values, at most a list of numbers)")
     if data is None:  # from_dict would read it as {}: silently the 800M defaults
         raise NatslError(f"recipe file {str(path)!r} is empty; a recipe needs at least a model section "
                          "(see recipes/tiny_hybrid.yaml)")

@@ -67,7 +67,7 @@ def compare(
 ) -> None:
     """Quality (recall, perplexity) against KV bytes and prefill / decode latency, per model, budget and context."""
     from natsl.atomic import write_json, write_text
-    from natsl.cli.eval_ruler import parse_lengths
+    from natsl.data.grid import parse_lengths
     from natsl.errors import NatslError
     from natsl.eval.common import prepare_out_dir
     from natsl.eval import compare as logic

@@ -9,30 +9,6 @@ import typer
 from natsl.cli.app import command
 
 
-def parse_lengths(text: str) -> list[int]:
-    """"4k,8k,16k" or "4096,8192" -> [4096, 8192, ...]."""
-    from natsl.errors import NatslError
-
-    out = []
-    for part in text.split(","):
-        part = part.strip().lower()
-        if not part:
-            continue
-        scale = 1
-        if part.endswith("k"):
-            part, scale = part[:-1], 1024
-        try:
-            value = int(float(part) * scale)
-        except (ValueError, OverflowError):  # "abc", "nan", "inf"
-            raise NatslError(f"--lengths {text!r}: {part!r} is not a length; use e.g. 4k,8k,16k or 4096,8192") from None
-        if value < 1:
-            raise NatslError(f"--lengths {text!r}: lengths must be positive")
-        out.append(value)
-    if not out:
-        raise NatslError("--lengths is empty; use e.g. 4k,8k,16k")
-    return out
-
-
 @command("eval-ruler")
 def eval_ruler(
     checkpoint: str = typer.Argument(..., help="Checkpoint folder (or a training run folder: newest step)."),
@@ -56,6 +32,7 @@ def eval_ruler(
     from pathlib import Path
 
     from natsl.atomic import write_json, write_jsonl
+    from natsl.data.grid import parse_lengths
     from natsl.runtime import check_length, checkpoint_recipe_of, on_cuda
     from natsl.errors import NatslError
     from natsl.eval.common import human_count, load_eval_model, prepare_out_dir, print_estimate

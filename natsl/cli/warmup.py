@@ -30,7 +30,7 @@ def warmup(
     dtype, backend, batch size, torch, Triton and GPU (and the same two variables) loads them from
     there instead of compiling. On the CPU nothing is compiled: the calls just run.
     """
-    from natsl.cli.eval_ruler import parse_lengths
+    from natsl.data.grid import parse_lengths
     from natsl.runtime import check_length, checkpoint_recipe_of, pick_backend, pick_device, pick_dtype
     from natsl.seeding import check_seed
 
