@@ -209,7 +209,7 @@ def load_spec(path: str | Path, out: str | Path, max_parallel: Optional[int] = N
     overrides = set_items(spec.get("set"), "'set'", path)
     if spec.get("compile") is not None and not isinstance(spec["compile"], bool):
         raise _spec_error(path, f"'compile' must be true or false (or left out), got {spec['compile']!r}")
-    device = check_device(device, "--device") if device is not None else check_device(spec.get("device"), "the spec's")
+    device = check_device(device, "--device") if device is not None else check_device(spec.get("device"), "the spec's device")
     parallel = max_parallel if max_parallel is not None else spec.get("max_parallel", 1)
     if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
         raise _spec_error(path, f"max_parallel must be a whole number of workers, at least 1, got {parallel!r}; "

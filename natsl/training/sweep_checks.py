@@ -181,7 +181,7 @@ def check_run_eval(evals: dict, recipe, run_id: str, path) -> None:
 def check_device(device: Any, where: str) -> Optional[str]:
     """A run's device as written (None: cuda when there is one): auto, cpu, cuda or cuda:N."""
     if device is not None and (not isinstance(device, str) or not DEVICE.fullmatch(device)):
-        raise NatslError(f"{where} device {device!r} is not one of auto, cpu, cuda, cuda:N; fix it")
+        raise NatslError(f"{where} {device!r} is not one of auto, cpu, cuda, cuda:N; fix it")
     return device
 
 
