@@ -23,10 +23,11 @@ BASE = ("systems: {gdn: recall/gdn, natsl_hybrid: recall/natsl_hybrid}\nwidths: 
 
 
 def _spec(tmp_path, text: str, name: str = "s.yaml") -> Path:
-    """BASE with `text` added; a top-level key that `text` gives replaces BASE's (specs refuse a key given twice)."""
+    """BASE with `text`'s top-level keys added; a key of both is `text`'s (a spec names each key once)."""
     given = {line.split(":")[0] for line in text.splitlines() if line and not line[0].isspace()}
+    base = "".join(f"{line}\n" for line in BASE.splitlines() if line.split(":")[0] not in given)
     path = tmp_path / name
-    path.write_text("".join(line + "\n" for line in BASE.splitlines() if line.split(":")[0] not in given) + text)
+    path.write_text(base + text)
     return path
 
 
@@ -354,25 +355,25 @@ def test_a_systems_env_reaches_its_workers_only_and_is_recorded(tmp_path, monkey
     unchanged."""
     spec = tmp_path / "s.yaml"
     spec.write_text("systems:\n  gdn: recall/gdn\n  checked: {recipe: recall/gdn, env: {NATSL_CHECK_OPS: 1, "
-                    "NATSL_PROBE: true}}\nwidths: [64]\ntasks: {t: 'task:mqar?seq_len=64&pairs=4'}\n"
+                    "NATSL_FUSED_MIX: true}}\nwidths: [64]\ntasks: {t: 'task:mqar?seq_len=64&pairs=4'}\n"
                     "lrs: [0.001]\nbudget: {max_steps: 8}\n")
     sweep = S.load_spec(spec, tmp_path / "out")
     plain, checked = sweep.runs
-    assert (plain.env, checked.env) == ({}, {"NATSL_CHECK_OPS": "1", "NATSL_PROBE": "true"})
+    assert (plain.env, checked.env) == ({}, {"NATSL_CHECK_OPS": "1", "NATSL_FUSED_MIX": "1"})
     assert checked.id == "t-checked-d64-lr0.001" and checked.overrides == plain.overrides
     worker = tmp_path / "worker.sh"  # writes what it saw of the two variables into its result
     worker.write_text('#!/bin/sh\nprintf \'{"status": "done", "steps": 8, "recall_accuracy": 0.5, '
-                      '"seen": "%s/%s"}\' "${NATSL_CHECK_OPS:-unset}" "${NATSL_PROBE:-unset}" '
+                      '"seen": "%s/%s"}\' "${NATSL_CHECK_OPS:-unset}" "${NATSL_FUSED_MIX:-unset}" '
                       '> "$(dirname "$1")/result.json"\n')
     monkeypatch.setattr(S, "WORKER", ["/bin/sh", str(worker)])
-    monkeypatch.setenv("NATSL_PROBE", "runner")
+    monkeypatch.setenv("NATSL_FUSED_MIX", "runner")
     monkeypatch.delenv("NATSL_CHECK_OPS", raising=False)
     sweep.min_train_s = 0.0
     S.run_sweep(sweep, progress=False, log=lambda line: None)
     seen = {run.id: json.loads((Path(run.out) / "result.json").read_text())["seen"] for run in sweep.runs}
-    assert seen == {plain.id: "unset/runner", checked.id: "1/true"}
+    assert seen == {plain.id: "unset/runner", checked.id: "1/1"}
     recorded = json.loads((Path(checked.out) / "run.json").read_text())
-    assert recorded["env"] == {"NATSL_CHECK_OPS": "1", "NATSL_PROBE": "true"}
+    assert recorded["env"] == {"NATSL_CHECK_OPS": "1", "NATSL_FUSED_MIX": "1"}
 
 
 def test_the_spec_set_is_checked_as_a_systems_is(tmp_path):

@@ -74,7 +74,7 @@ def compare(
     A run the estimate calls long or large says so first; one the device's memory cannot hold is refused
     (--force starts it anyway)."""
     from natsl.atomic import write_json, write_text
-    from natsl.cli.eval_ruler import parse_lengths
+    from natsl.data.grid import parse_lengths
     from natsl.errors import NatslError
     from natsl.eval.common import prepare_out_dir
     from natsl.eval import compare as logic

@@ -19,7 +19,7 @@ def run_eval_recall(checkpoint: str, task: Optional[str] = None, lengths: Option
     """The command's work (the sweep's workers call it too): returns the report written to recall.json.
     `deadline` (a time.time()): no grid point is started after it (the report's `complete` is then false).
     `force`: start even when the estimate says the device's memory cannot hold the evaluation."""
-    from natsl.cli.eval_ruler import parse_lengths
+    from natsl.data.grid import check_vocab, parse_lengths
     from natsl.errors import NatslError
     from natsl.atomic import write_json
     from natsl.eval.common import load_eval_model, prepare_out_dir
@@ -29,20 +29,25 @@ def run_eval_recall(checkpoint: str, task: Optional[str] = None, lengths: Option
     from natsl.runtime import check_keeps_natsl, checkpoint_recipe_of
     from natsl.cli.jobs import check_job, held_bytes
     from natsl.estimate import Work
+    from natsl.seeding import check_seed
 
+    # every option before any work (the checkpoint is loaded after them)
     check_output(out, [checkpoint], "--out")
     if samples < 1 or batch_size < 1:
-        raise NatslError("--samples and --batch-size must be at least 1")
+        raise NatslError(f"--samples and --batch-size must be at least 1, got {samples} and {batch_size}")
     if keep_fraction is not None and not 0.0 <= keep_fraction <= 1.0:
         raise NatslError(f"--keep-fraction must lie in [0, 1], got {keep_fraction}")
+    check_seed(seed, "--seed")
+    check_vocab(vocab)
+    length_list = parse_lengths(lengths) if lengths else None
+    count_list = parse_lengths(pairs, "--pairs") if pairs else None
     use_threads(threads, device, say=not quiet)
     if keep_fraction is not None:  # config.json only: refuse before loading
         folder, recipe = checkpoint_recipe_of(checkpoint)
         check_keeps_natsl(keep_fraction, recipe, folder)
     out_dir = prepare_out_dir(out)
     em = load_eval_model(checkpoint, device, dtype, backend)
-    spec, points = recall_grid(em, task, parse_lengths(lengths) if lengths else None,
-                               parse_lengths(pairs) if pairs else None, vocab)
+    spec, points = recall_grid(em, task, length_list, count_list, vocab)
     force_keep_fraction(em.model, keep_fraction, seed)
     check_job(f"eval-recall: {len(points)} points x {samples} samples", em.recipe.model,
               [Work("forward", min(batch_size, samples), length, calls=-(-samples // batch_size)) for length, _ in points],

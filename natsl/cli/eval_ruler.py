@@ -11,30 +11,6 @@ from natsl.cli.options import threads_option, use_threads
 from natsl.cli.jobs import force_option
 
 
-def parse_lengths(text: str) -> list[int]:
-    """"4k,8k,16k" or "4096,8192" -> [4096, 8192, ...]."""
-    from natsl.errors import NatslError
-
-    out = []
-    for part in text.split(","):
-        part = part.strip().lower()
-        if not part:
-            continue
-        scale = 1
-        if part.endswith("k"):
-            part, scale = part[:-1], 1024
-        try:
-            value = int(float(part) * scale)
-        except (ValueError, OverflowError):  # "abc", "nan", "inf"
-            raise NatslError(f"--lengths {text!r}: {part!r} is not a length; use e.g. 4k,8k,16k or 4096,8192") from None
-        if value < 1:
-            raise NatslError(f"--lengths {text!r}: lengths must be positive")
-        out.append(value)
-    if not out:
-        raise NatslError("--lengths is empty; use e.g. 4k,8k,16k")
-    return out
-
-
 def ruler_estimate(facts, stats: dict, measured_length: int, prompt_lengths: list[int], max_new_tokens: int,
                    device, *, dtype=None, backend: str = "chunked", rates=None) -> tuple[float, float]:
     """Seconds of every sample (prompts of `prompt_lengths`), from one warm sample measured at a prompt
@@ -90,6 +66,7 @@ def eval_ruler(
     from pathlib import Path
 
     from natsl.atomic import write_json, write_jsonl
+    from natsl.data.grid import parse_lengths
     from natsl.runtime import check_keeps_natsl, check_length, checkpoint_recipe_of, on_cuda, pick_backend, pick_device, pick_dtype
     from natsl.errors import NatslError
     from natsl.estimate import model_facts

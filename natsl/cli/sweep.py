@@ -37,7 +37,7 @@ def sweep(
     check_output(out, [spec], "--out")
     code = exit_code(run_sweep(load_spec(spec, out, max_parallel, deadline, device), progress=progress, mps=mps))
     if code:
-        raise typer.Exit(code)  # stopped by a signal: 128 + its number, as the module entry point
+        raise typer.Exit(code)  # a run failed (1), or stopped by a signal (128 + its number), as the module entry point
 
 
 def run_worker(run_file: str) -> int:

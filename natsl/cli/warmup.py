@@ -36,7 +36,7 @@ def warmup(
     calls long or large say so first; lengths the device's memory cannot hold are refused (--force starts
     anyway).
     """
-    from natsl.cli.eval_ruler import parse_lengths
+    from natsl.data.grid import parse_lengths
     from natsl.runtime import check_length, checkpoint_recipe_of, pick_backend, pick_device, pick_dtype
     from natsl.seeding import check_seed
     from natsl.cli.jobs import check_models, latency_works

@@ -15,54 +15,15 @@ from typing import Optional
 import numpy as np
 import torch
 
-from natsl.data.tasks import (EVAL_STREAM, IGNORE, Part, TaskSpec, _check_part, answer_hits, batch_generator, is_task,
-                              make_batch, parse_task)
-from natsl.errors import NatslError
+from natsl.data.grid import eval_grid
+from natsl.data.tasks import EVAL_STREAM, IGNORE, Part, TaskSpec, answer_hits, batch_generator, make_batch
 from natsl.eval.common import final_hidden_states
-
-
-def grid_points(task: str, lengths: list[int], counts: list[int], vocab: int) -> list[tuple[int, int]]:
-    """Every (length, count) that the task can make (MQAR: 4 x pairs <= length), in order."""
-    spec = TaskSpec(task, vocab)
-    points = []
-    for n in lengths:
-        for p in counts:
-            try:
-                _check_part(spec, Part(n, p), f"task:{task}")
-            except NatslError:
-                continue
-            points.append((n, p))
-    if not points:
-        raise NatslError(f"no (length, {'pairs' if task == 'mqar' else 'digits'}) point of the grid fits the {task} "
-                         f"task (MQAR needs length >= 4 x pairs and pairs < vocab/2); pass other --lengths/--pairs")
-    return points
 
 
 def recall_grid(em, task: str | None, length_list: list[int] | None, count_list: list[int] | None,
                 vocab: int | None) -> tuple[TaskSpec, list[tuple[int, int]]]:
-    """The task and (length, count) points to evaluate `em` on; the checkpoint's own task (its
-    data.path) gives the defaults: task, vocabulary, grid, power law."""
-    model_vocab = em.recipe.model.vocab_size
-    trained = em.recipe.data.path
-    base = parse_task(trained, model_vocab, 1 << 30) if is_task(trained) else None
-    name = task or (base.name if base else "mqar")
-    if name not in ("mqar", "passkey"):
-        raise NatslError(f"unknown --task {name!r}; choose mqar or passkey")
-    same = base is not None and base.name == name
-    spec = TaskSpec(name, vocab or (base.vocab if same else model_vocab))
-    if same:
-        spec.power_a, spec.random_non_queries = base.power_a, base.random_non_queries
-    if spec.vocab > model_vocab:
-        raise NatslError(f"--vocab {spec.vocab} is more than the model's vocabulary {model_vocab}")
-    length_list = length_list or (sorted({p.seq_len for p in base.parts}) if same else None)
-    count_list = count_list or (sorted({p.pairs for p in base.parts}) if same else None)
-    if not length_list or not count_list:
-        raise NatslError(f"the checkpoint was not trained on a {name} task; pass --lengths and --pairs "
-                         "(e.g. --lengths 512,1024 --pairs 32,64)")
-    too_long = [n for n in length_list if n > em.recipe.model.max_seq_len]
-    if too_long:
-        raise NatslError(f"--lengths: {too_long[0]} is beyond the model's max_seq_len {em.recipe.model.max_seq_len}")
-    return spec, grid_points(name, length_list, count_list, spec.vocab)
+    """The task and (length, count) points to evaluate `em` on (natsl.data.grid.eval_grid of its recipe)."""
+    return eval_grid(em.recipe, task, length_list, count_list, vocab)
 
 
 @torch.inference_mode()
@@ -173,6 +134,9 @@ def plot_recall(report: dict, path, title: str):
         ax.set_ylim(0, 1.05)
         ax.set_ylabel("kept fraction (softmax KV)")
         ax.set_title("routing on the same inputs")
-        ax.legend(fontsize=7)
+        # beside the bars, not over them (a kept fraction near 1 fills the axes to the top); a long list of
+        # layers and groups wraps into columns; the saved figure grows to hold it (save_figure's tight box)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0,
+                  ncol=-(-len(labels) // 16))
     fig.suptitle(title)
     return save_figure(fig, path)

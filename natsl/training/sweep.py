@@ -5,7 +5,7 @@
 
 A spec (YAML) names systems (a recipe each), model widths, learning rates (one list for all systems
 or one per system), training tasks and seeds; every combination is one run. A run is one worker process
-(`python -m natsl.cli.sweep RUN.json`): it trains its recipe, scaled to the width, within its step
+(natsl.cli.sweep RUN.json, WORKER): it trains its recipe, scaled to the width, within its step
 and wall-clock budget, then evaluates recall (`natsl eval-recall`) on the spec's grid, and writes
 OUT/runs/ID/result.json. A model of width 128 leaves a GPU almost idle, so up to --max-parallel
 workers share it.
@@ -29,7 +29,13 @@ which stops at the deadline too), and at the deadline kills every worker still r
 its process group, SIGKILL a few seconds later, whatever state it is in. SIGTERM or SIGINT to the
 runner does the same at once and it exits with 143 / 130; a second signal ends it at once, workers
 killed. The summary is always written last. A worker whose runner is gone, or whose deadline has
-passed, ends itself (natsl.cli.sweep), so no orphan keeps the GPU.
+passed, ends itself (natsl.cli.sweep), so no orphan keeps the GPU. The runner exits with 1 when a run
+failed (its worker's error, not the deadline's or a signal's), 2 on bad input, before any worker starts.
+
+Specs come from strangers: what a spec may name (run folders, recipe files, `env:` variables, the
+evaluation grid, the device, --out) is checked in natsl.training.sweep_checks; every run's recipe with its
+overrides validates here, at load. --out holds one spec's sweep: the same spec again resumes it (finished
+runs are kept), another is refused.
 
 The spec:
 
@@ -38,6 +44,7 @@ The spec:
       natsl_hybrid: natsl_hybrid.yaml   # applied after the spec's `set:` (a variant needs no recipe file)
       natsl_hybrid_target: {recipe: natsl_hybrid.yaml, set: [model.router_keep_target=0.5]}
       natsl_checked: {recipe: natsl.yaml, env: {NATSL_CHECK_OPS: 1}}   # env: that system's workers' variables
+                                   # (natsl's switches and a few diagnostics only: sweep_checks.check_env)
     widths: [128, 64, 256]         # hidden size; head dims, MLP and attention heads scale with it
     lrs: [0.001, 0.003]            # or by width {64: [...], 256: [...]}, or by system {gdn: [...], natsl_hybrid:
                                    # {128: [...]}} (a list, or a list per width); a width left out is not run
@@ -82,9 +89,11 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from natsl.errors import NatslError
+from natsl.training.sweep_checks import (check_devices_present, check_env, check_eval, check_name, check_out_folder,
+                                         check_run_eval, check_device, recipe_location, spec_error)
 
 SCALED = ("hidden_size", "intermediate_size", "head_k_dim", "head_v_dim", "attn_head_dim")
 SPEC_KEYS = {"name", "systems", "widths", "lrs", "tasks", "eval", "budget", "set", "compile", "max_parallel",
@@ -94,7 +103,8 @@ BUDGET_KEYS = {"max_steps", "run_s", "deadline_s", "eval_reserve_s", "match"}
 MATCHES = ("steps", "time")
 # Recipe keys the runner sets for every run: a `set:` item must not overrule them (what to write instead).
 RUNNER_KEYS = {"train.seed": "seeds: [0, 1, 2]", "train.total_tokens": "budget.max_steps",
-               "train.max_steps": "budget.max_steps"}
+               "train.max_steps": "budget.max_steps", "data.path": "tasks: {NAME: task:...}",
+               "train.out_dir": "--out"}
 CROWDED = 16  # more workers than this on one GPU each get too few steps in a wall-clock budget
 
 
@@ -133,10 +143,10 @@ class Sweep:
     min_train_s: float = 10.0  # a run is started only if it can train this long before its evaluation reserve
     grace_s: float = 3.0  # a stopped worker's time to end on SIGTERM before SIGKILL
     match: str = "steps"  # budget.match of its runs (check_budget)
+    clock: Callable[[], float] = time.time  # what the deadline is read from (tests pass their own)
 
 
-def _spec_error(path, message: str) -> NatslError:
-    return NatslError(f"sweep spec {str(path)!r}: {message}")
+_spec_error = spec_error
 
 
 def runs_on_cuda(device: Optional[str]) -> bool:
@@ -160,60 +170,76 @@ def compile_settings(spec_compile, device: Optional[str]) -> tuple[bool, list[st
 
 def load_spec(path: str | Path, out: str | Path, max_parallel: Optional[int] = None,
               deadline_s: Optional[float] = None, device: Optional[str] = None) -> Sweep:
-    """Read and check a sweep spec; expand it into runs (every recipe loads and validates here)."""
-    from natsl.config import apply_overrides, load_recipe, load_yaml_file
+    """Read and check a sweep spec; expand it into runs (every recipe loads and validates here, with each
+    run's overrides and evaluation grid, so that a bad spec fails in one line before any worker starts).
+
+    Args:
+        path: the spec (YAML, read as recipes are: natsl.config.load_yaml_file; nothing is executed).
+        out: the sweep's folder (--out).
+        max_parallel, deadline_s, device: --max-parallel, --deadline and --device (None: the spec's).
+    Returns:
+        the Sweep, its runs in the order they start.
+    """
+    from natsl.config import apply_overrides, load_recipe
 
     path = Path(path)
-    if not path.is_file():
-        raise NatslError(f"sweep spec {str(path)!r} does not exist; pass a file such as recipes/recall/sweep_cpu.yaml")
-    spec = load_yaml_file(path, f"sweep spec {str(path)!r}")  # bounded aliases, no key twice
-    if not isinstance(spec, dict):
-        raise _spec_error(path, "must be a mapping with systems, widths, lrs, tasks")
+    spec = read_spec(path)
     if "seed" in spec:
         raise _spec_error(path, f"'seed' is not a key; write seeds: [{spec['seed']!r}] (each run's train.seed)")
-    unknown = sorted(set(spec) - SPEC_KEYS)
+    unknown = sorted(map(str, set(spec) - SPEC_KEYS))
     if unknown:
         raise _spec_error(path, f"unknown key {unknown[0]!r}; allowed: {', '.join(sorted(SPEC_KEYS))}")
+    name = spec.get("name", path.stem)
+    if not isinstance(name, str) or not name.strip() or not name.isprintable():
+        raise _spec_error(path, f"'name' must be a one-line string, got {name!r}")
     systems = system_entries(spec.get("systems"), path)
     widths = spec.get("widths")
-    if not isinstance(widths, list) or not widths or not all(isinstance(w, int) and w > 0 for w in widths):
+    if not isinstance(widths, list) or not widths or not all(
+            isinstance(w, int) and not isinstance(w, bool) and w > 0 for w in widths):
         raise _spec_error(path, "'widths' must be a list of positive integers (hidden sizes)")
     lr_of = lr_table(spec.get("lrs"), systems, widths, path)
     seeds = seed_list(spec.get("seeds"), path)
     tasks = spec.get("tasks")
     if not isinstance(tasks, dict) or not tasks or not all(isinstance(v, str) for v in tasks.values()):
         raise _spec_error(path, "'tasks' must map names to data paths such as task:mqar?seq_len=512&pairs=64")
+    for task_name in tasks:
+        check_name(task_name, "task", path)
     budget, match = check_budget(spec.get("budget"), path)
-    evals = {"samples": 128, "batch_size": 32, **(spec.get("eval") or {})}
+    evals = check_eval(spec.get("eval"), path)
     overrides = set_items(spec.get("set"), "'set'", path)
-    device = device or spec.get("device")
+    if spec.get("compile") is not None and not isinstance(spec["compile"], bool):
+        raise _spec_error(path, f"'compile' must be true or false (or left out), got {spec['compile']!r}")
+    device = check_device(device, "--device") if device is not None else check_device(spec.get("device"), "the spec's device")
+    parallel = max_parallel if max_parallel is not None else spec.get("max_parallel", 1)
+    if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
+        raise _spec_error(path, f"max_parallel must be a whole number of workers, at least 1, got {parallel!r}; "
+                                "fix --max-parallel or the spec's max_parallel")
     compile_, compile_overrides = compile_settings(spec.get("compile"), device)
-    root = Path.cwd()
+    recipes = {system: load_recipe(location) for system, (location, _, _) in systems.items()}
     runs = []
     for task_name, data in tasks.items():
         task_len = _task_seq_len(data, path)
         for width in widths:
             for seed in seeds:  # the first seed's rates first: a sweep cut short has whole rate sweeps
                 for lr_index in range(max(len(lr_of[s].get(width, ())) for s in systems)):
-                    for system, (recipe_path, system_set, system_env) in systems.items():
+                    for system, (location, system_set, system_env) in systems.items():
                         values = lr_of[system].get(width, ())
                         if lr_index >= len(values):
                             continue  # this system has fewer rates at this width, or none (not run at it)
                         lr = float(values[lr_index])
-                        recipe_file = Path(recipe_path)
-                        if not recipe_file.is_absolute() and not recipe_file.is_file():
-                            recipe_file = path.parent / recipe_path  # beside the spec
-                        if not recipe_file.is_file():
-                            recipe_file = Path(recipe_path)  # a shipped recipe's name, such as recall/gdn
-                        recipe = load_recipe(recipe_file)
-                        mbs = recipe.train.micro_batch_size
-                        for item in overrides + system_set:
-                            if item.split("=", 1)[0].strip() == "train.micro_batch_size":
-                                mbs = int(item.split("=", 1)[1])
+                        run_id = f"{task_name}-{system}-d{width}-lr{lr:g}" + (f"-s{seed}" if seed else "")
+                        where = "the spec's `set:`" + (f" or system {system!r}'s `set:`" if system_set else "")
+                        recipe = recipes[system]
+                        sizes = [item for item in overrides + system_set
+                                 if item.split("=", 1)[0].strip() == "train.micro_batch_size"]
+                        try:  # a bad value or combination fails here, not in a worker
+                            mbs = apply_overrides(recipe, sizes).train.micro_batch_size
+                        except NatslError as err:
+                            raise _spec_error(path, f"run {run_id}: {err} (in {where})") from None
                         if mbs == "auto":  # the step below is one micro-batch: it needs a count
-                            raise _spec_error(path, f"system {system!r}: recipe {recipe_path} has train.micro_batch_size "
-                                              "auto, but a sweep's step is one micro-batch; set "
-                                              "train.micro_batch_size to a count in `set:`")
+                            raise _spec_error(path, f"system {system!r}: its recipe has train.micro_batch_size auto, "
+                                              "but a sweep's step is one micro-batch; set train.micro_batch_size "
+                                              "to a count in `set:`")
                         tokens = mbs * task_len  # one micro-batch per step
                         max_steps = int(budget.get("max_steps", recipe.train.max_steps
                                                    or recipe.train.total_tokens // recipe.train.tokens_per_step))
@@ -224,43 +250,55 @@ def load_spec(path: str | Path, out: str | Path, max_parallel: Optional[int] = N
                             f"optim.warmup_tokens={min(recipe.optim.warmup_tokens, tokens * max_steps // 10)}"
                         ] + compile_overrides + overrides + system_set  # the spec's `set:`, then the system's,
                         # last: they may undo the defaults above, and the system's may undo the spec's
-                        run_id = f"{task_name}-{system}-d{width}-lr{lr:g}" + (f"-s{seed}" if seed else "")
-                        where = "the spec's `set:`" + (f" or system {system!r}'s `set:`" if system_set else "")
-                        try:  # a bad combination fails here, not in a worker
-                            recipe = apply_overrides(recipe, run_overrides)
-                            recipe.train.accumulation()  # the trainer's step rule, here rather than in every worker
+                        try:
+                            trained = apply_overrides(recipe, run_overrides)
+                            trained.train.accumulation()  # the trainer's step rule, here rather than in every worker
                         except NatslError as err:
                             raise _spec_error(path, f"run {run_id}: {err} (in {where})") from None
                         # the cosine schedule ends at max_steps whatever step size the `set:` items chose
-                        last = [f"train.total_tokens={recipe.train.tokens_per_step * max_steps}", f"train.seed={seed}"]
-                        apply_overrides(recipe, last)
-                        runs.append(RunSpec(run_id, system, str(recipe_file if recipe_file.is_absolute() or not recipe_file.is_file() else root / recipe_file),
-                                            width, lr, task_name, data, run_overrides + last, max_steps,
-                                            float(budget.get("run_s", 1e9)), evals, compile_,
-                                            device, str(Path(out) / "runs" / run_id), seed=seed, match=match,
-                                            env=system_env))
+                        last = [f"train.total_tokens={trained.train.tokens_per_step * max_steps}", f"train.seed={seed}"]
+                        check_run_eval(evals, apply_overrides(trained, last), run_id, path)
+                        runs.append(RunSpec(run_id, system, location, width, lr, task_name, data,
+                                            run_overrides + last, max_steps, float(budget.get("run_s", 1e9)), evals,
+                                            compile_, device, str(Path(out) / "runs" / run_id), seed=seed,
+                                            match=match, env=system_env))
     if len({r.id for r in runs}) != len(runs):
         raise _spec_error(path, "two runs share an id (the same system, width, lr and task twice)")
     deadline = deadline_s if deadline_s is not None else budget.get("deadline_s")  # --deadline wins
     if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float))
-                                 or not deadline > 0):
+                                 or not math.isfinite(deadline) or not deadline > 0):
         raise _spec_error(path, f"the deadline must be a positive number of seconds, got {deadline!r}; "
                                 "fix --deadline or budget.deadline_s")
-    return Sweep(str(spec.get("name", path.stem)), runs, int(max_parallel or spec.get("max_parallel", 1)),
-                 deadline, float(budget.get("eval_reserve_s", 30)), Path(out), spec, match=match)
+    return Sweep(name, runs, parallel, deadline, float(budget.get("eval_reserve_s", 30)), Path(out), spec,
+                 match=match)
+
+
+def read_spec(path: Path) -> dict:
+    """The spec file's mapping, read as recipes are (natsl.config.load_yaml_file: no key twice, bounded
+    aliases, yaml's safe constructors)."""
+    from natsl.config import load_yaml_file
+
+    if not path.is_file():
+        raise NatslError(f"sweep spec {str(path)!r} does not exist; pass a file such as recipes/recall/sweep_cpu.yaml")
+    spec = load_yaml_file(path, f"sweep spec {str(path)!r}")
+    if not isinstance(spec, dict):
+        raise _spec_error(path, "must be a mapping with systems, widths, lrs, tasks")
+    return spec
 
 
 def system_entries(systems, path) -> dict[str, tuple[str, list[str], dict[str, str]]]:
-    """The spec's `systems`: name -> (recipe file, that system's `set:` items, its `env:`). A value is a recipe
-    file, or a mapping {recipe: FILE, set: [...], env: {NAME: value}} whose `set:` items are applied after the
-    spec's (variants of one recipe without a recipe file each) and whose `env:` variables are set for its
-    workers only (a diagnostic such as NATSL_CHECK_OPS on one system; a run's provenance records the ones it reads)."""
+    """The spec's `systems`: name -> (where its recipe loads from, that system's `set:` items, its `env:`). A
+    value is a recipe file (beside the spec) or a shipped recipe's name, or a mapping {recipe: FILE, set: [...],
+    env: {NAME: value}} whose `set:` items are applied after the spec's (variants of one recipe without a
+    recipe file each) and whose `env:` variables are set for its workers only (natsl's switches and a few
+    diagnostics such as NATSL_CHECK_OPS, sweep_checks.check_env; a run's provenance records the ones it reads)."""
     if not isinstance(systems, dict) or not systems:
         raise _spec_error(path, "'systems' must map names to recipe files")
     entries = {}
     for name, value in systems.items():
+        check_name(name, "system", path)
         if isinstance(value, str):
-            entries[name] = (value, [], {})
+            entries[name] = (recipe_location(value, path, name), [], {})
             continue
         if not isinstance(value, dict):
             raise _spec_error(path, f"system {name!r} is {value!r}; give a recipe file, or "
@@ -272,23 +310,9 @@ def system_entries(systems, path) -> dict[str, tuple[str, list[str], dict[str, s
         if not isinstance(recipe, str) or not recipe:
             raise _spec_error(path, f"system {name!r} names no recipe file; write {{recipe: natsl_hybrid.yaml, "
                                     "set: [...]}")
-        entries[name] = (recipe, set_items(value.get("set"), f"system {name!r}'s 'set'", path),
-                         env_items(value.get("env"), name, path))
+        entries[name] = (recipe_location(recipe, path, name), set_items(value.get("set"), f"system {name!r}'s 'set'", path),
+                         check_env(value.get("env"), name, path))
     return entries
-
-
-def env_items(value, system: str, path) -> dict[str, str]:
-    """A system's `env:` mapping as environment strings; absent: none."""
-    if value is None:
-        return {}
-    if not isinstance(value, dict) or not all(isinstance(k, str) and k and "=" not in k for k in value):
-        raise _spec_error(path, f"system {system!r}'s 'env' is {value!r}; write a mapping such as "
-                                "{NATSL_CHECK_OPS: 1}")
-    bad = [k for k, v in value.items() if isinstance(v, (dict, list)) or v is None]
-    if bad:
-        raise _spec_error(path, f"system {system!r}'s env variable {bad[0]!r} has no plain value; write "
-                                f"{bad[0]}: 1 (a string, number or boolean)")
-    return {k: (str(v).lower() if isinstance(v, bool) else str(v)) for k, v in value.items()}
 
 
 def set_items(value, where: str, path) -> list[str]:
@@ -341,7 +365,7 @@ def check_budget(budget, path) -> tuple[dict, str]:
     for key, least in (("run_s", "more than 0"), ("eval_reserve_s", "at least 0")):
         value = budget.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                  or not (value > 0 if key == "run_s" else value >= 0)):
+                                  or not math.isfinite(value) or not (value > 0 if key == "run_s" else value >= 0)):
             raise _spec_error(path, f"budget.{key} must be a number of seconds, {least}, got {value!r}")
     match = budget.get("match")
     if match is None:
@@ -416,7 +440,7 @@ def width_overrides(recipe, width: int) -> list[str]:
 def _write_json(path: Path, obj) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n", encoding="utf-8")
     os.replace(tmp, path)
 
 
@@ -488,12 +512,16 @@ def mps_daemon(sweep: Sweep, env: dict, log=print) -> Iterator[dict]:
 def run_sweep(sweep: Sweep, progress: bool = True, log=print, mps: bool = False) -> dict:
     """Run every run of `sweep` (at most max_parallel at once) within its deadline; returns the summary,
     whose `stopped` says what ended the sweep early ("deadline", "SIGTERM", "SIGINT"; None: it finished).
-    `mps`: start the CUDA MPS daemon for the workers when several share a GPU (`mps_daemon`)."""
+    `mps`: start the CUDA MPS daemon for the workers when several share a GPU (`mps_daemon`). Before any
+    worker starts: --out (new, or this spec's own sweep to resume), the devices and the initial weights."""
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
                                                        os.environ.get("PYTHONPATH")]))}
     if sweep.max_parallel < 1:
         raise NatslError(f"--max-parallel must be at least 1, got {sweep.max_parallel}")
+    check_out_folder(sweep.out, sweep.name, sweep.spec, [Path(r.out) for r in sweep.runs])
+    pending = [r for r in sweep.runs if not _finished(r)]
+    check_devices_present({r.device for r in pending})
     check_initial_weights(sweep)
     if not mps:
         return _run_sweep(sweep, env, progress, log)
@@ -524,9 +552,14 @@ def check_initial_weights(sweep: Sweep) -> None:
 
 
 def exit_code(summary: Optional[dict]) -> int:
-    """The runner's exit code: 128 + the signal that stopped it (143 SIGTERM, 130 SIGINT), else 0."""
-    stopped = (summary or {}).get("stopped") or ""
-    return 128 + signal.Signals[stopped] if stopped.startswith("SIG") else 0
+    """The runner's exit code: 128 + the signal that stopped it (143 SIGTERM, 130 SIGINT), else 1 when a run
+    failed (its worker said so in result.json, or ended with an error of its own), else 0. Runs that the
+    deadline cut off or left unstarted are no failure: they are the budget's."""
+    summary = summary or {}
+    stopped = summary.get("stopped") or ""
+    if stopped.startswith("SIG"):
+        return 128 + signal.Signals[stopped]
+    return 1 if any(r.get("status") == "failed" or r.get("failed") for r in summary.get("runs", ())) else 0
 
 
 def _run_sweep(sweep: Sweep, env: dict, progress: bool, log) -> dict:
@@ -534,7 +567,7 @@ def _run_sweep(sweep: Sweep, env: dict, progress: bool, log) -> dict:
 
     from natsl.training.trainer import stop_signals
 
-    start = time.time()
+    start = sweep.clock()
     end = start + sweep.deadline_s if sweep.deadline_s else None
     sweep.out.mkdir(parents=True, exist_ok=True)
     _write_json(sweep.out / "sweep.json", {"name": sweep.name, "spec": sweep.spec, "started": start,
@@ -548,6 +581,7 @@ def _run_sweep(sweep: Sweep, env: dict, progress: bool, log) -> dict:
     running: dict[str, tuple[subprocess.Popen, RunSpec, Any]] = {}
     skipped: list[str] = []
     killed: dict[str, str] = {}
+    failed: dict[str, str] = {}
     stopped = None
 
     heard: list[str] = []
@@ -566,12 +600,12 @@ def _run_sweep(sweep: Sweep, env: dict, progress: bool, log) -> dict:
         write_summary(sweep)  # at once, so that even a runner killed with SIGKILL leaves one
         try:
             while pending or running:
-                if asked["signal"] or (end is not None and time.time() >= end):
+                if asked["signal"] or (end is not None and sweep.clock() >= end):
                     stopped = asked["signal"] or "deadline"
                     break
                 while pending and len(running) < sweep.max_parallel:
                     run = pending.pop(0)
-                    if end is not None and end - time.time() < sweep.eval_reserve_s + sweep.min_train_s:
+                    if end is not None and end - sweep.clock() < sweep.eval_reserve_s + sweep.min_train_s:
                         skipped.append(run.id)  # no time left to train and evaluate it
                         continue
                     run.train_deadline, run.deadline = (end - sweep.eval_reserve_s, end) if end else (None, None)
@@ -581,13 +615,21 @@ def _run_sweep(sweep: Sweep, env: dict, progress: bool, log) -> dict:
                         _signal_group(proc, signal.SIGKILL)  # whatever the worker started and left behind
                         fh.close()
                         del running[run_id]
+                        status = _status(run)
+                        late = end is not None and sweep.clock() >= end  # its own watchdog ended it at the deadline
+                        if proc.returncode != 0 and status != "done" and not late:
+                            failed[run_id] = _exit_reason(proc.returncode)
+                            status = f"{status}, failed ({failed[run_id]}; see {Path(run.out) / 'log.txt'})"
                         bar.update(1)
-                        bar.write(f"{run_id}: {_status(run)}")
-                        write_summary(sweep, skipped)
+                        bar.write(f"{run_id}: {status}")
+                        write_summary(sweep, skipped, failed=failed)
                 time.sleep(0.2)
         finally:  # the deadline, a signal, or an error in the runner: the workers go first, whatever they do
             if running:
                 why = stopped or "the runner failed"
+                # said before the grace: a second signal now ends the workers and the runner at once
+                log(f"{why}: stopping {len(running)} workers (SIGTERM, SIGKILL after {sweep.grace_s:g} s; "
+                    "a second Ctrl-C kills them at once)")
                 stop_workers([proc for proc, _, _ in running.values()], sweep.grace_s)
                 for run_id, (proc, run, fh) in running.items():
                     fh.close()
@@ -598,10 +640,12 @@ def _run_sweep(sweep: Sweep, env: dict, progress: bool, log) -> dict:
         skipped.extend(r.id for r in pending)
         if skipped:
             log(f"not started (no time left before the deadline): {len(skipped)} runs")
-        summary = write_summary(sweep, skipped, killed, stopped)
+        summary = write_summary(sweep, skipped, killed, stopped, failed)
+    failures = sum(1 for r in summary["runs"] if r["status"] == "failed" or r.get("failed"))
     log(f"wrote {sweep.out / 'summary.json'} and {sweep.out / 'summary.png'} "
-        f"({sum(1 for r in summary['runs'] if r['status'] == 'done')} of {len(sweep.runs)} runs done, "
-        f"{time.time() - start:.0f} s{f', stopped by {stopped}' if stopped else ''})")
+        f"({sum(1 for r in summary['runs'] if r['status'] == 'done')} of {len(sweep.runs)} runs done"
+        f"{f', {failures} failed (see their log.txt)' if failures else ''}, "
+        f"{sweep.clock() - start:.0f} s{f', stopped by {stopped}' if stopped else ''})")
     return summary
 
 
@@ -621,6 +665,14 @@ def crowding_warning(sweep: Sweep, pending: list[RunSpec]) -> Optional[str]:
             f"{cost}; lower --max-parallel")
 
 
+def _exit_reason(code: int) -> str:
+    """How a worker ended, from its exit code (negative: the signal that killed it)."""
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
+
+
 def _finished(run: RunSpec) -> bool:
     return _status(run) == "done"
 
@@ -630,7 +682,10 @@ def _status(run: RunSpec) -> str:
     return result.get("status", "unknown") if result else "no result"
 
 
-WORKER = [sys.executable, "-m", "natsl.cli.sweep"]  # + RUN.json: the command of one run
+# + RUN.json: the command of one run. Not `python -m`, which puts the working folder first on sys.path (a spec's
+# folder, often): the worker imports natsl and torch from the runner's PYTHONPATH and site-packages only.
+WORKER = [sys.executable, "-c", "import runpy, sys; sys.path[:] = [p for p in sys.path if p not in ('', '.')]; "
+          "runpy.run_module('natsl.cli.sweep', run_name='__main__', alter_sys=True)"]
 
 
 def _launch(run: RunSpec, env: dict) -> tuple[subprocess.Popen, RunSpec, Any]:
@@ -638,9 +693,11 @@ def _launch(run: RunSpec, env: dict) -> tuple[subprocess.Popen, RunSpec, Any]:
     folder.mkdir(parents=True, exist_ok=True)
     _write_json(folder / "run.json", asdict(run))
     fh = open(folder / "log.txt", "a", encoding="utf-8")
-    # its own session and process group: stop_workers signals the worker with everything it starts
+    # its own session and process group: stop_workers signals the worker with everything it starts; its
+    # system's env: passes the spec's check again here, whoever built the RunSpec
     proc = subprocess.Popen([*WORKER, str(folder / "run.json")], stdin=subprocess.DEVNULL, stdout=fh,
-                            stderr=subprocess.STDOUT, env={**env, **run.env}, start_new_session=True)
+                            stderr=subprocess.STDOUT, env={**env, **check_env(run.env, run.system, folder / "run.json")},
+                            start_new_session=True)
     return proc, run, fh
 
 
@@ -769,15 +826,18 @@ def best_points(records: list[dict]) -> list[dict]:
 
 
 def write_summary(sweep: Sweep, skipped: Optional[list[str]] = None, killed: Optional[dict[str, str]] = None,
-                  stopped: Optional[str] = None) -> dict:
+                  stopped: Optional[str] = None, failed: Optional[dict[str, str]] = None) -> dict:
     """Rebuild OUT/summary.json and OUT/summary.png from whatever the runs have written. `killed`: run id
-    -> why the runner killed it; `stopped`: what ended the sweep early (None: nothing, or not yet)."""
+    -> why the runner killed it; `stopped`: what ended the sweep early (None: nothing, or not yet);
+    `failed`: run id -> how its worker ended with an error of its own (exit_code counts them)."""
     records = [run_record(r) for r in sweep.runs]
     for r in records:
         if skipped and r["id"] in skipped and r["status"] == "not run":
             r["status"] = "skipped (deadline)"
         if killed and r["id"] in killed:
             r["killed"] = killed[r["id"]]
+        if failed and r["id"] in failed:
+            r["failed"] = failed[r["id"]]
     summary = {"name": sweep.name, "stopped": stopped, "match": sweep.match,
                "seeds": list(dict.fromkeys(r.seed for r in sweep.runs)), "runs": records, "best": best_points(records),
                "note": "accuracy: the mean over the seeds that finished (seeds_finished of seeds_total; the others "
