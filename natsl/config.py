@@ -638,7 +638,8 @@ def recipes_root():
 
 
 def recipe_names() -> list[str]:
-    """Names of the recipes shipped with natsl ("tiny_hybrid", "recall/gdn", ...), sorted."""
+    """Names of the recipes shipped with natsl ("tiny_hybrid", "recall/gdn", ...), sorted; sweep specs
+    (sweep.yaml, sweep_*.yaml) beside them are not recipes."""
     names = []
     folders = [("", recipes_root())]
     while folders:
@@ -646,7 +647,7 @@ def recipe_names() -> list[str]:
         for entry in folder.iterdir():
             if entry.is_dir():
                 folders.append((f"{prefix}{entry.name}/", entry))
-            elif entry.name.endswith(".yaml") and not entry.name.startswith("sweep_"):
+            elif entry.name.endswith(".yaml") and not (entry.name == "sweep.yaml" or entry.name.startswith("sweep_")):
                 names.append(prefix + entry.name[:-len(".yaml")])
     return sorted(names)
 

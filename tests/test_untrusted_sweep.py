@@ -219,6 +219,14 @@ def test_set_cannot_move_the_data_or_the_run(tmp_path, item, message):
     ({"budget": "{run_s: .inf}"}, "budget.run_s must be a number of seconds"),
     ({"budget": "{deadline_s: .nan}"}, "the deadline must be a positive number of seconds"),
     ({"budget": "{max_steps: 2, max_stepz: 3}"}, "unknown budget key 'max_stepz'"),
+    ({"budget": "{max_tokens: abc}"}, "budget.max_tokens must be a whole number of tokens, at least 1"),
+    ({"budget": "{max_tokens: 0}"}, "budget.max_tokens must be a whole number of tokens, at least 1"),
+    ({"budget": "{max_tokens: true}"}, "budget.max_tokens must be a whole number of tokens"),
+    ({"budget": "{max_tokens: 1.5e6}"}, "budget.max_tokens must be a whole number of tokens"),
+    ({"budget": "{max_steps: 2, max_tokens: 1000000}"}, "budget gives both max_steps and max_tokens; keep one"),
+    ({"budget": "{max_tokens: 3}"}, "budget.max_tokens 3 is less than one step"),
+    ({"tasks": "{t: ''}"}, "'tasks' must map names to data paths"),
+    ({"tasks": "{t: no/such/folder}"}, "data folder 'no/such/folder' does not exist"),
     ({"colour": "red"}, "unknown key 'colour'"),
 ])
 def test_bad_values_are_one_line_errors_at_load(tmp_path, keys, message):
@@ -235,6 +243,9 @@ def test_bad_values_are_one_line_errors_at_load(tmp_path, keys, message):
     ("systems: [" * 2000 + "]" * 2000 + "\n", "nested too deeply"),
     ("systems: {gdn: recall/gdn\n", "not valid YAML"),
     (b"systems: \xff\xfe\n", "not valid YAML"),
+    # widths may be left out only when every task is a language-model folder (each recipe's own width)
+    ("systems: {gdn: recall/gdn}\nlrs: [0.001]\ntasks: {t: 'task:mqar?seq_len=64&pairs=4', lm: data}\n",
+     "it may be left out only when every task is a natsl tokenize folder"),
 ])
 def test_duplicate_and_unknown_keys_and_broken_files(tmp_path, text, message):
     refused(tmp_path, text, message)

@@ -1,5 +1,6 @@
 """`natsl sweep SPEC --out OUT`: small-model sweeps in parallel processes (natsl.training.sweep), and
-the worker one run is (`python -m natsl.cli.sweep RUN.json`): train, then evaluate recall."""
+the worker one run is (`python -m natsl.cli.sweep RUN.json`): train, then evaluate recall (an MQAR task)
+or record the trainer's validation loss (a language-model task: a natsl tokenize folder)."""
 
 from __future__ import annotations
 
@@ -41,7 +42,9 @@ def sweep(
 
 
 def run_worker(run_file: str) -> int:
-    """One run: train its recipe within its budget, write result.json, evaluate recall, write it again.
+    """One run: train its recipe within its budget, write result.json, evaluate recall, write it again. A
+    language-model run (`kind: lm`) is done after training: result.json holds its final validation loss
+    (the trainer evaluates at its last step), perplexity, tokens trained, steps and wall time.
     SIGTERM / SIGINT (the runner stopping it) end training after the current step with a checkpoint and
     skip the evaluation; during the evaluation they end the worker at once. The evaluation starts no grid
     point after the sweep's deadline (`complete: false` then; such a run is ranked by validation accuracy)."""
@@ -88,11 +91,24 @@ def run_worker(run_file: str) -> int:
               "parameters": build_model(recipe.model, device="meta").num_parameters(),
               "keep_groups_last_step": step_records[-1].get("keep_groups") if step_records else None,
               "recall_accuracy": None, "keep_fraction": None, "provenance": provenance()}
+    lm = run.get("kind") == "lm"
+    if lm:  # a language model: its evaluation is the trainer's validation loss (at its last step, too)
+        from natsl.training.sweep_lm import validation_of
+
+        result.update(validation_of(records, recipe.train.tokens_per_step),
+                      tokens=result["steps"] * recipe.train.tokens_per_step)
+        for key in ("recall_accuracy", "keep_fraction", "val_accuracy"):  # recall's, not measured here
+            del result[key]
     if asked["signal"]:  # told to stop: no evaluation
         result["stopped_by_signal"] = asked["signal"]
         _write_json(folder / "result.json", result)
         print(f"{asked['signal']}: {run['id']} stopped after {result['steps']} steps, not evaluated")
         return 128 + signal.Signals[asked["signal"]]
+    if lm:  # no export: an LR sweep's models are not evaluated further (the checkpoint stays in RUN/train)
+        result.update(status="done", total_s=time.time() - started)
+        _write_json(folder / "result.json", result)
+        print(f"done: {run['id']} validation loss {result['val_loss']} after {result['steps']} steps")
+        return 0
     _write_json(folder / "result.json", result)
     export_model(folder)
     for sig in (signal.SIGTERM, signal.SIGINT):  # from here on a stop request ends the worker at once

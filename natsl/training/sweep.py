@@ -19,6 +19,13 @@ first, with the schedule still ending at max_steps: a system that steps faster g
 The summary's best entry per (task, system, width) is the learning rate with the best mean accuracy
 over its seeds; seeds whose run has not finished are left out of the mean (not counted as zero).
 
+A task that is not task:... is a language-model task: a `natsl tokenize` folder (read from the working
+folder, as a recipe's data.path). Its runs keep their recipe's seq_len, tokens_per_step and micro-batch
+(accumulation as the recipe says) and, with `widths:` left out, their own width; they are evaluated by the
+trainer's validation loss (at their last step too), not eval-recall, and the summary's `best_lm` ranks each
+(task, system, width)'s learning rates by the lowest final validation loss, mean over seeds
+(natsl.training.sweep_lm). `budget.max_tokens` gives the run's length in tokens instead of max_steps.
+
 Results are written as they come: a worker writes result.json after training and again after its
 evaluation; the runner writes OUT/summary.json and OUT/summary.png at its start and again whenever a
 run ends, from whatever has finished (a run cut off mid-training is summarised from its
@@ -49,7 +56,7 @@ The spec:
     lrs: [0.001, 0.003]            # or by width {64: [...], 256: [...]}, or by system {gdn: [...], natsl_hybrid:
                                    # {128: [...]}} (a list, or a list per width); a width left out is not run
     tasks:                         # training tasks: name -> data.path (train.seq_len follows the task)
-      mqar512: task:mqar?seq_len=512&pairs=8,16,32,64
+      mqar512: task:mqar?seq_len=512&pairs=8,16,32,64   # or a natsl tokenize folder: a language-model task
     eval: {lengths: "512,1024", pairs: "32,64,128", samples: 128, batch_size: 32}
     seeds: [0, 1, 2]               # train.seed of each run (default [0]); ids end -s1, -s2 (seed 0: none)
     budget: {max_steps: 2000, run_s: 150, deadline_s: 470, eval_reserve_s: 40, match: steps}
@@ -94,16 +101,18 @@ from typing import Any, Callable, Iterator, Optional
 from natsl.errors import NatslError
 from natsl.training.sweep_checks import (check_devices_present, check_env, check_eval, check_name, check_out_folder,
                                          check_run_eval, check_device, recipe_location, spec_error)
+from natsl.training.sweep_lm import LM_NOTE, best_lm_points, plot_lm_summary, save_figure, validation_of
 
 SCALED = ("hidden_size", "intermediate_size", "head_k_dim", "head_v_dim", "attn_head_dim")
 SPEC_KEYS = {"name", "systems", "widths", "lrs", "tasks", "eval", "budget", "set", "compile", "max_parallel",
              "device", "seeds"}
 SYSTEM_KEYS = ("recipe", "set", "env")  # of a system given as a mapping: {recipe: FILE, set: [...], env: {...}}
-BUDGET_KEYS = {"max_steps", "run_s", "deadline_s", "eval_reserve_s", "match"}
+BUDGET_KEYS = {"max_steps", "max_tokens", "run_s", "deadline_s", "eval_reserve_s", "match"}
 MATCHES = ("steps", "time")
 # Recipe keys the runner sets for every run: a `set:` item must not overrule them (what to write instead).
-RUNNER_KEYS = {"train.seed": "seeds: [0, 1, 2]", "train.total_tokens": "budget.max_steps",
-               "train.max_steps": "budget.max_steps", "data.path": "tasks: {NAME: task:...}",
+RUNNER_KEYS = {"train.seed": "seeds: [0, 1, 2]", "train.total_tokens": "budget.max_steps or budget.max_tokens",
+               "train.max_steps": "budget.max_steps or budget.max_tokens",
+               "data.path": "tasks: {NAME: task:...} or {NAME: a natsl tokenize folder}",
                "train.out_dir": "--out"}
 CROWDED = 16  # more workers than this on one GPU each get too few steps in a wall-clock budget
 
@@ -129,6 +138,8 @@ class RunSpec:
     seed: int = 0  # its train.seed
     match: str = "steps"  # steps: it must reach max_steps (run_s only caps it); time: run_s is its budget
     env: dict = field(default_factory=dict)  # its system's `env:`: set in its worker's environment
+    kind: str = "recall"  # recall: an MQAR task, evaluated by eval-recall; lm: a token folder, by validation loss
+    tokens_per_step: int = 0  # of its trained recipe (an lm run's tokens trained: steps x this)
 
 
 @dataclass
@@ -193,20 +204,28 @@ def load_spec(path: str | Path, out: str | Path, max_parallel: Optional[int] = N
     if not isinstance(name, str) or not name.strip() or not name.isprintable():
         raise _spec_error(path, f"'name' must be a one-line string, got {name!r}")
     systems = system_entries(spec.get("systems"), path)
-    widths = spec.get("widths")
-    if not isinstance(widths, list) or not widths or not all(
-            isinstance(w, int) and not isinstance(w, bool) and w > 0 for w in widths):
-        raise _spec_error(path, "'widths' must be a list of positive integers (hidden sizes)")
-    lr_of = lr_table(spec.get("lrs"), systems, widths, path)
-    seeds = seed_list(spec.get("seeds"), path)
     tasks = spec.get("tasks")
-    if not isinstance(tasks, dict) or not tasks or not all(isinstance(v, str) for v in tasks.values()):
-        raise _spec_error(path, "'tasks' must map names to data paths such as task:mqar?seq_len=512&pairs=64")
+    if not isinstance(tasks, dict) or not tasks or not all(isinstance(v, str) and v for v in tasks.values()):
+        raise _spec_error(path, "'tasks' must map names to data paths such as task:mqar?seq_len=512&pairs=64 "
+                                "or a natsl tokenize folder such as data/mini")
     for task_name in tasks:
         check_name(task_name, "task", path)
+    overrides = set_items(spec.get("set"), "'set'", path)
+    recipes = {system: load_recipe(location) for system, (location, _, _) in systems.items()}
+    widths = spec.get("widths")
+    own_width = widths is None and not any(map(is_task, tasks.values()))  # language-model tasks only
+    if own_width:  # each recipe's own width (after the `set:` items), unscaled
+        configured = {system: _configured(recipes[system], overrides + system_set, system, path)
+                      for system, (_, system_set, _) in systems.items()}
+        widths = sorted({c.model.hidden_size for c in configured.values()})
+    if not isinstance(widths, list) or not widths or not all(
+            isinstance(w, int) and not isinstance(w, bool) and w > 0 for w in widths):
+        raise _spec_error(path, "'widths' must be a list of positive integers (hidden sizes); it may be left "
+                                "out only when every task is a natsl tokenize folder (each recipe's own width)")
+    lr_of = lr_table(spec.get("lrs"), systems, widths, path)
+    seeds = seed_list(spec.get("seeds"), path)
     budget, match = check_budget(spec.get("budget"), path)
     evals = check_eval(spec.get("eval"), path)
-    overrides = set_items(spec.get("set"), "'set'", path)
     if spec.get("compile") is not None and not isinstance(spec["compile"], bool):
         raise _spec_error(path, f"'compile' must be true or false (or left out), got {spec['compile']!r}")
     device = check_device(device, "--device") if device is not None else check_device(spec.get("device"), "the spec's device")
@@ -215,38 +234,35 @@ def load_spec(path: str | Path, out: str | Path, max_parallel: Optional[int] = N
         raise _spec_error(path, f"max_parallel must be a whole number of workers, at least 1, got {parallel!r}; "
                                 "fix --max-parallel or the spec's max_parallel")
     compile_, compile_overrides = compile_settings(spec.get("compile"), device)
-    recipes = {system: load_recipe(location) for system, (location, _, _) in systems.items()}
     runs = []
     for task_name, data in tasks.items():
-        task_len = _task_seq_len(data, path)
+        lm = not is_task(data)
+        task_len = None if lm else _task_seq_len(data, path)
         for width in widths:
             for seed in seeds:  # the first seed's rates first: a sweep cut short has whole rate sweeps
                 for lr_index in range(max(len(lr_of[s].get(width, ())) for s in systems)):
                     for system, (location, system_set, system_env) in systems.items():
                         values = lr_of[system].get(width, ())
-                        if lr_index >= len(values):
+                        if lr_index >= len(values) or (own_width and configured[system].model.hidden_size != width):
                             continue  # this system has fewer rates at this width, or none (not run at it)
                         lr = float(values[lr_index])
                         run_id = f"{task_name}-{system}-d{width}-lr{lr:g}" + (f"-s{seed}" if seed else "")
                         where = "the spec's `set:`" + (f" or system {system!r}'s `set:`" if system_set else "")
                         recipe = recipes[system]
-                        sizes = [item for item in overrides + system_set
-                                 if item.split("=", 1)[0].strip() == "train.micro_batch_size"]
-                        try:  # a bad value or combination fails here, not in a worker
-                            mbs = apply_overrides(recipe, sizes).train.micro_batch_size
-                        except NatslError as err:
-                            raise _spec_error(path, f"run {run_id}: {err} (in {where})") from None
-                        if mbs == "auto":  # the step below is one micro-batch: it needs a count
-                            raise _spec_error(path, f"system {system!r}: its recipe has train.micro_batch_size auto, "
-                                              "but a sweep's step is one micro-batch; set train.micro_batch_size "
-                                              "to a count in `set:`")
-                        tokens = mbs * task_len  # one micro-batch per step
-                        max_steps = int(budget.get("max_steps", recipe.train.max_steps
-                                                   or recipe.train.total_tokens // recipe.train.tokens_per_step))
+                        if lm:  # a language model: the recipe's own context, step size and micro-batch
+                            tokens = _configured(recipe, overrides + system_set, system, path).train.tokens_per_step
+                            shape = [f"data.path={data}"]
+                            default_steps = recipe.train.max_steps or recipe.train.total_tokens // tokens
+                        else:
+                            tokens = _recall_step_tokens(recipe, overrides + system_set, task_len, run_id, where,
+                                                         system, path)
+                            shape = [f"data.path={data}", f"train.seq_len={task_len}", f"train.tokens_per_step={tokens}"]
+                            default_steps = (recipe.train.max_steps
+                                             or recipe.train.total_tokens // recipe.train.tokens_per_step)
+                        max_steps = budget_steps(budget, tokens, default_steps, run_id, path)
                         # a warmup of a tenth of the run at most
-                        run_overrides = width_overrides(recipe, width) + [
-                            f"optim.lr={lr}", f"optim.min_lr={lr / 10}", f"data.path={data}",
-                            f"train.seq_len={task_len}", f"train.tokens_per_step={tokens}",
+                        run_overrides = ([] if own_width else width_overrides(recipe, width)) + [
+                            f"optim.lr={lr}", f"optim.min_lr={lr / 10}"] + shape + [
                             f"optim.warmup_tokens={min(recipe.optim.warmup_tokens, tokens * max_steps // 10)}"
                         ] + compile_overrides + overrides + system_set  # the spec's `set:`, then the system's,
                         # last: they may undo the defaults above, and the system's may undo the spec's
@@ -257,11 +273,13 @@ def load_spec(path: str | Path, out: str | Path, max_parallel: Optional[int] = N
                             raise _spec_error(path, f"run {run_id}: {err} (in {where})") from None
                         # the cosine schedule ends at max_steps whatever step size the `set:` items chose
                         last = [f"train.total_tokens={trained.train.tokens_per_step * max_steps}", f"train.seed={seed}"]
-                        check_run_eval(evals, apply_overrides(trained, last), run_id, path)
+                        if not lm:  # a language model is evaluated by its validation loss, not a recall grid
+                            check_run_eval(evals, apply_overrides(trained, last), run_id, path)
                         runs.append(RunSpec(run_id, system, location, width, lr, task_name, data,
-                                            run_overrides + last, max_steps, float(budget.get("run_s", 1e9)), evals,
-                                            compile_, device, str(Path(out) / "runs" / run_id), seed=seed,
-                                            match=match, env=system_env))
+                                            run_overrides + last, max_steps, float(budget.get("run_s", 1e9)),
+                                            {} if lm else evals, compile_, device, str(Path(out) / "runs" / run_id),
+                                            seed=seed, match=match, env=system_env, kind="lm" if lm else "recall",
+                                            tokens_per_step=trained.train.tokens_per_step))
     if len({r.id for r in runs}) != len(runs):
         raise _spec_error(path, "two runs share an id (the same system, width, lr and task twice)")
     deadline = deadline_s if deadline_s is not None else budget.get("deadline_s")  # --deadline wins
@@ -271,6 +289,45 @@ def load_spec(path: str | Path, out: str | Path, max_parallel: Optional[int] = N
                                 "fix --deadline or budget.deadline_s")
     return Sweep(name, runs, parallel, deadline, float(budget.get("eval_reserve_s", 30)), Path(out), spec,
                  match=match)
+
+
+def _configured(recipe, items: list[str], system: str, path):
+    """`recipe` with the spec's and the system's `set:` items applied (a bad one fails here, in one line)."""
+    from natsl.config import apply_overrides
+
+    try:
+        return apply_overrides(recipe, items)
+    except NatslError as err:
+        raise _spec_error(path, f"system {system!r}: {err} (in the spec's or the system's `set:`)") from None
+
+
+def _recall_step_tokens(recipe, items: list[str], task_len: int, run_id: str, where: str, system: str, path) -> int:
+    """The tokens of one step of a recall run: one micro-batch of the task's length."""
+    from natsl.config import apply_overrides
+
+    sizes = [item for item in items if item.split("=", 1)[0].strip() == "train.micro_batch_size"]
+    try:  # a bad value or combination fails here, not in a worker
+        mbs = apply_overrides(recipe, sizes).train.micro_batch_size
+    except NatslError as err:
+        raise _spec_error(path, f"run {run_id}: {err} (in {where})") from None
+    if mbs == "auto":  # the step is one micro-batch: it needs a count
+        raise _spec_error(path, f"system {system!r}: its recipe has train.micro_batch_size auto, "
+                                "but a sweep's step is one micro-batch; set train.micro_batch_size to a count in `set:`")
+    return mbs * task_len  # one micro-batch per step
+
+
+def budget_steps(budget: dict, tokens_per_step: int, default: int, run_id: str, path) -> int:
+    """A run's max_steps: budget.max_steps, else budget.max_tokens in whole steps of `tokens_per_step`,
+    else `default` (its recipe's)."""
+    if "max_steps" in budget:
+        return int(budget["max_steps"])
+    if "max_tokens" in budget:
+        steps = budget["max_tokens"] // tokens_per_step
+        if steps < 1:
+            raise _spec_error(path, f"run {run_id}: budget.max_tokens {budget['max_tokens']} is less than one step "
+                                    f"({tokens_per_step} tokens); raise budget.max_tokens")
+        return int(steps)
+    return int(default)
 
 
 def read_spec(path: Path) -> dict:
@@ -359,9 +416,12 @@ def check_budget(budget, path) -> tuple[dict, str]:
     unknown = sorted(set(budget) - BUDGET_KEYS)
     if unknown:
         raise _spec_error(path, f"unknown budget key {unknown[0]!r}; allowed: {', '.join(sorted(BUDGET_KEYS))}")
-    steps = budget.get("max_steps")
-    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
-        raise _spec_error(path, f"budget.max_steps must be a whole number of steps, at least 1, got {steps!r}")
+    for key, unit in (("max_steps", "steps"), ("max_tokens", "tokens")):
+        count = budget.get(key)
+        if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+            raise _spec_error(path, f"budget.{key} must be a whole number of {unit}, at least 1, got {count!r}")
+    if "max_steps" in budget and "max_tokens" in budget:
+        raise _spec_error(path, "budget gives both max_steps and max_tokens; keep one")
     for key, least in (("run_s", "more than 0"), ("eval_reserve_s", "at least 0")):
         value = budget.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
@@ -369,7 +429,7 @@ def check_budget(budget, path) -> tuple[dict, str]:
             raise _spec_error(path, f"budget.{key} must be a number of seconds, {least}, got {value!r}")
     match = budget.get("match")
     if match is None:
-        match = "steps" if "max_steps" in budget or "run_s" not in budget else "time"
+        match = "steps" if {"max_steps", "max_tokens"} & set(budget) or "run_s" not in budget else "time"
     elif match not in MATCHES:
         raise _spec_error(path, f"budget.match must be steps or time, got {match!r}")
     return budget, match
@@ -413,11 +473,16 @@ def lr_table(lrs, systems: dict, widths: list[int], path) -> dict[str, dict[int,
     return table
 
 
-def _task_seq_len(data: str, path) -> int:
-    from natsl.data.tasks import is_task, parse_task
+def is_task(data: str) -> bool:
+    """Whether a spec's task is a synthetic recall task (task:...); anything else is a natsl tokenize folder."""
+    from natsl.data.tasks import is_task as task_path
 
-    if not is_task(data):
-        raise _spec_error(path, f"task {data!r} is not a task: path; write e.g. task:mqar?seq_len=512&pairs=64")
+    return task_path(data)
+
+
+def _task_seq_len(data: str, path) -> int:
+    from natsl.data.tasks import parse_task
+
     return parse_task(data, 1 << 30, 1 << 30).max_len
 
 
@@ -523,6 +588,7 @@ def run_sweep(sweep: Sweep, progress: bool = True, log=print, mps: bool = False)
     pending = [r for r in sweep.runs if not _finished(r)]
     check_devices_present({r.device for r in pending})
     check_initial_weights(sweep)
+    check_data_folders(pending)
     if not mps:
         return _run_sweep(sweep, env, progress, log)
     with mps_daemon(sweep, env, log) as mps_env:
@@ -549,6 +615,16 @@ def check_initial_weights(sweep: Sweep) -> None:
             raise NatslError(f"run {run.id}: train.init_from {path!r} is not a checkpoint ({err}); put the "
                              "checkpoints there (e.g. unpack the recall stage's recall_models_N.tar.gz) or fix the "
                              "spec's set:") from None
+
+
+def check_data_folders(runs: list[RunSpec]) -> None:
+    """Every language-model task of a run still to train names a folder that is there (read as its recipe's
+    data.path is, from the working folder), checked before any worker starts."""
+    for run in runs:
+        if run.kind == "lm" and run.data != "builtin" and not Path(run.data).is_dir():
+            raise NatslError(f"task {run.task!r}: data folder {run.data!r} does not exist (from {os.getcwd()}); make it "
+                             f"with `natsl tokenize YOUR_TEXT_FILES... --out {run.data} ...` (docs/training.md) or fix "
+                             "the spec's tasks")
 
 
 def exit_code(summary: Optional[dict]) -> int:
@@ -738,7 +814,7 @@ def run_record(run: RunSpec) -> dict:
     matched in steps that stopped (budget.run_s, the deadline, a signal) before its max_steps."""
     folder = Path(run.out)
     base = {"id": run.id, "system": run.system, "width": run.width, "lr": run.lr, "task": run.task,
-            "seed": run.seed, "max_steps": run.max_steps}
+            "seed": run.seed, "max_steps": run.max_steps, "kind": run.kind}
     result = _read_json(folder / "result.json")
     if result:  # its provenance stays in result.json (the same for every run of a sweep, mostly)
         record = {**base, **{key: value for key, value in result.items() if key != "provenance"}}
@@ -753,6 +829,8 @@ def run_record(run: RunSpec) -> dict:
         steps = [r for r in records if "loss" in r]
         record = {**base, "status": "cut off" if records else "not run", "steps": steps[-1]["step"] if steps else 0,
                   "val_accuracy": evals[-1]["val_accuracy"] if evals else None, "recall_accuracy": None}
+        if run.kind == "lm":
+            record.update(validation_of(records, run.tokens_per_step))
     steps = record.get("steps")
     record["short"] = bool(run.match == "steps" and isinstance(steps, int) and 0 < steps < run.max_steps)
     return record
@@ -838,15 +916,25 @@ def write_summary(sweep: Sweep, skipped: Optional[list[str]] = None, killed: Opt
             r["killed"] = killed[r["id"]]
         if failed and r["id"] in failed:
             r["failed"] = failed[r["id"]]
+    recall = [r for r in records if r.get("kind", "recall") == "recall"]
+    lm = [r for r in records if r.get("kind") == "lm"]
     summary = {"name": sweep.name, "stopped": stopped, "match": sweep.match,
-               "seeds": list(dict.fromkeys(r.seed for r in sweep.runs)), "runs": records, "best": best_points(records),
+               "seeds": list(dict.fromkeys(r.seed for r in sweep.runs)), "runs": records, "best": best_points(recall),
                "note": "accuracy: the mean over the seeds that finished (seeds_finished of seeds_total; the others "
                        "are missing, not zero) of the MQAR answer accuracy over the eval grid, min and max beside "
                        "it; when no seed of a point finished, of their last validation accuracies (accuracy_from); "
                        "best_lr: the learning rate of the best mean. short: seeds that stopped before max_steps "
                        "in a sweep matched in steps"}
+    if lm:
+        summary["best_lm"] = best_lm_points(lm)
+        summary["note_lm"] = LM_NOTE
     _write_json(sweep.out / "summary.json", summary)
-    plot_summary(summary, sweep.out / "summary.png")
+    if lm and not recall:
+        plot_lm_summary(summary, sweep.out / "summary.png")
+    else:
+        plot_summary(summary, sweep.out / "summary.png")
+        if lm:  # a spec with both kinds of task: the language-model figure beside it
+            plot_lm_summary(summary, sweep.out / "summary_lm.png")
     return summary
 
 
@@ -894,11 +982,7 @@ def plot_summary(summary: dict, path: Path) -> None:
         ax.set_title(f"{task}: recall accuracy")
         kx.set_title(f"{task}: NAtS-L kept fraction")
     fig.suptitle(f"{summary['name']} (matched in {summary.get('match', 'time')})")
-    fig.tight_layout()
-    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    save_figure(fig, path)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
