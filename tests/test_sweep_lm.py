@@ -51,11 +51,20 @@ def _cpu_spec(tmp_path: Path) -> Path:
     return spec
 
 
-def test_lm_sweep_trains_ranks_by_validation_loss_and_plots(tmp_path):
+@pytest.fixture(scope="module")
+def toy_data(tmp_path_factory) -> Path:
+    """A `natsl tokenize` folder of the toy text, 300-token BPE."""
+    root = tmp_path_factory.mktemp("toy")
+    _tokenize(_text_folder(root / "texts"), root / "toy_lm")
+    return root / "toy_lm"
+
+
+def test_lm_sweep_trains_ranks_by_validation_loss_and_plots(tmp_path, toy_data):
     """2 systems x 2 learning rates, 4 steps each, on a tokenized toy corpus: every run records its final
     validation loss (at its last step), perplexity, tokens and steps; the best rate of each system is the
     one with the lowest loss; summary.json and summary.png are written."""
-    _tokenize(_text_folder(tmp_path / "texts"), tmp_path / "data" / "toy_lm")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "toy_lm").symlink_to(toy_data)
     spec = _cpu_spec(tmp_path)
     out = tmp_path / "sweep"
     proc = subprocess.run([sys.executable, "-m", "natsl.training.sweep", str(spec), "--out", str(out), "--no-progress"],
@@ -176,3 +185,31 @@ def test_lm_summary_writes_the_figure_from_fake_results(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["best_lm"] == json.loads(
         json.dumps(summary["best_lm"]))
     assert (tmp_path / "out" / "summary.png").stat().st_size > 1000
+
+
+def test_an_lm_run_stopped_early_is_not_done_and_resumes(tmp_path, toy_data, monkeypatch):
+    """Matched in steps, a language-model run that its budget stops before max_steps is not `done` (the same
+    sweep again starts it), and its next worker resumes from the checkpoint it stopped with, ending with
+    the final evaluation at max_steps."""
+    from dataclasses import asdict
+
+    from natsl.cli.sweep import run_worker
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "toy_lm").symlink_to(toy_data)
+    run = S.load_spec(_cpu_spec(tmp_path), tmp_path / "out").runs[0]
+    run_file = tmp_path / "run.json"
+    run.run_s = 1e-9  # stops after its first step, whatever the machine's speed
+    S._write_json(run_file, asdict(run))
+    assert run_worker(str(run_file)) == 0
+    first = json.loads((Path(run.out) / "result.json").read_text())
+    assert first["steps"] == 1 < run.max_steps and first["status"] != "done" and not S._finished(run)
+    run.run_s = 1e9
+    S._write_json(run_file, asdict(run))
+    assert run_worker(str(run_file)) == 0
+    second = json.loads((Path(run.out) / "result.json").read_text())
+    assert second["status"] == "done" and second["steps"] == run.max_steps and S._finished(run)
+    records = [json.loads(line) for line in (Path(run.out) / "train" / "metrics.jsonl").open()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]  # resumed at step 2, not retrained
+    assert second["val_curve"][-1][0] == run.max_steps * run.tokens_per_step

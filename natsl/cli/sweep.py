@@ -105,9 +105,13 @@ def run_worker(run_file: str) -> int:
         print(f"{asked['signal']}: {run['id']} stopped after {result['steps']} steps, not evaluated")
         return 128 + signal.Signals[asked["signal"]]
     if lm:  # no export: an LR sweep's models are not evaluated further (the checkpoint stays in RUN/train)
-        result.update(status="done", total_s=time.time() - started)
+        # matched in steps, a run its budget or the deadline stopped early is not done: the same sweep again
+        # resumes it from the checkpoint it stopped with (its final evaluation comes at max_steps)
+        early = run.get("match", "steps") == "steps" and result["steps"] < run["max_steps"]
+        result.update(status="stopped early (run the sweep again to resume)" if early else "done",
+                      total_s=time.time() - started)
         _write_json(folder / "result.json", result)
-        print(f"done: {run['id']} validation loss {result['val_loss']} after {result['steps']} steps")
+        print(f"{result['status']}: {run['id']} validation loss {result['val_loss']} after {result['steps']} steps")
         return 0
     _write_json(folder / "result.json", result)
     export_model(folder)
