@@ -190,7 +190,7 @@ def test_set_cannot_move_the_data_or_the_run(tmp_path, item, message):
 # -- tracebacks and checks only the workers made: all at load, one line ----------------------------------
 
 @pytest.mark.parametrize("keys, message", [
-    ({"set": "[train.micro_batch_size=abc]"}, "train.micro_batch_size' must be an integer, got str 'abc'"),
+    ({"set": "[train.micro_batch_size=abc]"}, "train.micro_batch_size' must be an integer or 'auto', got str 'abc'"),
     ({"set": "[train.micro_batch_size=0]"}, "train.micro_batch_size' must be at least 1"),
     ({"set": "[train.micro_batch_size=1.5]"}, "train.micro_batch_size' must be an integer"),
     ({"eval": "[1]"}, "'eval' must be a mapping"),
@@ -242,7 +242,7 @@ def test_bad_values_are_one_line_errors_at_load(tmp_path, keys, message):
     ("systems: {gdn: {recipe: recall/gdn, sets: []}}\n" + spec_text(""), "system 'gdn' has unknown key 'sets'"),
     ("systems: [" * 2000 + "]" * 2000 + "\n", "nested too deeply"),
     ("systems: {gdn: recall/gdn\n", "not valid YAML"),
-    (b"systems: \xff\xfe\n", "not valid YAML"),
+    (b"systems: \xff\xfe\n", "is not UTF-8 text"),
     # widths may be left out only when every task is a language-model folder (each recipe's own width)
     ("systems: {gdn: recall/gdn}\nlrs: [0.001]\ntasks: {t: 'task:mqar?seq_len=64&pairs=4', lm: data}\n",
      "it may be left out only when every task is a natsl tokenize folder"),
