@@ -448,7 +448,7 @@ def test_a_sweep_of_a_recipe_with_auto_asks_for_a_count(tmp_path):
     spec = tmp_path / "s.yaml"
     base = "systems: {big: 380m_gdn}\nwidths: [64]\nlrs: [0.001]\ntasks: {t: 'task:mqar?seq_len=64&pairs=4'}\n"
     spec.write_text(base)
-    with pytest.raises(NatslError, match="system 'big': recipe 380m_gdn has train.micro_batch_size auto.*set:"):
+    with pytest.raises(NatslError, match="system 'big': its recipe has train.micro_batch_size auto.*set:"):
         sweep.load_spec(spec, tmp_path / "out")
     spec.write_text(base + "set: [train.micro_batch_size=4]\n")
     (run,) = sweep.load_spec(spec, tmp_path / "out").runs

@@ -311,7 +311,7 @@ def test_unreadable_meta_json_is_one_line(world, tmp_path, text):
         else:
             foreign(folder, {}, {"a.bin": IDS.tobytes()})
         (folder / "meta.json").write_bytes(text.encode("utf-8", "surrogateescape") if text != "\xff" else b"\xff")
-        with pytest.raises(NatslError, match="meta.json' is (corrupt|not a JSON object)"):
+        with pytest.raises(NatslError, match="meta.json' is (corrupt|not a JSON object|not valid JSON|nested too deeply|not UTF-8)"):
             load_token_data(folder)
 
 

@@ -50,6 +50,10 @@ def train(
     from natsl.training import TrainOptions, train as run_training
     from natsl.training.distributed import launched_by_torchrun
     from natsl.cli.jobs import check_training
+    from pathlib import Path
+
+    from natsl.data.tasks import is_task
+    from natsl.training.trainer import missing_data
 
     overrides = list(set_ or [])
     for item in more or []:
@@ -67,6 +71,8 @@ def train(
     pick_backend(backend, pick_device(device))  # reject a bad --device / --backend before any work
     if resume not in ("auto", "never") and not resume.strip():
         raise NatslError("--resume takes auto, never or a checkpoint folder")
+    if not (is_task(rec.data.path) or rec.data.path == "builtin" or Path(rec.data.path).exists()):
+        raise missing_data(rec)  # bad input before the estimate's lines
     check_training(rec, device=device, backend=backend, threads=threads, max_steps=max_steps, force=force)
     result = run_training(rec, TrainOptions(out_dir=out, resume=resume, device=device, backend=backend,
                                             compile=compile_, max_steps=max_steps, threads=threads,
