@@ -226,4 +226,7 @@ def test_the_miniature_ladder_matches_parameters_within_one_percent():
     assert layouts["gdn_hybrid"] == ["attention" if i in (3, 7, 12) else "gdn" for i in range(13)]
     assert set(layouts["natsl"]) == {"natsl"} and set(layouts["transformer"]) == {"attention"}
     assert set(layouts["mamba2"]) == {"mamba2"} and set(layouts["gdn"]) == {"gdn"}
-    assert {n for n in natsl.config.recipe_names() if n.startswith("mini/")} == {f"mini/{n}" for n in MINI}
+    swa = natsl.load_recipe(RECIPES / "mini" / "gdn_swa.yaml")
+    assert natsl.build_model(swa, device="meta").num_parameters() == totals["gdn_hybrid"]
+    assert swa.model.attn_window == swa.train.seq_len // 2 and swa.model.layer_types() == layouts["gdn_hybrid"]
+    assert {n for n in natsl.config.recipe_names() if n.startswith("mini/")} == {f"mini/{n}" for n in (*MINI, "gdn_swa")}

@@ -402,3 +402,18 @@ def test_a_missing_init_from_checkpoint_stops_the_runner_before_any_worker(tmp_p
     assert not (tmp_path / "out" / "runs").exists()
     sweep.runs = [r for r in sweep.runs if r.system == "gdn"]
     S.check_initial_weights(sweep)  # the folder that is there passes
+
+
+def test_a_system_can_have_its_own_seeds(tmp_path):
+    """`systems: {NAME: {recipe: ..., seeds: [...]}}`: that system runs its own seeds (the miniature's NAtS-L
+    Hybrid over three seeds beside one seed of every other system); the others keep the spec's."""
+    spec = _spec(tmp_path, "systems: {gdn: recall/gdn, natsl_hybrid: {recipe: recall/natsl_hybrid, seeds: [0, 1, 2]}}\n"
+                           "lrs: [0.001]\nbudget: {max_steps: 5}\n")
+    sweep = S.load_spec(spec, tmp_path / "out")
+    assert [r.id for r in sweep.runs] == ["t-gdn-d64-lr0.001", "t-natsl_hybrid-d64-lr0.001",
+                                         "t-natsl_hybrid-d64-lr0.001-s1", "t-natsl_hybrid-d64-lr0.001-s2"]
+    for run in sweep.runs:
+        assert apply_overrides(load_recipe(run.recipe), run.overrides).train.seed == run.seed
+    with pytest.raises(NatslError, match="system 'natsl_hybrid''s 'seeds' holds -1"):
+        S.load_spec(_spec(tmp_path, "systems: {natsl_hybrid: {recipe: recall/natsl_hybrid, seeds: [-1]}}\n"
+                                    "lrs: [0.001]\n"), tmp_path / "out2")

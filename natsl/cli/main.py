@@ -25,6 +25,7 @@ from natsl.cli import convert  # noqa: F401,E402
 from natsl.cli import eval_lm  # noqa: F401,E402
 from natsl.cli import warmup  # noqa: F401,E402
 from natsl.cli import compare  # noqa: F401,E402
+from natsl.cli import miniature  # noqa: F401,E402
 
 
 def _print_version(value: bool) -> None:

@@ -51,6 +51,7 @@ The spec:
       natsl_hybrid: natsl_hybrid.yaml   # applied after the spec's `set:` (a variant needs no recipe file)
       natsl_hybrid_target: {recipe: natsl_hybrid.yaml, set: [model.router_keep_target=0.5]}
       natsl_checked: {recipe: natsl.yaml, env: {NATSL_CHECK_OPS: 1}}   # env: that system's workers' variables
+      natsl_seeds: {recipe: natsl.yaml, seeds: [0, 1, 2]}   # seeds: that system's own (instead of the spec's)
                                    # (natsl's switches and a few diagnostics only: sweep_checks.check_env)
     widths: [128, 64, 256]         # hidden size; head dims, MLP and attention heads scale with it
     lrs: [0.001, 0.003]            # or by width {64: [...], 256: [...]}, or by system {gdn: [...], natsl_hybrid:
@@ -106,7 +107,7 @@ from natsl.training.sweep_lm import LM_NOTE, best_lm_points, plot_lm_summary, sa
 SCALED = ("hidden_size", "intermediate_size", "head_k_dim", "head_v_dim", "attn_head_dim")
 SPEC_KEYS = {"name", "systems", "widths", "lrs", "tasks", "eval", "budget", "set", "compile", "max_parallel",
              "device", "seeds"}
-SYSTEM_KEYS = ("recipe", "set", "env")  # of a system given as a mapping: {recipe: FILE, set: [...], env: {...}}
+SYSTEM_KEYS = ("recipe", "set", "env", "seeds")  # of a system given as a mapping: {recipe: FILE, set: [...], env: {...}}
 BUDGET_KEYS = {"max_steps", "max_tokens", "run_s", "deadline_s", "eval_reserve_s", "match"}
 MATCHES = ("steps", "time")
 # Recipe keys the runner sets for every run: a `set:` item must not overrule them (what to write instead).
@@ -224,6 +225,9 @@ def load_spec(path: str | Path, out: str | Path, max_parallel: Optional[int] = N
                                 "out only when every task is a natsl tokenize folder (each recipe's own width)")
     lr_of = lr_table(spec.get("lrs"), systems, widths, path)
     seeds = seed_list(spec.get("seeds"), path)
+    seeds_of = {system: seeds if value is None else seed_list(value, path, f"system {system!r}'s 'seeds'")
+                for system, value in system_seed_lists(spec.get("systems")).items()}
+    seeds = sorted(set().union(*seeds_of.values()), key=lambda s: (s not in seeds, s))  # the spec's first
     budget, match = check_budget(spec.get("budget"), path)
     evals = check_eval(spec.get("eval"), path)
     if spec.get("compile") is not None and not isinstance(spec["compile"], bool):
@@ -243,7 +247,8 @@ def load_spec(path: str | Path, out: str | Path, max_parallel: Optional[int] = N
                 for lr_index in range(max(len(lr_of[s].get(width, ())) for s in systems)):
                     for system, (location, system_set, system_env) in systems.items():
                         values = lr_of[system].get(width, ())
-                        if lr_index >= len(values) or (own_width and configured[system].model.hidden_size != width):
+                        if lr_index >= len(values) or (own_width and configured[system].model.hidden_size != width) \
+                                or seed not in seeds_of[system]:
                             continue  # this system has fewer rates at this width, or none (not run at it)
                         lr = float(values[lr_index])
                         run_id = f"{task_name}-{system}-d{width}-lr{lr:g}" + (f"-s{seed}" if seed else "")
@@ -390,21 +395,27 @@ def set_items(value, where: str, path) -> list[str]:
     return list(value)
 
 
-def seed_list(value, path) -> list[int]:
-    """The spec's `seeds` (default [0]): distinct integers, each a valid train.seed."""
+def seed_list(value, path, where: str = "'seeds'") -> list[int]:
+    """The spec's `seeds` (default [0]), or one system's: distinct integers, each a valid train.seed."""
     from natsl.seeding import SEED_MAX
 
     if value is None:
         return [0]
     if not isinstance(value, list) or not value:
-        raise _spec_error(path, f"'seeds' must be a list of integers such as [0, 1, 2], got {value!r}")
+        raise _spec_error(path, f"{where} must be a list of integers such as [0, 1, 2], got {value!r}")
     for seed in value:
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
-            raise _spec_error(path, f"'seeds' holds {seed!r}; each seed must be an integer from 0 to 2**63-1")
+            raise _spec_error(path, f"{where} holds {seed!r}; each seed must be an integer from 0 to 2**63-1")
     if len(set(value)) != len(value):
         twice = next(s for s in value if value.count(s) > 1)
-        raise _spec_error(path, f"'seeds' lists seed {twice} twice; list each seed once")
+        raise _spec_error(path, f"{where} lists seed {twice} twice; list each seed once")
     return list(value)
+
+
+def system_seed_lists(systems: dict) -> dict:
+    """Each system's own `seeds:` as written (None: the spec's), for systems given as mappings (checked by
+    system_entries before this is called)."""
+    return {name: value.get("seeds") if isinstance(value, dict) else None for name, value in systems.items()}
 
 
 def check_budget(budget, path) -> tuple[dict, str]:

@@ -1,0 +1,84 @@
+"""`natsl miniature`: the paper in miniature (docs/miniature.md) as one command: a local corpus, a learning-rate
+sweep per system, the ladder trained at the best rates, the paper's evaluations and the report. Resumable:
+the same command again continues where a deadline or a kill stopped it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from natsl.cli.app import command
+
+
+def _floats(text: str, flag: str) -> tuple[float, ...]:
+    from natsl.errors import NatslError
+
+    try:
+        values = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise NatslError(f"{flag} {text!r} is not a comma list of numbers; e.g. {flag} 0.002,0.004") from None
+    if not values or not all(0 < v < 1 for v in values):
+        raise NatslError(f"{flag} {text!r}: give learning rates between 0 and 1, e.g. {flag} 0.002,0.004")
+    return values
+
+
+def _ints(text: str, flag: str) -> tuple[int, ...]:
+    from natsl.errors import NatslError
+
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise NatslError(f"{flag} {text!r} is not a comma list of whole numbers; e.g. {flag} 0,1,2") from None
+    if not values or min(values) < 0 or len(set(values)) != len(values):
+        raise NatslError(f"{flag} {text!r}: give distinct seeds from 0, e.g. {flag} 0,1,2")
+    return values
+
+
+@command("miniature")
+def miniature(
+    out: str = typer.Option("runs/miniature", help="Folder of the miniature: specs/, sweep/, train/, eval/, report/."),
+    data: str = typer.Option("data/mini", help="Corpus (a natsl tokenize folder); built from this machine's "
+                                               "installed sources and docs when it has no meta.json."),
+    lrs: str = typer.Option("0.002,0.004,0.008", help="Learning rates swept for every system."),
+    sweep_tokens: int = typer.Option(10_000_000, help="Tokens per sweep run."),
+    train_tokens: int = typer.Option(100_000_000, help="Tokens per full run."),
+    seeds: str = typer.Option("0,1,2", help="Seeds of the NAtS-L Hybrid's full runs."),
+    micro_batch: int = typer.Option(8, help="Sequences per micro-batch (steps stay 64K tokens, accumulated)."),
+    max_parallel: Optional[int] = typer.Option(None, help="Training workers at once (default: one per 6 GiB "
+                                                          "of GPU memory)."),
+    stages: str = typer.Option("corpus,sweep,train,eval,report", help="Stages to run, comma separated."),
+    set_: Optional[List[str]] = typer.Option(None, "--set", metavar="SECTION.KEY=VALUE",
+                                             help="Override every run's recipe (repeatable), e.g. a smaller model."),
+    deadline: Optional[float] = typer.Option(None, help="Seconds for this command; the running stage stops "
+                                                        "resumably at it."),
+    device: Optional[str] = typer.Option(None, help="cpu or cuda (default: cuda when there is one)."),
+    compile_: bool = typer.Option(False, "--compile/--no-compile", help="torch.compile + CUDA graphs in training."),
+    quick: bool = typer.Option(False, help="The evaluations' small settings (a smoke run)."),
+) -> None:
+    """Reproduce the paper in miniature: corpus, LR sweeps, training, evaluations, report (resumable)."""
+    from natsl.errors import NatslError
+    from natsl.miniature.pipeline import STAGES, MiniatureOptions, describe, run_miniature
+
+    chosen = tuple(s.strip() for s in stages.split(",") if s.strip())
+    unknown = [s for s in chosen if s not in STAGES]
+    if unknown or not chosen:
+        raise NatslError(f"--stages {stages!r}: unknown stage {unknown[0] if unknown else ''!r}; "
+                         f"choose from {','.join(STAGES)}")
+    for flag, value in (("--sweep-tokens", sweep_tokens), ("--train-tokens", train_tokens),
+                        ("--micro-batch", micro_batch), ("--max-parallel", max_parallel or 1)):
+        if value < 1:
+            raise NatslError(f"{flag} {value}: give a positive whole number")
+    if deadline is not None and not deadline > 0:
+        raise NatslError(f"--deadline {deadline}: give a positive number of seconds")
+    if device not in (None, "cpu", "cuda"):
+        raise NatslError(f"--device {device!r}: give cpu or cuda")
+    opts = MiniatureOptions(out=Path(out), data=Path(data), lrs=_floats(lrs, "--lrs"), sweep_tokens=sweep_tokens,
+                            train_tokens=train_tokens, seeds=_ints(seeds, "--seeds"), micro_batch=micro_batch,
+                            max_parallel=max_parallel, device=device, deadline_s=deadline, stages=chosen,
+                            sets=tuple(set_ or ()), compile=compile_, quick=quick)
+    print(describe(opts), flush=True)
+    result = run_miniature(opts)
+    line = ", ".join(f"{stage} {state}" for stage, state in result["stages"].items())
+    print(f"done: {line}" + (f"; report {result['report']}" if result["report"] else ""), flush=True)

@@ -1,0 +1,1 @@
+"""The paper in miniature as one resumable pipeline (`natsl miniature`, docs/miniature.md)."""

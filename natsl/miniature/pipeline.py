@@ -1,0 +1,364 @@
+"""`natsl miniature`: the paper in miniature, from text to tables, as one resumable command.
+
+Stages, each a natsl command run as a subprocess (so that each is exactly what a user would type, and a
+killed stage resumes as that command does):
+
+    corpus  natsl tokenize (the local corpus of docs/training.md, "A corpus from local files") -> DATA
+    sweep   natsl sweep: every system of recipes/mini (and the three Table 4 ablations of the NAtS-L Hybrid)
+            at each learning rate of --lrs, --sweep-tokens each                      -> OUT/sweep
+    train   natsl sweep: the ladder at each system's best rate, --train-tokens each, the NAtS-L Hybrid
+            over --seeds                                                               -> OUT/train
+    eval    the paper's evaluations with natsl's commands (natsl.miniature.evaluate)  -> OUT/eval
+    report  tables, plots and the claims checked against the numbers (natsl.miniature.report) -> OUT/report
+
+Every stage skips what is done, so the same command again continues where a deadline, a kill or a lost
+machine stopped it (the sweep runner resumes runs from their checkpoints). The specs the sweep and train
+stages run are written to OUT/specs/, readable and runnable on their own with `natsl sweep`.
+
+Choices the paper does not fix at this size (docs/miniature.md):
+- GDN + SWA (the compare baseline, not one of the six systems) is not swept: it trains at the GDN Hybrid's
+  best rate, the same network but for the window.
+- The ablations are compared at the sweep's length, each at its own best rate, against the NAtS-L Hybrid's
+  best sweep run: a learning-rate sweep per variant, as for every system, at a fraction of the full cost.
+- Runs train eagerly (no torch.compile) with a micro-batch of --micro-batch (accumulated to the recipes'
+  64K-token steps): many small workers share one GPU under MPS, and none waits for Inductor.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from natsl.errors import NatslError
+
+# The paper's six systems (Table 1) and GDN + SWA, the compare baseline: recipes/mini/NAME.yaml.
+LADDER = ("gdn", "mamba2", "transformer", "gdn_hybrid", "natsl", "natsl_hybrid", "gdn_swa")
+SWEPT = tuple(s for s in LADDER if s != "gdn_swa")
+RATE_OF = {"gdn_swa": "gdn_hybrid"}  # a system trained at another's best rate
+# Table 4's ablations of the NAtS-L Hybrid that the miniature runs: mixing weights from x instead of q, blocks
+# (chunks) of 128 tokens, and no softmax inside the current block (the GDN state alone reads it).
+ABLATIONS = {
+    "natsl_hybrid_mix_x": ["model.mix_input=x"],
+    "natsl_hybrid_chunk128": ["model.block_size=128"],
+    "natsl_hybrid_no_intra_softmax": ["model.intra_block_output=gdn"],
+}
+STAGES = ("corpus", "sweep", "train", "eval", "report")
+
+# The local corpus of a GPU host (docs/training.md, "A corpus from local files"): sources and docs installed.
+CORPUS_INPUTS = ("{purelib}", "/usr/lib/python3*", "/usr/include", "/usr/local/cuda*/include", "/usr/share/doc",
+                 "/usr/share/man")
+CORPUS_PATTERNS = ("*.py", "*.h", "*.hpp", "*.cuh", "*.c", "*.cc", "*.cpp", "*.cu", "*.md", "*.rst", "*.txt",
+                   "README*", "copyright", "*.gz")
+
+
+@dataclass
+class MiniatureOptions:
+    """What `natsl miniature` runs. Paths are read from the working folder, as recipes' data.path are.
+
+    Args:
+        out: the miniature's folder (specs/, sweep/, train/, eval/, report/, checkpoints.json).
+        data: the corpus, a `natsl tokenize` folder; built by the corpus stage when it has no meta.json.
+        corpus_inputs / corpus_patterns: what the corpus stage tokenizes (files, folders, globs; --include).
+        vocab_size: the trained BPE's vocabulary (the recipes' model.vocab_size).
+        lrs: the sweep's learning rates (every system, every ablation).
+        sweep_tokens / train_tokens: tokens a sweep run / a full run trains (each cosine schedule ends there).
+        seeds: the NAtS-L Hybrid's seeds in the train stage (every other system trains seed 0).
+        micro_batch: sequences per micro-batch (the step stays the recipe's 64K tokens, accumulated).
+        max_parallel: training workers at once (None: from the GPU's memory).
+        device: cpu or cuda (None: cuda when there is one).
+        deadline_s: seconds for this command; at it the running stage stops resumably.
+        stages: the stages to run, in STAGES order.
+        sets: section.key=value items for every run (after the pipeline's own), e.g. a smaller model.
+        recipes: the folder of the ladder's recipes.
+        compile: torch.compile + CUDA graphs in the training workers.
+        quick: the evaluations' small settings (a smoke run).
+    """
+    out: Path = Path("runs/miniature")
+    data: Path = Path("data/mini")
+    corpus_inputs: tuple = CORPUS_INPUTS
+    corpus_patterns: tuple = CORPUS_PATTERNS
+    vocab_size: int = 32000
+    lrs: tuple = (0.002, 0.004, 0.008)
+    sweep_tokens: int = 10_000_000
+    train_tokens: int = 100_000_000
+    seeds: tuple = (0, 1, 2)
+    micro_batch: int = 8
+    max_parallel: Optional[int] = None
+    device: Optional[str] = None
+    deadline_s: Optional[float] = None
+    stages: tuple = STAGES
+    sets: tuple = ()
+    recipes: Path = field(default_factory=lambda: _recipes_folder())
+    compile: bool = False
+    quick: bool = False
+
+
+def _recipes_folder() -> Path:
+    from natsl.config import recipes_root
+
+    return Path(recipes_root()) / "mini"
+
+
+def natsl_command(*args: str) -> list[str]:
+    """argv of a natsl subcommand run by this Python (the installed `natsl` script may be another's)."""
+    return [sys.executable, "-m", "natsl.cli.main", *map(str, args)]
+
+
+def corpus_command(opts: MiniatureOptions) -> list[str]:
+    """The `natsl tokenize` command of the corpus stage (docs/training.md's, with this Python's site-packages)."""
+    import sysconfig
+
+    inputs = [i.format(purelib=sysconfig.get_paths()["purelib"]) for i in opts.corpus_inputs]
+    includes = [arg for pattern in opts.corpus_patterns for arg in ("--include", pattern)]
+    return natsl_command("tokenize", *inputs, *includes, "--skip-bad-files", "--dedup", "--val-fraction", "0.005",
+                         "--val-texts", "--train-tokenizer", "--vocab-size", str(opts.vocab_size), "--out",
+                         str(opts.data))
+
+
+def default_parallel(device: Optional[str]) -> int:
+    """Workers at once: about one per 6 GiB of GPU memory (a mini model at micro-batch 8 peaks at a few
+    GiB, eager), at most 32; 2 on the CPU."""
+    import torch
+
+    if device == "cpu" or not torch.cuda.is_available():
+        return 2
+    total = torch.cuda.get_device_properties(0).total_memory / 2**30
+    return max(1, min(32, int(total // 6)))
+
+
+def sweep_spec(opts: MiniatureOptions) -> dict:
+    """The sweep stage's spec: every swept system and ablation at every rate, sweep_tokens each."""
+    systems = {name: str(opts.recipes / f"{name}.yaml") for name in SWEPT}
+    for name, items in ABLATIONS.items():
+        systems[name] = {"recipe": str(opts.recipes / "natsl_hybrid.yaml"), "set": list(items)}
+    return _spec("mini_sweep", systems, list(opts.lrs), opts.sweep_tokens, opts)
+
+
+def best_rates(sweep_summary: dict) -> dict[str, float]:
+    """system -> its best learning rate from a sweep's summary.json (`best_lm`)."""
+    return {point["system"]: float(point["best_lr"]) for point in sweep_summary.get("best_lm") or []}
+
+
+def train_spec(opts: MiniatureOptions, rates: dict[str, float]) -> dict:
+    """The train stage's spec: the ladder at each system's best rate, train_tokens each; the NAtS-L Hybrid
+    over opts.seeds.
+
+    Raises:
+        NatslError: a system without a best rate (its sweep runs have no validation loss).
+    """
+    systems: dict = {}
+    lrs = {}
+    for name in LADDER:
+        source = RATE_OF.get(name, name)
+        if source not in rates:
+            raise NatslError(f"the sweep has no validation loss for {source}; run the sweep stage to its end "
+                             "(natsl miniature --stages sweep) before training")
+        recipe = str(opts.recipes / f"{name}.yaml")
+        systems[name] = {"recipe": recipe, "seeds": list(opts.seeds)} if name == "natsl_hybrid" else recipe
+        lrs[name] = [rates[source]]
+    return _spec("mini_train", systems, lrs, opts.train_tokens, opts)
+
+
+def _spec(name: str, systems: dict, lrs, tokens: int, opts: MiniatureOptions) -> dict:
+    steps = max(1, tokens // 65536)
+    sets = [f"train.micro_batch_size={opts.micro_batch}", f"train.eval_every={max(1, steps // 8)}",
+            f"train.save_every={max(1, steps // 10)}", *opts.sets]
+    spec = {"name": name, "systems": systems, "lrs": lrs, "tasks": {"mini": str(opts.data)},
+            "budget": {"max_tokens": int(tokens)}, "set": sets, "compile": bool(opts.compile)}
+    if opts.device:
+        spec["device"] = opts.device
+    return spec
+
+
+def finished_runs(summary: dict) -> tuple[int, int]:
+    """(runs done, runs in all) of a sweep's summary.json."""
+    runs = summary.get("runs") or []
+    return sum(r.get("status") == "done" for r in runs), len(runs)
+
+
+def checkpoint_folders(root: Path) -> dict[str, str]:
+    """Name -> training run folder of every finished model: the train stage's runs (the NAtS-L Hybrid's
+    seeds as natsl_hybrid_s1, ...) and each ablation's best sweep run."""
+    found: dict[str, str] = {}
+    train = _summary(root / "train")
+    for r in (train or {}).get("runs") or []:
+        if r.get("status") == "done":
+            name = r["system"] + (f"_s{r['seed']}" if r.get("seed") else "")
+            found[name] = str(root / "train" / "runs" / r["id"] / "train")
+    sweep = _summary(root / "sweep") or {}
+    for point in sweep.get("best_lm") or []:
+        if point["system"] in ABLATIONS and point.get("run"):
+            found[point["system"]] = str(root / "sweep" / "runs" / point["run"] / "train")
+    return found
+
+
+def _summary(folder: Path) -> Optional[dict]:
+    path = folder / "summary.json"
+    if not path.is_file():
+        return None
+    from natsl.files import read_json
+
+    return read_json(path, f"remove {folder} and run natsl miniature again")
+
+
+def _write_spec(path: Path, spec: dict) -> Path:
+    import yaml
+
+    from natsl.atomic import write_text
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return write_text(path, "# written by natsl miniature (natsl.miniature.pipeline); natsl sweep runs it alone too\n"
+                            + yaml.safe_dump(spec, sort_keys=False))
+
+
+class Stopped(Exception):
+    """The deadline came before a stage finished; the same command again continues."""
+
+
+def run_miniature(opts: MiniatureOptions, log: Callable[[str], None] = print) -> dict:
+    """Run the stages of opts.stages in order, each skipping what is done.
+
+    Returns:
+        {"stages": {stage: "done" | "stopped" | "skipped"}, "checkpoints": {name: run folder},
+         "report": path of report.md or None}.
+    """
+    start = time.monotonic()
+
+    def left() -> Optional[float]:
+        return None if opts.deadline_s is None else opts.deadline_s - (time.monotonic() - start)
+
+    status: dict[str, str] = {}
+    result = {"stages": status, "checkpoints": {}, "report": None}
+    for stage in STAGES:
+        if stage not in opts.stages:
+            status[stage] = "skipped"
+            continue
+        remaining = left()
+        if remaining is not None and remaining < 20:
+            status[stage] = "stopped"
+            log(f"miniature: the deadline leaves no time for the {stage} stage; run the same command again")
+            break
+        log(f"miniature: {stage} stage" + ("" if remaining is None else f" ({remaining:.0f} s left)"))
+        try:
+            STAGE_RUNNERS[stage](opts, remaining, log, result)
+        except Stopped as why:
+            status[stage] = "stopped"
+            log(f"miniature: {why}; run the same command again to continue")
+            break
+        status[stage] = "done"
+    result["checkpoints"] = checkpoint_folders(opts.out)
+    return result
+
+
+def _run(argv: list[str], log_path: Path, log) -> int:
+    """Run one natsl command, its output to the terminal and to log_path (appended)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log("  $ " + " ".join(argv[2:]))
+    with open(log_path, "a", encoding="utf-8") as sink:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            sink.write(line)
+        return proc.wait()
+
+
+def _stage_corpus(opts: MiniatureOptions, remaining, log, result) -> None:
+    if (opts.data / "meta.json").is_file():
+        log(f"  {opts.data} holds a corpus (meta.json): kept")
+        return
+    code = _run(corpus_command(opts), opts.out / "logs" / "corpus.log", log)
+    if code:
+        raise NatslError(f"natsl tokenize exited with {code} (log: {opts.out / 'logs' / 'corpus.log'})")
+
+
+def _sweep_stage(name: str, spec: dict, opts: MiniatureOptions, remaining, log) -> dict:
+    """Run one sweep spec to its end or the deadline; its summary."""
+    folder = opts.out / name
+    previous = _summary(folder)
+    if previous is not None and finished_runs(previous)[0] == finished_runs(previous)[1] > 0:
+        log(f"  {folder}: all {finished_runs(previous)[1]} runs done: kept")
+        return previous
+    spec_path = _write_spec(opts.out / "specs" / f"{name}.yaml", spec)
+    parallel = opts.max_parallel or default_parallel(opts.device)
+    argv = natsl_command("sweep", spec_path, "--out", folder, "--max-parallel", str(parallel))
+    if opts.device != "cpu" and _has_cuda():
+        argv.append("--mps")
+    if remaining is not None:
+        argv += ["--deadline", f"{max(10.0, remaining - 15):.0f}"]
+    code = _run(argv, opts.out / "logs" / f"{name}.log", log)
+    summary = _summary(folder) or {}
+    done, total = finished_runs(summary)
+    if code == 2 and not total:
+        raise NatslError(f"natsl sweep refused the {name} spec (log: {opts.out / 'logs' / f'{name}.log'})")
+    if done < total or not total:
+        raise Stopped(f"{name}: {done} of {total} runs done")
+    return summary
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _stage_sweep(opts: MiniatureOptions, remaining, log, result) -> None:
+    _sweep_stage("sweep", sweep_spec(opts), opts, remaining, log)
+
+
+def _stage_train(opts: MiniatureOptions, remaining, log, result) -> None:
+    summary = _summary(opts.out / "sweep")
+    if summary is None:
+        raise NatslError(f"{opts.out / 'sweep'} holds no sweep; run the sweep stage first")
+    rates = best_rates(summary)
+    log("  best learning rates: " + ", ".join(f"{s} {r:g}" for s, r in sorted(rates.items())))
+    _sweep_stage("train", train_spec(opts, rates), opts, remaining, log)
+
+
+def _stage_eval(opts: MiniatureOptions, remaining, log, result) -> None:
+    from natsl.miniature.evaluate import eval_jobs, run_jobs
+
+    from natsl.atomic import write_json
+
+    checkpoints = checkpoint_folders(opts.out)
+    write_json(opts.out / "checkpoints.json", checkpoints)
+    jobs = eval_jobs({k: Path(v) for k, v in checkpoints.items()}, opts.data, opts.out / "eval",
+                     device=opts.device or ("cuda" if _has_cuda() else "cpu"), quick=opts.quick)
+    parallel = opts.max_parallel or default_parallel(opts.device)
+    statuses = run_jobs(jobs, max_parallel=min(parallel, 8), deadline_s=None if remaining is None else remaining - 10,
+                        log=log)
+    pending = [n for n, s in statuses.items() if s not in ("done", "skipped")]
+    if any(s == "stopped" for s in statuses.values()):
+        raise Stopped(f"eval: {len(pending)} of {len(statuses)} jobs not done")
+    if pending:
+        log(f"  eval: {len(pending)} jobs failed ({', '.join(pending)}); see {opts.out / 'eval' / 'logs'}")
+
+
+def _stage_report(opts: MiniatureOptions, remaining, log, result) -> None:
+    from natsl.miniature.report import write_report
+
+    result["report"] = str(write_report(opts.out))
+    log(f"  report: {result['report']}")
+
+
+STAGE_RUNNERS = {"corpus": _stage_corpus, "sweep": _stage_sweep, "train": _stage_train, "eval": _stage_eval,
+                 "report": _stage_report}
+
+
+def estimate_tokens(opts: MiniatureOptions) -> dict[str, float]:
+    """Tokens each training stage trains in all (the time estimate printed before work)."""
+    sweep = (len(SWEPT) + len(ABLATIONS)) * len(opts.lrs) * opts.sweep_tokens
+    train = (len(LADDER) + len(opts.seeds) - 1) * opts.train_tokens
+    return {"sweep": float(sweep), "train": float(train), "total": float(sweep + train)}
+
+
+def describe(opts: MiniatureOptions) -> str:
+    """One line of what the run trains, for the start of the command's output."""
+    tokens = estimate_tokens(opts)
+    return (f"miniature: {len(SWEPT) + len(ABLATIONS)} systems x {len(opts.lrs)} rates x "
+            f"{opts.sweep_tokens / 1e6:g}M tokens, then {len(LADDER)} systems (NAtS-L Hybrid x {len(opts.seeds)} seeds) "
+            f"x {opts.train_tokens / 1e6:g}M tokens: {tokens['total'] / 1e9:.2f}B tokens in all")
