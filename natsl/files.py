@@ -44,7 +44,7 @@ def _within(path: Path, folder: Path) -> bool:
     return path == folder or folder in path.parents
 
 
-def resolve_inside(folder, name, where: str, also_inside=()) -> Path:
+def resolve_inside(folder, name, where: str, also_inside=(), fix: str = "use another copy") -> Path:
     """The path that a file inside `folder` names (a shard list, an index, a manifest), refused unless it
     resolves inside `folder`, links resolved: an untrusted file must not make natsl read or write elsewhere.
 
@@ -53,6 +53,7 @@ def resolve_inside(folder, name, where: str, also_inside=()) -> Path:
         name: the path as read from the file (relative to `folder`).
         where: what named it, for the message (e.g. "'x/model.safetensors.index.json'").
         also_inside: further folders a link may lead into (e.g. a Hugging Face cache's blobs/ folder).
+        fix: what the user should do, ending the message (a data folder: tokenize the data again).
     Returns:
         `folder / name`.
     Raises:
@@ -63,10 +64,11 @@ def resolve_inside(folder, name, where: str, also_inside=()) -> Path:
     folder = Path(folder)
 
     def refuse(why: str) -> NatslError:
-        return NatslError(f"{where} names {name!r}, which {why}; natsl reads only files inside {str(folder)!r} "
-                          "(links resolved), so this looks damaged or made to read other files: use another copy")
+        shown = repr(name) if len(repr(name)) <= 200 else repr(name)[:200] + "..."  # any JSON value, however large
+        return NatslError(f"{where} names {shown}, which {why}; natsl reads only files inside {str(folder)!r} "
+                          f"(links resolved), so this looks damaged or made to read other files: {fix}")
 
-    if not isinstance(name, str) or not name or "\x00" in name:
+    if not isinstance(name, str) or not name.strip() or "\x00" in name:
         raise refuse("is not a file name")
     if PurePath(name).is_absolute() or name.startswith(("/", "\\")):
         raise refuse("is an absolute path")

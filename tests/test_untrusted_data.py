@@ -199,6 +199,11 @@ def outside_names(folder: Path, victim: Path) -> dict:
 
 
 NAMES = ["parent", "deep", "absolute", "symlink", "symlinked folder"]
+# Why natsl.files.resolve_inside refuses each name, and the fix every data folder's refusal ends with.
+WHY = {"parent": "leads outside the folder", "deep": "leads outside the folder", "absolute": "is an absolute path",
+       "symlink": "is a link to a file outside the folder", "symlinked folder": "is a link to a file outside the folder"}
+OUTSIDE = "natsl reads only files inside"
+RETOKENIZE = "tokenize the data again with `natsl tokenize`"
 
 
 @pytest.mark.parametrize("kind", NAMES)
@@ -215,11 +220,12 @@ def test_a_natsl_meta_naming_a_shard_outside_its_folder_is_refused(world, tmp_pa
     edit(meta)
     (folder / "meta.json").write_text(json.dumps(meta))
     for read in (TokenData, load_token_data):
-        with pytest.raises(NatslError, match="lies outside its folder"):
+        with pytest.raises(NatslError, match=WHY[kind]) as err:
             read(folder)
+        assert OUTSIDE in str(err.value) and RETOKENIZE in str(err.value)
     result = run("train", ROOT / "recipes" / "tiny_hybrid.yaml", "--set", f"data.path={folder}", "--max-steps", 1,
                  "--device", "cpu", "--no-progress", "--out", tmp_path / "run")
-    assert_one_line_error(result, "lies outside its folder")
+    assert_one_line_error(result, f"names {name!r}, which {WHY[kind]}", OUTSIDE, RETOKENIZE)
 
 
 @pytest.mark.parametrize("kind", NAMES)
@@ -229,8 +235,9 @@ def test_a_foreign_meta_naming_a_shard_outside_its_folder_is_refused(tmp_path, k
     folder = tmp_path / "data" / "tokens"
     name = outside_names(folder, victim)[kind]
     foreign(folder, {"dtype": "uint16", "shards": [name]}, {})
-    with pytest.raises(NatslError, match="lies outside its folder"):
+    with pytest.raises(NatslError, match=WHY[kind]) as err:
         load_token_data(folder)
+    assert OUTSIDE in str(err.value) and RETOKENIZE in str(err.value)
 
 
 def test_shards_found_by_search_must_lie_inside_too(tmp_path):
@@ -238,20 +245,20 @@ def test_shards_found_by_search_must_lie_inside_too(tmp_path):
     victim.write_bytes(IDS.tobytes())
     folder = foreign(tmp_path / "data", {"dtype": "uint16"}, {"a.bin": IDS.tobytes()})
     (folder / "b.bin").symlink_to(victim)
-    with pytest.raises(NatslError, match="lies outside its folder"):
+    with pytest.raises(NatslError, match="'b.bin', which is a link to a file outside the folder"):
         load_token_data(folder)
 
 
 def test_the_tokenizer_file_named_by_meta_must_lie_inside(world, tmp_path):
     shutil.copy(world["tokens"] / "tokenizer.json", tmp_path / "tokenizer.json")
     folder = edited_copy(world["tokens"], tmp_path / "data", lambda m: m.update(tokenizer_file="../tokenizer.json"))
-    with pytest.raises(NatslError, match="lies outside its folder"):
+    with pytest.raises(NatslError, match="'../tokenizer.json', which leads outside the folder"):
         TokenData(folder).tokenizer()
 
 
 BAD_PROGRESS = {
     "shard outside": (lambda st: st["splits"]["train"]["shards"][0].update(file="../victim.bin"),
-                      "lies outside its folder"),
+                      "'../victim.bin', which leads outside the folder"),
     "extra split": (lambda st: st["splits"].update(evil={"tokens": 0, "documents": 0,
                                                          "shards": [{"file": "../victim.bin", "tokens": 0}]}),
                     "is damaged"),
@@ -296,7 +303,7 @@ def test_a_validation_texts_link_to_another_folder_is_refused_and_left_alone(tmp
     monkeypatch.undo()
     shutil.rmtree(tmp_path / "out" / "validation_texts")
     (tmp_path / "out" / "validation_texts").symlink_to(elsewhere)
-    with pytest.raises(NatslError, match="lies outside its folder"):
+    with pytest.raises(NatslError, match="'validation_texts', which is a link to a file outside the folder"):
         tokenize(tmp_path / "out", docs, commit_tokens=64, batch_docs=4, val_texts=True)
     assert (elsewhere / "victim.txt").read_text() == "keep me" and len(list(elsewhere.iterdir())) == 1
 

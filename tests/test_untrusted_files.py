@@ -180,10 +180,24 @@ def test_shards_inside_the_folder_and_a_hub_cache_snapshot_still_import(hf_folde
 
 @pytest.mark.parametrize("name, fragment", [("../x", "leads outside"), ("/etc/passwd", "absolute path"),
                                             ("a/../../x", "leads outside"), (None, "not a file name"),
-                                            (3, "not a file name"), ("", "not a file name")])
+                                            (3, "not a file name"), ("", "not a file name"),
+                                            ("  ", "not a file name")])
 def test_resolve_inside_refuses_every_way_out(tmp_path, name, fragment):
-    with pytest.raises(NatslError, match=fragment):
+    with pytest.raises(NatslError, match=fragment) as err:
         resolve_inside(tmp_path, name, "'meta.json'")
+    assert "\n" not in str(err.value) and str(err.value).endswith("use another copy")
+
+
+def test_resolve_inside_shows_a_large_value_cut_short(tmp_path):
+    with pytest.raises(NatslError, match="is not a file name") as err:
+        resolve_inside(tmp_path, {"x": "y" * 10_000}, "'meta.json'")
+    assert len(str(err.value)) < 600 and "\n" not in str(err.value)
+
+
+def test_resolve_inside_ends_with_the_callers_fix(tmp_path):
+    with pytest.raises(NatslError, match="'meta.json' names '../x', which leads outside the folder") as err:
+        resolve_inside(tmp_path, "../x", "'meta.json'", fix="tokenize the data again")
+    assert str(err.value).endswith(": tokenize the data again") and "use another copy" not in str(err.value)
 
 
 def test_resolve_inside_keeps_paths_that_stay_inside(tmp_path):

@@ -15,9 +15,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from natsl.data.shards import check_splits, open_shard, path_inside, token_dtype_named
+from natsl.data.shards import RETOKENIZE, check_splits, open_shard, token_dtype_named
 from natsl.data.tokenize import META, PROGRESS, SPLITS, read_meta
 from natsl.errors import NatslError
+from natsl.files import resolve_inside
 
 
 class TokenStream:
@@ -26,7 +27,7 @@ class TokenStream:
     def __init__(self, folder: Path, shards: list[dict], dtype: np.dtype, vocab_size: int):
         self.arrays, self.paths, self.vocab_size = [], [], vocab_size
         for shard in shards:
-            path = path_inside(folder, shard["file"], f"{str(folder / META)!r}")
+            path = resolve_inside(folder, shard["file"], f"{str(folder / META)!r}", fix=RETOKENIZE)
             array = open_shard(path, dtype, shard["tokens"])
             if len(array):
                 self.arrays.append(array)
@@ -132,7 +133,8 @@ class TokenData:
         from natsl.tokenizer import Tokenizer
 
         where = repr(str(self.folder / META))
-        tok = Tokenizer.from_file(path_inside(self.folder, self.meta.get("tokenizer_file", "tokenizer.json"), where))
+        name = self.meta.get("tokenizer_file", "tokenizer.json")
+        tok = Tokenizer.from_file(resolve_inside(self.folder, name, where, fix=RETOKENIZE))
         if tok.sha256() != self.meta["tokenizer_sha256"]:
             raise NatslError(f"the tokenizer in {str(self.folder)!r} does not match meta.json (sha256 differs); "
                              "tokenize the data again")

@@ -6,7 +6,7 @@ made. Every reader of token shards (training's `natsl.data.dataset`, the evaluat
 `natsl.eval.data`) therefore opens them here, where
 - the dtype is one that `natsl tokenize` writes (`TOKEN_DTYPES`, unsigned integers), named as a string;
 - a shard's path, read from a file or found by a search, resolves inside its data folder (symlinks
-  resolved too), so a `meta.json` cannot point the reader at `../..` or `/etc`;
+  resolved too; `natsl.files.resolve_inside`), so a `meta.json` cannot point the reader at `../..` or `/etc`;
 - a shard's size is its declared token count times the dtype's width (uint32 data declared as
   uint16 would otherwise read as twice as many wrong ids), and a `.npy` shard's header, parsed
   without unpickling, agrees with its size and the declared dtype.
@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from natsl.errors import NatslError
-from natsl.files import read_json
+from natsl.files import read_json, resolve_inside
 
 TOKEN_DTYPES = ("uint16", "uint32")  # what `natsl tokenize` writes, and all that a reader takes
 RETOKENIZE = "tokenize the data again with `natsl tokenize`"
@@ -56,32 +56,11 @@ def read_json_object(path: Path, fix: str = RETOKENIZE) -> dict:
     return data
 
 
-def path_inside(folder: Path, name, where: str) -> Path:
-    """`folder / name` where `name` comes from a file in `folder`: it must be a relative path that
-    resolves (symlinks included) inside `folder`.
-
-    Args:
-        folder: the data folder.
-        name: the path as read from the file (any JSON value).
-        where: the file that named it, for the message.
-    Returns:
-        The path (unresolved, as the folder names it).
-    """
-    if not isinstance(name, str) or not name.strip():
-        raise NatslError(f"{where} is damaged: {json.dumps(name)[:80]} is not a file name; {RETOKENIZE}")
-    path = Path(folder) / name
-    root = Path(folder).resolve()
-    if Path(name).is_absolute() or not path.resolve().is_relative_to(root):
-        raise NatslError(f"{where} names {name!r}, which lies outside its folder {str(folder)!r}; a data folder "
-                         f"may only name files inside itself: {RETOKENIZE}")
-    return path
-
-
 def open_shard(path: Path, dtype: np.dtype | None, tokens: int | None) -> np.ndarray:
     """A read-only memory map of one token shard (`.bin`: raw ids; `.npy`: numpy's format), checked first.
 
     Args:
-        path: the shard, already checked to lie inside its folder (`path_inside`).
+        path: the shard, already checked to lie inside its folder (`natsl.files.resolve_inside`).
         dtype: the dtype its folder declares (None: a `.npy` shard's own header decides).
         tokens: the token count its folder declares (None: not declared; the size must still be whole ids).
     Returns:
@@ -153,4 +132,4 @@ def check_splits(splits, folder: Path, where: str, names: tuple[str, ...]) -> No
                     and not isinstance(tokens, bool) and tokens >= 0):
                 raise NatslError(f"{where} is damaged: a {name} shard entry {json.dumps(shard)[:80]} is not a file "
                                  f"name with a token count >= 0; {RETOKENIZE}")
-            path_inside(folder, shard["file"], where)
+            resolve_inside(folder, shard["file"], where, fix=RETOKENIZE)

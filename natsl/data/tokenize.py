@@ -44,9 +44,9 @@ from natsl.errors import NatslError
 from natsl.atomic import write_text as atomic_write_text
 from natsl.data.dedup import SeenDocuments
 from natsl.data.mix import build_mix, check_cells, describe_mix, new_cells
-from natsl.data.shards import check_splits, path_inside, read_json_object
+from natsl.data.shards import RETOKENIZE, check_splits, read_json_object
 from natsl.data.val_texts import FOLDER as VAL_TEXTS, ValTextWriter, file_names as val_file_names
-from natsl.files import check_output_folder
+from natsl.files import check_output_folder, resolve_inside
 from natsl.tokenizer import Tokenizer, train_bpe
 from natsl.training.faults import fault_point
 
@@ -161,7 +161,7 @@ class ShardWriter:
         keep = set()
         for info in self.splits.values():
             for shard in info["shards"]:
-                path = path_inside(self.folder, shard["file"], repr(str(self.folder / PROGRESS)))
+                path = resolve_inside(self.folder, shard["file"], repr(str(self.folder / PROGRESS)), fix=RETOKENIZE)
                 want = shard["tokens"] * self.dtype.itemsize
                 if not path.is_file() or path.stat().st_size < want:
                     raise NatslError(f"the unfinished output in {str(self.folder)!r} is damaged ({shard['file']} is "

@@ -16,8 +16,9 @@ import os
 import re
 from pathlib import Path
 
-from natsl.data.shards import path_inside
+from natsl.data.shards import RETOKENIZE
 from natsl.errors import NatslError
+from natsl.files import resolve_inside
 
 FOLDER = "validation_texts"
 
@@ -49,13 +50,13 @@ class ValTextWriter:
 
     def restore(self, where: str, fix: str) -> None:
         """Cut every file back to its committed length; remove files never committed."""
-        path_inside(self.folder.parent, FOLDER, where)  # a link to another folder is refused, never emptied
+        resolve_inside(self.folder.parent, FOLDER, where, fix=RETOKENIZE)  # a link to another folder is refused, never emptied
         if not isinstance(self.committed, dict) or not all(
                 name in self.names and isinstance(n, int) and not isinstance(n, bool) and n >= 0
                 for name, n in self.committed.items()):
             raise NatslError(f"{where} is damaged (its validation_texts record names other files); {fix}")
         for name, size in self.committed.items():
-            path = path_inside(self.folder.parent, f"{FOLDER}/{name}", where)
+            path = resolve_inside(self.folder.parent, f"{FOLDER}/{name}", where, fix=RETOKENIZE)
             if not path.is_file() or path.stat().st_size < size:
                 raise NatslError(f"the unfinished output is damaged ({FOLDER}/{name} is shorter than recorded); {fix}")
             os.truncate(path, size)
@@ -74,7 +75,7 @@ class ValTextWriter:
             lines = self.pending.pop(index, [])
             if name in self.committed and not lines:
                 continue
-            path = path_inside(self.folder.parent, f"{FOLDER}/{name}", "the validation text writer")
+            path = resolve_inside(self.folder.parent, f"{FOLDER}/{name}", "the validation text writer", fix=RETOKENIZE)
             data = "".join(lines).encode("ascii")
             with open(path, "ab") as fh:
                 fh.write(data)

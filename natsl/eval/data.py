@@ -89,7 +89,8 @@ def _foreign_shards(folder: Path, meta: dict) -> list[tuple[Path, int | None]]:
     """(path, declared token count or None) of each shard of a folder in another layout: those listed
     under "shards" / "files" (a name, or an object with "path" / "file" / "name" and "tokens"), else
     every *.bin / *.npy below the folder in name order; each one inside the folder."""
-    from natsl.data.shards import path_inside
+    from natsl.data.shards import RETOKENIZE
+    from natsl.files import resolve_inside
 
     where = repr(str(folder / "meta.json"))
     listed = meta.get("shards") or meta.get("files")
@@ -104,10 +105,11 @@ def _foreign_shards(folder: Path, meta: dict) -> list[tuple[Path, int | None]]:
                                      "re-run `natsl tokenize`")
             else:
                 name, tokens = item, None
-            shards.append((path_inside(folder, name, where), tokens))
+            shards.append((resolve_inside(folder, name, where, fix=RETOKENIZE), tokens))
     if not shards:
         found = sorted(p for p in folder.rglob("*") if p.suffix in SHARD_SUFFIXES and p.is_file())
-        shards = [(path_inside(folder, str(p.relative_to(folder)), f"the search of {str(folder)!r}"), None)
+        search = f"the search of {str(folder)!r}"
+        shards = [(resolve_inside(folder, str(p.relative_to(folder)), search, fix=RETOKENIZE), None)
                   for p in found]
     return shards
 
@@ -133,7 +135,8 @@ def read_token_folder(folder: Path, max_tokens: int | None = None, split: str = 
     """(the token ids of a `natsl tokenize` folder as one stream, at most `max_tokens` of them when
     given; its meta.json; the sha256 of the tokenizer that made them), every shard checked before it
     is read (natsl.data.shards)."""
-    from natsl.data.shards import open_shard, path_inside, read_json_object, token_dtype_named
+    from natsl.data.shards import RETOKENIZE, open_shard, read_json_object, token_dtype_named
+    from natsl.files import resolve_inside
 
     folder = Path(folder)
     meta_path = folder / "meta.json"
@@ -149,7 +152,7 @@ def read_token_folder(folder: Path, max_tokens: int | None = None, split: str = 
     if sha is None and (folder / "tokenizer.json").is_file():
         from natsl.tokenizer import Tokenizer
 
-        sha = Tokenizer.from_file(path_inside(folder, "tokenizer.json", f"{str(folder)!r}")).sha256()
+        sha = Tokenizer.from_file(resolve_inside(folder, "tokenizer.json", f"{str(folder)!r}", fix=RETOKENIZE)).sha256()
     dtype = token_dtype_named(meta["dtype"], repr(str(meta_path))) if "dtype" in meta else None
     shards = _foreign_shards(folder, meta)
     if not shards:
