@@ -64,6 +64,8 @@ class MiniatureOptions:
         data: the corpus, a `natsl tokenize` folder; built by the corpus stage when it has no meta.json.
         corpus_inputs / corpus_patterns: what the corpus stage tokenizes (files, folders, globs; --include).
         vocab_size: the trained BPE's vocabulary (the recipes' model.vocab_size).
+        val_fraction: the share of documents held out for validation (whole files).
+        tokenizer_train_docs: the BPE trains on the first N documents (None: all; the longest step).
         lrs: the sweep's learning rates (every system, every ablation).
         sweep_tokens / train_tokens: tokens a sweep run / a full run trains (each cosine schedule ends there).
         seeds: the NAtS-L Hybrid's seeds in the train stage (every other system trains seed 0).
@@ -82,6 +84,8 @@ class MiniatureOptions:
     corpus_inputs: tuple = CORPUS_INPUTS
     corpus_patterns: tuple = CORPUS_PATTERNS
     vocab_size: int = 32000
+    val_fraction: float = 0.005
+    tokenizer_train_docs: Optional[int] = 30000
     lrs: tuple = (0.002, 0.004, 0.008)
     sweep_tokens: int = 10_000_000
     train_tokens: int = 100_000_000
@@ -114,9 +118,10 @@ def corpus_command(opts: MiniatureOptions) -> list[str]:
 
     inputs = [i.format(purelib=sysconfig.get_paths()["purelib"]) for i in opts.corpus_inputs]
     includes = [arg for pattern in opts.corpus_patterns for arg in ("--include", pattern)]
-    return natsl_command("tokenize", *inputs, *includes, "--skip-bad-files", "--dedup", "--val-fraction", "0.005",
+    return natsl_command("tokenize", *inputs, *includes, "--skip-bad-files", "--dedup", "--val-fraction", str(opts.val_fraction),
                          "--val-texts", "--train-tokenizer", "--vocab-size", str(opts.vocab_size), "--out",
-                         str(opts.data))
+                         str(opts.data), *(["--tokenizer-train-docs", str(opts.tokenizer_train_docs)]
+                                           if opts.tokenizer_train_docs else []))
 
 
 def default_parallel(device: Optional[str]) -> int:
@@ -131,11 +136,13 @@ def default_parallel(device: Optional[str]) -> int:
 
 
 def sweep_spec(opts: MiniatureOptions) -> dict:
-    """The sweep stage's spec: every swept system and ablation at every rate, sweep_tokens each."""
-    systems = {name: str(opts.recipes / f"{name}.yaml") for name in SWEPT}
+    """The sweep stage's spec: every swept system and ablation at every rate, sweep_tokens each. Recipes are
+    named recipes/NAME.yaml, beside the spec (the runner reads recipes only there: copy_recipes)."""
+    systems = {name: f"recipes/{name}.yaml" for name in SWEPT}
     for name, items in ABLATIONS.items():
-        systems[name] = {"recipe": str(opts.recipes / "natsl_hybrid.yaml"), "set": list(items)}
-    return _spec("mini_sweep", systems, list(opts.lrs), opts.sweep_tokens, opts)
+        systems[name] = {"recipe": "recipes/natsl_hybrid.yaml", "set": list(items)}
+    # four validations a run, of half a million tokens (a tenth of the run's compute at most), the last at its end
+    return _spec("mini_sweep", systems, list(opts.lrs), opts.sweep_tokens, opts, evals=4, eval_tokens=524288)
 
 
 def best_rates(sweep_summary: dict) -> dict[str, float]:
@@ -157,16 +164,20 @@ def train_spec(opts: MiniatureOptions, rates: dict[str, float]) -> dict:
         if source not in rates:
             raise NatslError(f"the sweep has no validation loss for {source}; run the sweep stage to its end "
                              "(natsl miniature --stages sweep) before training")
-        recipe = str(opts.recipes / f"{name}.yaml")
+        recipe = f"recipes/{name}.yaml"
         systems[name] = {"recipe": recipe, "seeds": list(opts.seeds)} if name == "natsl_hybrid" else recipe
         lrs[name] = [rates[source]]
-    return _spec("mini_train", systems, lrs, opts.train_tokens, opts)
+    return _spec("mini_train", systems, lrs, opts.train_tokens, opts, evals=8, eval_tokens=None)
 
 
-def _spec(name: str, systems: dict, lrs, tokens: int, opts: MiniatureOptions) -> dict:
+def _spec(name: str, systems: dict, lrs, tokens: int, opts: MiniatureOptions, evals: int,
+          eval_tokens: Optional[int]) -> dict:
+    """A spec of the ladder's recipes: `evals` validations a run (the recipes' eval_tokens, or these), a
+    checkpoint a quarter of the way (a deadline writes one too), opts.sets last."""
     steps = max(1, tokens // 65536)
-    sets = [f"train.micro_batch_size={opts.micro_batch}", f"train.eval_every={max(1, steps // 8)}",
-            f"train.save_every={max(1, steps // 10)}", *opts.sets]
+    sets = [f"train.micro_batch_size={opts.micro_batch}", f"train.eval_every={max(1, steps // evals)}",
+            f"train.save_every={max(1, steps // 4)}", *([f"train.eval_tokens={eval_tokens}"] if eval_tokens else []),
+            *opts.sets]
     spec = {"name": name, "systems": systems, "lrs": lrs, "tasks": {"mini": str(opts.data)},
             "budget": {"max_tokens": int(tokens)}, "set": sets, "compile": bool(opts.compile)}
     if opts.device:
@@ -203,6 +214,22 @@ def _summary(folder: Path) -> Optional[dict]:
     from natsl.files import read_json
 
     return read_json(path, f"remove {folder} and run natsl miniature again")
+
+
+def copy_recipes(opts: MiniatureOptions, folder: Path) -> None:
+    """Copy the ladder's recipes to folder/recipes/ (the specs beside them read them there), as they are:
+    a later edit of recipes/mini does not change a miniature under way."""
+    from natsl.atomic import write_text
+    from natsl.errors import NatslError
+
+    for name in LADDER:
+        source = opts.recipes / f"{name}.yaml"
+        if not source.is_file():
+            raise NatslError(f"recipe {source} does not exist; pass the folder of the mini recipes (recipes/mini)")
+        target = folder / "recipes" / f"{name}.yaml"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if not target.is_file():
+            write_text(target, source.read_text(encoding="utf-8"))
 
 
 def _write_spec(path: Path, spec: dict) -> Path:
@@ -283,6 +310,7 @@ def _sweep_stage(name: str, spec: dict, opts: MiniatureOptions, remaining, log) 
     if previous is not None and finished_runs(previous)[0] == finished_runs(previous)[1] > 0:
         log(f"  {folder}: all {finished_runs(previous)[1]} runs done: kept")
         return previous
+    copy_recipes(opts, opts.out / "specs")
     spec_path = _write_spec(opts.out / "specs" / f"{name}.yaml", spec)
     parallel = opts.max_parallel or default_parallel(opts.device)
     argv = natsl_command("sweep", spec_path, "--out", folder, "--max-parallel", str(parallel))
