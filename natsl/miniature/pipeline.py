@@ -188,7 +188,7 @@ def _spec(name: str, systems: dict, lrs, tokens: int, opts: MiniatureOptions, ev
 def finished_runs(summary: dict) -> tuple[int, int]:
     """(runs done, runs in all) of a sweep's summary.json."""
     runs = summary.get("runs") or []
-    return sum(r.get("status") == "done" for r in runs), len(runs)
+    return sum(r.get("status") == "done" or bool(r.get("failed")) for r in runs), len(runs)  # a failure is final
 
 
 def checkpoint_folders(root: Path) -> dict[str, str]:
@@ -197,7 +197,7 @@ def checkpoint_folders(root: Path) -> dict[str, str]:
     found: dict[str, str] = {}
     train = _summary(root / "train")
     for r in (train or {}).get("runs") or []:
-        if r.get("status") == "done":
+        if r.get("status") == "done" or (root / "train" / "runs" / r["id"] / "train" / "checkpoints").is_dir():
             name = r["system"] + (f"_s{r['seed']}" if r.get("seed") else "")
             found[name] = str(root / "train" / "runs" / r["id"] / "train")
     sweep = _summary(root / "sweep") or {}
