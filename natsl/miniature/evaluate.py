@@ -104,6 +104,15 @@ def natsl_command(*args) -> list[str]:
     return [sys.executable, "-m", "natsl.cli.main", *[str(a) for a in args]]
 
 
+def shown(argv: list[str]) -> str:
+    """A job's command as a person types it (`natsl eval-lm ...` rather than this host's interpreter)."""
+    import shlex
+
+    if argv[1:3] == ["-m", "natsl.cli.main"]:
+        return "natsl " + shlex.join(argv[3:])
+    return shlex.join(argv)
+
+
 def lm_eval_missing() -> str | None:
     """Why lm-eval jobs cannot run in this Python (None: they can)."""
     try:
@@ -214,7 +223,8 @@ def eval_jobs(checkpoints: dict, corpus, out, *, device: str, quick: bool = Fals
                                      *lengths, "--no-progress", "--out", out / "latency", *dev),
             "latency.json", timed, done_key="finished")
     for name in [n for n in LADDER + SEEDS if n in have]:
-        lengths, samples, new = ("512,1024", 1, 48) if quick else (RULER_LENGTHS, RULER_SAMPLES, RULER_NEW_TOKENS)
+        # quick: a tiny test vocabulary spells the longest prompt (niah_multiquery) in about 500 tokens
+        lengths, samples, new = ("1024,2048", 1, 48) if quick else (RULER_LENGTHS, RULER_SAMPLES, RULER_NEW_TOKENS)
         job(f"ruler_{name}", natsl_command("eval-ruler", have[name], "--lengths", lengths, "--tasks", "all",
                                            "--samples", samples, "--max-new-tokens", new, "--no-progress",
                                            "--out", out / f"ruler_{name}", *dev), "ruler.json", [name])
@@ -310,7 +320,7 @@ def run_jobs(jobs: list[EvalJob], *, max_parallel: int, deadline_s: float | None
         f"at most {max_parallel} at once" + (f", {len(jobs) - total} skipped" if total < len(jobs) else ""))
     for j in jobs:
         if j.skipped:
-            log(f"{j.name}: skipped ({j.skipped}); to run it elsewhere: {' '.join(j.argv)}")
+            log(f"{j.name}: skipped ({j.skipped}); to run it elsewhere: {shown(j.argv)}")
     running: dict[str, tuple] = {}
     finished_s: list[float] = []
 

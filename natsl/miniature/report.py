@@ -196,6 +196,11 @@ def routing_verdict(datasets: list[dict]) -> dict:
         kind = "per block (fractions strictly between 0 and 1, differing by source)"
     else:
         kind = "per block, but alike across sources"
+    if fractions:
+        kind += (f"; {len(inner)} of {len(fractions)} (layer, group, source) fractions lie strictly between "
+                 f"{HEAD_TOL:g} and {1 - HEAD_TOL:g}")
+        if len(datasets) > 1:
+            kind += f", the largest spread of one group over sources is {spread:.2f}"
     return {"routing": kind, "groups_strictly_between": len(inner), "groups": len(fractions),
             "max_spread_over_sources": spread if len(datasets) > 1 else None}
 
@@ -268,11 +273,12 @@ def _verdict(ok: bool | None) -> str:
 def claims(t1, ppl, ruler, routing, compare) -> list[dict]:
     out = []
     # 1. validation perplexity
-    vals = {n: (t1.get(n) or {}).get("perplexity") for n in ("natsl_hybrid", "transformer", "gdn_hybrid")}
+    systems = ("natsl_hybrid", "transformer", "gdn_hybrid")
+    vals = {n: (t1.get(n) or {}).get("perplexity") for n in systems}
     source = "final validation perplexity of training"
-    if any(v is None for v in vals.values()):
-        vals = {n: (ppl.get(n) or {}).get("ppl") for n in vals}
-        source = "eval-ppl perplexity over the long windows"
+    long = {n: (ppl.get(n) or {}).get("ppl") for n in systems}
+    if any(v is None for v in vals.values()) and all(v is not None for v in long.values()):
+        vals, source = long, "eval-ppl perplexity over the long windows (no training result for all three)"
     ok = None if any(v is None for v in vals.values()) else vals["natsl_hybrid"] <= min(vals["transformer"],
                                                                                            vals["gdn_hybrid"])
     out.append({"claim": "NAtS-L Hybrid's validation perplexity is at most the Transformer's and GDN Hybrid's",
