@@ -167,3 +167,18 @@ def test_lm_task_builder_is_deterministic_and_right(tmp_path):
         assert truth.strip() and "\n" not in truth and item["context"].strip()
     yaml = (tmp_path / "a" / "natsl_mini_next_line.yaml").read_text()
     assert 'target_delimiter: ""' in yaml and str((tmp_path / "a" / "next_line.jsonl").resolve()) in yaml
+
+
+def test_report_of_nothing_says_not_measured(tmp_path):
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "eval" / "eval_status.json").write_text(json.dumps({"jobs": {
+        "lm_eval_natsl_hybrid": {"status": "skipped: lm-evaluation-harness is not importable here"},
+        "ppl": {"status": "killed (deadline)"}}}))
+    (tmp_path / "eval" / "compare").mkdir()
+    (tmp_path / "eval" / "compare" / "compare.json").write_text("{not json")
+    text = write_report(tmp_path).read_text()
+    tables = json.loads((tmp_path / "report" / "tables.json").read_text())
+    assert [c["verdict"] for c in tables["claims"]] == ["not measured"] * 5
+    assert "## Fig. 3 in miniature: loss against position\n\nnot measured (killed (deadline))" in text
+    assert "not measured (skipped: lm-evaluation-harness is not importable here)" in text
+    assert "## Files that could not be read" in text and "compare.json" in text and not tables["figures"]

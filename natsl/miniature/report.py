@@ -201,7 +201,8 @@ def routing_verdict(datasets: list[dict]) -> dict:
                  f"{HEAD_TOL:g} and {1 - HEAD_TOL:g}")
         if len(datasets) > 1:
             kind += f", the largest spread of one group over sources is {spread:.2f}"
-    return {"routing": kind, "groups_strictly_between": len(inner), "groups": len(fractions),
+    return {"routing": kind, "sources_compared": [ds.get("name") for ds in datasets],
+            "groups_strictly_between": len(inner), "groups": len(fractions),
             "max_spread_over_sources": spread if len(datasets) > 1 else None}
 
 
@@ -212,13 +213,15 @@ def routing_section(root: Path, problems) -> dict:
         if not isinstance(data, dict):
             continue
         datasets = data.get("datasets") or []
+        # routing "per source" is about the held-out sources; the synthetic text is shown, not counted
+        held = [ds for ds in datasets if SYNTHETIC not in str(ds.get("name"))]
         out[name] = {"seq_len": data.get("seq_len"), "natsl_layers": data.get("natsl_layers"),
                      "datasets": [{"name": ds.get("name"), "keep_fraction": _num(ds.get("keep_fraction")),
                                    "kv_ratio": _num((ds.get("memory") or {}).get("kv_ratio")),
                                    "layers": [{"layer": layer.get("layer"),
                                                "group_keep_fraction": layer.get("group_keep_fraction")}
                                               for layer in ds.get("layers", [])]} for ds in datasets],
-                     **routing_verdict(datasets)}
+                     **routing_verdict(held if len(held) > 1 else datasets)}
     return out
 
 
