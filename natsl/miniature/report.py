@@ -1,0 +1,567 @@
+"""The report of `natsl miniature`: the paper's tables and figures in miniature, from what the stages wrote.
+
+`write_report(ROOT)` reads, each where present (a missing piece is "not measured", never an error):
+
+- ROOT/sweep/summary.json: the learning-rate sweep (natsl.training.sweep_lm: `best_lm`, per system its
+  best_lr and the ranking of its rates);
+- ROOT/checkpoints.json (else ROOT/eval/checkpoints.json): name -> training run folder, and the training
+  results beside them (RUN/result.json or a parent's, else ROOT/train/runs/ID/result.json whose run.json
+  names the system: val_loss, perplexity, tokens, parameters, val_curve);
+- ROOT/eval: ppl/ppl.json (natsl.cli.eval_ppl), ruler_NAME/ruler.json (natsl.cli.eval_ruler),
+  routing_NAME/routing.json (natsl.cli.inspect_routing), compare/compare.json (natsl.eval.compare),
+  latency/latency.json (natsl.inference.bench), lm_eval_NAME/lm_eval.json (natsl.eval.lm_eval_run) and
+  eval_status.json (natsl.miniature.evaluate: why a job did not run);
+
+and writes ROOT/report/report.md (the tables and the verdict on the issue's five claims), tables.json (the
+same numbers) and PNG figures beside them: validation curves, loss against position to 8x the training
+length (Fig. 3), RULER accuracy against length (Table 2) and the kept fraction per layer, group and
+source of every NAtS-L checkpoint (Figs. 5/6).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+from natsl.miniature.evaluate import ABLATIONS, LADDER, ROUTED, SEEDS
+
+NOT_MEASURED = "not measured"
+# A routing group whose kept fraction is within this of 0 or 1 everywhere routes per head (it keeps all of
+# its blocks or none); sources whose fractions differ by more than it are routed differently.
+HEAD_TOL = 0.05
+SOURCE_TOL = 0.05
+SYNTHETIC = "synthetic"
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def _read(path: Path, problems: list[str]):
+    """A JSON file's object, or None when it is missing; one that cannot be read is noted in `problems`."""
+    from natsl.errors import NatslError
+    from natsl.files import read_json
+
+    if not path.is_file():
+        return None
+    try:
+        data = read_json(path, "the report leaves it out")
+    except (NatslError, OSError) as err:
+        problems.append(str(err))
+        return None
+    return data if isinstance(data, (dict, list)) else None
+
+
+def _num(value) -> float | None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return float(value) if ok else None
+
+
+def read_checkpoints(root: Path, problems: list[str]) -> dict[str, Path]:
+    """name -> run folder, from ROOT/checkpoints.json ({name: path} or {"checkpoints": {...}}) or the eval copy."""
+    for path in (root / "checkpoints.json", root / "eval" / "checkpoints.json"):
+        data = _read(path, problems)
+        if isinstance(data, dict):
+            data = data.get("checkpoints", data) if isinstance(data.get("checkpoints"), dict) else data
+            out = {}
+            for name, folder in data.items():
+                if isinstance(folder, str):
+                    folder = Path(folder)
+                    out[name] = folder if folder.is_absolute() or not (root / folder).exists() else root / folder
+            return out
+    return {}
+
+
+def read_training(root: Path, checkpoints: dict[str, Path], problems: list[str]) -> dict[str, dict]:
+    """name -> its training result.json (with "run": the folder it came from)."""
+    found: dict[str, dict] = {}
+    for name, folder in checkpoints.items():
+        for place in (folder, folder.parent, folder.parent.parent):
+            result = _read(place / "result.json", problems)
+            if isinstance(result, dict):
+                found[name] = {**result, "run": str(place)}
+                break
+    runs = root / "train" / "runs"
+    if runs.is_dir():
+        for run in sorted(p for p in runs.iterdir() if p.is_dir()):
+            spec = _read(run / "run.json", problems)
+            name = spec.get("system") if isinstance(spec, dict) else None
+            if name and name not in found:
+                result = _read(run / "result.json", problems)
+                if isinstance(result, dict):
+                    found[name] = {**result, "run": str(run)}
+    return found
+
+
+def system_of(path, label, checkpoints: dict[str, Path]) -> str:
+    """The checkpoint name whose run folder is `path` or holds it (the innermost), else `label`."""
+    try:
+        where = Path(path).resolve()
+    except (TypeError, OSError):
+        return str(label)
+    best, depth = None, -1
+    for name, folder in checkpoints.items():
+        folder = folder.resolve()
+        if (where == folder or folder in where.parents) and len(folder.parts) > depth:
+            best, depth = name, len(folder.parts)
+    return best or str(label)
+
+
+def order(names) -> list[str]:
+    """The ladder first, then the seeds, the ablations, and any other name."""
+    known = list(LADDER + SEEDS + ABLATIONS)
+    return sorted(set(names), key=lambda n: (known.index(n) if n in known else len(known), n))
+
+
+# ----------------------------------------------------------------------------- formatting
+
+
+def fmt(value, digits: int = 3) -> str:
+    value = _num(value)
+    if value is None:
+        return "-"
+    if abs(value) >= 1e4 or (0 < abs(value) < 1e-3):
+        return f"{value:.{digits}g}"
+    return f"{value:.{digits}f}"
+
+
+def human_bytes(n) -> str:
+    n = _num(n)
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
+        n /= 1024
+
+
+def md_table(headers: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- sections
+
+
+def table1(names, training: dict, sweep: dict | None) -> dict:
+    best = {p.get("system"): p for p in (sweep or {}).get("best_lm") or [] if isinstance(p, dict)}
+    rows = {}
+    for name in names:
+        result, point = training.get(name, {}), best.get(name, {})
+        rows[name] = {"parameters": result.get("parameters") or point.get("parameters"),
+                      "best_lr": point.get("best_lr"), "sweep_val_loss": _num(point.get("val_loss")),
+                      "val_loss": _num(result.get("val_loss")), "perplexity": _num(result.get("perplexity")),
+                      "tokens": result.get("tokens"), "status": result.get("status"),
+                      "val_curve": result.get("val_curve") or []}
+    return rows
+
+
+def ppl_section(ppl: dict | None, checkpoints) -> dict:
+    """name -> whole-window ppl, loss within the training length and in the last bucket (the longest context)."""
+    out = {}
+    for res in (ppl or {}).get("checkpoints") or []:
+        name = system_of(res.get("path"), res.get("name"), checkpoints)
+        train = res.get("train_seq_len") or 0
+        buckets = res.get("buckets") or []
+        inside = [b for b in buckets if b.get("end", 0) <= train]
+        tokens = sum(b["tokens"] for b in inside)
+        loss_in = sum(b["loss"] * b["tokens"] for b in inside) / tokens if tokens else None
+        last = buckets[-1] if buckets else {}
+        out[name] = {"ppl": _num(res.get("ppl")), "loss": _num(res.get("loss")), "bits_per_byte": _num(res.get("bits_per_byte")),
+                     "train_seq_len": train, "loss_within_train_len": loss_in, "loss_last_bucket": _num(last.get("loss")),
+                     "last_bucket": [last.get("start"), last.get("end")] if last else None,
+                     "curve": [[(b["start"] + b["end"]) / 2, b["loss"]] for b in buckets]}
+    return out
+
+
+def routing_verdict(datasets: list[dict]) -> dict:
+    """Per block or per head: every group's kept fraction per (layer, source), and how they spread over sources."""
+    fractions = [g for ds in datasets for layer in ds.get("layers", []) for g in layer.get("group_keep_fraction", [])]
+    inner = [g for g in fractions if HEAD_TOL < g < 1 - HEAD_TOL]
+    spread = 0.0
+    if len(datasets) > 1:
+        layers = datasets[0].get("layers", [])
+        for li, layer in enumerate(layers):
+            for gi in range(len(layer.get("group_keep_fraction", []))):
+                vals = [ds["layers"][li]["group_keep_fraction"][gi] for ds in datasets
+                        if li < len(ds.get("layers", [])) and gi < len(ds["layers"][li].get("group_keep_fraction", []))]
+                if vals:
+                    spread = max(spread, max(vals) - min(vals))
+    if not fractions:
+        kind = NOT_MEASURED
+    elif not inner:
+        kind = "per head (each group keeps ~all or ~none of its blocks)"
+    elif spread > SOURCE_TOL:
+        kind = "per block (fractions strictly between 0 and 1, differing by source)"
+    else:
+        kind = "per block, but alike across sources"
+    if fractions:
+        kind += (f"; {len(inner)} of {len(fractions)} (layer, group, source) fractions lie strictly between "
+                 f"{HEAD_TOL:g} and {1 - HEAD_TOL:g}")
+        if len(datasets) > 1:
+            kind += f", the largest spread of one group over sources is {spread:.2f}"
+    return {"routing": kind, "sources_compared": [ds.get("name") for ds in datasets],
+            "groups_strictly_between": len(inner), "groups": len(fractions),
+            "max_spread_over_sources": spread if len(datasets) > 1 else None}
+
+
+def routing_section(root: Path, problems) -> dict:
+    out = {}
+    for name in order(n for n in ROUTED if (root / "eval" / f"routing_{n}" / "routing.json").is_file()):
+        data = _read(root / "eval" / f"routing_{name}" / "routing.json", problems)
+        if not isinstance(data, dict):
+            continue
+        datasets = data.get("datasets") or []
+        # routing "per source" is about the held-out sources; the synthetic text is shown, not counted
+        held = [ds for ds in datasets if SYNTHETIC not in str(ds.get("name"))]
+        out[name] = {"seq_len": data.get("seq_len"), "natsl_layers": data.get("natsl_layers"),
+                     "datasets": [{"name": ds.get("name"), "keep_fraction": _num(ds.get("keep_fraction")),
+                                   "kv_ratio": _num((ds.get("memory") or {}).get("kv_ratio")),
+                                   "layers": [{"layer": layer.get("layer"),
+                                               "group_keep_fraction": layer.get("group_keep_fraction")}
+                                              for layer in ds.get("layers", [])]} for ds in datasets],
+                     **routing_verdict(held if len(held) > 1 else datasets)}
+    return out
+
+
+def compare_section(compare: dict | None, checkpoints) -> list[dict]:
+    rows = []
+    entries = (compare or {}).get("entries") or []
+    full = {}  # context -> the Transformer's full-cache KV bytes
+    for e in entries:
+        name = system_of(e.get("checkpoint"), e.get("name"), checkpoints)
+        e = {**e, "system": name}
+        if name == "transformer" and e.get("method") == "full" and _num(e.get("kv_bytes")):
+            full[e.get("context")] = e["kv_bytes"]
+        rows.append(e)
+    for e in rows:
+        ref = full.get(e.get("context"))
+        e["kv_vs_transformer"] = e["kv_bytes"] / ref if ref and _num(e.get("kv_bytes")) is not None else None
+    return rows
+
+
+def latency_section(latency: dict | None, checkpoints) -> dict:
+    out = {}
+    for model in (latency or {}).get("models") or []:
+        name = system_of(model.get("path"), model.get("name"), checkpoints)
+        out[name] = {str(p.get("context")): ({"error": p["error"]} if "error" in p else
+                                             {"prefill_s": p.get("prefill_s"), "decode_ms": p.get("decode_ms"),
+                                              "kv_bytes": p.get("kv_bytes")}) for p in model.get("points", [])}
+    return out
+
+
+def lm_eval_section(root: Path, problems) -> dict:
+    out = {}
+    for folder in sorted((root / "eval").glob("lm_eval_*")):
+        data = _read(folder / "lm_eval.json", problems)
+        if isinstance(data, dict):
+            scores = {}
+            for task, metrics in (data.get("results") or {}).items():
+                for key, value in (metrics or {}).items():
+                    metric, comma, _ = key.partition(",")
+                    if comma and not metric.endswith("_stderr") and _num(value) is not None:
+                        scores[f"{task} {metric}"] = value
+            out[folder.name[len("lm_eval_"):]] = scores
+    return out
+
+
+# ----------------------------------------------------------------------------- claims
+
+
+def _verdict(ok: bool | None) -> str:
+    return NOT_MEASURED if ok is None else ("holds" if ok else "fails")
+
+
+def claims(t1, ppl, ruler, routing, compare) -> list[dict]:
+    out = []
+    # 1. validation perplexity
+    systems = ("natsl_hybrid", "transformer", "gdn_hybrid")
+    vals = {n: (t1.get(n) or {}).get("perplexity") for n in systems}
+    source = "final validation perplexity of training"
+    long = {n: (ppl.get(n) or {}).get("ppl") for n in systems}
+    if any(v is None for v in vals.values()) and all(v is not None for v in long.values()):
+        vals, source = long, "eval-ppl perplexity over the long windows (no training result for all three)"
+    ok = None if any(v is None for v in vals.values()) else vals["natsl_hybrid"] <= min(vals["transformer"],
+                                                                                           vals["gdn_hybrid"])
+    out.append({"claim": "NAtS-L Hybrid's validation perplexity is at most the Transformer's and GDN Hybrid's",
+                "verdict": _verdict(ok), "numbers": f"{source}: " + ", ".join(f"{n} {fmt(v)}" for n, v in vals.items())})
+    # 2. extrapolation
+    last = {n: (ppl.get(n) or {}).get("loss_last_bucket") for n in ("natsl_hybrid", "transformer", "gdn_hybrid")}
+    ok = None if any(v is None for v in last.values()) else last["natsl_hybrid"] < min(last["transformer"],
+                                                                                         last["gdn_hybrid"])
+    span = (ppl.get("natsl_hybrid") or {}).get("last_bucket")
+    where = f"tokens {span[0]}-{span[1]}" if span else "the last bucket"
+    out.append({"claim": "NAtS-L Hybrid extrapolates better than both (loss at 8x the training length)",
+                "verdict": _verdict(ok), "numbers": f"loss at {where}: " + ", ".join(f"{n} {fmt(v)}" for n, v in last.items())})
+    # 3. needles at 4K and beyond
+    mine, theirs = (ruler.get(n, {}).get("lengths") or {} for n in ("natsl_hybrid", "gdn_hybrid"))
+    lengths = sorted(int(n) for n in mine if int(n) >= 4096 and str(n) in theirs)
+    pairs = [(n, _num(mine[str(n)]), _num(theirs[str(n)])) for n in lengths]
+    pairs = [p for p in pairs if p[1] is not None and p[2] is not None]
+    ok = None if not pairs else all(a > b for _, a, b in pairs)
+    out.append({"claim": "NAtS-L Hybrid beats GDN Hybrid on the needle tasks at 4K and beyond (RULER mean over tasks)",
+                "verdict": _verdict(ok),
+                "numbers": "; ".join(f"{n}: natsl_hybrid {fmt(a, 2)} vs gdn_hybrid {fmt(b, 2)}" for n, a, b in pairs)
+                or "no RULER length >= 4096 for both"})
+    # 4. KV bytes
+    mine = routing.get("natsl_hybrid")
+    held = [d for d in (mine or {}).get("datasets", []) if d["kv_ratio"] is not None and SYNTHETIC not in str(d["name"])]
+    whole = [e for e in compare if e.get("system") == "natsl_hybrid" and e.get("method") == "router"
+             and e.get("kv_vs_transformer") is not None]
+    parts = []
+    if held:
+        ok = max(d["kv_ratio"] for d in held) <= 0.5
+        parts.append("NAtS-L layers' KV against a Transformer layer's on the held-out sources (inspect-routing): "
+                     + ", ".join(f"{d['name']} {fmt(d['kv_ratio'])}" for d in held))
+    elif whole:
+        ok = max(e["kv_vs_transformer"] for e in whole) <= 0.5
+    else:
+        ok = None
+    if whole:
+        parts.append("whole model against the Transformer's full cache (compare, random prompt): "
+                     + ", ".join(f"{e['context']} tokens {fmt(e['kv_vs_transformer'])}" for e in whole))
+    out.append({"claim": "NAtS-L Hybrid keeps at most half of the Transformer's KV bytes", "verdict": _verdict(ok),
+                "numbers": "; ".join(parts) or "neither inspect-routing nor compare measured natsl_hybrid"})
+    # 5. routing per source in every seed
+    seeds = [n for n in ("natsl_hybrid",) + SEEDS if n in routing]
+    spreads = {n: routing[n].get("max_spread_over_sources") for n in seeds}
+    ok = None if not seeds or any(v is None for v in spreads.values()) else all(v > SOURCE_TOL for v in spreads.values())
+    missing = [n for n in ("natsl_hybrid",) + SEEDS if n not in routing]
+    out.append({"claim": "NAtS-L Hybrid routes differently per data source in every seed",
+                "verdict": _verdict(ok),
+                "numbers": (", ".join(f"{n}: largest spread of a group's kept fraction over sources {fmt(v)}"
+                                      for n, v in spreads.items()) or "no seed's routing measured")
+                + (f" (threshold {SOURCE_TOL}; not measured: {', '.join(missing)})" if missing else
+                   f" (threshold {SOURCE_TOL})")})
+    return out
+
+
+# ----------------------------------------------------------------------------- figures
+
+
+def _plots(folder: Path, t1, ppl, ruler, routing) -> list[str]:
+    from natsl.eval.common import pyplot, save_figure
+
+    plt = pyplot()
+    written = []
+    curves = {n: r["val_curve"] for n, r in t1.items() if r.get("val_curve")}
+    if curves:
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        for name in order(curves):
+            tokens, losses = zip(*curves[name])
+            ax.plot([t / 1e6 for t in tokens], losses, marker=".", label=name)
+        ax.set_xlabel("tokens trained (millions)")
+        ax.set_ylabel("validation loss")
+        ax.set_title("validation loss during training (Table 1 in miniature)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        written.append(save_figure(fig, folder / "val_curves.png").name)
+    if ppl:
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        train = None
+        for name in order(ppl):
+            xs, ys = zip(*ppl[name]["curve"]) if ppl[name]["curve"] else ((), ())
+            ax.plot(xs, ys, marker="o", markersize=3, label=name)
+            train = train or ppl[name]["train_seq_len"]
+        if train:
+            ax.axvline(train, color="gray", linestyle=":", label=f"training length {train}")
+        ax.set_xlabel("position in window (tokens of context)")
+        ax.set_ylabel("loss (nats, per bucket)")
+        ax.set_title("loss against position (Fig. 3 in miniature)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        written.append(save_figure(fig, folder / "loss_vs_position.png").name)
+    if ruler:
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        for name in order(ruler):
+            pts = sorted((int(n), v) for n, v in (ruler[name].get("lengths") or {}).items() if _num(v) is not None)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel("RULER NIAH score (mean over tasks)")
+        ax.set_title("needle retrieval against length (Table 2 in miniature)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        written.append(save_figure(fig, folder / "ruler_by_length.png").name)
+    if routing:
+        names = order(routing)
+        fig, axes = plt.subplots(1, len(names), figsize=(1.5 + 3.4 * len(names), 4.6), squeeze=False,
+                                 layout="constrained")
+        image = None
+        for ax, name in zip(axes[0], names):
+            datasets = routing[name]["datasets"]
+            labels = [f"L{layer['layer']} g{g}" for layer in (datasets[0]["layers"] if datasets else [])
+                      for g in range(len(layer["group_keep_fraction"] or []))]
+            grid = [[frac for layer in ds["layers"] for frac in layer["group_keep_fraction"] or []] for ds in datasets]
+            grid = [list(col) for col in zip(*grid)] if grid else [[0.0]]
+            image = ax.imshow(grid, vmin=0, vmax=1, cmap="Blues", aspect="auto")
+            ax.set_xticks(range(len(datasets)), [str(ds["name"])[:18] for ds in datasets], rotation=60, ha="right",
+                          fontsize=7)
+            ax.set_yticks(range(len(labels)), labels, fontsize=7)
+            ax.set_title(name, fontsize=9)
+        fig.suptitle("fraction of blocks kept per NAtS-L layer and group, per source (Figs. 5/6 in miniature)",
+                     fontsize=10)
+        fig.colorbar(image, ax=list(axes[0]), fraction=0.03, label="kept fraction")
+        written.append(save_figure(fig, folder / "routing_by_source.png").name)
+    return written
+
+
+# ----------------------------------------------------------------------------- the report
+
+
+def _status_note(status: dict, job: str) -> str:
+    entry = (status.get("jobs") or {}).get(job) if isinstance(status, dict) else None
+    return f"{NOT_MEASURED} ({entry['status']})" if isinstance(entry, dict) and entry.get("status") not in (
+        None, "done", "done already") else NOT_MEASURED
+
+
+def write_report(root) -> Path:
+    """Write ROOT/report/report.md, tables.json and the figures from whatever the stages left (see the module doc).
+
+    Args:
+        root: the miniature's output folder (sweep/, train/, eval/, checkpoints.json).
+    Returns:
+        The path of report.md.
+    """
+    from natsl.atomic import write_json, write_text
+
+    root = Path(root)
+    folder = root / "report"
+    folder.mkdir(parents=True, exist_ok=True)
+    problems: list[str] = []
+    checkpoints = read_checkpoints(root, problems)
+    training = read_training(root, checkpoints, problems)
+    sweep = _read(root / "sweep" / "summary.json", problems)
+    sweep = sweep if isinstance(sweep, dict) else None
+    status = _read(root / "eval" / "eval_status.json", problems) or {}
+    names = order([*checkpoints, *training, *[p.get("system") for p in (sweep or {}).get("best_lm") or []
+                                              if isinstance(p, dict) and p.get("system")]])
+    t1 = table1(names, training, sweep)
+    ppl_json = _read(root / "eval" / "ppl" / "ppl.json", problems)
+    ppl = ppl_section(ppl_json if isinstance(ppl_json, dict) else None, checkpoints)
+    ruler = {}
+    for name in order(n for n in LADDER + SEEDS if (root / "eval" / f"ruler_{n}" / "ruler.json").is_file()):
+        data = _read(root / "eval" / f"ruler_{name}" / "ruler.json", problems)
+        if isinstance(data, dict):
+            ruler[name] = {"tasks": data.get("tasks") or {}, "lengths": data.get("lengths") or {},
+                           "mean": data.get("mean"), "samples": data.get("samples")}
+    routing = routing_section(root, problems)
+    compare_json = _read(root / "eval" / "compare" / "compare.json", problems)
+    compare = compare_section(compare_json if isinstance(compare_json, dict) else None, checkpoints)
+    latency_json = _read(root / "eval" / "latency" / "latency.json", problems)
+    latency = latency_section(latency_json if isinstance(latency_json, dict) else None, checkpoints)
+    lm = lm_eval_section(root, problems)
+    verdicts = claims(t1, ppl, ruler, routing, compare)
+    figures = _plots(folder, t1, ppl, ruler, routing)
+
+    md = [f"# The paper in miniature: report\n\nWritten {time.strftime('%Y-%m-%d %H:%M:%S')} from {root}. "
+          f"\"{NOT_MEASURED}\": the stage left no result for it.\n"]
+    md.append("## Claims\n")
+    md.append(md_table(["claim", "verdict", "numbers"], [[c["claim"], f"**{c['verdict']}**", c["numbers"]]
+                                                          for c in verdicts]))
+    md.append("\n## Table 1 in miniature: training\n")
+    if any(r["val_loss"] is not None or r["best_lr"] is not None for r in t1.values()):
+        md.append(md_table(["system", "parameters", "best lr", "sweep val loss", "val loss", "val ppl", "tokens"],
+                           [[n, f"{r['parameters'] / 1e6:.1f}M" if _num(r["parameters"]) else "-",
+                             fmt(r["best_lr"], 3) if r["best_lr"] is not None else "-", fmt(r["sweep_val_loss"]),
+                             fmt(r["val_loss"]), fmt(r["perplexity"]), r["tokens"] or "-"] for n, r in t1.items()]))
+    else:
+        md.append(NOT_MEASURED)
+    md.append("\n## Fig. 3 in miniature: loss against position\n")
+    if ppl:
+        max_len = ppl_json.get("max_len")
+        md.append(f"Windows of {max_len} tokens of the validation split (eval-ppl); the last bucket is the longest "
+                  "context.\n")
+        md.append(md_table(["system", "ppl (whole window)", "loss within training length", "loss, last bucket",
+                            "bits/byte"],
+                           [[n, fmt(r["ppl"]), fmt(r["loss_within_train_len"]), fmt(r["loss_last_bucket"]),
+                             fmt(r["bits_per_byte"])] for n, r in ((n, ppl[n]) for n in order(ppl))]))
+    else:
+        md.append(_status_note(status, "ppl"))
+    md.append("\n## Table 2 in miniature: RULER needle-in-a-haystack\n")
+    if ruler:
+        lengths = sorted({int(n) for r in ruler.values() for n in r["lengths"]})
+        md.append(md_table(["system", *map(str, lengths), "mean"],
+                           [[n, *[fmt(r["lengths"].get(str(x)), 2) for x in lengths], fmt(r["mean"], 2)]
+                            for n, r in ruler.items()]))
+        tasks = list(dict.fromkeys(t for r in ruler.values() for t in r["tasks"]))
+        for length in lengths:
+            md.append(f"\nPer task at {length} tokens:\n")
+            md.append(md_table(["task", *ruler], [[t, *[fmt((r["tasks"].get(t) or {}).get(str(length)), 2)
+                                                        for r in ruler.values()]] for t in tasks]))
+    else:
+        md.append(NOT_MEASURED)
+    md.append("\n## Figs. 5/6 in miniature: routing per layer, group and source\n")
+    if routing:
+        for name, r in routing.items():
+            md.append(f"\n**{name}** ({r['seq_len']}-token windows): routing {r['routing']}.\n")
+            layers = [layer["layer"] for layer in (r["datasets"][0]["layers"] if r["datasets"] else [])]
+            md.append(md_table(["source", "kept", "KV vs Transformer layer", *[f"layer {x} groups" for x in layers]],
+                               [[d["name"], fmt(d["keep_fraction"]), fmt(d["kv_ratio"]),
+                                 *[" / ".join(fmt(g, 2) for g in layer["group_keep_fraction"] or [])
+                                   for layer in d["layers"]]] for d in r["datasets"]]))
+        seeds = [n for n in ("natsl_hybrid",) + SEEDS if n in routing]
+        if len(seeds) > 1:
+            md.append("\nAcross seeds (kept fraction per source):\n")
+            sources = list(dict.fromkeys(d["name"] for n in seeds for d in routing[n]["datasets"]))
+            md.append(md_table(["source", *seeds], [[s, *[fmt(next((d["keep_fraction"] for d in routing[n]["datasets"]
+                                                                    if d["name"] == s), None)) for n in seeds]]
+                                                    for s in sources]))
+    else:
+        md.append(NOT_MEASURED)
+    md.append("\n## Quality at matched KV bytes (compare)\n")
+    if compare:
+        md.append(md_table(["system", "variant", "context", "ppl", "KV bytes", "KV vs Transformer", "decode ms",
+                            "prefill s"],
+                           [[e["system"], e.get("label"), e.get("context"), fmt(e.get("ppl")),
+                             human_bytes(e.get("kv_bytes")), fmt(e.get("kv_vs_transformer")),
+                             e["error"] if "error" in e else fmt(e.get("decode_ms")), fmt(e.get("prefill_s"))]
+                            for e in compare]))
+    else:
+        md.append(_status_note(status, "compare"))
+    md.append("\n## Latency (bench-latency, trained routers)\n")
+    if latency:
+        contexts = sorted({int(c) for r in latency.values() for c in r})
+        md.append(md_table(["system", *[f"{c}: prefill s / decode ms" for c in contexts]],
+                           [[n, *[(p.get("error") if "error" in p else f"{fmt(p.get('prefill_s'))} / "
+                                   f"{fmt(p.get('decode_ms'))}") if (p := r.get(str(c))) else "-"
+                                  for c in contexts]] for n, r in latency.items()]))
+    else:
+        md.append(_status_note(status, "latency"))
+    md.append("\n## lm-eval on the local tasks\n")
+    if lm:
+        metrics = list(dict.fromkeys(k for scores in lm.values() for k in scores))
+        md.append(md_table(["system", *metrics], [[n, *[fmt(lm[n].get(k)) for k in metrics]] for n in order(lm)]))
+    else:
+        skipped = [e["status"] for j, e in (status.get("jobs") or {}).items() if j.startswith("lm_eval_")
+                   and isinstance(e, dict)] if isinstance(status, dict) else []
+        md.append(f"{NOT_MEASURED} ({skipped[0]})" if skipped else NOT_MEASURED)
+    md.append("\n## Ablations (against natsl_hybrid)\n")
+    base = t1.get("natsl_hybrid", {}).get("val_loss")
+    present = [n for n in ("natsl_hybrid",) + ABLATIONS if n in t1 or n in ppl or n in routing]
+    ablations = {}
+    for n in present:
+        loss = t1.get(n, {}).get("val_loss")
+        kept = [d["keep_fraction"] for d in routing.get(n, {}).get("datasets", []) if d["keep_fraction"] is not None]
+        ablations[n] = {"val_loss": loss, "delta": loss - base if loss is not None and base is not None else None,
+                        "ppl_long": (ppl.get(n) or {}).get("ppl"), "kept": sum(kept) / len(kept) if kept else None}
+    if len(ablations) > 1 or (ablations and "natsl_hybrid" not in ablations):
+        md.append(md_table(["system", "val loss", "vs natsl_hybrid", "eval-ppl ppl", "mean kept fraction"],
+                           [[n, fmt(a["val_loss"]), (f"{a['delta']:+.3f}" if a["delta"] is not None else "-"),
+                             fmt(a["ppl_long"]), fmt(a["kept"])] for n, a in ablations.items()]))
+    else:
+        md.append(NOT_MEASURED)
+    if figures:
+        md.append("\n## Figures\n")
+        md.extend(f"![{name}]({name})" for name in figures)
+    if problems:
+        md.append("\n## Files that could not be read\n")
+        md.extend(f"- {p}" for p in problems)
+    tables = {"checkpoints": {n: str(p) for n, p in checkpoints.items()}, "table1": t1, "ppl": ppl, "ruler": ruler,
+              "routing": routing, "compare": compare, "latency": latency, "lm_eval": lm, "ablations": ablations,
+              "claims": verdicts, "figures": figures, "problems": problems}
+    write_json(folder / "tables.json", tables)
+    return write_text(folder / "report.md", "\n".join(md) + "\n")
