@@ -16,7 +16,7 @@ def default_out_folders() -> dict[str, str]:
     folders = {"train": TrainConfig().out_dir.split("/")[0]}
     for name, command in typer.main.get_command(app).commands.items():
         for param in command.params:
-            if param.name in ("out", "output", "out_dir") and isinstance(param.default, str) and param.default:
+            if param.name in ("out", "output", "out_dir", "data") and isinstance(param.default, str) and param.default:
                 folders[name] = Path(param.default).parts[0]
     return folders
 
@@ -25,6 +25,6 @@ def test_every_default_output_folder_is_git_ignored():
     ignored = {line.strip().strip("/") for line in (ROOT / ".gitignore").read_text().splitlines()
                if line.strip() and not line.startswith("#")}
     folders = default_out_folders()
-    assert {"compare", "eval_recall", "eval_ppl", "runs"} <= set(folders.values())  # the scan finds them
+    assert {"compare", "eval_recall", "eval_ppl", "runs", "data"} <= set(folders.values())  # the scan finds them
     missing = {command: folder for command, folder in folders.items() if folder not in ignored}
     assert not missing, f"add these default output folders to .gitignore: {missing}"

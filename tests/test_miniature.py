@@ -1,0 +1,140 @@
+"""`natsl miniature` (natsl.miniature.pipeline): the specs its sweep and train stages write, the checkpoints it
+hands to the evaluations, its one-line errors, and the corpus -> sweep -> train stages end to end on the CPU
+with a tiny model (the evaluations and the report: tests/test_miniature_eval.py)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import natsl.miniature.pipeline as P
+import natsl.training.sweep as S
+from natsl.config import apply_overrides, load_recipe
+from natsl.errors import NatslError
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ("model.vocab_size=300", "model.hidden_size=32", "model.intermediate_size=64", "model.head_k_dim=16",
+        "model.head_v_dim=32", "model.attn_head_dim=16", "model.mamba2_head_dim=16", "model.mamba2_state_size=8",
+        "train.seq_len=128", "train.tokens_per_step=256", "train.eval_tokens=512", "train.dtype=fp32")
+
+
+def _runs(spec: dict, folder: Path) -> list:
+    """The runs natsl sweep would start for `spec` (written beside the copied recipes, loaded as the CLI does)."""
+    path = P._write_spec(folder / "specs" / "s.yaml", spec)
+    return S.load_spec(path, folder / "out", device="cpu").runs
+
+
+def test_sweep_spec_sweeps_every_system_and_ablation_at_every_rate(tmp_path):
+    opts = P.MiniatureOptions(out=tmp_path, lrs=(0.001, 0.002), sweep_tokens=655360)
+    P.copy_recipes(opts, tmp_path / "specs")
+    runs = _runs(P.sweep_spec(opts), tmp_path)
+    assert len(runs) == (len(P.SWEPT) + len(P.ABLATIONS)) * 2
+    assert {r.system for r in runs} == set(P.SWEPT) | set(P.ABLATIONS) and "gdn_swa" not in {r.system for r in runs}
+    for run in runs:
+        recipe = apply_overrides(load_recipe(run.recipe), run.overrides)
+        assert run.max_steps == 10 and recipe.train.total_tokens == 655360 and recipe.optim.lr == run.lr
+        assert recipe.train.micro_batch_size == 8 and recipe.train.tokens_per_step == 65536 and not recipe.train.compile
+    ablation = {r.system: apply_overrides(load_recipe(r.recipe), r.overrides).model for r in runs}
+    assert ablation["natsl_hybrid_mix_x"].mix_input == "x" and ablation["natsl_hybrid"].mix_input == "q"
+    assert ablation["natsl_hybrid_chunk128"].block_size == 128 and ablation["natsl_hybrid_chunk128"].backend == "chunked"
+    assert ablation["natsl_hybrid_no_intra_softmax"].intra_block_output == "gdn"
+
+
+def test_train_spec_trains_the_ladder_at_the_best_rates_and_the_hybrid_over_seeds(tmp_path):
+    opts = P.MiniatureOptions(out=tmp_path, train_tokens=65536 * 20, seeds=(0, 1, 2))
+    P.copy_recipes(opts, tmp_path / "specs")
+    rates = {"gdn": 0.002, "mamba2": 0.004, "transformer": 0.004, "gdn_hybrid": 0.001, "natsl": 0.002,
+             "natsl_hybrid": 0.002, "natsl_hybrid_mix_x": 0.004}
+    runs = _runs(P.train_spec(opts, rates), tmp_path)
+    got = sorted((r.system, r.lr, r.seed) for r in runs)
+    assert got == sorted([(s, rates[s], 0) for s in P.SWEPT] + [("gdn_swa", 0.001, 0), ("natsl_hybrid", 0.002, 1),
+                                                                   ("natsl_hybrid", 0.002, 2)])
+    assert all(r.max_steps == 20 for r in runs)
+    with pytest.raises(NatslError, match="the sweep has no validation loss for mamba2"):
+        P.train_spec(opts, {k: v for k, v in rates.items() if k != "mamba2"})
+
+
+def test_best_rates_and_checkpoint_folders_from_the_summaries(tmp_path):
+    def summary(folder, runs, best=()):
+        folder.mkdir(parents=True)
+        (folder / "summary.json").write_text(json.dumps({"runs": runs, "best_lm": list(best)}))
+
+    summary(tmp_path / "sweep", [], [{"system": "gdn", "best_lr": 0.002, "run": "mini-gdn-d256-lr0.002"},
+                                     {"system": "natsl_hybrid_mix_x", "best_lr": 0.004,
+                                      "run": "mini-natsl_hybrid_mix_x-d256-lr0.004"}])
+    summary(tmp_path / "train", [{"id": "a", "system": "gdn", "seed": 0, "status": "done"},
+                                 {"id": "b", "system": "natsl_hybrid", "seed": 2, "status": "done"},
+                                 {"id": "c", "system": "natsl", "seed": 0, "status": "not run"},
+                                 {"id": "d", "system": "mamba2", "seed": 0, "status": "stopped early"}])
+    (tmp_path / "train" / "runs" / "d" / "train" / "checkpoints").mkdir(parents=True)  # a deadline's checkpoint
+    assert P.best_rates(json.loads((tmp_path / "sweep" / "summary.json").read_text())) == {
+        "gdn": 0.002, "natsl_hybrid_mix_x": 0.004}
+    found = P.checkpoint_folders(tmp_path)
+    assert found == {"gdn": str(tmp_path / "train/runs/a/train"), "natsl_hybrid_s2": str(tmp_path / "train/runs/b/train"),
+                     "mamba2": str(tmp_path / "train/runs/d/train"),
+                     "natsl_hybrid_mix_x": str(tmp_path / "sweep/runs/mini-natsl_hybrid_mix_x-d256-lr0.004/train")}
+    assert P.finished_runs({"runs": [{"status": "done"}, {"status": "not run", "failed": "x"}, {"status": "cut off"}]}) \
+        == (2, 3)
+
+
+def test_the_corpus_command_is_the_documented_one():
+    argv = P.corpus_command(P.MiniatureOptions())
+    text = " ".join(argv)
+    docs = (ROOT / "docs" / "training.md").read_text()
+    for flag in ("--skip-bad-files", "--dedup", "--val-texts", "--train-tokenizer", "--include *.py", "/usr/include",
+                 "--out data/mini", "--vocab-size 32000"):
+        assert flag in text
+    assert "--val-fraction 0.005" in text and "--val-fraction 0.005" in docs
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--lrs", "0.1,abc"], "--lrs '0.1,abc' is not a comma list of numbers"),
+    (["--lrs", "2"], "give learning rates between 0 and 1"),
+    (["--seeds", "0,0"], "give distinct seeds from 0"),
+    (["--stages", "train,fly"], "unknown stage 'fly'"),
+    (["--sweep-tokens", "0"], "--sweep-tokens 0: give a positive whole number"),
+    (["--deadline", "-5"], "--deadline -5.0: give a positive number of seconds"),
+    (["--device", "tpu"], "--device 'tpu': give cpu or cuda"),
+])
+def test_bad_options_are_one_line_errors(tmp_path, args, message):
+    proc = subprocess.run([sys.executable, "-m", "natsl.cli.main", "miniature", "--out", str(tmp_path / "m"), *args],
+                          capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_training_before_a_sweep_is_a_one_line_error(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "natsl.cli.main", "miniature", "--out", "m", "--stages", "train",
+                           "--device", "cpu"], capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 2 and "holds no sweep; run the sweep stage first" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_corpus_sweep_and_train_end_to_end_and_again_does_nothing(tmp_path, monkeypatch):
+    """The three training stages on a corpus of this repository's docs and model code, a tiny model, one rate;
+    the same command again keeps everything. Each stage is the natsl command it names, in a subprocess."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    opts = P.MiniatureOptions(out=Path("m"), data=Path("data/mini"), corpus_inputs=(str(ROOT / "docs"),
+                              str(ROOT / "natsl" / "models")), corpus_patterns=("*.md", "*.py"), vocab_size=300,
+                              val_fraction=0.2, tokenizer_train_docs=None, lrs=(0.004,), sweep_tokens=256,
+                              train_tokens=512, seeds=(0, 1), micro_batch=2, max_parallel=2, device="cpu",
+                              stages=("corpus", "sweep", "train"), sets=TINY)
+    lines: list[str] = []
+    result = P.run_miniature(opts, log=lines.append)
+    assert result["stages"] == {"corpus": "done", "sweep": "done", "train": "done", "eval": "skipped",
+                                "report": "skipped"}, lines
+    assert (tmp_path / "data/mini/meta.json").is_file() and (tmp_path / "m/specs/recipes/natsl_hybrid.yaml").is_file()
+    sweep = json.loads((tmp_path / "m/sweep/summary.json").read_text())
+    assert P.finished_runs(sweep) == (len(P.SWEPT) + len(P.ABLATIONS),) * 2
+    assert set(result["checkpoints"]) == set(P.LADDER) | {"natsl_hybrid_s1"} | set(P.ABLATIONS)
+    for name, folder in result["checkpoints"].items():
+        assert (tmp_path / folder / "checkpoints").is_dir(), name
+    again: list[str] = []
+    assert P.run_miniature(opts, log=again.append)["stages"]["train"] == "done"
+    assert any("holds a corpus (meta.json): kept" in line for line in again)
+    assert sum("runs done: kept" in line for line in again) == 2, again
