@@ -143,3 +143,45 @@ def test_gpu_graphed_prefill_equals_the_plain_prefill(layout):
                 a, b = (d.step(ids[:, t]) for d in decode)
                 torch.testing.assert_close(b, a, rtol=2e-3, atol=2e-3)
     assert runner.captures >= 3 and runner.replays >= 2 and runner.cuda_graphs
+
+
+
+def test_a_kv_press_takes_the_plain_prefill():
+    """A KV press keeps its queries from Python during the prefill (natsl.inference.evict.observe), which a
+    replayed graph never runs: `natsl compare`'s SnapKV rows on trained checkpoints failed on an H100 on
+    2026-12-06 with "KV eviction follows a prefill made with ... observe" after a graph was replayed."""
+    from natsl.inference.evict import Press, evict, observe
+
+    model = tiny_model("chunked", torch.float64, **LAYOUTS["transformer"])
+    runner = PrefillGraphs(model, max_len=1024, cuda_graphs=False)
+    ids = torch.randint(0, 1024, (1, 100), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert runner.fits(ids, model.new_cache(1, max_len=128))
+        press = Press("snapkv", 0.5)
+        observe(model, press)
+        cache = model.new_cache(1, max_len=128)
+        assert not runner.fits(ids, cache)
+        runner.prefill(ids, cache)
+        evict(model, cache, press)
+        observe(model, None)
+        assert runner.fits(ids, model.new_cache(1, max_len=128))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_a_pressed_prefill_after_a_recorded_graph_can_be_evicted():
+    """The sequence of `natsl compare`: a graph recorded without a press, then a pressed prefill of the same
+    bucket, then the eviction."""
+    from natsl.inference.evict import Press, evict, observe
+
+    model = tiny_model("fast", torch.float32, **{**LAYOUTS["transformer"], "block_size": 64}).cuda()
+    runner = PrefillGraphs(model, max_len=1024)
+    ids = torch.randint(0, 1024, (1, 200), device="cuda")
+    with torch.no_grad():
+        runner.prefill(ids, model.new_cache(1, max_len=256))
+        press = Press("snapkv", 0.5)
+        observe(model, press)
+        cache = model.new_cache(1, max_len=256)
+        runner.prefill(ids, cache)
+        evict(model, cache, press)
+        observe(model, None)

@@ -120,7 +120,10 @@ class PrefillGraphs:
         """Whether this prefill can be served here (else the plain path). A graph needs every layer
         on the fused inference kernels (the plain NAtS-L K/V store reads the device)."""
         length = ids.shape[1]
-        return (not torch.is_grad_enabled() and cache.batch_size == 1 and 2 <= length <= self.max_len
+        # a KV press (natsl.inference.evict.observe) keeps queries from Python during the prefill, which a
+        # replayed graph never runs: pressed prefills take the plain path
+        observing = any(getattr(m, "observe", 0) for m in self.model.modules())
+        return (not observing and not torch.is_grad_enabled() and cache.batch_size == 1 and 2 <= length <= self.max_len
                 and ids.device == self.device and int(cache.positions.lengths[0]) == 0
                 and cache.capacity >= length
                 and _first_tensor(cache).dtype == self.model.embed.weight.dtype
@@ -179,6 +182,9 @@ class PrefillGraphs:
             logits = self._call(key, static_ids, static_valid)
         torch.cuda.current_stream().wait_stream(side)
         logits = logits.clone()
+        # what the real run left for a KV press (natsl.inference.evict.observe): a capture that fails part-way
+        # may leave those attributes pointing at half-recorded tensors, and the fallback must not lose them
+        observed = {m: m.observed_q for m in self.model.modules() if getattr(m, "observed_q", None) is not None}
         try:
             torch.cuda.synchronize()
             if self.pool is None:
@@ -193,6 +199,8 @@ class PrefillGraphs:
         except Exception as err:  # noqa: BLE001 - any capture failure falls back to the plain prefill
             self.cuda_graphs = False
             self.graphs.clear()
+            for module, queries in observed.items():
+                module.observed_q = queries
             print(f"note: CUDA graph capture of a prefill failed ({type(err).__name__}: "
                   f"{str(err).splitlines()[0] if str(err) else ''}); prefilling without graphs", file=sys.stderr)
         return logits
