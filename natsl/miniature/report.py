@@ -13,7 +13,11 @@
   eval_status.json (natsl.miniature.evaluate: why a job did not run);
 
 and writes ROOT/report/report.md (the tables and the verdict on the issue's five claims), tables.json (the
-same numbers) and PNG figures beside them: validation curves, loss against position to 8x the training
+same numbers) and PNG figures beside them. Runs stopped by deadlines train different token counts: Table 1 and
+claim 1 compare losses at the largest validation point every ladder run reached; the ablations (trained in the
+sweep only) are compared with the sweep's natsl_hybrid point; claims 2 and 3 are judged only where eval-ppl's
+windows exceed the training length and RULER reached 4K; quick (smoke) evaluations are said at the top. Paths
+the stages wrote relative to the project's folder are found again in a moved or copied ROOT (locate). Figures: validation curves, loss against position to 8x the training
 length (Fig. 3), RULER accuracy against length (Table 2) and the kept fraction per layer, group and
 source of every NAtS-L checkpoint (Figs. 5/6).
 """
