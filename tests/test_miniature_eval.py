@@ -20,7 +20,7 @@ from natsl.eval.haystack import essay_text
 from natsl.eval.ruler import summarize
 from natsl.miniature.evaluate import EvalJob, eval_jobs, run_jobs
 from natsl.miniature.lm_task import build_lm_tasks
-from natsl.miniature.report import write_report
+from natsl.miniature.report import locate, matched_tokens, write_report
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEMS = {"natsl_hybrid": [], "transformer": ["model.base_layer=attention", "model.natsl_layers=[]"]}
@@ -117,8 +117,11 @@ def test_jobs_run_resume_and_report(corpus):
     assert set(tables["ppl"]) == {"natsl_hybrid", "transformer"}
     assert tables["ppl"]["natsl_hybrid"]["ppl"] == pytest.approx(ppl_of["natsl_hybrid"])
     assert f"| natsl_hybrid | {ppl_of['natsl_hybrid']:.3f} |" in text
-    assert "| natsl_hybrid | 0.1M | 0.004 | 5.200 | 5.000 | 148.413 | 20480 |" in text  # Table 1
-    assert tables["table1"]["transformer"]["best_lr"] == 0.002
+    # Table 1: both runs reached 20480 tokens, so the matched column is their last point
+    assert "| natsl_hybrid | 0.1M | 0.004 | 5.200 | 20,480 | done | 5.000 | 148.413 | 5.000 |" in text
+    assert tables["table1"]["rows"]["transformer"]["best_lr"] == 0.002
+    assert tables["table1"]["matched_tokens"] == 20480 and "(runs cut short)" not in text
+    assert tables["quick"] is True and "evaluations in quick mode (smoke settings)" in text.lower()
     routing_table = tables["routing"]["natsl_hybrid"]
     assert [d["name"] for d in routing_table["datasets"]] == ["00_code", "01_docs", "synthetic"]
     assert routing_table["routing"] != "not measured"
@@ -182,3 +185,124 @@ def test_report_of_nothing_says_not_measured(tmp_path):
     assert "## Fig. 3 in miniature: loss against position\n\nnot measured (killed (deadline))" in text
     assert "not measured (skipped: lm-evaluation-harness is not importable here)" in text
     assert "## Files that could not be read" in text and "compare.json" in text and not tables["figures"]
+
+
+def test_matched_tokens_snaps_to_a_shared_point():
+    step = 65536
+    curves = {"a": [[100 * step, 4.0], [200 * step, 3.0], [300 * step, 2.5]],
+              "b": [[100 * step + 10, 4.5], [200 * step - 7, 3.5]],  # within one step of a's points
+              "c": [[100 * step, 5.0], [150 * step, 4.8], [210 * step, 4.1]]}  # its last point is a's 200 plus 10 steps
+    assert matched_tokens(curves) == 100 * step + 10  # 200 steps: c has no point there; nothing is interpolated
+    del curves["c"]
+    assert matched_tokens(curves) == 200 * step
+    assert matched_tokens({"a": [[step, 1.0]], "b": []}) is None
+
+
+def _cut_short_miniature(root: Path, *, window: int, train_len: int, chunk_log: str | None) -> None:
+    """A miniature folder as a deadline-stopped run leaves it (no checkpoints: the report reads JSON only),
+    its checkpoints.json written from the project's folder ("runs/miniature/..."), as the pipeline does."""
+    step = 65536
+    curves = {"natsl_hybrid": [[190 * step, 3.70], [380 * step, 2.75]],
+              "transformer": [[190 * step, 4.77], [380 * step, 3.90], [570 * step, 3.09]],
+              "gdn_hybrid": [[190 * step, 3.71], [380 * step, 2.80], [570 * step, 2.37]],
+              "natsl": [[190 * step, 3.60]],
+              "natsl_hybrid_s1": [[190 * step, 3.65], [380 * step, 2.73]],
+              "natsl_hybrid_s2": [[190 * step, 3.67], [380 * step, 2.77]]}
+    checkpoints = {}
+    for name, curve in curves.items():
+        system, seed = (name[:-3], int(name[-1])) if name[-3:-1] == "_s" else (name, 0)
+        run = root / "train" / "runs" / f"mini-{name}"
+        (run / "train").mkdir(parents=True)
+        (run / "run.json").write_text(json.dumps({"system": system, "seed": seed}))
+        (run / "train" / "recipe.yaml").write_text(f"train:\n  seq_len: {train_len}\n")
+        (run / "result.json").write_text(json.dumps({
+            "status": "stopped early (run the sweep again to resume)", "val_loss": curve[-1][1],
+            "perplexity": math.exp(curve[-1][1]), "tokens": int(curve[-1][0]) + 5 * step, "parameters": 1000,
+            "val_curve": curve}))
+        checkpoints[name] = f"runs/miniature/train/runs/mini-{name}/train"
+    (root / "checkpoints.json").write_text(json.dumps(checkpoints))
+
+    def point(system, losses):
+        ranking = sorted(({"lr": lr, "val_loss": v} for lr, v in losses.items()), key=lambda x: x["val_loss"])
+        return {"system": system, "best_lr": ranking[0]["lr"], "val_loss": ranking[0]["val_loss"],
+                "ranking": ranking, "seeds": [{"tokens": 150 * step}]}
+    runs = [{"id": f"mini-natsl_hybrid_chunk128-lr{lr}", "system": "natsl_hybrid_chunk128", "lr": lr,
+             "status": "failed", "failed": "exit code 1"} for lr in (0.002, 0.004)]
+    for lr in (0.002, 0.004):
+        runs.append({"id": f"mini-natsl_hybrid-lr{lr}", "system": "natsl_hybrid", "lr": lr, "status": "done"})
+    (root / "sweep" / "runs" / runs[0]["id"]).mkdir(parents=True)
+    if chunk_log is not None:
+        (root / "sweep" / "runs" / runs[0]["id"] / "log.txt").write_text(chunk_log)
+    (root / "sweep" / "summary.json").write_text(json.dumps({"runs": runs, "best_lm": [
+        point("natsl_hybrid", {0.002: 4.47, 0.004: 4.81}), point("transformer", {0.002: 5.84, 0.004: 5.73}),
+        point("natsl_hybrid_mix_x", {0.002: 4.57, 0.004: 4.60})]}))
+    eval_dir = root / "eval"
+    eval_dir.mkdir()
+    (eval_dir / "eval_status.json").write_text(json.dumps({"jobs": {"ppl": {"status": "done", "argv": [
+        "python", "-m", "natsl.cli.main", "eval-ppl", "x", "--max-len", str(window)]}}}))  # no "quick": inferred
+    checkpoints_ppl = []
+    for i, name in enumerate(("natsl_hybrid", "transformer", "gdn_hybrid")):
+        buckets = [{"start": s, "end": s + window // 4, "tokens": 10, "loss": 3.0 + i * 0.1 + s / window}
+                   for s in range(0, window, window // 4)]
+        checkpoints_ppl.append({"name": "train/step_000100", "buckets": buckets, "ppl": 20.0 + i, "loss": 3.0 + i,
+                                "path": f"runs/miniature/train/runs/mini-{name}/train/checkpoints/step_000100"})
+    (eval_dir / "ppl").mkdir()
+    (eval_dir / "ppl" / "ppl.json").write_text(json.dumps({"max_len": window, "checkpoints": checkpoints_ppl}))
+    zeros = [{"task": "niah_single_1", "length": n, "score": 0.0} for n in (1024, 2048)]
+    for name in ("natsl_hybrid", "gdn_hybrid"):
+        (eval_dir / f"ruler_{name}").mkdir()
+        (eval_dir / f"ruler_{name}" / "ruler.json").write_text(json.dumps(summarize(zeros, ["niah_single_1"],
+                                                                                    [1024, 2048])))
+
+
+def test_report_of_runs_cut_short_matches_tokens_and_guards_claims(tmp_path):
+    root = tmp_path / "copy"
+    error = ("natsl.errors.NatslError: the fast gated_delta_rule backward supports block_size 64 on the GPU")
+    _cut_short_miniature(root, window=512, train_len=2048, chunk_log=f"Traceback\n  File x\n{error}\n{error}\n")
+    assert locate("runs/miniature/train/runs/mini-natsl/train", root) == root / "train" / "runs" / "mini-natsl" / "train"
+    text = write_report(root).read_text()
+    tables = json.loads((root / "report" / "tables.json").read_text())
+    t1 = tables["table1"]
+    step = 65536
+    assert t1["matched_tokens"] == 190 * step  # natsl reached only its first point
+    assert set(t1["rows"]) == {"natsl_hybrid", "transformer", "gdn_hybrid", "natsl", "natsl_hybrid_s1",
+                               "natsl_hybrid_s2"}  # the seeds (run.json's seed) are found; no ablation in Table 1
+    assert "## Table 1 in miniature: training (runs cut short)" in text and "val loss at 12.5M tokens" in text
+    assert "| transformer | 0.0M | 0.004 | 5.730 | 37,683,200 (37.7M) | stopped early | 3.090 | 21.977 | 4.770 |" in text
+    claim1, claim2, claim3 = tables["claims"][:3]
+    # at 12.5M: natsl_hybrid's seeds 3.70/3.65/3.67 (mean 3.673) against 4.77 and 3.71; their finals would say fails
+    assert claim1["verdict"] == "holds", claim1
+    assert "at 12,451,840 (12.5M) tokens" in claim1["numbers"] and "natsl_hybrid 3.673" in claim1["numbers"]
+    assert "mean of 3 seed(s), min 3.650, max 3.700" in claim1["numbers"] and "runs cut short" in claim1["numbers"]
+    assert claim2["verdict"] == "not measured"
+    assert "eval-ppl windows of 512 tokens are within the training length 2048" in claim2["numbers"]
+    assert claim3["verdict"] == "not measured" and "RULER ran at 1024, 2048 only" in claim3["numbers"]
+    assert "every system scores 0 at every length: the models are too weak" in text.lower()
+    assert tables["quick"] is True and "quick mode (smoke settings): not the paper's protocol" in text
+    # the sweep: ranking, best rate, edges; the failed ablation with its log's reason
+    sweep = tables["sweep"]
+    assert sweep["natsl_hybrid"]["edge"] == "lower" and sweep["transformer"]["edge"] == "higher"
+    assert "| natsl_hybrid | 0.002: 4.470, 0.004: 4.810 | 0.002 | 4.470 | best at the grid's edge: sweep lower |" in text
+    assert "best at the grid's edge: sweep higher" in text
+    assert sweep["natsl_hybrid_chunk128"]["failed"] == error
+    # ablations against natsl_hybrid's sweep point (4.470), not its training run (2.750)
+    abl = tables["ablations"]
+    assert abl["natsl_hybrid_mix_x"]["delta"] == pytest.approx(4.57 - 4.47)
+    assert "| natsl_hybrid_mix_x | 0.002 | 4.570 | +0.100 |" in text
+    assert f"| natsl_hybrid_chunk128 | - | failed: {error} |" in text
+
+
+def test_report_judges_extrapolation_beyond_the_training_length(tmp_path):
+    _cut_short_miniature(tmp_path, window=1024, train_len=256, chunk_log=None)
+    (tmp_path / "eval" / "eval_status.json").write_text(json.dumps({"quick": False, "jobs": {}}))
+    text = write_report(tmp_path).read_text()
+    tables = json.loads((tmp_path / "report" / "tables.json").read_text())
+    claim2 = tables["claims"][1]
+    # last bucket 768-1024 lies beyond 256: natsl_hybrid's loss there 3.75 < transformer's 3.85 and gdn_hybrid's 3.95
+    assert claim2["verdict"] == "holds", claim2
+    assert "tokens 768-1024 (4x the training length 256)" in claim2["numbers"]
+    assert tables["ppl"]["natsl_hybrid"]["train_seq_len"] == 256  # from the run's recipe.yaml
+    assert tables["ppl"]["natsl_hybrid"]["last_vs_within"] == pytest.approx(3.75 / 3.0)
+    assert "natsl_hybrid 3.750 (1.250x its loss within the training length)" in claim2["numbers"]
+    assert tables["sweep"]["natsl_hybrid_chunk128"]["failed"] == "failed"  # no log.txt: no reason
+    assert tables["quick"] is False and "quick mode" not in text

@@ -17,7 +17,7 @@ under OUT and the JSON file whose presence (complete: see EvalJob.done) means it
 `run_jobs` runs the pending ones (a job whose JSON is there is done and skipped: a second call resumes),
 at most `max_parallel` at once, each in its own process group with its output in OUT/logs/NAME.log, and
 keeps OUT/eval_status.json (written atomically) up to date: {"jobs": {name: {"status", "argv", "out",
-"log", "seconds", "systems"}}, "updated": ...}. Near the deadline it starts nothing more; at it, it ends
+"log", "seconds", "systems"}}, "quick": bool, "updated": ...}. Near the deadline it starts nothing more; at it, it ends
 the running jobs (SIGTERM to their process groups, SIGKILL after a grace).
 """
 
@@ -74,6 +74,7 @@ class EvalJob:
             they go, and add "finished" at the end); None: its presence is enough.
         skipped: why the job is not run here (its argv is the command to run elsewhere); None: it runs.
         note: what the job leaves out, said in the status (e.g. sources too small to route).
+        quick: whether it runs eval_jobs' quick (smoke) settings; eval_status.json says so for the report.
     """
 
     name: str
@@ -85,6 +86,7 @@ class EvalJob:
     done_key: str | None = None
     skipped: str | None = None
     note: str | None = None
+    quick: bool = False
 
     def done(self) -> bool:
         """Whether the job's JSON is there (and complete, for a job with a done_key)."""
@@ -194,7 +196,7 @@ def eval_jobs(checkpoints: dict, corpus, out, *, device: str, quick: bool = Fals
 
     def job(name, argv, done_name, systems, **kw):
         folder = out / name
-        jobs.append(EvalJob(name, argv, folder, folder / done_name, out, list(systems), **kw))
+        jobs.append(EvalJob(name, argv, folder, folder / done_name, out, list(systems), quick=quick, **kw))
 
     ordered = list(have)
     if ordered:
@@ -305,7 +307,7 @@ def run_jobs(jobs: list[EvalJob], *, max_parallel: int, deadline_s: float | None
             "jobs": {j.name: {"status": status.get(j.name, "pending"), "argv": j.argv, "out": str(j.out),
                               "log": str(logs / f"{j.name}.log"), "seconds": seconds.get(j.name),
                               "systems": j.systems, **({"note": j.note} if j.note else {})} for j in jobs},
-            "updated": time.strftime("%Y-%m-%d %H:%M:%S")})
+            "quick": any(j.quick for j in jobs), "updated": time.strftime("%Y-%m-%d %H:%M:%S")})
 
     pending = []
     for j in jobs:

@@ -13,7 +13,11 @@
   eval_status.json (natsl.miniature.evaluate: why a job did not run);
 
 and writes ROOT/report/report.md (the tables and the verdict on the issue's five claims), tables.json (the
-same numbers) and PNG figures beside them: validation curves, loss against position to 8x the training
+same numbers) and PNG figures beside them. Runs stopped by deadlines train different token counts: Table 1 and
+claim 1 compare losses at the largest validation point every ladder run reached; the ablations (trained in the
+sweep only) are compared with the sweep's natsl_hybrid point; claims 2 and 3 are judged only where eval-ppl's
+windows exceed the training length and RULER reached 4K; quick (smoke) evaluations are said at the top. Paths
+the stages wrote relative to the project's folder are found again in a moved or copied ROOT (locate). Figures: validation curves, loss against position to 8x the training
 length (Fig. 3), RULER accuracy against length (Table 2) and the kept fraction per layer, group and
 source of every NAtS-L checkpoint (Figs. 5/6).
 """
@@ -32,6 +36,8 @@ NOT_MEASURED = "not measured"
 HEAD_TOL = 0.05
 SOURCE_TOL = 0.05
 SYNTHETIC = "synthetic"
+# Two validation points within one optimizer step of tokens (the miniature's 65536) count as one token count.
+TOKEN_TOL = 65536
 
 
 # ----------------------------------------------------------------------------- reading
@@ -57,18 +63,42 @@ def _num(value) -> float | None:
     return float(value) if ok else None
 
 
+def _existing(parts, base: Path | None) -> int:
+    """How many leading parts of a relative path exist (under `base`, or from here when None)."""
+    have = 0
+    while have < len(parts) and (Path(*parts[:have + 1]) if base is None else base.joinpath(*parts[:have + 1])).exists():
+        have += 1
+    return have
+
+
+def locate(path, root: Path) -> Path:
+    """Where a path the stages wrote lies now. Absolute: as it is. Relative: the reading of it whose leading folders
+    exist the furthest: under ROOT, from here, or (the folder was moved or copied: "runs/miniature/train/..." was
+    written from the project's folder) a tail of it under ROOT; ties go in that order. A step folder since deleted
+    still maps as its run folder does.
+    """
+    path = Path(path)
+    if path.is_absolute():
+        return path
+    parts = path.parts
+    best, depth = root / path, _existing(parts, root)
+    here = _existing(parts, None)
+    if here > depth:
+        best, depth = path, here
+    for i in range(1, len(parts)):
+        have = _existing(parts[i:], root)
+        if have > depth:
+            best, depth = root.joinpath(*parts[i:]), have
+    return best
+
+
 def read_checkpoints(root: Path, problems: list[str]) -> dict[str, Path]:
     """name -> run folder, from ROOT/checkpoints.json ({name: path} or {"checkpoints": {...}}) or the eval copy."""
     for path in (root / "checkpoints.json", root / "eval" / "checkpoints.json"):
         data = _read(path, problems)
         if isinstance(data, dict):
             data = data.get("checkpoints", data) if isinstance(data.get("checkpoints"), dict) else data
-            out = {}
-            for name, folder in data.items():
-                if isinstance(folder, str):
-                    folder = Path(folder)
-                    out[name] = folder if folder.is_absolute() or not (root / folder).exists() else root / folder
-            return out
+            return {name: locate(folder, root) for name, folder in data.items() if isinstance(folder, str)}
     return {}
 
 
@@ -86,6 +116,8 @@ def read_training(root: Path, checkpoints: dict[str, Path], problems: list[str])
         for run in sorted(p for p in runs.iterdir() if p.is_dir()):
             spec = _read(run / "run.json", problems)
             name = spec.get("system") if isinstance(spec, dict) else None
+            if name and isinstance(spec.get("seed"), int) and spec["seed"]:
+                name = f"{name}_s{spec['seed']}"  # the ladder's extra seeds (natsl_hybrid_s1, ...)
             if name and name not in found:
                 result = _read(run / "result.json", problems)
                 if isinstance(result, dict):
@@ -93,10 +125,11 @@ def read_training(root: Path, checkpoints: dict[str, Path], problems: list[str])
     return found
 
 
-def system_of(path, label, checkpoints: dict[str, Path]) -> str:
-    """The checkpoint name whose run folder is `path` or holds it (the innermost), else `label`."""
+def system_of(path, label, checkpoints: dict[str, Path], root: Path | None = None) -> str:
+    """The checkpoint name whose run folder is `path` or holds it (the innermost), else `label`; `root`: find a
+    relative `path` as read_checkpoints found the folders (see locate)."""
     try:
-        where = Path(path).resolve()
+        where = (locate(path, root) if root is not None else Path(path)).resolve()
     except (TypeError, OSError):
         return str(label)
     best, depth = None, -1
@@ -144,33 +177,185 @@ def md_table(headers: list[str], rows: list[list]) -> str:
 # ----------------------------------------------------------------------------- sections
 
 
+def fmt_tokens(n) -> str:
+    """A token count as people read it: 12,451,840 (12.5M)."""
+    n = _num(n)
+    if n is None:
+        return "-"
+    return f"{int(n):,} ({n / 1e6:.1f}M)" if n >= 1e6 else f"{int(n):,}"
+
+
+def _curve(value) -> list[tuple[float, float]]:
+    """A val_curve's [tokens, loss] points that are numbers, by tokens."""
+    points = []
+    for p in value or []:
+        if isinstance(p, (list, tuple)) and len(p) == 2 and _num(p[0]) is not None and _num(p[1]) is not None:
+            points.append((float(p[0]), float(p[1])))
+    return sorted(points)
+
+
+def loss_at(curve, tokens: float, tol: float = TOKEN_TOL) -> float | None:
+    """The curve's loss at the point within `tol` tokens of `tokens` (the nearest), else None: nothing is interpolated."""
+    near = [(abs(t - tokens), loss) for t, loss in _curve(curve) if abs(t - tokens) <= tol]
+    return min(near)[1] if near else None
+
+
+def matched_tokens(curves: dict[str, list], tol: float = TOKEN_TOL) -> float | None:
+    """The largest token count at which every curve has a point (within `tol`): at most the smallest of their last
+    points, snapped to a point each has. None when a curve is empty or no count is shared.
+
+    Args:
+        curves: name -> val_curve ([[tokens, loss], ...]).
+        tol: tokens two points may differ by and count as one count (a step of tokens).
+    Returns:
+        The shared count (the first run's point's tokens), or None.
+    """
+    points = {n: _curve(c) for n, c in curves.items()}
+    if not points or any(not c for c in points.values()):
+        return None
+    last = min(c[-1][0] for c in points.values())
+    candidates = sorted({t for c in points.values() for t, _ in c if t <= last + tol}, reverse=True)
+    for t in candidates:
+        if all(loss_at(c, t, tol) is not None for c in points.values()):
+            return t
+    return None
+
+
 def table1(names, training: dict, sweep: dict | None) -> dict:
+    """Table 1's rows (the ladder, its extra seeds and any other trained name; the ablations are the sweep's and go
+    to their own section) with each run's loss at the token count every one of them reached (`matched`)."""
     best = {p.get("system"): p for p in (sweep or {}).get("best_lm") or [] if isinstance(p, dict)}
     rows = {}
     for name in names:
+        if name in ABLATIONS:
+            continue
         result, point = training.get(name, {}), best.get(name, {})
         rows[name] = {"parameters": result.get("parameters") or point.get("parameters"),
                       "best_lr": point.get("best_lr"), "sweep_val_loss": _num(point.get("val_loss")),
                       "val_loss": _num(result.get("val_loss")), "perplexity": _num(result.get("perplexity")),
                       "tokens": result.get("tokens"), "status": result.get("status"),
                       "val_curve": result.get("val_curve") or []}
-    return rows
+    curves = {n: r["val_curve"] for n, r in rows.items() if r["val_curve"]}
+    matched = matched_tokens(curves)
+    for r in rows.values():
+        r["val_loss_matched"] = loss_at(r["val_curve"], matched) if matched is not None else None
+    return {"rows": rows, "matched_tokens": matched, "matched_runs": sorted(curves, key=list(rows).index),
+            "cut_short": sorted((n for n, r in rows.items() if r["status"] not in (None, "done")), key=list(rows).index)}
 
 
-def ppl_section(ppl: dict | None, checkpoints) -> dict:
-    """name -> whole-window ppl, loss within the training length and in the last bucket (the longest context)."""
+def seeds_at(t1: dict, system: str = "natsl_hybrid") -> dict | None:
+    """The mean over a system's seeds (itself and SYSTEM_sN) of their matched-token losses, with min, max and n."""
+    rows = t1["rows"]
+    losses = [rows[n]["val_loss_matched"] for n in rows if (n == system or (n.startswith(f"{system}_s")
+                                                                                and n[len(system) + 2:].isdigit()))
+              and rows[n]["val_loss_matched"] is not None]
+    if not losses:
+        return None
+    return {"mean": sum(losses) / len(losses), "min": min(losses), "max": max(losses), "n": len(losses)}
+
+
+# ----------------------------------------------------------------------------- the sweep
+
+
+def _log_reason(log: Path) -> str | None:
+    """A failed run's reason from its log.txt: the first line starting with 'natsl.errors.NatslError:' or 'error:'."""
+    try:
+        lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return None
+    return next((line.strip() for line in lines if line.startswith(("natsl.errors.NatslError:", "error:"))), None)
+
+
+def sweep_section(root: Path, sweep: dict | None) -> dict:
+    """Per swept system: its rates' val losses (ranked), the best rate and whether it lies at the grid's edge; a
+    system whose every sweep run failed: "failed" and the reason its first run's log gives.
+
+    Args:
+        root: the miniature's folder (sweep/runs/ID/log.txt).
+        sweep: sweep/summary.json (best_lm and runs).
+    Returns:
+        name -> {"ranking": [{"lr", "val_loss"}...] lowest loss first, "best_lr", "val_loss", "grid": rates swept,
+        "edge": None / "lower" / "higher", "failed": None or the reason, "tokens": the sweep's tokens}.
+    """
+    out: dict[str, dict] = {}
+    runs = [r for r in (sweep or {}).get("runs") or [] if isinstance(r, dict) and r.get("system")]
+    grids: dict[str, set] = {}
+    for r in runs:
+        if _num(r.get("lr")) is not None:
+            grids.setdefault(r["system"], set()).add(float(r["lr"]))
+    for point in (sweep or {}).get("best_lm") or []:
+        if not isinstance(point, dict) or not point.get("system"):
+            continue
+        name = point["system"]
+        ranking = [{"lr": _num(x.get("lr")), "val_loss": _num(x.get("val_loss"))}
+                   for x in point.get("ranking") or [] if isinstance(x, dict)]
+        grid = sorted(grids.get(name, set()) | {x["lr"] for x in ranking if x["lr"] is not None})
+        best = _num(point.get("best_lr"))
+        edge = None
+        if best is not None and len(grid) > 1:
+            edge = "lower" if best <= grid[0] else "higher" if best >= grid[-1] else None
+        tokens = [s.get("tokens") for s in point.get("seeds") or [] if isinstance(s, dict) and _num(s.get("tokens"))]
+        out[name] = {"ranking": ranking, "best_lr": best, "val_loss": _num(point.get("val_loss")), "grid": grid,
+                     "edge": edge, "failed": None, "tokens": max(tokens) if tokens else None}
+    by_system: dict[str, list] = {}
+    for r in runs:
+        by_system.setdefault(r["system"], []).append(r)
+    for name, mine in by_system.items():
+        if name in out or not all("failed" in r for r in mine):
+            continue
+        reasons = [_log_reason(root / "sweep" / "runs" / str(r.get("id")) / "log.txt") for r in mine]
+        out[name] = {"ranking": [], "best_lr": None, "val_loss": None, "grid": sorted(grids.get(name, set())),
+                     "edge": None, "failed": next((x for x in reasons if x), "failed"), "tokens": None}
+    return {n: out[n] for n in order(out)}
+
+
+def recipe_seq_len(folders, problems: list[str]) -> int | None:
+    """train.seq_len of the first recipe.yaml found in `folders` (a step folder holds one, as does the training
+    run's folder: natsl.checkpoint and natsl.training.trainer write them), else None."""
+    from natsl.config import load_yaml_file
+    from natsl.errors import NatslError
+
+    for folder in folders:
+        path = Path(folder) / "recipe.yaml"
+        if not path.is_file():
+            continue
+        try:
+            recipe = load_yaml_file(path, "the report reads its train.seq_len")
+        except (NatslError, OSError) as err:
+            problems.append(str(err))
+            continue
+        seq_len = ((recipe or {}).get("train") or {}).get("seq_len") if isinstance(recipe, dict) else None
+        if isinstance(seq_len, int) and not isinstance(seq_len, bool) and seq_len > 0:
+            return seq_len
+    return None
+
+
+def ppl_section(ppl: dict | None, checkpoints, root: Path | None = None, problems: list[str] | None = None) -> dict:
+    """name -> whole-window ppl, loss within the training length and in the last bucket (the longest context).
+
+    The training length is ppl.json's train_seq_len, else the recipe.yaml of the step or its run folder.
+    """
     out = {}
     for res in (ppl or {}).get("checkpoints") or []:
-        name = system_of(res.get("path"), res.get("name"), checkpoints)
-        train = res.get("train_seq_len") or 0
-        buckets = res.get("buckets") or []
+        name = system_of(res.get("path"), res.get("name"), checkpoints, root)
+        train = res.get("train_seq_len")
+        if not (isinstance(train, int) and train > 0) and res.get("path"):
+            step = locate(res["path"], root) if root is not None else Path(res["path"])
+            run = checkpoints.get(name)
+            train = recipe_seq_len([step, step.parent.parent, *([run, run / "train"] if run else [])],
+                                   problems if problems is not None else [])
+        train = train or 0
+        buckets = [b for b in res.get("buckets") or [] if isinstance(b, dict)]
         inside = [b for b in buckets if b.get("end", 0) <= train]
         tokens = sum(b["tokens"] for b in inside)
         loss_in = sum(b["loss"] * b["tokens"] for b in inside) / tokens if tokens else None
         last = buckets[-1] if buckets else {}
+        beyond = train and (last.get("start") or 0) >= train  # the ratio speaks of extrapolation only then
+        ratio = _num(last.get("loss")) / loss_in if beyond and loss_in and _num(last.get("loss")) is not None else None
         out[name] = {"ppl": _num(res.get("ppl")), "loss": _num(res.get("loss")), "bits_per_byte": _num(res.get("bits_per_byte")),
                      "train_seq_len": train, "loss_within_train_len": loss_in, "loss_last_bucket": _num(last.get("loss")),
                      "last_bucket": [last.get("start"), last.get("end")] if last else None,
+                     "last_vs_within": ratio,
                      "curve": [[(b["start"] + b["end"]) / 2, b["loss"]] for b in buckets]}
     return out
 
@@ -225,12 +410,12 @@ def routing_section(root: Path, problems) -> dict:
     return out
 
 
-def compare_section(compare: dict | None, checkpoints) -> list[dict]:
+def compare_section(compare: dict | None, checkpoints, root: Path | None = None) -> list[dict]:
     rows = []
     entries = (compare or {}).get("entries") or []
     full = {}  # context -> the Transformer's full-cache KV bytes
     for e in entries:
-        name = system_of(e.get("checkpoint"), e.get("name"), checkpoints)
+        name = system_of(e.get("checkpoint"), e.get("name"), checkpoints, root)
         e = {**e, "system": name}
         if name == "transformer" and e.get("method") == "full" and _num(e.get("kv_bytes")):
             full[e.get("context")] = e["kv_bytes"]
@@ -241,10 +426,10 @@ def compare_section(compare: dict | None, checkpoints) -> list[dict]:
     return rows
 
 
-def latency_section(latency: dict | None, checkpoints) -> dict:
+def latency_section(latency: dict | None, checkpoints, root: Path | None = None) -> dict:
     out = {}
     for model in (latency or {}).get("models") or []:
-        name = system_of(model.get("path"), model.get("name"), checkpoints)
+        name = system_of(model.get("path"), model.get("name"), checkpoints, root)
         out[name] = {str(p.get("context")): ({"error": p["error"]} if "error" in p else
                                              {"prefill_s": p.get("prefill_s"), "decode_ms": p.get("decode_ms"),
                                               "kv_bytes": p.get("kv_bytes")}) for p in model.get("points", [])}
@@ -266,6 +451,32 @@ def lm_eval_section(root: Path, problems) -> dict:
     return out
 
 
+def ablation_section(swept: dict, ppl: dict, routing: dict) -> dict:
+    """natsl_hybrid's best sweep point and each ablation's (the ablations are trained in the sweep only), with the
+    ablation's loss less natsl_hybrid's, eval-ppl's ppl and the mean kept fraction of its checkpoint where measured.
+
+    Args:
+        swept: sweep_section's result; ppl, routing: the sections' results.
+    Returns:
+        name -> {"best_lr", "val_loss", "delta", "failed", "ppl_long", "kept"}, natsl_hybrid first.
+    """
+    base = (swept.get("natsl_hybrid") or {}).get("val_loss")
+    out = {}
+    for n in ("natsl_hybrid",) + ABLATIONS:
+        point = swept.get(n)
+        if point is None and n not in ppl and n not in routing:
+            continue
+        point = point or {}
+        loss = point.get("val_loss")
+        kept = [d["keep_fraction"] for d in routing.get(n, {}).get("datasets", []) if d["keep_fraction"] is not None]
+        out[n] = {"best_lr": point.get("best_lr"), "val_loss": loss, "failed": point.get("failed"),
+                  "delta": loss - base if loss is not None and base is not None and n != "natsl_hybrid" else None,
+                  "ppl_long": (ppl.get(n) or {}).get("ppl"), "kept": sum(kept) / len(kept) if kept else None}
+        if n == "natsl_hybrid":  # its evaluated checkpoint is the full run's, not the sweep point compared here
+            out[n].update(ppl_long=None, kept=None)
+    return out
+
+
 # ----------------------------------------------------------------------------- claims
 
 
@@ -273,37 +484,87 @@ def _verdict(ok: bool | None) -> str:
     return NOT_MEASURED if ok is None else ("holds" if ok else "fails")
 
 
-def claims(t1, ppl, ruler, routing, compare) -> list[dict]:
+def claims(t1, ppl, ruler, routing, compare, window=None) -> list[dict]:
+    """The verdicts on the issue's five claims, each with the numbers it rests on.
+
+    Args:
+        t1: table1's result; ppl, ruler, routing, compare: the sections' results.
+        window: eval-ppl's window (ppl.json max_len), for the extrapolation claim.
+    Returns:
+        [{"claim", "verdict", "numbers"}] in the issue's order.
+    """
     out = []
-    # 1. validation perplexity
-    systems = ("natsl_hybrid", "transformer", "gdn_hybrid")
-    vals = {n: (t1.get(n) or {}).get("perplexity") for n in systems}
-    source = "final validation perplexity of training"
-    long = {n: (ppl.get(n) or {}).get("ppl") for n in systems}
-    if any(v is None for v in vals.values()) and all(v is not None for v in long.values()):
-        vals, source = long, "eval-ppl perplexity over the long windows (no training result for all three)"
-    ok = None if any(v is None for v in vals.values()) else vals["natsl_hybrid"] <= min(vals["transformer"],
-                                                                                           vals["gdn_hybrid"])
-    out.append({"claim": "NAtS-L Hybrid's validation perplexity is at most the Transformer's and GDN Hybrid's",
-                "verdict": _verdict(ok), "numbers": f"{source}: " + ", ".join(f"{n} {fmt(v)}" for n, v in vals.items())})
-    # 2. extrapolation
-    last = {n: (ppl.get(n) or {}).get("loss_last_bucket") for n in ("natsl_hybrid", "transformer", "gdn_hybrid")}
-    ok = None if any(v is None for v in last.values()) else last["natsl_hybrid"] < min(last["transformer"],
-                                                                                         last["gdn_hybrid"])
-    span = (ppl.get("natsl_hybrid") or {}).get("last_bucket")
-    where = f"tokens {span[0]}-{span[1]}" if span else "the last bucket"
-    out.append({"claim": "NAtS-L Hybrid extrapolates better than both (loss at 8x the training length)",
-                "verdict": _verdict(ok), "numbers": f"loss at {where}: " + ", ".join(f"{n} {fmt(v)}" for n, v in last.items())})
+    rows = t1["rows"]
+    # 1. validation perplexity, at the token count every ladder run reached (runs stopped by deadlines differ)
+    others = ("transformer", "gdn_hybrid")
+    matched, mine = t1["matched_tokens"], seeds_at(t1)
+    theirs = {n: (rows.get(n) or {}).get("val_loss_matched") for n in others}
+    claim = "NAtS-L Hybrid's validation perplexity is at most the Transformer's and GDN Hybrid's"
+    if matched is not None and mine and all(v is not None for v in theirs.values()):
+        ok = mine["mean"] <= min(theirs.values())
+        cut = t1["cut_short"]
+        numbers = (f"validation loss at {fmt_tokens(matched)} tokens, the most every ladder run reached"
+                   + (" (runs cut short by deadlines; trained: " + ", ".join(
+                       f"{n} {fmt_tokens(rows[n]['tokens'])}" for n in ("natsl_hybrid", *others) if n in rows) + ")"
+                      if cut else "")
+                   + f": natsl_hybrid {fmt(mine['mean'])} (ppl {fmt(math.exp(mine['mean']))}; mean of "
+                   f"{mine['n']} seed(s), min {fmt(mine['min'])}, max {fmt(mine['max'])}), "
+                   + ", ".join(f"{n} {fmt(v)} (ppl {fmt(math.exp(v))})" for n, v in theirs.items()))
+        out.append({"claim": claim, "verdict": _verdict(ok), "numbers": numbers})
+    else:
+        systems = ("natsl_hybrid", *others)
+        vals = {n: (rows.get(n) or {}).get("perplexity") for n in systems}
+        source = "final validation perplexity of training (no validation curves to match tokens)"
+        long = {n: (ppl.get(n) or {}).get("ppl") for n in systems}
+        if any(v is None for v in vals.values()) and all(v is not None for v in long.values()):
+            vals, source = long, "eval-ppl perplexity over the long windows (no training result for all three)"
+        ok = None if any(v is None for v in vals.values()) else vals["natsl_hybrid"] <= min(vals["transformer"],
+                                                                                               vals["gdn_hybrid"])
+        out.append({"claim": claim, "verdict": _verdict(ok),
+                    "numbers": f"{source}: " + ", ".join(f"{n} {fmt(v)}" for n, v in vals.items())})
+    # 2. extrapolation: only a window longer than the training length measures it
+    three = ("natsl_hybrid", "transformer", "gdn_hybrid")
+    claim = "NAtS-L Hybrid extrapolates better than both (loss at 8x the training length)"
+    lens = [(ppl.get(n) or {}).get("train_seq_len") or 0 for n in three if n in ppl]
+    train = max(lens) if lens else 0
+    missing = [n for n in three if (ppl.get(n) or {}).get("loss_last_bucket") is None]
+    if missing:
+        out.append({"claim": claim, "verdict": NOT_MEASURED,
+                    "numbers": f"eval-ppl measured no {', '.join(missing)}"})
+    elif not window or not train or window <= train:
+        out.append({"claim": claim, "verdict": NOT_MEASURED,
+                    "numbers": f"not measured (eval-ppl windows of {window or '?'} tokens are within the training "
+                               f"length {train or '?'})"})
+    else:
+        last = {n: ppl[n]["loss_last_bucket"] for n in three}
+        spans = {tuple(ppl[n]["last_bucket"] or ()) for n in three}
+        beyond = all((ppl[n]["last_bucket"] or [0])[0] >= (ppl[n]["train_seq_len"] or 0) for n in three)
+        ok = (last["natsl_hybrid"] < min(last["transformer"], last["gdn_hybrid"])) if beyond else None
+        span = ppl["natsl_hybrid"]["last_bucket"]
+        where = f"tokens {span[0]}-{span[1]}" if span else "the last bucket"
+        numbers = (f"loss at {where} ({window / train:g}x the training length {train}"
+                   + ("" if beyond else "; the last bucket is not beyond it for all three")
+                   + ("" if len(spans) == 1 else "; the systems' last buckets differ") + "): "
+                   + ", ".join(f"{n} {fmt(last[n])} ({fmt(ppl[n]['last_vs_within'])}x its loss within the "
+                               "training length)" for n in three))
+        out.append({"claim": claim, "verdict": _verdict(ok), "numbers": numbers})
     # 3. needles at 4K and beyond
     mine, theirs = (ruler.get(n, {}).get("lengths") or {} for n in ("natsl_hybrid", "gdn_hybrid"))
     lengths = sorted(int(n) for n in mine if int(n) >= 4096 and str(n) in theirs)
     pairs = [(n, _num(mine[str(n)]), _num(theirs[str(n)])) for n in lengths]
     pairs = [p for p in pairs if p[1] is not None and p[2] is not None]
     ok = None if not pairs else all(a > b for _, a, b in pairs)
+    ran = sorted({int(n) for n in mine} | {int(n) for n in theirs})
+    if pairs:
+        numbers = "; ".join(f"{n}: natsl_hybrid {fmt(a, 2)} vs gdn_hybrid {fmt(b, 2)}" for n, a, b in pairs)
+    elif ran and max(ran) < 4096:
+        numbers = f"not measured (RULER ran at {', '.join(map(str, ran))} only)"
+    elif ran:
+        numbers = "no RULER length >= 4096 for both natsl_hybrid and gdn_hybrid"
+    else:
+        numbers = "no RULER result for natsl_hybrid and gdn_hybrid"
     out.append({"claim": "NAtS-L Hybrid beats GDN Hybrid on the needle tasks at 4K and beyond (RULER mean over tasks)",
-                "verdict": _verdict(ok),
-                "numbers": "; ".join(f"{n}: natsl_hybrid {fmt(a, 2)} vs gdn_hybrid {fmt(b, 2)}" for n, a, b in pairs)
-                or "no RULER length >= 4096 for both"})
+                "verdict": _verdict(ok), "numbers": numbers})
     # 4. KV bytes
     mine = routing.get("natsl_hybrid")
     held = [d for d in (mine or {}).get("datasets", []) if d["kv_ratio"] is not None and SYNTHETIC not in str(d["name"])]
@@ -341,16 +602,20 @@ def claims(t1, ppl, ruler, routing, compare) -> list[dict]:
 
 
 def _plots(folder: Path, t1, ppl, ruler, routing) -> list[str]:
+    """The report's PNGs (each where its numbers exist); returns their file names."""
     from natsl.eval.common import pyplot, save_figure
 
     plt = pyplot()
     written = []
-    curves = {n: r["val_curve"] for n, r in t1.items() if r.get("val_curve")}
+    curves = {n: r["val_curve"] for n, r in t1["rows"].items() if r.get("val_curve")}
     if curves:
         fig, ax = plt.subplots(figsize=(7, 4.2))
         for name in order(curves):
             tokens, losses = zip(*curves[name])
             ax.plot([t / 1e6 for t in tokens], losses, marker=".", label=name)
+        if t1["matched_tokens"] is not None:
+            ax.axvline(t1["matched_tokens"] / 1e6, color="gray", linestyle=":",
+                       label=f"reached by all ({t1['matched_tokens'] / 1e6:.1f}M)")
         ax.set_xlabel("tokens trained (millions)")
         ax.set_ylabel("validation loss")
         ax.set_title("validation loss during training (Table 1 in miniature)")
@@ -418,6 +683,25 @@ def _status_note(status: dict, job: str) -> str:
         None, "done", "done already") else NOT_MEASURED
 
 
+def quick_mode(status: dict) -> bool:
+    """Whether the evaluations ran eval_jobs' quick settings: eval_status.json's "quick", else (a folder from before
+    it was recorded) the ppl job's window or the RULER jobs' lengths differing from the full protocol's."""
+    from natsl.miniature.evaluate import PPL_MAX_LEN, RULER_LENGTHS
+
+    if not isinstance(status, dict):
+        return False
+    if isinstance(status.get("quick"), bool):
+        return status["quick"]
+    for name, job in (status.get("jobs") or {}).items():
+        argv = [str(a) for a in (job or {}).get("argv") or []] if isinstance(job, dict) else []
+        flag = "--max-len" if name == "ppl" else "--lengths" if name.startswith("ruler_") else None
+        if flag and flag in argv[:-1]:
+            value = argv[argv.index(flag) + 1]
+            if value != (str(PPL_MAX_LEN) if name == "ppl" else RULER_LENGTHS):
+                return True
+    return False
+
+
 def write_report(root) -> Path:
     """Write ROOT/report/report.md, tables.json and the figures from whatever the stages left (see the module doc).
 
@@ -440,8 +724,12 @@ def write_report(root) -> Path:
     names = order([*checkpoints, *training, *[p.get("system") for p in (sweep or {}).get("best_lm") or []
                                               if isinstance(p, dict) and p.get("system")]])
     t1 = table1(names, training, sweep)
+    swept = sweep_section(root, sweep)
     ppl_json = _read(root / "eval" / "ppl" / "ppl.json", problems)
-    ppl = ppl_section(ppl_json if isinstance(ppl_json, dict) else None, checkpoints)
+    ppl_json = ppl_json if isinstance(ppl_json, dict) else None
+    ppl = ppl_section(ppl_json, checkpoints, root, problems)
+    window = (ppl_json or {}).get("max_len")
+    quick = quick_mode(status)
     ruler = {}
     for name in order(n for n in LADDER + SEEDS if (root / "eval" / f"ruler_{n}" / "ruler.json").is_file()):
         data = _read(root / "eval" / f"ruler_{name}" / "ruler.json", problems)
@@ -450,35 +738,73 @@ def write_report(root) -> Path:
                            "mean": data.get("mean"), "samples": data.get("samples")}
     routing = routing_section(root, problems)
     compare_json = _read(root / "eval" / "compare" / "compare.json", problems)
-    compare = compare_section(compare_json if isinstance(compare_json, dict) else None, checkpoints)
+    compare = compare_section(compare_json if isinstance(compare_json, dict) else None, checkpoints, root)
     latency_json = _read(root / "eval" / "latency" / "latency.json", problems)
-    latency = latency_section(latency_json if isinstance(latency_json, dict) else None, checkpoints)
+    latency = latency_section(latency_json if isinstance(latency_json, dict) else None, checkpoints, root)
     lm = lm_eval_section(root, problems)
-    verdicts = claims(t1, ppl, ruler, routing, compare)
+    verdicts = claims(t1, ppl, ruler, routing, compare, window)
     figures = _plots(folder, t1, ppl, ruler, routing)
 
     md = [f"# The paper in miniature: report\n\nWritten {time.strftime('%Y-%m-%d %H:%M:%S')} from {root}. "
           f"\"{NOT_MEASURED}\": the stage left no result for it.\n"]
+    if quick:
+        md.append("**Evaluations in quick mode (smoke settings): not the paper's protocol.**\n")
     md.append("## Claims\n")
     md.append(md_table(["claim", "verdict", "numbers"], [[c["claim"], f"**{c['verdict']}**", c["numbers"]]
                                                           for c in verdicts]))
-    md.append("\n## Table 1 in miniature: training\n")
-    if any(r["val_loss"] is not None or r["best_lr"] is not None for r in t1.values()):
-        md.append(md_table(["system", "parameters", "best lr", "sweep val loss", "val loss", "val ppl", "tokens"],
+    rows, matched = t1["rows"], t1["matched_tokens"]
+    md.append("\n## Table 1 in miniature: training" + (" (runs cut short)" if t1["cut_short"] else "") + "\n")
+    if any(r["val_loss"] is not None or r["best_lr"] is not None for r in rows.values()):
+        if t1["cut_short"]:
+            md.append(f"Runs cut short (status other than done): {', '.join(t1['cut_short'])}. They trained different "
+                      "token counts, so their final losses do not compare; the matched column does.\n")
+        if matched is not None:
+            md.append(f"\"val loss at {fmt_tokens(matched)}\": each run's validation loss at the largest token count "
+                      f"every run with a validation curve reached ({', '.join(t1['matched_runs'])}; no "
+                      "interpolation). \"sweep val loss\": the learning-rate sweep's, at its own (shorter) length.\n")
+        matched_head = f"val loss at {matched / 1e6:.1f}M tokens" if matched is not None else "val loss at matched tokens"
+        md.append(md_table(["system", "parameters", "best lr", "sweep val loss", "tokens trained", "status",
+                            "final val loss", "final val ppl", matched_head],
                            [[n, f"{r['parameters'] / 1e6:.1f}M" if _num(r["parameters"]) else "-",
                              fmt(r["best_lr"], 3) if r["best_lr"] is not None else "-", fmt(r["sweep_val_loss"]),
-                             fmt(r["val_loss"]), fmt(r["perplexity"]), r["tokens"] or "-"] for n, r in t1.items()]))
+                             fmt_tokens(r["tokens"]), str(r["status"] or "-").split(" (")[0], fmt(r["val_loss"]), fmt(r["perplexity"]),
+                             fmt(r["val_loss_matched"])] for n, r in rows.items()]))
+        mine = seeds_at(t1)
+        if mine and mine["n"] > 1:
+            md.append(f"\nnatsl_hybrid over its {mine['n']} seeds at {fmt_tokens(matched)} tokens: mean "
+                      f"{fmt(mine['mean'])}, min {fmt(mine['min'])}, max {fmt(mine['max'])}.")
+    else:
+        md.append(NOT_MEASURED)
+    md.append("\n## Learning-rate sweep\n")
+    if swept:
+        lengths = {fmt_tokens(x["tokens"]) for x in swept.values() if x["tokens"]}
+        if lengths:
+            md.append(f"Each rate's final validation loss after the sweep's {' / '.join(sorted(lengths))} tokens, "
+                      "lowest first.\n")
+        md.append(md_table(["system", "rates: val loss (lowest first)", "best rate", "best val loss", "note"],
+                           [[n, "failed" if x["failed"] else ", ".join(f"{fmt(r['lr'], 3)}: {fmt(r['val_loss'])}"
+                                                                       for r in x["ranking"]),
+                             fmt(x["best_lr"], 3) if x["best_lr"] is not None else "-", fmt(x["val_loss"]),
+                             x["failed"] if x["failed"] else (f"best at the grid's edge: sweep {x['edge']}"
+                                                              if x["edge"] else "")]
+                            for n, x in swept.items()]))
+        grids = {", ".join(fmt(g, 3) for g in x["grid"]) for x in swept.values() if x["grid"]}
+        if grids:
+            md.append(f"\nRates swept: {' / '.join(sorted(grids))}.")
     else:
         md.append(NOT_MEASURED)
     md.append("\n## Fig. 3 in miniature: loss against position\n")
     if ppl:
-        max_len = ppl_json.get("max_len")
-        md.append(f"Windows of {max_len} tokens of the validation split (eval-ppl); the last bucket is the longest "
-                  "context.\n")
+        train = max((r["train_seq_len"] or 0) for r in ppl.values())
+        md.append(f"Windows of {window} tokens of the validation split (eval-ppl); the last bucket is the longest "
+                  "context" + (f"; training length {train}." if train else ".")
+                  + (" The windows are within the training length: nothing here measures extrapolation."
+                     if train and window and window <= train else "") + "\n")
         md.append(md_table(["system", "ppl (whole window)", "loss within training length", "loss, last bucket",
-                            "bits/byte"],
+                            "last / within", "bits/byte"],
                            [[n, fmt(r["ppl"]), fmt(r["loss_within_train_len"]), fmt(r["loss_last_bucket"]),
-                             fmt(r["bits_per_byte"])] for n, r in ((n, ppl[n]) for n in order(ppl))]))
+                             fmt(r["last_vs_within"]), fmt(r["bits_per_byte"])]
+                            for n, r in ((n, ppl[n]) for n in order(ppl))]))
     else:
         md.append(_status_note(status, "ppl"))
     md.append("\n## Table 2 in miniature: RULER needle-in-a-haystack\n")
@@ -487,6 +813,10 @@ def write_report(root) -> Path:
         md.append(md_table(["system", *map(str, lengths), "mean"],
                            [[n, *[fmt(r["lengths"].get(str(x)), 2) for x in lengths], fmt(r["mean"], 2)]
                             for n, r in ruler.items()]))
+        scores = [_num(v) for r in ruler.values() for v in r["lengths"].values()]
+        if scores and all(v == 0 for v in scores):
+            md.append("\nEvery system scores 0 at every length: the models are too weak for the task at this "
+                      "training length.")
         tasks = list(dict.fromkeys(t for r in ruler.values() for t in r["tasks"]))
         for length in lengths:
             md.append(f"\nPer task at {length} tokens:\n")
@@ -539,19 +869,22 @@ def write_report(root) -> Path:
         skipped = [e["status"] for j, e in (status.get("jobs") or {}).items() if j.startswith("lm_eval_")
                    and isinstance(e, dict)] if isinstance(status, dict) else []
         md.append(f"{NOT_MEASURED} ({skipped[0]})" if skipped else NOT_MEASURED)
-    md.append("\n## Ablations (against natsl_hybrid)\n")
-    base = t1.get("natsl_hybrid", {}).get("val_loss")
-    present = [n for n in ("natsl_hybrid",) + ABLATIONS if n in t1 or n in ppl or n in routing]
-    ablations = {}
-    for n in present:
-        loss = t1.get(n, {}).get("val_loss")
-        kept = [d["keep_fraction"] for d in routing.get(n, {}).get("datasets", []) if d["keep_fraction"] is not None]
-        ablations[n] = {"val_loss": loss, "delta": loss - base if loss is not None and base is not None else None,
-                        "ppl_long": (ppl.get(n) or {}).get("ppl"), "kept": sum(kept) / len(kept) if kept else None}
-    if len(ablations) > 1 or (ablations and "natsl_hybrid" not in ablations):
-        md.append(md_table(["system", "val loss", "vs natsl_hybrid", "eval-ppl ppl", "mean kept fraction"],
-                           [[n, fmt(a["val_loss"]), (f"{a['delta']:+.3f}" if a["delta"] is not None else "-"),
-                             fmt(a["ppl_long"]), fmt(a["kept"])] for n, a in ablations.items()]))
+    md.append("\n## Ablations (against natsl_hybrid's sweep point)\n")
+    ablations = ablation_section(swept, ppl, routing)
+    if any(n != "natsl_hybrid" for n in ablations):
+        tokens = next((x["tokens"] for x in swept.values() if x["tokens"]), None)
+        md.append("The ablations are trained in the learning-rate sweep only: each is compared with natsl_hybrid's "
+                  "best sweep point (the same tokens" + (f", {fmt_tokens(tokens)}" if tokens else "") + ", each at "
+                  "its own best rate), not with the full training run. eval-ppl and the kept fraction are of the "
+                  "ablations' sweep checkpoints, which have no natsl_hybrid counterpart evaluated (its evaluated "
+                  "checkpoint is the full run's): they are shown, not compared.\n")
+        md.append(md_table(["system", "best rate", "sweep val loss", "vs natsl_hybrid", "eval-ppl ppl",
+                            "mean kept fraction"],
+                           [[n, fmt(a["best_lr"], 3) if a["best_lr"] is not None else "-",
+                             (a["failed"] if a["failed"].startswith("failed") else f"failed: {a['failed']}")
+                             if a["failed"] else fmt(a["val_loss"]),
+                             f"{a['delta']:+.3f}" if a["delta"] is not None else "-", fmt(a["ppl_long"]),
+                             fmt(a["kept"])] for n, a in ablations.items()]))
     else:
         md.append(NOT_MEASURED)
     if figures:
@@ -562,6 +895,7 @@ def write_report(root) -> Path:
         md.extend(f"- {p}" for p in problems)
     tables = {"checkpoints": {n: str(p) for n, p in checkpoints.items()}, "table1": t1, "ppl": ppl, "ruler": ruler,
               "routing": routing, "compare": compare, "latency": latency, "lm_eval": lm, "ablations": ablations,
+              "sweep": swept, "quick": quick,
               "claims": verdicts, "figures": figures, "problems": problems}
     write_json(folder / "tables.json", tables)
     return write_text(folder / "report.md", "\n".join(md) + "\n")
