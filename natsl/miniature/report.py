@@ -662,23 +662,30 @@ def _plots(folder: Path, t1, ppl, ruler, routing) -> list[str]:
         written.append(save_figure(fig, folder / "ruler_by_length.png").name)
     if routing:
         names = order(routing)
-        fig, axes = plt.subplots(1, len(names), figsize=(1.5 + 3.4 * len(names), 4.6), squeeze=False,
+        # three panels a row, each tall enough for its (layer, group) labels at a readable size
+        cols = min(3, len(names))
+        rows_n = -(-len(names) // cols)
+        height = max(3.6, 0.22 * max(sum(len(layer["group_keep_fraction"] or []) for layer in
+                                         (routing[n]["datasets"] or [{"layers": []}])[0]["layers"]) for n in names))
+        fig, axes = plt.subplots(rows_n, cols, figsize=(1.5 + 4.2 * cols, 1.4 + height * rows_n), squeeze=False,
                                  layout="constrained")
+        for ax in axes.flat[len(names):]:
+            ax.set_visible(False)
         image = None
-        for ax, name in zip(axes[0], names):
+        for ax, name in zip(axes.flat, names):
             datasets = routing[name]["datasets"]
             labels = [f"L{layer['layer']} g{g}" for layer in (datasets[0]["layers"] if datasets else [])
                       for g in range(len(layer["group_keep_fraction"] or []))]
             grid = [[frac for layer in ds["layers"] for frac in layer["group_keep_fraction"] or []] for ds in datasets]
             grid = [list(col) for col in zip(*grid)] if grid else [[0.0]]
             image = ax.imshow(grid, vmin=0, vmax=1, cmap="Blues", aspect="auto")
-            ax.set_xticks(range(len(datasets)), [str(ds["name"])[:18] for ds in datasets], rotation=60, ha="right",
-                          fontsize=7)
-            ax.set_yticks(range(len(labels)), labels, fontsize=7)
-            ax.set_title(name, fontsize=9)
+            ax.set_xticks(range(len(datasets)), [str(ds["name"])[:18] for ds in datasets], rotation=45, ha="right",
+                          fontsize=9)
+            ax.set_yticks(range(len(labels)), labels, fontsize=9)
+            ax.set_title(name, fontsize=11)
         fig.suptitle("fraction of blocks kept per NAtS-L layer and group, per source (Figs. 5/6 in miniature)",
-                     fontsize=10)
-        fig.colorbar(image, ax=list(axes[0]), fraction=0.03, label="kept fraction")
+                     fontsize=12)
+        fig.colorbar(image, ax=list(axes.flat), fraction=0.03, label="kept fraction")
         written.append(save_figure(fig, folder / "routing_by_source.png").name)
     return written
 
