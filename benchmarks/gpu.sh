@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The one shell entry for the H200: named stages, each with its own time cap, run from the repository root.
+# The one shell entry for a GPU machine (tuned on an H200): named stages, each with its own time cap, run from the repository root.
 #   bash benchmarks/gpu.sh tests|ops|layer|training|microbatch|small|latency|firstcall|profile|compare|all [more stages...]
-#   bash benchmarks/gpu.sh recall          # alone: the recall sweeps take a whole 10-minute call
-# Results go to $OUT when set (the device tool's folder), else bench_results/; each stage's log to
+#   bash benchmarks/gpu.sh recall          # alone: the recall sweeps fill the GPU for about 10 minutes
+# Results go to $OUT when set, else bench_results/; each stage's log to
 # OUT/<stage>.log (its tail printed). Caps: TESTS_S, OPS_S, LAYER_S, TRAINING_S, MICROBATCH_S, LATENCY_S, PROFILE_S,
 # COMPARE_S, RECALL_S seconds.
 # microbatch (docs/training.md, "Micro-batch auto"): the 800M recipes that outgrow an 80 GB card at micro-batch 8,
@@ -16,7 +16,7 @@
 # OUT/compare/; its --time-budget (COMPARE_S - 60) records the points it cannot reach as skipped.
 # recall (docs/recall.md, "The sweep"): the sweep specs of RECALL_SPECS (default sweep_h200_widths.yaml), one
 # runner each, all at once under one CUDA MPS daemon, each with the deadline RECALL_DEADLINE (default
-# RECALL_S - 60) inside the hard cap RECALL_S (default 540, below the call's 600 s); their run folders
+# RECALL_S - 60) inside the hard cap RECALL_S (default 540: the whole stage within 10 minutes); their run folders
 # (checkpoints) stay in RECALL_WORK (default /tmp/natsl_recall) and, as soon as a sweep ends, its
 # summary.json / summary.png / sweep.json and a tarball of its runs' result.json, run.json, metrics.jsonl,
 # recall.json and log.txt go to OUT/recall_<spec>/; at the end all of them and the logs are packed into
@@ -28,12 +28,12 @@
 # launch-setting sweeps), RECIPES="800m_hybrid 800m_transformer" (training, microbatch), MBS (micro-batch, default 8;
 # microbatch: 8,auto),
 # TRAIN_FLAGS (e.g. --free-attention), KEEP="0.5 0.25" (latency). flash-linear-attention is timed where
-# importable: carry its wheels and add them to PYTHONPATH before calling.
+# importable: install it (pip install 'natsl[fla]') or add its wheels to PYTHONPATH first.
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-bench_results}; export OUT; mkdir -p "$OUT"
 [ $# -gt 0 ] || { echo "usage: bash benchmarks/gpu.sh tests|ops|layer|training|microbatch|small|latency|firstcall|profile|compare|recall|all ..." >&2; exit 2; }
-case " $* " in *" recall "*) [ $# -eq 1 ] || { echo "recall runs alone: one device call of its own" >&2; exit 2; } ;; esac
+case " $* " in *" recall "*) [ $# -eq 1 ] || { echo "recall runs alone: give no other stage beside it" >&2; exit 2; } ;; esac
 
 run() {  # run STAGE CAP COMMAND...: the command under its cap, its log in $OUT/STAGE.log
   local stage=$1 cap=$2; shift 2
@@ -85,9 +85,9 @@ recall() {  # the recall sweeps: see the header
     pids="$pids $!"
   done
   wait $pids
-  # `quit` waits for the daemon's clients; a worker stuck in the driver must not hold the call
+  # `quit` waits for the daemon's clients; a worker stuck in the driver must not hold the stage past its cap
   [ -n "$daemon" ] && { echo quit | timeout 10 nvidia-cuda-mps-control > /dev/null 2>&1; }
-  if [ "${RECALL_PACK:-1}" = 1 ]; then  # one tarball of every sweep's folder and log: the device tool's file count
+  if [ "${RECALL_PACK:-1}" = 1 ]; then  # one tarball of every sweep's folder and log: one file to copy off the machine
     (cd "$OUT" && tar -czf recall_results.tar.gz recall_* && rm -rf $(ls -d recall_* | grep -vx recall_results.tar.gz))
   fi
   pack_models "$work"
@@ -97,7 +97,7 @@ recall() {  # the recall sweeps: see the header
 
 pack_models() {  # pack_models WORK: the runs' bf16 inference folders (RUN/model, natsl.cli.sweep.export_model)
   # whose run id matches RECALL_MODELS (an extended regex, default every run), into OUT/recall_models_N.tar.gz
-  # of at most ~15 MiB each (the device tool brings back files of up to 16 MiB), for `natsl compare RUN/model`
+  # of at most ~15 MiB each (files small enough to copy off a remote machine one by one), for `natsl compare RUN/model`
   local work=$1 i=0 size=0 group=() m id bytes
   for m in "$work"/*/runs/*/model; do
     [ -f "$m/model.safetensors" ] || continue

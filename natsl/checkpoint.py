@@ -382,7 +382,18 @@ def initial_weights(path, model: ModelConfig, expected: dict) -> tuple[dict, Pat
 
 
 def load_checkpoint(path, device=None, dtype: torch.dtype | None = None):
-    """(model, tokenizer or None) from a folder that `natsl train` or `natsl convert` wrote."""
+    """The model and tokenizer of a folder that `natsl train` or `natsl convert` wrote.
+
+    Args:
+        path: a training step, a run folder (its newest step is read) or an inference folder. A folder
+            that is missing, incomplete or does not fit its config stops with a one-line NatslError.
+        device: where the weights go (a `torch.device` or its name); None: the CPU.
+        dtype: cast the model to this dtype; None keeps the stored one.
+
+    Returns:
+        A tuple `(model, tokenizer)`: the `CausalLM` in eval mode, its recipe as `model.recipe`; the
+        tokenizer, or None for a folder without tokenizer.json.
+    """
     from natsl.models import build_model
 
     folder, config, recipe, weights = model_files(path)

@@ -40,9 +40,8 @@ def git_revision(root: Path | None = None) -> str | None:
 def source_hash(root: Path | None = None) -> str:
     """sha256 (first 16 hex digits) of the natsl package's Python sources: their paths and bytes.
 
-    Names the code that ran where the git revision cannot: the lent GPU machine receives a copy of
-    the working tree whose .git may be older than the files (results then record a commit hours
-    older than the code). `python -c "from natsl.provenance import source_hash; print(source_hash())"`
+    Names the code that ran where the git revision cannot: a working tree copied to a GPU machine
+    may carry a .git older than its files (results would then record a commit older than the code). `python -c "from natsl.provenance import source_hash; print(source_hash())"`
     at a local commit gives the value to match."""
     package = root or Path(__file__).resolve().parent
     digest = hashlib.sha256()

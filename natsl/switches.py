@@ -85,8 +85,8 @@ class Switches:
                                "kernels (CUDA, compute capability 9.0 or newer)")
     prefill_overlap: bool = _switch(True, "NATSL_PREFILL_OVERLAP", "a long prefill runs the GDN branch on a "
                                     "second CUDA stream beside the softmax branch")
-    # Its GPU tests (tests/test_gated_linear.py and test_inference.py, -m gpu -k "decode_step or mamba2")
-    # pass on the H200, beside the interpreter's comparison with its twin.
+    # Checked against its twin under the Triton interpreter and on a GPU (tests/test_gated_linear.py and
+    # test_inference.py, -m gpu -k "decode_step or mamba2").
     fused_gla_decode: bool = _switch(True, "NATSL_FUSED_GLA_DECODE", "Mamba2's decode step (and NAtS-L's on a "
                                      "Mamba2 state) on its one fused Triton kernel where the fused inference "
                                      "kernels run; False: its reference twin")

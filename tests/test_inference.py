@@ -305,7 +305,7 @@ def test_text_stream_holds_back_a_possible_stop_string():
     assert stream.text == "abEc"
 
 
-# -- on the GPU (the H200, through the device tool: pytest -m gpu tests/test_inference.py) ----------
+# -- on the GPU (pytest -m gpu tests/test_inference.py on a CUDA machine) ---------------------------
 
 def gpu_model(layout, dtype=torch.float32, **changes):
     """The fast kernels take block_size 64 or 128 only."""

@@ -256,7 +256,7 @@ def test_runner_prints_the_runs_and_max_parallel_at_start(tmp_path, monkeypatch)
 
 def test_gpu_sh_packs_the_chosen_models_in_tarballs_of_at_most_15_mb(tmp_path):
     """benchmarks/gpu.sh's pack_models: the RUN/model folders whose run id matches RECALL_MODELS, grouped
-    into OUT/recall_models_N.tar.gz of at most ~15 MB of files each (the device tool's 16 MiB a file)."""
+    into OUT/recall_models_N.tar.gz of at most ~15 MB of files each (small enough to copy off a remote machine one by one)."""
     text = (ROOT / "benchmarks/gpu.sh").read_text()
     function = re.search(r"^pack_models\(\) \{.*?^\}$", text, re.S | re.M).group(0)
     work, out = tmp_path / "work", tmp_path / "out"

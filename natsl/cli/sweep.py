@@ -138,7 +138,7 @@ def run_worker(run_file: str) -> int:
 def export_model(folder: Path) -> None:
     """The trained run as a bf16 inference folder, `RUN/model` (weights, config; a few MB at the recall
     widths), which `natsl compare` and every eval command read: the training checkpoint beside it holds
-    fp32 weights and the optimizer state, ~6x the bytes, too much to bring back from a lent GPU by the
+    fp32 weights and the optimizer state, ~6x the bytes, too much to copy off a GPU machine by the
     dozen. Before the evaluation, so a run whose evaluation the deadline cuts still leaves its model."""
     import torch
 

@@ -105,8 +105,8 @@ def generate(model, tokenizer, prompts: list[list[int]], config: SamplingConfig,
 
     started = time.perf_counter()
     last = []
-    # On the CPU the PyTorch backends' prefill memory grows with the square of its length (a 20K-token
-    # prompt took the 23 GB machine down), so long prompts go in pieces; the cache makes that exact.
+    # On the CPU the PyTorch backends' prefill memory grows with the square of its length (the dense
+    # attention scores), so long prompts go in pieces; the cache makes that exact.
     piece = CPU_PREFILL_CHUNK if device.type == "cpu" else max_seq_len
     for i, ids in enumerate(prompts):
         tokens = torch.tensor([ids], dtype=torch.long, device=device)

@@ -6,7 +6,17 @@ __all__ = ["CausalLM", "build_model"]
 
 
 def build_model(recipe_or_config, device=None):
-    """A `CausalLM` for a `Recipe` or `ModelConfig`; `device="meta"` builds it without allocating."""
+    """A `CausalLM` for a `Recipe` or `ModelConfig`, freshly initialised.
+
+    Args:
+        recipe_or_config: a `Recipe` (its `model` section is used) or a `ModelConfig`; validated first.
+        device: where the parameters live (a `torch.device` or its name); None: torch's default. `"meta"`
+            builds the model without allocating.
+
+    Returns:
+        The `CausalLM`: `model(input_ids [B, T])` gives logits `[B, T, vocab_size]`, and
+        `model(input_ids, cache=model.new_cache(B))` runs prefill and decode (docs/spec.md section 5).
+    """
     from natsl.config import ModelConfig, Recipe
 
     config = recipe_or_config.model if isinstance(recipe_or_config, Recipe) else recipe_or_config

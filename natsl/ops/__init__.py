@@ -95,10 +95,38 @@ def gated_delta_rule(
     backend: str | None = None,
     intra_block: bool = True,
 ):
-    """Gated DeltaNet with a per-block write mask. Returns (o [B,T,H,V], final_state [B,H,K,V] or None).
+    """Gated DeltaNet with a per-block write mask (docs/spec.md section 3).
 
-    `intra_block=False` is the Table 4 ablation in which a query reads only the committed state of
-    its block (decayed to its position), not the writes of its own block.
+    Within a block the state follows the token recurrence S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1}
+    + beta_t k_t v_t^T, and o_t = scale S_t^T q_t reads it, so a query sees its own block's writes. At
+    the block's end the route is committed: S_start(b+1) = Gamma_b S_start(b) + write_b (S_end(b) -
+    Gamma_b S_start(b)), Gamma_b = exp(sum of g over the block). A block routed to softmax memory
+    (write 0) keeps the decay but none of its content.
+
+    Args:
+        q: queries `[B, T, H, K]`, already L2-normalised per head.
+        k: keys `[B, T, H, K]`, already L2-normalised per head.
+        v: values `[B, T, H, V]`.
+        g: log decay `[B, T, H]` (<= 0).
+        beta: write strengths `[B, T, H]` (the model's are sigmoids, in (0, 1)).
+        write: the route `[B, NB, H]`, NB = ceil(T / block_size): 1 commits the block's writes to the
+            state, 0 drops them. None: all ones, plain Gated DeltaNet.
+        scale: the query scale. Default: `K ** -0.5`.
+        initial_state: the state before the first token, `[B, H, K, V]`. Default: zeros.
+        output_final_state: return S_start(NB), the state after the last block's commit.
+        block_size: tokens per routing block. The fast backend takes 64 or 128 (its GPU backward 64);
+            the reference any size.
+        decay_skipped_blocks: False is the ablation that replaces Gamma_b by 1 in the commit.
+        route_grad: "active" (the method: the gradient of `write` only where it is 1) or "full" (both
+            options, the dense continuous-mask gradient).
+        backend: "reference", "chunked" (chunk-parallel PyTorch, CPU speed), "fast" (Triton) or None
+            (`NATSL_BACKEND`, else fast on CUDA and reference elsewhere).
+        intra_block: False is the Table 4 ablation in which a query reads only the committed state of
+            its block (decayed to its position), not the writes of its own block.
+
+    Returns:
+        A tuple `(o, final_state)`: o `[B, T, H, V]` in q's dtype; final_state `[B, H, K, V]` in fp32
+        (float64 for float64 inputs) if `output_final_state`, else None.
     """
     _check_route_grad(route_grad)
     # The intra-block ablation (Table 4) has no kernel: the fast twin hands it to the reference.
@@ -128,7 +156,6 @@ def gated_linear_rule(
     intra_block: bool = True,
 ):
     """Gated linear attention (scalar decay per head: Mamba2's SSD) with a per-block write mask.
-    Returns (o [B,T,H,V], final_state [B,H,K,V] or None).
 
     gated_delta_rule without the delta erase and without beta: S_t = exp(g_t) S_{t-1} + k_t v_t^T,
     o_t = scale S_t^T q_t; write, the commit, `intra_block` and `route_grad` as there. Mamba2 passes
@@ -137,6 +164,25 @@ def gated_linear_rule(
     q, k may have fewer heads than v: [B,T,Hk,K] with H % Hk == 0, head h of v reading q/k head
     h // (H // Hk) (as repeat_interleave(H // Hk, dim=2); Mamba2's G groups of B and C). The fast op
     saves them grouped for the backward and returns dq, dk [B,T,Hk,K]; Hk == H is the plain op.
+
+    Args:
+        q: queries `[B, T, Hk, K]` (Mamba2's C), Hk dividing H.
+        k: keys `[B, T, Hk, K]` (Mamba2's B).
+        v: values `[B, T, H, V]` (Mamba2's x dt).
+        g: log decay `[B, T, H]` (<= 0; Mamba2's A dt).
+        write: the route `[B, NB, H]`, NB = ceil(T / block_size); None: all ones (plain SSD).
+        scale: the query scale. Default: `K ** -0.5` (Mamba2 passes 1).
+        initial_state: the state before the first token, `[B, H, K, V]`. Default: zeros.
+        output_final_state: return the state after the last block's commit.
+        block_size: tokens per routing block (the fast backend: 64 or 128).
+        decay_skipped_blocks: False replaces Gamma_b by 1 in the commit.
+        route_grad: "active" or "full", as in gated_delta_rule.
+        backend: "reference", "chunked", "fast" or None, as in gated_delta_rule.
+        intra_block: False: a query reads only its block's committed state, as in gated_delta_rule.
+
+    Returns:
+        A tuple `(o, final_state)`: o `[B, T, H, V]` in q's dtype; final_state `[B, H, K, V]` in fp32
+        if `output_final_state`, else None.
     """
     _check_route_grad(route_grad)
     chosen = resolve_backend(backend, q.device)
@@ -162,9 +208,27 @@ def routed_attention(
 ):
     """Causal softmax attention in which earlier blocks are visible only where `keep` is 1.
 
-    `keep=None` means every block is kept (plain causal attention). `intra_block=False` is the
-    Table 4 ablation in which a query does not see its own block (it then sees only kept blocks;
-    a row with nothing visible outputs zeros).
+    Query i of block a sees key j of block c where c == a and j <= i (its own block, causally), or
+    c < a and keep_c is 1 for the query head's routing group (docs/spec.md section 3). Head h belongs
+    to group h // (Hs // G).
+
+    Args:
+        q: queries `[B, T, Hs, Dk]`.
+        k: keys `[B, T, Hs, Dk]`.
+        v: values `[B, T, Hs, Dv]`.
+        keep: the route `[B, NB, G]`, NB = ceil(T / block_size), G dividing Hs: 1 keeps the block's
+            keys and values in softmax memory for later blocks, 0 hides them. None: every block is
+            kept (plain causal attention).
+        scale: the score scale. Default: `Dk ** -0.5`.
+        block_size: tokens per routing block.
+        route_grad: "active" (the gradient of `keep` only where it is 1) or "full".
+        backend: "reference", "fast" or None (`NATSL_BACKEND`, else fast on CUDA and reference
+            elsewhere); "chunked" runs the reference.
+        intra_block: False is the Table 4 ablation in which a query does not see its own block (it
+            then sees only kept blocks; a row with nothing visible outputs zeros).
+
+    Returns:
+        o `[B, T, Hs, Dv]` in q's dtype.
     """
     _check_route_grad(route_grad)
     # "chunked" has no attention of its own: the dense reference is already one batched matmul.

@@ -39,12 +39,12 @@ def compile_for(x: torch.Tensor) -> bool:
     inside a decode step (`decode_step_scope`), "1" for CUDA tensors always, "0" never, "all" on every
     device (the CPU tests use it to check the compiled forms without a GPU).
 
-    Why "auto" leaves a prefill eager: a fresh process paid dynamo's trace and Inductor's cache loads
-    for every piece at its first call even with the on-disk caches full (the 800M hybrid's first 128K
-    prefill: 6.5 s against 0.82 s warm), while eagerly these pieces cost ~2% of that prefill and
-    nothing measurable at 1K. A decode step is the other way round: its dozens of tiny launches,
-    replayed from a CUDA graph, cost 40% more eagerly (the hybrid's 1K decode 1.60 against 1.15 ms),
-    and training gains the compiled backward fusions (docs/performance.md, "First calls")."""
+    Why "auto" leaves a prefill eager: a fresh process pays dynamo's trace and Inductor's cache loads
+    for every piece at its first call even with the on-disk caches full, several times a warm 128K
+    prefill, while eagerly these pieces are a small share of that prefill. A decode step is the other
+    way round: its dozens of tiny launches, replayed from a CUDA graph, cost more eagerly than
+    compiled, and training gains the compiled backward fusions. The figures are in
+    docs/performance.md, "First calls and short prompts"."""
     mode = switches.current().compile_pointwise
     if mode == "all":
         return True
