@@ -215,6 +215,19 @@ def test_model_hf_and_model_natsl_score_an_export_alike_by_default(ckpt, tmp_pat
     assert NatslLM(pretrained=str(back), device="cpu").max_length == 128
 
 
+def test_the_lm_eval_extra_brings_what_model_hf_needs():
+    """`pip install 'natsl[lm-eval]'` is enough for `lm_eval --model hf` on an export: transformers (natsl[hf])
+    and accelerate (lm_eval/models/huggingface.py imports it at the top); the test extra installs the same."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    extras = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())[
+        "project"]["optional-dependencies"]
+    names = [r.split(">")[0].split("<")[0].split("=")[0] for r in extras["lm-eval"]]
+    assert {"natsl[hf]", "lm-eval", "accelerate"} <= set(names)
+    assert "natsl[lm-eval]" in extras["test"]
+    assert not [r for r in extras["test"] if r.startswith(("transformers", "lm-eval", "accelerate"))]  # one floor each
+
+
 def run(cmd, **kw):
     proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=600, **kw)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -246,4 +246,8 @@ if __name__ == "__main__":
 
     _main()
 else:
+    # lm-eval fills its registry with its own models (hf, vllm, ...) on first lookup only while it is empty:
+    # import their (lazy) table first, or registering natsl alone would hide `--model hf` from this process.
+    import lm_eval.models  # noqa: F401
+
     register_model("natsl")(NatslLM)
