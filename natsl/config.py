@@ -312,6 +312,26 @@ class Recipe:
         return dataclasses.asdict(self)
 
 
+def context_length(recipe: Recipe) -> int:
+    """The context a model declares and is evaluated at by default: the length it trained at
+    (train.seq_len), capped at what its cache holds (model.max_seq_len).
+
+    One rule for `lm_eval --model natsl` and `natsl eval-lm` (their default max_length) and for a
+    `--to hf` export's `max_position_embeddings`, which lm-eval's `--model hf` (and most tools built on
+    transformers) take as the model's context; so both score the same windows by default. Longer
+    contexts stay open: max_length= in model_args, and generation up to model.max_seq_len (natsl's hard
+    limit, kept in the export's natsl_recipe), as Llama-2 declares its 4096 training tokens and still runs
+    past them.
+
+    Args:
+        recipe: the model's recipe.
+
+    Returns:
+        A number of tokens.
+    """
+    return min(recipe.train.seq_len, recipe.model.max_seq_len)
+
+
 # The default output folders of `natsl train`: runs/NAME. A recipe's name and train.out_dir come from a
 # file, and a name such as `../../x` must not put a run (and its writes) anywhere else.
 RUNS_FOLDER = "runs"

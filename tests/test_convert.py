@@ -297,3 +297,32 @@ def test_hf_import_of_nats_mamba_refuses_what_natsl_computes_otherwise(authors_m
     assert "time_step_limit" in refusal("dt_limit", cfg={**config, "time_step_limit": [0.001, 0.1]})
     # A D on the NAtS-L layer (natsl's first form) is not in their layer: no place for it.
     assert "no place in natsl" in refusal("state_d", ts={**tensors, "backbone.layers.1.attn.D": torch.ones(2)})
+
+
+def test_hf_import_of_configs_as_transformers_5_saves_them(authors_checkpoint, authors_mamba2_checkpoint, tmp_path):
+    """transformers >= 5 writes the Mamba2 default time_step_limit as [0.0, {"__float__": "Infinity"}]; a config
+    that leaves attn_apply_pos_encoding out means their class's default, true (tests/test_authors_configs.py
+    covers every form and key)."""
+    model, folder = authors_mamba2_checkpoint
+    config = json.loads((folder / "config.json").read_text())
+    encoded = tmp_path / "encoded"
+    encoded.mkdir()
+    (encoded / "config.json").write_text(json.dumps({**config, "time_step_limit": [0.0, {"__float__": "Infinity"}]}))
+    (encoded / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
+    result = run("convert", encoded, tmp_path / "mamba2", "--from-hf")
+    assert result.exit_code == 0, result.output
+    ids = torch.randint(0, 1024, (1, 40))
+    assert torch.equal(logits(model, ids), logits(natsl.load_checkpoint(tmp_path / "mamba2")[0], ids))
+
+    model, folder = authors_checkpoint  # built with natsl_rope=true
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("attn_apply_pos_encoding")
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "config.json").write_text(json.dumps(config))
+    (plain / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
+    assert run("convert", plain, tmp_path / "gdn", "--from-hf").exit_code == 0
+    imported = natsl.load_checkpoint(tmp_path / "gdn")[0]
+    assert imported.config.natsl_rope
+    ids = torch.randint(0, 1024, (1, 140))
+    assert torch.equal(logits(model, ids), logits(imported, ids))

@@ -16,9 +16,10 @@ from typer.testing import CliRunner
 
 import natsl
 from natsl.checkpoint import save_model_folder
-from natsl.cli import eval_lm, generate as _generate  # noqa: F401  (register the commands)
+from natsl.cli import convert as _convert, eval_lm, generate as _generate  # noqa: F401  (register the commands)
 from natsl.cli.app import app
 from natsl.config import apply_overrides
+from natsl.errors import NatslError
 from natsl.eval.haystack import essay_text
 from natsl.inference.generate import generate
 from natsl.inference.sampling import SamplingConfig
@@ -158,6 +159,73 @@ def test_eval_lm_runs_local_tasks(ckpt, tmp_path, monkeypatch):
     assert "samples: natsl_tiny_mc 4, natsl_tiny_ppl 4, natsl_tiny_gen 4" in result.output
     bad = CliRunner().invoke(app, ["eval-lm", str(ckpt), "--tasks", " ,", "--out", str(tmp_path / "out")])
     assert bad.exit_code == 2 and "--tasks names no task" in bad.stderr
+
+
+def test_device_in_model_args_or_from_lm_eval(ckpt):
+    """lm-eval passes its own device (cuda:0 when --device is not given) and batch_size beside --model_args:
+    a model_args value wins over lm-eval's default, two explicit values must agree (merge_model_args)."""
+    defaults = {"batch_size": 1, "max_batch_size": None, "device": "cuda:0"}  # lm_eval's command line, no options
+    lm = NatslLM.create_from_arg_string(f"pretrained={ckpt},device=cpu,batch_size=2", defaults)
+    assert lm.device.type == "cpu" and lm.batch_size == 2
+    assert NatslLM.create_from_arg_string(f"pretrained={ckpt}", {**defaults, "device": "cpu"}).device.type == "cpu"
+    assert NatslLM.create_from_arg_string(f"pretrained={ckpt},device=cpu", {**defaults, "device": "cpu"}).device.type == "cpu"
+    assert NatslLM.create_from_arg_obj({"pretrained": str(ckpt), "device": "cpu"}, defaults).device.type == "cpu"
+    with pytest.raises(NatslError, match=r"device is given twice and differently: device=cpu in --model_args, cuda:1"):
+        NatslLM.create_from_arg_string(f"pretrained={ckpt},device=cpu", {**defaults, "device": "cuda:1"})
+    with pytest.raises(NatslError, match="batch_size"):
+        NatslLM.create_from_arg_string(f"pretrained={ckpt},batch_size=2", {**defaults, "batch_size": 4})
+
+
+def test_simple_evaluate_takes_device_in_model_args(ckpt, tmp_path, monkeypatch):
+    """The way lm-eval's own evaluator builds the model: model_args string and its own device together."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    write_tasks(tmp_path / "tasks")
+    manager = TaskManager(include_path=str(tmp_path / "tasks"), include_defaults=False)
+    results = lm_eval.simple_evaluate(model="natsl", model_args=f"pretrained={ckpt},device=cpu", device="cuda:0",
+                                      tasks=["natsl_tiny_mc"], limit=2, task_manager=manager)
+    assert 0.0 <= results["results"]["natsl_tiny_mc"]["acc,none"] <= 1.0
+
+
+def test_model_hf_and_model_natsl_score_an_export_alike_by_default(ckpt, tmp_path):
+    """One max_length rule (natsl.config.context_length): the export's max_position_embeddings is the
+    training length, so lm-eval's `hf` model rolls the same windows as `natsl` and the log-likelihoods agree."""
+    pytest.importorskip("accelerate")  # lm-eval's hf model imports it (natsl[lm-eval] brings it)
+    pytest.importorskip("transformers")
+    from lm_eval.models.huggingface import HFLM  # lm-eval's `--model hf`
+
+    out = tmp_path / "hf"
+    result = CliRunner().invoke(app, ["convert", str(ckpt), str(out), "--to", "hf"])
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == 128  # train.seq_len
+    defaults = {"batch_size": 1, "max_batch_size": None, "device": "cpu"}  # as lm_eval --device cpu passes them
+    hf = HFLM.create_from_arg_string(f"pretrained={out},trust_remote_code=True,dtype=float32", defaults)
+    ours = NatslLM.create_from_arg_string(f"pretrained={ckpt}", defaults)
+    assert hf.max_length == ours.max_length == 128 and hf.prefix_token_id == ours.prefix_token_id
+    texts = [essay_text(8, seed=1)[:3000], essay_text(2, seed=2)[:700], "A short one."]
+    assert len(ours.tok_encode(texts[0])) > 3 * 128  # several windows
+    requests = [request("loglikelihood_rolling", t) for t in texts]
+    theirs = hf.loglikelihood_rolling(requests, disable_tqdm=True)
+    assert ours.loglikelihood_rolling(requests, disable_tqdm=True) == pytest.approx(theirs, rel=1e-6)
+    # A natsl checkpoint imported back from the export declares the same context.
+    back = tmp_path / "back"
+    assert CliRunner().invoke(app, ["convert", str(out), str(back), "--from-hf"]).exit_code == 0
+    assert NatslLM(pretrained=str(back), device="cpu").max_length == 128
+
+
+def test_the_lm_eval_extra_brings_what_model_hf_needs():
+    """`pip install 'natsl[lm-eval]'` is enough for `lm_eval --model hf` on an export: transformers (natsl[hf])
+    and accelerate (lm_eval/models/huggingface.py imports it at the top); the test extra installs the same."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    extras = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())[
+        "project"]["optional-dependencies"]
+    names = [r.split(">")[0].split("<")[0].split("=")[0] for r in extras["lm-eval"]]
+    assert {"natsl[hf]", "lm-eval", "accelerate"} <= set(names)
+    assert "natsl[lm-eval]" in extras["test"]
+    assert not [r for r in extras["test"] if r.startswith(("transformers", "lm-eval", "accelerate"))]  # one floor each
 
 
 def run(cmd, **kw):

@@ -20,7 +20,8 @@ def eval_lm(
     num_fewshot: Optional[int] = typer.Option(None, help="Few-shot examples per task (default: the task's own)."),
     limit: Optional[float] = typer.Option(None, help="Documents per task (an integer), or a fraction below 1."),
     batch_size: int = typer.Option(1, help="Sequences per forward (equal lengths are batched; natsl never pads)."),
-    max_length: Optional[int] = typer.Option(None, help="Tokens per scored window (default: the recipe's training length)."),
+    max_length: Optional[int] = typer.Option(None, help="Tokens per scored window (default: the recipe's training length, capped at max_seq_len; "
+                                                               "a --to hf export declares the same)."),
     add_bos: Optional[bool] = typer.Option(None, "--add-bos/--no-add-bos",
                                            help="Prepend the tokenizer's BOS to every text (default: as the checkpoint "
                                                 "trained, recorded in its config.json)."),
@@ -35,6 +36,7 @@ def eval_lm(
 
     A forward of --batch-size windows of --max-length tokens that the device's memory cannot hold is refused
     before lm-eval starts (--force starts it anyway)."""
+    from natsl.config import context_length
     from natsl.errors import NatslError
     from natsl.eval.lm_eval_run import run_tasks
     from natsl.cli.jobs import check_job
@@ -67,7 +69,7 @@ def eval_lm(
         check_length("--max-length", max_length, recipe.model.max_seq_len, folder)
         args["max_length"] = max_length
     torch_device = pick_device(device)
-    window = max_length or min(recipe.train.seq_len, recipe.model.max_seq_len)  # the adapter's default
+    window = max_length or context_length(recipe)  # the adapter's default
     check_job(f"eval-lm: windows of up to {window:,} tokens, {batch_size} per forward", recipe.model,
               [Work("prefill", batch_size, window)], device=torch_device, dtype=pick_dtype(dtype, torch_device),
               backend=backend, force=force, fix="lower --max-length or --batch-size")

@@ -69,11 +69,38 @@ def _check_target(out: Path, *sources) -> None:
 
 # ----------------------------------------------------------------------------- Hugging Face import
 
+FLOAT_TAG = "__float__"  # transformers >= 5: json.dumps would write Infinity and NaN, which JSON has not
+FLOAT_TAG_VALUES = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
+
+
+def decode_special_floats(value):
+    """A config value with transformers' encoding of the floats JSON cannot hold undone.
+
+    transformers >= 5 saves float("inf") as {"__float__": "Infinity"} (and "-Infinity", "NaN"), where
+    transformers 4 wrote the bare literal `Infinity` that Python's json reads as is; both then mean the same.
+
+    Args:
+        value: a parsed JSON value (dicts and lists are walked).
+
+    Returns:
+        The value with every {"__float__": TAG} of a known TAG replaced by its float; any other such
+        object is kept, as transformers keeps it.
+    """
+    if isinstance(value, dict):
+        if set(value) == {FLOAT_TAG} and isinstance(value[FLOAT_TAG], str) and value[FLOAT_TAG] in FLOAT_TAG_VALUES:
+            return FLOAT_TAG_VALUES[value[FLOAT_TAG]]
+        return {k: decode_special_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [decode_special_floats(v) for v in value]
+    return value
+
+
 def read_hf_config(folder: Path) -> dict:
+    """The config.json of an authors' checkpoint folder, floats decoded (decode_special_floats)."""
     path = folder / "config.json"
     if not path.is_file():
         raise NatslError(f"{str(folder)!r} has no config.json; pass the folder of a Hugging Face checkpoint")
-    config = read_json(path, "fix the file or download the checkpoint again")
+    config = decode_special_floats(read_json(path, "fix the file or download the checkpoint again"))
     kind = config.get("model_type") if isinstance(config, dict) else None
     if kind not in (HF_MODEL_TYPE, HF_MAMBA2_MODEL_TYPE):
         if isinstance(config, dict) and config.get("format") == "natsl":
@@ -168,30 +195,85 @@ def _refuse(what: str) -> NatslError:
     return NatslError(f"cannot import this checkpoint: {what}; natsl has no equivalent")
 
 
-# The config keys (and their defaults in the authors' config classes) that differ between their GDN-based
-# model and their NAtS-L on Mamba2; every other NAtS-L key is shared.
-GDN_KEYS = {"root": "model", "heads": ("num_heads", 6), "head_dim": ("head_dim", 256), "expand_v": 2.0,
-            "attn_heads": 12, "layers": 21, "rope": False, "decay": ("decay_for_non_gdn_blocks", True),
-            "conv": "conv_size", "linear_only": "gated_delta_net"}
-MAMBA2_KEYS = {"root": "backbone", "heads": ("num_mamba_heads", 8), "head_dim": ("head_dim_nats", 128),
-               "expand_v": 1.0, "attn_heads": 16, "layers": 24, "rope": True,
-               "decay": ("decay_for_non_mamba_blocks", False), "conv": "conv_kernel", "linear_only": "mamba"}
+# What the authors' config classes set where a config.json leaves a key out: the keyword defaults of
+# NeuralAttentionSearchLineraAttnGDNConfig (src/nats/models/natsl_attn_gdn/configuration_natsl_attn_gdn.py)
+# and NATSMamba2Config (src/nats/models/natsl_attn_mamba2/configuration_nats_mamba2.py), for every key
+# natsl reads. Their model classes forward each of these to the layers, so the config class's default is
+# what their code computes with (not the layer's own default, which differs for several keys).
+AUTHORS_SHARED_DEFAULTS = {
+    "vocab_size": 32000, "hidden_size": 2048, "norm_eps": 1e-6, "initializer_range": 0.02,
+    "tie_word_embeddings": False, "intermediate_size": None, "hidden_act": "swish", "use_gate": True,
+    "n_ops": 2, "num_nats_head": None, "nats_block_size": 64, "nats_block_agg_type": "mean",
+    "ops_for_incomplete_chunks": "all", "outputs_are_wighted": True, "attn_qk_norm": False,
+    "attn_with_short_conv": False, "attn_apply_pos_encoding": True, "attn_rope_theta": 10000.0,
+}
+AUTHORS_GDN_DEFAULTS = {
+    **AUTHORS_SHARED_DEFAULTS, "num_hidden_layers": 21, "gdn_layers": [], "num_heads": 6, "head_dim": 256,
+    "expand_v": 2.0, "num_attn_heads": 12, "num_v_heads": None, "allow_neg_eigval": False, "use_short_conv": True,
+    "conv_size": 4, "conv_bias": False, "decay_for_non_gdn_blocks": False,
+}
+AUTHORS_MAMBA2_DEFAULTS = {
+    **AUTHORS_SHARED_DEFAULTS, "num_hidden_layers": 24, "mamba_layers": [], "num_mamba_heads": 8,
+    "head_dim_nats": 128, "expand_v": 1, "num_attn_heads": 16, "conv_kernel": 4, "decay_for_non_mamba_blocks": False,
+    "head_dim": 64, "state_size": 128, "expand": 2, "n_groups": 1, "use_bias": False, "use_conv_bias": True,
+    "mamba_hidden_act": "silu", "rms_norm": True, "time_step_limit": [0.0, float("inf")],
+}  # num_nats_head: None here; their Mamba2 class stores num_mamba_heads for it, which natsl reads None as
+# What their Mamba2 model passes its NAtS-L layers and MLPs whatever config.json says (modeling_nats_mamba2.py:
+# use_short_conv=True, allow_neg_eigval=False, conv_bias=False, hidden_act="swish"; num_v_heads not passed).
+AUTHORS_MAMBA2_FIXED = {"use_short_conv": True, "allow_neg_eigval": False, "conv_bias": False, "hidden_act": "swish",
+                        "num_v_heads": None}
+
+
+def authors_config(config: dict) -> dict:
+    """An authors' config.json as their config class reads it: every key natsl uses that the file leaves
+    out set to the class's default, and (nats_mamba) the values their model passes whatever the file says.
+
+    Args:
+        config: the parsed config.json (floats decoded: decode_special_floats).
+
+    Returns:
+        A new dict; `config` itself is not changed.
+    """
+    if config.get("model_type") == HF_MAMBA2_MODEL_TYPE:
+        return {**AUTHORS_MAMBA2_DEFAULTS, **config, **AUTHORS_MAMBA2_FIXED}
+    return {**AUTHORS_GDN_DEFAULTS, **config}
+
+
+# The config keys that differ between the authors' GDN-based model and their NAtS-L on Mamba2; every
+# other NAtS-L key is shared.
+GDN_KEYS = {"root": "model", "heads": "num_heads", "head_dim": "head_dim", "decay": "decay_for_non_gdn_blocks",
+            "conv": "conv_size", "linear_only": "gated_delta_net", "others": "gdn_layers"}
+MAMBA2_KEYS = {"root": "backbone", "heads": "num_mamba_heads", "head_dim": "head_dim_nats",
+               "decay": "decay_for_non_mamba_blocks", "conv": "conv_kernel", "linear_only": "mamba",
+               "others": "mamba_layers"}
 
 
 def hf_recipe(config: dict, tensors: dict[str, torch.Tensor], name: str):
     """The natsl Recipe that reproduces an authors' checkpoint (either model type), or a NatslError
-    naming the setting natsl cannot represent."""
+    naming the setting natsl cannot represent.
+
+    Args:
+        config: the checkpoint's config.json (floats decoded); keys it leaves out take the authors'
+            config-class defaults (authors_config).
+        tensors: its tensors, by name.
+        name: the recipe's name.
+
+    Returns:
+        natsl.config.Recipe.
+    """
     from natsl.config import ModelConfig, Recipe
 
+    given = config
     mamba = config.get("model_type") == HF_MAMBA2_MODEL_TYPE
+    config = authors_config(config)
     keys = MAMBA2_KEYS if mamba else GDN_KEYS
-    layers = _int("num_hidden_layers", _get(config, "num_hidden_layers", default=keys["layers"]))
-    other_key = "mamba_layers" if mamba else "gdn_layers"
-    others = config.get(other_key) or []
+    layers = _int("num_hidden_layers", config["num_hidden_layers"])
+    other_key = keys["others"]
+    others = config[other_key] or []
     if not isinstance(others, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in others):
         raise _bad(other_key, "a list of layer indices", others)
     natsl_indices = [i for i in range(layers) if i not in others]
-    fields = _natsl_fields(config, tensors, keys, natsl_indices)
+    fields = _natsl_fields(config, given, tensors, keys, natsl_indices)
     root = keys["root"]
     # The MLP width from the first block that has one (the authors' Mamba2 blocks have none).
     mlp = tensors.get(f"{root}.layers.{natsl_indices[0] if mamba and natsl_indices else 0}.mlp.gate_proj.weight")
@@ -209,16 +291,16 @@ def hf_recipe(config: dict, tensors: dict[str, torch.Tensor], name: str):
         fields.update(base_layer="mamba2", natsl_layers=natsl_indices) if others else fields.update(base_layer="natsl")
     else:
         fields.update(base_layer="natsl", gdn_layers=others)
-    vocab = _int("vocab_size", config.get("vocab_size", 32000))
+    vocab = _int("vocab_size", config["vocab_size"])
     emb = tensors.get(f"{root}.embeddings.weight")
     if emb is not None and emb.shape[0] != vocab:
         vocab = int(emb.shape[0])
     model = ModelConfig(
-        vocab_size=vocab, hidden_size=_int("hidden_size", config.get("hidden_size", 2048)),
+        vocab_size=vocab, hidden_size=_int("hidden_size", config["hidden_size"]),
         intermediate_size=intermediate, num_layers=layers, **fields,
-        norm_eps=_number("norm_eps", config.get("norm_eps", 1e-6)),
-        init_std=_number("initializer_range", config.get("initializer_range", 0.02)),
-        tie_embeddings=_flag("tie_word_embeddings", config.get("tie_word_embeddings", False)))
+        norm_eps=_number("norm_eps", config["norm_eps"]),
+        init_std=_number("initializer_range", config["initializer_range"]),
+        tie_embeddings=_flag("tie_word_embeddings", config["tie_word_embeddings"]))
     try:
         model.validate()
     except NatslError as err:
@@ -226,88 +308,103 @@ def hf_recipe(config: dict, tensors: dict[str, torch.Tensor], name: str):
     return Recipe(name=name, model=model)
 
 
-def _natsl_fields(config: dict, tensors: dict[str, torch.Tensor], keys: dict, natsl_indices: list[int]) -> dict:
+def _absent(given: dict, key: str) -> str:
+    """" (absent from config.json: the authors' default)" when the file leaves `key` out, for an error line."""
+    return "" if key in given else " (absent from config.json: the authors' default)"
+
+
+def _natsl_fields(config: dict, given: dict, tensors: dict[str, torch.Tensor], keys: dict,
+                  natsl_indices: list[int]) -> dict:
     """The ModelConfig fields of the authors' NAtS-L layers (GDN or Mamba2 state), after refusing every
-    setting natsl does not have."""
-    heads_key, head_dim_key = keys["heads"][0], keys["head_dim"][0]
-    num_heads = _int(heads_key, config.get(heads_key, keys["heads"][1]))
-    head_dim = _int(head_dim_key, config.get(head_dim_key, keys["head_dim"][1]))
-    head_v = int(round(head_dim * _number("expand_v", config.get("expand_v", keys["expand_v"]))))
-    attn_heads = _int("num_attn_heads", config.get("num_attn_heads", keys["attn_heads"]))
+    setting natsl does not have. `config`: with the authors' defaults (authors_config); `given`: the file
+    as written, to say in an error line when a refused value is a default."""
+    heads_key, head_dim_key = keys["heads"], keys["head_dim"]
+    num_heads = _int(heads_key, config[heads_key])
+    head_dim = _int(head_dim_key, config[head_dim_key])
+    head_v = int(round(head_dim * _number("expand_v", config["expand_v"])))
+    attn_heads = _int("num_attn_heads", config["num_attn_heads"])
     if _get(config, "num_v_heads") not in (None, num_heads):
         raise _refuse(f"num_v_heads = {config['num_v_heads']} differs from {heads_key} = {num_heads} (grouped value heads)")
-    if _flag("allow_neg_eigval", config.get("allow_neg_eigval", False)):
+    if _flag("allow_neg_eigval", config["allow_neg_eigval"]):
         raise _refuse("allow_neg_eigval = true (beta in (0, 2))")
-    if not _flag("use_short_conv", config.get("use_short_conv", True)):
+    if not _flag("use_short_conv", config["use_short_conv"]):
         raise _refuse("use_short_conv = false")
-    if _flag("conv_bias", config.get("conv_bias", False)):
+    if _flag("conv_bias", config["conv_bias"]):
         raise _refuse("conv_bias = true")
-    if not _flag("use_gate", config.get("use_gate", True)):
+    if not _flag("use_gate", config["use_gate"]):
         raise _refuse("use_gate = false (no output gate)")
-    if _int("n_ops", config.get("n_ops", 2)) != 2:
+    if _int("n_ops", config["n_ops"]) != 2:
         raise _refuse(f"n_ops = {config['n_ops']} (natsl routes between exactly two memories)")
     if _get(config, "num_nats_head") not in (None, num_heads):
         raise _refuse(f"num_nats_head = {config['num_nats_head']} differs from {heads_key} = {num_heads}")
-    if config.get("nats_block_agg_type", "mean") != "mean":
+    if config["nats_block_agg_type"] != "mean":
         raise _refuse(f"nats_block_agg_type = {config['nats_block_agg_type']!r} (natsl routes on the block mean)")
-    if config.get("hidden_act", "swish") not in ("swish", "silu"):
+    if config["hidden_act"] not in ("swish", "silu"):
         raise _refuse(f"hidden_act = {config['hidden_act']!r} (natsl's MLP is SwiGLU)")
     if attn_heads % num_heads:
         raise _refuse(f"num_attn_heads = {attn_heads} is not a multiple of {heads_key} = {num_heads}")
     if natsl_indices:
-        first = f"{keys['root']}.layers.{natsl_indices[0]}.attn."
-        has_qk_norm = f"{first}q_norm.weight" in tensors
-        if not has_qk_norm or not _flag("attn_qk_norm", config.get("attn_qk_norm", has_qk_norm)):
-            raise _refuse("attn_qk_norm = false (the softmax branch without RMSNorm on q and k)")
-        if not _flag("attn_with_short_conv", config.get("attn_with_short_conv", False)):
-            raise _refuse("attn_with_short_conv = false (the softmax branch reads the projections before the conv)")
-    incomplete = config.get("ops_for_incomplete_chunks", "all")
+        # Their config classes default both to false: a config that leaves them out describes a softmax
+        # branch natsl does not have, and is refused with the key named.
+        if not _flag("attn_qk_norm", config["attn_qk_norm"]):
+            raise _refuse("attn_qk_norm = false" + _absent(given, "attn_qk_norm")
+                          + " (the softmax branch without RMSNorm on q and k)")
+        if not _flag("attn_with_short_conv", config["attn_with_short_conv"]):
+            raise _refuse("attn_with_short_conv = false" + _absent(given, "attn_with_short_conv")
+                          + " (the softmax branch reads the projections before the conv)")
+    incomplete = config["ops_for_incomplete_chunks"]
     intra_of = {"all": "both", "attn": "softmax", keys["linear_only"]: "gdn"}
     intra = intra_of.get(incomplete) if isinstance(incomplete, str) else None  # a list is unhashable
     if intra is None:
         raise _refuse(f"ops_for_incomplete_chunks = {incomplete!r}")
-    weighted_key = "outputs_are_weighted" if _get(config, "outputs_are_weighted") is not None else "outputs_are_wighted"
-    weighted = _flag(weighted_key, config.get(weighted_key, True))  # the authors' configs misspell it
-    decay_key, decay_default = keys["decay"]
-    conv_key = keys["conv"]
+    # The authors' code reads the misspelled key only; the spelled-out one would be ignored there, so a
+    # file that sets it to another value than the misspelled key's is refused rather than guessed at.
+    weighted = _flag("outputs_are_wighted", config["outputs_are_wighted"])
+    if "outputs_are_weighted" in given and _flag("outputs_are_weighted", given["outputs_are_weighted"]) != weighted:
+        raise NatslError(f"config.json sets outputs_are_weighted = {given['outputs_are_weighted']}, which the authors' "
+                         f"code does not read (it reads outputs_are_wighted = {weighted}); remove it or set both alike")
+    decay_key, conv_key = keys["decay"], keys["conv"]
     return dict(
         num_heads=num_heads, head_k_dim=head_dim, head_v_dim=head_v, attn_num_heads=attn_heads,
-        conv_size=_int(conv_key, config.get(conv_key, 4)),
+        conv_size=_int(conv_key, config[conv_key]),
         attn_head_dim=max(head_dim // (attn_heads // num_heads), 1),
         rope_theta=_number("attn_rope_theta", _get(config, "attn_rope_theta", default=10000.0)),
         softmax_heads_per_group=attn_heads // num_heads,
-        block_size=_int("nats_block_size", config.get("nats_block_size", 64)),
-        natsl_rope=_flag("attn_apply_pos_encoding", config.get("attn_apply_pos_encoding", keys["rope"])),
+        block_size=_int("nats_block_size", config["nats_block_size"]),
+        natsl_rope=_flag("attn_apply_pos_encoding", config["attn_apply_pos_encoding"]),
         intra_block_output=intra,
-        # The GDN layer defaults to decaying across skipped blocks; the authors' current GDN model code forwards
-        # this key to the layer (their first version did not: the default, true, applied), and their released
-        # configs set it true. Their Mamba2 config defaults it to false (docs/evaluation.md).
-        decay_skipped_blocks=_flag(decay_key, config.get(decay_key, decay_default)),
+        # Both config classes default to false (their layers default to true, but the models always
+        # forward the config's value); the released 340M and 760M configs set it true.
+        decay_skipped_blocks=_flag(decay_key, config[decay_key]),
         branch_norm="separate", mix_input="q", mix_weights="softmax" if weighted else "none")
 
 
 def _mamba2_fields(config: dict, mamba_layers: list[int]) -> dict:
     """The ModelConfig fields of the authors' Mamba2 blocks (flash-linear-attention's Mamba2), after refusing
-    what natsl's Mamba2 layer computes otherwise."""
-    fields = dict(mamba2_head_dim=_int("head_dim", config.get("head_dim", 64)),
-                  mamba2_state_size=_int("state_size", config.get("state_size", 128)),
-                  mamba2_expand=_int("expand", config.get("expand", 2)),
-                  mamba2_groups=_int("n_groups", config.get("n_groups", 1)),
+    what natsl's Mamba2 layer computes otherwise. `config`: with the authors' defaults (authors_config)."""
+    fields = dict(mamba2_head_dim=_int("head_dim", config["head_dim"]),
+                  mamba2_state_size=_int("state_size", config["state_size"]),
+                  mamba2_expand=_int("expand", config["expand"]),
+                  mamba2_groups=_int("n_groups", config["n_groups"]),
                   # their config's default, true (mamba_ssm's): a conv bias in every Mamba2 block
-                  mamba2_conv_bias=_flag("use_conv_bias", config.get("use_conv_bias", True)) and bool(mamba_layers))
+                  mamba2_conv_bias=_flag("use_conv_bias", config["use_conv_bias"]) and bool(mamba_layers))
     if not mamba_layers:
         return fields
     if fields["mamba2_groups"] != 1:
         raise _refuse(f"n_groups = {fields['mamba2_groups']} (their Mamba2 norms each B/C group's channels apart; "
                       "natsl's gated norm spans all of them)")
-    if _flag("use_bias", config.get("use_bias", False)):
+    if _flag("use_bias", config["use_bias"]):
         raise _refuse("use_bias = true (Mamba2's in_proj and out_proj with biases)")
-    if not _flag("rms_norm", config.get("rms_norm", True)):
+    if not _flag("rms_norm", config["rms_norm"]):
         raise _refuse("rms_norm = false (Mamba2 without its gated norm)")
-    if config.get("mamba_hidden_act", "silu") not in ("silu", "swish"):
+    if config["mamba_hidden_act"] not in ("silu", "swish"):
         raise _refuse(f"mamba_hidden_act = {config['mamba_hidden_act']!r} (natsl's Mamba2 conv is followed by SiLU)")
-    limit = config.get("time_step_limit", [0.0, float("inf")])
-    if not isinstance(limit, (list, tuple)) or len(limit) != 2 or limit[0] > 0 or limit[1] != float("inf"):
+    # Their default (0.0, inf) leaves dt unclamped; transformers >= 5 writes its inf as {"__float__": "Infinity"}
+    # (decoded by read_hf_config), transformers 4 as the bare literal Infinity.
+    limit = config["time_step_limit"]
+    numbers = isinstance(limit, (list, tuple)) and len(limit) == 2 and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in limit)
+    if not numbers or limit[0] > 0 or limit[1] != float("inf"):
         raise _refuse(f"time_step_limit = {limit!r} (natsl does not clamp Mamba2's dt)")
     return fields
 

@@ -12,9 +12,13 @@ Installing natsl makes lm-eval's own command find it (docs/evaluation.md): the p
 
 `model_args`: pretrained
 (a checkpoint or run folder), device, dtype, backend (natsl's defaults), batch_size, max_length
-(default: the recipe's training length), chunk (tokens per cached forward, default 2048), add_bos
+(default: natsl.config.context_length, the training length capped at max_seq_len, which a `--to hf`
+export declares as max_position_embeddings, so `--model hf` scores the same windows), chunk (tokens per
+cached forward, default 2048), add_bos
 (prepend BOS; default: as the checkpoint trained -- documents start with BOS when its tokenizer has
-one, e.g. Llama-2's; without BOS the EOS that ends the previous document starts a text).
+one, e.g. Llama-2's; without BOS the EOS that ends the previous document starts a text). device
+and batch_size may come in model_args or as lm-eval's --device and --batch_size (merge_model_args:
+model_args wins over lm-eval's defaults; given both ways, they must agree).
 
 Every request runs through natsl's cache: a scored sequence goes in pieces of `chunk` tokens
 (`forward_cached`), which bounds the logits held at once, and generation is `natsl generate`'s
@@ -42,11 +46,56 @@ def _flag(value) -> bool:
     return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
 
 
+# What lm-eval passes beside --model_args (simple_evaluate's additional_config) when its own option is not
+# given: the command line's --device default and --batch_size default.
+LM_EVAL_DEFAULTS = {"device": LM_EVAL_DEFAULT_DEVICE, "batch_size": 1}
+
+
+def merge_model_args(model_args: dict, lm_eval_args: dict | None) -> dict:
+    """The constructor arguments of NatslLM from lm-eval's two sources, which it would pass side by side
+    (`cls(**model_args, **lm_eval_args)`, "got multiple values for keyword argument 'device'").
+
+    The rule: a key given in --model_args wins over lm-eval's default for it (--device absent: cuda:0;
+    --batch_size absent: 1); given both ways explicitly (`--model_args device=cpu --device cpu`), the
+    two must agree, else the run is refused naming both. lm-eval's None means "not given".
+
+    Args:
+        model_args: the parsed --model_args (lm_eval.utils.simple_parse_args_string) or model_args dict.
+        lm_eval_args: lm-eval's own values (batch_size, max_batch_size, device).
+
+    Returns:
+        One dict of keyword arguments.
+    """
+    merged = dict(model_args)
+    for key, value in (lm_eval_args or {}).items():
+        if value is None:
+            continue
+        if key not in merged:
+            merged[key] = value
+        elif str(merged[key]) != str(value) and str(value) != str(LM_EVAL_DEFAULTS.get(key)):
+            raise NatslError(f"{key} is given twice and differently: {key}={merged[key]} in --model_args, "
+                             f"{value} by lm-eval's --{key}; give it once")
+    return merged
+
+
 class NatslLM(TemplateLM):
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
+        """`--model_args pretrained=CKPT,device=cpu,...` with lm-eval's own values (merge_model_args)."""
+        from lm_eval.utils import simple_parse_args_string
+
+        return cls(**merge_model_args(simple_parse_args_string(arg_string), additional_config))
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None):
+        """`simple_evaluate(model="natsl", model_args={...})` with lm-eval's own values (merge_model_args)."""
+        return cls(**merge_model_args(arg_dict, additional_config))
+
     def __init__(self, pretrained: str, device: str | None = None, dtype: str | None = None,
                  backend: str | None = None, batch_size: int | str = 1, max_length: int | None = None,
                  chunk: int = DEFAULT_CHUNK, add_bos: bool | str | None = None, max_gen_toks: int = 256, **kwargs):
         super().__init__()
+        from natsl.config import context_length
         from natsl.eval.common import load_eval_model
 
         if device == LM_EVAL_DEFAULT_DEVICE and not torch.cuda.is_available():
@@ -59,7 +108,8 @@ class NatslLM(TemplateLM):
                              "with `natsl convert --tokenizer` or train with data.tokenizer set")
         self.model, self.tokenizer = self.em.model, self.em.tokenizer
         self.batch_size = 1 if str(batch_size).startswith("auto") else int(batch_size)
-        self.max_length = int(max_length or min(self.em.recipe.train.seq_len, self.model.config.max_seq_len))
+        # natsl.config.context_length: also the export's max_position_embeddings, which `--model hf` reads
+        self.max_length = int(max_length or context_length(self.em.recipe))
         self.chunk = int(chunk)
         self.max_gen_toks = int(max_gen_toks)
         # default: as the model trained (the checkpoint records whether its documents started with BOS)
@@ -196,4 +246,8 @@ if __name__ == "__main__":
 
     _main()
 else:
+    # lm-eval fills its registry with its own models (hf, vllm, ...) on first lookup only while it is empty:
+    # import their (lazy) table first, or registering natsl alone would hide `--model hf` from this process.
+    import lm_eval.models  # noqa: F401
+
     register_model("natsl")(NatslLM)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from natsl.config import context_length
 from natsl.errors import NatslError
 from natsl.files import read_json
 
@@ -79,7 +80,8 @@ def llama_config(recipe, tokenizer) -> dict:
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
         "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.attn_num_heads,
         "num_key_value_heads": cfg.attn_num_heads, "head_dim": cfg.attn_head_dim, "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+        # the trained context, as lm-eval's --model natsl scores (natsl.config.context_length)
+        "max_position_embeddings": context_length(recipe), "rms_norm_eps": cfg.norm_eps,
         # rope_theta for transformers 4, rope_parameters for 5: the same default (unscaled) RoPE
         "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
         "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False, "pretraining_tp": 1,
@@ -95,7 +97,8 @@ def natsl_config(recipe, tokenizer) -> dict:
         "auto_map": {"AutoConfig": "modeling_natsl.NatslConfig",
                      "AutoModelForCausalLM": "modeling_natsl.NatslForCausalLM"},
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
-        "max_position_embeddings": cfg.max_seq_len, "tie_word_embeddings": cfg.tie_embeddings,
+        # the trained context (natsl.config.context_length); the remote code's limit is the recipe's max_seq_len
+        "max_position_embeddings": context_length(recipe), "tie_word_embeddings": cfg.tie_embeddings,
         **special_token_ids(tokenizer),
     }
 
@@ -211,7 +214,7 @@ def hf_model_type(folder: Path) -> str | None:
 
 def recipe_from_llama(config: dict, name: str):
     """The natsl Transformer recipe of a Llama config; settings natsl cannot represent are refused."""
-    from natsl.config import ModelConfig, Recipe, from_dict
+    from natsl.config import ModelConfig, Recipe, TrainConfig, from_dict
 
     def refuse(what: str):
         raise NatslError(f"cannot import this Llama checkpoint: {what}; natsl's Transformer has no equivalent")
@@ -243,7 +246,9 @@ def recipe_from_llama(config: dict, name: str):
     saved = config.get("natsl_recipe")
     if isinstance(saved, dict):  # written by natsl: the recipe back, if the Llama fields still agree with it
         recipe = exported_recipe(saved)
-        differ = [k for k, v in fields.items() if getattr(recipe.model, k) != v]
+        # max_position_embeddings is the trained context (context_length; earlier exports wrote max_seq_len):
+        # natsl_recipe holds max_seq_len itself.
+        differ = [k for k, v in fields.items() if k != "max_seq_len" and getattr(recipe.model, k) != v]
         if differ:
             raise NatslError(f"config.json's Llama settings differ from its natsl_recipe in {', '.join(differ)}; "
                              "remove natsl_recipe from config.json to import the Llama settings")
@@ -253,7 +258,9 @@ def recipe_from_llama(config: dict, name: str):
         model.validate()
     except NatslError as err:
         raise NatslError(f"cannot import this Llama checkpoint: {err}") from None
-    return Recipe(name=name, model=model)
+    # transformers' max_position_embeddings is the context a model declares (Llama-2: its 4096 training
+    # tokens); as the training length, natsl's lm-eval default scores the windows `--model hf` scores.
+    return Recipe(name=name, model=model, train=TrainConfig(seq_len=model.max_seq_len))
 
 
 def exported_recipe(saved: dict):
@@ -278,12 +285,12 @@ def exported_recipe(saved: dict):
 def import_own_hf(src, out, dtype: torch.dtype | None = None, tokenizer_path=None) -> Path:
     """A Llama or `model_type: natsl` folder -> a natsl inference folder."""
     from natsl.checkpoint import check_state_dict
-    from natsl.eval.convert import _check_target, read_hf_tensors, write_imported
+    from natsl.eval.convert import _check_target, decode_special_floats, read_hf_tensors, write_imported
     from natsl.models import build_model
 
     folder = Path(src)
     _check_target(Path(out), folder, tokenizer_path)
-    config = read_json(folder / "config.json", "fix the file or export the checkpoint again")
+    config = decode_special_floats(read_json(folder / "config.json", "fix the file or export the checkpoint again"))
     check_export_record(config, repr(str(folder / "config.json")))
     kind = config.get("model_type")
     if kind == LLAMA:
