@@ -6,13 +6,15 @@ flat files (`natsl.ops.cached` -> `natsl_ops_cached.py`), generated here from th
 sources at export time, so there is one source of truth and the bundle is the code that exported it:
 
 - the modules: every natsl module that `natsl.models.lm` (the model), `natsl.models.cache` (its cache)
-  and `natsl.inference.decode` (the decode runner) import, directly or inside functions (BUNDLE_ROOTS);
+  and `natsl.inference.decode` (the decode runner) import, directly, inside functions or by name
+  (natsl.ops.TWINS' "module:function" strings) (BUNDLE_ROOTS);
   that is natsl.models, natsl.ops (the doors), natsl.reference (the pure-PyTorch and chunked ops),
   natsl.switches and natsl.errors;
 - not bundled: natsl.fast (the Triton kernels). An import of it becomes `raise ImportError(...)` inside
   a function (what an absent module does: the fast paths that ask for it fail, `try` blocks that probe
   for it see it missing) and `name = None` at module level (re-exports only the fast paths read), and
-  the bundled `natsl.devices` says Triton is unavailable, so every door takes its PyTorch twin;
+  natsl.devices is replaced by a `natsl_devices.py` in which Triton is unavailable, so every door
+  takes its PyTorch twin;
 - natsl.config is replaced by `natsl_config.py`: `ModelConfig` as natsl defines it (without its
   validation, which ran when the export was written) and the values natsl.checkpoint gives model fields
   that older exports lack;
@@ -47,11 +49,15 @@ INDEX_EXPORTS = {"natsl.models.lm": ["CausalLM"], "natsl.inference.decode": ["De
 # natsl.checkpoint's values for the model fields older exports lack (complete_model_section).
 OLDER_FIELD_TABLES = ("TRAINING_ONLY_MODEL_FIELDS", "MAMBA2_MODEL_FIELDS", "LATER_MODEL_FIELDS")
 TWIN_NAME = re.compile(r"(natsl(?:\.\w+)+):(\w+)")
-NO_TRITON = '''
+DEVICES_SOURCE = '''"""natsl.devices in the bundle of a Hugging Face export, which carries no Triton kernels
+(natsl.fast): Triton is never available to it, so every door of natsl.ops takes the PyTorch twin."""
 
-# The bundle of a Hugging Face export carries no Triton kernels (natsl.fast): whatever is installed,
-# every door of its ops takes the PyTorch twin.
+
 def triton_available() -> bool:
+    return False
+
+
+def triton_interpreted() -> bool:
     return False
 '''
 
@@ -75,10 +81,12 @@ def is_module(module: str) -> bool:
 
 def imported_modules(tree: ast.AST) -> set[str]:
     """The natsl modules a module imports anywhere (a `from pkg import sub` of a submodule names the
-    submodule, not the package)."""
+    submodule, not the package), or names as "module:function" (natsl.ops.TWINS, imported by name)."""
     found = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and TWIN_NAME.fullmatch(node.value):
+            found.add(TWIN_NAME.fullmatch(node.value).group(1))
+        elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.split(".")[0] == "natsl")
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "natsl":
             names = [a.name for a in node.names]
@@ -91,14 +99,14 @@ def imported_modules(tree: ast.AST) -> set[str]:
 
 def bundled_modules() -> list[str]:
     """Every natsl module in the bundle: the import closure of BUNDLE_ROOTS without natsl.fast, with
-    natsl.config (generated, not followed)."""
+    natsl.config and natsl.devices (generated, not followed)."""
     seen, todo = set(), list(BUNDLE_ROOTS)
     while todo:
         module = todo.pop()
         if module in seen or module == NOT_BUNDLED or module.startswith(NOT_BUNDLED + "."):
             continue
         seen.add(module)
-        if module != CONFIG:
+        if module not in (CONFIG, DEVICES):
             todo.extend(imported_modules(ast.parse(source_file(module).read_text(encoding="utf-8"))))
     return sorted(seen)
 
@@ -230,13 +238,11 @@ def bundle_sources() -> dict[str, str]:
     names = set(modules)
     files = {}
     for module in modules:
-        if module == CONFIG:
-            text = config_source()
+        if module in (CONFIG, DEVICES):
+            text = config_source() if module == CONFIG else DEVICES_SOURCE
         else:
             text = rewrite_source(source_file(module).read_text(encoding="utf-8"), names)
-            if module == DEVICES:
-                text += NO_TRITON
-        where = "generated" if module == CONFIG else f"natsl/{source_file(module).relative_to(PACKAGE_ROOT)}"
+        where = "generated" if module in (CONFIG, DEVICES) else f"natsl/{source_file(module).relative_to(PACKAGE_ROOT)}"
         files[f"{flat_name(module)}.py"] = (f"# natsl {__version__}, {where}, bundled with a Hugging Face export "
                                             "(natsl.hf.bundle)\n" + text)
     files[f"{INDEX}.py"] = index_source(modules)
