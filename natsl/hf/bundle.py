@@ -21,8 +21,11 @@ sources at export time, so there is one source of truth and the bundle is the co
 - imports are rewritten to relative ones (`from natsl.models.linear import Linear` ->
   `from .natsl_models_linear import Linear`, `from natsl import ops` -> `from . import natsl_ops as ops`),
   and the "module:function" names of natsl.ops.TWINS to the bundled modules;
-- `natsl_bundle.py` is the bundle's index: what the remote code uses, and one `from .X import` line per
-  module, because transformers copies a remote-code folder's files by following those lines.
+- `natsl_bundle.py` is the bundle's index: what the remote code takes from it;
+- the exported `modeling_natsl.py` is natsl.hf.modeling_natsl with one generated function appended,
+  never called, that names every bundled file in a `from .X import` line: transformers copies a local
+  remote-code folder's files by those lines, from the modeling file alone in transformers 4 (5 follows
+  them from file to file).
 
 The modeling file runs the installed natsl when it can read the export (its Triton kernels on CUDA),
 else this bundle on natsl's chunked backend (modeling_natsl's doc). tests/test_hf_standalone.py loads
@@ -38,6 +41,7 @@ from pathlib import Path
 import natsl
 
 PACKAGE_ROOT = Path(natsl.__file__).parent
+MODELING_FILE = Path(__file__).with_name("modeling_natsl.py")
 BUNDLE_ROOTS = ("natsl.models.lm", "natsl.models.cache", "natsl.inference.decode")
 NOT_BUNDLED = "natsl.fast"  # the Triton kernels
 CONFIG = "natsl.config"  # replaced by the generated natsl_config.py
@@ -217,17 +221,24 @@ def config_source() -> str:
     return "\n".join(head + body + tail) + "\n"
 
 
-def index_source(modules: list[str]) -> str:
+def index_source() -> str:
     lines = ['"""The index of the natsl code bundled with this export (natsl.hf.bundle): what modeling_natsl.py',
-             'takes from it, and one `from .X import` line per module, because transformers copies the files',
-             'of a remote-code folder by following those lines from the modeling file."""', ""]
+             'takes from it."""', ""]
     for module, names in INDEX_EXPORTS.items():
         lines.append(f"from .{flat_name(module)} import {', '.join(names)}  # noqa: F401")
-    lines.append("")
-    for module in modules:
-        if module not in INDEX_EXPORTS:
-            lines.append(f"from .{flat_name(module)} import __name__ as _  # noqa: F401")
     return "\n".join(lines) + "\n"
+
+
+def modeling_source(stems: list[str]) -> str:
+    """The export's modeling_natsl.py: natsl.hf.modeling_natsl and a function naming the bundle's files
+    (`stems`) for transformers' copy (see the module doc)."""
+    lines = ["", "", "# -- written at export (natsl.hf.bundle) " + "-" * 60,
+             "def _bundled_files():",
+             '    """Never called: transformers copies the files of a local remote-code folder that the modeling',
+             '    file names in `from .X import` lines (transformers 4 reads this file only), here every file of',
+             '    the natsl code bundled with this export."""']
+    lines += [f"    from .{stem} import __name__  # noqa: F401" for stem in stems]
+    return MODELING_FILE.read_text(encoding="utf-8") + "\n".join(lines) + "\n"
 
 
 def bundle_sources() -> dict[str, str]:
@@ -245,13 +256,20 @@ def bundle_sources() -> dict[str, str]:
         where = "generated" if module in (CONFIG, DEVICES) else f"natsl/{source_file(module).relative_to(PACKAGE_ROOT)}"
         files[f"{flat_name(module)}.py"] = (f"# natsl {__version__}, {where}, bundled with a Hugging Face export "
                                             "(natsl.hf.bundle)\n" + text)
-    files[f"{INDEX}.py"] = index_source(modules)
+    files[f"{INDEX}.py"] = index_source()
     return files
 
 
-def write_bundle(folder: Path) -> list[str]:
-    """Write the bundle into an export folder; returns the file names."""
+def export_sources() -> dict[str, str]:
+    """File name -> text of every remote-code file of an export: modeling_natsl.py and the bundle."""
     files = bundle_sources()
+    files[MODELING_FILE.name] = modeling_source(sorted(name[:-3] for name in files))
+    return files
+
+
+def write_remote_code(folder: Path) -> list[str]:
+    """Write modeling_natsl.py and the bundle into an export folder; returns the file names."""
+    files = export_sources()
     for name, text in files.items():
         (Path(folder) / name).write_text(text, encoding="utf-8")
     return sorted(files)
