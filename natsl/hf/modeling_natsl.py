@@ -78,6 +78,10 @@ class Runtime:
     backend: str | None  # the backend set on the model (None: natsl's default)
 
 
+class UnreadableExport(ImportError):
+    """The installed natsl imports but cannot read the export."""
+
+
 def installed_runtime(config) -> Runtime:
     """The installed natsl, where it imports and reads the export; ImportError otherwise (why not)."""
     try:
@@ -92,7 +96,7 @@ def installed_runtime(config) -> Runtime:
         check_export_record({key: getattr(config, key, None) for key in EXPORT_KEYS}, "config.json")
         model = exported_recipe(config.natsl_recipe).model
     except NatslError as err:  # e.g. a model key of a newer natsl
-        raise ImportError(f"{err}; {skew}" if skew else str(err)) from None
+        raise UnreadableExport(f"{err}; {skew}" if skew else str(err)) from None
     if skew:
         logger.warning(f"{skew}; running it as the installed natsl reads it")
     return Runtime("installed", CausalLM, DecodeRunner, model, None)
@@ -126,7 +130,8 @@ def pick_runtime(config) -> Runtime:
     except ImportError as err:
         if choice == "installed":
             raise
-        logger.info(f"running the natsl code bundled with this export: {err}")
+        (logger.warning if isinstance(err, UnreadableExport) else logger.info)(
+            f"running the natsl code bundled with this export: {err}")
         return bundled_runtime(config)
 
 
