@@ -204,3 +204,25 @@ def test_runtime_choice_in_process(tmp_path, tok):
         assert torch.equal(bundled(ids).logits, model(ids))
     with pytest.raises(ValueError, match="install natsl"):
         bundled.set_backend("fast")
+    # An edited model section: refused by the bundle as by natsl (a value no weight shape shows).
+    config = json.loads((folder / "config.json").read_text())
+    config["natsl_recipe"]["model"]["block_size"] = 32
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="block_size was edited"):
+        transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, natsl_runtime="bundled")
+
+
+def test_auto_runs_the_bundle_where_the_installed_natsl_cannot(tmp_path, tok, monkeypatch):
+    """The installed natsl lacks a name the exporting one had (another version): the default runtime
+    runs the bundle, with the same logits."""
+    import natsl.models.lm
+    import transformers
+
+    model = export(tmp_path, tok, "natsl_hybrid")
+    monkeypatch.delattr(natsl.models.lm, "CausalLM")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf" / "natsl_hybrid", trust_remote_code=True,
+                                                           dtype=torch.float32)
+    ids = torch.randint(0, VOCAB, (1, 100))
+    assert hf.runtime.name == "bundled"
+    with torch.no_grad():
+        assert torch.equal(hf(ids).logits, model(ids))

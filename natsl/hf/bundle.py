@@ -49,7 +49,7 @@ DEVICES = "natsl.devices"
 INDEX = "natsl_bundle"
 # What the remote code takes from the bundle (modeling_natsl.bundled_runtime).
 INDEX_EXPORTS = {"natsl.models.lm": ["CausalLM"], "natsl.inference.decode": ["DecodeRunner"],
-                 CONFIG: ["ModelConfig", "OLDER_EXPORT_FIELDS"]}
+                 CONFIG: ["ModelConfig", "OLDER_EXPORT_FIELDS", "model_fingerprint"]}
 # natsl.checkpoint's values for the model fields older exports lack (complete_model_section).
 OLDER_FIELD_TABLES = ("TRAINING_ONLY_MODEL_FIELDS", "MAMBA2_MODEL_FIELDS", "LATER_MODEL_FIELDS")
 TWIN_NAME = re.compile(r"(natsl(?:\.\w+)+):(\w+)")
@@ -198,8 +198,8 @@ def rewrite_source(source: str, modules: set[str]) -> str:
 
 
 def config_source() -> str:
-    """natsl_config.py: ModelConfig without its validation, and natsl.checkpoint's values for the model
-    fields older exports lack (OLDER_EXPORT_FIELDS)."""
+    """natsl_config.py: ModelConfig without its validation, natsl.checkpoint's values for the model
+    fields older exports lack (OLDER_EXPORT_FIELDS) and its model_fingerprint (the check of an edit)."""
     text = source_file(CONFIG).read_text(encoding="utf-8")
     tree = ast.parse(text)
     lines = text.splitlines()
@@ -212,12 +212,14 @@ def config_source() -> str:
     body = [line for i, line in enumerate(lines[start - 1:cls.end_lineno], start - 1) if i not in drop]
     checkpoint = source_file("natsl.checkpoint").read_text(encoding="utf-8")
     tables = [ast.get_source_segment(checkpoint, n) for n in ast.parse(checkpoint).body
-              if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", None) in OLDER_FIELD_TABLES]
+              if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", None) in OLDER_FIELD_TABLES
+              or isinstance(n, ast.FunctionDef) and n.name == "model_fingerprint"]
     head = ['"""natsl.config.ModelConfig as the exporting natsl defines it, without its validation (which ran',
-            'when the export was written), and the values natsl.checkpoint gives the model fields that older',
-            'exports lack (OLDER_EXPORT_FIELDS)."""', "", "from __future__ import annotations", "",
-            "from dataclasses import dataclass, field", "from typing import Literal, Optional", "", ""]
-    tail = ["", "", *tables, "OLDER_EXPORT_FIELDS = {" + ", ".join(f"**{t}" for t in OLDER_FIELD_TABLES) + "}"]
+            'when the export was written); the values natsl.checkpoint gives the model fields that older',
+            'exports lack (OLDER_EXPORT_FIELDS), and its model_fingerprint."""', "", "from __future__ import annotations", "",
+            "import hashlib", "import json", "from dataclasses import dataclass, field",
+            "from typing import Literal, Optional", "", ""]
+    tail = ["", "", *[t + ("\n\n" if t.startswith("def ") else "") for t in tables], "OLDER_EXPORT_FIELDS = {" + ", ".join(f"**{t}" for t in OLDER_FIELD_TABLES) + "}"]
     return "\n".join(head + body + tail) + "\n"
 
 

@@ -12,6 +12,8 @@ Which code runs (config.json's `natsl_runtime`, or `from_pretrained(OUT, ..., na
   CUDA, the `fast` backend; a natsl of another version than the exporting one is named in a warning),
   else the bundle;
 - "installed": the installed natsl, or an ImportError saying why not;
+  either way an installed natsl refuses an export whose model section was edited or whose format it
+  cannot read (as `natsl convert --from-hf`), and the bundle an edited one;
 - "bundled": the bundle, on natsl's pure-PyTorch `chunked` backend (one sequential step per block: the
   readable path, on any device; natsl's `reference` backend too, by `set_backend`).
 
@@ -85,15 +87,20 @@ class UnreadableExport(ImportError):
 def installed_runtime(config) -> Runtime:
     """The installed natsl, where it imports and reads the export; ImportError otherwise (why not)."""
     try:
-        from natsl.errors import NatslError
-        from natsl.hf.export import check_export_record, exported_recipe
-        from natsl.inference.decode import DecodeRunner
-        from natsl.models.lm import CausalLM
+        import natsl  # noqa: F401
     except ImportError as err:
         raise ImportError(f"natsl is not importable ({err})") from err
     skew = version_skew(config)
     try:
-        check_export_record({key: getattr(config, key, None) for key in EXPORT_KEYS}, "config.json")
+        from natsl.errors import NatslError
+        from natsl.hf.export import check_export_record, exported_recipe
+        from natsl.inference.decode import DecodeRunner
+        from natsl.models.lm import CausalLM
+    except ImportError as err:  # a natsl of another version than the exporting one
+        raise UnreadableExport(f"{skew or 'the installed natsl cannot run this folder'} ({err})") from err
+    # An edited model section or a format this natsl cannot read is refused (NatslError), as --from-hf does.
+    check_export_record({key: getattr(config, key, None) for key in EXPORT_KEYS}, "config.json")
+    try:
         model = exported_recipe(config.natsl_recipe).model
     except NatslError as err:  # e.g. a model key of a newer natsl
         raise UnreadableExport(f"{err}; {skew}" if skew else str(err)) from None
@@ -104,9 +111,14 @@ def installed_runtime(config) -> Runtime:
 
 def bundled_runtime(config) -> Runtime:
     """The natsl code bundled with the export (natsl_bundle.py), on the chunked backend."""
-    from .natsl_bundle import OLDER_EXPORT_FIELDS, CausalLM, DecodeRunner, ModelConfig
+    from .natsl_bundle import OLDER_EXPORT_FIELDS, CausalLM, DecodeRunner, ModelConfig, model_fingerprint
 
     recipe = getattr(config, "natsl_recipe", None) or {}
+    recorded = getattr(config, "natsl_model_sha256", None)
+    if recorded is not None and recorded != model_fingerprint(recipe.get("model", {})):
+        raise ValueError("config.json's natsl_recipe model section differs from the one natsl exported (its "
+                         "natsl_model_sha256 does not match: a value such as block_size was edited); restore it, or "
+                         "export the checkpoint again with `natsl convert CKPT OUT --to hf`")
     fields = {**OLDER_EXPORT_FIELDS, **recipe.get("model", {})}
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     unknown, missing = sorted(set(fields) - known), sorted(known - set(fields))
