@@ -407,10 +407,11 @@ def test_exports_and_checkpoints_record_the_natsl_that_wrote_them(hybrid, hf_exp
     assert config["natsl_version"] == natsl.__version__ and config["natsl_format_version"] == 1
 
 
-@pytest.mark.parametrize("missing", [("natsl.models", "build_model"), ("natsl.hf.export", "check_export_record")])
+@pytest.mark.parametrize("missing", [("natsl.models.lm", "CausalLM"), ("natsl.hf.export", "check_export_record")])
 def test_remote_code_on_another_natsl_says_which_to_install(hf_export, monkeypatch, missing):
-    """The installed natsl lacks a name the exporting natsl had: the ImportError names both versions and
-    the fix instead of only `cannot import name`."""
+    """The installed natsl lacks a name the exporting natsl had: natsl_runtime="installed" gives an
+    ImportError that names both versions and the fix instead of only `cannot import name` (the default,
+    "auto", runs the natsl code bundled with the export then: tests/test_hf_standalone.py)."""
     import importlib
 
     from natsl.hf.modeling_natsl import NatslConfig, NatslForCausalLM
@@ -419,10 +420,9 @@ def test_remote_code_on_another_natsl_says_which_to_install(hf_export, monkeypat
     config = {k: v for k, v in config.items() if k not in ("auto_map", "architectures")}
     monkeypatch.delattr(importlib.import_module(missing[0]), missing[1])
     with pytest.raises(ImportError) as err:
-        NatslForCausalLM(NatslConfig(**{**config, "natsl_version": "2025.1.1.1"}))
+        NatslForCausalLM(NatslConfig(**{**config, "natsl_version": "2025.1.1.1", "natsl_runtime": "installed"}))
     assert str(err.value).startswith(f"this folder was exported by natsl 2025.1.1.1; installed natsl is "
-                                     f"{natsl.__version__}; install natsl 2025.1.1.1 (pip install natsl==2025.1.1.1) "
-                                     "or re-export the checkpoint with `natsl convert CKPT OUT --to hf`")
+                                     f"{natsl.__version__}; natsl_runtime='bundled' runs the code it was exported with")
     assert f"cannot import name '{missing[1]}'" in str(err.value)
 
 

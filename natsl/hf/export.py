@@ -6,7 +6,9 @@ Export (`natsl convert CKPT OUT --to hf`):
   no biases, no q/k norm, one KV head per query head), so every tool built for Llama reads it;
 - every other system (GDN, GDN Hybrid, NAtS-L, NAtS-L Hybrid, GDN + SWA, Mamba2, NAtS-L on a Mamba2 state
   and its hybrid) becomes a `model_type: natsl` folder whose `auto_map` names `modeling_natsl.py`
-  (natsl.hf.modeling_natsl, copied in), for `trust_remote_code=True`; that file runs the installed natsl.
+  (natsl.hf.modeling_natsl), for `trust_remote_code=True`; beside it natsl's model code as
+  plain PyTorch files (natsl.hf.bundle), so the folder runs with torch and transformers alone, and on
+  the installed natsl (its Triton kernels) where there is one.
 Both hold the full natsl recipe under `natsl_recipe`, `tokenizer.json` with `tokenizer_config.json`,
 and `generation_config.json`.
 
@@ -18,7 +20,6 @@ natsl.eval.convert. The round trip natsl -> HF -> natsl gives the same tensors, 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
@@ -30,7 +31,6 @@ from natsl.files import read_json
 LLAMA = "llama"
 NATSL = "natsl"
 OWN_MODEL_TYPES = (LLAMA, NATSL)
-MODELING_FILE = Path(__file__).with_name("modeling_natsl.py")
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -144,6 +144,7 @@ def export_hf(src, out, dtype: torch.dtype | None = None) -> Path:
     from natsl.checkpoint import (atomic_folder, load_checkpoint, resolve_checkpoint_folder, save_tensors,
                                   state_dict_for_saving)
     from natsl.eval.convert import _check_target, stored_dtype
+    from natsl.hf.bundle import write_remote_code
 
     folder = resolve_checkpoint_folder(src)
     _check_target(Path(out), src, folder)
@@ -164,7 +165,7 @@ def export_hf(src, out, dtype: torch.dtype | None = None) -> Path:
         if tokenizer is not None:
             write_tokenizer_files(tmp, tokenizer, recipe.model.max_seq_len)
         if not llama:
-            shutil.copyfile(MODELING_FILE, tmp / MODELING_FILE.name)
+            write_remote_code(tmp)  # modeling_natsl.py and the natsl code it runs without natsl
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2), encoding="utf-8")
         (tmp / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
 

@@ -294,7 +294,9 @@ def twin(family: str, fast: bool):
     if fn is None:
         module, name = TWINS[family][int(fast)].split(":")
         loaded = sys.modules.get(module)
-        fn = _LOADED[(family, fast)] = getattr(loaded if loaded is not None else importlib.import_module(module), name)
+        # (`__package__`: the bundle of a Hugging Face export names its modules relatively, natsl.hf.bundle)
+        loaded = loaded if loaded is not None else importlib.import_module(module, __package__)
+        fn = _LOADED[(family, fast)] = getattr(loaded, name)
     return fn
 
 

@@ -40,8 +40,9 @@ def enabled(x: torch.Tensor) -> bool:
 def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether a product of x with weight runs on the GEMV kernel: grad-free, at most MAX_ROWS rows, no
     bias, same dtype, and the kernel enabled for x's device."""
-    return (bias is None and not torch.is_grad_enabled() and 0 < x.numel() <= MAX_ROWS * x.shape[-1]
-            and x.dtype == weight.dtype and enabled(x))
+    # enabled(x) first: a Hugging Face export's bundle has no natsl.fast, hence no MAX_ROWS (natsl.hf.bundle)
+    return (enabled(x) and bias is None and not torch.is_grad_enabled() and 0 < x.numel() <= MAX_ROWS * x.shape[-1]
+            and x.dtype == weight.dtype)
 
 
 def kernel(x: torch.Tensor, weight: torch.Tensor, *, up: torch.Tensor | None = None) -> torch.Tensor:
