@@ -219,11 +219,31 @@ def padding_is_exact(config) -> bool:
     return set(config.layer_types()) <= PAD_EXACT_LAYERS and not getattr(config, "attn_window", 0)
 
 
+def applies_why(config, device: torch.device) -> tuple[bool, str]:
+    """Whether a model of `config` on `device` prefills short prompts from CUDA graphs (`runner_for`),
+    and the rule that decided it (natsl.inference.kernel_table prints it). A prompt is then served from
+    a graph where `PrefillGraphs.fits` (batch 1, empty cache, every layer on the fused kernels).
+
+    Args:
+        config: the model's ModelConfig.
+        device: the model's device.
+
+    Returns:
+        (on, why): why a constant string naming the switch or condition.
+    """
+    if not switches.current().prefill_graphs:
+        return False, "NATSL_PREFILL_GRAPHS=0"
+    if device.type != "cuda":
+        return False, "not CUDA"
+    if not padding_is_exact(config):
+        return False, "a padded prefill is not exact (Mamba2 layers or a sliding window)"
+    return True, f"CUDA, NATSL_PREFILL_GRAPHS on: prompts of 2 to {MAX_LEN} tokens, batch 1, fused kernels"
+
+
 def runner_for(model) -> PrefillGraphs | None:
     """The model's graphed prefill (made on first use), or None off CUDA, with prefill_graphs off, or
     for a model whose padded prefill would not be exact (`padding_is_exact`)."""
-    if (not switches.current().prefill_graphs or model.embed.weight.device.type != "cuda"
-            or not padding_is_exact(model.config)):
+    if not applies_why(model.config, model.embed.weight.device)[0]:
         return None
     runner = _RUNNERS.get(model)
     if runner is None:

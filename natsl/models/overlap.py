@@ -34,13 +34,31 @@ _streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def enabled() -> bool:
+    """The switch prefill_overlap (NATSL_PREFILL_OVERLAP)."""
     return switches.current().prefill_overlap
+
+
+def applies_why(device: torch.device) -> tuple[bool, str]:
+    """Whether a long prefill (MIN_TOKENS or more, outside a CUDA-graph capture) on `device` runs the
+    branches on two streams, and the rule that decided it (natsl.inference.kernel_table prints it).
+
+    Args:
+        device: the device of the layer's tensors.
+
+    Returns:
+        (on, why): why a constant string naming the switch or condition.
+    """
+    if device.type != "cuda":
+        return False, "not CUDA: one stream"
+    if not enabled():
+        return False, "NATSL_PREFILL_OVERLAP=0"
+    return True, "CUDA, NATSL_PREFILL_OVERLAP on (calls of 4096+ tokens)"
 
 
 def side_stream(x: torch.Tensor, n_tokens: int) -> torch.cuda.Stream | None:
     """A high-priority stream ordered after the caller's current work, or None where the branches
     should run in order: off CUDA, short calls, inside a CUDA-graph capture, or switched off."""
-    if not x.is_cuda or n_tokens < MIN_TOKENS or not enabled() or torch.cuda.is_current_stream_capturing():
+    if n_tokens < MIN_TOKENS or not applies_why(x.device)[0] or torch.cuda.is_current_stream_capturing():
         return None
     stream = _streams.get(x.device)
     if stream is None:

@@ -46,12 +46,28 @@ def default_backend(device: torch.device, *, command: bool = False) -> str:
     return "chunked" if command else "reference"
 
 
+def requested_backend(backend: str | None, device: torch.device) -> tuple[str, str]:
+    """The backend a call asks for before any check, and what chose it: the caller's choice, else
+    NATSL_BACKEND, else `default_backend` (`resolve_backend` and natsl.inference.kernel_table both ask here).
+
+    Args:
+        backend: the caller's choice (a layer's `backend`), or None.
+        device: the tensors' device.
+
+    Returns:
+        (name, source): source is "caller", "NATSL_BACKEND" or "default".
+    """
+    if backend is not None:
+        return backend, "caller"
+    env = os.environ.get("NATSL_BACKEND") or None
+    if env is not None:
+        return env, "NATSL_BACKEND"
+    return default_backend(device), "default"
+
+
 def resolve_backend(backend: str | None, device: torch.device) -> str:
     """The backend a call runs on, given the caller's choice and the tensors' device."""
-    if backend is None:
-        backend = os.environ.get("NATSL_BACKEND") or None
-    if backend is None:
-        backend = default_backend(device)
+    backend = requested_backend(backend, device)[0]
     if backend not in BACKENDS:
         raise NatslError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
     # Inside torch.compile the check is skipped (dynamo would trace the import): the eager calls before
@@ -70,7 +86,7 @@ def _check_route_grad(route_grad: str) -> None:
         raise NatslError(f"unknown route_grad {route_grad!r}: use 'active' or 'full'")
 
 
-def _state_rule(family: str, chosen: str):
+def state_rule(family: str, chosen: str):
     """The function of a state op (gated_delta_rule, gated_linear_rule) on backend `chosen`: its fast
     twin, its reference, or its chunk-parallel form (TWINS' `<family>_chunked`)."""
     if chosen == "chunked":
@@ -133,7 +149,7 @@ def gated_delta_rule(
     chosen = resolve_backend(backend, q.device)
     if chosen == "fast":
         import natsl.fast.gated_delta.function  # noqa: F401  (an import statement: see `twin`)
-    return _state_rule("gated_delta_rule", chosen)(
+    return state_rule("gated_delta_rule", chosen)(
         q, k, v, g, beta, write, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         block_size=block_size, decay_skipped_blocks=decay_skipped_blocks, route_grad=route_grad,
         intra_block=intra_block)
@@ -188,10 +204,16 @@ def gated_linear_rule(
     chosen = resolve_backend(backend, q.device)
     if chosen == "fast":
         import natsl.fast.gated_linear.function  # noqa: F401  (an import statement: see `twin`)
-    return _state_rule("gated_linear_rule", chosen)(
+    return state_rule("gated_linear_rule", chosen)(
         q, k, v, g, write, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         block_size=block_size, decay_skipped_blocks=decay_skipped_blocks, route_grad=route_grad,
         intra_block=intra_block)
+
+
+def attention_is_fast(backend: str | None, device: torch.device) -> bool:
+    """Whether routed_attention on a layer's `backend` runs its fast twin on `device`. "chunked" has no
+    attention of its own: the dense reference is already one batched matmul."""
+    return resolve_backend(backend, device) == "fast"
 
 
 def routed_attention(
@@ -231,8 +253,7 @@ def routed_attention(
         o `[B, T, Hs, Dv]` in q's dtype.
     """
     _check_route_grad(route_grad)
-    # "chunked" has no attention of its own: the dense reference is already one batched matmul.
-    fast = resolve_backend(backend, q.device) == "fast"
+    fast = attention_is_fast(backend, q.device)
     if fast:
         import natsl.fast.block_sparse.function  # noqa: F401  (an import statement: see `twin`)
     impl = twin("routed_attention", fast)

@@ -33,11 +33,29 @@ def _fast_gated_delta() -> bool:
     return True
 
 
+def use_fast_why(backend: str | None, device: torch.device) -> tuple[bool, str]:
+    """`use_fast` and the rule that decided it (natsl.inference.kernel_table prints it).
+
+    Args:
+        backend: the layer's backend.
+        device: the device of the layer's tensors.
+
+    Returns:
+        (on, why): why a constant string naming the condition.
+    """
+    if backend == "reference":
+        return False, "backend reference"
+    if device.type != "cuda":
+        return False, "not CUDA: the fast decode step runs on CUDA only"
+    if resolve_backend(backend, device) != "fast":
+        return False, "CUDA: on with the fast backend"
+    return _fast_gated_delta(), "CUDA with the fast backend (natsl.fast.gated_delta imports)"
+
+
 def use_fast(backend: str | None, device: torch.device) -> bool:
     """Whether a layer on `backend` uses the fast decode step and block commit on `device` (CUDA + fast
     only). "reference" decides without reading anything (the compiled block end names it)."""
-    return (backend != "reference" and device.type == "cuda" and resolve_backend(backend, device) == "fast"
-            and _fast_gated_delta())
+    return use_fast_why(backend, device)[0]
 
 
 def gdn_token_step(state, q, k, v, g, beta, *, scale=None, backend: str | None = "reference"):

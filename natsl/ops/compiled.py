@@ -45,12 +45,32 @@ def compile_for(x: torch.Tensor) -> bool:
     way round: its dozens of tiny launches, replayed from a CUDA graph, cost more eagerly than
     compiled, and training gains the compiled backward fusions. The figures are in
     docs/performance.md, "First calls and short prompts"."""
+    return compile_why(x)[0]
+
+
+def compile_why(x: torch.Tensor) -> tuple[bool, str]:
+    """`compile_for` and the rule that decided it (natsl.inference.kernel_table prints it).
+
+    Args:
+        x: the piece's first argument (only its device is read).
+
+    Returns:
+        (compiled, why): why a constant string naming NATSL_COMPILE_POINTWISE's value or the condition.
+    """
     mode = switches.current().compile_pointwise
     if mode == "all":
-        return True
-    if mode == "0" or not x.is_cuda:
-        return False
-    return mode == "1" or _IN_DECODE_STEP or torch.is_grad_enabled()
+        return True, "NATSL_COMPILE_POINTWISE=all"
+    if mode == "0":
+        return False, "NATSL_COMPILE_POINTWISE=0"
+    if not x.is_cuda:
+        return False, "not CUDA (NATSL_COMPILE_POINTWISE=all compiles on the CPU)"
+    if mode == "1":
+        return True, "NATSL_COMPILE_POINTWISE=1"
+    if _IN_DECODE_STEP:
+        return True, "NATSL_COMPILE_POINTWISE=auto: a decode step"
+    if torch.is_grad_enabled():
+        return True, "NATSL_COMPILE_POINTWISE=auto: autograd records"
+    return False, "NATSL_COMPILE_POINTWISE=auto: no gradients (prefill, evaluation) run eagerly"
 
 
 RECOMPILE_LIMIT = 64

@@ -26,24 +26,52 @@ from natsl import switches
 from natsl.ops import resolve_backend
 
 
-def enabled(backend: str | None, device: torch.device) -> bool:
-    """Whether the cached paths of a layer on `backend` use the fused kernels on `device`."""
+def enabled_why(backend: str | None, device: torch.device) -> tuple[bool, str]:
+    """`enabled` and the rule that decided it (natsl.inference.kernel_table prints it).
+
+    Args:
+        backend: the layer's backend ("reference", "chunked", "fast" or None).
+        device: the device of the layer's tensors.
+
+    Returns:
+        (on, why): why names the switch or condition that decided, a constant string.
+    """
     s = switches.current()
     if s.force_fused_inference is not None:
-        return s.force_fused_inference and triton_available()
-    if not s.fused_inference or not triton_available():
-        return False
+        return s.force_fused_inference and triton_available(), "switch force_fused_inference (override only)"
+    if not s.fused_inference:
+        return False, "NATSL_FUSED_INFERENCE=0"
+    if not triton_available():
+        return False, "Triton not installed"
     if device.type == "cuda":
-        return resolve_backend(backend, device) == "fast"
-    return backend == "fast" and triton_interpreted()
+        return resolve_backend(backend, device) == "fast", "CUDA: on with the fast backend"
+    return backend == "fast" and triton_interpreted(), "CPU: only backend fast under TRITON_INTERPRET=1"
+
+
+def enabled(backend: str | None, device: torch.device) -> bool:
+    """Whether the cached paths of a layer on `backend` use the fused kernels on `device`."""
+    return enabled_why(backend, device)[0]
+
+
+def decode_attention_enabled_why(backend: str | None, device: torch.device) -> tuple[bool, str]:
+    """`decode_attention_enabled` and the rule that decided it.
+
+    Args:
+        backend: the layer's backend.
+        device: the device of the layer's tensors.
+
+    Returns:
+        (on, why), as `enabled_why`.
+    """
+    s = switches.current()
+    if s.force_decode_attention is not None:
+        return s.force_decode_attention and triton_available(), "switch force_decode_attention (override only)"
+    if not s.decode_attention:
+        return False, "NATSL_DECODE_ATTENTION=0"
+    return enabled_why(backend, device)
 
 
 def decode_attention_enabled(backend: str | None, device: torch.device) -> bool:
     """Whether the decode step of a layer on `backend` uses the split-K decode attention on `device`:
     as the other fused inference kernels, unless the switch decode_attention is off."""
-    s = switches.current()
-    if s.force_decode_attention is not None:
-        return s.force_decode_attention and triton_available()
-    if not s.decode_attention:
-        return False
-    return enabled(backend, device)
+    return decode_attention_enabled_why(backend, device)[0]

@@ -28,13 +28,30 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def enabled(x: torch.Tensor) -> bool:
+def enabled_why(x: torch.Tensor) -> tuple[bool, str]:
+    """`enabled` and the rule that decided it (natsl.inference.kernel_table prints it).
+
+    Args:
+        x: an input of the product (only its device is read).
+
+    Returns:
+        (on, why): why a constant string naming the switch or condition.
+    """
     s = switches.current()
     # the fused-kernel tests force both
     force = s.force_decode_gemv if s.force_decode_gemv is not None else s.force_fused_inference
     if force is not None:
-        return force and fused.triton_available()
-    return x.is_cuda and s.decode_gemv and fused.triton_available()
+        return force and fused.triton_available(), "switch force_decode_gemv / force_fused_inference (override only)"
+    if not x.is_cuda:
+        return False, "not CUDA: the GEMV kernel runs on CUDA"
+    if not s.decode_gemv:
+        return False, "NATSL_DECODE_GEMV=0"
+    return fused.triton_available(), "CUDA, NATSL_DECODE_GEMV on, Triton installed"
+
+
+def enabled(x: torch.Tensor) -> bool:
+    """Whether the GEMV kernel is enabled for products with x (on its device, by the switches)."""
+    return enabled_why(x)[0]
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:

@@ -119,9 +119,22 @@ class Reference:
         v [B, 1, H*V] (x) and the dt input a [B, 1, H]: the gates, the write v dt, L2 norms where `l2`,
         the step of state [B, H, K, V] (in place) and + D x where D is given
         (natsl.reference.cached.gla_decode_step). Returns (o [B, H, V] in q's dtype, g [B, H] fp32)."""
-        on = self.fused and switches.current().fused_gla_decode
-        return twin("gla_decode_step", on)(q[:, 0], k[:, 0], v[:, 0], a[:, 0], A_log, dt_bias, state,
+        return twin("gla_decode_step", self.gla_decode_fused())(q[:, 0], k[:, 0], v[:, 0], a[:, 0], A_log, dt_bias, state,
                                            D=D, scale=scale, l2=l2)
+
+    def gla_decode_fused(self) -> bool:
+        """Whether `gla_decode_step` runs its fused kernel: on the fused set, with the switch
+        fused_gla_decode on (NATSL_FUSED_GLA_DECODE)."""
+        return self.fused and switches.current().fused_gla_decode
+
+    @staticmethod
+    def compiled_block_end(route_override, keep_budget: bool) -> bool:
+        """Whether the fused set's `close_block` runs the compiled block end (natsl.ops.block_end): not
+        with the keep budget (`keep_budget`: the cache has keep_gaps, model.router_keep_budget) unless an
+        override wins over it, nor with an override other than a fixed keep fraction; those keep the
+        eager bookkeeping."""
+        budget = route_override is None and keep_budget
+        return not (budget or (route_override is not None and not isinstance(route_override, KeepFraction)))
 
     def write_kv(self, k_buf, v_buf, slots, k, v) -> None:
         """A decode token's K [B, heads, Dk] and V into k_buf, v_buf [B, heads, L, D] at slots [B, heads]."""
@@ -195,8 +208,7 @@ class Fused(Reference):
         # keep budget (a cache with keep_gaps, and no override to win over it): its rank reads the gaps of
         # every earlier block, which the compiled form does not carry. The cost: the eager bookkeeping's
         # few dozen small kernels on every decode token (natsl.ops.block_end says why that matters).
-        budget = route_override is None and cache.keep_gaps is not None
-        if budget or (route_override is not None and not isinstance(route_override, KeepFraction)):
+        if not self.compiled_block_end(route_override, cache.keep_gaps is not None):
             return super().close_block(cache, x, pos, router_weight, route_override, route, block_size,
                                        decay_skipped_blocks, g_token, router_bias)
         block_end.close_block(cache.x_sum, x, pos, router_weight, cache.state_start, cache.state_run,

@@ -27,9 +27,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from natsl import switches
-from natsl.devices import triton_available
-from natsl.ops.cross_entropy import softmax_cross_entropy_
+from natsl.ops.cross_entropy import fused_default_why, softmax_cross_entropy_
 
 DEFAULT_CHUNK = 4096
 
@@ -72,7 +70,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive (or 0 for the plain formula), got {chunk_size}")
     if fused is None:
-        fused = h.is_cuda and switches.current().fused_loss and triton_available()
+        fused = fused_default_why(h.device)[0]
     args = (int(chunk_size), int(ignore_index), reduction == "sum", cdtype, bool(fused) and cdtype != torch.float64)
     if not (torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)):
         return _chunked(h, weight, t, *args, need_h=False, need_w=False)[0]  # no gradient work (evaluation)

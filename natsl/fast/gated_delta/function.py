@@ -169,23 +169,46 @@ def _run_forward(*inputs):
     return eager.run(gated_delta_forward, _EagerGatedDelta, _forward_impl, *inputs)
 
 
+def block_size_problem(op: str, block_size: int, backward_on_gpu: bool, fallback: str) -> str | None:
+    """Why the fast state rule `op` refuses `block_size`, or None where it takes it: 64 or 128, and 64
+    only for a backward on the GPU (the [C, C] products of the backward need 384 KB of shared memory at
+    C = 128, 227 KB on Hopper; grad_qk is sized for 64-token chunks). Shared by gated_delta_rule and
+    gated_linear_rule, and read by natsl.inference.kernel_table.
+
+    Args:
+        op: the op's name, for the message.
+        block_size: the routing block size.
+        backward_on_gpu: whether the call records a gradient on a CUDA tensor.
+        fallback: the backend the message suggests.
+
+    Returns:
+        The one-line error, or None.
+    """
+    if block_size not in BLOCK_SIZES:
+        return f"the fast {op} supports block_size 64 or 128, got {block_size}; use backend='{fallback}'"
+    if block_size > 64 and backward_on_gpu:
+        return (f"the fast {op} backward supports block_size 64 on the GPU (128 runs forward only, e.g. under "
+                f"torch.no_grad()); use backend='{fallback}' to train with 128")
+    return None
+
+
+def _backward_on_gpu(q, *tensors) -> bool:
+    return q.device.type == "cuda" and torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, *tensors))
+
+
 def _validate(q, k, v, g, beta, write, initial_state, block_size: int) -> None:
     """The reference's layout checks (docs/spec.md section 5), plus the fast path's own limits."""
     _, _, _, K, _ = validate_layouts(q, k, v, g, beta, write, initial_state, block_size)
     if block_size not in BLOCK_SIZES:
-        raise NatslError(f"the fast gated_delta_rule supports block_size 64 or 128, got {block_size}; "
-                         "use backend='reference'")
+        raise NatslError(block_size_problem("gated_delta_rule", block_size, False, "reference"))
     if K > MAX_K:
         raise NatslError(f"the fast gated_delta_rule supports K <= {MAX_K}, got {K}; use backend='reference'")
     if q.dtype not in DTYPES:
         raise NatslError(f"the fast gated_delta_rule supports fp32, bf16 and fp16 inputs, got {q.dtype}; "
                          "use backend='reference'")
-    if block_size > 64 and q.device.type == "cuda" and torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k, v, g, beta, write, initial_state)
-    ):
-        # The backward's [C, C] products need 384 KB of shared memory at C = 128 (227 KB on Hopper).
-        raise NatslError("the fast gated_delta_rule backward supports block_size 64 on the GPU (128 runs "
-                         "forward only, e.g. under torch.no_grad()); use backend='reference' to train with 128")
+    if block_size > 64 and _backward_on_gpu(q, k, v, g, beta, write, initial_state):
+        raise NatslError(block_size_problem("gated_delta_rule", block_size, True, "reference"))
     if q.device.type != "cuda" and type(_prepare_kernel).__name__ != "InterpretedFunction":
         raise NatslError("the fast gated_delta_rule on a CPU tensor needs TRITON_INTERPRET=1 set before "
                          "natsl.fast is imported")

@@ -23,7 +23,8 @@ import triton
 from natsl.errors import NatslError
 from natsl.fast import eager
 from natsl.fast.gated_delta.common import MAX_K, fp32_precision
-from natsl.fast.gated_delta.function import _EMPTY, BLOCK_SIZES, DTYPES, _chunk_gamma
+from natsl.fast.gated_delta.function import (_EMPTY, BLOCK_SIZES, DTYPES, _backward_on_gpu, _chunk_gamma,
+                                             block_size_problem)
 from natsl.fast.gated_delta.grad_qk import grad_qk
 from natsl.fast.gated_delta.output import chunk_output, local_dr
 from natsl.fast.gated_linear import config
@@ -172,19 +173,14 @@ def _validate(q, k, v, g, write, initial_state, block_size: int) -> None:
     """The reference's layout checks (docs/spec.md section 5), plus the fast path's own limits."""
     _, _, _, K, _ = validate_layouts(q, k, v, g, None, write, initial_state, block_size, grouped_qk=True)
     if block_size not in BLOCK_SIZES:
-        raise NatslError(f"the fast gated_linear_rule supports block_size 64 or 128, got {block_size}; "
-                         "use backend='chunked'")
+        raise NatslError(block_size_problem("gated_linear_rule", block_size, False, "chunked"))
     if K > MAX_K:
         raise NatslError(f"the fast gated_linear_rule supports K <= {MAX_K}, got {K}; use backend='chunked'")
     if q.dtype not in DTYPES:
         raise NatslError(f"the fast gated_linear_rule supports fp32, bf16 and fp16 inputs, got {q.dtype}; "
                          "use backend='chunked'")
-    if block_size > 64 and q.device.type == "cuda" and torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k, v, g, write, initial_state)
-    ):
-        # grad_qk (shared with gated_delta_rule) is sized for 64-token chunks in the backward.
-        raise NatslError("the fast gated_linear_rule backward supports block_size 64 on the GPU (128 runs "
-                         "forward only, e.g. under torch.no_grad()); use backend='chunked' to train with 128")
+    if block_size > 64 and _backward_on_gpu(q, k, v, g, write, initial_state):
+        raise NatslError(block_size_problem("gated_linear_rule", block_size, True, "chunked"))
     if q.device.type != "cuda" and type(_state_fwd_kernel).__name__ != "InterpretedFunction":
         raise NatslError("the fast gated_linear_rule on a CPU tensor needs TRITON_INTERPRET=1 set before "
                          "natsl.fast is imported")
