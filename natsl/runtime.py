@@ -39,13 +39,28 @@ def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
 def pick_backend(name: str | None, device: torch.device) -> str:
     """`--backend`: Triton kernels on CUDA, the chunked PyTorch form on the CPU by default
     (`natsl.ops.default_backend`)."""
+    return pick_backend_why(name, device)[0]
+
+
+def pick_backend_why(name: str | None, device: torch.device) -> tuple[str, str]:
+    """`pick_backend` and what chose it (natsl.inference.kernel_table prints it).
+
+    Args:
+        name: the --backend option (None or "auto": the default).
+        device: the command's device.
+
+    Returns:
+        (backend, why): why "--backend" or the default rule for commands.
+    """
     from natsl.ops import default_backend
 
+    why = "--backend"
     if name is None or name == "auto":
         name = default_backend(device, command=True)
+        why = "default for commands: fast on CUDA, chunked on the CPU"
     # What the backend needs (Triton, on a CPU its interpreter) is checked here, before any work starts
     # and outside torch.compile, which never runs that check (natsl.ops.resolve_backend).
-    return resolve_backend(name, device)
+    return resolve_backend(name, device), why
 
 
 def check_length(option: str, length: int, limit: int, source) -> None:

@@ -29,13 +29,18 @@ def info(
                                                      "runs on the CPU, where fast needs TRITON_INTERPRET=1)."),
     seed: int = typer.Option(0, help="Seed for the weights (of a recipe) and the random tokens (0 to 2**63-1)."),
     threads: Optional[int] = threads_option(),
+    kernels: bool = typer.Option(False, "--kernels", help="After the model summary, print which kernel each op "
+                                 "runs on --device (training, prefill, decode) and the switch or rule that "
+                                 "chose it, instead of the forward pass (docs/performance.md)."),
+    device: Optional[str] = typer.Option(None, help="cpu or cuda: the device of the --kernels table (default: "
+                                                    "cuda when there is one). The forward pass runs on the CPU."),
 ) -> None:
     """Print what a recipe builds or a checkpoint holds; with --forward, run random tokens through it and show
-    the routing."""
+    the routing; with --kernels, which kernel each op runs and why."""
     import torch
 
     import natsl
-    from natsl.runtime import check_length, checkpoint_recipe_of, pick_backend
+    from natsl.runtime import check_length, checkpoint_recipe_of, pick_backend, pick_device
     from natsl.errors import NatslError
     from natsl.seeding import check_seed
 
@@ -49,8 +54,14 @@ def info(
         raise NatslError(f"--seq-len must be at least 1, got {seq_len}")
     source = f"checkpoint {str(folder)!r}" if folder else f"recipe {rec.name}"
     check_length("--seq-len", seq_len, rec.model.max_seq_len, source)
-    chosen_backend = pick_backend(backend, torch.device("cpu"))
     cfg = rec.model
+    rows = None
+    if kernels:  # before any output: a backend this device cannot run is a one-line error
+        from natsl.inference.kernel_table import format_table, kernel_table
+
+        table_device = pick_device(device)
+        rows = kernel_table(cfg, table_device, backend=backend, command=True)
+    chosen_backend = None if kernels else pick_backend(backend, torch.device("cpu"))
     layout = Counter(cfg.layer_types())
     meta = natsl.build_model(rec, device="meta")
     print(f"{rec.name}: {meta.num_parameters() / 1e6:.1f}M parameters, {cfg.num_layers} layers "
@@ -59,6 +70,10 @@ def info(
     natsl_on = "" if cfg.natsl_state == "gdn" else f" on a {state} state"
     print("layers: " + " ".join({"gdn": "G", "attention": "A", "natsl": "N", "mamba2": "M", "nsa": "S"}[t] for t in cfg.layer_types())
           + f"   (G = GDN, A = softmax attention, N = NAtS-L{natsl_on}, M = Mamba2, S = NSA)")
+    if rows is not None:
+        print(f"kernels on {table_device} (natsl info --kernels; docs/performance.md, \"Which kernel runs\"):")
+        print(format_table(rows))
+        return
     if not forward:
         return
     use_threads(threads, torch.device("cpu"))

@@ -76,12 +76,18 @@ class NativeSparseAttention(nn.Module):
         return self.o_proj(o.reshape(b, t, -1))
 
 
+def naive_default(device: torch.device) -> bool:
+    """Whether the compressed and selected branches run fla's PyTorch reference by default: off CUDA
+    (fla's Triton kernels need a GPU); natsl.inference.kernel_table prints it."""
+    return device.type != "cuda"
+
+
 def sparse_attention(q, k, v, g_cmp, g_slc, g_swa, *, block_size: int, block_counts: int, window: int,
                      naive: bool | None = None) -> torch.Tensor:
     """NSA's gated sum of its three branches. q [B, T, HQ, D], k, v [B, T, H, D], gates [B, T, HQ] ->
     [B, T, HQ, D]. `naive`: fla's PyTorch reference (default: on the CPU) instead of its Triton kernels."""
     if naive is None:
-        naive = q.device.type != "cuda"
+        naive = naive_default(q.device)
     o = fla_branches(q, k, v, g_cmp, g_slc, block_size=block_size, block_counts=block_counts, naive=naive)
     if window:
         o = torch.addcmul(o, window_attention(q, k, v, window), g_swa.unsqueeze(-1))

@@ -63,7 +63,7 @@ def compile_why(x: torch.Tensor) -> tuple[bool, str]:
     if mode == "0":
         return False, "NATSL_COMPILE_POINTWISE=0"
     if not x.is_cuda:
-        return False, "not CUDA (NATSL_COMPILE_POINTWISE=all compiles on the CPU)"
+        return False, "not CUDA (NATSL_COMPILE_POINTWISE=all: also here)"
     if mode == "1":
         return True, "NATSL_COMPILE_POINTWISE=1"
     if _IN_DECODE_STEP:
