@@ -191,3 +191,31 @@ def as_dict() -> dict:
     """Every switch by field name, with its value in force (what provenance records)."""
     return dataclasses.asdict(current())
 
+
+
+# The NATSL_* variables that are not speed switches (the module's doc says why each lives elsewhere).
+OTHER_VARIABLES = {
+    "NATSL_BACKEND": "the ops' backend when a call names none: reference, chunked or fast (natsl.ops)",
+    "NATSL_PEAK_FLOPS": "the MFU denominator in FLOP/s (natsl.training.flops)",
+    "NATSL_CHECK_OPS": "check every fast kernel call for non-finite values (natsl.fast.op_check)",
+    "NATSL_CACHE_DIR": "the folder of the built-in corpora's tokenized cache (natsl.data.builtin)",
+    "NATSL_DEBUG_DIR": "a folder for natsl train's debugging output (natsl.training.trainer)",
+    "NATSL_FAULT": "the crash tests' kill hook (natsl.training.faults)",
+}
+
+
+def markdown_table() -> str:
+    """Every NATSL_* variable as a Markdown table (variable, switch field, default, what it does): the
+    speed switches from their field metadata, then OTHER_VARIABLES. docs/performance.md holds its
+    output, which tests/test_kernel_table.py compares.
+
+    Returns:
+        The table's text, one row per line.
+    """
+    lines = ["| variable | switch | default | what it sets |", "|---|---|---|---|"]
+    for name, f in FIELDS.items():
+        if f.metadata["env"] is not None:
+            lines.append(f"| `{f.metadata['env']}` | `{name}` | `{f.default}` | {f.metadata['doc']} |")
+    for env, doc in OTHER_VARIABLES.items():
+        lines.append(f"| `{env}` | (not a switch) | unset | {doc} |")
+    return "\n".join(lines)
