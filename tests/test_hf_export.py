@@ -43,8 +43,11 @@ def tok():
     return train_bpe([essay_text(100)], vocab_size=VOCAB)
 
 
-def checkpoint(tmp_path, tok, system):
-    recipe = apply_overrides(natsl.load_recipe("tiny_hybrid"), [f"model.vocab_size={VOCAB}", *SYSTEMS[system]])
+def checkpoint(tmp_path, tok, system, systems=None):
+    """tiny_hybrid as `system` (an entry of `systems`, default SYSTEMS), saved to tmp_path/system; the model on
+    the chunked backend and the folder."""
+    recipe = apply_overrides(natsl.load_recipe("tiny_hybrid"),
+                             [f"model.vocab_size={VOCAB}", *(systems or SYSTEMS)[system]])
     torch.manual_seed(0)
     model = natsl.build_model(recipe)
     with torch.no_grad():

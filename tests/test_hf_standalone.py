@@ -13,11 +13,7 @@ import sys
 import pytest
 import torch
 
-import natsl
-from natsl.checkpoint import save_model_folder
 from natsl.cli import convert, generate as _generate_command  # noqa: F401  (register the commands)
-from natsl.cli.app import app
-from natsl.config import apply_overrides
 from natsl.eval.haystack import essay_text
 from natsl.hf.bundle import MODELING_FILE, export_sources
 from natsl.inference.generate import generate
@@ -25,7 +21,7 @@ from natsl.inference.sampling import SamplingConfig
 from natsl.tokenizer import train_bpe
 
 pytest.importorskip("transformers")
-from typer.testing import CliRunner  # noqa: E402
+from test_hf_export import checkpoint, run  # noqa: E402
 
 VOCAB = 300
 TINY_MAMBA2 = ["model.mamba2_head_dim=16", "model.mamba2_state_size=8", "model.mamba2_groups=2"]
@@ -88,27 +84,15 @@ json.dump(out, open(os.path.join(job["out"], "result.json"), "w"))
 """
 
 
-def run(*args):
-    return CliRunner().invoke(app, [str(a) for a in args])
-
-
 @pytest.fixture(scope="module")
 def tok():
     return train_bpe([essay_text(100)], vocab_size=VOCAB)
 
 
 def export(tmp_path, tok, system):
-    recipe = apply_overrides(natsl.load_recipe("tiny_hybrid"), [f"model.vocab_size={VOCAB}", *SYSTEMS[system]])
-    torch.manual_seed(0)
-    model = natsl.build_model(recipe)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("conv.bias"):  # off its zero init, so a bias lost on the way shows in the logits
-                p.uniform_(-1.0, 1.0)
-    save_model_folder(tmp_path / "ckpt" / system, model, recipe, tok)
-    result = run("convert", tmp_path / "ckpt" / system, tmp_path / "hf" / system, "--to", "hf")
+    model, folder = checkpoint(tmp_path / "ckpt", tok, system, SYSTEMS)
+    result = run("convert", folder, tmp_path / "hf" / system, "--to", "hf")
     assert result.exit_code == 0, result.output
-    model.set_backend("chunked")
     return model.eval()
 
 

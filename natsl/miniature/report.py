@@ -610,6 +610,18 @@ def claims(t1, ppl, ruler, routing, compare, window=None) -> list[dict]:
 # ----------------------------------------------------------------------------- figures
 
 
+def _finish(fig, ax, xlabel: str, ylabel: str, title: str, path: Path) -> str:
+    """Label, grid and legend one line plot, write it (atomically) and close it; its file name."""
+    from natsl.eval.common import save_figure
+
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return save_figure(fig, path).name
+
+
 def _plots(folder: Path, t1, ppl, ruler, routing) -> list[str]:
     """The report's PNGs (each where its numbers exist); returns their file names."""
     from natsl.eval.common import pyplot, save_figure
@@ -625,12 +637,8 @@ def _plots(folder: Path, t1, ppl, ruler, routing) -> list[str]:
         if t1["matched_tokens"] is not None:
             ax.axvline(t1["matched_tokens"] / 1e6, color="gray", linestyle=":",
                        label=f"reached by all ({t1['matched_tokens'] / 1e6:.1f}M)")
-        ax.set_xlabel("tokens trained (millions)")
-        ax.set_ylabel("validation loss")
-        ax.set_title("validation loss during training (Table 1 in miniature)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        written.append(save_figure(fig, folder / "val_curves.png").name)
+        written.append(_finish(fig, ax, "tokens trained (millions)", "validation loss",
+                               "validation loss during training (Table 1 in miniature)", folder / "val_curves.png"))
     if ppl:
         fig, ax = plt.subplots(figsize=(7, 4.2))
         train = None
@@ -640,12 +648,8 @@ def _plots(folder: Path, t1, ppl, ruler, routing) -> list[str]:
             train = train or ppl[name]["train_seq_len"]
         if train:
             ax.axvline(train, color="gray", linestyle=":", label=f"training length {train}")
-        ax.set_xlabel("position in window (tokens of context)")
-        ax.set_ylabel("loss (nats, per bucket)")
-        ax.set_title("loss against position (Fig. 3 in miniature)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        written.append(save_figure(fig, folder / "loss_vs_position.png").name)
+        written.append(_finish(fig, ax, "position in window (tokens of context)", "loss (nats, per bucket)",
+                               "loss against position (Fig. 3 in miniature)", folder / "loss_vs_position.png"))
     if ruler:
         fig, ax = plt.subplots(figsize=(7, 4.2))
         for name in order(ruler):
@@ -654,12 +658,8 @@ def _plots(folder: Path, t1, ppl, ruler, routing) -> list[str]:
                 ax.plot(*zip(*pts), marker="o", label=name)
         ax.set_xscale("log", base=2)
         ax.set_ylim(-0.02, 1.02)
-        ax.set_xlabel("context length (tokens)")
-        ax.set_ylabel("RULER NIAH score (mean over tasks)")
-        ax.set_title("needle retrieval against length (Table 2 in miniature)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        written.append(save_figure(fig, folder / "ruler_by_length.png").name)
+        written.append(_finish(fig, ax, "context length (tokens)", "RULER NIAH score (mean over tasks)",
+                               "needle retrieval against length (Table 2 in miniature)", folder / "ruler_by_length.png"))
     if routing:
         names = order(routing)
         # three panels a row, each tall enough for its (layer, group) labels at a readable size
