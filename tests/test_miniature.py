@@ -91,7 +91,8 @@ def test_the_corpus_command_is_the_documented_one():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--lrs", "0.1,abc"], "--lrs '0.1,abc' is not a comma list of numbers"),
+    (["--lrs", "0.1,abc"], "--lrs '0.1,abc' is not a comma-separated list of numbers; pass e.g. 0.001,0.002,0.004"),
+    (["--seeds", "0,x"], "--seeds '0,x' is not a comma-separated list of whole numbers; pass e.g. 0,1,2"),
     (["--lrs", "2"], "give learning rates between 0 and 1"),
     (["--seeds", "0,0"], "give distinct seeds from 0"),
     (["--stages", "train,fly"], "unknown stage 'fly'"),

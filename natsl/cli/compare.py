@@ -8,28 +8,17 @@ from typing import List, Optional
 import typer
 
 from natsl.cli.app import command
-from natsl.cli.options import threads_option, use_threads
+from natsl.cli.options import comma_list, threads_option, use_threads
 from natsl.cli.jobs import force_option
 
 
 def parse_fractions(text: str, option: str) -> list[float]:
-    from natsl.errors import NatslError
-
-    try:
-        return [float(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise NatslError(f"{option} {text!r} is not a comma-separated list of numbers; pass e.g. 0.125,0.25,0.5,1") from None
+    return comma_list(text, option, float, "numbers", "0.125,0.25,0.5,1")
 
 
 def parse_contexts(text: str) -> list[int]:
     """`--context`: one token count or a comma-separated list of them."""
-    from natsl.errors import NatslError
-
-    try:
-        return [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise NatslError(f"--context {text!r} is not a comma-separated list of token counts; pass e.g. "
-                         "32768,65536,131072") from None
+    return comma_list(text, "--context", int, "token counts", "32768,65536,131072")
 
 
 @command("compare", stop_soon=True)

@@ -10,15 +10,13 @@ from typing import List, Optional
 import typer
 
 from natsl.cli.app import command
+from natsl.cli.options import comma_list
 
 
 def _floats(text: str, flag: str) -> tuple[float, ...]:
     from natsl.errors import NatslError
 
-    try:
-        values = tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise NatslError(f"{flag} {text!r} is not a comma list of numbers; e.g. {flag} 0.002,0.004") from None
+    values = tuple(comma_list(text, flag, float, "numbers", "0.001,0.002,0.004"))
     if not values or not all(0 < v < 1 for v in values):
         raise NatslError(f"{flag} {text!r}: give learning rates between 0 and 1, e.g. {flag} 0.002,0.004")
     return values
@@ -27,10 +25,7 @@ def _floats(text: str, flag: str) -> tuple[float, ...]:
 def _ints(text: str, flag: str) -> tuple[int, ...]:
     from natsl.errors import NatslError
 
-    try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise NatslError(f"{flag} {text!r} is not a comma list of whole numbers; e.g. {flag} 0,1,2") from None
+    values = tuple(comma_list(text, flag, int, "whole numbers", "0,1,2"))
     if not values or min(values) < 0 or len(set(values)) != len(values):
         raise NatslError(f"{flag} {text!r}: give distinct seeds from 0, e.g. {flag} 0,1,2")
     return values

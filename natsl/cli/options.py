@@ -35,3 +35,25 @@ def use_threads(threads: Optional[int], device, say: bool = True) -> str:
     if say and note:
         print(note, flush=True)
     return note
+
+
+def comma_list(text: str, option: str, cast, what: str, example: str) -> list:
+    """A comma-separated option value as a list of `cast` values (empty items skipped).
+
+    Args:
+        text: the option's value as typed.
+        option: the option's name, for the message (e.g. "--budgets").
+        cast: float or int.
+        what: what the items are, for the message (e.g. "numbers", "token counts").
+        example: a value that works, for the message.
+    Returns:
+        The values, in order.
+    Raises:
+        NatslError: an item that `cast` refuses (one line naming the option and an example).
+    """
+    from natsl.errors import NatslError
+
+    try:
+        return [cast(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise NatslError(f"{option} {text!r} is not a comma-separated list of {what}; pass e.g. {example}") from None

@@ -182,9 +182,6 @@ class PrefillGraphs:
             logits = self._call(key, static_ids, static_valid)
         torch.cuda.current_stream().wait_stream(side)
         logits = logits.clone()
-        # what the real run left for a KV press (natsl.inference.evict.observe): a capture that fails part-way
-        # may leave those attributes pointing at half-recorded tensors, and the fallback must not lose them
-        observed = {m: m.observed_q for m in self.model.modules() if getattr(m, "observed_q", None) is not None}
         try:
             torch.cuda.synchronize()
             if self.pool is None:
@@ -199,8 +196,6 @@ class PrefillGraphs:
         except Exception as err:  # noqa: BLE001 - any capture failure falls back to the plain prefill
             self.cuda_graphs = False
             self.graphs.clear()
-            for module, queries in observed.items():
-                module.observed_q = queries
             print(f"note: CUDA graph capture of a prefill failed ({type(err).__name__}: "
                   f"{str(err).splitlines()[0] if str(err) else ''}); prefilling without graphs", file=sys.stderr)
         return logits

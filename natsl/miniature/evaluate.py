@@ -27,14 +27,15 @@ import json
 import os
 import random
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-LADDER = ("gdn", "mamba2", "transformer", "gdn_hybrid", "natsl", "natsl_hybrid", "gdn_swa")
+from natsl.miniature.pipeline import ABLATIONS as ABLATION_SETS
+from natsl.miniature.pipeline import LADDER, natsl_command
+
 SEEDS = ("natsl_hybrid_s1", "natsl_hybrid_s2")
-ABLATIONS = ("natsl_hybrid_mix_x", "natsl_hybrid_chunk128", "natsl_hybrid_no_intra_softmax")
+ABLATIONS = tuple(ABLATION_SETS)
 NAMES = LADDER + SEEDS + ABLATIONS
 ROUTED = ("natsl", "natsl_hybrid") + SEEDS + ABLATIONS  # the checkpoints with NAtS-L layers
 COMPARED = ("natsl_hybrid", "natsl")  # NAtS-L at matched KV bytes against ...
@@ -99,11 +100,6 @@ class EvalJob:
         except (OSError, ValueError):
             return False
         return isinstance(data, dict) and data.get(self.done_key) is not None and not data.get("interrupted")
-
-
-def natsl_command(*args) -> list[str]:
-    """The argv of a natsl subcommand run by this interpreter."""
-    return [sys.executable, "-m", "natsl.cli.main", *[str(a) for a in args]]
 
 
 def shown(argv: list[str]) -> str:

@@ -61,7 +61,7 @@ class MiniatureOptions:
     """What `natsl miniature` runs. Paths are read from the working folder, as recipes' data.path are.
 
     Args:
-        out: the miniature's folder (specs/, sweep/, train/, eval/, report/, checkpoints.json).
+        out: the miniature's folder (specs/, sweep/, train/, eval/ with its checkpoints.json, report/).
         data: the corpus, a `natsl tokenize` folder; built by the corpus stage when it has no meta.json.
         corpus_inputs / corpus_patterns: what the corpus stage tokenizes (files, folders, globs; --include).
         vocab_size: the trained BPE's vocabulary (the recipes' model.vocab_size).
@@ -195,16 +195,23 @@ def finished_runs(summary: dict) -> tuple[int, int]:
 def checkpoint_folders(root: Path) -> dict[str, str]:
     """Name -> training run folder of every finished model: the train stage's runs (the NAtS-L Hybrid's
     seeds as natsl_hybrid_s1, ...) and each ablation's best sweep run."""
+    from natsl.files import resolve_inside
+
+    def run_folder(stage: str, run_id) -> Path:  # a run id read from a summary names a folder of its runs/
+        runs = root / stage / "runs"
+        return resolve_inside(runs, run_id, f"{root / stage / 'summary.json'}'s run",
+                              fix=f"remove {root / stage} and run natsl miniature again") / "train"
+
     found: dict[str, str] = {}
     train = _summary(root / "train")
     for r in (train or {}).get("runs") or []:
-        if r.get("status") == "done" or (root / "train" / "runs" / r["id"] / "train" / "checkpoints").is_dir():
-            name = r["system"] + (f"_s{r['seed']}" if r.get("seed") else "")
-            found[name] = str(root / "train" / "runs" / r["id"] / "train")
+        folder = run_folder("train", r["id"])
+        if r.get("status") == "done" or (folder / "checkpoints").is_dir():
+            found[r["system"] + (f"_s{r['seed']}" if r.get("seed") else "")] = str(folder)
     sweep = _summary(root / "sweep") or {}
     for point in sweep.get("best_lm") or []:
         if point["system"] in ABLATIONS and point.get("run"):
-            found[point["system"]] = str(root / "sweep" / "runs" / point["run"] / "train")
+            found[point["system"]] = str(run_folder("sweep", point["run"]))
     return found
 
 
@@ -308,8 +315,9 @@ def _sweep_stage(name: str, spec: dict, opts: MiniatureOptions, remaining, log) 
     """Run one sweep spec to its end or the deadline; its summary."""
     folder = opts.out / name
     previous = _summary(folder)
-    if previous is not None and finished_runs(previous)[0] == finished_runs(previous)[1] > 0:
-        log(f"  {folder}: all {finished_runs(previous)[1]} runs done: kept")
+    done, total = finished_runs(previous or {})
+    if done == total > 0:
+        log(f"  {folder}: all {total} runs done: kept")
         return previous
     copy_recipes(opts, opts.out / "specs")
     spec_path = _write_spec(opts.out / "specs" / f"{name}.yaml", spec)
@@ -349,12 +357,9 @@ def _stage_train(opts: MiniatureOptions, remaining, log, result) -> None:
 
 
 def _stage_eval(opts: MiniatureOptions, remaining, log, result) -> None:
-    from natsl.atomic import write_json
     from natsl.miniature.evaluate import eval_jobs, run_jobs
 
-    checkpoints = checkpoint_folders(opts.out)
-    write_json(opts.out / "checkpoints.json", checkpoints)
-    jobs = eval_jobs({k: Path(v) for k, v in checkpoints.items()}, opts.data, opts.out / "eval",
+    jobs = eval_jobs({k: Path(v) for k, v in checkpoint_folders(opts.out).items()}, opts.data, opts.out / "eval",
                      device=opts.device or ("cuda" if _has_cuda() else "cpu"), quick=opts.quick)
     parallel = opts.max_parallel or default_parallel(opts.device)
     statuses = run_jobs(jobs, max_parallel=min(parallel, 8), deadline_s=None if remaining is None else remaining - 10,
@@ -385,8 +390,8 @@ def estimate_tokens(opts: MiniatureOptions) -> dict[str, float]:
     return {"sweep": float(sweep), "train": float(train), "total": float(sweep + train)}
 
 
-# Measured on an H100 80GB (2026-12-06, eager, micro-batch 8, MPS; docs/miniature.md): tokens per second of all
-# workers together, in the sweep (13 at once) and in training (9 at once).
+# Tokens per second of all workers together on one H100 80GB, in the sweep (13 at once) and in training (9 at
+# once), eager at micro-batch 8 under MPS: the figures of docs/miniature.md, for the estimate printed before work.
 H100_TOKENS_PER_S = {"sweep": 0.47e6, "train": 0.78e6}
 
 

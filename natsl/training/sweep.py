@@ -227,7 +227,7 @@ def load_spec(path: str | Path, out: str | Path, max_parallel: Optional[int] = N
     seeds = seed_list(spec.get("seeds"), path)
     seeds_of = {system: seeds if value is None else seed_list(value, path, f"system {system!r}'s 'seeds'")
                 for system, value in system_seed_lists(spec.get("systems")).items()}
-    seeds = sorted(set().union(*seeds_of.values()), key=lambda s: (s not in seeds, s))  # the spec's first
+    seeds = seeds + sorted(set().union(*seeds_of.values()) - set(seeds))  # the spec's, in its order, first
     budget, match = check_budget(spec.get("budget"), path)
     evals = check_eval(spec.get("eval"), path)
     if spec.get("compile") is not None and not isinstance(spec["compile"], bool):
