@@ -149,6 +149,34 @@ def test_run_jobs_keeps_the_deadline(tmp_path):
     assert any("to run it elsewhere: natsl eval-lm" in line for line in lines)
 
 
+def test_an_exclusive_job_runs_alone_and_last(tmp_path):
+    """bench-latency's job is exclusive: it starts after every other job has ended, and none starts beside it."""
+    running = tmp_path / "running"
+    running.mkdir()
+    # a plain job: marks itself running, checks no exclusive job runs, unmarks, then writes its JSON
+    plain = ("import json, pathlib, sys, time; r = pathlib.Path(sys.argv[1]); me = r / sys.argv[2]; me.touch(); "
+             "clash = (r / 'exclusive').exists(); time.sleep(0.3); me.unlink(); "
+             "pathlib.Path(sys.argv[3]).parent.mkdir(parents=True, exist_ok=True); "
+             "pathlib.Path(sys.argv[3]).write_text(json.dumps({'clash': clash}))")
+    # the exclusive job: records what else ran when it started
+    alone = ("import json, pathlib, sys; r = pathlib.Path(sys.argv[1]); (r / 'exclusive').touch(); "
+             "others = sorted(p.name for p in r.iterdir() if p.name != 'exclusive'); "
+             "done = sorted(p.parent.name for p in r.parent.glob('plain*/x.json')); "
+             "pathlib.Path(sys.argv[2]).parent.mkdir(parents=True, exist_ok=True); "
+             "pathlib.Path(sys.argv[2]).write_text(json.dumps({'others': others, 'done': done})); "
+             "(r / 'exclusive').unlink()")
+    timed = EvalJob("latency", [sys.executable, "-c", alone, str(running), str(tmp_path / "latency" / "x.json")],
+                    tmp_path / "latency", tmp_path / "latency" / "x.json", tmp_path, exclusive=True)
+    plains = [EvalJob(f"plain{i}", [sys.executable, "-c", plain, str(running), f"plain{i}",
+                                    str(tmp_path / f"plain{i}" / "x.json")],
+                      tmp_path / f"plain{i}", tmp_path / f"plain{i}" / "x.json", tmp_path) for i in range(3)]
+    status = run_jobs([timed, *plains], max_parallel=4, log=lambda line: None)  # listed first, run last
+    assert set(status.values()) == {"done"}, status
+    seen = json.loads((tmp_path / "latency" / "x.json").read_text())
+    assert seen == {"others": [], "done": ["plain0", "plain1", "plain2"]}
+    assert not any(json.loads((tmp_path / f"plain{i}" / "x.json").read_text())["clash"] for i in range(3))
+
+
 def test_lm_task_builder_is_deterministic_and_right(tmp_path):
     texts = tmp_path / "validation_texts"
     texts.mkdir()

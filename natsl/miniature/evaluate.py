@@ -11,7 +11,7 @@ under OUT and the JSON file whose presence (complete: see EvalJob.done) means it
 | ruler_NAME          | eval-ruler, 2k-16k, all 8 NIAH tasks (Table 2), per ladder system and seed | OUT/ruler_NAME |
 | routing_NAME        | inspect-routing on each held-out source and a synthetic one (Figs. 5/6), per NAtS-L checkpoint | OUT/routing_NAME |
 | compare             | compare at matched KV bytes: NAtS-L (router, forced budgets) vs Transformer presses and GDN+SWA | OUT/compare |
-| latency             | bench-latency of the trained natsl_hybrid, transformer, gdn_hybrid, 2K-32K | OUT/latency |
+| latency             | bench-latency of the trained natsl_hybrid, transformer, gdn_hybrid, 2K-32K; alone, last | OUT/latency |
 | lm_eval_NAME        | eval-lm on the local tasks of natsl.miniature.lm_task (only where lm_eval imports) | OUT/lm_eval_NAME |
 
 `run_jobs` runs the pending ones (a job whose JSON is there is done and skipped: a second call resumes),
@@ -76,6 +76,8 @@ class EvalJob:
         skipped: why the job is not run here (its argv is the command to run elsewhere); None: it runs.
         note: what the job leaves out, said in the status (e.g. sources too small to route).
         quick: whether it runs eval_jobs' quick (smoke) settings; eval_status.json says so for the report.
+        exclusive: it runs alone, after every other job (a timing: jobs beside it on the GPU and the CPU would
+            be in its figures).
     """
 
     name: str
@@ -88,6 +90,7 @@ class EvalJob:
     skipped: str | None = None
     note: str | None = None
     quick: bool = False
+    exclusive: bool = False
 
     def done(self) -> bool:
         """Whether the job's JSON is there (and complete, for a job with a done_key)."""
@@ -219,7 +222,7 @@ def eval_jobs(checkpoints: dict, corpus, out, *, device: str, quick: bool = Fals
             ["--min-len", 2048, "--max-len", 32768, "--repeats", 2, "--decode-tokens", 16]
         job("latency", natsl_command("bench-latency", *[x for n in timed for x in ("--checkpoint", have[n])],
                                      *lengths, "--no-progress", "--out", out / "latency", *dev),
-            "latency.json", timed, done_key="finished")
+            "latency.json", timed, done_key="finished", exclusive=True)
     for name in [n for n in LADDER + SEEDS if n in have]:
         # quick: a tiny test vocabulary spells the longest prompt (niah_multiquery) in about 500 tokens
         lengths, samples, new = ("1024,2048", 1, 48) if quick else (RULER_LENGTHS, RULER_SAMPLES, RULER_NEW_TOKENS)
@@ -306,7 +309,7 @@ def run_jobs(jobs: list[EvalJob], *, max_parallel: int, deadline_s: float | None
             "quick": any(j.quick for j in jobs), "updated": time.strftime("%Y-%m-%d %H:%M:%S")})
 
     pending = []
-    for j in jobs:
+    for j in sorted(jobs, key=lambda j: j.exclusive):  # the exclusive ones last (a stable sort: order kept)
         if j.skipped:
             status[j.name] = f"skipped: {j.skipped}"
         elif j.done():
@@ -339,6 +342,8 @@ def run_jobs(jobs: list[EvalJob], *, max_parallel: int, deadline_s: float | None
             while pending and len(running) < max_parallel:
                 if end is not None and end - now < start_margin_s:
                     break
+                if any(r.exclusive for _, r, _, _ in running.values()) or (pending[0].exclusive and running):
+                    break  # an exclusive job runs alone
                 j = pending.pop(0)
                 j.out.parent.mkdir(parents=True, exist_ok=True)
                 fh = open(logs / f"{j.name}.log", "a", encoding="utf-8")
