@@ -139,3 +139,7 @@ def test_corpus_sweep_and_train_end_to_end_and_again_does_nothing(tmp_path, monk
     assert P.run_miniature(opts, log=again.append)["stages"]["train"] == "done"
     assert any("holds a corpus (meta.json): kept" in line for line in again)
     assert sum("runs done: kept" in line for line in again) == 2, again
+    from dataclasses import replace  # another spec on the same folder: refused, not taken for this one's runs
+
+    with pytest.raises(NatslError, match="holds runs of another spec"):
+        P.run_miniature(replace(opts, sweep_tokens=512), log=again.append)

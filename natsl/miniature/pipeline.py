@@ -240,14 +240,18 @@ def copy_recipes(opts: MiniatureOptions, folder: Path) -> None:
             write_text(target, source.read_text(encoding="utf-8"))
 
 
-def _write_spec(path: Path, spec: dict) -> Path:
+def _spec_text(spec: dict) -> str:
     import yaml
 
+    return ("# written by natsl miniature (natsl.miniature.pipeline); natsl sweep runs it alone too\n"
+            + yaml.safe_dump(spec, sort_keys=False))
+
+
+def _write_spec(path: Path, spec: dict) -> Path:
     from natsl.atomic import write_text
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    return write_text(path, "# written by natsl miniature (natsl.miniature.pipeline); natsl sweep runs it alone too\n"
-                            + yaml.safe_dump(spec, sort_keys=False))
+    return write_text(path, _spec_text(spec))
 
 
 class Stopped(Exception):
@@ -314,13 +318,20 @@ def _stage_corpus(opts: MiniatureOptions, remaining, log, result) -> None:
 def _sweep_stage(name: str, spec: dict, opts: MiniatureOptions, remaining, log) -> dict:
     """Run one sweep spec to its end or the deadline; its summary."""
     folder = opts.out / name
+    spec_path = opts.out / "specs" / f"{name}.yaml"
     previous = _summary(folder)
+    if previous is not None and not (spec_path.is_file() and spec_path.read_text(encoding="utf-8") == _spec_text(spec)):
+        # natsl sweep keeps a finished run by its id, which does not name every setting: runs of another spec
+        # (other --sweep-tokens, --train-tokens, --set, --micro-batch) would be taken as this one's
+        raise NatslError(f"{folder} holds runs of another spec than {spec_path} now asks for (--lrs, --seeds, "
+                         f"--sweep-tokens, --train-tokens, --micro-batch or --set changed); pass another --out, or "
+                         f"remove {folder} to run the stage again")
     done, total = finished_runs(previous or {})
     if done == total > 0:
         log(f"  {folder}: all {total} runs done: kept")
         return previous
     copy_recipes(opts, opts.out / "specs")
-    spec_path = _write_spec(opts.out / "specs" / f"{name}.yaml", spec)
+    spec_path = _write_spec(spec_path, spec)
     parallel = opts.max_parallel or default_parallel(opts.device)
     argv = natsl_command("sweep", spec_path, "--out", folder, "--max-parallel", str(parallel))
     if opts.device != "cpu" and _has_cuda():
