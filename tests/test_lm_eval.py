@@ -305,3 +305,25 @@ def test_lm_eval_plot_shows_scores_only_on_labelled_axes_of_their_own_scale():
         ("word_perplexity; lower is better", ["word_perplexity"]),
         ("bits_per_byte; lower is better", ["bits_per_byte"])]
     assert sample_counts(LM_EVAL_RESULTS) == {"arc": 100, "wiki": 62}  # in the table and under the bars
+
+
+def test_the_scores_are_written_before_lm_evals_table(ckpt, tmp_path, monkeypatch):
+    """lm-eval's table needs packages of its own (a GPU image without pytz lost a finished evaluation there):
+    the scores are on disk before the table is made."""
+    import lm_eval.utils
+
+    from natsl.eval.lm_eval_run import run_tasks
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    tasks = tmp_path / "tasks"
+    write_tasks(tasks)
+
+    def no_table(results):
+        raise ModuleNotFoundError("No module named 'pytz'")
+
+    monkeypatch.setattr(lm_eval.utils, "make_table", no_table)
+    with pytest.raises(ModuleNotFoundError, match="pytz"):
+        run_tasks(ckpt, ["natsl_tiny_mc"], tmp_path / "out", include_path=tasks, limit=2, batch_size=2,
+                  model_args={"device": "cpu"})
+    report = json.loads((tmp_path / "out" / "lm_eval.json").read_text())
+    assert 0.0 <= report["results"]["natsl_tiny_mc"]["acc,none"] <= 1.0

@@ -68,8 +68,11 @@ def test_best_rates_and_checkpoint_folders_from_the_summaries(tmp_path):
     summary(tmp_path / "train", [{"id": "a", "system": "gdn", "seed": 0, "status": "done"},
                                  {"id": "b", "system": "natsl_hybrid", "seed": 2, "status": "done"},
                                  {"id": "c", "system": "natsl", "seed": 0, "status": "not run"},
-                                 {"id": "d", "system": "mamba2", "seed": 0, "status": "stopped early"}])
-    (tmp_path / "train" / "runs" / "d" / "train" / "checkpoints").mkdir(parents=True)  # a deadline's checkpoint
+                                 {"id": "d", "system": "mamba2", "seed": 0, "status": "stopped early"},
+                                 {"id": "e", "system": "transformer", "seed": 0, "status": "done"}])
+    for folder in ("train/runs/a", "train/runs/b", "train/runs/d",  # d: a deadline's checkpoint; e: done, no weights
+                   "sweep/runs/mini-natsl_hybrid_mix_x-d256-lr0.004"):
+        (tmp_path / folder / "train" / "checkpoints").mkdir(parents=True)
     assert P.best_rates(json.loads((tmp_path / "sweep" / "summary.json").read_text())) == {
         "gdn": 0.002, "natsl_hybrid_mix_x": 0.004}
     found = P.checkpoint_folders(tmp_path)

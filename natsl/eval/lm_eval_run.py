@@ -39,13 +39,15 @@ def run_tasks(checkpoint, tasks: list[str], out, *, include_path=None, num_fewsh
     model = adapter.NatslLM(pretrained=str(checkpoint), batch_size=batch_size, **(model_args or {}))
     results = lm_eval.simple_evaluate(model=model, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
                                       task_manager=manager, batch_size=batch_size, log_samples=False)
-    from lm_eval.utils import make_table
-
-    table = make_table(results) + samples_line(results)
     report = {"checkpoint": str(model.em.folder), "tasks": tasks, "num_fewshot": num_fewshot, "limit": limit,
               "results": results["results"], "n-shot": results.get("n-shot"), "versions": results.get("versions"),
               "config": {k: v for k, v in results.get("config", {}).items() if k != "model"}}
+    # the scores first: lm-eval's table pulls in more packages (pytablewriter, typepy, pytz), and an environment
+    # that lacks one must not lose the evaluation that ran
     json_path = write_json(out_dir / "lm_eval.json", _plain(report))
+    from lm_eval.utils import make_table
+
+    table = make_table(results) + samples_line(results)
     md = out_dir / "lm_eval.md"
     tmp = md.with_name(f".{md.name}.tmp")
     tmp.write_text(table, encoding="utf-8")

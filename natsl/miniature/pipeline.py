@@ -193,8 +193,10 @@ def finished_runs(summary: dict) -> tuple[int, int]:
 
 
 def checkpoint_folders(root: Path) -> dict[str, str]:
-    """Name -> training run folder of every finished model: the train stage's runs (the NAtS-L Hybrid's
-    seeds as natsl_hybrid_s1, ...) and each ablation's best sweep run."""
+    """Name -> training run folder of every model with weights: the train stage's runs (the NAtS-L Hybrid's
+    seeds as natsl_hybrid_s1, ...; done or stopped with a checkpoint) and each ablation's best sweep run. A run
+    whose folder holds no checkpoints/ (results copied off a machine without the weights) is left out: there
+    is nothing to evaluate."""
     from natsl.files import resolve_inside
 
     def run_folder(stage: str, run_id) -> Path:  # a run id read from a summary names a folder of its runs/
@@ -206,12 +208,14 @@ def checkpoint_folders(root: Path) -> dict[str, str]:
     train = _summary(root / "train")
     for r in (train or {}).get("runs") or []:
         folder = run_folder("train", r["id"])
-        if r.get("status") == "done" or (folder / "checkpoints").is_dir():
+        if (folder / "checkpoints").is_dir():
             found[r["system"] + (f"_s{r['seed']}" if r.get("seed") else "")] = str(folder)
     sweep = _summary(root / "sweep") or {}
     for point in sweep.get("best_lm") or []:
         if point["system"] in ABLATIONS and point.get("run"):
-            found[point["system"]] = str(run_folder("sweep", point["run"]))
+            folder = run_folder("sweep", point["run"])
+            if (folder / "checkpoints").is_dir():
+                found[point["system"]] = str(folder)
     return found
 
 
