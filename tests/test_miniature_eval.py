@@ -336,3 +336,17 @@ def test_report_judges_extrapolation_beyond_the_training_length(tmp_path):
     assert "natsl_hybrid 3.750 (1.250x its loss within the training length)" in claim2["numbers"]
     assert tables["sweep"]["natsl_hybrid_chunk128"]["failed"] == "failed"  # no log.txt: no reason
     assert tables["quick"] is False and "quick mode" not in text
+
+
+def test_needles_at_zero_for_both_systems_are_inconclusive_not_failed():
+    from natsl.miniature.report import claims
+
+    def ruler(scores):
+        return {"lengths": {str(n): v for n, v in scores.items()}}
+
+    zero = {"natsl_hybrid": ruler({2048: 0.0, 4096: 0.0, 8192: 0.0}),
+            "gdn_hybrid": ruler({2048: 0.0, 4096: 0.0, 8192: 0.0})}
+    needle = next(c for c in claims({"rows": {}}, {}, zero, {}, {}) if "needle" in c["claim"])
+    assert needle["verdict"] == "inconclusive" and "cannot tell them apart" in needle["numbers"]
+    worse = {"natsl_hybrid": ruler({4096: 0.0}), "gdn_hybrid": ruler({4096: 0.25})}
+    assert next(c for c in claims({"rows": {}}, {}, worse, {}, {}) if "needle" in c["claim"])["verdict"] == "fails"

@@ -480,6 +480,9 @@ def ablation_section(swept: dict, ppl: dict, routing: dict) -> dict:
 # ----------------------------------------------------------------------------- claims
 
 
+INCONCLUSIVE = "inconclusive"
+
+
 def _verdict(ok: bool | None) -> str:
     return NOT_MEASURED if ok is None else ("holds" if ok else "fails")
 
@@ -572,8 +575,12 @@ def claims(t1, ppl, ruler, routing, compare, window=None) -> list[dict]:
         numbers = "no RULER length >= 4096 for both natsl_hybrid and gdn_hybrid"
     else:
         numbers = "no RULER result for natsl_hybrid and gdn_hybrid"
+    verdict = _verdict(ok)
+    if pairs and all(a == b == 0 for _, a, b in pairs):  # a floor tells the systems apart no more than a ceiling
+        verdict = INCONCLUSIVE
+        numbers += " (both score 0 at every length: the task is beyond these models and cannot tell them apart)"
     out.append({"claim": "NAtS-L Hybrid beats GDN Hybrid on the needle tasks at 4K and beyond (RULER mean over tasks)",
-                "verdict": _verdict(ok), "numbers": numbers})
+                "verdict": verdict, "numbers": numbers})
     # 4. KV bytes
     mine = routing.get("natsl_hybrid")
     held = [d for d in (mine or {}).get("datasets", []) if d["kv_ratio"] is not None and SYNTHETIC not in str(d["name"])]
