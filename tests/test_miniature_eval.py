@@ -350,3 +350,22 @@ def test_needles_at_zero_for_both_systems_are_inconclusive_not_failed():
     assert needle["verdict"] == "inconclusive" and "cannot tell them apart" in needle["numbers"]
     worse = {"natsl_hybrid": ruler({4096: 0.0}), "gdn_hybrid": ruler({4096: 0.25})}
     assert next(c for c in claims({"rows": {}}, {}, worse, {}, {}) if "needle" in c["claim"])["verdict"] == "fails"
+
+
+def test_routing_sources_count_tokens_where_bytes_cannot_tell(corpus, tmp_path):
+    """A held-out source below the bytes bound is routed when its tokens fill a window, and left out when not."""
+    from natsl.miniature.evaluate import ROUTING_MIN_BYTES_PER_TOKEN, routing_sources
+
+    folder = corpus[1]
+    texts = sorted((folder / "validation_texts").glob("*.jsonl"))
+    sizes = {p.name: p.stat().st_size for p in texts}
+    tokens = {p.name: sum(len(ids) + 1 for ids in TokenData(folder).tokenizer().encode_batch(
+        [json.loads(line)["text"] for line in p.read_text().splitlines()])) for p in texts}
+    name = max(tokens, key=tokens.get)
+    seq_len = tokens[name] - 1  # the largest source just gives one window ...
+    assert sizes[name] < seq_len * ROUTING_MIN_BYTES_PER_TOKEN  # ... which the bytes bound alone would refuse
+    sources, small = routing_sources(folder, tmp_path / "synthetic.jsonl", seq_len)
+    assert folder / "validation_texts" / name in sources and name not in small
+    assert sources[-1] == tmp_path / "synthetic.jsonl"
+    sources, small = routing_sources(folder, tmp_path / "synthetic.jsonl", tokens[name] + 1)
+    assert name in small and sources == [tmp_path / "synthetic.jsonl"]
