@@ -369,3 +369,29 @@ def test_routing_sources_count_tokens_where_bytes_cannot_tell(corpus, tmp_path):
     assert sources[-1] == tmp_path / "synthetic.jsonl"
     sources, small = routing_sources(folder, tmp_path / "synthetic.jsonl", tokens[name] + 1)
     assert name in small and sources == [tmp_path / "synthetic.jsonl"]
+
+
+def test_routing_over_training_from_metrics(tmp_path):
+    """Kept fraction per routing group over training, from natsl train's metrics.jsonl (a line cut by a kill is
+    skipped), averaged into spans of tokens; the report shows it as a table and a map."""
+    from natsl.miniature.report import TRAINING_ROUTE_POINTS, routing_over_training
+
+    run = tmp_path / "train" / "runs" / "a" / "train"
+    run.mkdir(parents=True)
+    steps = 3 * TRAINING_ROUTE_POINTS
+    lines = [json.dumps({"step": s, "tokens": s * 100, "loss": 3.0,
+                         "keep_groups": {"7": [s / steps, 0.0], "3": [1.0, 0.5]}}) for s in range(1, steps + 1)]
+    (run / "metrics.jsonl").write_text("\n".join(lines[:5] + ['{"step": 6, "tok'] + lines[5:]) + "\n")
+    problems: list[str] = []
+    found = routing_over_training({"natsl_hybrid": run, "gdn": run}, {}, problems)
+    assert list(found) == ["natsl_hybrid"] and not problems  # only NAtS-L checkpoints
+    got = found["natsl_hybrid"]
+    assert got["labels"] == ["L3 g0", "L3 g1", "L7 g0", "L7 g1"]  # layers in number order
+    assert len(got["tokens"]) == TRAINING_ROUTE_POINTS and got["tokens"][-1] == steps * 100
+    assert all(row[:2] == [1.0, 0.5] and row[3] == 0.0 for row in got["keep"])
+    rising = [row[2] for row in got["keep"]]
+    assert rising == sorted(rising) and rising[0] < 0.05 and rising[-1] > 0.95
+    (tmp_path / "checkpoints.json").write_text(json.dumps({"natsl_hybrid": str(run)}))
+    text = write_report(tmp_path).read_text()
+    assert "## Routing during training" in text and "| L7 g0 |" in text
+    assert (tmp_path / "report" / "routing_over_training.png").stat().st_size > 1000

@@ -18,8 +18,9 @@ claim 1 compare losses at the largest validation point every ladder run reached;
 sweep only) are compared with the sweep's natsl_hybrid point; claims 2 and 3 are judged only where eval-ppl's
 windows exceed the training length and RULER reached 4K; quick (smoke) evaluations are said at the top. Paths
 the stages wrote relative to the project's folder are found again in a moved or copied ROOT (locate). Figures: validation curves, loss against position to 8x the training
-length (Fig. 3), RULER accuracy against length (Table 2) and the kept fraction per layer, group and
-source of every NAtS-L checkpoint (Figs. 5/6).
+length (Fig. 3), RULER accuracy against length (Table 2), the kept fraction per layer, group and
+source of every NAtS-L checkpoint (Figs. 5/6), and the same per layer and group during training, from each NAtS-L
+run's metrics.jsonl (`keep_groups`; Fig. 5).
 """
 
 from __future__ import annotations
@@ -410,6 +411,54 @@ def routing_section(root: Path, problems) -> dict:
     return out
 
 
+TRAINING_ROUTE_POINTS = 40  # columns of the routing-over-training map (logged steps are averaged into them)
+
+
+def routing_over_training(checkpoints: dict[str, Path], training: dict[str, dict], problems) -> dict:
+    """name -> the kept fraction of every routing group over training, from the run's metrics.jsonl (`keep_groups`,
+    logged by natsl train): {"labels": ["L3 g0", ...], "tokens": [...], "keep": [[per label] per point]}, the
+    logged steps averaged into at most TRAINING_ROUTE_POINTS equal spans of tokens (the last span ends at the
+    run's last logged step). Only the NAtS-L checkpoints; a run without such lines is left out."""
+    import json
+
+    out = {}
+    for name in order(n for n in ROUTED if n in checkpoints or n in training):
+        places = [checkpoints.get(name), Path(training[name]["run"]) if name in training else None]
+        path = next((pl / sub / "metrics.jsonl" for pl in places if pl is not None for sub in (".", "train")
+                     if (pl / sub / "metrics.jsonl").is_file()), None)
+        if path is None:
+            continue
+        points = []
+        try:
+            with open(path, encoding="utf-8") as fh:
+                for line in fh:
+                    try:
+                        row = json.loads(line)
+                    except ValueError:
+                        continue  # a line cut by a kill
+                    groups = row.get("keep_groups") if isinstance(row, dict) else None
+                    if isinstance(groups, dict) and _num(row.get("tokens")) is not None:
+                        points.append((float(row["tokens"]), groups))
+        except OSError as err:
+            problems.append(f"{path}: {err}")
+            continue
+        if not points:
+            continue
+        layers = sorted(points[-1][1], key=int)
+        labels = [f"L{layer} g{g}" for layer in layers for g in range(len(points[-1][1][layer]))]
+        rows = [[float(v) for layer in layers for v in groups.get(layer, [])] for _, groups in points]
+        keep = [(t, r) for (t, _), r in zip(points, rows) if len(r) == len(labels)]
+        last = keep[-1][0]
+        spans = min(TRAINING_ROUTE_POINTS, len(keep))
+        binned: dict[int, list] = {}
+        for t, r in keep:
+            binned.setdefault(min(spans - 1, int(t / last * spans)), []).append(r)
+        columns = sorted(binned)
+        out[name] = {"labels": labels, "tokens": [(c + 1) * last / spans for c in columns],
+                     "keep": [[sum(col) / len(col) for col in zip(*binned[c])] for c in columns]}
+    return out
+
+
 def compare_section(compare: dict | None, checkpoints, root: Path | None = None) -> list[dict]:
     rows = []
     entries = (compare or {}).get("entries") or []
@@ -631,7 +680,7 @@ def _finish(fig, ax, xlabel: str, ylabel: str, title: str, path: Path) -> str:
     return save_figure(fig, path).name
 
 
-def _plots(folder: Path, t1, ppl, ruler, routing) -> list[str]:
+def _plots(folder: Path, t1, ppl, ruler, routing, over_training=None) -> list[str]:
     """The report's PNGs (each where its numbers exist); returns their file names."""
     from natsl.eval.common import pyplot, save_figure
 
@@ -671,15 +720,9 @@ def _plots(folder: Path, t1, ppl, ruler, routing) -> list[str]:
                                "needle retrieval against length (Table 2 in miniature)", folder / "ruler_by_length.png"))
     if routing:
         names = order(routing)
-        # three panels a row, each tall enough for its (layer, group) labels at a readable size
-        cols = min(3, len(names))
-        rows_n = -(-len(names) // cols)
-        height = max(3.6, 0.22 * max(sum(len(layer["group_keep_fraction"] or []) for layer in
-                                         (routing[n]["datasets"] or [{"layers": []}])[0]["layers"]) for n in names))
-        fig, axes = plt.subplots(rows_n, cols, figsize=(1.5 + 4.2 * cols, 1.4 + height * rows_n), squeeze=False,
-                                 layout="constrained")
-        for ax in axes.flat[len(names):]:
-            ax.set_visible(False)
+        fig, axes = _map_panels(plt, len(names), max(3.6, 0.22 * max(
+            sum(len(layer["group_keep_fraction"] or []) for layer in
+                (routing[n]["datasets"] or [{"layers": []}])[0]["layers"]) for n in names)))
         image = None
         for ax, name in zip(axes.flat, names):
             datasets = routing[name]["datasets"]
@@ -696,7 +739,43 @@ def _plots(folder: Path, t1, ppl, ruler, routing) -> list[str]:
                      fontsize=12)
         fig.colorbar(image, ax=list(axes.flat), fraction=0.03, label="kept fraction")
         written.append(save_figure(fig, folder / "routing_by_source.png").name)
+    if over_training:
+        written.append(_routing_over_training_plot(plt, folder, over_training))
     return written
+
+
+def _map_panels(plt, count: int, height: float):
+    """A figure of `count` map panels, three a row, each `height` inches tall (enough for its (layer, group)
+    labels at a readable size); the unused panels hidden. Returns (figure, axes array)."""
+    cols = min(3, count)
+    rows_n = -(-count // cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(1.5 + 4.2 * cols, 1.4 + height * rows_n), squeeze=False,
+                             layout="constrained")
+    for ax in axes.flat[count:]:
+        ax.set_visible(False)
+    return fig, axes
+
+
+def _routing_over_training_plot(plt, folder: Path, over_training: dict) -> str:
+    """Kept fraction per (layer, group) against tokens trained: one map per NAtS-L checkpoint."""
+    from natsl.eval.common import save_figure
+
+    names = order(over_training)
+    fig, axes = _map_panels(plt, len(names), max(3.0, 0.22 * max(len(over_training[n]["labels"]) for n in names)))
+    image = None
+    for ax, name in zip(axes.flat, names):
+        run = over_training[name]
+        grid = [list(col) for col in zip(*run["keep"])]
+        millions = [t / 1e6 for t in run["tokens"]]
+        image = ax.imshow(grid, vmin=0, vmax=1, cmap="Blues", aspect="auto", interpolation="nearest",
+                          extent=(0, millions[-1], len(run["labels"]) - 0.5, -0.5))
+        ax.set_yticks(range(len(run["labels"])), run["labels"], fontsize=9)
+        ax.set_xlabel("tokens trained (millions)")
+        ax.set_title(name, fontsize=11)
+    fig.suptitle("fraction of blocks kept per NAtS-L layer and group during training (Fig. 5 in miniature)",
+                 fontsize=12)
+    fig.colorbar(image, ax=list(axes.flat), fraction=0.03, label="kept fraction")
+    return save_figure(fig, folder / "routing_over_training.png").name
 
 
 # ----------------------------------------------------------------------------- the report
@@ -762,13 +841,14 @@ def write_report(root) -> Path:
             ruler[name] = {"tasks": data.get("tasks") or {}, "lengths": data.get("lengths") or {},
                            "mean": data.get("mean"), "samples": data.get("samples")}
     routing = routing_section(root, problems)
+    over_training = routing_over_training(checkpoints, training, problems)
     compare_json = _read(root / "eval" / "compare" / "compare.json", problems)
     compare = compare_section(compare_json if isinstance(compare_json, dict) else None, checkpoints, root)
     latency_json = _read(root / "eval" / "latency" / "latency.json", problems)
     latency = latency_section(latency_json if isinstance(latency_json, dict) else None, checkpoints, root)
     lm = lm_eval_section(root, problems)
     verdicts = claims(t1, ppl, ruler, routing, compare, window)
-    figures = _plots(folder, t1, ppl, ruler, routing)
+    figures = _plots(folder, t1, ppl, ruler, routing, over_training)
 
     md = [f"# The paper in miniature: report\n\nWritten {time.strftime('%Y-%m-%d %H:%M:%S')} from {root}. "
           f"\"{NOT_MEASURED}\": the stage left no result for it.\n"]
@@ -867,6 +947,19 @@ def write_report(root) -> Path:
                                                     for s in sources]))
     else:
         md.append(NOT_MEASURED)
+    md.append("\n## Routing during training (Fig. 5 in miniature)\n")
+    if over_training:
+        md.append("Kept fraction of each routing group (training batches, from metrics.jsonl), at a quarter, half, "
+                  "three quarters and the end of each run's logged tokens:\n")
+        for name, run in over_training.items():
+            picks = sorted({min(len(run["tokens"]) - 1, max(0, round(f * len(run["tokens"])) - 1))
+                            for f in (0.25, 0.5, 0.75, 1.0)})
+            md.append(f"\n**{name}**\n")
+            md.append(md_table(["group", *[fmt_tokens(run["tokens"][i]) + " tokens" for i in picks]],
+                               [[label, *[f"{run['keep'][i][j]:.2f}" for i in picks]]
+                                for j, label in enumerate(run["labels"])]))
+    else:
+        md.append(NOT_MEASURED)
     md.append("\n## Quality at matched KV bytes (compare)\n")
     if compare:
         md.append(md_table(["system", "variant", "context", "ppl", "KV bytes", "KV vs Transformer", "decode ms",
@@ -919,7 +1012,7 @@ def write_report(root) -> Path:
         md.append("\n## Files that could not be read\n")
         md.extend(f"- {p}" for p in problems)
     tables = {"checkpoints": {n: str(p) for n, p in checkpoints.items()}, "table1": t1, "ppl": ppl, "ruler": ruler,
-              "routing": routing, "compare": compare, "latency": latency, "lm_eval": lm, "ablations": ablations,
+              "routing": routing, "routing_over_training": over_training, "compare": compare, "latency": latency, "lm_eval": lm, "ablations": ablations,
               "sweep": swept, "quick": quick,
               "claims": verdicts, "figures": figures, "problems": problems}
     write_json(folder / "tables.json", tables)
