@@ -102,6 +102,8 @@ def test_the_corpus_command_is_the_documented_one():
     (["--sweep-tokens", "0"], "--sweep-tokens 0: give a positive whole number"),
     (["--deadline", "-5"], "--deadline -5.0: give a positive number of seconds"),
     (["--device", "tpu"], "--device 'tpu': give cpu or cuda"),
+    (["--eval-reserve", "60"], "--eval-reserve 60.0: give it with --deadline"),
+    (["--eval-reserve", "600", "--deadline", "500"], "a number of seconds between 0 and the deadline"),
 ])
 def test_bad_options_are_one_line_errors(tmp_path, args, message):
     proc = subprocess.run([sys.executable, "-m", "natsl.cli.main", "miniature", "--out", str(tmp_path / "m"), *args],
@@ -146,3 +148,31 @@ def test_corpus_sweep_and_train_end_to_end_and_again_does_nothing(tmp_path, monk
 
     with pytest.raises(NatslError, match="holds runs of another spec"):
         P.run_miniature(replace(opts, sweep_tokens=512), log=again.append)
+
+
+def test_an_eval_reserve_evaluates_training_cut_short(monkeypatch, tmp_path):
+    """--deadline with --eval-reserve: training stops the reserve before the deadline, then the evaluations and
+    the report run on the runs as they are; without a reserve a stopped stage ends the command."""
+    seen = {}
+
+    def stage(name, stop=False):
+        def run(opts, remaining, log, result):
+            seen[name] = remaining
+            if stop:
+                raise P.Stopped(f"{name}: 3 of 7 runs done")
+        return run
+
+    monkeypatch.setattr(P, "STAGE_RUNNERS", {"train": stage("train", stop=True), "eval": stage("eval"),
+                                             "report": stage("report")})
+    opts = P.MiniatureOptions(out=tmp_path / "m", stages=("train", "eval", "report"), deadline_s=1000.0,
+                              eval_reserve_s=300.0, device="cpu")
+    lines: list[str] = []
+    result = P.run_miniature(opts, log=lines.append)
+    assert result["stages"] == {"corpus": "skipped", "sweep": "skipped", "train": "stopped", "eval": "done",
+                                "report": "done"}, lines
+    assert 690 < seen["train"] <= 700 and 960 < seen["eval"] <= 1000 - P.REPORT_RESERVE_S and seen["report"] > 900
+    assert any("evaluating the runs as they are" in line for line in lines)
+    seen.clear()
+    result = P.run_miniature(P.MiniatureOptions(out=tmp_path / "m", stages=("train", "eval", "report"),
+                                                deadline_s=1000.0, device="cpu"), log=lines.append)
+    assert result["stages"]["train"] == "stopped" and list(seen) == ["train"] and 990 < seen["train"] <= 1000

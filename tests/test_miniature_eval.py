@@ -72,6 +72,9 @@ def test_jobs_run_resume_and_report(corpus):
     by_name = {j.name: j for j in jobs}
     assert set(by_name) == {"ppl", "compare", "latency", "ruler_natsl_hybrid", "ruler_transformer",
                             "routing_natsl_hybrid", "lm_eval_natsl_hybrid", "lm_eval_transformer"}
+    order_of = [j.name for j in jobs]  # routing (short) before RULER, RULER's claim pair first
+    assert order_of.index("routing_natsl_hybrid") < order_of.index("ruler_natsl_hybrid") < order_of.index(
+        "ruler_transformer")
     ppl = by_name["ppl"]
     assert ppl.argv[:4] == [sys.executable, "-m", "natsl.cli.main", "eval-ppl"]
     assert ppl.argv[4:6] == [str(runs["transformer"]), str(runs["natsl_hybrid"])]  # the ladder's order
@@ -99,6 +102,23 @@ def test_jobs_run_resume_and_report(corpus):
     again = run_jobs([ppl, routing], max_parallel=2, log=lines.append, env=env())  # resumed: nothing to run
     assert again == {"ppl": "done already", "routing_natsl_hybrid": "done already"}
     assert (out / "logs" / "ppl.log").stat().st_size == size
+    # training went on: a newer step of natsl_hybrid makes its evaluations stale, the others stay done
+    import shutil
+
+    newer = runs["natsl_hybrid"] / "checkpoints" / "step_000020"
+    shutil.copytree(runs["natsl_hybrid"] / "checkpoints" / "step_000010", newer)
+    try:
+        replanned = {j.name: j for j in eval_jobs(runs, data, out, device="cpu", quick=True)}
+        stale = run_jobs([replanned["ppl"], replanned["routing_natsl_hybrid"], replanned["ruler_transformer"]],
+                         max_parallel=1, deadline_s=0.5, start_margin_s=10, log=lines.append, env=env())
+        assert stale == {"ppl": "not started (deadline)", "routing_natsl_hybrid": "not started (deadline)",
+                         "ruler_transformer": "not started (deadline)"}
+        assert any("ppl: its output is of other checkpoints" in line for line in lines)
+        # the finished runs' record is kept for the next call: back at the old step, they are done again
+    finally:
+        shutil.rmtree(newer)
+    assert run_jobs([ppl, routing], max_parallel=2, log=lines.append, env=env()) == {
+        "ppl": "done already", "routing_natsl_hybrid": "done already"}
 
     (root / "checkpoints.json").write_text(json.dumps({n: str(p) for n, p in runs.items()}))
     (root / "sweep").mkdir()

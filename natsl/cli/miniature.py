@@ -48,6 +48,9 @@ def miniature(
                                              help="Override every run's recipe (repeatable), e.g. a smaller model."),
     deadline: Optional[float] = typer.Option(None, help="Seconds for this command; the running stage stops "
                                                         "resumably at it."),
+    eval_reserve: Optional[float] = typer.Option(
+        None, help="With --deadline: training stops this many seconds before it, and the evaluations and the "
+                   "report run on the runs as they are (evaluations of older checkpoints are redone next time)."),
     device: Optional[str] = typer.Option(None, help="cpu or cuda (default: cuda when there is one)."),
     compile_: bool = typer.Option(False, "--compile/--no-compile", help="torch.compile + CUDA graphs in training."),
     quick: bool = typer.Option(False, help="The evaluations' small settings (a smoke run)."),
@@ -67,11 +70,15 @@ def miniature(
             raise NatslError(f"{flag} {value}: give a positive whole number")
     if deadline is not None and not deadline > 0:
         raise NatslError(f"--deadline {deadline}: give a positive number of seconds")
+    if eval_reserve is not None and (deadline is None or not 0 < eval_reserve < deadline):
+        raise NatslError(f"--eval-reserve {eval_reserve}: give it with --deadline, a number of seconds between 0 "
+                         "and the deadline")
     if device not in (None, "cpu", "cuda"):
         raise NatslError(f"--device {device!r}: give cpu or cuda")
     opts = MiniatureOptions(out=Path(out), data=Path(data), lrs=_floats(lrs, "--lrs"), sweep_tokens=sweep_tokens,
                             train_tokens=train_tokens, seeds=_ints(seeds, "--seeds"), micro_batch=micro_batch,
-                            max_parallel=max_parallel, device=device, deadline_s=deadline, stages=chosen,
+                            max_parallel=max_parallel, device=device, deadline_s=deadline,
+                            eval_reserve_s=eval_reserve, stages=chosen,
                             sets=tuple(set_ or ()), compile=compile_, quick=quick)
     print(describe(opts), flush=True)
     result = run_miniature(opts)

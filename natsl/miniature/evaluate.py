@@ -41,6 +41,7 @@ ROUTED = ("natsl", "natsl_hybrid") + SEEDS + ABLATIONS  # the checkpoints with N
 COMPARED = ("natsl_hybrid", "natsl")  # NAtS-L at matched KV bytes against ...
 BASELINES = ("transformer", "gdn_swa")  # ... the Transformer's eviction presses and the sliding window
 TIMED = ("natsl_hybrid", "transformer", "gdn_hybrid")  # bench-latency, trained routers
+NEEDLE_PAIR = ("natsl_hybrid", "gdn_hybrid")  # RULER's claim compares these two
 
 PPL_MAX_LEN = 16384  # 8x the 2048-token training length: the paper's Fig. 3 extrapolation
 # RULER: the longest expected answer is four 7-digit numbers (niah_multivalue / multiquery: about 40 characters
@@ -78,6 +79,8 @@ class EvalJob:
         quick: whether it runs eval_jobs' quick (smoke) settings; eval_status.json says so for the report.
         exclusive: it runs alone, after every other job (a timing: jobs beside it on the GPU and the CPU would
             be in its figures).
+        stamp: what it evaluates, {system: the checkpoint step its folder resolves to, "quick": bool}: a job
+            done on other checkpoints (training went on since) or in the other mode is run again.
     """
 
     name: str
@@ -91,6 +94,7 @@ class EvalJob:
     note: str | None = None
     quick: bool = False
     exclusive: bool = False
+    stamp: dict = field(default_factory=dict)
 
     def done(self) -> bool:
         """Whether the job's JSON is there (and complete, for a job with a done_key)."""
@@ -193,7 +197,9 @@ def eval_jobs(checkpoints: dict, corpus, out, *, device: str, quick: bool = Fals
         device: --device of every command (cpu, cuda, cuda:N).
         quick: tiny settings (a smoke test of the stage: short windows, one sample, few points).
     Returns:
-        The jobs, in the order they are best started (long single jobs first).
+        The jobs, in the order they are best started: long single jobs first, then the short routing jobs and
+        RULER (the claim's pair first), so that a deadline leaves out what the claims need least;
+        bench-latency runs last and alone (exclusive).
     """
     from natsl.atomic import write_json
     from natsl.miniature.lm_task import build_lm_tasks
@@ -205,9 +211,13 @@ def eval_jobs(checkpoints: dict, corpus, out, *, device: str, quick: bool = Fals
     dev = ["--device", device]
     jobs: list[EvalJob] = []
 
+    steps = {name: _step_of(path) for name, path in have.items()}
+
     def job(name, argv, done_name, systems, **kw):
         folder = out / name
-        jobs.append(EvalJob(name, argv, folder, folder / done_name, out, list(systems), quick=quick, **kw))
+        stamp = {**{n: steps[n] for n in systems}, "quick": quick}
+        jobs.append(EvalJob(name, argv, folder, folder / done_name, out, list(systems), quick=quick, stamp=stamp,
+                            **kw))
 
     ordered = list(have)
     if ordered:
@@ -235,12 +245,6 @@ def eval_jobs(checkpoints: dict, corpus, out, *, device: str, quick: bool = Fals
         job("latency", natsl_command("bench-latency", *[x for n in timed for x in ("--checkpoint", have[n])],
                                      *lengths, "--no-progress", "--out", out / "latency", *dev),
             "latency.json", timed, done_key="finished", exclusive=True)
-    for name in [n for n in LADDER + SEEDS if n in have]:
-        # quick: a tiny test vocabulary spells the longest prompt (niah_multiquery) in about 500 tokens
-        lengths, samples, new = ("1024,2048", 1, 48) if quick else (RULER_LENGTHS, RULER_SAMPLES, RULER_NEW_TOKENS)
-        job(f"ruler_{name}", natsl_command("eval-ruler", have[name], "--lengths", lengths, "--tasks", "all",
-                                           "--samples", samples, "--max-new-tokens", new, "--no-progress",
-                                           "--out", out / f"ruler_{name}", *dev), "ruler.json", [name])
     routed = [n for n in ROUTED if n in have]
     if routed:
         seq_len = 256 if quick else ROUTING_SEQ_LEN
@@ -252,6 +256,13 @@ def eval_jobs(checkpoints: dict, corpus, out, *, device: str, quick: bool = Fals
                                                  *(["--samples", 2] if quick else []),
                                                  "--out", out / f"routing_{name}", *dev),
                 "routing.json", [name], note=note)
+    # the claim's pair first: a deadline that cuts the stage leaves the systems it does not compare
+    for name in sorted((n for n in LADDER + SEEDS if n in have), key=lambda n: n not in NEEDLE_PAIR):
+        # quick: a tiny test vocabulary spells the longest prompt (niah_multiquery) in about 500 tokens
+        lengths, samples, new = ("1024,2048", 1, 48) if quick else (RULER_LENGTHS, RULER_SAMPLES, RULER_NEW_TOKENS)
+        job(f"ruler_{name}", natsl_command("eval-ruler", have[name], "--lengths", lengths, "--tasks", "all",
+                                           "--samples", samples, "--max-new-tokens", new, "--no-progress",
+                                           "--out", out / f"ruler_{name}", *dev), "ruler.json", [name])
     lm_systems = [n for n in LADDER + SEEDS if n in have]
     if lm_systems and (corpus / "validation_texts").is_dir():
         items, docs = (8, 2) if quick else (400, 25)
@@ -267,6 +278,17 @@ def eval_jobs(checkpoints: dict, corpus, out, *, device: str, quick: bool = Fals
     return jobs
 
 
+def _step_of(folder: Path) -> str:
+    """The checkpoint a run folder resolves to now (its newest complete step), as the evaluation commands read it."""
+    from natsl.checkpoint import resolve_checkpoint_folder
+    from natsl.errors import NatslError
+
+    try:
+        return str(resolve_checkpoint_folder(folder))
+    except NatslError:
+        return str(folder)
+
+
 # ----------------------------------------------------------------------------- running
 
 
@@ -279,6 +301,16 @@ def _stop(procs: list, grace_s: float) -> None:
 
 def _minutes(seconds: float) -> str:
     return f"{seconds / 60:.1f} min" if seconds >= 90 else f"{seconds:.0f} s"
+
+
+def _evaluated(status_path: Path) -> dict:
+    """job name -> the stamp of its last finished run, from an earlier eval_status.json (none: {})."""
+    try:
+        jobs = json.loads(status_path.read_text(encoding="utf-8")).get("jobs")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return {n: j["evaluated"] for n, j in jobs.items() if isinstance(j, dict) and isinstance(j.get("evaluated"), dict)} \
+        if isinstance(jobs, dict) else {}
 
 
 def run_jobs(jobs: list[EvalJob], *, max_parallel: int, deadline_s: float | None = None, log=print,
@@ -312,21 +344,26 @@ def run_jobs(jobs: list[EvalJob], *, max_parallel: int, deadline_s: float | None
     end = None if deadline_s is None else began + deadline_s
     status: dict[str, str] = {}
     seconds: dict[str, float] = {}
+    # what each job's output was made from: a job is done only where that is what it would evaluate now
+    evaluated = _evaluated(root / "eval_status.json")
 
     def save() -> None:
         write_json(root / "eval_status.json", {
             "jobs": {j.name: {"status": status.get(j.name, "pending"), "argv": j.argv, "out": str(j.out),
                               "log": str(logs / f"{j.name}.log"), "seconds": seconds.get(j.name),
-                              "systems": j.systems, **({"note": j.note} if j.note else {})} for j in jobs},
+                              "systems": j.systems, "evaluated": evaluated.get(j.name),
+                              **({"note": j.note} if j.note else {})} for j in jobs},
             "quick": any(j.quick for j in jobs), "updated": time.strftime("%Y-%m-%d %H:%M:%S")})
 
     pending = []
     for j in sorted(jobs, key=lambda j: j.exclusive):  # the exclusive ones last (a stable sort: order kept)
         if j.skipped:
             status[j.name] = f"skipped: {j.skipped}"
-        elif j.done():
+        elif j.done() and (not j.stamp or evaluated.get(j.name) == j.stamp):
             status[j.name] = "done already"
         else:
+            if j.done():
+                log(f"{j.name}: its output is of other checkpoints or settings than now: run again")
             pending.append(j)
     total = len([j for j in jobs if not j.skipped])
     log(f"eval: {len(jobs)} jobs, {total - len(pending)} done already, {len(pending)} to run, "
@@ -378,6 +415,7 @@ def run_jobs(jobs: list[EvalJob], *, max_parallel: int, deadline_s: float | None
                 seconds[name] = clock() - started
                 if proc.returncode == 0 and j.done():
                     status[name] = "done"
+                    evaluated[name] = j.stamp
                     finished_s.append(seconds[name])
                 elif proc.returncode == 0:
                     status[name] = f"failed (exit code 0 but no {j.done_file.name}; see {logs / (name + '.log')})"

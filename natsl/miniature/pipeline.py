@@ -48,6 +48,7 @@ ABLATIONS = {
     "natsl_hybrid_no_intra_softmax": ["model.intra_block_output=gdn"],
 }
 STAGES = ("corpus", "sweep", "train", "eval", "report")
+REPORT_RESERVE_S = 30.0  # with --eval-reserve: the eval stage ends this long before the deadline, for the report
 
 # The local corpus of a GPU host (docs/training.md, "A corpus from local files"): sources and docs installed.
 CORPUS_INPUTS = ("{purelib}", "/usr/lib/python3*", "/usr/include", "/usr/local/cuda*/include", "/usr/share/doc",
@@ -74,6 +75,10 @@ class MiniatureOptions:
         max_parallel: training workers at once (None: from the GPU's memory).
         device: cpu or cuda (None: cuda when there is one).
         deadline_s: seconds for this command; at it the running stage stops resumably.
+        eval_reserve_s: with deadline_s, the seconds kept for the eval and report stages: the sweep and train
+            stages stop that long before the deadline, and a train stage stopped so goes on to the evaluations
+            of the runs as they are (the report says which were cut short; the next call resumes training and
+            evaluates the new checkpoints again). None: a stopped stage ends the command.
         stages: the stages to run, in STAGES order.
         sets: section.key=value items for every run (after the pipeline's own), e.g. a smaller model.
         recipes: the folder of the ladder's recipes.
@@ -95,6 +100,7 @@ class MiniatureOptions:
     max_parallel: Optional[int] = None
     device: Optional[str] = None
     deadline_s: Optional[float] = None
+    eval_reserve_s: Optional[float] = None
     stages: tuple = STAGES
     sets: tuple = ()
     recipes: Path = field(default_factory=lambda: _recipes_folder())
@@ -281,16 +287,25 @@ def run_miniature(opts: MiniatureOptions, log: Callable[[str], None] = print) ->
             status[stage] = "skipped"
             continue
         remaining = left()
+        if remaining is not None and opts.eval_reserve_s:  # the time kept for what comes after this stage
+            remaining -= opts.eval_reserve_s if stage in ("sweep", "train") else REPORT_RESERVE_S if stage == "eval" else 0
+        # with a reserve, training cut short is still evaluated and reported
+        go_on = bool(opts.eval_reserve_s) and stage in ("train", "eval")
         if remaining is not None and remaining < 20:
             status[stage] = "stopped"
             log(f"miniature: the deadline leaves no time for the {stage} stage; run the same command again")
+            if go_on:
+                continue
             break
         log(f"miniature: {stage} stage" + ("" if remaining is None else f" ({remaining:.0f} s left)"))
         try:
             STAGE_RUNNERS[stage](opts, remaining, log, result)
         except Stopped as why:
             status[stage] = "stopped"
-            log(f"miniature: {why}; run the same command again to continue")
+            log(f"miniature: {why}; run the same command again to continue"
+                + ("; evaluating the runs as they are" if go_on and stage == "train" else ""))
+            if go_on:
+                continue
             break
         status[stage] = "done"
     result["checkpoints"] = checkpoint_folders(opts.out)
