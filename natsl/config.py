@@ -155,27 +155,11 @@ class ModelConfig:
                 if i in seen:
                     raise NatslError(f"layer {i} is listed in both '{prefix}.{seen[i]}' and '{prefix}.{name}'; list each layer once")
                 seen[i] = name
-        r = self.softmax_heads_per_group
-        if "natsl" in self.layer_types():
-            for key in ("head_k_dim", "head_v_dim"):
-                if getattr(self, key) % r:
-                    raise NatslError(f"recipe key '{prefix}.{key}' = {getattr(self, key)} is not divisible by "
-                                     f"softmax_heads_per_group = {r}; each GDN head must cut into {r} equal softmax heads")
-            if self.natsl_rope and (self.head_k_dim // r) % 2:
-                raise NatslError(f"RoPE needs an even softmax key dim, got head_k_dim/softmax_heads_per_group = {self.head_k_dim // r}; "
-                                 f"set '{prefix}.natsl_rope: false' or change the head dims")
-        if "attention" in self.layer_types() and self.attn_rope and self.attn_head_dim % 2:
-            raise NatslError(f"recipe key '{prefix}.attn_head_dim' must be even for RoPE, got {self.attn_head_dim}")
-        if "nsa" in self.layer_types():
-            self.validate_nsa(prefix)
-        if "mamba2" in self.layer_types():
-            inner = self.mamba2_expand * self.hidden_size
-            if inner % self.mamba2_head_dim:
-                raise NatslError(f"recipe key '{prefix}.mamba2_head_dim' = {self.mamba2_head_dim} does not divide "
-                                 f"mamba2_expand * hidden_size = {inner}; pick a head dim that divides it")
-            if (inner // self.mamba2_head_dim) % self.mamba2_groups:
-                raise NatslError(f"recipe key '{prefix}.mamba2_groups' = {self.mamba2_groups} does not divide the "
-                                 f"{inner // self.mamba2_head_dim} Mamba2 heads; pick a group count that divides them")
+        # Each layer kind checks its own fields (natsl.models.registry: LayerKind.validate; no torch import).
+        from natsl.models.registry import present
+
+        for kind in present(self):
+            kind.validate(self, prefix)
 
     def validate_nsa(self, prefix: str) -> None:
         """The shapes flash-linear-attention's NSA kernels take (fla/ops/nsa/parallel.py)."""
