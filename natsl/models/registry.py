@@ -80,6 +80,11 @@ class LayerKind:
     saved: dict = {}
     transient: dict = {}
 
+    # Its section of a recipe's model (natsl.config: the nested form): section key (dotted inside a
+    # subsection, "router.noise") -> the ModelConfig field it sets. Variants of one layer type share it.
+    section: Optional[str] = None
+    section_keys: dict[str, str] = {}
+
     def applies(self, config: "ModelConfig") -> bool:
         """Whether this variant is the one `config` builds for layers of `layer_type`."""
         return True
@@ -168,6 +173,9 @@ class GDN(LayerKind):
     state_rule = "gated_delta_rule"
     pad_exact = True
     family = "gdn"
+    # the GDN head set, which the NAtS-L layers' linear memory shares
+    section = "gdn"
+    section_keys = {"num_heads": "num_heads", "head_k_dim": "head_k_dim", "head_v_dim": "head_v_dim"}
     marker = "D"
     saved = {"cpu": 2.4, "cuda": 1.1}
     transient = {"cpu": 1.6, "cuda": 0.8}
@@ -202,6 +210,8 @@ class Mamba2(LayerKind):
     letter, legend, state_title = "M", "Mamba2", "Mamba2"
     state_rule = "gated_linear_rule"
     family = "mamba2"
+    section = "mamba2"
+    section_keys = {key: f"mamba2_{key}" for key in ("head_dim", "state_size", "expand", "groups", "conv_bias", "mlp")}
     marker = "P"
     saved = {"cpu": 6.4, "cuda": 1.6}
     transient = {"cpu": 4.0, "cuda": 2.3}
@@ -256,6 +266,9 @@ class Attention(LayerKind):
     softmax_memory = True
     pad_exact = True
     family = "attention"
+    section = "attention"
+    section_keys = {"num_heads": "attn_num_heads", "head_dim": "attn_head_dim", "rope": "attn_rope",
+                    "window": "attn_window"}
     marker = "s"
     saved = {"cpu": 1.1, "cuda": 0.9}
     transient = {"cpu": 1.0, "cuda": 0.9}
@@ -321,6 +334,14 @@ class NAtSL(LayerKind):
     state_rule = "gated_delta_rule"
     routed = softmax_memory = pad_exact = True
     family = "natsl"
+    section = "natsl"
+    section_keys = {
+        "softmax_heads_per_group": "softmax_heads_per_group", "block_size": "block_size", "rope": "natsl_rope",
+        "state": "natsl_state", "state_l2": "mamba2_state_l2", "state_skip": "mamba2_state_skip",
+        **{key: key for key in ("intra_block_output", "decay_skipped_blocks", "branch_norm", "mix_input",
+                                "mix_weights", "route_grad")},
+        **{f"router.{key}": f"router_{key}" for key in ("noise", "balance", "target_keep", "keep_target",
+                                                        "bias_rate", "keep_budget", "keep_budget_sink")}}
     saved = {"cpu": 2.7, "cuda": 1.15}
     transient = {"cpu": 1.8, "cuda": 0.8}
 
@@ -421,6 +442,9 @@ class NSA(LayerKind):
     letter, legend = "S", "NSA"
     has_cache = False
     family = "nsa"
+    section = "nsa"
+    section_keys = {key: f"nsa_{key}" for key in ("num_heads", "kv_heads", "head_dim", "block_size", "block_counts",
+                                                   "window")}
     saved = {"cpu": 1.6, "cuda": 1.2}
     transient = {"cpu": 1.2, "cuda": 1.0}
 
@@ -471,6 +495,15 @@ for _kind in (GDN(), Attention(), SlidingWindow(), NAtSL(), NAtSLMamba2(), Mamba
 def layer_type_names() -> list[str]:
     """The recipe's layer-type names, in registration order, each once ("gdn", "attention", "natsl", ...)."""
     return list(dict.fromkeys(k.layer_type for k in KINDS))
+
+
+def config_sections() -> dict[str, dict[str, str]]:
+    """The model sections of the registered kinds, in registration order: section -> {key: ModelConfig field}."""
+    sections: dict[str, dict[str, str]] = {}
+    for kind in KINDS:
+        if kind.section is not None:
+            sections.setdefault(kind.section, {}).update(kind.section_keys)
+    return sections
 
 
 def kind_of(config: "ModelConfig", layer_type: str) -> LayerKind:
