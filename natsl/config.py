@@ -74,9 +74,10 @@ class ModelConfig:
     softmax_heads_per_group: int = 3
     block_size: int = 64
     natsl_rope: bool = True
-    # The linear memory of the NAtS-L layers: the GDN state (the paper's layer) or a Mamba2 (SSD) state
-    # (the paper's NAtS-L Mamba2, the authors' natsl_attn_mamba2; natsl/models/mamba2.py).
-    natsl_state: Literal["gdn", "mamba2"] = "gdn"
+    # The linear memory of the NAtS-L layers: the GDN state (the paper's layer), a Mamba2 (SSD) state
+    # (the paper's NAtS-L Mamba2, the authors' natsl_attn_mamba2; natsl/models/mamba2.py) or a plain
+    # DeltaNet state, GDN without its gate (the authors' natsl_attn_delta; natsl/models/deltanet.py).
+    natsl_state: Literal["gdn", "mamba2", "delta"] = "gdn"
     # Mamba2 layers: heads of mamba2_head_dim (P) over expand * hidden_size channels, state size N per
     # head, B and C shared by groups of heads (Mamba2's defaults: P 64, N 128, expand 2, 1 group).
     mamba2_head_dim: int = 64

@@ -158,12 +158,18 @@ def kernel_table(config, device: torch.device | str, *, training: bool | None = 
             if conv_bias:
                 row(path, "Mamba2 conv with bias", pointwise[0], "mamba2_conv_bias: the kernels take no bias")
         if path == "decode":
-            if gdn_state:
-                if kernels.fused:
-                    row(path, "GDN decode step", "fused (Triton)", "the fused kernel set")
+            # a GDN state's decode step (fused), and a DeltaNet state's (the GDN token step at g = 0)
+            steps: dict = {}
+            for kind in kinds:
+                if kind.state_rule == "gated_delta_rule":
+                    steps.setdefault(kind.fused_decode, kind)
+            for kind in steps.values():
+                op = "GDN decode step" if kind.fused_decode else f"{kind.state_title} decode step (g = 0)"
+                if kernels.fused and kind.fused_decode:
+                    row(path, op, "fused (Triton)", "the fused kernel set")
                 else:
                     on, why = cached.use_fast_why(layer, device)
-                    row(path, "GDN decode step", "fast token step (Triton)" if on else "reference (PyTorch)",
+                    row(path, op, "fast token step (Triton)" if on else "reference (PyTorch)",
                         why + (" (key dim <= 256)" if on else ""))
             if gla_state:
                 on = kernels.gla_decode_fused()

@@ -68,6 +68,9 @@ class LayerKind:
     state_title: Optional[str] = None  # its linear memory, in words ("GDN", "Mamba2"); None: none
     # The chunk-parallel op of its linear memory ("gated_delta_rule", "gated_linear_rule"), or None.
     state_rule: Optional[str] = None
+    # Whether a decode token steps its linear memory with the kernel set's fused decode step (its gates
+    # computed inside it); False: with the plain token step (natsl.ops.cached).
+    fused_decode: bool = True
     routed: bool = False  # a NAtS-L router: keep fractions, routing maps, the routed attention
     softmax_memory: bool = False  # a K/V memory read by the decode attention
     has_cache: bool = True  # incremental inference (prefill and decode from a cache)
@@ -435,6 +438,24 @@ class NAtSLMamba2(NAtSL):
         return ssd_state_flops(config.num_heads, config.head_k_dim, config.head_v_dim, chunk)
 
 
+class NAtSLDelta(NAtSL):
+    """NAtS-L on a plain DeltaNet state, the GDN state without its gate (g = 0), the authors'
+    natsl_attn_delta (models/deltanet.py: DeltaProjections)."""
+
+    name = "natsl_delta"
+    natsl_state = "delta"
+    legend, state_title = "NAtS-L on a DeltaNet state", "DeltaNet"
+    fused_decode = False  # the GDN token step at g = 0 (the fused GDN step computes g from A_log)
+
+    def projections(self):
+        from natsl.models.deltanet import DeltaProjections
+
+        return DeltaProjections
+
+    def authors_names(self, config, n, h):
+        return None  # natsl.eval.convert imports the authors' GDN and Mamba2 models only
+
+
 class NSA(LayerKind):
     """Native Sparse Attention (models/nsa.py: flash-linear-attention's); no inference cache."""
 
@@ -488,7 +509,7 @@ def register(kind: LayerKind) -> LayerKind:
     return kind
 
 
-for _kind in (GDN(), Attention(), SlidingWindow(), NAtSL(), NAtSLMamba2(), Mamba2(), NSA()):
+for _kind in (GDN(), Attention(), SlidingWindow(), NAtSL(), NAtSLMamba2(), NAtSLDelta(), Mamba2(), NSA()):
     register(_kind)
 
 
