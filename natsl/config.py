@@ -74,9 +74,10 @@ class ModelConfig:
     softmax_heads_per_group: int = 3
     block_size: int = 64
     natsl_rope: bool = True
-    # The linear memory of the NAtS-L layers: the GDN state (the paper's layer) or a Mamba2 (SSD) state
-    # (the paper's NAtS-L Mamba2, the authors' natsl_attn_mamba2; natsl/models/mamba2.py).
-    natsl_state: Literal["gdn", "mamba2"] = "gdn"
+    # The linear memory of the NAtS-L layers: the GDN state (the paper's layer), a Mamba2 (SSD) state
+    # (the paper's NAtS-L Mamba2, the authors' natsl_attn_mamba2; natsl/models/mamba2.py) or a plain
+    # DeltaNet state, GDN without its gate (the authors' natsl_attn_delta; natsl/models/deltanet.py).
+    natsl_state: Literal["gdn", "mamba2", "delta"] = "gdn"
     # Mamba2 layers: heads of mamba2_head_dim (P) over expand * hidden_size channels, state size N per
     # head, B and C shared by groups of heads (Mamba2's defaults: P 64, N 128, expand 2, 1 group).
     mamba2_head_dim: int = 64
@@ -155,27 +156,11 @@ class ModelConfig:
                 if i in seen:
                     raise NatslError(f"layer {i} is listed in both '{prefix}.{seen[i]}' and '{prefix}.{name}'; list each layer once")
                 seen[i] = name
-        r = self.softmax_heads_per_group
-        if "natsl" in self.layer_types():
-            for key in ("head_k_dim", "head_v_dim"):
-                if getattr(self, key) % r:
-                    raise NatslError(f"recipe key '{prefix}.{key}' = {getattr(self, key)} is not divisible by "
-                                     f"softmax_heads_per_group = {r}; each GDN head must cut into {r} equal softmax heads")
-            if self.natsl_rope and (self.head_k_dim // r) % 2:
-                raise NatslError(f"RoPE needs an even softmax key dim, got head_k_dim/softmax_heads_per_group = {self.head_k_dim // r}; "
-                                 f"set '{prefix}.natsl_rope: false' or change the head dims")
-        if "attention" in self.layer_types() and self.attn_rope and self.attn_head_dim % 2:
-            raise NatslError(f"recipe key '{prefix}.attn_head_dim' must be even for RoPE, got {self.attn_head_dim}")
-        if "nsa" in self.layer_types():
-            self.validate_nsa(prefix)
-        if "mamba2" in self.layer_types():
-            inner = self.mamba2_expand * self.hidden_size
-            if inner % self.mamba2_head_dim:
-                raise NatslError(f"recipe key '{prefix}.mamba2_head_dim' = {self.mamba2_head_dim} does not divide "
-                                 f"mamba2_expand * hidden_size = {inner}; pick a head dim that divides it")
-            if (inner // self.mamba2_head_dim) % self.mamba2_groups:
-                raise NatslError(f"recipe key '{prefix}.mamba2_groups' = {self.mamba2_groups} does not divide the "
-                                 f"{inner // self.mamba2_head_dim} Mamba2 heads; pick a group count that divides them")
+        # Each layer kind checks its own fields (natsl.models.registry: LayerKind.validate; no torch import).
+        from natsl.models.registry import present
+
+        for kind in present(self):
+            kind.validate(self, prefix)
 
     def validate_nsa(self, prefix: str) -> None:
         """The shapes flash-linear-attention's NSA kernels take (fla/ops/nsa/parallel.py)."""
@@ -542,9 +527,120 @@ def from_dict(cls: type, data: Any, prefix: str = ""):
     return cls(**kwargs)
 
 
+# ----------------------------------------------------------------------------- the nested model section
+
+# A recipe's model section may group its fields by what they configure (the nested form the shipped
+# recipes use): the common fields at the top, `layers` (the layout) and one section per layer kind, whose
+# keys drop the kind's prefix (`natsl: {block_size: 64, rope: false, router: {keep_budget: 0.25}}`). It is
+# read into ModelConfig's flat fields, which the code, checkpoints and exports keep; the flat form (every
+# recipe and checkpoint from before) reads as it always did, and `--set model.block_size=128` and
+# `--set model.natsl.block_size=128` name the same field.
+LAYOUT_SECTION = {"base": "base_layer", "natsl": "natsl_layers", "attention": "attention_layers",
+                  "gdn": "gdn_layers", "nsa": "nsa_layers"}
+
+
+def model_sections() -> dict[str, dict[str, str]]:
+    """The nested model sections: "layers" and each layer kind's (natsl.models.registry, LayerKind.section),
+    each a mapping of its keys (dotted inside a subsection: "router.noise") to ModelConfig fields."""
+    from natsl.models.registry import config_sections
+
+    return {"layers": LAYOUT_SECTION, **config_sections()}
+
+
+def _level_keys(table: dict[str, str], inner: str) -> list[str]:
+    """The keys of a section (or of its subsection `inner`, "router.") one level down."""
+    return list(dict.fromkeys(k[len(inner):].split(".")[0] for k in table if k.startswith(inner)))
+
+
+def flatten_model(data: Any, prefix: str = "model") -> tuple[Any, dict[str, str]]:
+    """A recipe's model section with its nested sections read into ModelConfig's field names.
+
+    Args:
+        data: the section as parsed (flat, nested or both); anything but a mapping is returned as is.
+        prefix: the section's name in error lines.
+
+    Returns:
+        (the flat mapping, {field: the nested key that set it} for error lines). A field set twice (a
+        flat key and its nested one) or an unknown key in a section is a one-line NatslError.
+    """
+    if not isinstance(data, dict):
+        return data, {}
+    sections = model_sections()
+    flat: dict[str, Any] = {}
+    where: dict[str, str] = {}
+
+    def put(name: str, value: Any, key: str) -> None:
+        if name in flat:
+            raise NatslError(f"recipe keys '{where.get(name, f'{prefix}.{name}')}' and '{key}' both set the model's "
+                             f"{name}; keep one")
+        flat[name] = value
+        if key != f"{prefix}.{name}":
+            where[name] = key
+
+    def read(value: Any, table: dict[str, str], full: str, inner: str) -> None:
+        if value is None:  # an empty section
+            return
+        if not isinstance(value, dict):
+            raise NatslError(f"recipe key '{full}' is a section, a mapping of {', '.join(_level_keys(table, inner))}; "
+                             f"got {type(value).__name__} {value!r}")
+        for key, item in value.items():
+            dotted = f"{inner}{key}"
+            if dotted in table:
+                put(table[dotted], item, f"{full}.{key}")
+            elif any(k.startswith(dotted + ".") for k in table):
+                read(item, table, f"{full}.{key}", dotted + ".")
+            else:
+                raise NatslError(f"unknown recipe key '{full}.{key}'; allowed keys here: "
+                                 f"{', '.join(_level_keys(table, inner))}")
+
+    for key, value in data.items():
+        if key in sections:
+            read(value, sections[key], f"{prefix}.{key}", "")
+        else:
+            put(key, value, f"{prefix}.{key}")
+    return flat, where
+
+
+def nest_model(flat: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig fields (a flat mapping, e.g. `dataclasses.asdict(config)`) in the nested form: the fields
+    of no section first (in their given order), then `layers` and each layer kind's section, in the
+    sections' own order, holding only the given fields."""
+    sections = model_sections()
+    owned = {name for table in sections.values() for name in table.values()}
+    out = {name: value for name, value in flat.items() if name not in owned}
+    for section, table in sections.items():
+        values: dict[str, Any] = {}
+        for key, name in table.items():
+            if name in flat:
+                node = values
+                *subs, last = key.split(".")
+                for sub in subs:
+                    node = node.setdefault(sub, {})
+                node[last] = flat[name]
+        if values:
+            out[section] = values
+    return out
+
+
+def _nested_names(message: str, where: dict[str, str], prefix: str = "model") -> str:
+    """An error line about flat fields, naming the nested keys that set them."""
+    for name, key in where.items():
+        message = re.sub(rf"\b{re.escape(prefix)}\.{re.escape(name)}\b", key, message)
+    return message
+
+
 def recipe_from_dict(data: Any) -> Recipe:
-    recipe = from_dict(Recipe, data)
-    recipe.model.validate()
+    where: dict[str, str] = {}
+    if isinstance(data, dict) and isinstance(data.get("model"), dict):
+        model, where = flatten_model(data["model"])
+        data = {**data, "model": model}
+    try:
+        recipe = from_dict(Recipe, data)
+        recipe.model.validate()
+    except NatslError as err:
+        if not where:
+            raise
+        raise NatslError(_nested_names(str(err), where)) from None
     recipe.optim.validate()
     recipe.train.validate()
     if recipe.model.router_keep_target is not None and recipe.train.activation_checkpointing is True:
@@ -742,6 +838,13 @@ def apply_overrides(recipe: Recipe, overrides: list[str]) -> Recipe:
             raise NatslError(f"override {item!r} is not of the form section.key=value (e.g. optim.lr=1e-3)")
         dotted, raw = item.split("=", 1)
         parts = dotted.strip().split(".")
+        sections = model_sections()
+        if len(parts) >= 2 and parts[0] == "model" and parts[1] in sections:  # the nested form's name
+            value = load_yaml_text(raw, f"override value {raw[:80]!r} for '{dotted}'")
+            fields, _ = flatten_model({parts[1]: value} if len(parts) == 2 else
+                                      {parts[1]: _nest_value(parts[2:], value)})
+            data["model"].update(fields)
+            continue
         node = data
         for i, part in enumerate(parts[:-1]):
             if not isinstance(node, dict) or part not in node or not isinstance(node[part], dict):
@@ -750,3 +853,10 @@ def apply_overrides(recipe: Recipe, overrides: list[str]) -> Recipe:
             node = node[part]
         node[parts[-1]] = load_yaml_text(raw, f"override value {raw[:80]!r} for '{dotted}'")
     return recipe_from_dict(data)
+
+
+def _nest_value(keys: list[str], value: Any) -> dict:
+    """{"a": {"b": value}} for keys ["a", "b"]."""
+    for key in reversed(keys):
+        value = {key: value}
+    return value

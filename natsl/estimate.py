@@ -40,16 +40,10 @@ from natsl.errors import NatslError
 MODES = ("train", "forward", "prefill", "decode")
 
 # Values per token per unit of layer width kept for the backward, in the activation dtype (fp32 on the
-# CPU, bf16 under autocast on a GPU; the GPU's values fold in the fp32 pieces and the peak's transients).
-SAVED = {
-    "cpu": {"gdn": 2.4, "attention": 1.1, "natsl": 2.7, "mamba2": 6.4, "nsa": 1.6},
-    "cuda": {"gdn": 1.1, "attention": 0.9, "natsl": 1.15, "mamba2": 1.6, "nsa": 1.2},
-}
-# Values per token per unit of width alive at once in one layer of a forward without gradients.
-TRANSIENT = {
-    "cpu": {"gdn": 1.6, "attention": 1.0, "natsl": 1.8, "mamba2": 4.0, "nsa": 1.2},
-    "cuda": {"gdn": 0.8, "attention": 0.9, "natsl": 0.8, "mamba2": 2.3, "nsa": 1.0},
-}
+# CPU, bf16 under autocast on a GPU; the GPU's values fold in the fp32 pieces and the peak's transients),
+# and values alive at once in one layer of a forward without gradients: each layer kind's `saved` and
+# `transient` (natsl.models.registry), by device kind; a kind without its own values takes this one.
+UNMEASURED = 2.0
 # The dense routed attention (reference and chunked backends), per (query, key, softmax head): bytes
 # of its logits, weights and masks (in training kept for the backward and met again there), and bytes
 # of memory traffic its elementwise passes make.
@@ -110,7 +104,7 @@ class ModelFacts:
 
     config: ModelConfig
     n_params: int
-    widths: list  # (layer type, width) per layer
+    widths: list  # (layer kind, width) per layer (natsl.models.registry.LayerKind)
     model: torch.nn.Module  # on the meta device: for the cache's size
 
 
@@ -131,7 +125,7 @@ def model_facts(config: ModelConfig) -> ModelFacts:
     from natsl.models import build_model
 
     model = build_model(config, device="meta")
-    widths = [(kind, layer_width(layer)) for kind, layer in zip(config.layer_types(), model.layers)]
+    widths = [(block.kind, layer_width(block)) for block in model.layers]
     return ModelFacts(config, model.num_parameters(), widths, model)
 
 
@@ -213,7 +207,7 @@ def routed_heads(config: ModelConfig) -> int:
 
 def dense_routes(facts: ModelFacts, backend: str) -> int:
     """NAtS-L layers whose routed attention is dense (every backend but fast)."""
-    return 0 if backend == "fast" else sum(1 for kind, _ in facts.widths if kind == "natsl")
+    return 0 if backend == "fast" else sum(1 for layer, _ in facts.widths if layer.routed)
 
 
 def train_bytes(facts: ModelFacts, work: Work, kind: str, backend: str, checkpointing: bool) -> dict:
@@ -222,7 +216,7 @@ def train_bytes(facts: ModelFacts, work: Work, kind: str, backend: str, checkpoi
     act = 4 if kind == "cpu" else 2
     tokens = work.batch * work.tokens
     state = p * 16 + (p * 2 if kind == "cuda" else 0)  # fp32 weights, gradients, two AdamW moments; bf16 copies
-    per_layer = [SAVED[kind].get(t, 2.0) * w * act * tokens for t, w in facts.widths]
+    per_layer = [layer.saved.get(kind, UNMEASURED) * w * act * tokens for layer, w in facts.widths]
     quadratic = work.batch * routed_heads(c) * work.tokens * work.tokens
     dense = dense_routes(facts, backend)
     if checkpointing:  # each layer keeps its input; one layer at a time is recomputed with everything
@@ -246,7 +240,7 @@ def forward_bytes(facts: ModelFacts, work: Work, kind: str, backend: str, dtype:
         parts["cache"] = cache_bytes(facts, work.batch, work.tokens, dtype)
     rows = 1 if work.mode == "decode" else min(work.chunk or work.tokens, work.tokens)
     act = 4 if kind == "cpu" else size
-    layer = max(TRANSIENT[kind].get(t, 2.0) * w for t, w in facts.widths) * act * work.batch * rows
+    layer = max(kinds.transient.get(kind, UNMEASURED) * w for kinds, w in facts.widths) * act * work.batch * rows
     quadratic = QUADRATIC_BYTES["forward"] * work.batch * routed_heads(c) * rows * work.tokens \
         if dense_routes(facts, backend) else 0
     parts["activations"] = layer + quadratic + work.batch * c.vocab_size * 4 * 2  # + the last logits

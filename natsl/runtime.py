@@ -79,7 +79,9 @@ def check_keeps_natsl(keep_fraction: float | None, recipe, source, flag: str = "
         source: the checkpoint or recipe, for the error line.
         flag: the option that asked for it.
     """
-    if keep_fraction is not None and "natsl" not in recipe.model.layer_types():
+    from natsl.models.registry import any_routed
+
+    if keep_fraction is not None and not any_routed(recipe.model):
         kinds = ", ".join(sorted(set(recipe.model.layer_types())))
         raise NatslError(f"{flag} forces the kept blocks of NAtS-L layers, and {str(source)!r} has none "
                          f"(its layers: {kinds}); drop {flag}")

@@ -36,6 +36,8 @@ LAYOUTS = {
     "natsl_mamba2": {"base_layer": "natsl", "natsl_layers": [], "natsl_rope": True, "natsl_state": "mamba2",
                      "mamba2_state_l2": False, "mamba2_state_skip": True},
     "hybrid_mamba2": {"base_layer": "mamba2", "natsl_state": "mamba2", **TINY_MAMBA2},
+    # NAtS-L on a DeltaNet state (g = 0; natsl/models/deltanet.py) beside GDN layers
+    "hybrid_delta": {"natsl_state": "delta"},
 }
 
 

@@ -70,6 +70,8 @@ def bench_latency(
     torch_dtype = pick_dtype(dtype, torch_device)
     chosen_backend = pick_backend(backend, torch_device)
 
+    from natsl.models.registry import any_routed
+
     specs, limits = [], []
     recipes = list(recipe or [])
     if not recipes and not checkpoint:
@@ -78,7 +80,7 @@ def bench_latency(
         rec = natsl.load_recipe(path)  # validates the recipe now
         limits.append((path, rec.model.max_seq_len))
         # the fraction is forced on NAtS-L layers only: a model without them records none
-        specs.append(bench.BenchModel("recipe", path, keep_fraction if "natsl" in rec.model.layer_types() else None))
+        specs.append(bench.BenchModel("recipe", path, keep_fraction if any_routed(rec.model) else None))
     for path in checkpoint or []:
         folder, rec = checkpoint_recipe_of(path)
         limits.append((path, rec.model.max_seq_len))

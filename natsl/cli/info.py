@@ -66,10 +66,14 @@ def info(
     meta = natsl.build_model(rec, device="meta")
     print(f"{rec.name}: {meta.num_parameters() / 1e6:.1f}M parameters, {cfg.num_layers} layers "
           f"({', '.join(f'{n} {t}' for t, n in layout.items())}), width {cfg.hidden_size}, vocab {cfg.vocab_size}")
-    state = {"gdn": "GDN", "mamba2": "Mamba2"}[cfg.natsl_state]
-    natsl_on = "" if cfg.natsl_state == "gdn" else f" on a {state} state"
-    print("layers: " + " ".join({"gdn": "G", "attention": "A", "natsl": "N", "mamba2": "M", "nsa": "S"}[t] for t in cfg.layer_types())
-          + f"   (G = GDN, A = softmax attention, N = NAtS-L{natsl_on}, M = Mamba2, S = NSA)")
+    from natsl.models.registry import kind_of, kinds_of, layer_type_names
+
+    legend = {}  # letter -> meaning, one per layer type (its variant in this config)
+    for layer_type in layer_type_names():
+        kind = kind_of(cfg, layer_type)
+        legend.setdefault(kind.letter, kind.legend)
+    print("layers: " + " ".join(kind.letter for kind in kinds_of(cfg))
+          + "   (" + ", ".join(f"{letter} = {meaning}" for letter, meaning in legend.items()) + ")")
     if rows is not None:
         print(f"kernels on {table_device} (natsl info --kernels; docs/performance.md, \"Which kernel runs\"):")
         print(format_table(rows))
@@ -87,6 +91,7 @@ def info(
     for index, layer in model.natsl_layers().items():
         keep = layer.last_keep[0]
         print(f"layer {index} NAtS-L routing ({keep.shape[0]} blocks of {cfg.block_size} tokens x {keep.shape[1]} "
-              f"routing groups), keep fraction {keep.mean():.2f}; S = softmax KV memory, . = {state} state:")
+              f"routing groups), keep fraction {keep.mean():.2f}; S = softmax KV memory, . = "
+              f"{model.layers[index].kind.state_title} state:")
         for group, line in enumerate(routing_map(keep)):
             print(f"  group {group}: {line}")

@@ -40,6 +40,7 @@ from natsl.eval.common import EvalModel
 from natsl.inference import bench
 from natsl.inference.evict import METHODS, EvictingLM, Press
 from natsl.models.nsa import NO_CACHE
+from natsl.models.registry import KINDS, present
 from natsl.models.routing import force_keep_fraction
 
 
@@ -60,18 +61,21 @@ class Variant:
 def variants(config, budgets: list[float], methods: list[str], trained: bool = True) -> list[Variant]:
     """The variants of a model of `config` (natsl.config.ModelConfig) at `budgets`; an untrained
     model (a recipe) has no router of its own to compare."""
-    types = set(config.layer_types())
-    if "natsl" in types:
-        return [Variant("router", "natsl", "router")] * trained + \
-            [Variant(f"keep {b:g}", "natsl", "keep_fraction", b) for b in budgets]
-    if "attention" in types and config.attn_window:
-        return [Variant(f"window {config.attn_window}", "swa", "window", window=config.attn_window)]
-    if "attention" in types:
-        return [Variant("full", "attention", "full", 1.0)] + \
-            [Variant(f"{m} {b:g}", "attention", m, b) for b in budgets if b < 1 for m in methods]
-    # GDN and / or Mamba2 layers only: a fixed-size memory, nothing to budget
-    label = "+".join(sorted(types))
-    return [Variant(label, "mamba2" if "mamba2" in types else "gdn", "none")]
+    kinds = present(config)  # natsl.models.registry: each kind's family names its points
+    routed = next((k for k in kinds if k.routed), None)
+    if routed is not None:
+        return [Variant("router", routed.family, "router")] * trained + \
+            [Variant(f"keep {b:g}", routed.family, "keep_fraction", b) for b in budgets]
+    kv = next((k for k in kinds if k.softmax_memory), None)
+    if kv is not None and config.attn_window:
+        return [Variant(f"window {config.attn_window}", kv.family, "window", window=config.attn_window)]
+    if kv is not None:
+        return [Variant("full", kv.family, "full", 1.0)] + \
+            [Variant(f"{m} {b:g}", kv.family, m, b) for b in budgets if b < 1 for m in methods]
+    # linear-memory layers only (GDN and / or Mamba2): a fixed-size memory, nothing to budget; named after
+    # the SSD family where there is one
+    label = "+".join(sorted({k.layer_type for k in kinds}))
+    return [Variant(label, max(kinds, key=lambda k: k.state_rule == "gated_linear_rule").family, "none")]
 
 
 def check_budgets(budgets: list[float], methods: list[str]) -> None:
@@ -178,7 +182,7 @@ def check_sources(sources: list[Source], contexts: list[int]) -> None:
     """What would stop a model's measurement, before any model is built."""
     for source in sources:
         config = source.recipe.model
-        if "nsa" in config.layer_types():  # its KV bytes and latency need a cache (natsl.models.nsa)
+        if not all(k.has_cache for k in present(config)):  # its KV bytes and latency need a cache (natsl.models.nsa)
             raise NatslError(f"{source.name}: {NO_CACHE}; natsl compare cannot measure it yet, leave it out")
         if max(contexts) > config.max_seq_len:
             raise NatslError(f"--context {max(contexts)} is beyond {source.name}'s max_seq_len {config.max_seq_len}; "
@@ -217,7 +221,7 @@ def notes(sources: list[Source], plans: list[list[Variant]], quality: bool) -> l
     if routers and quality:
         lines.append(f"{', '.join(routers)}: a router's KV bytes and times are those of a random prompt at the context; "
                      "`kept` is what it kept on the recall inputs")
-    routed = [s.name for s, plan in zip(sources, plans) if not s.trained and any(v.family == "natsl" for v in plan)]
+    routed = [s.name for s, plan in zip(sources, plans) if not s.trained and any(v.method == "keep_fraction" for v in plan)]
     if routed:
         lines.append(f"{', '.join(routed)}: an untrained router, so each kept fraction is forced by a seeded random "
                      "mask (no router variant)")
@@ -358,7 +362,7 @@ def pareto(points: list[tuple[float, float]], higher_better: bool) -> list[tuple
     return front
 
 
-MARKERS = {"natsl": "o", "attention": "s", "swa": "^", "gdn": "D", "mamba2": "P"}
+MARKERS = {kind.family: kind.marker for kind in KINDS}  # one per family (natsl.models.registry)
 
 
 def series(entries: list[dict]) -> dict:

@@ -18,6 +18,7 @@ import torch
 
 from natsl.errors import NatslError
 from natsl.files import read_json
+from natsl.models.registry import kind_of
 
 HF_MODEL_TYPE = "neural_attention_search_linear_attn_gdn"
 # The authors' NAtS-L on Mamba2 (src/nats/models/natsl_attn_mamba2): hf_mamba2_recipe.
@@ -417,41 +418,12 @@ def hf_name_map(recipe, root: str = "model") -> dict[str, str]:
     names = {"embed.weight": f"{root}.embeddings.weight", "norm.weight": f"{root}.{final}.weight"}
     if not cfg.tie_embeddings:
         names["lm_head.weight"] = "lm_head.weight"
-    for i, kind in enumerate(cfg.layer_types()):
-        n, h = f"layers.{i}.", f"{root}.layers.{i}."
-        m, a = n + "mixer.", h + "attn."
-        if kind == "mamba2":  # flash-linear-attention's Mamba2 block: its norm and the mixer, no MLP
-            names[n + "mixer_norm.weight"] = h + "norm.weight"
-            conv = ("conv.weight", "conv.bias") if cfg.mamba2_conv_bias else ("conv.weight",)
-            for p in ("in_proj.weight", *conv, "A_log", "dt_bias", "D", "norm.weight", "out_proj.weight"):
-                names[m + p] = h + "mixer." + p.replace("conv.", "conv1d.")
-            continue
-        names[n + "mixer_norm.weight"] = h + "attn_norm.weight"
-        names[n + "mlp_norm.weight"] = h + "mlp_norm.weight"
-        for p in ("gate_proj", "up_proj", "down_proj"):
-            names[f"{n}mlp.{p}.weight"] = f"{h}mlp.{p}.weight"
-        gates = ("a_proj",) if cfg.natsl_state == "mamba2" and kind == "natsl" else ("a_proj", "b_proj")
-        for p in ("q_proj", "k_proj", "v_proj", *gates):
-            names[f"{m}proj.{p}.weight"] = f"{a}{p}.weight"
-        for p in ("q", "k", "v"):
-            names[f"{m}proj.{p}_conv.weight"] = f"{a}{p}_conv1d.weight"
-        names[m + "proj.A_log"] = a + "A_log"
-        names[m + "proj.dt_bias"] = a + "dt_bias"
-        names[m + "g_proj.weight"] = a + "g_proj.weight"
-        names[m + "o_proj.weight"] = a + "o_proj.weight"
-        if kind == "gdn":
-            names[m + "o_norm.weight"] = a + "o_norm.weight"
-        elif kind == "natsl":
-            names[m + "router.weight"] = a + "nats_layer.weight"
-            names[m + "q_norm.weight"] = a + "q_norm.weight"
-            names[m + "k_norm.weight"] = a + "k_norm.weight"
-            # FusedMultiInputRMSNormGated(x1 = linear-memory output, x2 = softmax output): weight1, weight2.
-            names[m + "la_norm.weight"] = a + "o_norm.weight1"
-            names[m + "nla_norm.weight"] = a + "o_norm.weight2"
-            if cfg.mix_weights != "none":
-                names[m + "mix_proj.weight"] = a + "nats_out_weights_layer.weight"
-        else:
-            raise NatslError(f"layer {i} has type {kind!r}, which the authors' format does not have")
+    for i, layer_type in enumerate(cfg.layer_types()):
+        # each layer kind names its own tensors (natsl.models.registry: LayerKind.authors_names)
+        layer = kind_of(cfg, layer_type).authors_names(cfg, f"layers.{i}.", f"{root}.layers.{i}.")
+        if layer is None:
+            raise NatslError(f"layer {i} has type {layer_type!r}, which the authors' format does not have")
+        names.update(layer)
     return names
 
 
@@ -468,7 +440,7 @@ def hf_state_dict(recipe, tensors: dict[str, torch.Tensor]) -> dict[str, torch.T
     from natsl.models import build_model
 
     shapes = {k: tuple(v.shape) for k, v in build_model(recipe, device="meta").state_dict().items()}
-    names = hf_name_map(recipe, root="backbone" if recipe.model.natsl_state == "mamba2" else "model")
+    names = hf_name_map(recipe, root=kind_of(recipe.model, "natsl").authors_root)
     missing_src = [h for n, h in names.items() if h not in tensors]
     if missing_src:
         raise NatslError(f"the checkpoint lacks {len(missing_src)} tensor(s) its config implies, e.g. {missing_src[:3]}; "

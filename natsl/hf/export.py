@@ -27,6 +27,7 @@ import torch
 from natsl.config import context_length
 from natsl.errors import NatslError
 from natsl.files import read_json
+from natsl.models.registry import kinds_of
 
 LLAMA = "llama"
 NATSL = "natsl"
@@ -41,14 +42,8 @@ def llama_name_map(cfg) -> dict[str, str]:
     names = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
     if not cfg.tie_embeddings:
         names["lm_head.weight"] = "lm_head.weight"
-    for i in range(cfg.num_layers):
-        n, h = f"layers.{i}.", f"model.layers.{i}."
-        names[n + "mixer_norm.weight"] = h + "input_layernorm.weight"
-        names[n + "mlp_norm.weight"] = h + "post_attention_layernorm.weight"
-        for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            names[f"{n}mixer.{p}.weight"] = f"{h}self_attn.{p}.weight"
-        for p in ("gate_proj", "up_proj", "down_proj"):
-            names[f"{n}mlp.{p}.weight"] = f"{h}mlp.{p}.weight"
+    for i, kind in enumerate(kinds_of(cfg)):  # each layer kind's own names (llama_refusal: all have some)
+        names.update(kind.llama_names(cfg, f"layers.{i}.", f"model.layers.{i}."))
     return names
 
 
@@ -63,9 +58,9 @@ def natsl_name_map(model) -> dict[str, str]:
 
 def llama_refusal(cfg) -> str | None:
     """Why a natsl model cannot be a plain Llama checkpoint (None: it can)."""
-    kinds = set(cfg.layer_types())
-    if kinds != {"attention"}:
-        return f"it has {', '.join(sorted(kinds - {'attention'}))} layers"
+    others = sorted({kind.layer_type for kind in kinds_of(cfg) if kind.llama_names(cfg, "", "") is None})
+    if others:
+        return f"it has {', '.join(others)} layers"
     if not cfg.attn_rope:
         return "its attention has no RoPE (attn_rope: false), and Llama always rotates"
     if cfg.attn_window:

@@ -39,7 +39,7 @@ from natsl.inference.decode import DecodeRunner
 from natsl.inference.evict import evict, observe
 from natsl.inference.prefill_graph import prefill as graphed_prefill
 from natsl.models.routing import force_keep_fraction
-from natsl.models.state_cost import state_flops_per_token
+from natsl.models.registry import kinds_of
 
 DEFAULT_RECIPES = ("800m_hybrid", "800m_transformer", "800m_gdn", "800m_mamba2")
 
@@ -98,19 +98,6 @@ def measure_rates(device: torch.device, dtype: torch.dtype) -> dict:
             "matmul_dtype": str(dtype).replace("torch.", "")}
 
 
-def attention_pairs(length: int, block_size: int | None = None, keep: float = 1.0, window: int = 0) -> float:
-    """(query, key) pairs a causal softmax reads (within `window` when > 0); with `block_size`, NAtS-L's
-    own block plus kept blocks."""
-    if block_size is None:
-        if window and window < length:
-            return window * (window + 1) / 2 + (length - window) * window
-        return length * (length + 1) / 2
-    blocks, rest = divmod(length, block_size)
-    own = blocks * block_size * (block_size + 1) / 2 + rest * (rest + 1) / 2
-    earlier = keep * block_size * block_size * (blocks * (blocks - 1) / 2 + (rest / block_size) * blocks)
-    return own + earlier
-
-
 def prefill_flops(model, length: int, batch: int = 1, keep: float = 1.0) -> float:
     """Approximate FLOPs of a prefill of `length` tokens (logits of the last token only)."""
     c = model.config
@@ -118,14 +105,8 @@ def prefill_flops(model, length: int, batch: int = 1, keep: float = 1.0) -> floa
     body = sum(p.numel() for name, p in model.named_parameters()
                if p.dim() >= 2 and not name.startswith(("embed.", "lm_head.")) and "conv" not in name)
     flops = 2.0 * batch * length * body + 2.0 * batch * head
-    for layer_type in c.layer_types():
-        if layer_type == "attention":
-            flops += 2.0 * batch * c.attn_num_heads * 2 * c.attn_head_dim * attention_pairs(length, window=c.attn_window)
-        elif layer_type in ("gdn", "mamba2"):
-            flops += batch * length * state_flops_per_token(c, layer_type)
-        elif layer_type == "natsl":
-            flops += batch * length * state_flops_per_token(c, layer_type)
-            flops += 2.0 * batch * c.num_heads * (c.head_k_dim + c.head_v_dim) * attention_pairs(length, c.block_size, keep)
+    for kind in kinds_of(c):  # each layer kind's own term (natsl.models.registry: LayerKind.prefill_flops)
+        flops += kind.prefill_flops(c, length, batch, keep)
     return flops
 
 

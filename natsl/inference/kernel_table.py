@@ -22,7 +22,8 @@ import torch
 from natsl import ops, switches
 from natsl.errors import NatslError
 from natsl.inference import prefill_graph
-from natsl.models import nsa, overlap
+from natsl.models import nsa, overlap, registry
+from natsl.models.registry import present
 from natsl.ops import cached, compiled, cross_entropy, fused, gemv, kernel_set, mix, short_conv
 
 PATHS = ("train", "prefill", "decode")
@@ -99,10 +100,12 @@ def kernel_table(config, device: torch.device | str, *, training: bool | None = 
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise NatslError("--device cuda asked for, but this machine has no CUDA GPU; use --device cpu")
-    types = set(config.layer_types())
-    natsl = "natsl" in types
-    gdn_state = "gdn" in types or (natsl and config.natsl_state == "gdn")
-    gla_state = "mamba2" in types or (natsl and config.natsl_state == "mamba2")
+    kinds = present(config)  # the layer kinds it builds (natsl.models.registry)
+    natsl = any(k.routed for k in kinds)
+    gdn_state = any(k.state_rule == "gated_delta_rule" for k in kinds)
+    gla_state = any(k.state_rule == "gated_linear_rule" for k in kinds)
+    no_cache = next((k for k in kinds if not k.has_cache), None)
+    conv_bias = any(k.conv_bias(config) for k in kinds)
     layer, chosen, why = _backend(config, device, backend, command)
     x = torch.zeros(1, device=device)
     rows = [dict(path="all", op="backend", runs=chosen, why=why)]
@@ -113,18 +116,14 @@ def kernel_table(config, device: torch.device | str, *, training: bool | None = 
     paths = [p for p in PATHS if training is None or (p == "train") == training]
     for path in paths:
         grad = path == "train"
-        if "nsa" in types and path != "train":
-            row(path, "cached paths", "none", "NSA layers have no inference cache")
+        if no_cache is not None and path != "train":
+            row(path, "cached paths", "none", f"{no_cache.legend} layers have no inference cache")
             continue
         if path in ("train", "prefill"):
-            if gdn_state:
-                row(path, "gated_delta_rule", *_state_rule(
-                    "gated_delta_rule", chosen, config, device, grad,
-                    natsl and config.natsl_state == "gdn" and config.intra_block_output == "softmax"))
-            if gla_state:
-                row(path, "gated_linear_rule", *_state_rule(
-                    "gated_linear_rule", chosen, config, device, grad,
-                    natsl and config.natsl_state == "mamba2" and config.intra_block_output == "softmax"))
+            for rule in ("gated_delta_rule", "gated_linear_rule"):
+                if any(k.state_rule == rule for k in kinds):
+                    row(path, rule, *_state_rule(rule, chosen, config, device, grad, config.intra_block_output
+                                                 == "softmax" and any(k.routed and k.state_rule == rule for k in kinds)))
             if natsl:
                 fast = ops.attention_is_fast(layer, device)
                 runs, why = _label(ops.twin("routed_attention", fast)), f"backend {chosen}"
@@ -133,7 +132,7 @@ def kernel_table(config, device: torch.device | str, *, training: bool | None = 
                 if fast and config.intra_block_output == "gdn":
                     runs, why = "reference (PyTorch)", "intra_block_output=gdn, an ablation with no kernel"
                 row(path, "routed_attention", runs, why)
-            if "nsa" in types and path == "train":
+            if any(isinstance(k, registry.NSA) for k in kinds) and path == "train":
                 naive = nsa.naive_default(device)
                 row(path, "NSA branches (fla)", "fla naive (PyTorch)" if naive else "fla parallel_nsa (Triton)",
                     "not CUDA" if naive else "CUDA")
@@ -156,15 +155,21 @@ def kernel_table(config, device: torch.device | str, *, training: bool | None = 
                     row(path, "GDN q/k/v convs joined", "one op" if joined else "one op per conv",
                         "fast backend, NATSL_JOINED_CONV on, tiles fit" if joined else
                         ("NATSL_JOINED_CONV=0" if not switches.current().joined_conv else "the fast backend only"))
-            if "mamba2" in types and config.mamba2_conv_bias:
+            if conv_bias:
                 row(path, "Mamba2 conv with bias", pointwise[0], "mamba2_conv_bias: the kernels take no bias")
         if path == "decode":
-            if gdn_state:
-                if kernels.fused:
-                    row(path, "GDN decode step", "fused (Triton)", "the fused kernel set")
+            # a GDN state's decode step (fused), and a DeltaNet state's (the GDN token step at g = 0)
+            steps: dict = {}
+            for kind in kinds:
+                if kind.state_rule == "gated_delta_rule":
+                    steps.setdefault(kind.fused_decode, kind)
+            for kind in steps.values():
+                op = "GDN decode step" if kind.fused_decode else f"{kind.state_title} decode step (g = 0)"
+                if kernels.fused and kind.fused_decode:
+                    row(path, op, "fused (Triton)", "the fused kernel set")
                 else:
                     on, why = cached.use_fast_why(layer, device)
-                    row(path, "GDN decode step", "fast token step (Triton)" if on else "reference (PyTorch)",
+                    row(path, op, "fast token step (Triton)" if on else "reference (PyTorch)",
                         why + (" (key dim <= 256)" if on else ""))
             if gla_state:
                 on = kernels.gla_decode_fused()
@@ -180,7 +185,7 @@ def kernel_table(config, device: torch.device | str, *, training: bool | None = 
                     row(path, "NAtS-L block end", "eager, commit " + ("fast (Triton)" if on else "reference"),
                         "model.router_keep_budget: the compiled form does not carry the gaps" if kernels.fused
                         else why)
-            if natsl or "attention" in types:
+            if any(k.softmax_memory for k in kinds):
                 on, why = fused.decode_attention_enabled_why(layer, device)
                 row(path, "decode attention", "split-K (Triton)" if on else "reference (PyTorch)", why)
             on, why = gemv.enabled_why(x)

@@ -40,6 +40,7 @@ import torch
 
 from natsl import switches
 from natsl.models.merged import merge_
+from natsl.models.registry import any_routed, kinds_of
 
 QUANTUM = 64  # bucket step in tokens (a divisor of the block size with NAtS-L layers: bucket_quantum)
 MAX_LEN = 2048  # longest prompt served from a graph; longer prefills are GPU-bound
@@ -50,7 +51,7 @@ KV_FIELDS = ("k", "v", "k_mem", "v_mem")  # per-token buffers [B, heads, capacit
 def bucket_quantum(config) -> int:
     """Bucket step: QUANTUM, or its greatest common divisor with the block size when NAtS-L layers
     are present (then no multiple of the block size falls strictly inside a bucket)."""
-    if "natsl" in config.layer_types():
+    if any_routed(config):
         return math.gcd(QUANTUM, config.block_size)
     return QUANTUM
 
@@ -203,15 +204,12 @@ class PrefillGraphs:
 
 _RUNNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
-# Layers whose cached prefill leaves no trace of pads: GDN and NAtS-L (on either state) zero the pads'
-# gates, full attention masks the K/V slots past the prompt. A Mamba2 layer writes its state with every
-# token it sees, and a sliding window's ring buffer lets a pad overwrite a slot still in the window.
-PAD_EXACT_LAYERS = frozenset({"gdn", "attention", "natsl"})
-
-
 def padding_is_exact(config) -> bool:
-    """Whether a padded prefill of this model leaves its cache as a plain prefill does."""
-    return set(config.layer_types()) <= PAD_EXACT_LAYERS and not getattr(config, "attn_window", 0)
+    """Whether a padded prefill of this model leaves its cache as a plain prefill does: every layer kind
+    says (natsl.models.registry: LayerKind.pad_exact). GDN and NAtS-L (on either state) zero the pads'
+    gates, full attention masks the K/V slots past the prompt; a Mamba2 layer writes its state with every
+    token it sees, and a sliding window's ring buffer lets a pad overwrite a slot still in the window."""
+    return all(kind.pad_exact for kind in kinds_of(config))
 
 
 def applies_why(config, device: torch.device) -> tuple[bool, str]:

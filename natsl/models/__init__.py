@@ -1,8 +1,16 @@
 """Model zoo: GDN, softmax attention and NAtS-L layers in one causal LM (see docs/architecture.md)."""
 
-from natsl.models.lm import CausalLM
-
 __all__ = ["CausalLM", "build_model"]
+
+
+def __getattr__(name: str):
+    # CausalLM on first use: natsl.config's validation imports natsl.models.registry, which must not
+    # pull in torch and every layer with it.
+    if name == "CausalLM":
+        from natsl.models.lm import CausalLM
+
+        return CausalLM
+    raise AttributeError(f"module 'natsl.models' has no attribute {name!r}")
 
 
 def build_model(recipe_or_config, device=None):
@@ -18,6 +26,7 @@ def build_model(recipe_or_config, device=None):
         `model(input_ids, cache=model.new_cache(B))` runs prefill and decode (docs/spec.md section 5).
     """
     from natsl.config import ModelConfig, Recipe
+    from natsl.models.lm import CausalLM
 
     config = recipe_or_config.model if isinstance(recipe_or_config, Recipe) else recipe_or_config
     if not isinstance(config, ModelConfig):

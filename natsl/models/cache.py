@@ -286,11 +286,35 @@ class ModelCache:
         return kept / total
 
 
+@dataclass
+class CacheSpace:
+    """Where a model cache's layers allocate (natsl.models.registry's LayerKind.new_cache): the shared
+    positions, `batch` sequences of up to `capacity` tokens, the device, the activation dtype of K/V and
+    conv tails and the recurrent states' dtype (fp32; float64 for a float64 model)."""
+
+    positions: Positions
+    batch: int
+    capacity: int
+    device: torch.device
+    dtype: torch.dtype
+    state_dtype: torch.dtype
+
+    def zeros(self, *shape: int, dt: torch.dtype | None = None) -> torch.Tensor:
+        """A zero tensor of `shape` on the cache's device, in `dt` (default: the activation dtype)."""
+        return torch.zeros(*shape, dtype=self.dtype if dt is None else dt, device=self.device)
+
+    def conv_tails(self, config) -> list[torch.Tensor]:
+        """The q, k and v conv tails of a GDN head set [B, conv_size - 1, channels]."""
+        h, k, v, w = config.num_heads, config.head_k_dim, config.head_v_dim, config.conv_size - 1
+        return [self.zeros(self.batch, w, h * k), self.zeros(self.batch, w, h * k), self.zeros(self.batch, w, h * v)]
+
+
 def new_model_cache(model, batch_size: int, max_len: int | None = None, device=None, dtype=None) -> ModelCache:
     """An empty cache for `model` (a CausalLM): `batch_size` sequences of up to `max_len` tokens.
 
     `max_len` defaults to the config's `max_seq_len`; `device` and `dtype` default to the model's.
-    Recurrent states are fp32 (float64 for a float64 model), as the ops keep them.
+    Recurrent states are fp32 (float64 for a float64 model), as the ops keep them. Each layer's cache
+    is its registry entry's (natsl.models.registry: LayerKind.new_cache).
     """
     config = model.config
     if batch_size < 1:
@@ -302,44 +326,9 @@ def new_model_cache(model, batch_size: int, max_len: int | None = None, device=N
     device = weight.device if device is None else torch.device(device)
     dtype = weight.dtype if dtype is None else dtype
     state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    B, C, L = batch_size, config.block_size, max_len
-    positions = Positions(pos=torch.zeros(B, dtype=torch.long, device=device), lengths=torch.zeros(B, dtype=torch.long),
-                          capacity=L, block_size=C, shared={"version": 0})
-
-    def zeros(*shape, dt=dtype):
-        return torch.zeros(*shape, dtype=dt, device=device)
-
-    def conv_tails():
-        h, k, v, w = config.num_heads, config.head_k_dim, config.head_v_dim, config.conv_size - 1
-        return [zeros(B, w, h * k), zeros(B, w, h * k), zeros(B, w, h * v)]
-
-    H, K, V = config.num_heads, config.head_k_dim, config.head_v_dim
-    layers: list[LayerCache] = []
-    for layer_type in config.layer_types():
-        if layer_type == "gdn":
-            layers.append(GDNCache(positions, conv=conv_tails(), state=zeros(B, H, K, V, dt=state_dtype)))
-        elif layer_type == "mamba2":
-            inner = config.mamba2_expand * config.hidden_size
-            xbc = inner + 2 * config.mamba2_groups * config.mamba2_state_size
-            layers.append(GDNCache(positions, conv=[zeros(B, config.conv_size - 1, xbc)],
-                                   state=ssd_state(B, config, device, state_dtype)))
-        elif layer_type == "attention":
-            a, d, w = config.attn_num_heads, config.attn_head_dim, config.attn_window
-            n = min(w, L) if w else L
-            layers.append(AttentionCache(positions, k=zeros(B, a, n, d), v=zeros(B, a, n, d), window=w))
-        elif layer_type == "natsl":
-            hs = H * config.softmax_heads_per_group
-            layers.append(NAtSLCache(
-                positions, conv=conv_tails(), state_start=zeros(B, H, K, V, dt=state_dtype),
-                state_run=zeros(B, H, K, V, dt=state_dtype), decay_sum=zeros(B, H, dt=state_dtype),
-                x_sum=zeros(B, config.hidden_size, dt=state_dtype),
-                k_mem=zeros(B, hs, L, config.softmax_k_dim), v_mem=zeros(B, hs, L, config.softmax_v_dim),
-                kept_len=zeros(B, H, dt=torch.long),
-                keep_gaps=None if config.router_keep_budget is None else zeros(B, H, -(-L // C), dt=torch.float32)))
-        elif layer_type == "nsa":
-            from natsl.models.nsa import NO_CACHE
-
-            raise NatslError(NO_CACHE)
-        else:
-            raise NatslError(f"layer type {layer_type!r} has no inference cache")
+    positions = Positions(pos=torch.zeros(batch_size, dtype=torch.long, device=device),
+                          lengths=torch.zeros(batch_size, dtype=torch.long), capacity=max_len,
+                          block_size=config.block_size, shared={"version": 0})
+    space = CacheSpace(positions, batch_size, max_len, device, dtype, state_dtype)
+    layers: list[LayerCache] = [block.kind.new_cache(config, space) for block in model.layers]
     return ModelCache(layers, positions)

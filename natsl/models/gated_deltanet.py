@@ -48,6 +48,7 @@ class GatedDeltaProjections(nn.Module):
     scale = None  # the op's output scale (None: K^-0.5)
     l2_heads = True  # q and k are L2-normalised per head
     fused_decode = True  # `decode_step` runs the memory's token step on the kernel set (one kernel on the fused one)
+    decays = True  # the state decays: A_log and dt_bias (a DeltaNet state has neither; natsl.models.deltanet)
 
     def __init__(self, config: ModelConfig, device=None):
         super().__init__()
@@ -61,15 +62,17 @@ class GatedDeltaProjections(nn.Module):
         self.q_conv = ShortConv(h * self.k_dim, config.conv_size, device=device, backend=config.backend)
         self.k_conv = ShortConv(h * self.k_dim, config.conv_size, device=device, backend=config.backend)
         self.v_conv = ShortConv(h * self.v_dim, config.conv_size, device=device, backend=config.backend)
-        self.A_log = nn.Parameter(torch.empty(h, device=device))
-        self.dt_bias = nn.Parameter(torch.empty(h, device=device))
-        self.A_log._no_weight_decay = True
-        self.dt_bias._no_weight_decay = True
+        if self.decays:
+            self.A_log = nn.Parameter(torch.empty(h, device=device))
+            self.dt_bias = nn.Parameter(torch.empty(h, device=device))
+            self.A_log._no_weight_decay = True
+            self.dt_bias._no_weight_decay = True
         self.backend = config.backend  # the token step's (set_backend changes it with the layers')
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        init_decay(self.A_log, self.dt_bias, self.a_min)
+        if self.decays:
+            init_decay(self.A_log, self.dt_bias, self.a_min)
 
     def forward(self, x: torch.Tensor, conv_tails=None, kernels=None, positions=None):
         """x [B, T, d] -> (q [B,T,H*K], k [B,T,H*K], v [B,T,H*V] post-conv, g [B,T,H] fp32, beta [B,T,H], tails).

@@ -11,28 +11,23 @@ from natsl.config import ModelConfig
 from natsl import ops
 from natsl.ops import compiled
 from natsl.ops import kernel_set
-from natsl.models.attention import SoftmaxAttention
 from natsl.models.conv import ShortConv
-from natsl.models.gated_deltanet import GatedDeltaNet
 from natsl.models.linear import Linear
-from natsl.models.mamba2 import Mamba2
 from natsl.models.mlp import SwiGLU
 from natsl.models.natsl_layer import NAtSL
 from natsl.models.norms import RMSNorm
-from natsl.models.nsa import NativeSparseAttention
+from natsl.models.registry import kind_of, present
 from natsl.models.rope import RopeTable
-
-MIXERS = {"gdn": GatedDeltaNet, "attention": SoftmaxAttention, "natsl": NAtSL, "mamba2": Mamba2,
-          "nsa": NativeSparseAttention}
 
 
 class Block(nn.Module):
     def __init__(self, config: ModelConfig, layer_type: str, device=None):
         super().__init__()
         self.layer_type = layer_type
+        self.kind = kind_of(config, layer_type)  # natsl.models.registry: what builds, caches and costs it
         # The pre-norms feed only Linears: under autocast they hand them bf16 once (norms.autocast_dtype).
         self.mixer_norm = RMSNorm(config.hidden_size, config.norm_eps, device=device, autocast_output=True)
-        self.mixer = MIXERS[layer_type](config, device=device)
+        self.mixer = self.kind.build(config, device=device)
         self.mlp_norm = self.mlp = None
         if has_mlp(config, layer_type):
             self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps, device=device, autocast_output=True)
@@ -65,8 +60,9 @@ class Block(nn.Module):
 
 def has_mlp(config: ModelConfig, layer_type: str) -> bool:
     """Whether a block of `layer_type` carries the SwiGLU: every block where intermediate_size > 0, but a
-    Mamba2 block only with mamba2_mlp (Mamba2's stack and the authors' NAtS-L Mamba2 model have none)."""
-    return config.intermediate_size > 0 and (layer_type != "mamba2" or config.mamba2_mlp)
+    Mamba2 block only with mamba2_mlp (Mamba2's stack and the authors' NAtS-L Mamba2 model have none);
+    its registry entry says (natsl.models.registry: LayerKind.has_mlp)."""
+    return kind_of(config, layer_type).has_mlp(config)
 
 
 def last_token(x: torch.Tensor, cache) -> torch.Tensor:
@@ -79,10 +75,7 @@ def rope_table_for(c: ModelConfig, length: int, device) -> RopeTable | None:
     """The RoPE angles that every rotating layer of a model of config `c` shares in one full-sequence
     forward, for each rotating head dim (None: no layer rotates). See RopeTable: a compiled model gains
     only from a table made outside it."""
-    types = c.layer_types()
-    dims = ([c.attn_head_dim] if c.attn_rope and "attention" in types else []) + \
-        ([c.softmax_k_dim] if c.natsl_rope and "natsl" in types else []) + \
-        ([c.nsa_head_dim] if "nsa" in types else [])
+    dims = [dim for kind in present(c) for dim in kind.rope_dims(c)]
     return RopeTable(length, c.rope_theta, device, dims) if dims else None
 
 

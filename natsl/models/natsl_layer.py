@@ -27,9 +27,7 @@ from torch import nn
 
 from natsl import ops
 from natsl.config import ModelConfig
-from natsl.models.gated_deltanet import GatedDeltaProjections
 from natsl.models.linear import Linear, aligned_linear
-from natsl.models.mamba2 import Mamba2StateProjections
 from natsl.models.natsl_cached import CachedNAtSL
 from natsl.models.norms import RMSNorm
 from natsl.models.rope import RopeTable, apply_rope
@@ -39,22 +37,24 @@ from natsl.reference.router import (block_mean, budget_keep, keep_gaps, route_bl
                                    straight_through_route)
 
 
-# The linear memory of the layer, by `config.natsl_state`: its projections and its op.
-STATE_PROJECTIONS = {"gdn": GatedDeltaProjections, "mamba2": Mamba2StateProjections}
-
-
 class NAtSL(CachedNAtSL, nn.Module):
     """The NAtS-L layer: the parameters and the full-sequence forward; the cached prefill and decode
     (`forward(x, cache=...)`) come from `CachedNAtSL` (natsl/models/natsl_cached.py)."""
 
-    def __init__(self, config: ModelConfig, device=None):
+    def __init__(self, config: ModelConfig, device=None, projections: type | None = None):
+        """`projections`: the class of the linear memory's projections and op (GatedDeltaProjections or a
+        subclass); None: the one config.natsl_state names in the layer registry (natsl.models.registry)."""
         super().__init__()
         self.config = config
         self.backend = config.backend
         d, h, r = config.hidden_size, config.num_heads, config.softmax_heads_per_group
         self.num_heads, self.groups = h, r
         self.softmax_heads = h * r
-        self.proj = STATE_PROJECTIONS[config.natsl_state](config, device=device)
+        if projections is None:
+            from natsl.models.registry import kind_of
+
+            projections = kind_of(config, "natsl").projections()
+        self.proj = projections(config, device=device)
         self.router = Linear(d, 2 * h, bias=False, device=device)
         if config.mix_weights != "none":
             mix_in = h * config.head_k_dim if config.mix_input == "q" else d

@@ -12,7 +12,8 @@ Per token, training costs 3x the forward (forward + two backward matmuls):
   heads x (d_k + d_v). The trainer passes the measured keep fraction.
 - NSA: softmax over an average context of the compressed blocks ((T/2) / block size), the selected
   blocks (counts x block size, at most T/2) and the window (at most T/2): 3 x 2 x context x heads x 2 d.
-This is an estimate of the work the model needs, not a count of what the kernels execute.
+This is an estimate of the work the model needs, not a count of what the kernels execute. Each layer
+kind's term is its registry entry's (natsl.models.registry: LayerKind.train_flops).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import os
 
 from natsl.config import ModelConfig
-from natsl.models.state_cost import state_flops_per_token
+from natsl.models.registry import kinds_of
 
 # Dense bf16 tensor-core peaks (FLOP/s) by the name CUDA reports; the first match wins.
 PEAK_BF16 = (
@@ -38,21 +39,8 @@ def flops_per_token(config: ModelConfig, seq_len: int, keep_fraction: float = 1.
     dense_params = n_params - config.vocab_size * config.hidden_size * (0 if config.tie_embeddings else 1)
     total = 6.0 * dense_params
     t, c = float(seq_len), float(min(config.block_size, seq_len))
-    h = config.num_heads
-    for layer in config.layer_types():
-        if layer == "attention":
-            total += 3.0 * t * config.attn_num_heads * 2 * config.attn_head_dim
-        elif layer in ("gdn", "mamba2"):
-            total += 3.0 * state_flops_per_token(config, layer, c)
-        elif layer == "natsl":
-            context = c / 2 + keep_fraction * max(t - c, 0.0) / 2
-            heads = h * config.softmax_heads_per_group
-            total += 3.0 * state_flops_per_token(config, layer, c)
-            total += 3.0 * 2.0 * context * heads * (config.softmax_k_dim + config.softmax_v_dim)
-        elif layer == "nsa":
-            context = t / 2 / config.nsa_block_size + min(config.nsa_block_counts * config.nsa_block_size, t / 2) \
-                + min(config.nsa_window, t / 2)
-            total += 3.0 * 2.0 * context * config.nsa_num_heads * 2 * config.nsa_head_dim
+    for kind in kinds_of(config):
+        total += kind.train_flops(config, t, c, keep_fraction)
     return total
 
 
