@@ -48,6 +48,7 @@ def train(
     from natsl.config import apply_overrides, load_recipe
     from natsl.errors import NatslError
     from natsl.training import TrainOptions, train as run_training
+    from natsl.training.trainer import check_before_work
     from natsl.training.distributed import launched_by_torchrun
     from natsl.cli.jobs import check_training
     from pathlib import Path
@@ -73,10 +74,11 @@ def train(
         raise NatslError("--resume takes auto, never or a checkpoint folder")
     if not (is_task(rec.data.path) or rec.data.path == "builtin" or Path(rec.data.path).exists()):
         raise missing_data(rec)  # bad input before the estimate's lines
+    options = TrainOptions(out_dir=out, resume=resume, device=device, backend=backend, compile=compile_,
+                           max_steps=max_steps, threads=threads, progress=progress)
+    check_before_work(rec, options)  # its one line alone, before the estimate's
     check_training(rec, device=device, backend=backend, threads=threads, max_steps=max_steps, force=force)
-    result = run_training(rec, TrainOptions(out_dir=out, resume=resume, device=device, backend=backend,
-                                            compile=compile_, max_steps=max_steps, threads=threads,
-                                            progress=progress))
+    result = run_training(rec, options)
     if launched_by_torchrun() and int(os.environ.get("RANK", "0")) != 0:
         return  # rank 0 reports
     loss = f"{result.loss:.4f}" if result.loss is not None else "n/a"

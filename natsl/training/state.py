@@ -191,6 +191,12 @@ class LoadedCheckpoint:
     rng: dict
 
 
+def missing_checkpoint(folder) -> NatslError:
+    """A --resume folder that is not there: the one line."""
+    return NatslError(f"checkpoint {str(folder)!r} does not exist; pass a step folder such as "
+                      "runs/NAME/checkpoints/step_000050")
+
+
 def load_training_checkpoint(folder: Path) -> LoadedCheckpoint:
     """Read and check every file of a step folder; NatslError (one line) if anything is missing or damaged."""
     from safetensors import SafetensorError
@@ -198,8 +204,7 @@ def load_training_checkpoint(folder: Path) -> LoadedCheckpoint:
 
     folder = Path(folder)
     if not folder.is_dir():
-        raise NatslError(f"checkpoint {str(folder)!r} does not exist; pass a step folder such as "
-                         "runs/NAME/checkpoints/step_000050")
+        raise missing_checkpoint(folder)
     sizes = verify_manifest(folder)
     for name in (OPTIMIZER_FILE, RNG_FILE, STATE_FILE, "model.safetensors"):
         if name not in sizes:

@@ -130,6 +130,42 @@ def missing_data(recipe: Recipe) -> NatslError:
                       "for a smoke run on the embedded corpus")
 
 
+def check_before_work(recipe: Recipe, options: TrainOptions) -> None:
+    """The checks of a run's input that need no model, data or checkpoint read, for `natsl train` to make
+    before it prints its estimate: bad input then gets its one line alone (the estimate's lines depend on how
+    fast this machine is now). The trainer makes the same checks again, for callers of `train`.
+
+    Raises:
+        NatslError: windows longer than model.max_seq_len, CUDA graphs without compile, --resume never onto
+            a folder with checkpoints, or a --resume folder that is not there.
+    """
+    check_window(recipe)
+    compiled = options.compile if options.compile is not None else recipe.train.compile
+    cuda_graphs_wanted(recipe.train.cuda_graphs, compiled, int(os.environ.get("WORLD_SIZE", "1")),
+                       torch.device("cpu"))
+    if options.resume == "never":
+        out = _out_dir(recipe, options)
+        existing = S.list_checkpoints(out)
+        if existing:
+            raise onto_checkpoints(out, existing)
+    elif options.resume != "auto" and not Path(options.resume).is_dir():
+        raise S.missing_checkpoint(options.resume)
+
+
+def check_window(recipe: Recipe) -> None:
+    """Generation and the decode cache stop at max_seq_len: no model is trained on longer windows. (Checked
+    when a run starts, not when a recipe loads: an inference checkpoint may carry a longer train section.)"""
+    if recipe.train.seq_len > recipe.model.max_seq_len:
+        raise NatslError(f"recipe key 'train.seq_len' = {recipe.train.seq_len} is more than model.max_seq_len = "
+                         f"{recipe.model.max_seq_len}; lower train.seq_len or raise model.max_seq_len")
+
+
+def onto_checkpoints(out: Path, existing) -> NatslError:
+    """--resume never onto a run folder that has checkpoints: the one line."""
+    return NatslError(f"{str(out)!r} already holds checkpoints (newest: {existing[-1][1].name}); "
+                      "continue with --resume auto, or pass another --out")
+
+
 def _out_dir(recipe: Recipe, options: TrainOptions) -> Path:
     if options.out_dir:
         return Path(options.out_dir)
@@ -301,11 +337,7 @@ class Trainer:
         if max_steps is not None and max_steps < 1:
             raise NatslError(f"--max-steps must be at least 1, got {max_steps}")
         self.end_step = min(self.total_steps, max_steps) if max_steps is not None else self.total_steps
-        # Generation and the decode cache stop at max_seq_len: do not train a model on longer windows.
-        # (Checked here, not when a recipe loads: an inference checkpoint may carry a longer train section.)
-        if tc.seq_len > self.recipe.model.max_seq_len:
-            raise NatslError(f"recipe key 'train.seq_len' = {tc.seq_len} is more than model.max_seq_len = "
-                             f"{self.recipe.model.max_seq_len}; lower train.seq_len or raise model.max_seq_len")
+        check_window(self.recipe)
 
     def choose_checkpoint(self) -> Optional[S.LoadedCheckpoint]:
         """Rank 0 picks (and loads) the checkpoint to continue from; the other ranks load the same one."""
@@ -317,8 +349,7 @@ class Trainer:
                 existing = S.list_checkpoints(out)
                 if resume == "never":
                     if existing:
-                        raise NatslError(f"{str(out)!r} already holds checkpoints (newest: {existing[-1][1].name}); "
-                                         "continue with --resume auto, or pass another --out")
+                        raise onto_checkpoints(out, existing)
                 elif resume == "auto":
                     for _, path in reversed(existing):
                         try:
