@@ -29,6 +29,7 @@ import natsl.reference.cross_entropy  # noqa: F401
 import natsl.reference.gated_delta  # noqa: F401
 import natsl.reference.gated_delta_chunked  # noqa: F401
 import natsl.reference.routed_attention  # noqa: F401
+from natsl.block_size import DEFAULT_BLOCK_SIZE, GPU_BACKWARD_LARGEST
 from natsl.devices import triton_available, triton_interpreted
 from natsl.errors import NatslError
 
@@ -86,6 +87,18 @@ def _check_route_grad(route_grad: str) -> None:
         raise NatslError(f"unknown route_grad {route_grad!r}: use 'active' or 'full'")
 
 
+def state_backend(chosen: str, block_size: int, *tensors) -> str:
+    """The backend a state op (gated_delta_rule, gated_linear_rule) runs on, given the one `resolve_backend`
+    chose: "chunked" where that is "fast" but the Triton backward cannot take the block on the GPU (a
+    gradient recorded on CUDA tensors with block_size above GPU_BACKWARD_LARGEST: natsl/block_size.py),
+    so that such a model trains on the GPU with the chunk-parallel PyTorch form, else `chosen`.
+    natsl.inference.kernel_table reports the same rule."""
+    if chosen == "fast" and block_size > GPU_BACKWARD_LARGEST and tensors[0].device.type == "cuda" and (
+            torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)):
+        return "chunked"
+    return chosen
+
+
 def state_rule(family: str, chosen: str):
     """The function of a state op (gated_delta_rule, gated_linear_rule) on backend `chosen`: its fast
     twin, its reference, or its chunk-parallel form (TWINS' `<family>_chunked`)."""
@@ -105,7 +118,7 @@ def gated_delta_rule(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
-    block_size: int = 64,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     decay_skipped_blocks: bool = True,
     route_grad: str = "active",
     backend: str | None = None,
@@ -130,8 +143,9 @@ def gated_delta_rule(
         scale: the query scale. Default: `K ** -0.5`.
         initial_state: the state before the first token, `[B, H, K, V]`. Default: zeros.
         output_final_state: return S_start(NB), the state after the last block's commit.
-        block_size: tokens per routing block. The fast backend takes 64 or 128 (its GPU backward 64);
-            the reference any size.
+        block_size: tokens per routing block. The fast backend takes 32, 64 or 128 (a GPU backward
+            above 64 runs the chunked form on the GPU: `state_backend`); the reference and chunked any
+            size (natsl/block_size.py).
         decay_skipped_blocks: False is the ablation that replaces Gamma_b by 1 in the commit.
         route_grad: "active" (the method: the gradient of `write` only where it is 1) or "full" (both
             options, the dense continuous-mask gradient).
@@ -146,7 +160,7 @@ def gated_delta_rule(
     """
     _check_route_grad(route_grad)
     # The intra-block ablation (Table 4) has no kernel: the fast twin hands it to the reference.
-    chosen = resolve_backend(backend, q.device)
+    chosen = state_backend(resolve_backend(backend, q.device), block_size, q, k, v, g, beta, write, initial_state)
     if chosen == "fast":
         import natsl.fast.gated_delta.function  # noqa: F401  (an import statement: see `twin`)
     return state_rule("gated_delta_rule", chosen)(
@@ -165,7 +179,7 @@ def gated_linear_rule(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
-    block_size: int = 64,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     decay_skipped_blocks: bool = True,
     route_grad: str = "active",
     backend: str | None = None,
@@ -190,7 +204,7 @@ def gated_linear_rule(
         scale: the query scale. Default: `K ** -0.5` (Mamba2 passes 1).
         initial_state: the state before the first token, `[B, H, K, V]`. Default: zeros.
         output_final_state: return the state after the last block's commit.
-        block_size: tokens per routing block (the fast backend: 64 or 128).
+        block_size: tokens per routing block, as in gated_delta_rule.
         decay_skipped_blocks: False replaces Gamma_b by 1 in the commit.
         route_grad: "active" or "full", as in gated_delta_rule.
         backend: "reference", "chunked", "fast" or None, as in gated_delta_rule.
@@ -201,7 +215,7 @@ def gated_linear_rule(
         if `output_final_state`, else None.
     """
     _check_route_grad(route_grad)
-    chosen = resolve_backend(backend, q.device)
+    chosen = state_backend(resolve_backend(backend, q.device), block_size, q, k, v, g, write, initial_state)
     if chosen == "fast":
         import natsl.fast.gated_linear.function  # noqa: F401  (an import statement: see `twin`)
     return state_rule("gated_linear_rule", chosen)(
@@ -223,7 +237,7 @@ def routed_attention(
     keep: torch.Tensor | None,
     *,
     scale: float | None = None,
-    block_size: int = 64,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     route_grad: str = "active",
     backend: str | None = None,
     intra_block: bool = True,
@@ -242,7 +256,7 @@ def routed_attention(
             keys and values in softmax memory for later blocks, 0 hides them. None: every block is
             kept (plain causal attention).
         scale: the score scale. Default: `Dk ** -0.5`.
-        block_size: tokens per routing block.
+        block_size: tokens per routing block (the fast backend: a power of two from 16 to 256).
         route_grad: "active" (the gradient of `keep` only where it is 1) or "full".
         backend: "reference", "fast" or None (`NATSL_BACKEND`, else fast on CUDA and reference
             elsewhere); "chunked" runs the reference.

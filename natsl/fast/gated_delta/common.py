@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from natsl.block_size import GPU_BACKWARD_LARGEST
 from natsl.devices import triton_interpreted
 
 # Triton's interpreter multiplies bf16 dot operands as their raw uint16 bits (seen with 3.9), so under
@@ -182,7 +183,7 @@ def launch_options(cfg: dict, block_size: int, work_dtype) -> dict:
     two: their tiles are twice as wide, and a third stage needs more shared memory than the H200 has
     (242 KB of 227 KB for prepare)."""
     stages = cfg["num_stages"]
-    if block_size > 64:
+    if block_size > GPU_BACKWARD_LARGEST:
         stages = 1
     elif work_dtype.itemsize >= 4:
         stages = min(stages, 2)

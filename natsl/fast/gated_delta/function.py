@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 import triton
 
+from natsl.block_size import DEFAULT_BLOCK_SIZE, FAST_STATE_BLOCK_SIZES, GPU_BACKWARD_LARGEST
 from natsl.errors import NatslError
 from natsl.fast import eager
 from natsl.fast.gated_delta import config
@@ -24,7 +25,13 @@ from natsl.fast.gated_delta.state import state_backward, state_forward
 from natsl.reference.gated_delta import validate_layouts
 from natsl.reference.route_grad import chosen, check_route_grad
 
-BLOCK_SIZES = (64, 128)  # four sub-blocks of 16 or 32 rows each: tl.dot needs >= 16
+# The kernels' chunk is the routing block: C is a tl.constexpr of every kernel, so each size compiles
+# its own kernels and the 64-token chunk's stay as they were. A block spanning several chunks (one route
+# for two 64-token chunks) would let 128 reuse the 64-token kernels, but the sequential state kernels
+# would then carry the block's start state beside the running one and the route's gradient would
+# span chunks: new kernel code where a constexpr needs none. prepare.py pads 32-token chunks to its
+# four 16-row sub-blocks (tl.dot needs >= 16 rows).
+BLOCK_SIZES = FAST_STATE_BLOCK_SIZES
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -170,9 +177,10 @@ def _run_forward(*inputs):
 
 
 def block_size_problem(op: str, block_size: int, backward_on_gpu: bool, fallback: str) -> str | None:
-    """Why the fast state rule `op` refuses `block_size`, or None where it takes it: 64 or 128, and 64
-    only for a backward on the GPU (the [C, C] products of the backward need 384 KB of shared memory at
-    C = 128, 227 KB on Hopper; grad_qk is sized for 64-token chunks). Shared by gated_delta_rule and
+    """Why the fast state rule `op` refuses `block_size`, or None where it takes it: one of BLOCK_SIZES,
+    and at most GPU_BACKWARD_LARGEST for a backward on the GPU (the [C, C] products of the backward need
+    384 KB of shared memory at C = 128, 227 KB on Hopper; grad_qk is sized for 64-token chunks; natsl.ops
+    runs such a call on the chunked backend, on the GPU). Shared by gated_delta_rule and
     gated_linear_rule, and read by natsl.inference.kernel_table.
 
     Args:
@@ -185,10 +193,12 @@ def block_size_problem(op: str, block_size: int, backward_on_gpu: bool, fallback
         The one-line error, or None.
     """
     if block_size not in BLOCK_SIZES:
-        return f"the fast {op} supports block_size 64 or 128, got {block_size}; use backend='{fallback}'"
-    if block_size > 64 and backward_on_gpu:
-        return (f"the fast {op} backward supports block_size 64 on the GPU (128 runs forward only, e.g. under "
-                f"torch.no_grad()); use backend='{fallback}' to train with 128")
+        allowed = ", ".join(map(str, BLOCK_SIZES))
+        return f"the fast {op} supports block_size {allowed}, got {block_size}; use backend='{fallback}'"
+    if block_size > GPU_BACKWARD_LARGEST and backward_on_gpu:
+        return (f"the fast {op} backward supports block_size up to {GPU_BACKWARD_LARGEST} on the GPU "
+                f"({block_size} runs forward only, e.g. under torch.no_grad()); use backend='{fallback}' "
+                f"(natsl.ops does so by itself) to train with {block_size}")
     return None
 
 
@@ -207,7 +217,7 @@ def _validate(q, k, v, g, beta, write, initial_state, block_size: int) -> None:
     if q.dtype not in DTYPES:
         raise NatslError(f"the fast gated_delta_rule supports fp32, bf16 and fp16 inputs, got {q.dtype}; "
                          "use backend='reference'")
-    if block_size > 64 and _backward_on_gpu(q, k, v, g, beta, write, initial_state):
+    if block_size > GPU_BACKWARD_LARGEST and _backward_on_gpu(q, k, v, g, beta, write, initial_state):
         raise NatslError(block_size_problem("gated_delta_rule", block_size, True, "reference"))
     if q.device.type != "cuda" and type(_prepare_kernel).__name__ != "InterpretedFunction":
         raise NatslError("the fast gated_delta_rule on a CPU tensor needs TRITON_INTERPRET=1 set before "
@@ -225,7 +235,7 @@ def gated_delta_rule(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
-    block_size: int = 64,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     decay_skipped_blocks: bool = True,
     route_grad: str = "active",
     intra_block: bool = True,
@@ -235,7 +245,7 @@ def gated_delta_rule(
     q, k [B,T,H,K] (already normalised); v [B,T,H,V]; g (log decay), beta [B,T,H] (any float
     dtype); write [B,NB,H] (None = all ones), any float values; initial_state [B,H,K,V].
     Returns o [B,T,H,V] in q's dtype (k, v compute in q's dtype) and, if `output_final_state`,
-    S_start(NB) [B,H,K,V] in fp32. Chunk size = block_size (64 or 128). `intra_block=False` (the
+    S_start(NB) [B,H,K,V] in fp32. Chunk size = block_size (BLOCK_SIZES). `intra_block=False` (the
     Table 4 ablation, a research switch with no kernel of its own) runs the reference, so that both
     twins take the same arguments.
     """

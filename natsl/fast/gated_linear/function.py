@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 import triton
 
+from natsl.block_size import DEFAULT_BLOCK_SIZE, GPU_BACKWARD_LARGEST
 from natsl.errors import NatslError
 from natsl.fast import eager
 from natsl.fast.gated_delta.common import MAX_K, fp32_precision
@@ -179,7 +180,7 @@ def _validate(q, k, v, g, write, initial_state, block_size: int) -> None:
     if q.dtype not in DTYPES:
         raise NatslError(f"the fast gated_linear_rule supports fp32, bf16 and fp16 inputs, got {q.dtype}; "
                          "use backend='chunked'")
-    if block_size > 64 and _backward_on_gpu(q, k, v, g, write, initial_state):
+    if block_size > GPU_BACKWARD_LARGEST and _backward_on_gpu(q, k, v, g, write, initial_state):
         raise NatslError(block_size_problem("gated_linear_rule", block_size, True, "chunked"))
     if q.device.type != "cuda" and type(_state_fwd_kernel).__name__ != "InterpretedFunction":
         raise NatslError("the fast gated_linear_rule on a CPU tensor needs TRITON_INTERPRET=1 set before "
@@ -196,7 +197,7 @@ def gated_linear_rule(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
-    block_size: int = 64,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     decay_skipped_blocks: bool = True,
     route_grad: str = "active",
     intra_block: bool = True,
@@ -208,7 +209,7 @@ def gated_linear_rule(
     never expanded to H heads, and dq, dk come back [B,T,Hk,K]); v [B,T,H,V]; g (log decay)
     [B,T,H] (any float dtype); write [B,NB,H] (None = all ones), any float values; initial_state
     [B,H,K,V]. Returns o [B,T,H,V] in q's dtype (k, v compute in q's dtype) and, if
-    `output_final_state`, S_start(NB) [B,H,K,V] in fp32. Chunk size = block_size (64 or 128). `intra_block=False` (the Table 4 ablation, with no kernel of its own) runs the
+    `output_final_state`, S_start(NB) [B,H,K,V] in fp32. Chunk size = block_size (gated_delta's BLOCK_SIZES). `intra_block=False` (the Table 4 ablation, with no kernel of its own) runs the
     chunked reference, so that both twins take the same arguments.
     """
     if not intra_block:
