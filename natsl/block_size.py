@@ -21,7 +21,7 @@ DEFAULT_BLOCK_SIZE = 64
 MODEL_BLOCK_SIZES = tuple(range(16, 257, 16))
 SMALL_BLOCK_SIZES = (1, 2, 4, 8)  # tiny test models on the reference / chunked backends only
 # What the Triton state kernels compile for (their chunk is the block), not a default.
-FAST_STATE_BLOCK_SIZES = (32, 64, 128)
+FAST_STATE_BLOCK_SIZES = (32, 64, 128, 192, 256)
 # Their backward's [C, C] tiles at C = 128 need more shared memory than Hopper has (docs/kernels/gated_delta.md).
 GPU_BACKWARD_LARGEST = 64
 
