@@ -67,16 +67,9 @@ def _state_rule(family: str, chosen: str, config, device: torch.device, backward
         return runs, why
     if no_kernel:
         return "reference (PyTorch)", "NAtS-L layers: intra_block_output=softmax, an ablation with no kernel"
-    probe = torch.zeros(1, device=device, requires_grad=backward)
-    with torch.set_grad_enabled(backward):
-        if ops.state_backend(chosen, config.block_size, probe) != chosen:
-            return (_label(ops.state_rule(family, "chunked")),
-                    f"backend fast, block_size {config.block_size}: above the Triton backward's largest on the GPU "
-                    "(natsl.ops.state_backend)")
     from natsl.fast.gated_delta.function import block_size_problem
 
-    problem = block_size_problem(family, config.block_size, backward and device.type == "cuda",
-                                 "reference" if family == "gated_delta_rule" else "chunked")
+    problem = block_size_problem(family, config.block_size, "chunked")
     return ("refused", problem) if problem else (runs, why + f", block_size {config.block_size}")
 
 

@@ -29,7 +29,7 @@ import natsl.reference.cross_entropy  # noqa: F401
 import natsl.reference.gated_delta  # noqa: F401
 import natsl.reference.gated_delta_chunked  # noqa: F401
 import natsl.reference.routed_attention  # noqa: F401
-from natsl.block_size import DEFAULT_BLOCK_SIZE, GPU_BACKWARD_LARGEST
+from natsl.block_size import DEFAULT_BLOCK_SIZE
 from natsl.devices import triton_available, triton_interpreted
 from natsl.errors import NatslError
 
@@ -87,18 +87,6 @@ def _check_route_grad(route_grad: str) -> None:
         raise NatslError(f"unknown route_grad {route_grad!r}: use 'active' or 'full'")
 
 
-def state_backend(chosen: str, block_size: int, *tensors) -> str:
-    """The backend a state op (gated_delta_rule, gated_linear_rule) runs on, given the one `resolve_backend`
-    chose: "chunked" where that is "fast" but the Triton backward cannot take the block on the GPU (a
-    gradient recorded on CUDA tensors with block_size above GPU_BACKWARD_LARGEST: natsl/block_size.py),
-    so that such a model trains on the GPU with the chunk-parallel PyTorch form, else `chosen`.
-    natsl.inference.kernel_table reports the same rule."""
-    if chosen == "fast" and block_size > GPU_BACKWARD_LARGEST and tensors[0].device.type == "cuda" and (
-            torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)):
-        return "chunked"
-    return chosen
-
-
 def state_rule(family: str, chosen: str):
     """The function of a state op (gated_delta_rule, gated_linear_rule) on backend `chosen`: its fast
     twin, its reference, or its chunk-parallel form (TWINS' `<family>_chunked`)."""
@@ -143,9 +131,8 @@ def gated_delta_rule(
         scale: the query scale. Default: `K ** -0.5`.
         initial_state: the state before the first token, `[B, H, K, V]`. Default: zeros.
         output_final_state: return S_start(NB), the state after the last block's commit.
-        block_size: tokens per routing block. The fast backend takes 32, 64 or 128 (a GPU backward
-            above 64 runs the chunked form on the GPU: `state_backend`); the reference and chunked any
-            size (natsl/block_size.py).
+        block_size: tokens per routing block. The fast backend takes 32, 64, 128, 192 or 256, forward
+            and backward; the reference and chunked any size (natsl/block_size.py).
         decay_skipped_blocks: False is the ablation that replaces Gamma_b by 1 in the commit.
         route_grad: "active" (the method: the gradient of `write` only where it is 1) or "full" (both
             options, the dense continuous-mask gradient).
@@ -160,7 +147,7 @@ def gated_delta_rule(
     """
     _check_route_grad(route_grad)
     # The intra-block ablation (Table 4) has no kernel: the fast twin hands it to the reference.
-    chosen = state_backend(resolve_backend(backend, q.device), block_size, q, k, v, g, beta, write, initial_state)
+    chosen = resolve_backend(backend, q.device)
     if chosen == "fast":
         import natsl.fast.gated_delta.function  # noqa: F401  (an import statement: see `twin`)
     return state_rule("gated_delta_rule", chosen)(
@@ -215,7 +202,7 @@ def gated_linear_rule(
         if `output_final_state`, else None.
     """
     _check_route_grad(route_grad)
-    chosen = state_backend(resolve_backend(backend, q.device), block_size, q, k, v, g, write, initial_state)
+    chosen = resolve_backend(backend, q.device)
     if chosen == "fast":
         import natsl.fast.gated_linear.function  # noqa: F401  (an import statement: see `twin`)
     return state_rule("gated_linear_rule", chosen)(

@@ -212,11 +212,6 @@ def block_size_problem(op: str, block_size: int, fallback: str) -> str | None:
     return None
 
 
-def _backward_on_gpu(q, *tensors) -> bool:
-    return q.device.type == "cuda" and torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, *tensors))
-
-
 def _validate(q, k, v, g, beta, write, initial_state, block_size: int) -> None:
     """The reference's layout checks (docs/spec.md section 5), plus the fast path's own limits."""
     _, _, _, K, _ = validate_layouts(q, k, v, g, beta, write, initial_state, block_size)
