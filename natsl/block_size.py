@@ -8,11 +8,11 @@ Which sizes run where:
 - reference and chunked backends: any positive size; a model (a recipe, a checkpoint) takes a
   multiple of 16 from 16 to 256 (`MODEL_BLOCK_SIZES`), or a power of two below 16 for the tiny
   test models, whose short sequences then span several blocks.
-- fast gated_delta_rule / gated_linear_rule (Triton): `FAST_STATE_BLOCK_SIZES`. The kernels' chunk is
-  the routing block (C is a tl.constexpr; docs/kernels/gated_delta.md says why). On a GPU their
-  backward takes chunks up to `GPU_BACKWARD_LARGEST`; a larger block's GPU backward runs the
-  chunk-parallel PyTorch form on the GPU instead (natsl.ops decides).
-- fast routed_attention (Triton): any power of two from 16 to 256.
+- fast backend (Triton): `FAST_BLOCK_SIZES`, forward and backward, on the GPU and in the interpreter.
+  The state kernels (gated_delta_rule, gated_linear_rule) run chunks of at most `LARGEST_CHUNK`
+  tokens: a block up to that is one chunk (C a tl.constexpr), a larger one spans whole chunks that
+  share its route (natsl/fast/gated_delta/spans.py says why); routed_attention takes any power of two
+  from 16 to 256.
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ from __future__ import annotations
 DEFAULT_BLOCK_SIZE = 64
 MODEL_BLOCK_SIZES = tuple(range(16, 257, 16))
 SMALL_BLOCK_SIZES = (1, 2, 4, 8)  # tiny test models on the reference / chunked backends only
-# What the Triton state kernels compile for (their chunk is the block), not a default.
-FAST_STATE_BLOCK_SIZES = (32, 64, 128, 192, 256)
-# Their backward's [C, C] tiles at C = 128 need more shared memory than Hopper has (docs/kernels/gated_delta.md).
-GPU_BACKWARD_LARGEST = 64
-
+# What the fast backend takes (its Triton kernels' limits, not a default): powers of two, as routed
+# attention's query and key tiles must nest in a block.
+FAST_BLOCK_SIZES = (16, 32, 64, 128, 256)
+# The state kernels' largest chunk: the backward's [C, C] tiles at C = 128 need more shared memory than
+# Hopper has, and the kernels were tuned at 64 (docs/kernels/gated_delta.md).
+LARGEST_CHUNK = 64
 
 def model_block_size_problem(block_size, backend: str | None) -> str | None:
     """Why a model cannot take `block_size` (as the end of a one-line error), or None where it can.
@@ -40,7 +41,7 @@ def model_block_size_problem(block_size, backend: str | None) -> str | None:
             block_size not in MODEL_BLOCK_SIZES and block_size not in SMALL_BLOCK_SIZES):
         return (f"must be a multiple of 16 from 16 to 256 ({', '.join(map(str, MODEL_BLOCK_SIZES))}), or 1, 2, 4 "
                 f"or 8 for small test models on the reference and chunked backends, got {block_size!r}")
-    if backend == "fast" and block_size not in FAST_STATE_BLOCK_SIZES:
-        return (f"must be one of {', '.join(map(str, FAST_STATE_BLOCK_SIZES))} with backend fast (its Triton state "
-                f"kernels), got {block_size}; pick one of those, or backend chunked / reference for any multiple of 16")
+    if backend == "fast" and block_size not in FAST_BLOCK_SIZES:
+        return (f"must be one of {', '.join(map(str, FAST_BLOCK_SIZES))} with backend fast (its Triton kernels), "
+                f"got {block_size}; pick one of those, or backend chunked / reference for any multiple of 16")
     return None

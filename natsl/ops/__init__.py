@@ -131,7 +131,7 @@ def gated_delta_rule(
         scale: the query scale. Default: `K ** -0.5`.
         initial_state: the state before the first token, `[B, H, K, V]`. Default: zeros.
         output_final_state: return S_start(NB), the state after the last block's commit.
-        block_size: tokens per routing block. The fast backend takes 32, 64, 128, 192 or 256, forward
+        block_size: tokens per routing block. The fast backend takes 16, 32, 64, 128 or 256, forward
             and backward; the reference and chunked any size (natsl/block_size.py).
         decay_skipped_blocks: False is the ablation that replaces Gamma_b by 1 in the commit.
         route_grad: "active" (the method: the gradient of `write` only where it is 1) or "full" (both

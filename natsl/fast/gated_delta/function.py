@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 import triton
 
-from natsl.block_size import DEFAULT_BLOCK_SIZE, FAST_STATE_BLOCK_SIZES
+from natsl.block_size import DEFAULT_BLOCK_SIZE, FAST_BLOCK_SIZES
 from natsl.errors import NatslError
 from natsl.fast import eager
 from natsl.fast.gated_delta import config
@@ -26,13 +26,12 @@ from natsl.fast.gated_delta.state import state_backward, state_forward
 from natsl.reference.gated_delta import validate_layouts
 from natsl.reference.route_grad import chosen, check_route_grad
 
-# The kernels' chunk is the routing block: C is a tl.constexpr of every kernel, so each size compiles
-# its own kernels and the 64-token chunk's stay as they were. A block spanning several chunks (one route
-# for two 64-token chunks) would let 128 reuse the 64-token kernels, but the sequential state kernels
-# would then carry the block's start state beside the running one and the route's gradient would
-# span chunks: new kernel code where a constexpr needs none. prepare.py pads 32-token chunks to its
-# four 16-row sub-blocks (tl.dot needs >= 16 rows).
-BLOCK_SIZES = FAST_STATE_BLOCK_SIZES
+# Routing blocks up to LARGEST_CHUNK tokens are the kernels' chunk (C is a tl.constexpr of every kernel,
+# so each size compiles its own kernels and the 64-token chunk's stay as they were; prepare.py pads
+# 16- and 32-token chunks to its 16-row sub-blocks); larger ones span whole 64-token chunks that share
+# the route (spans.py: the [C, C] tiles of the backward at C = 128 need more shared memory than Hopper
+# has, and only the two sequential kernels need to know the block).
+BLOCK_SIZES = FAST_BLOCK_SIZES
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 

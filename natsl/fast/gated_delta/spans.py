@@ -1,4 +1,4 @@
-"""Routing blocks that span several kernel chunks (block_size 128, 192, 256 on 64-token chunks).
+"""Routing blocks that span several kernel chunks (block_size 128 and 256 on 64-token chunks).
 
 Design. The state kernels' chunk C is a tl.constexpr, and a routing block of at most 64 tokens is one
 chunk (32: prepare.py pads its sub-blocks). A larger block is M = block_size / 64 chunks that share one
@@ -27,9 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from natsl.block_size import GPU_BACKWARD_LARGEST
-
-CHUNK = GPU_BACKWARD_LARGEST  # the chunk of a block that spans several
+from natsl.block_size import LARGEST_CHUNK as CHUNK  # the chunk of a block that spans several
 
 
 def chunking(block_size: int) -> tuple[int, int]:
