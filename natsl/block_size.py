@@ -27,21 +27,19 @@ FAST_BLOCK_SIZES = (16, 32, 64, 128, 256)
 # Hopper has, and the kernels were tuned at 64 (docs/kernels/gated_delta.md).
 LARGEST_CHUNK = 64
 
-def model_block_size_problem(block_size, backend: str | None) -> str | None:
-    """Why a model cannot take `block_size` (as the end of a one-line error), or None where it can.
+MODEL_ALLOWED = (f"a multiple of 16 from 16 to 256 ({', '.join(map(str, MODEL_BLOCK_SIZES))}), or 1, 2, 4 or 8 "
+                 "for small test models on the reference and chunked backends")
 
-    Args:
-        block_size: the model's `block_size`.
-        backend: the model's `backend` ("fast" narrows the sizes to the Triton state kernels'), or None.
 
-    Returns:
-        "must be ..., got X" naming the allowed values, or None.
-    """
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or (
-            block_size not in MODEL_BLOCK_SIZES and block_size not in SMALL_BLOCK_SIZES):
-        return (f"must be a multiple of 16 from 16 to 256 ({', '.join(map(str, MODEL_BLOCK_SIZES))}), or 1, 2, 4 "
-                f"or 8 for small test models on the reference and chunked backends, got {block_size!r}")
-    if backend == "fast" and block_size not in FAST_BLOCK_SIZES:
-        return (f"must be one of {', '.join(map(str, FAST_BLOCK_SIZES))} with backend fast (its Triton kernels), "
-                f"got {block_size}; pick one of those, or backend chunked / reference for any multiple of 16")
-    return None
+def model_takes(block_size) -> bool:
+    """Whether a model (a recipe, a checkpoint) may have `block_size` (MODEL_ALLOWED says which)."""
+    return block_size in MODEL_BLOCK_SIZES or block_size in SMALL_BLOCK_SIZES
+
+
+def fast_problem(block_size: int) -> str | None:
+    """Why a model on backend fast cannot take `block_size` (the end of a one-line error naming the
+    allowed values), or None where it can."""
+    if block_size in FAST_BLOCK_SIZES:
+        return None
+    return (f"must be one of {', '.join(map(str, FAST_BLOCK_SIZES))} with backend fast (its Triton kernels), got "
+            f"{block_size}; pick one of those, or backend chunked / reference for any multiple of 16")

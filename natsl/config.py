@@ -19,7 +19,7 @@ from typing import Any, Literal, Optional
 
 import yaml
 
-from natsl.block_size import DEFAULT_BLOCK_SIZE, model_block_size_problem
+from natsl.block_size import DEFAULT_BLOCK_SIZE, MODEL_ALLOWED, fast_problem, model_takes
 from natsl.errors import NatslError
 from natsl.seeding import check_seed
 
@@ -145,9 +145,8 @@ class ModelConfig:
 
     def validate(self, prefix: str = "model") -> None:
         check_ranges(self, prefix, MODEL_RULES)
-        problem = model_block_size_problem(self.block_size, self.backend)
-        if problem:
-            raise NatslError(f"recipe key '{prefix}.block_size' {problem}")
+        if self.backend == "fast" and fast_problem(self.block_size):
+            raise NatslError(f"recipe key '{prefix}.block_size' {fast_problem(self.block_size)}")
         if self.router_keep_budget_sink and self.router_keep_budget is None:
             raise NatslError(f"recipe key '{prefix}.router_keep_budget_sink' = {self.router_keep_budget_sink} needs "
                              f"'{prefix}.router_keep_budget' (the sink lies outside a keep budget); set one, or the sink to 0")
@@ -411,7 +410,7 @@ MODEL_RULES = {
     "nsa_block_counts": (_power_of_two(1), "a power of two, at least 1"),
     "nsa_window": (lambda v: v >= 0, "an integer >= 0 (0: no sliding-window branch)"),
     "rope_theta": _finite(0),  # the angles are position * theta**(-2i/d): theta <= 0 gives NaN
-    "softmax_heads_per_group": _count(1),  # block_size: natsl.block_size (validate)
+    "softmax_heads_per_group": _count(1), "block_size": (model_takes, MODEL_ALLOWED),
     "norm_eps": _finite(0),  # rsqrt(mean(x^2) + eps): a negative eps gives NaN on small activations
     "init_std": _finite(0),  # normal_(std=...) refuses < 0 and 0 makes every unit the same
     "max_seq_len": _count(1),
