@@ -47,6 +47,7 @@ from test_fast_gated_delta import check as check_gdn  # noqa: E402
 from test_fast_gated_delta import compare as compare_gdn  # noqa: E402
 from test_fast_gated_delta import make_inputs as gdn_inputs  # noqa: E402
 from test_fast_gated_delta import make_write  # noqa: E402
+from test_fast_model import loss_and_grads  # noqa: E402
 from test_fast_routed_attention import assert_close as check_attention  # noqa: E402
 from test_fast_routed_attention import compare as compare_attention  # noqa: E402
 from test_gated_linear import chunked as chunked_gla  # noqa: E402
@@ -166,15 +167,6 @@ def test_fast_routed_attention_matches_the_reference(block_size, T, keep_kind, G
 def tiny_config(block_size, **changes):
     base = natsl.load_recipe(RECIPES / "tiny_hybrid.yaml").model
     return dataclasses.replace(base, block_size=block_size, natsl_rope=True, **changes)
-
-
-def loss_and_grads(model, ids, backend):
-    model.set_backend(backend)
-    model.zero_grad(set_to_none=True)
-    logits = model(ids[:, :-1])
-    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
-    loss.backward()
-    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 @pytest.mark.parametrize("block_size, T", [(128, 170), (32, 75)])
