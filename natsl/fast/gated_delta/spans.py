@@ -38,31 +38,50 @@ def chunking(block_size: int) -> tuple[int, int]:
     return CHUNK, block_size // CHUNK
 
 
+# The helpers touch only the NK state tiles that exist (K rows / BK): an unused tile stays a constant
+# the compiler drops, instead of a live register tile carried through the chunk loop.
 @triton.jit
-def span_start(first, b0, b1, b2, b3, s0, s1, s2, s3):
+def span_start(first, b0, b1, b2, b3, s0, s1, s2, s3, NK: tl.constexpr):
     """The block's start state: the running state S at a block's first chunk, else kept."""
-    return tl.where(first, s0, b0), tl.where(first, s1, b1), tl.where(first, s2, b2), tl.where(first, s3, b3)
+    b0 = tl.where(first, s0, b0)
+    if NK > 1:
+        b1 = tl.where(first, s1, b1)
+    if NK > 2:
+        b2 = tl.where(first, s2, b2)
+    if NK > 3:
+        b3 = tl.where(first, s3, b3)
+    return b0, b1, b2, b3
 
 
 @triton.jit
-def span_commit(e, s0, s1, s2, s3, b0, b1, b2, b3):
+def span_commit(e, s0, s1, s2, s3, b0, b1, b2, b3, NK: tl.constexpr):
     """S + e S_block, the end-of-block term of the commit (e = 0 inside a block)."""
-    return s0 + e * b0, s1 + e * b1, s2 + e * b2, s3 + e * b3
+    s0 += e * b0
+    if NK > 1:
+        s1 += e * b1
+    if NK > 2:
+        s2 += e * b2
+    if NK > 3:
+        s3 += e * b3
+    return s0, s1, s2, s3
 
 
 @triton.jit
-def span_gather(e, p0, p1, p2, p3, d0, d1, d2, d3):
-    """The reverse of span_commit: e D joins the gradient of the block's start state."""
-    return p0 + e * d0, p1 + e * d1, p2 + e * d2, p3 + e * d3
-
-
-@triton.jit
-def span_release(first, d0, d1, d2, d3, p0, p1, p2, p3):
+def span_release(first, d0, d1, d2, d3, p0, p1, p2, p3, NK: tl.constexpr):
     """At a block's first chunk the gathered gradient joins D (S_block is that chunk's start state) and
-    the gathering restarts for the block before."""
-    return (tl.where(first, d0 + p0, d0), tl.where(first, d1 + p1, d1), tl.where(first, d2 + p2, d2),
-            tl.where(first, d3 + p3, d3), tl.where(first, 0.0, p0), tl.where(first, 0.0, p1),
-            tl.where(first, 0.0, p2), tl.where(first, 0.0, p3))
+    the gathering restarts for the block before. span_commit(e, P, D) gathers it: P + e D."""
+    d0 = tl.where(first, d0 + p0, d0)
+    p0 = tl.where(first, 0.0, p0)
+    if NK > 1:
+        d1 = tl.where(first, d1 + p1, d1)
+        p1 = tl.where(first, 0.0, p1)
+    if NK > 2:
+        d2 = tl.where(first, d2 + p2, d2)
+        p2 = tl.where(first, 0.0, p2)
+    if NK > 3:
+        d3 = tl.where(first, d3 + p3, d3)
+        p3 = tl.where(first, 0.0, p3)
+    return d0, d1, d2, d3, p0, p1, p2, p3
 
 
 def _chunk_index(n_chunks: int, n_blocks: int, M: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

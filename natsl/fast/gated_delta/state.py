@@ -20,7 +20,7 @@ import triton.language as tl
 
 from natsl.devices import sm_count
 from natsl.fast.gated_delta.common import chunk_decay, dim_tile, launch_options, load_tile, load_tile_t, mm, store_tile
-from natsl.fast.gated_delta.spans import span_commit, span_gather, span_release, span_start
+from natsl.fast.gated_delta.spans import span_commit, span_release, span_start
 
 
 @triton.jit
@@ -81,7 +81,7 @@ def _state_fwd_kernel(
         t0 = n * C
         if M > 1:
             first = n % M == 0
-            b0, b1, b2, b3 = span_start(first, b0, b1, b2, b3, s0, s1, s2, s3)
+            b0, b1, b2, b3 = span_start(first, b0, b1, b2, b3, s0, s1, s2, s3, NK)
         hb = h_ptr + ((b * NB + n) * H + h).to(tl.int64) * K * V
         store_tile(hb, s0, 0, v0, K, V, V, BK, BV)
         if NK > 1:
@@ -103,7 +103,7 @@ def _state_fwd_kernel(
         store_tile(r_ptr, r, t0, v0, T, H * V, V, C, BV)
 
         # Commit: S <- a S + K^T (write * exp(G_last - gc) * R); the decay scales R's C rows, not K.
-        gc, dec, wt, a = chunk_decay(gc_ptr, write_ptr, t0, n, T, H, C, DECAY_SKIPPED or M > 1)
+        gc, dec, wt, a = chunk_decay(gc_ptr, write_ptr, t0, n, T, H, C, DECAY_SKIPPED)
         if M > 1:  # S <- write Gamma S + K^T (write K_dec R) + e S_block (write: this chunk's, spans.py)
             a = wt * a
         rd = ((wt * dec)[:, None] * r).to(wd)
@@ -115,7 +115,7 @@ def _state_fwd_kernel(
         if NK > 3:
             s3 = _commit_tile(s3, a, k_ptr, rd, t0, 3 * BK, T, H, K, C, BK, PREC)
         if M > 1:
-            s0, s1, s2, s3 = span_commit(tl.load(e_ptr + n * H), s0, s1, s2, s3, b0, b1, b2, b3)
+            s0, s1, s2, s3 = span_commit(tl.load(e_ptr + n * H), s0, s1, s2, s3, b0, b1, b2, b3, NK)
 
     if STORE_HT:
         ht_ptr += bh.to(tl.int64) * K * V
@@ -200,10 +200,10 @@ def _state_bwd_kernel(
             store_tile(hb, d3, 3 * BK, v0, K, V, V, BK, BV)
 
         # dR = dR_local + write * diag(exp(G_last - gc)) K D
-        gc, dec, wt, a = chunk_decay(gc_ptr, write_ptr, t0, n, T, H, C, DECAY_SKIPPED or M > 1)
+        gc, dec, wt, a = chunk_decay(gc_ptr, write_ptr, t0, n, T, H, C, DECAY_SKIPPED)
         if M > 1:
             a = wt * a
-            p0, p1, p2, p3 = span_gather(tl.load(e_ptr + n * H), p0, p1, p2, p3, d0, d1, d2, d3)
+            p0, p1, p2, p3 = span_commit(tl.load(e_ptr + n * H), p0, p1, p2, p3, d0, d1, d2, d3, NK)
         kd = _kd_tile(k_ptr, d0, t0, 0, T, H, K, C, BK, PREC, wd)
         if NK > 1:
             kd += _kd_tile(k_ptr, d1, t0, BK, T, H, K, C, BK, PREC, wd)
@@ -225,7 +225,7 @@ def _state_bwd_kernel(
         if NK > 3:
             d3 = _state_bwd_tile(d3, a, q_ptr, w_ptr, dos, drw, t0, 3 * BK, T, H, K, C, BK, PREC)
         if M > 1:
-            d0, d1, d2, d3, p0, p1, p2, p3 = span_release(n % M == 0, d0, d1, d2, d3, p0, p1, p2, p3)
+            d0, d1, d2, d3, p0, p1, p2, p3 = span_release(n % M == 0, d0, d1, d2, d3, p0, p1, p2, p3, NK)
 
     if STORE_DH0:
         dh0_ptr += bh.to(tl.int64) * K * V
@@ -305,7 +305,7 @@ def state_forward(w, u, k, gc, write, initial_state, output_final_state: bool, b
         _state_fwd_kernel[(triton.cdiv(V, BV), (b1 - b0) * H)](
             *(_rows(t, b0, b1) for t in (w, u, k, gc, write, initial_state, h, r, final, e)), T, H, NB,
             K=K, V=V, C=block_size, BK=BK, BV=BV, NK=NK,
-            HAS_H0=initial_state is not None, STORE_HT=output_final_state, DECAY_SKIPPED=decay_skipped_blocks,
+            HAS_H0=initial_state is not None, STORE_HT=output_final_state, DECAY_SKIPPED=decay_skipped_blocks or M > 1,
             PREC=precision, **launch_options(cfg, block_size, u.dtype), **({"M": M} if M > 1 else {}),
         )
     return h, r, final
@@ -329,7 +329,7 @@ def state_backward(q, k, w, gc, write, do, dr_local, d_final, want_dh0: bool, sc
         _state_bwd_kernel[(triton.cdiv(V, BV), (b1 - b0) * H)](
             *(_rows(t, b0, b1) for t in (q, k, w, gc, write, do, dr_local, d_final, dh, dr, dh0, e)), scale, T, H,
             NB, K=K, V=V, C=block_size, BK=BK, BV=BV, NK=NK,
-            HAS_DHT=d_final is not None, STORE_DH0=want_dh0, DECAY_SKIPPED=decay_skipped_blocks,
+            HAS_DHT=d_final is not None, STORE_DH0=want_dh0, DECAY_SKIPPED=decay_skipped_blocks or M > 1,
             PREC=precision, **launch_options(cfg, block_size, dr_local.dtype), **({"M": M} if M > 1 else {}),
         )
     return dh, dr, dh0

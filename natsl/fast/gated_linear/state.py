@@ -22,7 +22,7 @@ import triton.language as tl
 from natsl.devices import sm_count
 from natsl.fast.gated_delta.common import (MIN_TILE, chunk_decay, dim_tile, group_row0, launch_options, load_tile,
                                            load_tile_t, mm, store_tile)
-from natsl.fast.gated_delta.spans import span_commit, span_gather, span_release, span_start
+from natsl.fast.gated_delta.spans import span_commit, span_release, span_start
 from natsl.fast.gated_delta.state import _commit_tile, _k_tiles
 
 
@@ -95,11 +95,11 @@ def _state_fwd_kernel(
     for n in range(NB):
         t0 = n * C
         if M > 1:
-            b0, b1, b2, b3 = span_start(n % M == 0, b0, b1, b2, b3, s0, s1, s2, s3)
+            b0, b1, b2, b3 = span_start(n % M == 0, b0, b1, b2, b3, s0, s1, s2, s3, NK_LOCAL)
         _store_state(h_ptr + ((b * NB + n) * H + h).to(tl.int64) * K * V, s0, s1, s2, s3, k0, v0, K, V, BK, BV,
                      NK_LOCAL)
         # Commit: S <- a S + K^T (write * exp(G_last - gc) * V); the decay scales V's C rows, not K.
-        gc, dec, wt, a = chunk_decay(gc_ptr, write_ptr, t0, n, T, H, C, DECAY_SKIPPED or M > 1)
+        gc, dec, wt, a = chunk_decay(gc_ptr, write_ptr, t0, n, T, H, C, DECAY_SKIPPED)
         if M > 1:  # S <- write Gamma S + K^T (write K_dec V) + e S_block (write: this chunk's)
             a = wt * a
         vv = load_tile(v_ptr, t0, v0, T, H * V, V, C, BV).to(tl.float32)
@@ -112,7 +112,7 @@ def _state_fwd_kernel(
         if NK_LOCAL > 3:
             s3 = _commit_tile(s3, a, k_ptr, rd, t0, k0 + 3 * BK, T, HK, K, C, BK, PREC)
         if M > 1:
-            s0, s1, s2, s3 = span_commit(tl.load(e_ptr + n * H), s0, s1, s2, s3, b0, b1, b2, b3)
+            s0, s1, s2, s3 = span_commit(tl.load(e_ptr + n * H), s0, s1, s2, s3, b0, b1, b2, b3, NK_LOCAL)
 
     if STORE_HT:
         _store_state(ht_ptr + bh.to(tl.int64) * K * V, s0, s1, s2, s3, k0, v0, K, V, BK, BV, NK_LOCAL)
@@ -163,10 +163,10 @@ def _state_bwd_kernel(
         t0 = n * C
         _store_state(dh_ptr + ((b * NB + n) * H + h).to(tl.int64) * K * V, d0, d1, d2, d3, 0, v0, K, V, BK, BV, NK)
 
-        gc, _, wt, a = chunk_decay(gc_ptr, write_ptr, t0, n, T, H, C, DECAY_SKIPPED or M > 1)
+        gc, _, wt, a = chunk_decay(gc_ptr, write_ptr, t0, n, T, H, C, DECAY_SKIPPED)
         if M > 1:
             a = wt * a
-            p0, p1, p2, p3 = span_gather(tl.load(e_ptr + n * H), p0, p1, p2, p3, d0, d1, d2, d3)
+            p0, p1, p2, p3 = span_commit(tl.load(e_ptr + n * H), p0, p1, p2, p3, d0, d1, d2, d3, NK)
         # D <- a D + Q^T (scale exp(gc) dO); the decay scales dO's C rows, not Q.
         dos = (load_tile(do_ptr, t0, v0, T, H * V, V, C, BV).to(tl.float32) * (scale * tl.exp(gc))[:, None]).to(wd)
         d0 = _reverse_tile(d0, a, q_ptr, dos, t0, 0, T, HK, K, C, BK, PREC)
@@ -177,7 +177,7 @@ def _state_bwd_kernel(
         if NK > 3:
             d3 = _reverse_tile(d3, a, q_ptr, dos, t0, 3 * BK, T, HK, K, C, BK, PREC)
         if M > 1:
-            d0, d1, d2, d3, p0, p1, p2, p3 = span_release(n % M == 0, d0, d1, d2, d3, p0, p1, p2, p3)
+            d0, d1, d2, d3, p0, p1, p2, p3 = span_release(n % M == 0, d0, d1, d2, d3, p0, p1, p2, p3, NK)
 
     if STORE_DH0:
         _store_state(dh0_ptr + bh.to(tl.int64) * K * V, d0, d1, d2, d3, 0, v0, K, V, BK, BV, NK)
@@ -239,7 +239,7 @@ def state_forward(k, v, gc, write, initial_state, output_final_state: bool, bloc
     _state_fwd_kernel[(triton.cdiv(V, BV), B * H, split)](
         k, v, gc, write, initial_state, h, final, e, T, H, HK, NB,
         K=K, V=V, C=block_size, BK=BK, BV=BV, NK_LOCAL=NK_LOCAL,
-        HAS_H0=initial_state is not None, STORE_HT=output_final_state, DECAY_SKIPPED=decay_skipped_blocks,
+        HAS_H0=initial_state is not None, STORE_HT=output_final_state, DECAY_SKIPPED=decay_skipped_blocks or M > 1,
         PREC=precision, **launch_options(split_launch(cfg, split), block_size, v.dtype), **({"M": M} if M > 1 else {}),
     )
     return h, final
@@ -271,7 +271,7 @@ def state_backward(q, gc, write, do, d_final, want_dh0: bool, scale: float, bloc
     _state_bwd_kernel[(triton.cdiv(V, BV), B * H)](
         q, gc, write, do, d_final, dh, dh0, e, scale, T, H, HK, NB,
         K=K, V=V, C=block_size, BK=BK, BV=BV, NK=NK,
-        HAS_DHT=d_final is not None, STORE_DH0=want_dh0, DECAY_SKIPPED=decay_skipped_blocks,
+        HAS_DHT=d_final is not None, STORE_DH0=want_dh0, DECAY_SKIPPED=decay_skipped_blocks or M > 1,
         PREC=precision, **launch_options(cfg, block_size, q.dtype), **({"M": M} if M > 1 else {}),
     )
     return dh, dh0
