@@ -1,7 +1,7 @@
 """Routing blocks that span several kernel chunks (block_size 128 and 256 on 64-token chunks).
 
 Design. The state kernels' chunk C is a tl.constexpr, and a routing block of at most 64 tokens is one
-chunk (32: prepare.py pads its sub-blocks). A larger block is M = block_size / 64 chunks that share one
+chunk (16, 32: prepare.py pads its sub-blocks). A larger block is M = block_size / 64 chunks that share one
 route, so that every kernel keeps the 64-token chunk it was tuned for: the chunk-parallel kernels
 (prepare, output, local dR, grad_qk, grad_wy) need no change, and the backward's [C, C] tiles at C = 128
 would need more shared memory than Hopper has. Only the two sequential kernels learn the block:
