@@ -19,6 +19,7 @@ from typing import Any, Literal, Optional
 
 import yaml
 
+from natsl.block_size import DEFAULT_BLOCK_SIZE, MODEL_ALLOWED, fast_problem, model_takes
 from natsl.errors import NatslError
 from natsl.seeding import check_seed
 
@@ -72,7 +73,7 @@ class ModelConfig:
     nsa_window: int = 512
     # NAtS-L: each GDN head is cut into R softmax heads that share its route.
     softmax_heads_per_group: int = 3
-    block_size: int = 64
+    block_size: int = DEFAULT_BLOCK_SIZE  # tokens per routing block (natsl/block_size.py)
     natsl_rope: bool = True
     # The linear memory of the NAtS-L layers: the GDN state (the paper's layer), a Mamba2 (SSD) state
     # (the paper's NAtS-L Mamba2, the authors' natsl_attn_mamba2; natsl/models/mamba2.py) or a plain
@@ -145,6 +146,8 @@ class ModelConfig:
 
     def validate(self, prefix: str = "model") -> None:
         check_ranges(self, prefix, MODEL_RULES)
+        if self.backend == "fast" and fast_problem(self.block_size):
+            raise NatslError(f"recipe key '{prefix}.block_size' {fast_problem(self.block_size)}")
         if self.router_keep_budget_sink and self.router_keep_budget is None:
             raise NatslError(f"recipe key '{prefix}.router_keep_budget_sink' = {self.router_keep_budget_sink} needs "
                              f"'{prefix}.router_keep_budget' (the sink lies outside a keep budget); set one, or the sink to 0")
@@ -392,7 +395,7 @@ MODEL_RULES = {
     "nsa_block_counts": (_power_of_two(1), "a power of two, at least 1"),
     "nsa_window": (lambda v: v >= 0, "an integer >= 0 (0: no sliding-window branch)"),
     "rope_theta": _finite(0),  # the angles are position * theta**(-2i/d): theta <= 0 gives NaN
-    "softmax_heads_per_group": _count(1), "block_size": _count(1),
+    "softmax_heads_per_group": _count(1), "block_size": (model_takes, MODEL_ALLOWED),
     "norm_eps": _finite(0),  # rsqrt(mean(x^2) + eps): a negative eps gives NaN on small activations
     "init_std": _finite(0),  # normal_(std=...) refuses < 0 and 0 makes every unit the same
     "max_seq_len": _count(1),

@@ -310,7 +310,7 @@ def test_text_stream_holds_back_a_possible_stop_string():
 # -- on the GPU (pytest -m gpu tests/test_inference.py on a CUDA machine) ---------------------------
 
 def gpu_model(layout, dtype=torch.float32, **changes):
-    """The fast kernels take block_size 64 or 128 only."""
+    """A tiny model of `layout` on the fast backend on the GPU, at the default block size 64."""
     return tiny_model("fast", dtype, **{**LAYOUTS[layout], "block_size": 64, **changes}).cuda()
 
 

@@ -218,7 +218,9 @@ def config_source() -> str:
             'when the export was written); the values natsl.checkpoint gives the model fields that older',
             'exports lack (OLDER_EXPORT_FIELDS), and its model_fingerprint."""', "", "from __future__ import annotations", "",
             "import hashlib", "import json", "from dataclasses import dataclass, field",
-            "from typing import Literal, Optional", "", ""]
+            "from typing import Literal, Optional", "",
+            # the class reads its block_size default from natsl.block_size (bundled: natsl.ops imports it)
+            f"from .{flat_name('natsl.block_size')} import DEFAULT_BLOCK_SIZE", "", ""]
     tail = ["", "", *[t + ("\n\n" if t.startswith("def ") else "") for t in tables], "OLDER_EXPORT_FIELDS = {" + ", ".join(f"**{t}" for t in OLDER_FIELD_TABLES) + "}"]
     return "\n".join(head + body + tail) + "\n"
 

@@ -70,8 +70,7 @@ def _state_rule(family: str, chosen: str, config, device: torch.device, backward
         return "reference (PyTorch)", "NAtS-L layers: intra_block_output=softmax, an ablation with no kernel"
     from natsl.fast.gated_delta.function import block_size_problem
 
-    problem = block_size_problem(family, config.block_size, backward and device.type == "cuda",
-                                 "reference" if family == "gated_delta_rule" else "chunked")
+    problem = block_size_problem(family, config.block_size, "chunked")
     return ("refused", problem) if problem else (runs, why + f", block_size {config.block_size}")
 
 

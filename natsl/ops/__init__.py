@@ -29,6 +29,7 @@ import natsl.reference.cross_entropy  # noqa: F401
 import natsl.reference.gated_delta  # noqa: F401
 import natsl.reference.gated_delta_chunked  # noqa: F401
 import natsl.reference.routed_attention  # noqa: F401
+from natsl.block_size import DEFAULT_BLOCK_SIZE
 from natsl.devices import triton_available, triton_interpreted
 from natsl.errors import NatslError
 
@@ -105,7 +106,7 @@ def gated_delta_rule(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
-    block_size: int = 64,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     decay_skipped_blocks: bool = True,
     route_grad: str = "active",
     backend: str | None = None,
@@ -130,8 +131,8 @@ def gated_delta_rule(
         scale: the query scale. Default: `K ** -0.5`.
         initial_state: the state before the first token, `[B, H, K, V]`. Default: zeros.
         output_final_state: return S_start(NB), the state after the last block's commit.
-        block_size: tokens per routing block. The fast backend takes 64 or 128 (its GPU backward 64);
-            the reference any size.
+        block_size: tokens per routing block. The fast backend takes 16, 32, 64, 128 or 256, forward
+            and backward; the reference and chunked any size (natsl/block_size.py).
         decay_skipped_blocks: False is the ablation that replaces Gamma_b by 1 in the commit.
         route_grad: "active" (the method: the gradient of `write` only where it is 1) or "full" (both
             options, the dense continuous-mask gradient).
@@ -165,7 +166,7 @@ def gated_linear_rule(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
-    block_size: int = 64,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     decay_skipped_blocks: bool = True,
     route_grad: str = "active",
     backend: str | None = None,
@@ -190,7 +191,7 @@ def gated_linear_rule(
         scale: the query scale. Default: `K ** -0.5` (Mamba2 passes 1).
         initial_state: the state before the first token, `[B, H, K, V]`. Default: zeros.
         output_final_state: return the state after the last block's commit.
-        block_size: tokens per routing block (the fast backend: 64 or 128).
+        block_size: tokens per routing block, as in gated_delta_rule.
         decay_skipped_blocks: False replaces Gamma_b by 1 in the commit.
         route_grad: "active" or "full", as in gated_delta_rule.
         backend: "reference", "chunked", "fast" or None, as in gated_delta_rule.
@@ -223,7 +224,7 @@ def routed_attention(
     keep: torch.Tensor | None,
     *,
     scale: float | None = None,
-    block_size: int = 64,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     route_grad: str = "active",
     backend: str | None = None,
     intra_block: bool = True,
@@ -242,7 +243,7 @@ def routed_attention(
             keys and values in softmax memory for later blocks, 0 hides them. None: every block is
             kept (plain causal attention).
         scale: the score scale. Default: `Dk ** -0.5`.
-        block_size: tokens per routing block.
+        block_size: tokens per routing block (the fast backend: a power of two from 16 to 256).
         route_grad: "active" (the gradient of `keep` only where it is 1) or "full".
         backend: "reference", "fast" or None (`NATSL_BACKEND`, else fast on CUDA and reference
             elsewhere); "chunked" runs the reference.

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from natsl.block_size import DEFAULT_BLOCK_SIZE
 from natsl.reference.route_grad import (
     apply_route_grad_policy,
     check_block_size,
@@ -103,7 +104,7 @@ def gated_delta_rule(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
-    block_size: int = 64,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     decay_skipped_blocks: bool = True,
     route_grad: str = "active",
     intra_block: bool = True,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from natsl.block_size import DEFAULT_BLOCK_SIZE
 from natsl.reference.gated_delta import validate_layouts
 from natsl.reference.route_grad import apply_route_grad_policy, check_route_grad, compute_dtype, num_blocks
 
@@ -65,7 +66,7 @@ def commit(S, gamma, delta_state, w, decay_skipped_blocks: bool):
 
 def gated_delta_rule(
     q, k, v, g, beta, write=None, *, scale=None, initial_state=None, output_final_state=False,
-    block_size=64, decay_skipped_blocks=True, route_grad="active", intra_block=True,
+    block_size=DEFAULT_BLOCK_SIZE, decay_skipped_blocks=True, route_grad="active", intra_block=True,
 ):
     """Same arguments and results as `natsl.reference.gated_delta.gated_delta_rule`."""
     check_route_grad(route_grad)

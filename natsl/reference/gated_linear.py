@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from natsl.block_size import DEFAULT_BLOCK_SIZE
 from natsl.reference.gated_delta import _commit, _read, validate_layouts
 from natsl.reference.route_grad import apply_route_grad_policy, check_route_grad, compute_dtype, num_blocks
 
@@ -61,7 +62,7 @@ def gated_linear_rule(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
-    block_size: int = 64,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     decay_skipped_blocks: bool = True,
     route_grad: str = "active",
     intra_block: bool = True,

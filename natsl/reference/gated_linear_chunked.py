@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from natsl.block_size import DEFAULT_BLOCK_SIZE
 from natsl.reference.gated_delta import validate_layouts
 from natsl.reference.gated_delta_chunked import block_decay, block_writes, commit, to_blocks
 from natsl.reference.gated_linear import expand_groups
@@ -38,7 +39,7 @@ def chunk_cumsum(g: torch.Tensor, block_size: int) -> torch.Tensor:
 
 def gated_linear_rule(
     q, k, v, g, write=None, *, scale=None, initial_state=None, output_final_state=False,
-    block_size=64, decay_skipped_blocks=True, route_grad="active", intra_block=True,
+    block_size=DEFAULT_BLOCK_SIZE, decay_skipped_blocks=True, route_grad="active", intra_block=True,
 ):
     """Same arguments and results as `natsl.reference.gated_linear.gated_linear_rule`."""
     check_route_grad(route_grad)

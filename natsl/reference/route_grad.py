@@ -18,6 +18,8 @@ import math
 
 import torch
 
+from natsl.block_size import DEFAULT_BLOCK_SIZE
+
 ROUTE_GRAD_POLICIES = ("active", "full")
 
 
@@ -101,7 +103,7 @@ def routed_attention_keep_grad(
     do: torch.Tensor,
     *,
     scale: float | None = None,
-    block_size: int = 64,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     route_grad: str = "full",
 ) -> torch.Tensor:
     """dL/dkeep [B, NB, G] of `routed_attention` (intra_block=True), given its output and dL/do.
@@ -174,7 +176,7 @@ def gated_delta_write_grad(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     d_final_state: torch.Tensor | None = None,
-    block_size: int = 64,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     decay_skipped_blocks: bool = True,
     route_grad: str = "full",
 ) -> torch.Tensor:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from natsl.block_size import DEFAULT_BLOCK_SIZE
 from natsl.reference.route_grad import (
     apply_route_grad_policy,
     check_block_size,
@@ -76,7 +77,7 @@ def routed_attention(
     keep: torch.Tensor | None,
     *,
     scale: float | None = None,
-    block_size: int = 64,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     route_grad: str = "active",
     intra_block: bool = True,
 ) -> torch.Tensor:

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from natsl.block_size import DEFAULT_BLOCK_SIZE
 from natsl.errors import NatslError
 from natsl.fast import eager
 from natsl.fast.block_sparse.backward import attention_backward
@@ -141,7 +142,7 @@ def routed_attention(
     keep: torch.Tensor | None,
     *,
     scale: float | None = None,
-    block_size: int = 64,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     route_grad: str = "active",
     intra_block: bool = True,
 ) -> torch.Tensor:

@@ -178,13 +178,12 @@ def token_descriptors(tensors, rows: int, cols: int, enabled: bool):
 
 def launch_options(cfg: dict, block_size: int, work_dtype) -> dict:
     """num_warps / num_stages of a launch (and `maxnreg`, a cap on registers per thread, where the dict
-    sets one). 128-token chunks take one stage, and 32-bit chunk intermediates (`work_dtype`) at most
-    two: their tiles are twice as wide, and a third stage needs more shared memory than the H200 has
-    (242 KB of 227 KB for prepare)."""
+    sets one). 32-bit chunk intermediates (`work_dtype`) take at most two stages: their tiles are twice
+    as wide, and a third stage needs more shared memory than the H200 has (242 KB of 227 KB for prepare).
+    `block_size` is the kernels' chunk, at most natsl.block_size.LARGEST_CHUNK (a larger routing block
+    spans several chunks: spans.py)."""
     stages = cfg["num_stages"]
-    if block_size > 64:
-        stages = 1
-    elif work_dtype.itemsize >= 4:
+    if work_dtype.itemsize >= 4:
         stages = min(stages, 2)
     options = {"num_warps": cfg["num_warps"], "num_stages": stages}
     if cfg.get("maxnreg"):

@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 import triton
 
+from natsl.block_size import DEFAULT_BLOCK_SIZE, FAST_BLOCK_SIZES
 from natsl.errors import NatslError
 from natsl.fast import eager
 from natsl.fast.gated_delta import config
@@ -20,11 +21,17 @@ from natsl.fast.gated_delta.grad_qk import grad_qk
 from natsl.fast.gated_delta.grad_wy import grad_wy
 from natsl.fast.gated_delta.output import chunk_output, local_dr
 from natsl.fast.gated_delta.prepare import _prepare_kernel, prepare_chunks
+from natsl.fast.gated_delta.spans import chunk_log_decay, chunking, span_grads, span_routes
 from natsl.fast.gated_delta.state import state_backward, state_forward
 from natsl.reference.gated_delta import validate_layouts
 from natsl.reference.route_grad import chosen, check_route_grad
 
-BLOCK_SIZES = (64, 128)  # four sub-blocks of 16 or 32 rows each: tl.dot needs >= 16
+# Routing blocks up to LARGEST_CHUNK tokens are the kernels' chunk (C is a tl.constexpr of every kernel,
+# so each size compiles its own kernels and the 64-token chunk's stay as they were; prepare.py pads
+# 16- and 32-token chunks to its 16-row sub-blocks); larger ones span whole 64-token chunks that share
+# the route (spans.py: the [C, C] tiles of the backward at C = 128 need more shared memory than Hopper
+# has, and only the two sequential kernels need to know the block).
+BLOCK_SIZES = FAST_BLOCK_SIZES
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -47,6 +54,7 @@ def _forward_impl(q, k, v, g, beta, write, initial_state, scale: float, output_f
     """(o, final state or empty, and what the backward reads: write as fp32, gc, T rows, W, h, R)."""
     B, T, H, _ = q.shape
     NB = triton.cdiv(T, block_size)
+    C, M = chunking(block_size)
     prec = fp32_precision(q.dtype)
     wdt = torch.float32 if fp32_intermediates else q.dtype  # see config.INTERMEDIATE
     # a copy even when write is fp32 already (a custom op may not return an alias of its input), and
@@ -54,10 +62,14 @@ def _forward_impl(q, k, v, g, beta, write, initial_state, scale: float, output_f
     w32 = (q.new_ones(B, NB, H, dtype=torch.float32) if write is None
            else write.to(torch.float32, memory_format=torch.contiguous_format, copy=True))
     h0 = None if initial_state is None else initial_state.float().contiguous()
-    gc, ai, w, u = prepare_chunks(k, v, g, beta, block_size, config.PREPARE, wdt)
-    h, r, final = state_forward(w, u, k, gc, w32, h0, output_final_state, block_size, decay_skipped_blocks,
-                                prec, config.STATE_FWD)
-    o = chunk_output(q, k, gc, h, r, scale, block_size, prec, config.OUTPUT)
+    gc, ai, w, u = prepare_chunks(k, v, g, beta, C, config.PREPARE, wdt)
+    write_c, span = w32, None
+    if M > 1:  # a block of M chunks (spans.py): the kernels read each chunk's write and end-of-block term
+        write_c, e, _ = span_routes(w32, gc, C, M, decay_skipped_blocks)
+        span = (M, e)
+    h, r, final = state_forward(w, u, k, gc, write_c, h0, output_final_state, C, decay_skipped_blocks,
+                                prec, config.STATE_FWD, span)
+    o = chunk_output(q, k, gc, h, r, scale, C, prec, config.OUTPUT)
     return o, (final if final is not None else q.new_empty(_EMPTY, dtype=torch.float32)), w32, gc, ai, w, h, r
 
 
@@ -78,33 +90,44 @@ def _(q, k, v, g, beta, write, initial_state, scale, output_final_state, block_s
     B, T, H, K = q.shape
     V = v.shape[-1]
     NB = triton.cdiv(T, block_size)
+    C = chunking(block_size)[0]
     wdt = torch.float32 if fp32_intermediates else q.dtype
     f32 = dict(dtype=torch.float32)
     return (q.new_empty(B, T, H, V), q.new_empty((B, H, K, V) if output_final_state else _EMPTY, **f32),
-            q.new_empty(B, NB, H, **f32), q.new_empty(B, T, H, **f32), q.new_empty(B, T, H, block_size, **f32),
-            q.new_empty(B, T, H, K, dtype=wdt), q.new_empty(B, NB, H, K, V, dtype=k.dtype),
+            q.new_empty(B, NB, H, **f32), q.new_empty(B, T, H, **f32), q.new_empty(B, T, H, C, **f32),
+            q.new_empty(B, T, H, K, dtype=wdt), q.new_empty(B, triton.cdiv(T, C), H, K, V, dtype=k.dtype),
             q.new_empty(B, T, H, V, dtype=wdt))
 
 
 def _backward_impl(q, k, v, beta, w32, gc, ai, w, h, r, do, d_final, scale: float, block_size: int,
                    decay_skipped_blocks: bool, route_grad: str, want_dh0: bool, want_dwrite: bool):
     """(dq, dk, dv, dg fp32, dbeta fp32, dwrite fp32 or empty, d initial state fp32 or empty)."""
-    C = block_size
+    C, M = chunking(block_size)
     prec = fp32_precision(q.dtype)
     do = do.to(q.dtype).contiguous()
     d_final = None if d_final is None else d_final.float().contiguous()
+    write_c, span = w32, None
+    if M > 1:
+        write_c, e, c_b = span_routes(w32, gc, C, M, decay_skipped_blocks)
+        span = (M, e)
     drl = local_dr(q, k, gc, do, scale, C, prec, config.LOCAL_DR, w.dtype)
-    dh, dr, dh0 = state_backward(q, k, w, gc, w32, do, drl, d_final, want_dh0, scale, C, decay_skipped_blocks,
-                                 prec, config.STATE_BWD)
-    dq, dkp, dw, dgp, p1, p2 = grad_qk(q, k, gc, w32, h, dh, r, dr, do, scale, C, prec, config.GRAD_QK)
+    dh, dr, dh0 = state_backward(q, k, w, gc, write_c, do, drl, d_final, want_dh0, scale, C, decay_skipped_blocks,
+                                 prec, config.STATE_BWD, span)
+    dq, dkp, dw, dgp, p1, p2 = grad_qk(q, k, gc, write_c, h, dh, r, dr, do, scale, C, prec, config.GRAD_QK)
     p1, p2 = p1.sum(0), p2.sum(0)
-    gamma = _chunk_gamma(gc, C)
-    # G_last enters through the commit's a = Gamma (or 1 - write + write Gamma): da/dG_last.
-    dg_last = gamma * p2 if decay_skipped_blocks else gamma * p2 * w32
+    if M > 1:
+        d_write, dg_last = span_grads(w32, c_b, chunk_log_decay(gc, C), h, dh, p1, p2, M, decay_skipped_blocks)
+    else:
+        gamma = _chunk_gamma(gc, C)
+        # G_last enters through the commit's a = Gamma (or 1 - write + write Gamma): da/dG_last.
+        dg_last = gamma * p2 if decay_skipped_blocks else gamma * p2 * w32
     dk, dv, dbeta, dg = grad_wy(k, v, beta, gc, ai, dr, dw, dkp, dgp, dg_last.contiguous(), C, prec, config.GRAD_WY)
     dwrite = q.new_empty(_EMPTY, dtype=torch.float32)  # (returns may not alias one another)
     if want_dwrite:
-        dwrite = p1 if decay_skipped_blocks else p1 + (gamma - 1.0) * p2
+        if M > 1:
+            dwrite = d_write
+        else:
+            dwrite = p1 if decay_skipped_blocks else p1 + (gamma - 1.0) * p2
         if route_grad == "active":
             dwrite = dwrite * chosen(w32).to(dwrite.dtype)
     return dq, dk, dv, dg, dbeta, dwrite, (dh0 if dh0 is not None else q.new_empty(_EMPTY, dtype=torch.float32))
@@ -169,46 +192,35 @@ def _run_forward(*inputs):
     return eager.run(gated_delta_forward, _EagerGatedDelta, _forward_impl, *inputs)
 
 
-def block_size_problem(op: str, block_size: int, backward_on_gpu: bool, fallback: str) -> str | None:
-    """Why the fast state rule `op` refuses `block_size`, or None where it takes it: 64 or 128, and 64
-    only for a backward on the GPU (the [C, C] products of the backward need 384 KB of shared memory at
-    C = 128, 227 KB on Hopper; grad_qk is sized for 64-token chunks). Shared by gated_delta_rule and
-    gated_linear_rule, and read by natsl.inference.kernel_table.
+def block_size_problem(op: str, block_size: int, fallback: str) -> str | None:
+    """Why the fast state rule `op` refuses `block_size`, or None where it takes it (BLOCK_SIZES, forward
+    and backward, on the GPU and in the interpreter). Shared by gated_delta_rule and gated_linear_rule,
+    and read by natsl.inference.kernel_table.
 
     Args:
         op: the op's name, for the message.
         block_size: the routing block size.
-        backward_on_gpu: whether the call records a gradient on a CUDA tensor.
         fallback: the backend the message suggests.
 
     Returns:
         The one-line error, or None.
     """
     if block_size not in BLOCK_SIZES:
-        return f"the fast {op} supports block_size 64 or 128, got {block_size}; use backend='{fallback}'"
-    if block_size > 64 and backward_on_gpu:
-        return (f"the fast {op} backward supports block_size 64 on the GPU (128 runs forward only, e.g. under "
-                f"torch.no_grad()); use backend='{fallback}' to train with 128")
+        allowed = ", ".join(map(str, BLOCK_SIZES))
+        return f"the fast {op} supports block_size {allowed}, got {block_size}; use backend='{fallback}'"
     return None
-
-
-def _backward_on_gpu(q, *tensors) -> bool:
-    return q.device.type == "cuda" and torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, *tensors))
 
 
 def _validate(q, k, v, g, beta, write, initial_state, block_size: int) -> None:
     """The reference's layout checks (docs/spec.md section 5), plus the fast path's own limits."""
     _, _, _, K, _ = validate_layouts(q, k, v, g, beta, write, initial_state, block_size)
     if block_size not in BLOCK_SIZES:
-        raise NatslError(block_size_problem("gated_delta_rule", block_size, False, "reference"))
+        raise NatslError(block_size_problem("gated_delta_rule", block_size, "chunked"))
     if K > MAX_K:
         raise NatslError(f"the fast gated_delta_rule supports K <= {MAX_K}, got {K}; use backend='reference'")
     if q.dtype not in DTYPES:
         raise NatslError(f"the fast gated_delta_rule supports fp32, bf16 and fp16 inputs, got {q.dtype}; "
                          "use backend='reference'")
-    if block_size > 64 and _backward_on_gpu(q, k, v, g, beta, write, initial_state):
-        raise NatslError(block_size_problem("gated_delta_rule", block_size, True, "reference"))
     if q.device.type != "cuda" and type(_prepare_kernel).__name__ != "InterpretedFunction":
         raise NatslError("the fast gated_delta_rule on a CPU tensor needs TRITON_INTERPRET=1 set before "
                          "natsl.fast is imported")
@@ -225,7 +237,7 @@ def gated_delta_rule(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
-    block_size: int = 64,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     decay_skipped_blocks: bool = True,
     route_grad: str = "active",
     intra_block: bool = True,
@@ -235,7 +247,7 @@ def gated_delta_rule(
     q, k [B,T,H,K] (already normalised); v [B,T,H,V]; g (log decay), beta [B,T,H] (any float
     dtype); write [B,NB,H] (None = all ones), any float values; initial_state [B,H,K,V].
     Returns o [B,T,H,V] in q's dtype (k, v compute in q's dtype) and, if `output_final_state`,
-    S_start(NB) [B,H,K,V] in fp32. Chunk size = block_size (64 or 128). `intra_block=False` (the
+    S_start(NB) [B,H,K,V] in fp32. Chunk size = block_size (BLOCK_SIZES). `intra_block=False` (the
     Table 4 ablation, a research switch with no kernel of its own) runs the reference, so that both
     twins take the same arguments.
     """

@@ -9,6 +9,10 @@ T is built from four diagonal sub-blocks of C/4 rows, each inverted by forward s
 registers, and six off-diagonal sub-blocks from T_ij = -T_ii sum_{j<=m<i} A_im T_mj. All products
 then run on sub-block tiles, so no computed tile is ever transposed in registers (Triton 3.4-3.7
 miscompiles some transposed accumulators on Hopper: flash-linear-attention issue 640).
+
+A sub-block has at least 16 rows (tl.dot's least size): a 32-token chunk is two real sub-blocks and
+two past the chunk's end, whose rows read as padding (g = 0, beta = 0, k = v = 0) and are never
+stored, as the rows past T of a partial last chunk are. 64- and 128-token chunks compile as before.
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ def _prepare_kernel(
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
-    S: tl.constexpr = C // 4
+    S: tl.constexpr = C // 4 if C >= 64 else 16
     row0 = b.to(tl.int64) * T * H + h  # (b, t=0, h) in a [B, T, H] tensor
     k_ptr += row0 * K
     w_ptr += row0 * K
@@ -72,6 +76,8 @@ def _prepare_kernel(
     beta_ptr += row0
     gc_ptr += row0
     t0 = n * C
+    if C < 4 * S:  # the sub-blocks reach past the chunk: read and write only its own rows
+        T = tl.minimum(T, t0 + C)
     t1 = t0 + S
     t2 = t0 + 2 * S
     t3 = t0 + 3 * S

@@ -20,6 +20,7 @@ import triton.language as tl
 
 from natsl.devices import sm_count
 from natsl.fast.gated_delta.common import chunk_decay, dim_tile, launch_options, load_tile, load_tile_t, mm, store_tile
+from natsl.fast.gated_delta.spans import span_commit, span_release, span_start
 
 
 @triton.jit
@@ -39,10 +40,11 @@ def _commit_tile(s, a, k_ptr, rd, t0, k0, T, H, K: tl.constexpr, C: tl.constexpr
 
 @triton.jit(do_not_specialize=["T", "NB"])  # one compile for every sequence length
 def _state_fwd_kernel(
-    w_ptr, u_ptr, k_ptr, gc_ptr, write_ptr, h0_ptr, h_ptr, r_ptr, ht_ptr,
+    w_ptr, u_ptr, k_ptr, gc_ptr, write_ptr, h0_ptr, h_ptr, r_ptr, ht_ptr, e_ptr,
     T, H, NB,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, DECAY_SKIPPED: tl.constexpr, PREC: tl.constexpr,
+    M: tl.constexpr = 1,
 ):
     iv = tl.program_id(0)
     bh = tl.program_id(1)
@@ -72,8 +74,14 @@ def _state_fwd_kernel(
         if NK > 3:
             s3 = load_tile(h0_ptr, 3 * BK, v0, K, V, V, BK, BV).to(tl.float32)
 
+    if M > 1:  # routing blocks of M chunks (spans.py): the block's start state beside the running one
+        e_ptr += b.to(tl.int64) * NB * H + h
+        b0, b1, b2, b3 = s0, s1, s2, s3
     for n in range(NB):
         t0 = n * C
+        if M > 1:
+            first = n % M == 0
+            b0, b1, b2, b3 = span_start(first, b0, b1, b2, b3, s0, s1, s2, s3, NK)
         hb = h_ptr + ((b * NB + n) * H + h).to(tl.int64) * K * V
         store_tile(hb, s0, 0, v0, K, V, V, BK, BV)
         if NK > 1:
@@ -96,6 +104,8 @@ def _state_fwd_kernel(
 
         # Commit: S <- a S + K^T (write * exp(G_last - gc) * R); the decay scales R's C rows, not K.
         gc, dec, wt, a = chunk_decay(gc_ptr, write_ptr, t0, n, T, H, C, DECAY_SKIPPED)
+        if M > 1:  # S <- write Gamma S + K^T (write K_dec R) + e S_block (write: this chunk's, spans.py)
+            a = wt * a
         rd = ((wt * dec)[:, None] * r).to(wd)
         s0 = _commit_tile(s0, a, k_ptr, rd, t0, 0, T, H, K, C, BK, PREC)
         if NK > 1:
@@ -104,6 +114,8 @@ def _state_fwd_kernel(
             s2 = _commit_tile(s2, a, k_ptr, rd, t0, 2 * BK, T, H, K, C, BK, PREC)
         if NK > 3:
             s3 = _commit_tile(s3, a, k_ptr, rd, t0, 3 * BK, T, H, K, C, BK, PREC)
+        if M > 1:
+            s0, s1, s2, s3 = span_commit(tl.load(e_ptr + n * H), s0, s1, s2, s3, b0, b1, b2, b3, NK)
 
     if STORE_HT:
         ht_ptr += bh.to(tl.int64) * K * V
@@ -135,10 +147,11 @@ def _state_bwd_tile(d, a, q_ptr, w_ptr, dos, drw, t0, k0, T, H, K: tl.constexpr,
 
 @triton.jit(do_not_specialize=["T", "NB"])
 def _state_bwd_kernel(
-    q_ptr, k_ptr, w_ptr, gc_ptr, write_ptr, do_ptr, drl_ptr, dht_ptr, dh_ptr, dr_ptr, dh0_ptr,
+    q_ptr, k_ptr, w_ptr, gc_ptr, write_ptr, do_ptr, drl_ptr, dht_ptr, dh_ptr, dr_ptr, dh0_ptr, e_ptr,
     scale, T, H, NB,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr,
     HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, DECAY_SKIPPED: tl.constexpr, PREC: tl.constexpr,
+    M: tl.constexpr = 1,
 ):
     iv = tl.program_id(0)
     bh = tl.program_id(1)
@@ -170,6 +183,10 @@ def _state_bwd_kernel(
         if NK > 3:
             d3 = load_tile(dht_ptr, 3 * BK, v0, K, V, V, BK, BV).to(tl.float32)
 
+    if M > 1:  # the block start state's gradient, gathered from the block's chunks (spans.py)
+        e_ptr += b.to(tl.int64) * NB * H + h
+        p0 = tl.zeros([BK, BV], dtype=tl.float32)
+        p1, p2, p3 = p0, p0, p0
     for m in range(NB):
         n = NB - 1 - m
         t0 = n * C
@@ -184,6 +201,9 @@ def _state_bwd_kernel(
 
         # dR = dR_local + write * diag(exp(G_last - gc)) K D
         gc, dec, wt, a = chunk_decay(gc_ptr, write_ptr, t0, n, T, H, C, DECAY_SKIPPED)
+        if M > 1:
+            a = wt * a
+            p0, p1, p2, p3 = span_commit(tl.load(e_ptr + n * H), p0, p1, p2, p3, d0, d1, d2, d3, NK)
         kd = _kd_tile(k_ptr, d0, t0, 0, T, H, K, C, BK, PREC, wd)
         if NK > 1:
             kd += _kd_tile(k_ptr, d1, t0, BK, T, H, K, C, BK, PREC, wd)
@@ -204,6 +224,8 @@ def _state_bwd_kernel(
             d2 = _state_bwd_tile(d2, a, q_ptr, w_ptr, dos, drw, t0, 2 * BK, T, H, K, C, BK, PREC)
         if NK > 3:
             d3 = _state_bwd_tile(d3, a, q_ptr, w_ptr, dos, drw, t0, 3 * BK, T, H, K, C, BK, PREC)
+        if M > 1:
+            d0, d1, d2, d3, p0, p1, p2, p3 = span_release(n % M == 0, d0, d1, d2, d3, p0, p1, p2, p3, NK)
 
     if STORE_DH0:
         dh0_ptr += bh.to(tl.int64) * K * V
@@ -253,14 +275,25 @@ def batch_launches(B: int, H: int, V: int, cfg: dict, sms: int, work_dtype=None)
     return [(0, full_rows, bv), (full_rows, B, narrow)]
 
 
+def narrow(cfg: dict) -> dict:
+    """A sequential kernel's launch settings for blocks of several chunks: the narrow V slice only (the
+    block's start state, or its gradient, is a second set of state tiles in registers)."""
+    return {**cfg, "BV_WIDE": None}
+
+
 def _rows(t, b0: int, b1: int):
     """Batch rows b0:b1 of a [B, ...] tensor (a contiguous view), or None."""
     return None if t is None else t[b0:b1]
 
 
 def state_forward(w, u, k, gc, write, initial_state, output_final_state: bool, block_size: int,
-                  decay_skipped_blocks: bool, precision: str, cfg: dict):
-    """(h [B,NB,H,K,V] in k's dtype, R [B,T,H,V] in u's dtype, final state [B,H,K,V] fp32 or None)."""
+                  decay_skipped_blocks: bool, precision: str, cfg: dict, span=None):
+    """(h [B,NB,H,K,V] in k's dtype, R [B,T,H,V] in u's dtype, final state [B,H,K,V] fp32 or None).
+    `block_size` is the chunk; `span` = (M, e) where a routing block spans M > 1 chunks (spans.py), then
+    `write` holds each chunk's write."""
+    M, e = span or (1, None)
+    if M > 1:
+        cfg = narrow(cfg)
     B, T, H, K = k.shape
     V = u.shape[-1]
     NB = triton.cdiv(T, block_size)
@@ -270,17 +303,21 @@ def state_forward(w, u, k, gc, write, initial_state, output_final_state: bool, b
     final = torch.empty(B, H, K, V, device=k.device, dtype=torch.float32) if output_final_state else None
     for b0, b1, BV in batch_launches(B, H, V, cfg, sm_count(k.device), u.dtype):
         _state_fwd_kernel[(triton.cdiv(V, BV), (b1 - b0) * H)](
-            *(_rows(t, b0, b1) for t in (w, u, k, gc, write, initial_state, h, r, final)), T, H, NB,
+            *(_rows(t, b0, b1) for t in (w, u, k, gc, write, initial_state, h, r, final, e)), T, H, NB,
             K=K, V=V, C=block_size, BK=BK, BV=BV, NK=NK,
-            HAS_H0=initial_state is not None, STORE_HT=output_final_state, DECAY_SKIPPED=decay_skipped_blocks,
-            PREC=precision, **launch_options(cfg, block_size, u.dtype),
+            HAS_H0=initial_state is not None, STORE_HT=output_final_state, DECAY_SKIPPED=decay_skipped_blocks or M > 1,
+            PREC=precision, **launch_options(cfg, block_size, u.dtype), **({"M": M} if M > 1 else {}),
         )
     return h, r, final
 
 
 def state_backward(q, k, w, gc, write, do, dr_local, d_final, want_dh0: bool, scale: float, block_size: int,
-                   decay_skipped_blocks: bool, precision: str, cfg: dict):
-    """(dh [B,NB,H,K,V] = dL/dS_start(n+1) per chunk, dR [B,T,H,V], dL/dS_start(0) fp32 or None)."""
+                   decay_skipped_blocks: bool, precision: str, cfg: dict, span=None):
+    """(dh [B,NB,H,K,V] = dL/dS_start(n+1) per chunk, dR [B,T,H,V], dL/dS_start(0) fp32 or None);
+    `block_size` and `span` as in state_forward."""
+    M, e = span or (1, None)
+    if M > 1:
+        cfg = narrow(cfg)
     B, T, H, K = k.shape
     V = do.shape[-1]
     NB = triton.cdiv(T, block_size)
@@ -290,9 +327,9 @@ def state_backward(q, k, w, gc, write, do, dr_local, d_final, want_dh0: bool, sc
     dh0 = torch.empty(B, H, K, V, device=k.device, dtype=torch.float32) if want_dh0 else None
     for b0, b1, BV in batch_launches(B, H, V, cfg, sm_count(k.device), dr_local.dtype):
         _state_bwd_kernel[(triton.cdiv(V, BV), (b1 - b0) * H)](
-            *(_rows(t, b0, b1) for t in (q, k, w, gc, write, do, dr_local, d_final, dh, dr, dh0)), scale, T, H, NB,
-            K=K, V=V, C=block_size, BK=BK, BV=BV, NK=NK,
-            HAS_DHT=d_final is not None, STORE_DH0=want_dh0, DECAY_SKIPPED=decay_skipped_blocks,
-            PREC=precision, **launch_options(cfg, block_size, dr_local.dtype),
+            *(_rows(t, b0, b1) for t in (q, k, w, gc, write, do, dr_local, d_final, dh, dr, dh0, e)), scale, T, H,
+            NB, K=K, V=V, C=block_size, BK=BK, BV=BV, NK=NK,
+            HAS_DHT=d_final is not None, STORE_DH0=want_dh0, DECAY_SKIPPED=decay_skipped_blocks or M > 1,
+            PREC=precision, **launch_options(cfg, block_size, dr_local.dtype), **({"M": M} if M > 1 else {}),
         )
     return dh, dr, dh0

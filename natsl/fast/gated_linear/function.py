@@ -20,15 +20,16 @@ from typing import Optional
 import torch
 import triton
 
+from natsl.block_size import DEFAULT_BLOCK_SIZE
 from natsl.errors import NatslError
 from natsl.fast import eager
 from natsl.fast.gated_delta.common import MAX_K, fp32_precision
-from natsl.fast.gated_delta.function import (_EMPTY, BLOCK_SIZES, DTYPES, _backward_on_gpu, _chunk_gamma,
-                                             block_size_problem)
+from natsl.fast.gated_delta.function import _EMPTY, BLOCK_SIZES, DTYPES, _chunk_gamma, block_size_problem
 from natsl.fast.gated_delta.grad_qk import grad_qk
 from natsl.fast.gated_delta.output import chunk_output, local_dr
 from natsl.fast.gated_linear import config
-from natsl.fast.gated_linear.cumsum import chunk_cumsum_and_write
+from natsl.fast.gated_delta.spans import chunk_log_decay, chunking, span_grads, span_routes
+from natsl.fast.gated_linear.cumsum import chunk_cumsum, chunk_cumsum_and_write
 from natsl.fast.gated_linear.state import _state_fwd_kernel, state_backward, state_forward
 from natsl.reference.gated_delta import validate_layouts
 from natsl.reference.route_grad import check_route_grad, chosen
@@ -48,11 +49,21 @@ def _forward_impl(q, k, v, g, write, initial_state, scale: float, output_final_s
     q, k = q.contiguous(), k.contiguous()
     prec = fp32_precision(q.dtype)
     h0 = None if initial_state is None else initial_state.float().contiguous()
-    # w32 is a new tensor even for an fp32 write: a custom op may not return (an alias of) its input
-    gc, w32 = chunk_cumsum_and_write(g, write, block_size, config.CUMSUM)
-    h, final = state_forward(k, v, gc, w32, h0, output_final_state, block_size, decay_skipped_blocks, prec,
-                             config.STATE_FWD)
-    o = chunk_output(q, k, gc, h, v, scale, block_size, prec, config.OUTPUT)
+    C, M = chunking(block_size)
+    write_c, span = None, None
+    if M > 1:  # a block of M chunks (gated_delta/spans.py): each chunk's write and end-of-block term
+        B, T, H = g.shape
+        gc = chunk_cumsum(g, C)
+        w32 = (g.new_ones(B, triton.cdiv(T, block_size), H, dtype=torch.float32) if write is None
+               else write.to(torch.float32, memory_format=torch.contiguous_format, copy=True))
+        write_c, e, _ = span_routes(w32, gc, C, M, decay_skipped_blocks)
+        span = (M, e)
+    else:
+        # w32 is a new tensor even for an fp32 write: a custom op may not return (an alias of) its input
+        gc, w32 = chunk_cumsum_and_write(g, write, block_size, config.CUMSUM)
+    h, final = state_forward(k, v, gc, w32 if write_c is None else write_c, h0, output_final_state, C,
+                             decay_skipped_blocks, prec, config.STATE_FWD, span)
+    o = chunk_output(q, k, gc, h, v, scale, C, prec, config.OUTPUT)
     return o, (final if final is not None else q.new_empty(_EMPTY, dtype=torch.float32)), w32, gc, h
 
 
@@ -71,40 +82,53 @@ def _(q, k, v, g, write, initial_state, scale, output_final_state, block_size, d
     B, T, _, K = q.shape
     H, V = v.shape[2], v.shape[3]
     NB = triton.cdiv(T, block_size)
+    NC = triton.cdiv(T, chunking(block_size)[0])
     f32 = dict(dtype=torch.float32)
     return (q.new_empty(B, T, H, V), q.new_empty((B, H, K, V) if output_final_state else _EMPTY, **f32),
-            q.new_empty(B, NB, H, **f32), q.new_empty(B, T, H, **f32), q.new_empty(B, NB, H, K, V, dtype=k.dtype))
+            q.new_empty(B, NB, H, **f32), q.new_empty(B, T, H, **f32), q.new_empty(B, NC, H, K, V, dtype=k.dtype))
 
 
 def _backward_impl(q, k, v, w32, gc, h, do, d_final, scale: float, block_size: int, decay_skipped_blocks: bool,
                    route_grad: str, want_dh0: bool, want_dwrite: bool):
     """(dq, dk, dv, dg fp32, dwrite fp32 or empty, d initial state fp32 or empty); dq, dk on q's and k's
     heads (Hk of H: each group's heads summed)."""
-    C = block_size
+    C, M = chunking(block_size)
     T, groups = q.shape[1], q.shape[2]
     q_dtype, k_dtype = q.dtype, k.dtype
     q, k = q.contiguous(), k.contiguous()
     prec = fp32_precision(q.dtype)
     do = do.to(q.dtype).contiguous()
     d_final = None if d_final is None else d_final.float().contiguous()
-    dh, dh0 = state_backward(q, gc, w32, do, d_final, want_dh0, scale, C, decay_skipped_blocks, prec, config.STATE_BWD)
+    write_c, span = w32, None
+    if M > 1:
+        write_c, e, c_b = span_routes(w32, gc, C, M, decay_skipped_blocks)
+        span = (M, e)
+    dh, dh0 = state_backward(q, gc, write_c, do, d_final, want_dh0, scale, C, decay_skipped_blocks, prec,
+                             config.STATE_BWD, span)
     # dV chunk-parallel from dh: the intra-chunk transpose product plus the commit's term, in one kernel
-    dv = local_dr(q, k, gc, do, scale, C, prec, config.DV, q.dtype, write=w32, dh=dh,
+    # (with blocks of M chunks each chunk's write; its decay term `a` is not read there)
+    dv = local_dr(q, k, gc, do, scale, C, prec, config.DV, q.dtype, write=write_c, dh=dh,
                   decay_skipped_blocks=decay_skipped_blocks)
     # grad_qk's R is V and its dR is dV; its dW (-dR S^T, a delta-rule term) is skipped. dq, dk per head of H.
     # dk straight in k's dtype unless each group's heads are summed first (in fp32, as dq's are from q's dtype)
     grouped = groups != v.shape[2]
-    dq, dk, _, dgp, p1, p2 = grad_qk(q, k, gc, w32, h, dh, v, dv, do, scale, C, prec, config.GRAD_QK, store_dw=False,
-                                     dk_dtype=torch.float32 if grouped else k_dtype)
+    dq, dk, _, dgp, p1, p2 = grad_qk(q, k, gc, write_c, h, dh, v, dv, do, scale, C, prec, config.GRAD_QK,
+                                     store_dw=False, dk_dtype=torch.float32 if grouped else k_dtype)
     p1, p2 = p1.sum(0), p2.sum(0)
-    gamma = _chunk_gamma(gc, C)
-    # G_last enters through the commit's a = Gamma (or 1 - write + write Gamma): da/dG_last, and
-    # G_last is the sum of every g of the chunk.
-    dg_last = gamma * p2 if decay_skipped_blocks else gamma * p2 * w32
+    if M > 1:
+        d_write, dg_last = span_grads(w32, c_b, chunk_log_decay(gc, C), h, dh, p1, p2, M, decay_skipped_blocks)
+    else:
+        gamma = _chunk_gamma(gc, C)
+        # G_last enters through the commit's a = Gamma (or 1 - write + write Gamma): da/dG_last, and
+        # G_last is the sum of every g of the chunk.
+        dg_last = gamma * p2 if decay_skipped_blocks else gamma * p2 * w32
     dg = dgp.sum(0) + dg_last.repeat_interleave(C, dim=1)[:, :T]
     dwrite = q.new_empty(_EMPTY, dtype=torch.float32)  # (returns may not alias one another)
     if want_dwrite:
-        dwrite = p1 if decay_skipped_blocks else p1 + (gamma - 1.0) * p2
+        if M > 1:
+            dwrite = d_write
+        else:
+            dwrite = p1 if decay_skipped_blocks else p1 + (gamma - 1.0) * p2
         if route_grad == "active":
             dwrite = dwrite * chosen(w32).to(dwrite.dtype)
     if grouped:  # dq in q's dtype, dk fp32, each summed per group in fp32
@@ -173,14 +197,12 @@ def _validate(q, k, v, g, write, initial_state, block_size: int) -> None:
     """The reference's layout checks (docs/spec.md section 5), plus the fast path's own limits."""
     _, _, _, K, _ = validate_layouts(q, k, v, g, None, write, initial_state, block_size, grouped_qk=True)
     if block_size not in BLOCK_SIZES:
-        raise NatslError(block_size_problem("gated_linear_rule", block_size, False, "chunked"))
+        raise NatslError(block_size_problem("gated_linear_rule", block_size, "chunked"))
     if K > MAX_K:
         raise NatslError(f"the fast gated_linear_rule supports K <= {MAX_K}, got {K}; use backend='chunked'")
     if q.dtype not in DTYPES:
         raise NatslError(f"the fast gated_linear_rule supports fp32, bf16 and fp16 inputs, got {q.dtype}; "
                          "use backend='chunked'")
-    if block_size > 64 and _backward_on_gpu(q, k, v, g, write, initial_state):
-        raise NatslError(block_size_problem("gated_linear_rule", block_size, True, "chunked"))
     if q.device.type != "cuda" and type(_state_fwd_kernel).__name__ != "InterpretedFunction":
         raise NatslError("the fast gated_linear_rule on a CPU tensor needs TRITON_INTERPRET=1 set before "
                          "natsl.fast is imported")
@@ -196,7 +218,7 @@ def gated_linear_rule(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
-    block_size: int = 64,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     decay_skipped_blocks: bool = True,
     route_grad: str = "active",
     intra_block: bool = True,
@@ -208,7 +230,7 @@ def gated_linear_rule(
     never expanded to H heads, and dq, dk come back [B,T,Hk,K]); v [B,T,H,V]; g (log decay)
     [B,T,H] (any float dtype); write [B,NB,H] (None = all ones), any float values; initial_state
     [B,H,K,V]. Returns o [B,T,H,V] in q's dtype (k, v compute in q's dtype) and, if
-    `output_final_state`, S_start(NB) [B,H,K,V] in fp32. Chunk size = block_size (64 or 128). `intra_block=False` (the Table 4 ablation, with no kernel of its own) runs the
+    `output_final_state`, S_start(NB) [B,H,K,V] in fp32. Chunk size = block_size (gated_delta's BLOCK_SIZES). `intra_block=False` (the Table 4 ablation, with no kernel of its own) runs the
     chunked reference, so that both twins take the same arguments.
     """
     if not intra_block:

@@ -22,6 +22,7 @@ import triton.language as tl
 from natsl.devices import sm_count
 from natsl.fast.gated_delta.common import (MIN_TILE, chunk_decay, dim_tile, group_row0, launch_options, load_tile,
                                            load_tile_t, mm, store_tile)
+from natsl.fast.gated_delta.spans import span_commit, span_release, span_start
 from natsl.fast.gated_delta.state import _commit_tile, _k_tiles
 
 
@@ -56,11 +57,12 @@ def _load_state(ptr, k0, v0, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
 
 @triton.jit(do_not_specialize=["T", "NB"])  # one compile for every sequence length
 def _state_fwd_kernel(
-    k_ptr, v_ptr, gc_ptr, write_ptr, h0_ptr, h_ptr, ht_ptr,
+    k_ptr, v_ptr, gc_ptr, write_ptr, h0_ptr, h_ptr, ht_ptr, e_ptr,
     T, H, HK, NB,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     NK_LOCAL: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, DECAY_SKIPPED: tl.constexpr, PREC: tl.constexpr,
+    M: tl.constexpr = 1,
 ):
     iv = tl.program_id(0)
     bh = tl.program_id(1)
@@ -87,12 +89,19 @@ def _state_fwd_kernel(
         s2 = tl.zeros([BK, BV], dtype=tl.float32)
         s3 = tl.zeros([BK, BV], dtype=tl.float32)
 
+    if M > 1:  # routing blocks of M chunks (gated_delta/spans.py): the block's start state beside S
+        e_ptr += b.to(tl.int64) * NB * H + h
+        b0, b1, b2, b3 = s0, s1, s2, s3
     for n in range(NB):
         t0 = n * C
+        if M > 1:
+            b0, b1, b2, b3 = span_start(n % M == 0, b0, b1, b2, b3, s0, s1, s2, s3, NK_LOCAL)
         _store_state(h_ptr + ((b * NB + n) * H + h).to(tl.int64) * K * V, s0, s1, s2, s3, k0, v0, K, V, BK, BV,
                      NK_LOCAL)
         # Commit: S <- a S + K^T (write * exp(G_last - gc) * V); the decay scales V's C rows, not K.
         gc, dec, wt, a = chunk_decay(gc_ptr, write_ptr, t0, n, T, H, C, DECAY_SKIPPED)
+        if M > 1:  # S <- write Gamma S + K^T (write K_dec V) + e S_block (write: this chunk's)
+            a = wt * a
         vv = load_tile(v_ptr, t0, v0, T, H * V, V, C, BV).to(tl.float32)
         rd = ((wt * dec)[:, None] * vv).to(vd)
         s0 = _commit_tile(s0, a, k_ptr, rd, t0, k0, T, HK, K, C, BK, PREC)
@@ -102,6 +111,8 @@ def _state_fwd_kernel(
             s2 = _commit_tile(s2, a, k_ptr, rd, t0, k0 + 2 * BK, T, HK, K, C, BK, PREC)
         if NK_LOCAL > 3:
             s3 = _commit_tile(s3, a, k_ptr, rd, t0, k0 + 3 * BK, T, HK, K, C, BK, PREC)
+        if M > 1:
+            s0, s1, s2, s3 = span_commit(tl.load(e_ptr + n * H), s0, s1, s2, s3, b0, b1, b2, b3, NK_LOCAL)
 
     if STORE_HT:
         _store_state(ht_ptr + bh.to(tl.int64) * K * V, s0, s1, s2, s3, k0, v0, K, V, BK, BV, NK_LOCAL)
@@ -117,10 +128,11 @@ def _reverse_tile(d, a, q_ptr, dos, t0, k0, T, H, K: tl.constexpr, C: tl.constex
 
 @triton.jit(do_not_specialize=["T", "NB"])
 def _state_bwd_kernel(
-    q_ptr, gc_ptr, write_ptr, do_ptr, dht_ptr, dh_ptr, dh0_ptr,
+    q_ptr, gc_ptr, write_ptr, do_ptr, dht_ptr, dh_ptr, dh0_ptr, e_ptr,
     scale, T, H, HK, NB,
     K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr,
     HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, DECAY_SKIPPED: tl.constexpr, PREC: tl.constexpr,
+    M: tl.constexpr = 1,
 ):
     iv = tl.program_id(0)
     bh = tl.program_id(1)
@@ -142,12 +154,19 @@ def _state_bwd_kernel(
         d2 = tl.zeros([BK, BV], dtype=tl.float32)
         d3 = tl.zeros([BK, BV], dtype=tl.float32)
 
+    if M > 1:  # the block start state's gradient, gathered from the block's chunks
+        e_ptr += b.to(tl.int64) * NB * H + h
+        p0 = tl.zeros([BK, BV], dtype=tl.float32)
+        p1, p2, p3 = p0, p0, p0
     for m in range(NB):
         n = NB - 1 - m
         t0 = n * C
         _store_state(dh_ptr + ((b * NB + n) * H + h).to(tl.int64) * K * V, d0, d1, d2, d3, 0, v0, K, V, BK, BV, NK)
 
-        gc, _, _, a = chunk_decay(gc_ptr, write_ptr, t0, n, T, H, C, DECAY_SKIPPED)
+        gc, _, wt, a = chunk_decay(gc_ptr, write_ptr, t0, n, T, H, C, DECAY_SKIPPED)
+        if M > 1:
+            a = wt * a
+            p0, p1, p2, p3 = span_commit(tl.load(e_ptr + n * H), p0, p1, p2, p3, d0, d1, d2, d3, NK)
         # D <- a D + Q^T (scale exp(gc) dO); the decay scales dO's C rows, not Q.
         dos = (load_tile(do_ptr, t0, v0, T, H * V, V, C, BV).to(tl.float32) * (scale * tl.exp(gc))[:, None]).to(wd)
         d0 = _reverse_tile(d0, a, q_ptr, dos, t0, 0, T, HK, K, C, BK, PREC)
@@ -157,6 +176,8 @@ def _state_bwd_kernel(
             d2 = _reverse_tile(d2, a, q_ptr, dos, t0, 2 * BK, T, HK, K, C, BK, PREC)
         if NK > 3:
             d3 = _reverse_tile(d3, a, q_ptr, dos, t0, 3 * BK, T, HK, K, C, BK, PREC)
+        if M > 1:
+            d0, d1, d2, d3, p0, p1, p2, p3 = span_release(n % M == 0, d0, d1, d2, d3, p0, p1, p2, p3, NK)
 
     if STORE_DH0:
         _store_state(dh0_ptr + bh.to(tl.int64) * K * V, d0, d1, d2, d3, 0, v0, K, V, BK, BV, NK)
@@ -201,9 +222,11 @@ def choose_k_split(K: int, requested: int, programs: int, sms: int, auto_max: in
 
 
 def state_forward(k, v, gc, write, initial_state, output_final_state: bool, block_size: int,
-                  decay_skipped_blocks: bool, precision: str, cfg: dict):
+                  decay_skipped_blocks: bool, precision: str, cfg: dict, span=None):
     """(h [B,NB,H,K,V] in k's dtype, final state [B,H,K,V] fp32 or None); k contiguous [B,T,HK,K] with
-    H % HK == 0 (Mamba2's groups: head h reads k head h // (H // HK) in place)."""
+    H % HK == 0 (Mamba2's groups: head h reads k head h // (H // HK) in place). `block_size` is the chunk;
+    `span` = (M, e) for routing blocks of M > 1 chunks, as gated_delta.state.state_forward's."""
+    M, e = span or (1, None)
     B, T, HK, K = k.shape
     H, V = v.shape[2], v.shape[-1]
     NB = triton.cdiv(T, block_size)
@@ -214,10 +237,10 @@ def state_forward(k, v, gc, write, initial_state, output_final_state: bool, bloc
     h = torch.empty(B, NB, H, K, V, device=k.device, dtype=k.dtype)
     final = torch.empty(B, H, K, V, device=k.device, dtype=torch.float32) if output_final_state else None
     _state_fwd_kernel[(triton.cdiv(V, BV), B * H, split)](
-        k, v, gc, write, initial_state, h, final, T, H, HK, NB,
+        k, v, gc, write, initial_state, h, final, e, T, H, HK, NB,
         K=K, V=V, C=block_size, BK=BK, BV=BV, NK_LOCAL=NK_LOCAL,
-        HAS_H0=initial_state is not None, STORE_HT=output_final_state, DECAY_SKIPPED=decay_skipped_blocks,
-        PREC=precision, **launch_options(split_launch(cfg, split), block_size, v.dtype),
+        HAS_H0=initial_state is not None, STORE_HT=output_final_state, DECAY_SKIPPED=decay_skipped_blocks or M > 1,
+        PREC=precision, **launch_options(split_launch(cfg, split), block_size, v.dtype), **({"M": M} if M > 1 else {}),
     )
     return h, final
 
@@ -234,9 +257,10 @@ def split_launch(cfg: dict, split: int) -> dict:
 
 
 def state_backward(q, gc, write, do, d_final, want_dh0: bool, scale: float, block_size: int,
-                   decay_skipped_blocks: bool, precision: str, cfg: dict):
+                   decay_skipped_blocks: bool, precision: str, cfg: dict, span=None):
     """(dh [B,NB,H,K,V] = dL/dS_start(n+1) per chunk in q's dtype, dL/dS_start(0) fp32 or None); q on HK heads
-    as state_forward's k."""
+    as state_forward's k; `block_size` and `span` as there."""
+    M, e = span or (1, None)
     B, T, HK, K = q.shape
     H, V = do.shape[2], do.shape[-1]
     NB = triton.cdiv(T, block_size)
@@ -245,9 +269,9 @@ def state_backward(q, gc, write, do, d_final, want_dh0: bool, scale: float, bloc
     dh = torch.empty(B, NB, H, K, V, device=q.device, dtype=q.dtype)
     dh0 = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32) if want_dh0 else None
     _state_bwd_kernel[(triton.cdiv(V, BV), B * H)](
-        q, gc, write, do, d_final, dh, dh0, scale, T, H, HK, NB,
+        q, gc, write, do, d_final, dh, dh0, e, scale, T, H, HK, NB,
         K=K, V=V, C=block_size, BK=BK, BV=BV, NK=NK,
-        HAS_DHT=d_final is not None, STORE_DH0=want_dh0, DECAY_SKIPPED=decay_skipped_blocks,
-        PREC=precision, **launch_options(cfg, block_size, q.dtype),
+        HAS_DHT=d_final is not None, STORE_DH0=want_dh0, DECAY_SKIPPED=decay_skipped_blocks or M > 1,
+        PREC=precision, **launch_options(cfg, block_size, q.dtype), **({"M": M} if M > 1 else {}),
     )
     return dh, dh0

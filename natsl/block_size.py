@@ -1,0 +1,45 @@
+"""The routing block size of NAtS-L layers: its default and the sizes each path takes, in one place.
+
+The block size (tokens per routing block: one route per block and routing group) is a free
+parameter. `DEFAULT_BLOCK_SIZE` is the paper's 64 and is written only here: natsl.config, the ops
+(natsl.ops, natsl.reference, natsl.fast) and the kernels read it.
+
+Which sizes run where:
+- reference and chunked backends: any positive size; a model (a recipe, a checkpoint) takes a
+  multiple of 16 from 16 to 256 (`MODEL_BLOCK_SIZES`), or a power of two below 16 for the tiny
+  test models, whose short sequences then span several blocks.
+- fast backend (Triton): `FAST_BLOCK_SIZES`, forward and backward, on the GPU and in the interpreter.
+  The state kernels (gated_delta_rule, gated_linear_rule) run chunks of at most `LARGEST_CHUNK`
+  tokens: a block up to that is one chunk (C a tl.constexpr), a larger one spans whole chunks that
+  share its route (natsl/fast/gated_delta/spans.py says why); routed_attention takes any power of two
+  from 16 to 256.
+"""
+
+from __future__ import annotations
+
+DEFAULT_BLOCK_SIZE = 64
+MODEL_BLOCK_SIZES = tuple(range(16, 257, 16))
+SMALL_BLOCK_SIZES = (1, 2, 4, 8)  # tiny test models on the reference / chunked backends only
+# What the fast backend takes (its Triton kernels' limits, not a default): powers of two, as routed
+# attention's query and key tiles must nest in a block.
+FAST_BLOCK_SIZES = (16, 32, 64, 128, 256)
+# The state kernels' largest chunk: the backward's [C, C] tiles at C = 128 need more shared memory than
+# Hopper has, and the kernels were tuned at 64 (docs/kernels/gated_delta.md).
+LARGEST_CHUNK = 64
+
+MODEL_ALLOWED = (f"a multiple of 16 from 16 to 256 ({', '.join(map(str, MODEL_BLOCK_SIZES))}), or 1, 2, 4 or 8 "
+                 "for small test models on the reference and chunked backends")
+
+
+def model_takes(block_size) -> bool:
+    """Whether a model (a recipe, a checkpoint) may have `block_size` (MODEL_ALLOWED says which)."""
+    return block_size in MODEL_BLOCK_SIZES or block_size in SMALL_BLOCK_SIZES
+
+
+def fast_problem(block_size: int) -> str | None:
+    """Why a model on backend fast cannot take `block_size` (the end of a one-line error naming the
+    allowed values), or None where it can."""
+    if block_size in FAST_BLOCK_SIZES:
+        return None
+    return (f"must be one of {', '.join(map(str, FAST_BLOCK_SIZES))} with backend fast (its Triton kernels), got "
+            f"{block_size}; pick one of those, or backend chunked / reference for any multiple of 16")
