@@ -12,7 +12,8 @@
 - A recipe with a block size no backend takes is a one-line error naming the allowed values.
 
 On a machine without CUDA the kernels run under TRITON_INTERPRET=1 (tests/conftest.py), so the shapes
-stay small; the `gpu` tests run the backward at block 128 (and 256, 32) at a training-sized shape.
+stay small; the `gpu` tests run the backward at block 128 (and 256, 32) at a training-sized shape, with
+NATSL_GPU_BLOCK_SIZES=all (natsl refuses the sizes other than 64 on a GPU until these tests have passed there).
 """
 
 from __future__ import annotations
@@ -281,3 +282,25 @@ def test_gpu_tiny_model_trains_a_step_on_fast_as_on_chunked(block_size):
     assert abs(loss_fast.item() - loss_ref.item()) <= 1e-4 * abs(loss_ref.item())
     worst = max(grads_ref, key=lambda n: rel_rms(grads_fast[n], grads_ref[n]))
     assert rel_rms(grads_fast[worst], grads_ref[worst]) <= 5e-3, worst
+
+
+@pytest.fixture(autouse=True)
+def every_fast_size_on_the_gpu(request, monkeypatch):
+    """The gpu tests check the sizes natsl does not yet run on a GPU by default."""
+    if request.node.get_closest_marker("gpu"):
+        monkeypatch.setenv("NATSL_GPU_BLOCK_SIZES", "all")
+
+
+def test_sizes_not_yet_checked_on_a_gpu_are_refused_there(monkeypatch):
+    from natsl.block_size import GPU_CHECKED_BLOCK_SIZES, gpu_problem
+    from natsl.fast.gated_delta.function import block_size_problem
+
+    monkeypatch.delenv("NATSL_GPU_BLOCK_SIZES", raising=False)
+    assert GPU_CHECKED_BLOCK_SIZES == (64,) and gpu_problem("gated_delta_rule", 64) is None
+    problem = block_size_problem("gated_delta_rule", 128, "chunked", on_gpu=True)
+    assert "block_size 128 on a GPU has not yet passed" in problem and "NATSL_GPU_BLOCK_SIZES=all" in problem
+    assert block_size_problem("gated_delta_rule", 128, "chunked", on_gpu=False) is None  # the interpreter runs it
+    monkeypatch.setenv("NATSL_GPU_BLOCK_SIZES", "all")
+    assert block_size_problem("gated_linear_rule", 32, "chunked", on_gpu=True) is None
+    assert "supports block_size" in block_size_problem("gated_delta_rule", 48, "chunked", on_gpu=True)
+

@@ -70,7 +70,7 @@ def _state_rule(family: str, chosen: str, config, device: torch.device, backward
         return "reference (PyTorch)", "NAtS-L layers: intra_block_output=softmax, an ablation with no kernel"
     from natsl.fast.gated_delta.function import block_size_problem
 
-    problem = block_size_problem(family, config.block_size, "chunked")
+    problem = block_size_problem(family, config.block_size, "chunked", on_gpu=device.type == "cuda")
     return ("refused", problem) if problem else (runs, why + f", block_size {config.block_size}")
 
 

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 import triton
 
-from natsl.block_size import DEFAULT_BLOCK_SIZE, FAST_BLOCK_SIZES
+from natsl.block_size import DEFAULT_BLOCK_SIZE, FAST_BLOCK_SIZES, gpu_problem
 from natsl.errors import NatslError
 from natsl.fast import eager
 from natsl.fast.gated_delta import config
@@ -192,15 +192,16 @@ def _run_forward(*inputs):
     return eager.run(gated_delta_forward, _EagerGatedDelta, _forward_impl, *inputs)
 
 
-def block_size_problem(op: str, block_size: int, fallback: str) -> str | None:
+def block_size_problem(op: str, block_size: int, fallback: str, on_gpu: bool = False) -> str | None:
     """Why the fast state rule `op` refuses `block_size`, or None where it takes it (BLOCK_SIZES, forward
-    and backward, on the GPU and in the interpreter). Shared by gated_delta_rule and gated_linear_rule,
-    and read by natsl.inference.kernel_table.
+    and backward, in the interpreter; on a GPU the sizes natsl.block_size.gpu_problem allows). Shared by
+    gated_delta_rule and gated_linear_rule, and read by natsl.inference.kernel_table.
 
     Args:
         op: the op's name, for the message.
         block_size: the routing block size.
         fallback: the backend the message suggests.
+        on_gpu: whether the call runs on a GPU.
 
     Returns:
         The one-line error, or None.
@@ -208,14 +209,15 @@ def block_size_problem(op: str, block_size: int, fallback: str) -> str | None:
     if block_size not in BLOCK_SIZES:
         allowed = ", ".join(map(str, BLOCK_SIZES))
         return f"the fast {op} supports block_size {allowed}, got {block_size}; use backend='{fallback}'"
-    return None
+    return gpu_problem(op, block_size) if on_gpu else None
 
 
 def _validate(q, k, v, g, beta, write, initial_state, block_size: int) -> None:
     """The reference's layout checks (docs/spec.md section 5), plus the fast path's own limits."""
     _, _, _, K, _ = validate_layouts(q, k, v, g, beta, write, initial_state, block_size)
-    if block_size not in BLOCK_SIZES:
-        raise NatslError(block_size_problem("gated_delta_rule", block_size, "chunked"))
+    problem = block_size_problem("gated_delta_rule", block_size, "chunked", on_gpu=q.device.type == "cuda")
+    if problem:
+        raise NatslError(problem)
     if K > MAX_K:
         raise NatslError(f"the fast gated_delta_rule supports K <= {MAX_K}, got {K}; use backend='reference'")
     if q.dtype not in DTYPES:

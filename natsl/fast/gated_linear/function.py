@@ -24,7 +24,7 @@ from natsl.block_size import DEFAULT_BLOCK_SIZE
 from natsl.errors import NatslError
 from natsl.fast import eager
 from natsl.fast.gated_delta.common import MAX_K, fp32_precision
-from natsl.fast.gated_delta.function import _EMPTY, BLOCK_SIZES, DTYPES, _chunk_gamma, block_size_problem
+from natsl.fast.gated_delta.function import _EMPTY, DTYPES, _chunk_gamma, block_size_problem
 from natsl.fast.gated_delta.grad_qk import grad_qk
 from natsl.fast.gated_delta.output import chunk_output, local_dr
 from natsl.fast.gated_linear import config
@@ -196,8 +196,9 @@ def _run_forward(*inputs):
 def _validate(q, k, v, g, write, initial_state, block_size: int) -> None:
     """The reference's layout checks (docs/spec.md section 5), plus the fast path's own limits."""
     _, _, _, K, _ = validate_layouts(q, k, v, g, None, write, initial_state, block_size, grouped_qk=True)
-    if block_size not in BLOCK_SIZES:
-        raise NatslError(block_size_problem("gated_linear_rule", block_size, "chunked"))
+    problem = block_size_problem("gated_linear_rule", block_size, "chunked", on_gpu=q.device.type == "cuda")
+    if problem:
+        raise NatslError(problem)
     if K > MAX_K:
         raise NatslError(f"the fast gated_linear_rule supports K <= {MAX_K}, got {K}; use backend='chunked'")
     if q.dtype not in DTYPES:
