@@ -17,7 +17,7 @@ from natsl import switches
 # Variables that change how natsl runs but are not its speed switches (natsl/switches.py says why):
 # recorded where set, beside every speed switch. The last four say how a process compiled and shared the
 # GPU (a sweep's workers set OMP_NUM_THREADS=1 and, under --mps, the daemon's pipe; natsl.fast pins the ptxas).
-ENVIRONMENT = ("NATSL_BACKEND", "NATSL_PEAK_FLOPS", "NATSL_CHECK_OPS", "TRITON_INTERPRET", "TORCH_COMPILE_DISABLE",
+ENVIRONMENT = ("NATSL_BACKEND", "NATSL_PEAK_FLOPS", "NATSL_CHECK_OPS", "NATSL_GPU_BLOCK_SIZES", "TRITON_INTERPRET", "TORCH_COMPILE_DISABLE",
                "TORCHINDUCTOR_COMPILE_THREADS", "OMP_NUM_THREADS", "CUDA_MPS_PIPE_DIRECTORY", "TRITON_PTXAS_PATH")
 # NATSL_ variables that change neither speed nor numerics (where files go; the crash tests' hook).
 NOT_SWITCHES = ("NATSL_CACHE_DIR", "NATSL_DEBUG_DIR", "NATSL_FAULT")

@@ -21,8 +21,9 @@ Not speed switches, read where they are used: `NATSL_BACKEND` (a user's choice o
 the ops' public contract, natsl.ops), `NATSL_PEAK_FLOPS` (the MFU denominator, not how anything runs;
 natsl.training.flops), `NATSL_CHECK_OPS` (a debugging aid that checks every fast kernel call for
 non-finite values, natsl.fast.op_check), `NATSL_CACHE_DIR` and `NATSL_DEBUG_DIR` (where files go),
-`NATSL_FAULT` (the crash tests' kill hook, natsl.training.faults). `natsl.provenance` records the first
-three where set.
+`NATSL_FAULT` (the crash tests' kill hook, natsl.training.faults), `NATSL_GPU_BLOCK_SIZES` (all: the fast
+state kernels at routing block sizes not yet checked on a GPU, natsl.block_size). `natsl.provenance` records
+the first three and the last where set.
 """
 
 from __future__ import annotations
@@ -198,6 +199,8 @@ OTHER_VARIABLES = {
     "NATSL_BACKEND": "the ops' backend when a call names none: reference, chunked or fast (natsl.ops)",
     "NATSL_PEAK_FLOPS": "the MFU denominator in FLOP/s (natsl.training.flops)",
     "NATSL_CHECK_OPS": "check every fast kernel call for non-finite values (natsl.fast.op_check)",
+    "NATSL_GPU_BLOCK_SIZES": "all: the fast state kernels at routing block sizes not yet checked on a GPU "
+                             "(natsl.block_size)",
     "NATSL_CACHE_DIR": "the folder of the built-in corpora's tokenized cache (natsl.data.builtin)",
     "NATSL_DEBUG_DIR": "a folder for natsl train's debugging output (natsl.training.trainer)",
     "NATSL_FAULT": "the crash tests' kill hook (natsl.training.faults)",
