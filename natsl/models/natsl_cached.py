@@ -11,6 +11,8 @@ would. The methods are a mixin of the layer (natsl/models/natsl_layer.py): they 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from natsl import ops
@@ -19,7 +21,7 @@ from natsl.models.cache import real_tokens
 from natsl.ops import kernel_set
 from natsl.ops.block_end import decode_slots
 from natsl.ops.cached import attend_cached, commit_state, masked_attention, read_state
-from natsl.reference.router import budget_keep, keep_gaps, router_scores, straight_through_route
+from natsl.reference.router import budget_keep, route_means
 
 
 class CachedNAtSL:
@@ -28,7 +30,9 @@ class CachedNAtSL:
     def decide_routes(self, block_sums: torch.Tensor, count: int, block_index: torch.Tensor, cache=None):
         """Sums of x over complete blocks [B, N, d], their token count and absolute indices [B|1, N]
         (consecutive per row) -> keep, write [B, N, H] (0/1): the router on the block mean (with the
-        layer's keep bias, if any), exactly as `route_blocks`.
+        layer's keep bias, if any) by `natsl.reference.router.route_means`, the rule of every path; the
+        mean is the fp32 sum cast to the router's dtype, then divided (the full forward's `block_mean`
+        sums in x's dtype).
 
         With `router_keep_budget` the route is `budget_keep` over the blocks before them, read from
         `cache` (a NAtSLCache: the gaps in `keep_gaps`, the kept count in `kept_len`, which the caller
@@ -36,20 +40,23 @@ class CachedNAtSL:
         end routes every row, also rows in mid-block: such a row records into its own block's slot,
         which its block end overwrites, and no route reads a slot at or after its own block."""
         xbar = block_sums.to(self.router.weight.dtype) / count
-        if self.route_override is not None:
-            keep = self.route_override(block_index.expand(xbar.shape[0], -1), self.num_heads).to(xbar.dtype)
-            return keep, 1 - keep
-        scores = router_scores(xbar, self.router.weight, self.num_heads, self.router_keep_bias)
-        hard = None
-        budget = self.config.router_keep_budget
-        if budget is not None:
-            gaps = keep_gaps(scores)  # [B, N, H]
-            hard = budget_keep(gaps, budget, block_index[:, 0], cache.keep_gaps,
-                               cache.kept_len // self.config.block_size, self.config.router_keep_budget_sink)
-            slots = block_index.expand(gaps.shape[0], -1)[:, None, :].expand(-1, gaps.shape[2], -1)
-            cache.keep_gaps.scatter_(2, slots, gaps.transpose(1, 2))
-        keep = straight_through_route(scores, hard)[0][..., 0].to(xbar.dtype)
+        budget = None
+        if self.config.router_keep_budget is not None:
+            budget = functools.partial(self._budget_route, block_index=block_index, cache=cache)
+        keep = route_means(xbar, self.router.weight, self.num_heads, self.router_keep_bias,
+                           override=self.route_override, block_index=block_index.expand(xbar.shape[0], -1),
+                           budget=budget)[0].to(xbar.dtype)
         return keep, 1 - keep
+
+    def _budget_route(self, gaps: torch.Tensor, block_index: torch.Tensor, cache) -> torch.Tensor:
+        """`decide_routes`' keep budget: gaps [B, N, H] -> keep [B, N, H] by `budget_keep` after the
+        earlier blocks of `cache`, whose `keep_gaps` then record these gaps at their block index."""
+        c = self.config
+        hard = budget_keep(gaps, c.router_keep_budget, block_index[:, 0], cache.keep_gaps,
+                           cache.kept_len // c.block_size, c.router_keep_budget_sink)
+        slots = block_index.expand(gaps.shape[0], -1)[:, None, :].expand(-1, gaps.shape[2], -1)
+        cache.keep_gaps.scatter_(2, slots, gaps.transpose(1, 2))
+        return hard
 
     def forward_cached(self, x: torch.Tensor, cache) -> torch.Tensor:
         """Tokens that follow those in `cache` (a NAtSLCache): decode when positions.start is None;

@@ -33,8 +33,7 @@ from natsl.models.norms import RMSNorm
 from natsl.models.rope import RopeTable, apply_rope
 from natsl.ops import kernel_set
 from natsl.ops import mix as mix_door
-from natsl.reference.router import (block_mean, budget_keep, keep_gaps, route_blocks, router_scores,
-                                   straight_through_route)
+from natsl.reference.router import route_blocks, route_means
 
 
 class NAtSL(CachedNAtSL, nn.Module):
@@ -99,22 +98,28 @@ class NAtSL(CachedNAtSL, nn.Module):
     # route, the softmax branch's views and mix are shared with incremental inference (natsl_cached).
 
     def route(self, x: torch.Tensor):
-        """x [B,T,d] -> keep, write [B, NB, H] (0/1 values, straight-through gradients). With a
-        `route_override` (a forced keep fraction) every block takes the override's route for its
-        absolute block index, as the incremental path does, so both paths agree (no gradient); the
-        override wins over `router_keep_budget` too. With the budget the hard route is
-        `budget_keep` on the keep gaps (natsl.reference.router)."""
-        if self.route_override is not None:
-            b, nb = x.shape[0], -(-x.shape[1] // self.config.block_size)
-            index = torch.arange(nb, device=x.device)[None].expand(b, nb)
-            keep = self.route_override(index, self.num_heads).to(x.dtype)
-            return keep, 1 - keep
+        """x [B,T,d] -> keep, write [B, NB, H] (0/1 values, straight-through gradients), by
+        `natsl.reference.router.route_means` on the block means, the rule of every path of the layer.
+        With a `route_override` (a forced keep fraction) every block takes the override's route for its
+        absolute block index, as the incremental path does, so both paths agree (no gradient, no bias
+        step); the override wins over `router_keep_budget` too. With the budget the hard route is
+        `budget_keep` on the keep gaps. In training, the options of docs/recall.md: Gumbel noise on the
+        scores (the keep bias, if any, is in the scores before the noise; the budget ranks the noisy
+        gaps), the balance loss towards router_target_keep, left in `self.aux_loss` for the trainer,
+        and the keep bias's step."""
         c = self.config
-        if self.training and (c.router_noise > 0 or c.router_balance > 0):
-            keep, write = self._route_for_training(x)
-        else:
-            keep, write, _ = route_blocks(x, self.router.weight, self.num_heads, c.block_size, self.router_keep_bias,
-                                          c.router_keep_budget, c.router_keep_budget_sink)
+        if self.route_override is not None:
+            b, nb = x.shape[0], -(-x.shape[1] // c.block_size)
+            index = torch.arange(nb, device=x.device)[None].expand(b, nb)
+            keep, write, _ = route_means(None, self.router.weight, self.num_heads, override=self.route_override,
+                                         block_index=index)
+            return keep.to(x.dtype), write.to(x.dtype)
+        keep, write, probs = route_blocks(x, self.router.weight, self.num_heads, c.block_size, self.router_keep_bias,
+                                          c.router_keep_budget, c.router_keep_budget_sink,
+                                          c.router_noise if self.training else 0.0)
+        if self.training and c.router_balance > 0:
+            keep_prob = probs[..., 0].mean(dim=(0, 1))  # [H]: mean keep probability per routing group
+            self.aux_loss = c.router_balance * ((keep_prob - c.router_target_keep) ** 2).sum()
         if self.training and self.router_keep_bias is not None:
             self._update_keep_bias(keep)
         return keep, write
@@ -129,24 +134,6 @@ class NAtSL(CachedNAtSL, nn.Module):
         c = self.config
         observed = keep.detach().float().mean(dim=(0, 1))  # [H]
         self.router_keep_bias.add_(torch.sign(c.router_keep_target - observed), alpha=c.router_bias_rate)
-
-    def _route_for_training(self, x: torch.Tensor):
-        """The router with the training-only options (docs/recall.md): Gumbel noise on the scores,
-        and the balance loss towards router_target_keep, left in `self.aux_loss` for the trainer
-        (the keep bias, if any, is in the scores before the noise; the keep budget, if any, ranks the
-        noisy gaps)."""
-        c = self.config
-        scores = router_scores(block_mean(x, c.block_size), self.router.weight, self.num_heads, self.router_keep_bias)
-        if c.router_noise > 0:
-            u = torch.rand_like(scores, dtype=torch.float32).clamp_(1e-6, 1 - 1e-6)
-            scores = scores.float() - c.router_noise * torch.log(-torch.log(u))
-        hard = None if c.router_keep_budget is None else budget_keep(keep_gaps(scores), c.router_keep_budget,
-                                                                      sink=c.router_keep_budget_sink)
-        m, probs = straight_through_route(scores, hard)
-        if c.router_balance > 0:
-            keep_prob = probs[..., 0].mean(dim=(0, 1))  # [H]: mean keep probability per routing group
-            self.aux_loss = c.router_balance * ((keep_prob - c.router_target_keep) ** 2).sum()
-        return m[..., 0], m[..., 1]
 
     def softmax_views(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int = 0,
                       positions: torch.Tensor | None = None, kernels=kernel_set.REFERENCE,

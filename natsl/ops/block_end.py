@@ -10,19 +10,22 @@ on CUDA and run eagerly elsewhere. `decode_slots` runs on every decode step; `cl
 block end of the fused kernel set (natsl.ops.kernel_set.Fused.close_block), whose reference is the
 eager bookkeeping of `natsl.ops.kernel_set.Reference.close_block`.
 
-The route is computed exactly as `CachedNAtSL.decide_routes` (natsl/models/natsl_cached.py) does (router on the block mean,
-plus the layer's keep bias when it has one, ties to keep; or the layer's KeepFraction hash), and the commit as
+The route is `natsl.reference.router.route_means`, the rule that `CachedNAtSL.decide_routes`
+(natsl/models/natsl_cached.py) and the full forward call too (router on the block mean, plus the layer's
+keep bias when it has one, ties to keep; or the layer's KeepFraction hash), and the commit as
 `natsl.ops.cached.commit_state` on the reference. The keep budget (model.router_keep_budget) is not here: its
 rank reads every earlier block's gap, so the fused set keeps the eager block end for it.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from natsl.ops.cached import commit_state
 from natsl.ops.compiled import pointwise
-from natsl.reference.router import keep_hash, router_scores, straight_through_route
+from natsl.reference.router import keep_hash, route_means
 
 
 @pointwise
@@ -53,11 +56,9 @@ def close_block(x_sum: torch.Tensor, x: torch.Tensor, pos: torch.Tensor, router_
     if g_token is not None:
         decay_sum.add_(g_token.to(decay_sum.dtype))
     done = (pos % C) == C - 1
-    if fraction is None:
-        scores = router_scores(x_sum.to(router_weight.dtype) / C, router_weight, G, bias)
-        keep = straight_through_route(scores)[0][..., 0]
-    else:
-        keep = keep_hash((pos // C)[:, None], G, seed, fraction)[:, 0]
+    override = None if fraction is None else functools.partial(keep_hash, seed=seed, fraction=fraction)
+    keep = route_means(x_sum.to(router_weight.dtype) / C, router_weight, G, bias, override=override,
+                       block_index=pos // C)[0]
     committed = commit_state(state_start, state_run, decay_sum, 1 - keep, decay_skipped_blocks)
     at_end = done[:, None, None, None]
     state_start.copy_(torch.where(at_end, committed, state_start))

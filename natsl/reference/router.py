@@ -18,6 +18,8 @@ same straight-through one, `m = hard + (p - stopgrad(p))`.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -126,15 +128,48 @@ def router_scores(xbar: torch.Tensor, weight: torch.Tensor, num_heads: int,
     return scores + F.pad(bias[:, None], (0, 1))  # [H, 2]: (bias, 0) per head
 
 
-def route_blocks(x: torch.Tensor, weight: torch.Tensor, num_heads: int, block_size: int,
-                 bias: torch.Tensor | None = None, budget: float | None = None, sink: int = 0):
-    """x [B, T, d], weight [2H, d] (and the keep bias [H] or None, the keep budget F or None and its
-    sink) -> (keep [B, NB, H], write [B, NB, H], probs [B, NB, H, 2])."""
-    xbar = block_mean(x, block_size)
+def route_means(xbar: torch.Tensor | None, weight: torch.Tensor, num_heads: int, bias: torch.Tensor | None = None, *,
+                override=None, block_index: torch.Tensor | None = None, budget=None, noise: float = 0.0):
+    """The route of blocks from their mean inputs: the one rule that every path of the NAtS-L layer
+    calls (the full-sequence forward via `route_blocks`, the cached prefill and the decode block end
+    via the layer's `decide_routes`, the compiled decode block end `natsl.ops.block_end.close_block`).
+
+    Args:
+        xbar: the blocks' mean inputs [..., d] (each path forms its mean in its own dtype: see the
+            callers); not read with `override` (None will do).
+        weight: the router's weight [2H, d].
+        num_heads: H, the routing groups (GDN heads).
+        bias: the layer's keep bias [H] float32 on the keep score, or None.
+        override: a route override `(block_index, groups) -> keep [..., groups]` (0/1 float, such as
+            `KeepFraction`), or None; it wins over the router, the budget and the noise.
+        block_index: the blocks' absolute indices [...] int64 (xbar's leading dims), read by `override`.
+        budget: `gaps [..., H] float32 -> keep [..., H]` (0/1), the hard route instead of the argmax
+            (model.router_keep_budget: `budget_keep` with the path's earlier blocks), or None.
+        noise: the Gumbel noise scale on the scores (model.router_noise, training only; 0: none).
+
+    Returns:
+        (keep, write, probs): keep and write [..., H], 0/1 valued with the softmax's straight-through
+        gradient (ties to keep), probs [..., H, 2] float32; with `override`: its keep, 1 - keep and None.
+    """
+    if override is not None:
+        keep = override(block_index, num_heads)
+        return keep, 1 - keep, None
     scores = router_scores(xbar, weight, num_heads, bias)
-    hard = None if budget is None else budget_keep(keep_gaps(scores), budget, sink=sink)
+    if noise > 0:
+        u = torch.rand_like(scores, dtype=torch.float32).clamp_(1e-6, 1 - 1e-6)
+        scores = scores.float() - noise * torch.log(-torch.log(u))
+    hard = None if budget is None else budget(keep_gaps(scores))
     m, probs = straight_through_route(scores, hard)
     return m[..., 0], m[..., 1], probs
+
+
+def route_blocks(x: torch.Tensor, weight: torch.Tensor, num_heads: int, block_size: int,
+                 bias: torch.Tensor | None = None, budget: float | None = None, sink: int = 0, noise: float = 0.0):
+    """x [B, T, d], weight [2H, d] (and the keep bias [H] or None, the keep budget F or None and its
+    sink, the Gumbel noise scale) -> (keep [B, NB, H], write [B, NB, H], probs [B, NB, H, 2]): the
+    full-sequence forward's `route_means` on the block means of x (in x's dtype)."""
+    rule = None if budget is None else functools.partial(budget_keep, fraction=budget, sink=sink)
+    return route_means(block_mean(x, block_size), weight, num_heads, bias, budget=rule, noise=noise)
 
 
 # A router override for measurements (natsl.models.routing.force_keep_fraction): keep each (block,
