@@ -57,6 +57,30 @@ def test_train_spec_trains_the_ladder_at_the_best_rates_and_the_hybrid_over_seed
         P.train_spec(opts, {k: v for k, v in rates.items() if k != "mamba2"})
 
 
+def test_a_subset_of_systems_sweeps_and_trains_only_what_it_needs(tmp_path):
+    opts = P.MiniatureOptions(out=tmp_path, lrs=(0.001,), sweep_tokens=655360, train_tokens=65536 * 20,
+                              seeds=(1, 2), systems=("gdn_swa", "transformer"))
+    P.copy_recipes(opts, tmp_path / "specs")
+    swept = {r.system for r in _runs(P.sweep_spec(opts), tmp_path)}
+    assert swept == {"gdn_hybrid", "transformer"}  # GDN + SWA trains at the GDN Hybrid's rate; no ablations
+    rates = {"gdn_hybrid": 0.001, "transformer": 0.004}
+    got = sorted((r.system, r.lr, r.seed) for r in _runs(P.train_spec(opts, rates), tmp_path))
+    assert got == [("gdn_swa", 0.001, 0), ("transformer", 0.004, 0)]
+    assert P.estimate_tokens(opts) == {"sweep": 2 * 655360.0, "train": 2 * 65536 * 20.0, "total": 2 * 655360.0 + 2 * 65536 * 20.0}
+    hybrid = P.MiniatureOptions(out=tmp_path, train_tokens=65536 * 20, seeds=(1, 2), systems=("natsl_hybrid",))
+    assert sorted((r.system, r.seed) for r in _runs(P.train_spec(hybrid, {"natsl_hybrid": 0.002}), tmp_path)) == \
+        [("natsl_hybrid", 1), ("natsl_hybrid", 2)]
+    assert {r.system for r in _runs(P.sweep_spec(hybrid), tmp_path)} == {"natsl_hybrid", *P.ABLATIONS}
+    assert "1 systems (NAtS-L Hybrid x 2 seeds)" in P.describe(hybrid)
+
+
+def test_the_whole_ladder_by_default_writes_the_same_specs_as_before_systems_existed(tmp_path):
+    # a miniature folder from before --systems (its specs/*.yaml) must still be taken as the same spec
+    opts = P.MiniatureOptions(out=tmp_path)
+    assert list(P.sweep_spec(opts)["systems"]) == list(P.SWEPT) + list(P.ABLATIONS)
+    assert list(P.train_spec(opts, {s: 0.002 for s in P.SWEPT})["systems"]) == list(P.LADDER)
+
+
 def test_best_rates_and_checkpoint_folders_from_the_summaries(tmp_path):
     def summary(folder, runs, best=()):
         folder.mkdir(parents=True)
@@ -102,6 +126,9 @@ def test_the_corpus_command_is_the_documented_one():
     (["--sweep-tokens", "0"], "--sweep-tokens 0: give a positive whole number"),
     (["--deadline", "-5"], "--deadline -5.0: give a positive number of seconds"),
     (["--device", "tpu"], "--device 'tpu': give cpu or cuda"),
+    (["--systems", "gdn,llama"], "--systems 'gdn,llama': unknown system 'llama'; give distinct names from gdn,"),
+    (["--systems", "gdn,gdn"], "--systems 'gdn,gdn': give distinct names from gdn,"),
+    (["--evals", "ppl,mmlu"], "--evals 'ppl,mmlu': unknown evaluation 'mmlu'; choose from ppl,compare,latency,"),
     (["--eval-reserve", "60"], "--eval-reserve 60.0: give it with --deadline"),
     (["--eval-reserve", "600", "--deadline", "500"], "a number of seconds between 0 and the deadline"),
 ])
@@ -176,3 +203,20 @@ def test_an_eval_reserve_evaluates_training_cut_short(monkeypatch, tmp_path):
     result = P.run_miniature(P.MiniatureOptions(out=tmp_path / "m", stages=("train", "eval", "report"),
                                                 deadline_s=1000.0, device="cpu"), log=lines.append)
     assert result["stages"]["train"] == "stopped" and list(seen) == ["train"] and 990 < seen["train"] <= 1000
+
+
+def test_evals_runs_only_the_chosen_families_of_eval_jobs(monkeypatch, tmp_path):
+    import natsl.miniature.evaluate as E
+
+    names = ["ppl", "compare", "latency", "routing_natsl_hybrid", "ruler_natsl_hybrid", "ruler_gdn_hybrid",
+             "lm_eval_natsl_hybrid", "lm_eval_transformer"]
+    monkeypatch.setattr(E, "eval_jobs", lambda *a, **k: [E.EvalJob(n, [], tmp_path, tmp_path / "x.json", tmp_path)
+                                                         for n in names])
+    ran = []
+    monkeypatch.setattr(E, "run_jobs", lambda jobs, **k: ran.extend(j.name for j in jobs) or {j.name: "done" for j in jobs})
+    monkeypatch.setattr(P, "checkpoint_folders", lambda root: {})
+    P._stage_eval(P.MiniatureOptions(out=tmp_path, evals=("ppl", "lm_eval", "latency"), device="cpu"), None,
+                  lambda line: None, {})
+    assert ran == ["ppl", "latency", "lm_eval_natsl_hybrid", "lm_eval_transformer"]
+    assert [P.eval_family(n) for n in names] == ["ppl", "compare", "latency", "routing", "ruler", "ruler", "lm_eval",
+                                                 "lm_eval"]

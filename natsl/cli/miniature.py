@@ -11,6 +11,7 @@ import typer
 
 from natsl.cli.app import command
 from natsl.cli.options import comma_list
+from natsl.miniature.pipeline import EVALS, LADDER
 
 
 def _floats(text: str, flag: str) -> tuple[float, ...]:
@@ -40,10 +41,14 @@ def miniature(
     sweep_tokens: int = typer.Option(10_000_000, help="Tokens per sweep run."),
     train_tokens: int = typer.Option(100_000_000, help="Tokens per full run."),
     seeds: str = typer.Option("0,1,2", help="Seeds of the NAtS-L Hybrid's full runs."),
+    systems: str = typer.Option(",".join(LADDER), help="Systems of recipes/mini to sweep and train (a subset for "
+                                                         "a smaller budget; the report shows what was trained)."),
     micro_batch: int = typer.Option(8, help="Sequences per micro-batch (steps stay 64K tokens, accumulated)."),
     max_parallel: Optional[int] = typer.Option(None, help="Training workers at once (default: one per 6 GiB "
                                                           "of GPU memory)."),
     stages: str = typer.Option("corpus,sweep,train,eval,report", help="Stages to run, comma separated."),
+    evals: str = typer.Option(",".join(EVALS), help="The eval stage's evaluations (the others are left as they "
+                                                    "are)."),
     set_: Optional[List[str]] = typer.Option(None, "--set", metavar="SECTION.KEY=VALUE",
                                              help="Override every run's recipe (repeatable), e.g. a smaller model."),
     deadline: Optional[float] = typer.Option(None, help="Seconds for this command; the running stage stops "
@@ -73,12 +78,22 @@ def miniature(
     if eval_reserve is not None and (deadline is None or not 0 < eval_reserve < deadline):
         raise NatslError(f"--eval-reserve {eval_reserve}: give it with --deadline, a number of seconds between 0 "
                          "and the deadline")
+    chosen_systems = tuple(s.strip() for s in systems.split(",") if s.strip())
+    wrong = [s for s in chosen_systems if s not in LADDER]
+    if wrong or not chosen_systems or len(set(chosen_systems)) != len(chosen_systems):
+        raise NatslError(f"--systems {systems!r}: " + (f"unknown system {wrong[0]!r}; " if wrong else "")
+                         + f"give distinct names from {','.join(LADDER)}")
+    chosen_evals = tuple(e.strip() for e in evals.split(",") if e.strip())
+    bad = [e for e in chosen_evals if e not in EVALS]
+    if bad or not chosen_evals:
+        raise NatslError(f"--evals {evals!r}: " + (f"unknown evaluation {bad[0]!r}; " if bad else "")
+                         + f"choose from {','.join(EVALS)}")
     if device not in (None, "cpu", "cuda"):
         raise NatslError(f"--device {device!r}: give cpu or cuda")
     opts = MiniatureOptions(out=Path(out), data=Path(data), lrs=_floats(lrs, "--lrs"), sweep_tokens=sweep_tokens,
-                            train_tokens=train_tokens, seeds=_ints(seeds, "--seeds"), micro_batch=micro_batch,
+                            train_tokens=train_tokens, seeds=_ints(seeds, "--seeds"), systems=chosen_systems, micro_batch=micro_batch,
                             max_parallel=max_parallel, device=device, deadline_s=deadline,
-                            eval_reserve_s=eval_reserve, stages=chosen,
+                            eval_reserve_s=eval_reserve, stages=chosen, evals=chosen_evals,
                             sets=tuple(set_ or ()), compile=compile_, quick=quick)
     print(describe(opts), flush=True)
     result = run_miniature(opts)

@@ -49,6 +49,8 @@ ABLATIONS = {
     "natsl_hybrid_no_intra_softmax": ["model.intra_block_output=gdn"],
 }
 STAGES = ("corpus", "sweep", "train", "eval", "report")
+# the eval stage's job families (natsl.miniature.evaluate): a job is named FAMILY or FAMILY_CHECKPOINT
+EVALS = ("ppl", "compare", "latency", "routing", "ruler", "lm_eval")
 REPORT_RESERVE_S = 30.0  # with --eval-reserve: the eval stage ends this long before the deadline, for the report
 
 # The local corpus of a GPU host (docs/training.md, "A corpus from local files"): sources and docs installed.
@@ -72,6 +74,9 @@ class MiniatureOptions:
         lrs: the sweep's learning rates (every system, every ablation).
         sweep_tokens / train_tokens: tokens a sweep run / a full run trains (each cosine schedule ends there).
         seeds: the NAtS-L Hybrid's seeds in the train stage (every other system trains seed 0).
+        systems: the ladder's systems the sweep and train stages run (LADDER names); the sweep runs what their
+            rates need (GDN + SWA's is the GDN Hybrid's) and the ablations only with the NAtS-L Hybrid. A subset
+            is for a budget that cannot hold the whole ladder: the report shows what was trained.
         micro_batch: sequences per micro-batch (the step stays the recipe's 64K tokens, accumulated).
         max_parallel: training workers at once (None: from the GPU's memory).
         device: cpu or cuda (None: cuda when there is one).
@@ -81,6 +86,7 @@ class MiniatureOptions:
             of the runs as they are (the report says which were cut short; the next call resumes training and
             evaluates the new checkpoints again). None: a stopped stage ends the command.
         stages: the stages to run, in STAGES order.
+        evals: the eval stage's job families to run (EVALS names); the others are left as they are.
         sets: section.key=value items for every run (after the pipeline's own), e.g. a smaller model.
         recipes: the folder of the ladder's recipes.
         compile: torch.compile + CUDA graphs in the training workers.
@@ -97,12 +103,14 @@ class MiniatureOptions:
     sweep_tokens: int = 10_000_000
     train_tokens: int = 100_000_000
     seeds: tuple = (0, 1, 2)
+    systems: tuple = LADDER
     micro_batch: int = 8
     max_parallel: Optional[int] = None
     device: Optional[str] = None
     deadline_s: Optional[float] = None
     eval_reserve_s: Optional[float] = None
     stages: tuple = STAGES
+    evals: tuple = EVALS
     sets: tuple = ()
     recipes: Path = field(default_factory=lambda: _recipes_folder())
     compile: bool = False
@@ -146,9 +154,11 @@ def default_parallel(device: Optional[str]) -> int:
 def sweep_spec(opts: MiniatureOptions) -> dict:
     """The sweep stage's spec: every swept system and ablation at every rate, sweep_tokens each. Recipes are
     named recipes/NAME.yaml, beside the spec (the runner reads recipes only there: copy_recipes)."""
-    systems = {name: f"recipes/{name}.yaml" for name in SWEPT}
+    needed = {RATE_OF.get(name, name) for name in opts.systems}
+    systems = {name: f"recipes/{name}.yaml" for name in SWEPT if name in needed}
     for name, items in ABLATIONS.items():
-        systems[name] = {"recipe": "recipes/natsl_hybrid.yaml", "set": list(items)}
+        if "natsl_hybrid" in opts.systems:
+            systems[name] = {"recipe": "recipes/natsl_hybrid.yaml", "set": list(items)}
     # four validations a run, of half a million tokens (a tenth of the run's compute at most), the last at its end
     return _spec("mini_sweep", systems, list(opts.lrs), opts.sweep_tokens, opts, evals=4, eval_tokens=524288)
 
@@ -159,15 +169,15 @@ def best_rates(sweep_summary: dict) -> dict[str, float]:
 
 
 def train_spec(opts: MiniatureOptions, rates: dict[str, float]) -> dict:
-    """The train stage's spec: the ladder at each system's best rate, train_tokens each; the NAtS-L Hybrid
-    over opts.seeds.
+    """The train stage's spec: the ladder (opts.systems of it) at each system's best rate, train_tokens each; the
+    NAtS-L Hybrid over opts.seeds.
 
     Raises:
         NatslError: a system without a best rate (its sweep runs have no validation loss).
     """
     systems: dict = {}
     lrs = {}
-    for name in LADDER:
+    for name in (n for n in LADDER if n in opts.systems):
         source = RATE_OF.get(name, name)
         if source not in rates:
             raise NatslError(f"the sweep has no validation loss for {source}; run the sweep stage to its end "
@@ -392,6 +402,7 @@ def _stage_eval(opts: MiniatureOptions, remaining, log, result) -> None:
 
     jobs = eval_jobs({k: Path(v) for k, v in checkpoint_folders(opts.out).items()}, opts.data, opts.out / "eval",
                      device=opts.device or ("cuda" if _has_cuda() else "cpu"), quick=opts.quick)
+    jobs = [j for j in jobs if eval_family(j.name) in opts.evals]
     parallel = opts.max_parallel or default_parallel(opts.device)
     statuses = run_jobs(jobs, max_parallel=min(parallel, 8), deadline_s=None if remaining is None else remaining - 10,
                         log=log)
@@ -401,6 +412,11 @@ def _stage_eval(opts: MiniatureOptions, remaining, log, result) -> None:
     failed = [n for n, s in statuses.items() if s.startswith("failed")]
     if failed:
         log(f"  eval: {len(failed)} jobs failed ({', '.join(failed)}); see {opts.out / 'eval' / 'logs'}")
+
+
+def eval_family(job_name: str) -> str:
+    """The EVALS family of an eval job's name (routing_natsl_hybrid -> routing, lm_eval_gdn -> lm_eval)."""
+    return next((f for f in EVALS if job_name == f or job_name.startswith(f + "_")), job_name)
 
 
 def _stage_report(opts: MiniatureOptions, remaining, log, result) -> None:
@@ -416,8 +432,11 @@ STAGE_RUNNERS = {"corpus": _stage_corpus, "sweep": _stage_sweep, "train": _stage
 
 def estimate_tokens(opts: MiniatureOptions) -> dict[str, float]:
     """Tokens each training stage trains in all (the time estimate printed before work)."""
-    sweep = (len(SWEPT) + len(ABLATIONS)) * len(opts.lrs) * opts.sweep_tokens
-    train = (len(LADDER) + len(opts.seeds) - 1) * opts.train_tokens
+    needed = {RATE_OF.get(name, name) for name in opts.systems}
+    ablations = len(ABLATIONS) if "natsl_hybrid" in opts.systems else 0
+    sweep = (len([s for s in SWEPT if s in needed]) + ablations) * len(opts.lrs) * opts.sweep_tokens
+    hybrid_seeds = len(opts.seeds) - 1 if "natsl_hybrid" in opts.systems else 0
+    train = (len(opts.systems) + hybrid_seeds) * opts.train_tokens
     return {"sweep": float(sweep), "train": float(train), "total": float(sweep + train)}
 
 
@@ -429,9 +448,12 @@ H100_TOKENS_PER_S = {"sweep": 0.47e6, "train": 0.78e6}
 def describe(opts: MiniatureOptions) -> str:
     """What the run trains, with a time estimate, for the start of the command's output."""
     tokens = estimate_tokens(opts)
-    line = (f"miniature: {len(SWEPT) + len(ABLATIONS)} systems x {len(opts.lrs)} rates x "
-            f"{opts.sweep_tokens / 1e6:g}M tokens, then {len(LADDER)} systems (NAtS-L Hybrid x {len(opts.seeds)} seeds) "
-            f"x {opts.train_tokens / 1e6:g}M tokens: {tokens['total'] / 1e9:.2f}B tokens in all")
+    needed = {RATE_OF.get(name, name) for name in opts.systems}
+    swept = len([s for s in SWEPT if s in needed]) + (len(ABLATIONS) if "natsl_hybrid" in opts.systems else 0)
+    seeds = f" (NAtS-L Hybrid x {len(opts.seeds)} seeds)" if "natsl_hybrid" in opts.systems else ""
+    line = (f"miniature: {swept} systems x {len(opts.lrs)} rates x {opts.sweep_tokens / 1e6:g}M tokens, then "
+            f"{len(opts.systems)} systems{seeds} x {opts.train_tokens / 1e6:g}M tokens: "
+            f"{tokens['total'] / 1e9:.2f}B tokens in all")
     minutes = sum(tokens[k] / H100_TOKENS_PER_S[k] for k in ("sweep", "train")) / 60
     line += f"; training alone takes about {minutes:.0f} min on one H100 at the recipes' size"
     if opts.device == "cpu" or not _has_cuda():
