@@ -277,7 +277,7 @@ TWINS = {
     "routed_attention": ("natsl.reference.routed_attention:routed_attention",
                          "natsl.fast.block_sparse.function:routed_attention"),
     "gated_delta_step": ("natsl.reference.cached:gated_delta_step", "natsl.fast.gated_delta.decode:gated_delta_step"),
-    "commit_block": ("natsl.reference.cached:commit_block", "natsl.fast.gated_delta.commit:commit_block"),
+    "commit_block": ("natsl.reference.router:commit_block", "natsl.fast.gated_delta.commit:commit_block"),
     "decode_attention": ("natsl.reference.cached:attend_one", "natsl.fast.decode_attention:decode_attention"),
     "write_kv": ("natsl.reference.cached:write_kv", "natsl.fast.cached:write_kv"),
     "store_blocks": ("natsl.reference.cached:store_blocks", "natsl.fast.cached:store_blocks"),

@@ -70,7 +70,7 @@ def gdn_token_step(state, q, k, v, g, beta, *, scale=None, backend: str | None =
 
 def commit_state(start, end, decay_sum, write, decay_skipped_blocks: bool = True, *,
                  backend: str | None = "reference"):
-    """`natsl.reference.cached.commit_block` with gamma = exp(decay_sum) (the block's sum of g); on a
+    """`natsl.reference.router.commit_block` with gamma = exp(decay_sum) (the block's sum of g); on a
     layer's `backend` where `use_fast`, on its fast twin."""
     gamma = decay_sum.to(start.dtype).exp()
     return twin("commit_block", use_fast(backend, start.device))(start, end, gamma, write.to(start.dtype),

@@ -1,5 +1,6 @@
 """Small tensor functions the layers' cache paths share: one GDN token step, one gated-linear (Mamba2)
-token step, the route commit, and softmax attention over cached keys with per-row lengths or an
+token step, the route commit (`natsl.reference.router.commit_block`, the rule of every path, named here too),
+and softmax attention over cached keys with per-row lengths or an
 explicit mask.
 
 Everything here works on any device. `gated_delta_step`, `commit_block`, `attend_one` and `write_kv` are
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 
 from natsl.reference.gates import add_skip, decay, gdn_gates, step_values
 from natsl.reference.norms import l2_normalize
+from natsl.reference.router import commit_block  # noqa: F401  (the decode block end's twin, with its fast one)
 from natsl.reference.short_conv import short_conv_silu
 
 
@@ -57,18 +59,6 @@ def read_state(state, q, *, scale=None):
     """scale * S^T q for state [B,H,K,V] and q [B,T,H,K] -> [B,T,H,V] in the state's dtype."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return scale * torch.einsum("bhkv,bthk->bthv", state, q.to(state.dtype))
-
-
-def commit_block(state_start, state_end, gamma, write, decay_skipped_blocks: bool = True):
-    """S_start(b+1) = c S_start(b) + write (S_end(b) - c S_start(b)), c = gamma or 1 for the ablation.
-
-    state_start, state_end [B,H,K,V]; gamma (exp of the block's sum of g) and write [B,H]. Computes in
-    the start state's dtype; returns a new tensor.
-    """
-    dtype = state_start.dtype
-    write = write.to(dtype)
-    base = gamma.to(dtype)[..., None, None] * state_start if decay_skipped_blocks else state_start
-    return base + write[..., None, None] * (state_end.to(dtype) - base)
 
 
 def write_token(buffer, slots, values) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from natsl.block_size import DEFAULT_BLOCK_SIZE
+from natsl.reference.router import commit_block
 from natsl.reference.route_grad import (
     apply_route_grad_policy,
     check_block_size,
@@ -86,13 +87,6 @@ def _run_block(start, q, k, v, g, beta, tokens: range, scale: float, intra_block
     return torch.stack(outputs, dim=1), state
 
 
-def _commit(start, end, block_g, write_b, decay_skipped_blocks: bool):
-    """S_start(b+1) from S_start(b), S_end(b), the block's g [B,len,H] and write_b [B,H]."""
-    gamma = block_g.sum(1).exp()[..., None, None] if decay_skipped_blocks else 1.0
-    base = gamma * start  # a skipped block keeps the decay (its clock runs) but none of its content
-    return base + write_b[..., None, None] * (end - base)
-
-
 def gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -137,7 +131,8 @@ def gated_delta_rule(
         tokens = range(b * block_size, min((b + 1) * block_size, T))
         block_out, end = _run_block(state, qc, kc, vc, gc, bc, tokens, scale, intra_block)
         outputs.append(block_out)
-        state = _commit(state, end, gc[:, tokens.start : tokens.stop], write[:, b], decay_skipped_blocks)
+        state = commit_block(state, end, gc[:, tokens.start : tokens.stop].sum(1).exp(), write[:, b],
+                             decay_skipped_blocks)
 
     if outputs:
         o = torch.cat(outputs, dim=1)

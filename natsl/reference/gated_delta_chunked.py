@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from natsl.block_size import DEFAULT_BLOCK_SIZE
 from natsl.reference.gated_delta import validate_layouts
+from natsl.reference.router import commit_block
 from natsl.reference.route_grad import apply_route_grad_policy, check_route_grad, compute_dtype, num_blocks
 
 
@@ -55,13 +56,9 @@ def block_decay(gb):
 
 
 def commit(S, gamma, delta_state, w, decay_skipped_blocks: bool):
-    """The route commit of one block: S_start(b+1) from S = S_start(b), the block's decay gamma [B, H],
-    its content delta_state [B, H, K, V] and write w [B, H]."""
-    gamma, w = gamma[..., None, None], w[..., None, None]
-    if decay_skipped_blocks:
-        return gamma * S + w * delta_state
-    end = gamma * S + delta_state
-    return S + w * (end - S)
+    """The route commit of one block (`natsl.reference.router.commit_block`, the one rule) from the chunked form's
+    block content: S_end(b) = gamma S + delta_state. S = S_start(b) [B, H, K, V], gamma and w [B, H]."""
+    return commit_block(S, gamma[..., None, None] * S + delta_state, gamma, w, decay_skipped_blocks)
 
 
 def gated_delta_rule(

@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 
 from natsl.block_size import DEFAULT_BLOCK_SIZE
-from natsl.reference.gated_delta import _commit, _read, validate_layouts
+from natsl.reference.gated_delta import _read, validate_layouts
+from natsl.reference.router import commit_block
 from natsl.reference.route_grad import apply_route_grad_policy, check_route_grad, compute_dtype, num_blocks
 
 
@@ -94,7 +95,8 @@ def gated_linear_rule(
         tokens = range(b * block_size, min((b + 1) * block_size, T))
         block_out, end = _run_block(state, qc, kc, vc, gc, tokens, scale, intra_block)
         outputs.append(block_out)
-        state = _commit(state, end, gc[:, tokens.start : tokens.stop], write[:, b], decay_skipped_blocks)
+        state = commit_block(state, end, gc[:, tokens.start : tokens.stop].sum(1).exp(), write[:, b],
+                             decay_skipped_blocks)
 
     if outputs:
         o = torch.cat(outputs, dim=1)

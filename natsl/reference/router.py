@@ -14,6 +14,10 @@ With `model.router_keep_budget` set, the hard route is not the argmax but `budge
 rule on the keep gaps (`s_b[h, 0] - s_b[h, 1]`, after the bias) that keeps at most a fraction F of
 every prefix of a group's blocks (docs/recall.md, "Routing over training"). The gradient is the
 same straight-through one, `m = hard + (p - stopgrad(p))`.
+
+`commit_block` is the route's consequence for the GDN (or Mamba2) state, the one commit rule of every path:
+the reference training kernels (naive and chunked), the cached prefill, the decode block end and the fused
+one (on its fast twin, `natsl.fast.gated_delta.commit`).
 """
 
 from __future__ import annotations
@@ -22,6 +26,28 @@ import functools
 
 import torch
 import torch.nn.functional as F
+
+
+def commit_block(state_start, state_end, gamma, write, decay_skipped_blocks: bool = True):
+    """S_start(b+1) = c S_start(b) + write (S_end(b) - c S_start(b)), c = gamma or 1 for the ablation.
+
+    A kept block (write 0) leaves the state as it was before the block, decayed by the block's gates (its
+    clock runs) but with none of its content; a written block (write 1) takes S_end(b). Computes in the start
+    state's dtype; returns a new tensor.
+
+    Args:
+        state_start: S_start(b), the committed state before the block, [B, H, K, V].
+        state_end: S_end(b), the state after the block's tokens, [B, H, K, V].
+        gamma: the block's decay, exp of its sum of g, [B, H].
+        write: the route, 1 = write to the state, 0 = keep in KV memory, [B, H] (straight-through valued).
+        decay_skipped_blocks: False: the ablation in which a kept block's clock does not run (c = 1).
+    Returns:
+        S_start(b+1), [B, H, K, V].
+    """
+    dtype = state_start.dtype
+    write = write.to(dtype)
+    base = gamma.to(dtype)[..., None, None] * state_start if decay_skipped_blocks else state_start
+    return base + write[..., None, None] * (state_end.to(dtype) - base)
 
 
 def block_mean(x: torch.Tensor, block_size: int) -> torch.Tensor:
