@@ -8,10 +8,10 @@ Which sizes run where:
 - reference and chunked backends: any positive size; a model (a recipe, a checkpoint) takes a
   multiple of 16 from 16 to 256 (`MODEL_BLOCK_SIZES`), or a power of two below 16 for the tiny
   test models, whose short sequences then span several blocks.
-- fast backend (Triton): `FAST_BLOCK_SIZES`, forward and backward, in the interpreter; on a GPU the state
-  kernels take `GPU_CHECKED_BLOCK_SIZES` until the others pass natsl's GPU twin tests
-  (tests/test_block_sizes.py, `-m gpu`): `NATSL_GPU_BLOCK_SIZES=all` runs every fast size on a GPU (those
-  tests set it). Not a speed switch: it guards against the Hopper miscompiles that gated-delta backward
+- fast backend (Triton): `FAST_BLOCK_SIZES`, forward and backward, in the interpreter; on a GPU each state
+  kernel takes its `GPU_CHECKED_BLOCK_SIZES` (those that passed natsl's GPU twin tests, tests/test_block_sizes.py
+  `-m gpu`) and refuses the others in one line: `NATSL_GPU_BLOCK_SIZES=all` runs every fast size on a GPU
+  (those tests set it). Not a speed switch: it guards against the Hopper miscompiles that gated-delta backward
   kernels have met (fla issue 640), read where it is used.
   The state kernels (gated_delta_rule, gated_linear_rule) run chunks of at most `LARGEST_CHUNK`
   tokens: a block up to that is one chunk (C a tl.constexpr), a larger one spans whole chunks that
@@ -51,15 +51,17 @@ def fast_problem(block_size: int) -> str | None:
             f"{block_size}; pick one of those, or backend chunked / reference for any multiple of 16")
 
 
-# The state kernels' sizes that have passed the GPU twin tests. The others are built (and pass the same tests
-# in Triton's interpreter) but have not run on a GPU.
-GPU_CHECKED_BLOCK_SIZES = (DEFAULT_BLOCK_SIZE,)
+# Each state kernel's sizes that have passed the GPU twin tests (tests/test_block_sizes.py -m gpu, forward and
+# every gradient against the chunked reference, and a model's training step). The others are built (and pass
+# the same tests in Triton's interpreter) but have not run on a GPU.
+GPU_CHECKED_BLOCK_SIZES = {"gated_delta_rule": (32, 64, 128, 256), "gated_linear_rule": (32, 64, 128)}
 
 
 def gpu_problem(op: str, block_size: int) -> str | None:
     """Why the fast state rule `op` does not run `block_size` on a GPU yet, or None where it does (see the
     module doc; NATSL_GPU_BLOCK_SIZES=all lifts the limit)."""
-    if block_size in GPU_CHECKED_BLOCK_SIZES or os.environ.get("NATSL_GPU_BLOCK_SIZES") == "all":
+    checked = GPU_CHECKED_BLOCK_SIZES.get(op, (DEFAULT_BLOCK_SIZE,))
+    if block_size in checked or os.environ.get("NATSL_GPU_BLOCK_SIZES") == "all":
         return None
     return (f"the fast {op} at block_size {block_size} on a GPU has not yet passed natsl's GPU twin tests "
             f"(tests/test_block_sizes.py -m gpu); use backend='chunked', or set NATSL_GPU_BLOCK_SIZES=all "

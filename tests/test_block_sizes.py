@@ -296,11 +296,16 @@ def test_sizes_not_yet_checked_on_a_gpu_are_refused_there(monkeypatch):
     from natsl.fast.gated_delta.function import block_size_problem
 
     monkeypatch.delenv("NATSL_GPU_BLOCK_SIZES", raising=False)
-    assert GPU_CHECKED_BLOCK_SIZES == (64,) and gpu_problem("gated_delta_rule", 64) is None
-    problem = block_size_problem("gated_delta_rule", 128, "chunked", on_gpu=True)
-    assert "block_size 128 on a GPU has not yet passed" in problem and "NATSL_GPU_BLOCK_SIZES=all" in problem
-    assert block_size_problem("gated_delta_rule", 128, "chunked", on_gpu=False) is None  # the interpreter runs it
+    # what tests/test_block_sizes.py -m gpu passed on an H100 (2026-12-06): every size its gpu tests run
+    assert GPU_CHECKED_BLOCK_SIZES == {"gated_delta_rule": (32, 64, 128, 256), "gated_linear_rule": (32, 64, 128)}
+    for op, size in (("gated_delta_rule", 64), ("gated_delta_rule", 128), ("gated_delta_rule", 256),
+                     ("gated_linear_rule", 32), ("gated_linear_rule", 128)):
+        assert gpu_problem(op, size) is None and block_size_problem(op, size, "chunked", on_gpu=True) is None
+    for op, size in (("gated_delta_rule", 16), ("gated_linear_rule", 16), ("gated_linear_rule", 256)):
+        problem = block_size_problem(op, size, "chunked", on_gpu=True)
+        assert f"block_size {size} on a GPU has not yet passed" in problem and "NATSL_GPU_BLOCK_SIZES=all" in problem
+    assert block_size_problem("gated_delta_rule", 16, "chunked", on_gpu=False) is None  # the interpreter runs it
     monkeypatch.setenv("NATSL_GPU_BLOCK_SIZES", "all")
-    assert block_size_problem("gated_linear_rule", 32, "chunked", on_gpu=True) is None
+    assert block_size_problem("gated_linear_rule", 256, "chunked", on_gpu=True) is None
     assert "supports block_size" in block_size_problem("gated_delta_rule", 48, "chunked", on_gpu=True)
 

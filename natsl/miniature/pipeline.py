@@ -43,9 +43,8 @@ RATE_OF = {"gdn_swa": "gdn_hybrid"}  # a system trained at another's best rate
 # (chunks) of 128 tokens, and no softmax inside the current block (the GDN state alone reads it).
 ABLATIONS = {
     "natsl_hybrid_mix_x": ["model.mix_input=x"],
-    # the chunked PyTorch backend until the fast kernels' 128-token blocks (two 64-token chunks sharing a route)
-    # pass the GPU twin tests: natsl.block_size.gpu_problem refuses them on a GPU until then
-    "natsl_hybrid_chunk128": ["model.block_size=128", "model.backend=chunked"],
+    # on the fast kernels: 128-token blocks are two 64-token chunks sharing a route (natsl/fast/gated_delta/spans.py)
+    "natsl_hybrid_chunk128": ["model.block_size=128"],
     "natsl_hybrid_no_intra_softmax": ["model.intra_block_output=gdn"],
 }
 STAGES = ("corpus", "sweep", "train", "eval", "report")
