@@ -66,7 +66,7 @@ def _token_step(state, k_t, v_t, g_t, beta_t):
     return g_t.exp()[..., None, None] * erased + written
 
 
-def _read(state, q_t, scale):
+def read_query(state, q_t, scale):
     """o = scale * S^T q for state [B,H,K,V] and q [B,H,K] -> [B,H,V]."""
     return scale * torch.einsum("bhkv,bhk->bhv", state, q_t)
 
@@ -79,11 +79,11 @@ def _run_block(start, q, k, v, g, beta, tokens: range, scale: float, intra_block
     for t in tokens:
         state = _token_step(state, k[:, t], v[:, t], g[:, t], beta[:, t])
         if intra_block:
-            outputs.append(_read(state, q[:, t], scale))
+            outputs.append(read_query(state, q[:, t], scale))
         else:
             # Ablation: the query sees only the committed state, decayed to its position.
             log_decay = log_decay + g[:, t]
-            outputs.append(log_decay.exp()[..., None] * _read(start, q[:, t], scale))
+            outputs.append(log_decay.exp()[..., None] * read_query(start, q[:, t], scale))
     return torch.stack(outputs, dim=1), state
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from natsl.block_size import DEFAULT_BLOCK_SIZE
-from natsl.reference.gated_delta import _read, validate_layouts
+from natsl.reference.gated_delta import read_query, validate_layouts
 from natsl.reference.router import commit_block
 from natsl.reference.route_grad import apply_route_grad_policy, check_route_grad, compute_dtype, num_blocks
 
@@ -45,11 +45,11 @@ def _run_block(start, q, k, v, g, tokens: range, scale: float, intra_block: bool
     for t in tokens:
         state = _token_step(state, k[:, t], v[:, t], g[:, t])
         if intra_block:
-            outputs.append(_read(state, q[:, t], scale))
+            outputs.append(read_query(state, q[:, t], scale))
         else:
             # Ablation: the query sees only the committed state, decayed to its position.
             log_decay = log_decay + g[:, t]
-            outputs.append(log_decay.exp()[..., None] * _read(start, q[:, t], scale))
+            outputs.append(log_decay.exp()[..., None] * read_query(start, q[:, t], scale))
     return torch.stack(outputs, dim=1), state
 
 

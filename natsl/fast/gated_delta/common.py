@@ -1,4 +1,5 @@
-"""Shared pieces of the gated-delta kernels: the dot wrapper, masked tile loads/stores, tile sizes.
+"""Shared pieces of the gated-delta and gated-linear kernels: the dot wrapper, masked tile loads/stores, tile
+sizes, the state tile commit, the block decay and the empty-output shape.
 
 Layouts: token-major tensors are [B, T, H, D] (contiguous), so inside one (batch, head) the rows of a
 [T, D] matrix lie H * D elements apart; per-chunk states are [B, NB, H, K, V].
@@ -189,3 +190,28 @@ def launch_options(cfg: dict, block_size: int, work_dtype) -> dict:
     if cfg.get("maxnreg"):
         options["maxnreg"] = cfg["maxnreg"]
     return options
+
+
+# A custom op cannot return None, so the ops' absent outputs are empty tensors of this shape.
+EMPTY = (0,)
+
+
+@triton.jit
+def commit_tile(s, a, k_ptr, rd, t0, k0, T, H, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+                PREC: tl.constexpr):
+    """a S + K^T rd for one K tile; K^T is read transposed straight from memory."""
+    kt = load_tile_t(k_ptr, t0, k0, T, H * K, K, C, BK).to(rd.dtype)
+    return a * s + mm(kt, rd, PREC)
+
+
+def k_tiles(K: int) -> tuple[int, int]:
+    """The state's K rows as NK register tiles of BK rows: (BK, NK)."""
+    BK = dim_tile(K)
+    return BK, triton.cdiv(K, BK)
+
+
+def chunk_gamma(gc: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Gamma_b = exp(sum of g over block b) [B, NB, H], read off the in-chunk cumulative decay."""
+    T = gc.shape[1]
+    last = torch.arange(block_size - 1, T + block_size - 1, block_size, device=gc.device).clamp_(max=T - 1)
+    return gc[:, last].exp()

@@ -16,7 +16,7 @@ from natsl.block_size import DEFAULT_BLOCK_SIZE, FAST_BLOCK_SIZES, gpu_problem
 from natsl.errors import NatslError
 from natsl.fast import eager
 from natsl.fast.gated_delta import config
-from natsl.fast.gated_delta.common import MAX_K, fp32_precision
+from natsl.fast.gated_delta.common import EMPTY, MAX_K, chunk_gamma, fp32_precision
 from natsl.fast.gated_delta.grad_qk import grad_qk
 from natsl.fast.gated_delta.grad_wy import grad_wy
 from natsl.fast.gated_delta.output import chunk_output, local_dr
@@ -35,18 +35,10 @@ BLOCK_SIZES = FAST_BLOCK_SIZES
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _chunk_gamma(gc: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Gamma_b = exp(sum of g over block b) [B, NB, H], read off the in-chunk cumulative decay."""
-    T = gc.shape[1]
-    last = torch.arange(block_size - 1, T + block_size - 1, block_size, device=gc.device).clamp_(max=T - 1)
-    return gc[:, last].exp()
-
-
 # The op is a pair of torch.library custom ops (forward, backward) joined by register_autograd, not a
 # bare autograd.Function: torch.compile then sees each as one opaque node (with shapes from the fake
 # implementations) instead of tracing into Triton's launcher, so a whole model compiles around it.
-# A custom op cannot return None, so an absent output is an empty tensor.
-_EMPTY = (0,)
+# A custom op cannot return None, so an absent output is an empty tensor (common.EMPTY).
 
 
 def _forward_impl(q, k, v, g, beta, write, initial_state, scale: float, output_final_state: bool, block_size: int,
@@ -70,7 +62,7 @@ def _forward_impl(q, k, v, g, beta, write, initial_state, scale: float, output_f
     h, r, final = state_forward(w, u, k, gc, write_c, h0, output_final_state, C, decay_skipped_blocks,
                                 prec, config.STATE_FWD, span)
     o = chunk_output(q, k, gc, h, r, scale, C, prec, config.OUTPUT)
-    return o, (final if final is not None else q.new_empty(_EMPTY, dtype=torch.float32)), w32, gc, ai, w, h, r
+    return o, (final if final is not None else q.new_empty(EMPTY, dtype=torch.float32)), w32, gc, ai, w, h, r
 
 
 @torch.library.custom_op("natsl::gated_delta_forward", mutates_args=())
@@ -93,7 +85,7 @@ def _(q, k, v, g, beta, write, initial_state, scale, output_final_state, block_s
     C = chunking(block_size)[0]
     wdt = torch.float32 if fp32_intermediates else q.dtype
     f32 = dict(dtype=torch.float32)
-    return (q.new_empty(B, T, H, V), q.new_empty((B, H, K, V) if output_final_state else _EMPTY, **f32),
+    return (q.new_empty(B, T, H, V), q.new_empty((B, H, K, V) if output_final_state else EMPTY, **f32),
             q.new_empty(B, NB, H, **f32), q.new_empty(B, T, H, **f32), q.new_empty(B, T, H, C, **f32),
             q.new_empty(B, T, H, K, dtype=wdt), q.new_empty(B, triton.cdiv(T, C), H, K, V, dtype=k.dtype),
             q.new_empty(B, T, H, V, dtype=wdt))
@@ -118,11 +110,11 @@ def _backward_impl(q, k, v, beta, w32, gc, ai, w, h, r, do, d_final, scale: floa
     if M > 1:
         d_write, dg_last = span_grads(w32, c_b, chunk_log_decay(gc, C), h, dh, p1, p2, M, decay_skipped_blocks)
     else:
-        gamma = _chunk_gamma(gc, C)
+        gamma = chunk_gamma(gc, C)
         # G_last enters through the commit's a = Gamma (or 1 - write + write Gamma): da/dG_last.
         dg_last = gamma * p2 if decay_skipped_blocks else gamma * p2 * w32
     dk, dv, dbeta, dg = grad_wy(k, v, beta, gc, ai, dr, dw, dkp, dgp, dg_last.contiguous(), C, prec, config.GRAD_WY)
-    dwrite = q.new_empty(_EMPTY, dtype=torch.float32)  # (returns may not alias one another)
+    dwrite = q.new_empty(EMPTY, dtype=torch.float32)  # (returns may not alias one another)
     if want_dwrite:
         if M > 1:
             dwrite = d_write
@@ -130,7 +122,7 @@ def _backward_impl(q, k, v, beta, w32, gc, ai, w, h, r, do, d_final, scale: floa
             dwrite = p1 if decay_skipped_blocks else p1 + (gamma - 1.0) * p2
         if route_grad == "active":
             dwrite = dwrite * chosen(w32).to(dwrite.dtype)
-    return dq, dk, dv, dg, dbeta, dwrite, (dh0 if dh0 is not None else q.new_empty(_EMPTY, dtype=torch.float32))
+    return dq, dk, dv, dg, dbeta, dwrite, (dh0 if dh0 is not None else q.new_empty(EMPTY, dtype=torch.float32))
 
 
 @torch.library.custom_op("natsl::gated_delta_backward", mutates_args=())
@@ -151,8 +143,8 @@ def _(q, k, v, beta, w32, gc, ai, w, h, r, do, d_final, scale, block_size, decay
     V = v.shape[-1]
     f32 = dict(dtype=torch.float32)
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), q.new_empty(B, T, H, **f32),
-            q.new_empty(B, T, H, **f32), q.new_empty(w32.shape if want_dwrite else _EMPTY, **f32),
-            q.new_empty((B, H, K, V) if want_dh0 else _EMPTY, **f32))
+            q.new_empty(B, T, H, **f32), q.new_empty(w32.shape if want_dwrite else EMPTY, **f32),
+            q.new_empty((B, H, K, V) if want_dh0 else EMPTY, **f32))
 
 
 def _setup_context(ctx, inputs, output):

@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 
 from natsl.devices import sm_count
-from natsl.fast.gated_delta.common import chunk_decay, dim_tile, launch_options, load_tile, load_tile_t, mm, store_tile
+from natsl.fast.gated_delta.common import (chunk_decay, commit_tile, dim_tile, k_tiles, launch_options, load_tile,
+                                          load_tile_t, mm, store_tile)
 from natsl.fast.gated_delta.spans import span_commit, span_release, span_start
 
 
@@ -28,14 +29,6 @@ def _ws_tile(w_ptr, s, t0, k0, T, H, K: tl.constexpr, C: tl.constexpr, BK: tl.co
     """W[:, k0:k0+BK] S[k0:k0+BK, :] for one K tile, in W's dtype."""
     w = load_tile(w_ptr, t0, k0, T, H * K, K, C, BK)
     return mm(w, s.to(w.dtype), PREC)
-
-
-@triton.jit
-def _commit_tile(s, a, k_ptr, rd, t0, k0, T, H, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-                 PREC: tl.constexpr):
-    """a S + K^T rd for one K tile; K^T is read transposed straight from memory."""
-    kt = load_tile_t(k_ptr, t0, k0, T, H * K, K, C, BK).to(rd.dtype)
-    return a * s + mm(kt, rd, PREC)
 
 
 @triton.jit(do_not_specialize=["T", "NB"])  # one compile for every sequence length
@@ -107,13 +100,13 @@ def _state_fwd_kernel(
         if M > 1:  # S <- write Gamma S + K^T (write K_dec R) + e S_block (write: this chunk's, spans.py)
             a = wt * a
         rd = ((wt * dec)[:, None] * r).to(wd)
-        s0 = _commit_tile(s0, a, k_ptr, rd, t0, 0, T, H, K, C, BK, PREC)
+        s0 = commit_tile(s0, a, k_ptr, rd, t0, 0, T, H, K, C, BK, PREC)
         if NK > 1:
-            s1 = _commit_tile(s1, a, k_ptr, rd, t0, BK, T, H, K, C, BK, PREC)
+            s1 = commit_tile(s1, a, k_ptr, rd, t0, BK, T, H, K, C, BK, PREC)
         if NK > 2:
-            s2 = _commit_tile(s2, a, k_ptr, rd, t0, 2 * BK, T, H, K, C, BK, PREC)
+            s2 = commit_tile(s2, a, k_ptr, rd, t0, 2 * BK, T, H, K, C, BK, PREC)
         if NK > 3:
-            s3 = _commit_tile(s3, a, k_ptr, rd, t0, 3 * BK, T, H, K, C, BK, PREC)
+            s3 = commit_tile(s3, a, k_ptr, rd, t0, 3 * BK, T, H, K, C, BK, PREC)
         if M > 1:
             s0, s1, s2, s3 = span_commit(tl.load(e_ptr + n * H), s0, s1, s2, s3, b0, b1, b2, b3, NK)
 
@@ -238,12 +231,6 @@ def _state_bwd_kernel(
             store_tile(dh0_ptr, d3, 3 * BK, v0, K, V, V, BK, BV)
 
 
-def _k_tiles(K: int) -> tuple[int, int]:
-    """The state's K rows as NK register tiles of BK rows: (BK, NK)."""
-    BK = dim_tile(K)
-    return BK, triton.cdiv(K, BK)
-
-
 def state_slice(V: int, cfg: dict, batch_heads: int, sms: int, work_dtype=None) -> int:
     """The V slice BV of one program of a sequential kernel (B * H * V / BV programs). cfg["BV"], or the
     wider cfg["BV_WIDE"] where that still gives every SM a program and the intermediates are 16-bit
@@ -297,7 +284,7 @@ def state_forward(w, u, k, gc, write, initial_state, output_final_state: bool, b
     B, T, H, K = k.shape
     V = u.shape[-1]
     NB = triton.cdiv(T, block_size)
-    BK, NK = _k_tiles(K)
+    BK, NK = k_tiles(K)
     h = torch.empty(B, NB, H, K, V, device=k.device, dtype=k.dtype)
     r = torch.empty(B, T, H, V, device=k.device, dtype=u.dtype)
     final = torch.empty(B, H, K, V, device=k.device, dtype=torch.float32) if output_final_state else None
@@ -321,7 +308,7 @@ def state_backward(q, k, w, gc, write, do, dr_local, d_final, want_dh0: bool, sc
     B, T, H, K = k.shape
     V = do.shape[-1]
     NB = triton.cdiv(T, block_size)
-    BK, NK = _k_tiles(K)
+    BK, NK = k_tiles(K)
     dh = torch.empty(B, NB, H, K, V, device=k.device, dtype=k.dtype)
     dr = torch.empty(B, T, H, V, device=k.device, dtype=dr_local.dtype)
     dh0 = torch.empty(B, H, K, V, device=k.device, dtype=torch.float32) if want_dh0 else None

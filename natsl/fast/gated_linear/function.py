@@ -23,8 +23,8 @@ import triton
 from natsl.block_size import DEFAULT_BLOCK_SIZE
 from natsl.errors import NatslError
 from natsl.fast import eager
-from natsl.fast.gated_delta.common import MAX_K, fp32_precision
-from natsl.fast.gated_delta.function import _EMPTY, DTYPES, _chunk_gamma, block_size_problem
+from natsl.fast.gated_delta.common import EMPTY, MAX_K, chunk_gamma, fp32_precision
+from natsl.fast.gated_delta.function import DTYPES, block_size_problem
 from natsl.fast.gated_delta.grad_qk import grad_qk
 from natsl.fast.gated_delta.output import chunk_output, local_dr
 from natsl.fast.gated_linear import config
@@ -64,7 +64,7 @@ def _forward_impl(q, k, v, g, write, initial_state, scale: float, output_final_s
     h, final = state_forward(k, v, gc, w32 if write_c is None else write_c, h0, output_final_state, C,
                              decay_skipped_blocks, prec, config.STATE_FWD, span)
     o = chunk_output(q, k, gc, h, v, scale, C, prec, config.OUTPUT)
-    return o, (final if final is not None else q.new_empty(_EMPTY, dtype=torch.float32)), w32, gc, h
+    return o, (final if final is not None else q.new_empty(EMPTY, dtype=torch.float32)), w32, gc, h
 
 
 @torch.library.custom_op("natsl::gated_linear_forward", mutates_args=())
@@ -84,7 +84,7 @@ def _(q, k, v, g, write, initial_state, scale, output_final_state, block_size, d
     NB = triton.cdiv(T, block_size)
     NC = triton.cdiv(T, chunking(block_size)[0])
     f32 = dict(dtype=torch.float32)
-    return (q.new_empty(B, T, H, V), q.new_empty((B, H, K, V) if output_final_state else _EMPTY, **f32),
+    return (q.new_empty(B, T, H, V), q.new_empty((B, H, K, V) if output_final_state else EMPTY, **f32),
             q.new_empty(B, NB, H, **f32), q.new_empty(B, T, H, **f32), q.new_empty(B, NC, H, K, V, dtype=k.dtype))
 
 
@@ -118,12 +118,12 @@ def _backward_impl(q, k, v, w32, gc, h, do, d_final, scale: float, block_size: i
     if M > 1:
         d_write, dg_last = span_grads(w32, c_b, chunk_log_decay(gc, C), h, dh, p1, p2, M, decay_skipped_blocks)
     else:
-        gamma = _chunk_gamma(gc, C)
+        gamma = chunk_gamma(gc, C)
         # G_last enters through the commit's a = Gamma (or 1 - write + write Gamma): da/dG_last, and
         # G_last is the sum of every g of the chunk.
         dg_last = gamma * p2 if decay_skipped_blocks else gamma * p2 * w32
     dg = dgp.sum(0) + dg_last.repeat_interleave(C, dim=1)[:, :T]
-    dwrite = q.new_empty(_EMPTY, dtype=torch.float32)  # (returns may not alias one another)
+    dwrite = q.new_empty(EMPTY, dtype=torch.float32)  # (returns may not alias one another)
     if want_dwrite:
         if M > 1:
             dwrite = d_write
@@ -134,7 +134,7 @@ def _backward_impl(q, k, v, w32, gc, h, do, d_final, scale: float, block_size: i
     if grouped:  # dq in q's dtype, dk fp32, each summed per group in fp32
         dq, dk = _group_sum(dq, groups, q_dtype), _group_sum(dk, groups, k_dtype)
     return (dq, dk, dv, dg, dwrite,
-            dh0 if dh0 is not None else q.new_empty(_EMPTY, dtype=torch.float32))
+            dh0 if dh0 is not None else q.new_empty(EMPTY, dtype=torch.float32))
 
 
 @torch.library.custom_op("natsl::gated_linear_backward", mutates_args=())
@@ -153,8 +153,8 @@ def _(q, k, v, w32, gc, h, do, d_final, scale, block_size, decay_skipped_blocks,
     H, V = v.shape[2], v.shape[3]
     f32 = dict(dtype=torch.float32)
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), q.new_empty(B, T, H, **f32),
-            q.new_empty(w32.shape if want_dwrite else _EMPTY, **f32),
-            q.new_empty((B, H, K, V) if want_dh0 else _EMPTY, **f32))
+            q.new_empty(w32.shape if want_dwrite else EMPTY, **f32),
+            q.new_empty((B, H, K, V) if want_dh0 else EMPTY, **f32))
 
 
 def _setup_context(ctx, inputs, output):

@@ -20,10 +20,9 @@ import triton
 import triton.language as tl
 
 from natsl.devices import sm_count
-from natsl.fast.gated_delta.common import (MIN_TILE, chunk_decay, dim_tile, group_row0, launch_options, load_tile,
-                                           load_tile_t, mm, store_tile)
+from natsl.fast.gated_delta.common import (MIN_TILE, chunk_decay, commit_tile, dim_tile, group_row0, k_tiles,
+                                           launch_options, load_tile, load_tile_t, mm, store_tile)
 from natsl.fast.gated_delta.spans import span_commit, span_release, span_start
-from natsl.fast.gated_delta.state import _commit_tile, _k_tiles
 
 
 @triton.jit
@@ -104,13 +103,13 @@ def _state_fwd_kernel(
             a = wt * a
         vv = load_tile(v_ptr, t0, v0, T, H * V, V, C, BV).to(tl.float32)
         rd = ((wt * dec)[:, None] * vv).to(vd)
-        s0 = _commit_tile(s0, a, k_ptr, rd, t0, k0, T, HK, K, C, BK, PREC)
+        s0 = commit_tile(s0, a, k_ptr, rd, t0, k0, T, HK, K, C, BK, PREC)
         if NK_LOCAL > 1:
-            s1 = _commit_tile(s1, a, k_ptr, rd, t0, k0 + BK, T, HK, K, C, BK, PREC)
+            s1 = commit_tile(s1, a, k_ptr, rd, t0, k0 + BK, T, HK, K, C, BK, PREC)
         if NK_LOCAL > 2:
-            s2 = _commit_tile(s2, a, k_ptr, rd, t0, k0 + 2 * BK, T, HK, K, C, BK, PREC)
+            s2 = commit_tile(s2, a, k_ptr, rd, t0, k0 + 2 * BK, T, HK, K, C, BK, PREC)
         if NK_LOCAL > 3:
-            s3 = _commit_tile(s3, a, k_ptr, rd, t0, k0 + 3 * BK, T, HK, K, C, BK, PREC)
+            s3 = commit_tile(s3, a, k_ptr, rd, t0, k0 + 3 * BK, T, HK, K, C, BK, PREC)
         if M > 1:
             s0, s1, s2, s3 = span_commit(tl.load(e_ptr + n * H), s0, s1, s2, s3, b0, b1, b2, b3, NK_LOCAL)
 
@@ -190,11 +189,11 @@ def k_split_tiles(K: int, split: int) -> tuple[int, int] | None:
     """The register tiles (BK, NK_LOCAL) of each of `split` forward programs that share a state's K rows
     (program ik owns rows ik * NK_LOCAL * BK on), or None where that split does not fit K.
 
-    _k_tiles' NK tiles of BK rows are dealt out whole where `split` divides NK. A split past NK (K = 64 is
+    k_tiles' NK tiles of BK rows are dealt out whole where `split` divides NK. A split past NK (K = 64 is
     one 64-row tile, K = 128 two) narrows the tile instead, to BK * NK / split rows, which must stay a
     power of two (a tl.arange length) of at least MIN_TILE (tl.dot), and then the last program must
     still own a real row (K = 48 over four 16-row tiles would leave the fourth only masked rows)."""
-    BK, NK = _k_tiles(K)
+    BK, NK = k_tiles(K)
     if split < 1:
         return None
     if NK % split == 0:
@@ -264,7 +263,7 @@ def state_backward(q, gc, write, do, d_final, want_dh0: bool, scale: float, bloc
     B, T, HK, K = q.shape
     H, V = do.shape[2], do.shape[-1]
     NB = triton.cdiv(T, block_size)
-    BK, NK = _k_tiles(K)
+    BK, NK = k_tiles(K)
     BV = min(cfg["BV"], dim_tile(V))
     dh = torch.empty(B, NB, H, K, V, device=q.device, dtype=q.dtype)
     dh0 = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32) if want_dh0 else None
