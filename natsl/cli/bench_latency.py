@@ -8,7 +8,7 @@ from typing import List, Optional
 import typer
 
 from natsl.cli.app import command
-from natsl.cli.options import threads_option, use_threads
+from natsl.cli.options import comma_list, threads_option, use_threads
 from natsl.cli.jobs import force_option
 from natsl.errors import NatslError
 
@@ -23,7 +23,8 @@ def bench_latency(
     keep_fraction: float = typer.Option(0.5, help="Fraction of blocks kept by the NAtS-L layers of recipe models "
                                                   "(their router is untrained; forced by a seeded random mask)."),
     force_keep: bool = typer.Option(False, help="Force --keep-fraction on checkpoints too (default: their router decides)."),
-    batch_size: int = typer.Option(1, help="Sequences per prefill / decode step."),
+    batch_size: str = typer.Option("1", help="Sequences per prefill / decode step; a comma list (1,4,16,64) "
+                                             "measures each in turn, into OUT/batch_N/."),
     decode_tokens: int = typer.Option(32, help="Timed decode steps per point (the median is reported)."),
     repeats: int = typer.Option(3, help="Warm prefills per point, timed after an untimed first call whose "
                                         "(cold) time is reported apart; the median is reported."),
@@ -40,6 +41,10 @@ def bench_latency(
     force: bool = force_option(),
 ) -> None:
     """Measure latency for recipes (default: the 800M NAtS-L Hybrid, Transformer, GDN and Mamba2) or checkpoints.
+
+    `--batch-size 1,4,16,64` measures each batch size in turn (the decode rows of serving and batched
+    evaluation), each into OUT/batch_N/ with its own latency.json and latency.png; --time-budget is shared
+    equally by the batch sizes.
 
     A run the estimate calls long or large says so first; one the device's memory cannot hold is refused
     (--force starts it anyway). The first Ctrl-C stops within about two seconds and writes the points
@@ -61,7 +66,11 @@ def bench_latency(
         raise NatslError(f"need 1 <= --min-len <= --max-len, got {min_len} and {max_len}")
     if not 0.0 <= keep_fraction <= 1.0:
         raise NatslError(f"--keep-fraction must lie in [0, 1], got {keep_fraction}")
-    for name, value in (("--batch-size", batch_size), ("--decode-tokens", decode_tokens), ("--repeats", repeats)):
+    batches = comma_list(batch_size, "--batch-size", int, "whole numbers", "1,4,16,64")
+    if not batches or len(set(batches)) != len(batches):
+        raise NatslError(f"--batch-size {batch_size!r}: give one batch size or distinct ones, e.g. 1,4,16,64")
+    for name, value in (*(("--batch-size", b) for b in batches), ("--decode-tokens", decode_tokens),
+                        ("--repeats", repeats)):
         if value < 1:
             raise NatslError(f"{name} must be at least 1, got {value}")
     if time_budget is not None and not 0 < time_budget < float("inf"):
@@ -92,21 +101,26 @@ def bench_latency(
 
     use_threads(threads, torch_device)
     lengths = bench.context_lengths(min_len, max_len)
-    check_bench(specs, lengths, batch=batch_size, decode_tokens=decode_tokens, repeats=repeats, device=torch_device,
-                dtype=torch_dtype, backend=chosen_backend, force=force)
+    for batch in batches:  # every estimate (and refusal) before any work
+        check_bench(specs, lengths, batch=batch, decode_tokens=decode_tokens, repeats=repeats, device=torch_device,
+                    dtype=torch_dtype, backend=chosen_backend, force=force)
 
-    folder = Path(out)
-    json_path, png_path = folder / "latency.json", folder / "latency.png"
-    partial = Partial(lambda r: write_partial(r, json_path, png_path), each=lambda r: bench.save_json(r, json_path))
-    with partial.kept():
-        result = bench.run_benchmark(specs, lengths, device=torch_device, dtype=torch_dtype, backend=chosen_backend,
-                                     batch=batch_size, decode_tokens=decode_tokens, repeats=repeats, seed=seed,
-                                     cuda_graphs=cuda_graphs, progress=progress, time_budget_s=time_budget,
-                                     on_update=partial.update)
-    bench.save_json(result, json_path)
-    bench.plot(result, png_path)
-    print(bench.format_table(result))
-    print(f"wrote {json_path} and {png_path}")
+    for batch in batches:
+        # one batch size: OUT/latency.json as always; several: one run each, OUT/batch_N/latency.json
+        folder = Path(out) if len(batches) == 1 else Path(out) / f"batch_{batch}"
+        json_path, png_path = folder / "latency.json", folder / "latency.png"
+        partial = Partial(lambda r, j=json_path, p=png_path: write_partial(r, j, p),
+                          each=lambda r, j=json_path: bench.save_json(r, j))
+        with partial.kept():
+            result = bench.run_benchmark(specs, lengths, device=torch_device, dtype=torch_dtype, backend=chosen_backend,
+                                         batch=batch, decode_tokens=decode_tokens, repeats=repeats, seed=seed,
+                                         cuda_graphs=cuda_graphs, progress=progress,
+                                         time_budget_s=None if time_budget is None else time_budget / len(batches),
+                                         on_update=partial.update)
+        bench.save_json(result, json_path)
+        bench.plot(result, png_path)
+        print(bench.format_table(result))
+        print(f"wrote {json_path} and {png_path}")
 
 
 def write_partial(result: dict, json_path: Path, png_path: Path) -> None:
