@@ -415,3 +415,15 @@ def test_routing_over_training_from_metrics(tmp_path):
     text = write_report(tmp_path).read_text()
     assert "## Routing during training" in text and "| L7 g0 |" in text
     assert (tmp_path / "report" / "routing_over_training.png").stat().st_size > 1000
+
+
+def test_run_jobs_keeps_the_entries_of_jobs_it_does_not_run(tmp_path):
+    """natsl miniature --evals runs some job families: the others' earlier entries (their stamps) stay, so a later
+    call with every family does not take their outputs for stale ones."""
+    ruler = {"status": "done", "argv": ["natsl", "eval-ruler"], "evaluated": {"natsl_hybrid": "step_1", "quick": False}}
+    (tmp_path / "eval_status.json").write_text(json.dumps({"jobs": {"ruler_natsl_hybrid": ruler}}))
+    quick = EvalJob("ppl", [sys.executable, "-c", "import json, pathlib; pathlib.Path(r'%s').write_text('{}')"
+                            % (tmp_path / "ppl.json")], tmp_path, tmp_path / "ppl.json", tmp_path)
+    assert run_jobs([quick], max_parallel=1, log=lambda line: None) == {"ppl": "done"}
+    jobs = json.loads((tmp_path / "eval_status.json").read_text())["jobs"]
+    assert jobs["ruler_natsl_hybrid"] == ruler and jobs["ppl"]["status"] == "done"

@@ -303,14 +303,18 @@ def _minutes(seconds: float) -> str:
     return f"{seconds / 60:.1f} min" if seconds >= 90 else f"{seconds:.0f} s"
 
 
-def _evaluated(status_path: Path) -> dict:
-    """job name -> the stamp of its last finished run, from an earlier eval_status.json (none: {})."""
+def _earlier_jobs(status_path: Path) -> dict:
+    """job name -> its entry in an earlier eval_status.json (none, or unreadable: {})."""
     try:
         jobs = json.loads(status_path.read_text(encoding="utf-8")).get("jobs")
     except (OSError, ValueError, AttributeError):
         return {}
-    return {n: j["evaluated"] for n, j in jobs.items() if isinstance(j, dict) and isinstance(j.get("evaluated"), dict)} \
-        if isinstance(jobs, dict) else {}
+    return {n: j for n, j in jobs.items() if isinstance(j, dict)} if isinstance(jobs, dict) else {}
+
+
+def _evaluated(status_path: Path) -> dict:
+    """job name -> the stamp of its last finished run, from an earlier eval_status.json (none: {})."""
+    return {n: j["evaluated"] for n, j in _earlier_jobs(status_path).items() if isinstance(j.get("evaluated"), dict)}
 
 
 def run_jobs(jobs: list[EvalJob], *, max_parallel: int, deadline_s: float | None = None, log=print,
@@ -346,13 +350,16 @@ def run_jobs(jobs: list[EvalJob], *, max_parallel: int, deadline_s: float | None
     seconds: dict[str, float] = {}
     # what each job's output was made from: a job is done only where that is what it would evaluate now
     evaluated = _evaluated(root / "eval_status.json")
+    # jobs this call does not run (natsl miniature --evals left them out) keep their earlier entries
+    names = {j.name for j in jobs}
+    others = {n: e for n, e in _earlier_jobs(root / "eval_status.json").items() if n not in names}
 
     def save() -> None:
         write_json(root / "eval_status.json", {
-            "jobs": {j.name: {"status": status.get(j.name, "pending"), "argv": j.argv, "out": str(j.out),
-                              "log": str(logs / f"{j.name}.log"), "seconds": seconds.get(j.name),
-                              "systems": j.systems, "evaluated": evaluated.get(j.name),
-                              **({"note": j.note} if j.note else {})} for j in jobs},
+            "jobs": {**others, **{j.name: {"status": status.get(j.name, "pending"), "argv": j.argv, "out": str(j.out),
+                                           "log": str(logs / f"{j.name}.log"), "seconds": seconds.get(j.name),
+                                           "systems": j.systems, "evaluated": evaluated.get(j.name),
+                                           **({"note": j.note} if j.note else {})} for j in jobs}},
             "quick": any(j.quick for j in jobs), "updated": time.strftime("%Y-%m-%d %H:%M:%S")})
 
     pending = []
