@@ -3,7 +3,9 @@ prefill, token-by-token decode and the fused decode block end (natsl.ops.block_e
 on the CPU) take the same route for every block and routing group, with a router that routes blocks
 both ways, with and without the keep bias, with and without a KeepFraction override, and with the keep
 budget (which the compiled block end leaves to the eager one). Tiny models as tests/test_inference.py
-builds them (block_size 16).
+builds them (block_size 16). The commit of the state after a route is one rule too
+(natsl.reference.router.commit_block): the training kernels and the decode path's token steps and block-end
+commits leave the same state.
 """
 
 from types import SimpleNamespace
@@ -131,3 +133,42 @@ def test_the_keep_budget_routes_alike_on_every_path():
                 assert torch.equal(torch.stack([routes[i][n] for n in range(complete)], 1), keep), (chunks, i)
     assert not kernel_set.Reference.compiled_block_end(None, keep_budget=True)
     assert kernel_set.Reference.compiled_block_end(model.natsl_layers()[1].route_override, keep_budget=False)
+
+
+@pytest.mark.parametrize("decay_skipped_blocks", [True, False], ids=["decay", "no_decay_ablation"])
+@pytest.mark.parametrize("length", [4 * BLOCK, 3 * BLOCK + 5], ids=["whole_blocks", "partial_last"])
+def test_every_path_commits_the_state_alike(decay_skipped_blocks, length):
+    """The commit lives in one place too (natsl.reference.router.commit_block): the training kernels (token
+    recurrence and chunked), and the decode path (a token step per token, natsl.ops.cached.commit_state at each
+    block end, as the cached layer and both block ends do) leave the same state after the same routes."""
+    from natsl.ops.cached import commit_state
+    from natsl.reference.cached import gated_delta_step
+    from natsl.reference.gated_delta import gated_delta_rule
+    from natsl.reference.gated_delta_chunked import gated_delta_rule as chunked_rule
+
+    gen = torch.Generator().manual_seed(11)
+    B, H, K, V = 2, 3, 8, 8
+    q = torch.nn.functional.normalize(torch.randn(B, length, H, K, generator=gen), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(B, length, H, K, generator=gen), dim=-1)
+    v = torch.randn(B, length, H, V, generator=gen)
+    g = -torch.rand(B, length, H, generator=gen) * 0.2
+    beta = torch.rand(B, length, H, generator=gen)
+    blocks = -(-length // BLOCK)
+    write = torch.randint(0, 2, (B, blocks, H), generator=gen).float()
+    assert 0 < float(write.mean()) < 1
+    start = torch.randn(B, H, K, V, generator=gen)
+    states = {}
+    for name, rule in (("token recurrence", gated_delta_rule), ("chunked", chunked_rule)):
+        _, states[name] = rule(q, k, v, g, beta, write, initial_state=start, output_final_state=True,
+                               block_size=BLOCK, decay_skipped_blocks=decay_skipped_blocks)
+    committed, running, decay = start.clone(), start.clone(), torch.zeros(B, H)
+    for t in range(length):  # the decode path: a token step, and a commit where a block ends
+        _, running = gated_delta_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], running)
+        decay = decay + g[:, t]
+        if t % BLOCK == BLOCK - 1:
+            committed = commit_state(committed, running, decay, write[:, t // BLOCK], decay_skipped_blocks)
+            running, decay = committed.clone(), torch.zeros(B, H)
+    if length % BLOCK:  # a partial last block: the training kernels commit it by its route too
+        committed = commit_state(committed, running, decay, write[:, -1], decay_skipped_blocks)
+    for name, state in states.items():
+        assert torch.allclose(state, committed, rtol=1e-5, atol=1e-5), name
