@@ -41,14 +41,16 @@ def miniature(
     sweep_tokens: int = typer.Option(10_000_000, help="Tokens per sweep run."),
     train_tokens: int = typer.Option(100_000_000, help="Tokens per full run."),
     seeds: str = typer.Option("0,1,2", help="Seeds of the NAtS-L Hybrid's full runs."),
-    systems: str = typer.Option(",".join(LADDER), help="Systems of recipes/mini to sweep and train (a subset for "
-                                                         "a smaller budget; the report shows what was trained)."),
+    systems: str = typer.Option(",".join(LADDER), show_default="all seven",
+                                help="Systems of recipes/mini to sweep and train, comma separated, of " + ", ".join(LADDER)
+                                     + " (a subset for a smaller budget; the report shows what was trained)."),
     micro_batch: int = typer.Option(8, help="Sequences per micro-batch (steps stay 64K tokens, accumulated)."),
     max_parallel: Optional[int] = typer.Option(None, help="Training workers at once (default: one per 6 GiB "
                                                           "of GPU memory)."),
     stages: str = typer.Option("corpus,sweep,train,eval,report", help="Stages to run, comma separated."),
-    evals: str = typer.Option(",".join(EVALS), help="The eval stage's evaluations (the others are left as they "
-                                                    "are)."),
+    evals: str = typer.Option(",".join(EVALS), show_default="all six",
+                              help="The eval stage's evaluations, comma separated, of " + ", ".join(EVALS)
+                                   + " (the others are left as they are)."),
     set_: Optional[List[str]] = typer.Option(None, "--set", metavar="SECTION.KEY=VALUE",
                                              help="Override every run's recipe (repeatable), e.g. a smaller model."),
     deadline: Optional[float] = typer.Option(None, help="Seconds for this command; the running stage stops "
