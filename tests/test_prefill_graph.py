@@ -17,8 +17,9 @@ from natsl.models.routing import force_keep_fraction
 from test_inference import LAYOUTS, tiny_model
 
 LENGTHS = (1, 63, 64, 65, 1000)
-# the layouts whose padded prefill is exact (prefill_graph.padding_is_exact): not those with Mamba2 layers
-PADDED = [name for name, changes in LAYOUTS.items() if changes.get("base_layer") != "mamba2"]
+# the layouts whose padded prefill is exact (prefill_graph.padding_is_exact): all of them (a sliding window is not,
+# test_graphs_only_for_models_whose_padding_is_exact)
+PADDED = list(LAYOUTS)
 
 
 def live_tensors(cache):
@@ -86,8 +87,8 @@ def test_padded_prefill_leaves_the_plain_cache(layout):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_graphs_only_for_models_whose_padding_is_exact(layout):
-    """Mamba2 layers write their state with every token, a sliding window lets a pad overwrite a slot
-    still in the window: those models always prefill plainly."""
+    """A sliding window lets a pad overwrite a slot still in the window: such a model always prefills plainly;
+    every other layer kind (Mamba2 too: a pad's dt and g are zero) leaves its cache as a plain prefill does."""
     config = tiny_model("chunked", **LAYOUTS[layout]).config
     assert prefill_graph.padding_is_exact(config) == (layout in PADDED)
     windowed = dataclasses.replace(config, attn_window=16) if hasattr(config, "attn_window") else None
@@ -117,7 +118,7 @@ def test_prefill_takes_the_plain_path_where_it_must(use_switches):
 
 # -- on the GPU (pytest -m gpu tests/test_prefill_graph.py) ----------------------------------------
 
-@pytest.mark.parametrize("layout", ["gdn", "transformer", "natsl_hybrid"])
+@pytest.mark.parametrize("layout", ["gdn", "transformer", "natsl_hybrid", "mamba2", "hybrid_mamba2"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_graphed_prefill_equals_the_plain_prefill(layout):

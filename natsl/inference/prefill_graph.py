@@ -206,9 +206,9 @@ _RUNNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def padding_is_exact(config) -> bool:
     """Whether a padded prefill of this model leaves its cache as a plain prefill does: every layer kind
-    says (natsl.models.registry: LayerKind.pad_exact). GDN and NAtS-L (on either state) zero the pads'
-    gates, full attention masks the K/V slots past the prompt; a Mamba2 layer writes its state with every
-    token it sees, and a sliding window's ring buffer lets a pad overwrite a slot still in the window."""
+    says (natsl.models.registry: LayerKind.pad_exact). GDN, Mamba2 and NAtS-L (on every state) zero the
+    pads' gates (a Mamba2 pad's dt too) and end their conv tails at the prompt, full attention masks the K/V
+    slots past the prompt; a sliding window's ring buffer lets a pad overwrite a slot still in the window."""
     return all(kind.pad_exact for kind in kinds_of(config))
 
 
@@ -229,7 +229,7 @@ def applies_why(config, device: torch.device) -> tuple[bool, str]:
     if device.type != "cuda":
         return False, "not CUDA"
     if not padding_is_exact(config):
-        return False, "a padded prefill is not exact (Mamba2 layers or a sliding window)"
+        return False, "a padded prefill is not exact (a sliding window)"
     return True, f"CUDA, NATSL_PREFILL_GRAPHS on: prompts of 2 to {MAX_LEN} tokens, batch 1, fused kernels"
 
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from natsl import ops
 from natsl.config import ModelConfig
+from natsl.models.cache import drop_pad_gates
 from natsl.models.conv import ShortConv
 from natsl.models.gated_deltanet import GatedDeltaProjections, init_decay
 from natsl.models.linear import Linear
@@ -77,7 +78,8 @@ class Mamba2(nn.Module):
             kernels = kernel_set.pick(self.backend, x.device, cache.state.dtype)
             if t == 1:
                 return self.decode(z, xbc, a, cache, kernels)
-            xbc, tail = self.conv(xbc, cache.conv[0], kernels=kernels)
+            # a padded prefill call (natsl.inference.prefill_graph): the tail ends at the prompt
+            xbc, tail = self.conv(xbc, cache.conv[0], valid=cache.positions.valid, kernels=kernels)
             cache.store_conv([tail])
         xs, B, C = xbc.split([self.inner, self.groups * self.state_size, self.groups * self.state_size], dim=-1)
         # B, C stay [b, t, G, N]: the op reads group j for heads j H/G .. (j+1) H/G - 1 and saves them as
@@ -85,6 +87,8 @@ class Mamba2(nn.Module):
         B = B.view(b, t, self.groups, self.state_size)
         C = C.view(b, t, self.groups, self.state_size)
         g, dt = mamba2_gates(a, self.A_log, self.dt_bias)
+        if cache is not None:  # the pads of a padded prefill call: g = 0, dt = 0 leave the state as it was
+            g, dt = drop_pad_gates(g, dt, cache.positions)
         v = kernels.step_values(xs.view(b, t, self.num_heads, self.head_dim), dt)
         if cache is None:
             y, _ = ops.gated_linear_rule(C, B, v, g, scale=SSD_SCALE, backend=self.backend)

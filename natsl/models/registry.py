@@ -214,6 +214,7 @@ class Mamba2(LayerKind):
     state_rule = "gated_linear_rule"
     family = "mamba2"
     section = "mamba2"
+    pad_exact = True  # a pad's dt and g are zero (its conv tail ends at the prompt): it leaves the state as it was
     section_keys = {key: f"mamba2_{key}" for key in ("head_dim", "state_size", "expand", "groups", "conv_bias", "mlp")}
     marker = "P"
     saved = {"cpu": 6.4, "cuda": 1.6}
