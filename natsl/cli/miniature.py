@@ -32,6 +32,19 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
     return values
 
 
+def _names(text: str, flag: str, allowed: tuple, noun: str, fix: str, distinct: bool = False) -> tuple[str, ...]:
+    """A comma list of names from `allowed` (at least one; each once where `distinct`), else one line naming
+    the first unknown one and `fix` followed by the allowed names."""
+    from natsl.errors import NatslError
+
+    chosen = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in chosen if n not in allowed]
+    if unknown or not chosen or (distinct and len(set(chosen)) != len(chosen)):
+        raise NatslError(f"{flag} {text!r}: " + (f"unknown {noun} {unknown[0]!r}; " if unknown else "")
+                         + f"{fix} {','.join(allowed)}")
+    return chosen
+
+
 @command("miniature")
 def miniature(
     out: str = typer.Option("runs/miniature", help="Folder of the miniature: specs/, sweep/, train/, eval/, report/."),
@@ -80,16 +93,8 @@ def miniature(
     if eval_reserve is not None and (deadline is None or not 0 < eval_reserve < deadline):
         raise NatslError(f"--eval-reserve {eval_reserve}: give it with --deadline, a number of seconds between 0 "
                          "and the deadline")
-    chosen_systems = tuple(s.strip() for s in systems.split(",") if s.strip())
-    wrong = [s for s in chosen_systems if s not in LADDER]
-    if wrong or not chosen_systems or len(set(chosen_systems)) != len(chosen_systems):
-        raise NatslError(f"--systems {systems!r}: " + (f"unknown system {wrong[0]!r}; " if wrong else "")
-                         + f"give distinct names from {','.join(LADDER)}")
-    chosen_evals = tuple(e.strip() for e in evals.split(",") if e.strip())
-    bad = [e for e in chosen_evals if e not in EVALS]
-    if bad or not chosen_evals:
-        raise NatslError(f"--evals {evals!r}: " + (f"unknown evaluation {bad[0]!r}; " if bad else "")
-                         + f"choose from {','.join(EVALS)}")
+    chosen_systems = _names(systems, "--systems", LADDER, "system", "give distinct names from", distinct=True)
+    chosen_evals = _names(evals, "--evals", EVALS, "evaluation", "choose from")
     if device not in (None, "cpu", "cuda"):
         raise NatslError(f"--device {device!r}: give cpu or cuda")
     opts = MiniatureOptions(out=Path(out), data=Path(data), lrs=_floats(lrs, "--lrs"), sweep_tokens=sweep_tokens,

@@ -312,11 +312,6 @@ def _earlier_jobs(status_path: Path) -> dict:
     return {n: j for n, j in jobs.items() if isinstance(j, dict)} if isinstance(jobs, dict) else {}
 
 
-def _evaluated(status_path: Path) -> dict:
-    """job name -> the stamp of its last finished run, from an earlier eval_status.json (none: {})."""
-    return {n: j["evaluated"] for n, j in _earlier_jobs(status_path).items() if isinstance(j.get("evaluated"), dict)}
-
-
 def run_jobs(jobs: list[EvalJob], *, max_parallel: int, deadline_s: float | None = None, log=print,
              start_margin_s: float = 60.0, grace_s: float = 5.0, clock=time.monotonic, env: dict | None = None) -> dict:
     """Run the pending jobs, at most `max_parallel` at once; resumable (a done job is not run again).
@@ -348,11 +343,13 @@ def run_jobs(jobs: list[EvalJob], *, max_parallel: int, deadline_s: float | None
     end = None if deadline_s is None else began + deadline_s
     status: dict[str, str] = {}
     seconds: dict[str, float] = {}
-    # what each job's output was made from: a job is done only where that is what it would evaluate now
-    evaluated = _evaluated(root / "eval_status.json")
+    # what each job's output was made from (the stamp of its last finished run): a job is done only where
+    # that is what it would evaluate now
+    earlier = _earlier_jobs(root / "eval_status.json")
+    evaluated = {n: j["evaluated"] for n, j in earlier.items() if isinstance(j.get("evaluated"), dict)}
     # jobs this call does not run (natsl miniature --evals left them out) keep their earlier entries
     names = {j.name for j in jobs}
-    others = {n: e for n, e in _earlier_jobs(root / "eval_status.json").items() if n not in names}
+    others = {n: e for n, e in earlier.items() if n not in names}
 
     def save() -> None:
         write_json(root / "eval_status.json", {

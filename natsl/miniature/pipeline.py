@@ -150,14 +150,18 @@ def default_parallel(device: Optional[str]) -> int:
     return max(1, min(32, int(total // 6)))
 
 
+def swept_systems(opts: MiniatureOptions) -> list[str]:
+    """The sweep's systems for opts.systems, in spec order: the SWEPT ones whose rates they need (GDN + SWA
+    needs the GDN Hybrid's), then the ablations where the NAtS-L Hybrid is among them."""
+    needed = {RATE_OF.get(name, name) for name in opts.systems}
+    return [name for name in SWEPT if name in needed] + (list(ABLATIONS) if "natsl_hybrid" in opts.systems else [])
+
+
 def sweep_spec(opts: MiniatureOptions) -> dict:
     """The sweep stage's spec: every swept system and ablation at every rate, sweep_tokens each. Recipes are
     named recipes/NAME.yaml, beside the spec (the runner reads recipes only there: copy_recipes)."""
-    needed = {RATE_OF.get(name, name) for name in opts.systems}
-    systems = {name: f"recipes/{name}.yaml" for name in SWEPT if name in needed}
-    for name, items in ABLATIONS.items():
-        if "natsl_hybrid" in opts.systems:
-            systems[name] = {"recipe": "recipes/natsl_hybrid.yaml", "set": list(items)}
+    systems = {name: ({"recipe": "recipes/natsl_hybrid.yaml", "set": list(ABLATIONS[name])} if name in ABLATIONS
+                      else f"recipes/{name}.yaml") for name in swept_systems(opts)}
     # four validations a run, of half a million tokens (a tenth of the run's compute at most), the last at its end
     return _spec("mini_sweep", systems, list(opts.lrs), opts.sweep_tokens, opts, evals=4, eval_tokens=524288)
 
@@ -431,9 +435,7 @@ STAGE_RUNNERS = {"corpus": _stage_corpus, "sweep": _stage_sweep, "train": _stage
 
 def estimate_tokens(opts: MiniatureOptions) -> dict[str, float]:
     """Tokens each training stage trains in all (the time estimate printed before work)."""
-    needed = {RATE_OF.get(name, name) for name in opts.systems}
-    ablations = len(ABLATIONS) if "natsl_hybrid" in opts.systems else 0
-    sweep = (len([s for s in SWEPT if s in needed]) + ablations) * len(opts.lrs) * opts.sweep_tokens
+    sweep = len(swept_systems(opts)) * len(opts.lrs) * opts.sweep_tokens
     hybrid_seeds = len(opts.seeds) - 1 if "natsl_hybrid" in opts.systems else 0
     train = (len(opts.systems) + hybrid_seeds) * opts.train_tokens
     return {"sweep": float(sweep), "train": float(train), "total": float(sweep + train)}
@@ -447,8 +449,7 @@ H100_TOKENS_PER_S = {"sweep": 0.47e6, "train": 0.78e6}
 def describe(opts: MiniatureOptions) -> str:
     """What the run trains, with a time estimate, for the start of the command's output."""
     tokens = estimate_tokens(opts)
-    needed = {RATE_OF.get(name, name) for name in opts.systems}
-    swept = len([s for s in SWEPT if s in needed]) + (len(ABLATIONS) if "natsl_hybrid" in opts.systems else 0)
+    swept = len(swept_systems(opts))
     seeds = f" (NAtS-L Hybrid x {len(opts.seeds)} seeds)" if "natsl_hybrid" in opts.systems else ""
     line = (f"miniature: {swept} systems x {len(opts.lrs)} rates x {opts.sweep_tokens / 1e6:g}M tokens, then "
             f"{len(opts.systems)} systems{seeds} x {opts.train_tokens / 1e6:g}M tokens: "

@@ -1,11 +1,11 @@
 """Small tensor functions the layers' cache paths share: one GDN token step, one gated-linear (Mamba2)
-token step, the route commit (`natsl.reference.router.commit_block`, the rule of every path, named here too),
-and softmax attention over cached keys with per-row lengths or an
-explicit mask.
+token step, and softmax attention over cached keys with per-row lengths or an explicit mask. (The route
+commit, the rule of every path, is `natsl.reference.router.commit_block`, the reference twin of
+`natsl.fast.gated_delta.commit_block`.)
 
-Everything here works on any device. `gated_delta_step`, `commit_block`, `attend_one` and `write_kv` are
-the reference twins (same signatures) of the fast decode pieces `natsl.fast.gated_delta.gated_delta_step`
-and `commit_block`, `natsl.fast.decode_attention.decode_attention` and `natsl.fast.cached.write_kv`;
+Everything here works on any device. `gated_delta_step`, `attend_one` and `write_kv` are the reference
+twins (same signatures) of the fast decode pieces `natsl.fast.gated_delta.gated_delta_step`,
+`natsl.fast.decode_attention.decode_attention` and `natsl.fast.cached.write_kv`;
 `conv_step`, `conv_steps`, `conv_chunk`, `gdn_decode_step`, `gla_decode_step` and `store_blocks` those of the rest of
 `natsl.fast.cached` (natsl.ops.TWINS); `natsl.ops.cached` and `natsl.ops.kernel_set` pick between them. Nothing here but
 `store_blocks` reads a device value on the host, so a decode step built from these functions can be
@@ -19,7 +19,6 @@ import torch.nn.functional as F
 
 from natsl.reference.gates import add_skip, decay, gdn_gates, step_values
 from natsl.reference.norms import l2_normalize
-from natsl.reference.router import commit_block  # noqa: F401  (the decode block end's twin, with its fast one)
 from natsl.reference.short_conv import short_conv_silu
 
 
