@@ -372,6 +372,23 @@ def test_needles_at_zero_for_both_systems_are_inconclusive_not_failed():
     assert next(c for c in claims({"rows": {}}, {}, worse, {}, {}) if "needle" in c["claim"])["verdict"] == "fails"
 
 
+@pytest.mark.parametrize("mine, theirs, verdict", [(0.4, 0.3, "holds"), (0.3, 0.4, "fails")])
+def test_needles_at_zero_are_judged_by_the_teacher_forced_score_where_both_have_it(mine, theirs, verdict):
+    from natsl.miniature.report import claims
+
+    def ruler(forced):
+        return {"lengths": {"4096": 0.0, "8192": 0.0},
+                "answer_accuracy": {"lengths": {"4096": forced, "8192": forced}}}
+
+    needle = next(c for c in claims({"rows": {}}, {}, {"natsl_hybrid": ruler(mine), "gdn_hybrid": ruler(theirs)}, {}, {})
+                  if "needle" in c["claim"])
+    assert needle["verdict"] == verdict
+    assert "teacher-forced" in needle["numbers"] and f"natsl_hybrid {mine:.3f} vs gdn_hybrid {theirs:.3f}" in needle["numbers"]
+    # one side without the teacher-forced score: still inconclusive
+    half = {"natsl_hybrid": ruler(mine), "gdn_hybrid": {"lengths": {"4096": 0.0, "8192": 0.0}}}
+    assert next(c for c in claims({"rows": {}}, {}, half, {}, {}) if "needle" in c["claim"])["verdict"] == "inconclusive"
+
+
 def test_routing_sources_count_tokens_where_bytes_cannot_tell(corpus, tmp_path):
     """A held-out source below the bytes bound is routed when its tokens fill a window, and left out when not."""
     from natsl.miniature.evaluate import ROUTING_MIN_BYTES_PER_TOKEN, routing_sources

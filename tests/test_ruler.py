@@ -11,7 +11,7 @@ from natsl.cli import convert, eval_ppl, eval_ruler, inspect_routing  # noqa: F4
 from natsl.cli.app import app
 from natsl.eval.decode import greedy_generate
 from natsl.eval.haystack import essay_text
-from natsl.eval.ruler import NOISE, TASKS, make_sample, postprocess, string_match_all
+from natsl.eval.ruler import NOISE, TASKS, answer_accuracy, answer_text, make_sample, postprocess, string_match_all
 from natsl.eval.smoke import save_tiny_checkpoint
 from natsl.tokenizer import train_bpe
 
@@ -65,6 +65,61 @@ def test_needles_sit_at_the_stated_depth(task, tok):
         assert abs(token_depth - depth / 100) <= 1.5 / s.haystack_units + 0.03, (depth, token_depth)
 
 
+def test_answer_text_states_the_values_as_the_needles_do():
+    assert answer_text(["4821937"]) == (": 4821937", [(2, 9)])
+    text, spans = answer_text(["11", "222", "3"])
+    assert text == ": 11, 222, 3"
+    assert [text[a:b] for a, b in spans] == ["11", "222", "3"]
+
+
+class _Oracle(torch.nn.Module):
+    """Predicts each next token of its own input exactly (logits one-hot on ids[t + 1]), or always `fixed`."""
+
+    def __init__(self, vocab: int, fixed: int | None = None):
+        super().__init__()
+        self.vocab, self.fixed = vocab, fixed
+        self.lm_head = torch.nn.Identity()
+
+    def forward(self, ids):
+        nxt = torch.roll(ids, -1, dims=1) if self.fixed is None else torch.full_like(ids, self.fixed)
+        return self.lm_head(torch.nn.functional.one_hot(nxt, self.vocab).float() * 30.0)
+
+
+@pytest.mark.parametrize("task", ["niah_single_1", "niah_single_3", "niah_multivalue"])
+def test_answer_accuracy_is_one_for_an_oracle_and_zero_for_a_constant(task, tok):
+    s = make_sample(task, 1024, 0, tok, seed=0, max_new_tokens=32)
+    best = answer_accuracy(_Oracle(tok.vocab_size), tok, s, "cpu")
+    assert best["answer_token_accuracy"] == 1.0 and best["answer_logprob"] > -1e-6
+    ids = tok.encode(answer_text(s.answers)[0])
+    assert 0 < best["answer_tokens"] <= len(ids)
+    # a token id that spells none of the answer
+    unused = next(i for i in range(tok.vocab_size) if i not in ids)
+    worst = answer_accuracy(_Oracle(tok.vocab_size, fixed=unused), tok, s, "cpu")
+    assert worst["answer_token_accuracy"] == 0.0 and worst["answer_logprob"] < -20
+
+
+def test_answer_accuracy_matches_the_full_logits_of_a_real_model(tmp_path):
+    from natsl.eval.common import load_eval_model
+
+    ckpt = save_tiny_checkpoint(tmp_path / "ckpt", steps=10, seed=0)
+    em = load_eval_model(ckpt, "cpu", None, None)
+    s = make_sample("niah_single_2", 512, 1, em.tokenizer, seed=0, max_new_tokens=16)
+    got = answer_accuracy(em.model, em.tokenizer, s, em.device)
+    text, spans = answer_text(s.answers)
+    enc = em.tokenizer.inner.encode(text, add_special_tokens=False)
+    wanted = [i for i, (a, b) in enumerate(enc.offsets) if any(a < e and b > st for st, e in spans)]
+    full = torch.tensor([s.prompt_ids + list(enc.ids)])
+    with torch.no_grad():
+        logits = em.model(full)[0].float()
+    at = [len(s.prompt_ids) - 1 + i for i in wanted]
+    targets = full[0, [a + 1 for a in at]]
+    right = (logits[at].argmax(-1) == targets).float().mean().item()
+    logprob = torch.log_softmax(logits[at], -1).gather(1, targets[:, None]).mean().item()
+    assert got["answer_tokens"] == len(wanted) > 0
+    assert got["answer_token_accuracy"] == pytest.approx(right)
+    assert got["answer_logprob"] == pytest.approx(logprob, abs=1e-4)
+
+
 def test_greedy_decoding_matches_a_plain_argmax_loop():
     recipe = natsl.load_recipe("tiny_hybrid")
     torch.manual_seed(0)
@@ -97,6 +152,14 @@ def test_eval_ruler_end_to_end(tmp_path):
     for row in rows:
         assert row["score"] == string_match_all(row["prediction"], row["answers"])
         assert row["prompt_tokens"] + 3 <= 512
+        assert 0.0 <= row["answer_token_accuracy"] <= 1.0 and row["answer_tokens"] >= 1
+    teacher = report["answer_accuracy"]
+    assert teacher["lengths"]["512"] == pytest.approx(sum(r["answer_token_accuracy"] for r in rows) / len(rows))
+    assert "teacher-forced answer-token accuracy" in result.stdout
+    plain = CliRunner().invoke(app, [str(a) for a in args[:-1]] + [str(tmp_path / "plain"), "--no-answer-accuracy",
+                                                                   "--tasks", "niah_single_1"])
+    assert plain.exit_code == 0, plain.output
+    assert "answer_accuracy" not in json.loads((tmp_path / "plain" / "ruler.json").read_text())
     assert (out / "ruler.png").stat().st_size > 1000
     assert "niah_multiquery" in result.stdout and "mean" in result.stdout
     # The estimate comes once, after the first sample, before the rest.

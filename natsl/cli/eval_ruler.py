@@ -12,14 +12,16 @@ from natsl.cli.jobs import force_option
 
 
 def ruler_estimate(facts, stats: dict, measured_length: int, prompt_lengths: list[int], max_new_tokens: int,
-                   device, *, dtype=None, backend: str = "chunked", rates=None) -> tuple[float, float]:
+                   device, *, dtype=None, backend: str = "chunked", rates=None,
+                   prefills_per_sample: int = 1) -> tuple[float, float]:
     """Seconds of every sample (prompts of `prompt_lengths`), from one warm sample measured at a prompt
     of `measured_length` tokens (`stats` of natsl.eval.decode.greedy_generate): (likely, at most).
 
     A prefill's time scales from the measured one as the estimate (natsl.estimate) of each length to
     that of the measured length; a decode step takes the measured step's time (the estimate's where the
     sample decoded no step). Likely: every answer as long as the measured one; at most: `max_new_tokens`
-    each. Both count every sample, those done included."""
+    each. Both count every sample, those done included. `prefills_per_sample`: 2 with the teacher-forced
+    score, whose forward of the prompt costs about a prefill."""
     import torch
 
     from natsl import estimate as E
@@ -28,7 +30,8 @@ def ruler_estimate(facts, stats: dict, measured_length: int, prompt_lengths: lis
         return E.estimate(facts, [work], device, dtype=dtype or torch.float32, backend=backend, rates=rates).seconds
 
     base = seconds(E.Work("prefill", 1, measured_length))
-    prefill = sum(stats["prefill_s"] * seconds(E.Work("prefill", 1, n)) / base for n in prompt_lengths)
+    prefill = prefills_per_sample * sum(stats["prefill_s"] * seconds(E.Work("prefill", 1, n)) / base
+                                        for n in prompt_lengths)
     steps = stats["decode_steps"]
     per_step = stats["decode_s"] / steps if steps else seconds(E.Work("decode", 1, measured_length + 1))
     generated = steps + 1  # the first new token comes out of the prefill
@@ -50,6 +53,9 @@ def eval_ruler(
     essay_file: Optional[str] = typer.Option(None, help="Plain-text essays for the essay haystack (default: generated prose)."),
     keep_fraction: Optional[float] = typer.Option(None, help="Force NAtS-L layers to keep this fraction of blocks "
                                                              "(a fixed KV budget; default: the router decides)."),
+    answer_accuracy: bool = typer.Option(True, "--answer-accuracy/--no-answer-accuracy",
+                                         help="Also score each sample teacher-forced: the fraction of the answer's "
+                                              "tokens the model predicts after the prompt (one more prefill each)."),
     out: str = typer.Option("eval_ruler", help="Folder for ruler.json, ruler_samples.jsonl and ruler.png."),
     device: Optional[str] = typer.Option(None, help="cpu, cuda or cuda:N (default: cuda when available)."),
     dtype: Optional[str] = typer.Option(None, help="fp32, bf16 or fp16 (default: bf16 on CUDA, fp32 on the CPU)."),
@@ -60,6 +66,11 @@ def eval_ruler(
 ) -> None:
     """Generate RULER's retrieval tasks with the checkpoint's tokenizer, decode greedily, score by string match.
 
+    Beside RULER's string match, each sample is scored teacher-forced (`--answer-accuracy`, the default):
+    the prompt followed by ": VALUE" in one forward, and the fraction of the value's tokens the model
+    predicts exactly. Small models score 0 by string match at every length; this measure still ranks
+    them by how much of a needle they retrieve.
+
     A run the estimate calls long or large says so first; one the device's memory cannot hold is refused
     (--force starts it anyway). Once a warm sample is decoded, the time of the whole run is said again,
     measured on it."""
@@ -69,7 +80,7 @@ def eval_ruler(
     from natsl.data.grid import parse_lengths
     from natsl.runtime import check_keeps_natsl, check_length, checkpoint_recipe_of, on_cuda, pick_backend, pick_device, pick_dtype
     from natsl.errors import NatslError
-    from natsl.estimate import model_facts
+    from natsl.estimate import Work, model_facts
     from natsl.eval.common import human_count, human_duration, load_eval_model, prepare_out_dir, print_estimate
     from natsl.cli.jobs import check_job, decoding_works
     from natsl.eval.haystack import EssaySentences, split_sentences
@@ -119,8 +130,11 @@ def eval_ruler(
     torch_device = pick_device(device)
     # a prompt fills its length less the new tokens (a length too short for them is refused with the samples)
     prompts = [max(n - max_new_tokens, 1) for n in length_list for _ in range(len(task_list) * samples)]
+    works = decoding_works(prompts, max_new_tokens)
+    if answer_accuracy:  # the teacher-forced score: a forward of each prompt and its answer, no cache
+        works += [Work("forward", 1, n) for n in prompts]
     check_job(f"eval-ruler: {len(prompts)} prompts of up to {max(length_list):,} tokens", recipe.model,
-              decoding_works(prompts, max_new_tokens), device=torch_device, dtype=pick_dtype(dtype, torch_device),
+              works, device=torch_device, dtype=pick_dtype(dtype, torch_device),
               backend=backend, force=force, fix="lower --lengths, --samples or --max-new-tokens",
               note=f"every sample decoding all {max_new_tokens} new tokens; answers that stop early take less")
     out_dir = prepare_out_dir(out)
@@ -131,7 +145,8 @@ def eval_ruler(
         prompt_tokens = sum(len(s.prompt_ids) for s in todo)
         likely, most = ruler_estimate(model_facts(em.recipe.model), stats, len(measured.prompt_ids),
                                       [len(s.prompt_ids) for s in todo], max_new_tokens, em.device, dtype=em.dtype,
-                                      backend=pick_backend(backend, em.device))
+                                      backend=pick_backend(backend, em.device),
+                                      prefills_per_sample=2 if answer_accuracy else 1)
         plan = (f"eval-ruler: {len(task_list)} tasks x {len(length_list)} lengths x {samples} samples = {len(todo)} "
                 f"prompts, {human_count(prompt_tokens)} prompt tokens + up to {human_count(len(todo) * max_new_tokens)} "
                 "generated")
@@ -140,7 +155,8 @@ def eval_ruler(
                        f"prefill, {stats['decode_steps'] + 1} new tokens in {stats['decode_s']:.1f} s")
 
     summary, rows = run_ruler(em, task_list, length_list, samples, seed=seed, max_new_tokens=max_new_tokens,
-                              essay=essay, progress=progress, on_first=on_first if samples * len(task_list) * len(length_list) > 1 else None)
+                              essay=essay, progress=progress, teacher_forced=answer_accuracy,
+                              on_first=on_first if samples * len(task_list) * len(length_list) > 1 else None)
     report = {"checkpoint": str(em.folder), "name": em.name, "seed": seed, "samples": samples,
               "max_new_tokens": max_new_tokens, "haystack_essay": essay_file or "generated",
               "forced_keep_fraction": keep_fraction,
@@ -148,6 +164,11 @@ def eval_ruler(
               **summary}
     print(format_table(summary, task_list, length_list))
     print(f"mean over tasks and lengths: {summary['mean']:.3f}")
+    if answer_accuracy:
+        teacher = summary["answer_accuracy"]
+        print("teacher-forced answer-token accuracy:")
+        print(format_table(teacher, task_list, length_list))
+        print(f"mean over tasks and lengths: {teacher['mean']:.3f}")
     json_path = write_json(out_dir / "ruler.json", report)
     write_jsonl(out_dir / "ruler_samples.jsonl", rows)
     png_path = plot_scores(summary, task_list, length_list, out_dir / "ruler.png", f"RULER NIAH: {em.name}")

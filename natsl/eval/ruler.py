@@ -249,6 +249,50 @@ def make_sample(task_name: str, length: int, index: int, tokenizer, *, seed: int
         prompt_ids=ids, haystack_units=lo)
 
 
+def answer_text(answers: list[str]) -> tuple[str, list[tuple[int, int]]]:
+    """The continuation that states `answers` as the needles do ("...is: 4821937."): ": v1, v2" and the
+    character span of each value in it."""
+    text, spans = ":", []
+    for i, answer in enumerate(answers):
+        text += ("," if i else "") + " "
+        spans.append((len(text), len(text) + len(answer)))
+        text += answer
+    return text, spans
+
+
+def answer_accuracy(model, tokenizer, sample: RulerSample, device) -> dict:
+    """Teacher-forced needle retrieval: the prompt followed by `answer_text(sample.answers)` in one forward;
+    of the tokens that spell the values, the fraction the model predicts exactly (argmax) and their mean
+    log-probability (nats).
+
+    Greedy generation scores 0 whenever the first token of a value is wrong or the model does not
+    start the answer at once, which small models trained on little text do at every length; this
+    measure still tells which of two such models retrieves more of a needle. The continuation is
+    encoded on its own and appended, as lm-eval scores a target.
+
+    Returns: {"answer_token_accuracy": float in [0, 1], "answer_logprob": float, "answer_tokens": int}."""
+    import torch
+
+    from natsl.eval.common import final_hidden_states
+
+    text, spans = answer_text(sample.answers)
+    ids, offsets = _encode_with_offsets(tokenizer, text)
+    # the tokens that overlap a value (the separators ": " and ", " are free to predict)
+    wanted = [i for i, (a, b) in enumerate(offsets) if any(a < end and b > start for start, end in spans)]
+    if not wanted:
+        raise NatslError(f"the tokenizer spells RULER's answer {text!r} with no tokens")
+    full = torch.tensor([sample.prompt_ids + ids], device=device)
+    at = torch.tensor([len(sample.prompt_ids) - 1 + i for i in wanted], device=device)  # each predicts at + 1
+    with torch.inference_mode(), final_hidden_states(model) as head:
+        logits = head(model(full)[0, at]).float()
+    if not torch.isfinite(logits).all():
+        raise NonFiniteError("non-finite logits")
+    targets = full[0, at + 1]
+    logprob = torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0]
+    return {"answer_token_accuracy": float((logits.argmax(-1) == targets).float().mean()),
+            "answer_logprob": float(logprob.mean()), "answer_tokens": len(wanted)}
+
+
 def postprocess(prediction: str) -> str:
     """RULER's clean-up of a model output: strip, control characters to newlines, strip."""
     return re.sub(r"[\x00-\x1f]", "\n", prediction.strip()).strip()
@@ -264,8 +308,13 @@ def string_match_all(prediction: str, answers: list[str]) -> float:
 
 def run_ruler(em, tasks: list[str], lengths: list[int], samples: int, *, seed: int = 0,
               max_new_tokens: int = TOKENS_TO_GENERATE, essay: EssaySentences | None = None,
-              use_cache: bool = True, progress: bool = True, on_first=None) -> tuple[dict, list[dict]]:
+              use_cache: bool = True, progress: bool = True, on_first=None,
+              teacher_forced: bool = True) -> tuple[dict, list[dict]]:
     """Generate, decode greedily and score every (length, task, sample). Returns (summary, rows).
+
+    With `teacher_forced`, each sample is also scored by `answer_accuracy` (one more forward of its
+    prompt): the summary's "answer_accuracy" holds those means as "tasks" / "lengths" / "mean" do the
+    string-match scores.
 
     `on_first(stats, samples, sample)` is called once, after a warm sample is decoded (the second: the
     first pays the compiles of a new length), with its timings (see `greedy_generate`), every sample to
@@ -298,19 +347,28 @@ def run_ruler(em, tasks: list[str], lengths: list[int], samples: int, *, seed: i
             prediction = tokenizer.decode(out)
             row = sample.to_json()
             row.update(prediction=prediction, score=string_match_all(prediction, sample.answers))
+            if teacher_forced:
+                try:
+                    row.update(answer_accuracy(em.model, tokenizer, sample, em.device))
+                except NonFiniteError as err:
+                    raise NatslError(f"checkpoint {str(em.folder)!r}: {err}; check its weights or try --dtype "
+                                     "fp32") from None
             rows.append(row)
             bar.update(1)
     finally:
         bar.close()
-    return summarize(rows, tasks, lengths), rows
+    summary = summarize(rows, tasks, lengths)
+    if teacher_forced:
+        summary["answer_accuracy"] = summarize(rows, tasks, lengths, key="answer_token_accuracy")
+    return summary, rows
 
 
-def summarize(rows: list[dict], tasks: list[str], lengths: list[int]) -> dict:
-    """Mean score per task and length, per length over tasks (Table 2), and overall."""
+def summarize(rows: list[dict], tasks: list[str], lengths: list[int], key: str = "score") -> dict:
+    """Mean of each row's `key` per task and length, per length over tasks (Table 2), and overall."""
     per_task = {t: {} for t in tasks}
     for t in tasks:
         for n in lengths:
-            scores = [r["score"] for r in rows if r["task"] == t and r["length"] == n]
+            scores = [r[key] for r in rows if r["task"] == t and r["length"] == n]
             per_task[t][str(n)] = sum(scores) / len(scores) if scores else None
     per_length = {}
     for n in lengths:
@@ -331,19 +389,29 @@ def format_table(summary: dict, tasks: list[str], lengths: list[int]) -> str:
 
 
 def plot_scores(summary: dict, tasks: list[str], lengths: list[int], path, title: str):
+    """Heat maps of the mean score per task and length: string match, and beside it the teacher-forced
+    answer-token accuracy where the summary holds it."""
     from natsl.eval.common import pyplot, save_figure
 
     plt = pyplot()
-    grid = [[summary["tasks"][t][str(n)] for n in lengths] for t in tasks]
-    grid.append([summary["lengths"][str(n)] for n in lengths])
-    fig, ax = plt.subplots(figsize=(2.6 + 1.1 * len(lengths), 1.2 + 0.42 * len(grid)), layout="constrained")
-    image = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
-    ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
-    ax.set_yticks(range(len(grid)), tasks + ["mean"])
-    for i, row in enumerate(grid):
-        for j, v in enumerate(row):
-            ax.text(j, i, f"{v:.2f}", ha="center", va="center", color="white" if v < 0.6 else "black", fontsize=8)
-    ax.set_xlabel("context length (tokens)")
-    ax.set_title(title, fontsize=10)
-    fig.colorbar(image, ax=ax, fraction=0.05, label="score (fraction of the expected values found)")
+    panels = [(summary, "string match (fraction of the expected values generated)")]
+    if summary.get("answer_accuracy"):
+        panels.append((summary["answer_accuracy"], "teacher-forced answer-token accuracy"))
+    rows = len(tasks) + 1
+    fig, axes = plt.subplots(1, len(panels), squeeze=False, layout="constrained",
+                             figsize=(2.6 + 1.5 * len(lengths) * len(panels), 1.4 + 0.42 * rows))
+    for ax, (part, label) in zip(axes[0], panels):
+        grid = [[part["tasks"][t][str(n)] for n in lengths] for t in tasks]
+        grid.append([part["lengths"][str(n)] for n in lengths])
+        image = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+        ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
+        ax.set_yticks(range(rows), tasks + ["mean"])
+        for i, row in enumerate(grid):
+            for j, v in enumerate(row):
+                ax.text(j, i, f"{v:.2f}", ha="center", va="center", color="white" if v < 0.6 else "black",
+                        fontsize=8)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_title(label, fontsize=9)
+        fig.colorbar(image, ax=ax, fraction=0.05, label="score (0 to 1)")
+    fig.suptitle(title, fontsize=10)
     return save_figure(fig, path)

@@ -628,6 +628,15 @@ def claims(t1, ppl, ruler, routing, compare, window=None) -> list[dict]:
     if pairs and all(a == b == 0 for _, a, b in pairs):  # a floor tells the systems apart no more than a ceiling
         verdict = INCONCLUSIVE
         numbers += " (both score 0 at every length: the task is beyond these models and cannot tell them apart)"
+        # the teacher-forced score still ranks them (natsl.eval.ruler.answer_accuracy); judged on it, and said so
+        mine, theirs = ((ruler.get(n, {}).get("answer_accuracy") or {}).get("lengths") or {}
+                        for n in ("natsl_hybrid", "gdn_hybrid"))
+        forced = [(n, _num(mine.get(str(n))), _num(theirs.get(str(n)))) for n, _, _ in pairs]
+        forced = [p for p in forced if p[1] is not None and p[2] is not None]
+        if forced and len(forced) == len(pairs):
+            verdict = _verdict(all(a > b for _, a, b in forced))
+            numbers += ("; judged instead by teacher-forced answer-token accuracy: "
+                        + "; ".join(f"{n}: natsl_hybrid {fmt(a, 3)} vs gdn_hybrid {fmt(b, 3)}" for n, a, b in forced))
     out.append({"claim": "NAtS-L Hybrid beats GDN Hybrid on the needle tasks at 4K and beyond (RULER mean over tasks)",
                 "verdict": verdict, "numbers": numbers})
     # 4. KV bytes
@@ -716,7 +725,13 @@ def _plots(folder: Path, t1, ppl, ruler, routing, over_training=None) -> list[st
                 ax.plot(*zip(*pts), marker="o", label=name)
         ax.set_xscale("log", base=2)
         ax.set_ylim(-0.02, 1.02)
-        written.append(_finish(fig, ax, "context length (tokens)", "RULER NIAH score (mean over tasks)",
+        for name in order(ruler):
+            forced = (ruler[name].get("answer_accuracy") or {}).get("lengths") or {}
+            pts = sorted((int(n), v) for n, v in forced.items() if _num(v) is not None)
+            if pts:
+                ax.plot(*zip(*pts), marker="x", linestyle="--", label=f"{name}, teacher-forced")
+        written.append(_finish(fig, ax, "context length (tokens)",
+                               "mean over tasks: string match (solid), answer-token accuracy (dashed)",
                                "needle retrieval against length (Table 2 in miniature)", folder / "ruler_by_length.png"))
     if routing:
         names = order(routing)
@@ -839,7 +854,9 @@ def write_report(root) -> Path:
         data = _read(root / "eval" / f"ruler_{name}" / "ruler.json", problems)
         if isinstance(data, dict):
             ruler[name] = {"tasks": data.get("tasks") or {}, "lengths": data.get("lengths") or {},
-                           "mean": data.get("mean"), "samples": data.get("samples")}
+                           "mean": data.get("mean"), "samples": data.get("samples"),
+                           "answer_accuracy": data.get("answer_accuracy")
+                           if isinstance(data.get("answer_accuracy"), dict) else None}
     routing = routing_section(root, problems)
     over_training = routing_over_training(checkpoints, training, problems)
     compare_json = _read(root / "eval" / "compare" / "compare.json", problems)
@@ -922,6 +939,13 @@ def write_report(root) -> Path:
         if scores and all(v == 0 for v in scores):
             md.append("\nEvery system scores 0 at every length: the models are too weak for the task at this "
                       "training length.")
+        forced = {n: r["answer_accuracy"] for n, r in ruler.items() if r.get("answer_accuracy")}
+        if forced:
+            md.append("\nTeacher-forced answer-token accuracy (the prompt followed by the answer in one forward; the "
+                      "fraction of the value's tokens predicted exactly; `natsl eval-ruler --answer-accuracy`):\n")
+            md.append(md_table(["system", *map(str, lengths), "mean"],
+                               [[n, *[fmt((a.get("lengths") or {}).get(str(x)), 3) for x in lengths],
+                                 fmt(a.get("mean"), 3)] for n, a in forced.items()]))
         tasks = list(dict.fromkeys(t for r in ruler.values() for t in r["tasks"]))
         for length in lengths:
             md.append(f"\nPer task at {length} tokens:\n")
