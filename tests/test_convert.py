@@ -177,6 +177,8 @@ def test_hf_import_refusals(authors_checkpoint, tmp_path):
 
     assert "never unpickles" in variant("pickled", pickled=True)
     assert "model type 'mistral'" in variant("mistral", cfg={**config, "model_type": "mistral"})
+    delta = variant("delta", cfg={**config, "model_type": "neural_attention_search_linear_attn_delta"})
+    assert "NAtS-L on DeltaNet" in delta and "380m_natsl_delta" in delta
     # model_type llama goes to natsl's own Llama import (natsl.hf.export), which names what it lacks.
     assert "Llama checkpoint" in variant("llama", cfg={**config, "model_type": "llama"})
     assert "no place in natsl" in variant("extra", ts={**tensors, "model.layers.1.attn.mystery": torch.zeros(2)})

@@ -21,6 +21,8 @@ from natsl.files import read_json
 from natsl.models.registry import kind_of
 
 HF_MODEL_TYPE = "neural_attention_search_linear_attn_gdn"
+# The authors' NAtS-L on DeltaNet (src/nats/models/natsl_attn_delta): refused with its reason.
+HF_DELTA_MODEL_TYPE = "neural_attention_search_linear_attn_delta"
 # The authors' NAtS-L on Mamba2 (src/nats/models/natsl_attn_mamba2): hf_mamba2_recipe.
 HF_MAMBA2_MODEL_TYPE = "nats_mamba"
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -106,6 +108,11 @@ def read_hf_config(folder: Path) -> dict:
     if kind not in (HF_MODEL_TYPE, HF_MAMBA2_MODEL_TYPE):
         if isinstance(config, dict) and config.get("format") == "natsl":
             raise NatslError(f"{str(folder)!r} is already a natsl checkpoint; drop --from-hf")
+        if kind == HF_DELTA_MODEL_TYPE:
+            raise NatslError(f"{str(folder)!r} is the authors' NAtS-L on DeltaNet ({kind!r}), whose layer natsl's "
+                             "`natsl_state: delta` does not compute (branch outputs summed, one norm per DeltaNet "
+                             "head, softmax q/k/v before the convolution; docs/architecture.md); train "
+                             "recipes/380m_natsl_delta.yaml instead")
         raise NatslError(f"{str(folder)!r} has model type {kind!r}; --from-hf imports {HF_MODEL_TYPE!r} and "
                          f"{HF_MAMBA2_MODEL_TYPE!r} checkpoints only")
     return config
