@@ -178,6 +178,21 @@ def test_corpus_sweep_and_train_end_to_end_and_again_does_nothing(tmp_path, monk
         P.run_miniature(replace(opts, sweep_tokens=512), log=again.append)
 
 
+def test_more_rates_grow_the_sweep_stage_and_other_changes_are_refused(tmp_path):
+    """The sweep stage's folder is taken by a spec that adds learning rates (its finished runs kept; natsl sweep
+    checks each run's settings too), and refused for any other change, with what differs."""
+    from dataclasses import replace
+
+    opts = P.MiniatureOptions(out=tmp_path / "m", lrs=(0.002, 0.004))
+    folder = tmp_path / "m" / "sweep"
+    folder.mkdir(parents=True)
+    (folder / "sweep.json").write_text(json.dumps({"name": "mini_sweep", "spec": P.sweep_spec(opts), "runs": []}))
+    assert P._grows(folder, P.sweep_spec(replace(opts, lrs=(0.001, 0.002, 0.004)))) is None
+    assert P._grows(folder, P.sweep_spec(replace(opts, sweep_tokens=512))) == "'budget' differs"
+    assert P._grows(folder, P.sweep_spec(replace(opts, micro_batch=16))) == "'set' differs"
+    assert P._grows(tmp_path, P.sweep_spec(opts)) == "no readable sweep.json"
+
+
 def test_an_eval_reserve_evaluates_training_cut_short(monkeypatch, tmp_path):
     """--deadline with --eval-reserve: training stops the reserve before the deadline, then the evaluations and
     the report run on the runs as they are; without a reserve a stopped stage ends the command."""

@@ -291,13 +291,39 @@ def test_a_second_spec_into_the_same_out_is_refused_and_the_same_spec_resumes(tm
     kept = (out / "summary.json").read_bytes(), (out / "sweep.json").read_bytes()
     second = write_spec(tmp_path / "second", spec_text(widths="[128]"))
     result = CliRunner().invoke(app, ["sweep", str(second), "--out", str(out), "--no-progress"])
-    assert_one_line_error(result, f"--out {str(out)!r} holds the sweep 'spec' of another spec; pass a new --out folder")
+    assert_one_line_error(result, f"--out {str(out)!r} holds the sweep 'spec' of another spec ('widths' differs); "
+                                  "pass a new --out folder")
     assert ((out / "summary.json").read_bytes(), (out / "sweep.json").read_bytes()) == kept
     assert not (out / "runs" / "t-gdn-d128-lr0.001").exists()
     # the same spec again: a resume, its finished run kept
     logged = []
     S.run_sweep(S.load_spec(first, out), progress=False, log=logged.append)
     assert logged[0].startswith("sweep spec: 1 runs (1 done already, 0 to run)")
+
+
+def test_a_spec_that_adds_rates_or_systems_grows_the_sweep_and_keeps_its_runs(tmp_path, monkeypatch):
+    """More learning rates (or systems), all else equal: the finished runs are kept, only the new ones train."""
+    stand_in_worker(tmp_path, monkeypatch, 'echo ran >> "$dir/../../calls"\n' + DONE)
+    out = tmp_path / "out"
+    first = write_spec(tmp_path / "first", spec_text(lrs="[0.001]"))
+    assert S.main([str(first), "--out", str(out), "--no-progress"]) == 0
+    first_result = (out / "runs" / "t-gdn-d64-lr0.001" / "result.json").read_bytes()
+    grown = write_spec(tmp_path / "grown", spec_text(lrs="[0.001, 0.003]"))
+    logged = []
+    S.run_sweep(S.load_spec(grown, out), progress=False, log=logged.append)
+    assert logged[0] == f"sweep spec: the spec grows the sweep in {out} by 1 runs; its earlier runs are kept"
+    assert logged[1].startswith("sweep spec: 2 runs (1 done already, 1 to run)")
+    assert (out / "calls").read_text().split() == ["ran", "ran"]  # the first run once, the new one once
+    assert (out / "runs" / "t-gdn-d64-lr0.001" / "result.json").read_bytes() == first_result
+    summary = json.loads((out / "summary.json").read_text())
+    assert sorted(r["id"] for r in summary["runs"]) == ["t-gdn-d64-lr0.001", "t-gdn-d64-lr0.003"]
+    assert json.loads((out / "sweep.json").read_text())["spec"]["lrs"] == [0.001, 0.003]
+    # a spec that drops a run, or changes a setting of the runs kept, is another sweep
+    for text, why in ((spec_text(lrs="[0.003]"), "run 't-gdn-d64-lr0.001' is left out"),
+                      (spec_text(lrs="[0.001, 0.003, 0.01]", set="[optim.grad_clip=0.5]"), "'set' differs")):
+        result = CliRunner().invoke(app, ["sweep", str(write_spec(tmp_path / why[:5], text)), "--out", str(out)])
+        assert_one_line_error(result, f"of another spec ({why})")
+    assert (out / "calls").read_text().split() == ["ran", "ran"]
 
 
 @pytest.mark.parametrize("present", ["summary.json", "summary.png", "sweep.json"])

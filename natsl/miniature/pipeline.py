@@ -26,6 +26,7 @@ Choices the paper does not fix at this size (docs/miniature.md):
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -355,10 +356,14 @@ def _sweep_stage(name: str, spec: dict, opts: MiniatureOptions, remaining, log) 
     previous = _summary(folder)
     if previous is not None and not (spec_path.is_file() and spec_path.read_text(encoding="utf-8") == _spec_text(spec)):
         # natsl sweep keeps a finished run by its id, which does not name every setting: runs of another spec
-        # (other --sweep-tokens, --train-tokens, --set, --micro-batch) would be taken as this one's
-        raise NatslError(f"{folder} holds runs of another spec than {spec_path} now asks for (--lrs, --seeds, "
-                         f"--sweep-tokens, --train-tokens, --micro-batch or --set changed); pass another --out, or "
-                         f"remove {folder} to run the stage again")
+        # (other --sweep-tokens, --train-tokens, --set, --micro-batch) would be taken as this one's. A spec
+        # that only adds rates or systems grows the stage (natsl sweep checks each kept run's settings too).
+        why = _grows(folder, spec)
+        if why is not None:
+            raise NatslError(f"{folder} holds runs of another spec than {spec_path} now asks for ({why}: --lrs, "
+                             f"--seeds, --sweep-tokens, --train-tokens, --micro-batch or --set changed); pass another "
+                             f"--out, or remove {folder} to run the stage again (more --lrs or --systems alone grow it)")
+        log(f"  {folder}: the spec adds learning rates or systems; its finished runs are kept")
     done, total = finished_runs(previous or {})
     if done == total > 0:
         log(f"  {folder}: all {total} runs done: kept")
@@ -379,6 +384,21 @@ def _sweep_stage(name: str, spec: dict, opts: MiniatureOptions, remaining, log) 
     if done < total or not total:
         raise Stopped(f"{name}: {done} of {total} runs done")
     return summary
+
+
+def _grows(folder: Path, spec: dict) -> Optional[str]:
+    """None where `spec` grows the sweep recorded in folder/sweep.json (natsl.training.sweep_checks.spec_grows),
+    else why not."""
+    from natsl.training.sweep_checks import spec_grows
+
+    record = folder / "sweep.json"
+    try:
+        old = json.loads(record.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return "no readable sweep.json"
+    if not isinstance(old, dict) or not isinstance(old.get("spec"), dict):
+        return "no readable sweep.json"
+    return spec_grows(old["spec"], spec)
 
 
 def _has_cuda() -> bool:

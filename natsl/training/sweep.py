@@ -595,7 +595,10 @@ def run_sweep(sweep: Sweep, progress: bool = True, log=print, mps: bool = False)
                                                        os.environ.get("PYTHONPATH")]))}
     if sweep.max_parallel < 1:
         raise NatslError(f"--max-parallel must be at least 1, got {sweep.max_parallel}")
-    check_out_folder(sweep.out, sweep.name, sweep.spec, [Path(r.out) for r in sweep.runs])
+    grown = check_out_folder(sweep.out, sweep.name, sweep.spec, [Path(r.out) for r in sweep.runs],
+                             [asdict(r) for r in sweep.runs])
+    if grown is not None:
+        log(f"sweep {sweep.name}: the spec grows the sweep in {sweep.out} by {grown} runs; its earlier runs are kept")
     pending = [r for r in sweep.runs if not _finished(r)]
     check_devices_present({r.device for r in pending})
     check_initial_weights(sweep)

@@ -204,13 +204,66 @@ def check_devices_present(devices: set) -> None:
 SUMMARY_FILES = ("summary.json", "summary.png")
 
 
-def check_out_folder(out: Path, name: str, spec: dict, run_folders: list[Path]) -> None:
-    """--out is new, or holds the sweep of this very spec (whose finished runs the runner then keeps); a
-    folder with another spec's record, or a summary of no record, is refused before anything is written
-    there. Every run folder lies in --out, symlinks resolved."""
+# Fields of a run (sweep.RunSpec) that are not its settings: where and until when it ran. `recipe` is the
+# path the runner resolved (absolute, so it moves with the checkout); the spec's own entry, compared
+# whole, stands for it.
+RUN_PLACE_FIELDS = ("out", "train_deadline", "deadline", "recipe")
+
+
+def spec_grows(old_spec: dict, spec: dict) -> Optional[str]:
+    """Whether `spec` differs from `old_spec` only in its learning rates and by more systems, each earlier
+    system's entry unchanged: None if so, else what differs (one phrase). `grown_from` checks the runs too."""
+    old_spec, spec = _plain(old_spec), _plain(spec)
+    for key in sorted((set(old_spec) | set(spec)) - {"lrs", "systems"}):
+        if old_spec.get(key) != spec.get(key):
+            return f"'{key}' differs"
+    old_systems, systems = old_spec.get("systems"), spec.get("systems")
+    if not isinstance(old_systems, dict) or not isinstance(systems, dict):
+        return "'systems' differs"
+    for system, entry in old_systems.items():
+        if systems.get(system) != entry:
+            return f"system {system!r} differs"
+    return None
+
+
+def grown_from(previous: dict, spec: dict, runs: list[dict]) -> Optional[str]:
+    """Whether a sweep of `spec` (its runs as dicts, sweep.RunSpec fields) only adds runs to the sweep
+    recorded in `previous` (its sweep.json): more learning rates or more systems, every other key of
+    the spec and every earlier run's settings unchanged. None if so, else what differs (one phrase).
+
+    Such a spec may take the folder over: the runner keeps the finished runs and trains the new ones
+    (a researcher who adds a rate reruns nothing)."""
+    old_spec, old_runs = previous.get("spec"), previous.get("runs")
+    if not isinstance(old_spec, dict) or not isinstance(old_runs, list):
+        return "its sweep.json has no spec and runs"
+    why = spec_grows(old_spec, spec)
+    if why is not None:
+        return why
+    by_id = {run.get("id"): run for run in _plain(runs)}
+    for run in old_runs:
+        if not isinstance(run, dict):
+            return "its sweep.json lists a run that is no record"
+        new = by_id.get(run.get("id"))
+        if new is None:
+            return f"run {run.get('id')!r} is left out"
+        for key in sorted((set(run) | set(new)) - set(RUN_PLACE_FIELDS)):
+            if run.get(key) != new.get(key):
+                return f"run {run.get('id')!r} differs in {key!r}"
+    return None
+
+
+def check_out_folder(out: Path, name: str, spec: dict, run_folders: list[Path],
+                     runs: Optional[list[dict]] = None) -> Optional[int]:
+    """--out is new, or holds the sweep of this very spec (whose finished runs the runner then keeps), or
+    one that `spec` grows (`grown_from`: more rates or systems; `runs` are this sweep's runs as dicts);
+    a folder with another spec's record, or a summary of no record, is refused before anything is written
+    there. Every run folder lies in --out, symlinks resolved.
+
+    Returns: how many runs the spec adds to the recorded sweep it grows, else None."""
     from natsl.files import check_output_folder
 
     check_output_folder(out, "--out")
+    grown = None
     record = out / "sweep.json"
     if record.is_file() or record.is_symlink():
         try:
@@ -219,15 +272,23 @@ def check_out_folder(out: Path, name: str, spec: dict, run_folders: list[Path]) 
             previous = None
         if not isinstance(previous, dict):
             raise NatslError(f"--out {str(out)!r} holds a sweep.json that is no sweep record; pass a new --out folder")
-        if previous.get("name") != name or _plain(previous.get("spec")) != _plain(spec):
+        if previous.get("name") != name:
             raise NatslError(f"--out {str(out)!r} holds the sweep {previous.get('name')!r} of another spec; pass a "
                              "new --out folder (the same spec again resumes its sweep there)")
+        if _plain(previous.get("spec")) != _plain(spec):
+            why = grown_from(previous, spec, runs or [])
+            if why is not None:
+                raise NatslError(f"--out {str(out)!r} holds the sweep {previous.get('name')!r} of another spec ({why}); "
+                                 "pass a new --out folder (the same spec again resumes its sweep there, and one that "
+                                 "only adds learning rates or systems grows it)")
+            grown = len(runs or []) - len(previous.get("runs") or [])
     elif any((out / f).exists() or (out / f).is_symlink() for f in SUMMARY_FILES):
         raise NatslError(f"--out {str(out)!r} holds a summary but no sweep.json; pass a new --out folder")
     for folder in run_folders:
         if not inside(folder, out):
             raise NatslError(f"run folder {str(folder)!r} resolves outside --out {str(out)!r} (a symlink?); "
                              "pass a new --out folder")
+    return grown
 
 
 def _plain(value: Any) -> Any:
