@@ -100,7 +100,9 @@ class ModelConfig:
     # Table 4 ablations.
     intra_block_output: Literal["both", "softmax", "gdn"] = "both"
     decay_skipped_blocks: bool = True
-    branch_norm: Literal["separate", "after_sum"] = "separate"
+    # after_sum normalises the sum per softmax head (V/R channels); after_sum_state_head per state head (V
+    # channels, R softmax heads together: the authors' NAtS-L on DeltaNet, natsl_attn_delta).
+    branch_norm: Literal["separate", "after_sum", "after_sum_state_head"] = "separate"
     mix_input: Literal["q", "x"] = "q"
     mix_weights: Literal["softmax", "sigmoid", "linear", "none"] = "softmax"
     route_grad: Literal["active", "full"] = "active"

@@ -76,37 +76,39 @@ def authors_config(recipe):
     }
 
 
+def authors_block_tensors(block, p: str, decays: bool = True) -> dict:
+    """One block's tensors every authors' GDN-based layer shares, under their names (by hand, independently of
+    the converter): norms, MLP, projections, convs, gate and output, and the decay where the state has one."""
+    mx, a = block.mixer, p + "attn."
+    out = {p + "attn_norm.weight": block.mixer_norm.weight, p + "mlp_norm.weight": block.mlp_norm.weight,
+           p + "mlp.gate_proj.weight": block.mlp.gate_proj.weight, p + "mlp.up_proj.weight": block.mlp.up_proj.weight,
+           p + "mlp.down_proj.weight": block.mlp.down_proj.weight, a + "q_proj.weight": mx.proj.q_proj.weight,
+           a + "k_proj.weight": mx.proj.k_proj.weight, a + "v_proj.weight": mx.proj.v_proj.weight,
+           a + "b_proj.weight": mx.proj.b_proj.weight, a + "q_conv1d.weight": mx.proj.q_conv.weight,
+           a + "k_conv1d.weight": mx.proj.k_conv.weight, a + "v_conv1d.weight": mx.proj.v_conv.weight,
+           a + "g_proj.weight": mx.g_proj.weight, a + "o_proj.weight": mx.o_proj.weight}
+    if decays:
+        out.update({a + "a_proj.weight": mx.proj.a_proj.weight, a + "A_log": mx.proj.A_log,
+                    a + "dt_bias": mx.proj.dt_bias})
+    if block.layer_type == "gdn":
+        out[a + "o_norm.weight"] = mx.o_norm.weight
+    else:
+        out.update({a + "nats_layer.weight": mx.router.weight,  # rows (head, option): option 0 softmax, 1 GDN
+                    a + "q_norm.weight": mx.q_norm.weight, a + "k_norm.weight": mx.k_norm.weight})
+    return out
+
+
 def authors_tensors(model):
-    """The natsl model's weights under the authors' names (written out by hand, independently of the
-    converter): flash-linear-attention's GatedDeltaNet for GDN layers, their NAtS-L layer otherwise."""
+    """The natsl model's weights under the authors' names: flash-linear-attention's GatedDeltaNet for GDN
+    layers, their NAtS-L layer otherwise."""
     out = {"model.embeddings.weight": model.embed.weight, "model.norm.weight": model.norm.weight,
            "lm_head.weight": model.lm_head.weight}
     for i, block in enumerate(model.layers):
         p, mx = f"model.layers.{i}.", block.mixer
-        out[p + "attn_norm.weight"] = block.mixer_norm.weight
-        out[p + "mlp_norm.weight"] = block.mlp_norm.weight
-        out[p + "mlp.gate_proj.weight"] = block.mlp.gate_proj.weight
-        out[p + "mlp.up_proj.weight"] = block.mlp.up_proj.weight
-        out[p + "mlp.down_proj.weight"] = block.mlp.down_proj.weight
-        a = p + "attn."
-        out[a + "q_proj.weight"] = mx.proj.q_proj.weight
-        out[a + "k_proj.weight"] = mx.proj.k_proj.weight
-        out[a + "v_proj.weight"] = mx.proj.v_proj.weight
-        out[a + "a_proj.weight"] = mx.proj.a_proj.weight
-        out[a + "b_proj.weight"] = mx.proj.b_proj.weight
-        out[a + "q_conv1d.weight"] = mx.proj.q_conv.weight
-        out[a + "k_conv1d.weight"] = mx.proj.k_conv.weight
-        out[a + "v_conv1d.weight"] = mx.proj.v_conv.weight
-        out[a + "A_log"] = mx.proj.A_log
-        out[a + "dt_bias"] = mx.proj.dt_bias
-        out[a + "g_proj.weight"] = mx.g_proj.weight
-        out[a + "o_proj.weight"] = mx.o_proj.weight
+        out.update(authors_block_tensors(block, p))
         if block.layer_type == "gdn":
-            out[a + "o_norm.weight"] = mx.o_norm.weight
             continue
-        out[a + "nats_layer.weight"] = mx.router.weight  # rows (head, option): option 0 softmax, 1 GDN
-        out[a + "q_norm.weight"] = mx.q_norm.weight
-        out[a + "k_norm.weight"] = mx.k_norm.weight
+        a = p + "attn."
         out[a + "o_norm.weight1"] = mx.la_norm.weight  # their x1 is the GDN output
         out[a + "o_norm.weight2"] = mx.nla_norm.weight
         # Their mixing rows are (softmax head, [GDN weight, softmax weight]); natsl's are [softmax, GDN].
@@ -157,6 +159,49 @@ def test_hf_import_maps_every_tensor(authors_checkpoint, tmp_path):
     assert ppl.exit_code == 0, ppl.output
 
 
+def authors_delta_config(recipe):
+    """config.json of the authors' NAtS-L on DeltaNet: their GDN model's keys without the decay; their
+    model passes outputs_are_weighted, which the layer never reads (it sums)."""
+    config = {key: value for key, value in authors_config(recipe).items() if key != "decay_for_non_gdn_blocks"}
+    config.pop("outputs_are_wighted")
+    return {**config, "model_type": "neural_attention_search_linear_attn_delta",
+            "architectures": ["NeuralAttentionSearchLinearAttnDeltaForCausalLM"], "outputs_are_weighted": True}
+
+
+def authors_delta_tensors(model):
+    """The natsl model's weights under the names of the authors' natsl_attn_delta model (by hand): GatedDeltaNet
+    layers as above; NAtS-L layers without a_proj, A_log, dt_bias, with one o_norm over each DeltaNet head's V
+    and no mixing projection."""
+    out = {"model.embeddings.weight": model.embed.weight, "model.norm.weight": model.norm.weight,
+           "lm_head.weight": model.lm_head.weight}
+    for i, block in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        out.update(authors_block_tensors(block, p, decays=block.layer_type == "gdn"))
+        if block.layer_type != "gdn":
+            out[p + "attn.o_norm.weight"] = block.mixer.out_norm.weight
+    return {k: v.detach().clone().contiguous() for k, v in out.items()}
+
+
+def test_hf_import_of_the_authors_natsl_on_deltanet(tmp_path):
+    overrides = ["model.natsl_rope=true", "model.natsl_state=delta", "model.branch_norm=after_sum_state_head",
+                 "model.mix_weights=none"]
+    model, folder = write_authors_folder(tmp_path / "delta", overrides, 6, authors_delta_config, authors_delta_tensors)
+    assert "model.layers.1.attn.A_log" not in load_file(str(folder / "model.safetensors"))
+    result = run("convert", folder, tmp_path / "natsl", "--from-hf")
+    assert result.exit_code == 0, result.output
+    imported, _ = natsl.load_checkpoint(tmp_path / "natsl")
+    c = imported.config
+    assert (c.natsl_state, c.branch_norm, c.mix_weights) == ("delta", "after_sum_state_head", "none")
+    assert imported.config.layer_types() == model.config.layer_types()
+    ids = torch.randint(0, 1024, (2, 200))
+    assert torch.equal(logits(model, ids), logits(imported, ids))
+    # natsl's own delta layer (separate norms, softmax mixing) has no tensors in their format
+    from natsl.eval.convert import hf_name_map
+
+    with pytest.raises(natsl.errors.NatslError, match="which the authors' format does not have"):
+        hf_name_map(natsl.load_recipe("380m_natsl_delta"))
+
+
 def test_hf_import_refusals(authors_checkpoint, tmp_path):
     model, folder = authors_checkpoint
     config = json.loads((folder / "config.json").read_text())
@@ -177,8 +222,6 @@ def test_hf_import_refusals(authors_checkpoint, tmp_path):
 
     assert "never unpickles" in variant("pickled", pickled=True)
     assert "model type 'mistral'" in variant("mistral", cfg={**config, "model_type": "mistral"})
-    delta = variant("delta", cfg={**config, "model_type": "neural_attention_search_linear_attn_delta"})
-    assert "NAtS-L on DeltaNet" in delta and "380m_natsl_delta" in delta
     # model_type llama goes to natsl's own Llama import (natsl.hf.export), which names what it lacks.
     assert "Llama checkpoint" in variant("llama", cfg={**config, "model_type": "llama"})
     assert "no place in natsl" in variant("extra", ts={**tensors, "model.layers.1.attn.mystery": torch.zeros(2)})

@@ -119,6 +119,7 @@ ABLATIONS = [
     {"intra_block_output": "softmax", "natsl_rope": True},
     {"decay_skipped_blocks": False},
     {"branch_norm": "after_sum", "mix_input": "x"},
+    {"branch_norm": "after_sum_state_head", "mix_weights": "none"},
     {"mix_weights": "none"},
     {"mix_weights": "sigmoid", "block_size": 8},
 ]

@@ -67,7 +67,7 @@ def test_model_is_causal_at_every_position(backend):
 
 ABLATIONS = [
     {"intra_block_output": "softmax"}, {"intra_block_output": "gdn"}, {"decay_skipped_blocks": False},
-    {"branch_norm": "after_sum"}, {"mix_input": "x"}, {"mix_weights": "sigmoid"}, {"mix_weights": "linear"},
+    {"branch_norm": "after_sum"}, {"branch_norm": "after_sum_state_head", "mix_weights": "none"}, {"mix_input": "x"}, {"mix_weights": "sigmoid"}, {"mix_weights": "linear"},
     {"mix_weights": "none"}, {"block_size": 128}, {"route_grad": "full"}, {"natsl_rope": True},
     {"base_layer": "natsl"}, {"base_layer": "attention", "natsl_layers": []},
 ]

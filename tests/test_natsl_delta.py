@@ -117,9 +117,13 @@ def test_chunked_and_fast_match_the_reference(T, routes):
             assert rel_rms(grad, ref_grads[name]) <= 1e-3, name
 
 
-@pytest.mark.parametrize("intra", ["both", "softmax"])
-def test_prefill_and_decode_match_the_full_forward(intra):
-    cfg = config(base_layer="gdn", natsl_layers=[1, 3], backend="chunked", intra_block_output=intra)
+AUTHORS_FORM = {"branch_norm": "after_sum_state_head", "mix_weights": "none"}  # their natsl_attn_delta's read
+
+
+@pytest.mark.parametrize("changes", [{"intra_block_output": "both"}, {"intra_block_output": "softmax"}, AUTHORS_FORM],
+                         ids=["both", "softmax", "authors-form"])
+def test_prefill_and_decode_match_the_full_forward(changes):
+    cfg = config(base_layer="gdn", natsl_layers=[1, 3], backend="chunked", **changes)
     torch.manual_seed(2)
     model = natsl.build_model(cfg).double().eval()
     ids = torch.randint(0, cfg.vocab_size, (2, 40))
@@ -139,3 +143,27 @@ def test_the_recipes_are_the_natsl_recipes_on_a_delta_state(size):
     built = natsl.build_model(delta, device="meta").num_parameters()
     reference = natsl.build_model(plain, device="meta").num_parameters()
     assert reference - built == plain.num_layers * plain.num_heads * (plain.hidden_size + 2)
+
+
+def test_the_authors_form_sums_the_branches_and_normalises_each_state_head():
+    """branch_norm after_sum_state_head, no mixing weights (the authors' natsl_attn_delta): out = W_o(RMSNorm_V(o_la
+    + o_nla viewed per state head) * silu(W_g x)), the norm over a state head's V channels (R softmax heads),
+    written out here from their layer's code, not from natsl's."""
+    cfg = config(**AUTHORS_FORM)
+    torch.manual_seed(4)
+    layer = NAtSL(cfg).double()
+    with torch.no_grad():
+        layer.out_norm.weight.normal_()
+    b, t, h, r, v = 2, 5, cfg.num_heads, cfg.softmax_heads_per_group, cfg.head_v_dim
+    assert layer.out_norm.weight.shape == (v,) and not hasattr(layer, "mix_proj") and r > 1
+    o_la, o_nla = torch.randn(2, b, t, h * r, v // r, dtype=torch.float64).unbind(0)
+    x = torch.randn(b, t, cfg.hidden_size, dtype=torch.float64)
+    q = torch.randn(b, t, h * cfg.head_k_dim, dtype=torch.float64)
+    total = (o_la + o_nla).reshape(b, t, h, v)  # their o_gated_delta + o_attn.view(o_gated_delta.shape)
+    normed = total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + cfg.norm_eps) * layer.out_norm.weight
+    gate = layer.g_proj(x).view(b, t, h, v)
+    want = layer.o_proj((normed * torch.nn.functional.silu(gate)).reshape(b, t, h * v))
+    assert torch.allclose(layer.mix(o_la, o_nla, q, x), want, rtol=1e-12, atol=1e-12)
+    per_softmax_head = NAtSL(dataclasses.replace(cfg, branch_norm="after_sum")).double()
+    assert per_softmax_head.out_norm.weight.shape == (v // r,)  # the other after-sum form: per softmax head
+

@@ -21,7 +21,7 @@ from natsl.files import read_json
 from natsl.models.registry import kind_of
 
 HF_MODEL_TYPE = "neural_attention_search_linear_attn_gdn"
-# The authors' NAtS-L on DeltaNet (src/nats/models/natsl_attn_delta): refused with its reason.
+# The authors' NAtS-L on DeltaNet (src/nats/models/natsl_attn_delta): natsl_state delta, summed outputs.
 HF_DELTA_MODEL_TYPE = "neural_attention_search_linear_attn_delta"
 # The authors' NAtS-L on Mamba2 (src/nats/models/natsl_attn_mamba2): hf_mamba2_recipe.
 HF_MAMBA2_MODEL_TYPE = "nats_mamba"
@@ -105,16 +105,11 @@ def read_hf_config(folder: Path) -> dict:
         raise NatslError(f"{str(folder)!r} has no config.json; pass the folder of a Hugging Face checkpoint")
     config = decode_special_floats(read_json(path, "fix the file or download the checkpoint again"))
     kind = config.get("model_type") if isinstance(config, dict) else None
-    if kind not in (HF_MODEL_TYPE, HF_MAMBA2_MODEL_TYPE):
+    if kind not in (HF_MODEL_TYPE, HF_MAMBA2_MODEL_TYPE, HF_DELTA_MODEL_TYPE):
         if isinstance(config, dict) and config.get("format") == "natsl":
             raise NatslError(f"{str(folder)!r} is already a natsl checkpoint; drop --from-hf")
-        if kind == HF_DELTA_MODEL_TYPE:
-            raise NatslError(f"{str(folder)!r} is the authors' NAtS-L on DeltaNet ({kind!r}), whose layer natsl's "
-                             "`natsl_state: delta` does not compute (branch outputs summed, one norm per DeltaNet "
-                             "head, softmax q/k/v before the convolution; docs/architecture.md); train "
-                             "recipes/380m_natsl_delta.yaml instead")
-        raise NatslError(f"{str(folder)!r} has model type {kind!r}; --from-hf imports {HF_MODEL_TYPE!r} and "
-                         f"{HF_MAMBA2_MODEL_TYPE!r} checkpoints only")
+        raise NatslError(f"{str(folder)!r} has model type {kind!r}; --from-hf imports {HF_MODEL_TYPE!r}, "
+                         f"{HF_DELTA_MODEL_TYPE!r} and {HF_MAMBA2_MODEL_TYPE!r} checkpoints only")
     return config
 
 
@@ -220,6 +215,9 @@ AUTHORS_GDN_DEFAULTS = {
     "expand_v": 2.0, "num_attn_heads": 12, "num_v_heads": None, "allow_neg_eigval": False, "use_short_conv": True,
     "conv_size": 4, "conv_bias": False, "decay_for_non_gdn_blocks": False,
 }
+# NeuralAttentionSearchLineraAttnDeltaConfig (configuration_natsl_attn_delta.py): the GDN class's defaults but
+# for the decay, which its state does not have.
+AUTHORS_DELTA_DEFAULTS = {key: value for key, value in AUTHORS_GDN_DEFAULTS.items() if key != "decay_for_non_gdn_blocks"}
 AUTHORS_MAMBA2_DEFAULTS = {
     **AUTHORS_SHARED_DEFAULTS, "num_hidden_layers": 24, "mamba_layers": [], "num_mamba_heads": 8,
     "head_dim_nats": 128, "expand_v": 1, "num_attn_heads": 16, "conv_kernel": 4, "decay_for_non_mamba_blocks": False,
@@ -244,6 +242,8 @@ def authors_config(config: dict) -> dict:
     """
     if config.get("model_type") == HF_MAMBA2_MODEL_TYPE:
         return {**AUTHORS_MAMBA2_DEFAULTS, **config, **AUTHORS_MAMBA2_FIXED}
+    if config.get("model_type") == HF_DELTA_MODEL_TYPE:
+        return {**AUTHORS_DELTA_DEFAULTS, **config}
     return {**AUTHORS_GDN_DEFAULTS, **config}
 
 
@@ -251,6 +251,9 @@ def authors_config(config: dict) -> dict:
 # other NAtS-L key is shared.
 GDN_KEYS = {"root": "model", "heads": "num_heads", "head_dim": "head_dim", "decay": "decay_for_non_gdn_blocks",
             "conv": "conv_size", "linear_only": "gated_delta_net", "others": "gdn_layers"}
+# Their NAtS-L on DeltaNet: the GDN model's keys; its op names the linear-only option "delta_net", and its
+# state has no decay to carry across skipped blocks.
+DELTA_KEYS = {**GDN_KEYS, "linear_only": "delta_net", "decay": None, "summed": True}
 MAMBA2_KEYS = {"root": "backbone", "heads": "num_mamba_heads", "head_dim": "head_dim_nats",
                "decay": "decay_for_non_mamba_blocks", "conv": "conv_kernel", "linear_only": "mamba",
                "others": "mamba_layers"}
@@ -273,8 +276,9 @@ def hf_recipe(config: dict, tensors: dict[str, torch.Tensor], name: str):
 
     given = config
     mamba = config.get("model_type") == HF_MAMBA2_MODEL_TYPE
+    delta = config.get("model_type") == HF_DELTA_MODEL_TYPE
     config = authors_config(config)
-    keys = MAMBA2_KEYS if mamba else GDN_KEYS
+    keys = MAMBA2_KEYS if mamba else DELTA_KEYS if delta else GDN_KEYS
     layers = _int("num_hidden_layers", config["num_hidden_layers"])
     other_key = keys["others"]
     others = config[other_key] or []
@@ -299,6 +303,8 @@ def hf_recipe(config: dict, tensors: dict[str, torch.Tensor], name: str):
         fields.update(base_layer="mamba2", natsl_layers=natsl_indices) if others else fields.update(base_layer="natsl")
     else:
         fields.update(base_layer="natsl", gdn_layers=others)
+    if delta:
+        fields.update(natsl_state="delta")
     vocab = _int("vocab_size", config["vocab_size"])
     emb = tensors.get(f"{root}.embeddings.weight")
     if emb is not None and emb.shape[0] != vocab:
@@ -367,8 +373,12 @@ def _natsl_fields(config: dict, given: dict, tensors: dict[str, torch.Tensor], k
         raise _refuse(f"ops_for_incomplete_chunks = {incomplete!r}")
     # The authors' code reads the misspelled key only; the spelled-out one would be ignored there, so a
     # file that sets it to another value than the misspelled key's is refused rather than guessed at.
-    weighted = _flag("outputs_are_wighted", config["outputs_are_wighted"])
-    if "outputs_are_weighted" in given and _flag("outputs_are_weighted", given["outputs_are_weighted"]) != weighted:
+    # Their NAtS-L on DeltaNet passes neither to its layer, whose default sums the two outputs, then runs one
+    # gated norm per DeltaNet head (o_norm over V): natsl's after_sum_state_head without mixing weights.
+    summed = keys.get("summed", False)
+    weighted = not summed and _flag("outputs_are_wighted", config["outputs_are_wighted"])
+    if not summed and "outputs_are_weighted" in given and \
+            _flag("outputs_are_weighted", given["outputs_are_weighted"]) != weighted:
         raise NatslError(f"config.json sets outputs_are_weighted = {given['outputs_are_weighted']}, which the authors' "
                          f"code does not read (it reads outputs_are_wighted = {weighted}); remove it or set both alike")
     decay_key, conv_key = keys["decay"], keys["conv"]
@@ -383,8 +393,9 @@ def _natsl_fields(config: dict, given: dict, tensors: dict[str, torch.Tensor], k
         intra_block_output=intra,
         # Both config classes default to false (their layers default to true, but the models always
         # forward the config's value); the released 340M and 760M configs set it true.
-        decay_skipped_blocks=_flag(decay_key, config[decay_key]),
-        branch_norm="separate", mix_input="q", mix_weights="softmax" if weighted else "none")
+        decay_skipped_blocks=_flag(decay_key, config[decay_key]) if decay_key else True,  # no decay: moot
+        branch_norm="after_sum_state_head" if summed else "separate", mix_input="q",
+        mix_weights="softmax" if weighted else "none")
 
 
 def _mamba2_fields(config: dict, mamba_layers: list[int]) -> dict:

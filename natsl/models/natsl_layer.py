@@ -64,7 +64,8 @@ class NAtSL(CachedNAtSL, nn.Module):
             self.la_norm = RMSNorm(config.softmax_v_dim, config.norm_eps, device=device)
             self.nla_norm = RMSNorm(config.softmax_v_dim, config.norm_eps, device=device)
         else:
-            self.out_norm = RMSNorm(config.softmax_v_dim, config.norm_eps, device=device)
+            width = config.head_v_dim if config.branch_norm == "after_sum_state_head" else config.softmax_v_dim
+            self.out_norm = RMSNorm(width, config.norm_eps, device=device)
         self.g_proj = Linear(d, h * config.head_v_dim, bias=False, device=device)
         self.o_proj = Linear(h * config.head_v_dim, d, bias=False, device=device)
         # Routes of the last forward ([B, NB, H], detached): read by training logs and inspect-routing.

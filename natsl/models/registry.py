@@ -151,8 +151,9 @@ class LayerKind:
 
 # ----------------------------------------------------------------------------- the kinds of today
 
-def _authors_block_names(n: str, h: str, gate_names) -> dict[str, str]:
-    """The names every block of the authors' GDN-based layers shares: norms, MLP, projections, convs, decay."""
+def _authors_block_names(n: str, h: str, gate_names, decays: bool = True) -> dict[str, str]:
+    """The names every block of the authors' GDN-based layers shares: norms, MLP, projections, convs, and
+    the decay's A_log and dt_bias where the state decays."""
     m, a = n + "mixer.", h + "attn."
     names = {n + "mixer_norm.weight": h + "attn_norm.weight", n + "mlp_norm.weight": h + "mlp_norm.weight"}
     for p in ("gate_proj", "up_proj", "down_proj"):
@@ -161,8 +162,9 @@ def _authors_block_names(n: str, h: str, gate_names) -> dict[str, str]:
         names[f"{m}proj.{p}.weight"] = f"{a}{p}.weight"
     for p in ("q", "k", "v"):
         names[f"{m}proj.{p}_conv.weight"] = f"{a}{p}_conv1d.weight"
-    names[m + "proj.A_log"] = a + "A_log"
-    names[m + "proj.dt_bias"] = a + "dt_bias"
+    if decays:
+        names[m + "proj.A_log"] = a + "A_log"
+        names[m + "proj.dt_bias"] = a + "dt_bias"
     names[m + "g_proj.weight"] = a + "g_proj.weight"
     names[m + "o_proj.weight"] = a + "o_proj.weight"
     return names
@@ -454,7 +456,18 @@ class NAtSLDelta(NAtSL):
         return DeltaProjections
 
     def authors_names(self, config, n, h):
-        return None  # natsl.eval.convert imports the authors' GDN and Mamba2 models only
+        # The authors' natsl_attn_delta sums its two outputs and runs one gated norm per DeltaNet head
+        # (their model's outputs_are_weighted never reaches the layer, which reads outputs_are_wighted):
+        # natsl's layer in that form alone has their tensors.
+        if config.mix_weights != "none" or config.branch_norm != "after_sum_state_head":
+            return None
+        m, a = n + "mixer.", h + "attn."
+        names = _authors_block_names(n, h, self.projections().gate_names, decays=False)
+        names[m + "router.weight"] = a + "nats_layer.weight"
+        names[m + "q_norm.weight"] = a + "q_norm.weight"
+        names[m + "k_norm.weight"] = a + "k_norm.weight"
+        names[m + "out_norm.weight"] = a + "o_norm.weight"
+        return names
 
 
 class NSA(LayerKind):

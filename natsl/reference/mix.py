@@ -25,9 +25,10 @@ def mix_read(o_la: torch.Tensor, o_nla: torch.Tensor, logits, kind: str, gate: t
              la_weight, nla_weight, out_weight, eps: float) -> torch.Tensor:
     """The read of the branch outputs o_la, o_nla [B, T, heads, Dv]: w_la RMSNorm_1(o_la) +
     w_nla RMSNorm_2(o_nla) with separate norms (la_weight, nla_weight; out_weight None), or
-    RMSNorm(w_la o_la + w_nla o_nla) with one (out_weight); w from `logits` [B, T, heads, 2] by `kind`
-    (mix_weights), or 1 when logits is None; times silu(gate) [B, T, heads * Dv]. fp32 inside,
-    rounded once to o_nla's dtype."""
+    RMSNorm(w_la o_la + w_nla o_nla) with one (out_weight), over out_weight's size: one head's Dv, or
+    several heads' channels together (a state head's V = R softmax heads of V/R: branch_norm
+    after_sum_state_head); w from `logits` [B, T, heads, 2] by `kind` (mix_weights), or 1 when logits
+    is None; times silu(gate) [B, T, heads * Dv]. fp32 inside, rounded once to o_nla's dtype."""
     la, nla = up(o_la), up(o_nla)
     if logits is None:
         w_nla = w_la = 1.0
@@ -38,7 +39,9 @@ def mix_read(o_la: torch.Tensor, o_nla: torch.Tensor, logits, kind: str, gate: t
         o = (w_la * (normalize(la, eps, True) * up(la_weight))
              + w_nla * (normalize(nla, eps, True) * up(nla_weight)))
     else:
-        o = normalize(w_la * la + w_nla * nla, eps, True) * up(out_weight)
+        total = w_la * la + w_nla * nla
+        total = total.reshape(*total.shape[:-2], -1, out_weight.shape[-1])  # the norm's groups of channels
+        o = normalize(total, eps, True) * up(out_weight)
     o = o.reshape(gate.shape) * F.silu(up(gate))
     return o.to(o_nla.dtype)
 
