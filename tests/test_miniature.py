@@ -75,6 +75,29 @@ def test_a_subset_of_systems_sweeps_and_trains_only_what_it_needs(tmp_path):
     assert "1 systems (NAtS-L Hybrid x 2 seeds)" in P.describe(hybrid)
 
 
+def test_the_estimate_leaves_out_what_the_stage_folders_trained_already(tmp_path):
+    """A grown or resumed stage trains the rest only: done runs of this spec count whole, runs cut short by what
+    they trained, failed runs and runs of other rates or systems not at all."""
+    opts = P.MiniatureOptions(out=tmp_path, lrs=(0.001, 0.002), sweep_tokens=100, train_tokens=1000,
+                              seeds=(0, 1), systems=("natsl_hybrid", "transformer"))
+    whole = P.estimate_tokens(opts)
+    assert whole["sweep"] == (1 + 1 + len(P.ABLATIONS)) * 2 * 100 and whole["train"] == 3 * 1000
+    (tmp_path / "sweep").mkdir()
+    (tmp_path / "sweep" / "summary.json").write_text(json.dumps({"runs": [
+        {"system": "transformer", "lr": 0.001, "status": "done", "tokens": 99},  # done: its whole budget
+        {"system": "transformer", "lr": 0.002, "status": "not run", "failed": "exit code 1", "tokens": 50},
+        {"system": "natsl_hybrid", "lr": 0.004, "status": "done"},  # a rate this spec does not run
+        {"system": "gdn", "lr": 0.001, "status": "done"}]}))  # a system it does not sweep
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train" / "summary.json").write_text(json.dumps({"runs": [
+        {"system": "natsl_hybrid", "seed": 1, "status": "unknown", "tokens": 400},  # cut short by a deadline
+        {"system": "natsl_hybrid", "seed": 2, "status": "done"}]}))  # a seed this spec does not train
+    left = P.estimate_tokens(opts)
+    assert left["sweep"] == whole["sweep"] - 100 and left["train"] == whole["train"] - 400
+    assert left["total"] == left["sweep"] + left["train"]
+    assert "tokens left to train" in P.describe(opts)
+
+
 def test_the_whole_ladder_by_default_writes_the_same_specs_as_before_systems_existed(tmp_path):
     # a miniature folder from before --systems (its specs/*.yaml) must still be taken as the same spec
     opts = P.MiniatureOptions(out=tmp_path)

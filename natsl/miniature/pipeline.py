@@ -454,11 +454,37 @@ STAGE_RUNNERS = {"corpus": _stage_corpus, "sweep": _stage_sweep, "train": _stage
 
 
 def estimate_tokens(opts: MiniatureOptions) -> dict[str, float]:
-    """Tokens each training stage trains in all (the time estimate printed before work)."""
-    sweep = len(swept_systems(opts)) * len(opts.lrs) * opts.sweep_tokens
+    """Tokens each training stage has left to train (the time estimate printed before work): every run of
+    the spec, less what the stage folders' summaries say their runs of this spec trained already (a grown
+    or resumed stage trains only the rest)."""
+    swept = swept_systems(opts)
+    sweep = len(swept) * len(opts.lrs) * opts.sweep_tokens
+    sweep -= _trained(opts.out / "sweep", opts.sweep_tokens,
+                      lambda r: r.get("system") in swept and r.get("lr") in opts.lrs)
     hybrid_seeds = len(opts.seeds) - 1 if "natsl_hybrid" in opts.systems else 0
     train = (len(opts.systems) + hybrid_seeds) * opts.train_tokens
+    train -= _trained(opts.out / "train", opts.train_tokens,
+                      lambda r: r.get("system") in opts.systems and (r.get("system") != "natsl_hybrid"
+                                                                      or r.get("seed") in opts.seeds))
     return {"sweep": float(sweep), "train": float(train), "total": float(sweep + train)}
+
+
+def _trained(folder: Path, budget: int, counts) -> int:
+    """Tokens the runs of folder/summary.json that `counts` accepts trained already, each at most `budget`
+    (a done run: all of it; a failed one: none, as the next sweep trains it again). 0 without a summary."""
+    try:
+        summary = json.loads((folder / "summary.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return 0
+    runs = summary.get("runs") if isinstance(summary, dict) else None
+    total = 0
+    for run in runs if isinstance(runs, list) else []:
+        if not isinstance(run, dict) or run.get("failed") or not counts(run):
+            continue
+        tokens = budget if run.get("status") == "done" else run.get("tokens")
+        if isinstance(tokens, (int, float)) and not isinstance(tokens, bool):
+            total += int(min(max(tokens, 0), budget))
+    return total
 
 
 # Tokens per second of all workers together on one H100 80GB, in the sweep (13 at once) and in training (9 at
@@ -473,7 +499,7 @@ def describe(opts: MiniatureOptions) -> str:
     seeds = f" (NAtS-L Hybrid x {len(opts.seeds)} seeds)" if "natsl_hybrid" in opts.systems else ""
     line = (f"miniature: {swept} systems x {len(opts.lrs)} rates x {opts.sweep_tokens / 1e6:g}M tokens, then "
             f"{len(opts.systems)} systems{seeds} x {opts.train_tokens / 1e6:g}M tokens: "
-            f"{tokens['total'] / 1e9:.2f}B tokens in all")
+            f"{tokens['total'] / 1e9:.2f}B tokens left to train")
     minutes = sum(tokens[k] / H100_TOKENS_PER_S[k] for k in ("sweep", "train")) / 60
     line += f"; training alone takes about {minutes:.0f} min on one H100 at the recipes' size"
     if opts.device == "cpu" or not _has_cuda():
