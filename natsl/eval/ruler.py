@@ -394,13 +394,13 @@ def plot_scores(summary: dict, tasks: list[str], lengths: list[int], path, title
     from natsl.eval.common import pyplot, save_figure
 
     plt = pyplot()
-    panels = [(summary, "string match (fraction of the expected values generated)")]
+    panels = [(summary, "string match", "values found")]
     if summary.get("answer_accuracy"):
-        panels.append((summary["answer_accuracy"], "teacher-forced answer-token accuracy"))
+        panels.append((summary["answer_accuracy"], "teacher-forced", "answer tokens right"))
     rows = len(tasks) + 1
     fig, axes = plt.subplots(1, len(panels), squeeze=False, layout="constrained",
-                             figsize=(2.6 + 1.5 * len(lengths) * len(panels), 1.4 + 0.42 * rows))
-    for ax, (part, label) in zip(axes[0], panels):
+                             figsize=(len(panels) * (3.4 + 1.1 * len(lengths)), 1.4 + 0.42 * rows))
+    for ax, (part, label, scale) in zip(axes[0], panels):
         grid = [[part["tasks"][t][str(n)] for n in lengths] for t in tasks]
         grid.append([part["lengths"][str(n)] for n in lengths])
         image = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
@@ -411,7 +411,7 @@ def plot_scores(summary: dict, tasks: list[str], lengths: list[int], path, title
                 ax.text(j, i, f"{v:.2f}", ha="center", va="center", color="white" if v < 0.6 else "black",
                         fontsize=8)
         ax.set_xlabel("context length (tokens)")
-        ax.set_title(label, fontsize=9)
-        fig.colorbar(image, ax=ax, fraction=0.05, label="score (0 to 1)")
+        ax.set_title(label, fontsize=10)
+        fig.colorbar(image, ax=ax, fraction=0.05, label=f"score ({scale})")
     fig.suptitle(title, fontsize=10)
     return save_figure(fig, path)
