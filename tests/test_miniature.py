@@ -148,6 +148,8 @@ def test_the_corpus_command_is_the_documented_one():
     (["--seeds", "0,0"], "give distinct seeds from 0"),
     (["--stages", "train,fly"], "unknown stage 'fly'"),
     (["--sweep-tokens", "0"], "--sweep-tokens 0: give a positive whole number"),
+    (["--sweep-micro-batch", "0"], "--sweep-micro-batch 0: give a positive whole number"),
+    (["--max-parallel", "0"], "--max-parallel 0: give a positive whole number"),
     (["--deadline", "-5"], "--deadline -5.0: give a positive number of seconds"),
     (["--device", "tpu"], "--device 'tpu': give cpu or cuda"),
     (["--systems", "gdn,llama"], "--systems 'gdn,llama': unknown system 'llama'; give distinct names from gdn,"),
@@ -213,6 +215,10 @@ def test_more_rates_grow_the_sweep_stage_and_other_changes_are_refused(tmp_path)
     assert P._grows(folder, P.sweep_spec(replace(opts, lrs=(0.001, 0.002, 0.004)))) is None
     assert P._grows(folder, P.sweep_spec(replace(opts, sweep_tokens=512))) == "'budget' differs"
     assert P._grows(folder, P.sweep_spec(replace(opts, micro_batch=16))) == "'set' differs"
+    # the train stage at another micro-batch, the sweep at the kept runs' own: still the same sweep
+    faster = replace(opts, lrs=(0.001, 0.002, 0.004), micro_batch=16, sweep_micro_batch=8)
+    assert P._grows(folder, P.sweep_spec(faster)) is None
+    assert "train.micro_batch_size=16" in P.train_spec(faster, {n: 0.002 for n in P.SWEPT})["set"]
     assert P._grows(tmp_path, P.sweep_spec(opts)) == "no readable sweep.json"
 
 

@@ -58,6 +58,8 @@ def miniature(
                                 help="Systems of recipes/mini to sweep and train, comma separated, of " + ", ".join(LADDER)
                                      + " (a subset for a smaller budget; the report shows what was trained)."),
     micro_batch: int = typer.Option(8, help="Sequences per micro-batch (steps stay 64K tokens, accumulated)."),
+    sweep_micro_batch: Optional[int] = typer.Option(None, help="The sweep stage's micro-batch (default: "
+                                                               "--micro-batch), e.g. a kept sweep's own."),
     max_parallel: Optional[int] = typer.Option(None, help="Training workers at once (default: one per 6 GiB "
                                                           "of GPU memory)."),
     stages: str = typer.Option("corpus,sweep,train,eval,report", help="Stages to run, comma separated."),
@@ -85,7 +87,10 @@ def miniature(
         raise NatslError(f"--stages {stages!r}: unknown stage {unknown[0] if unknown else ''!r}; "
                          f"choose from {','.join(STAGES)}")
     for flag, value in (("--sweep-tokens", sweep_tokens), ("--train-tokens", train_tokens),
-                        ("--micro-batch", micro_batch), ("--max-parallel", max_parallel or 1)):
+                        ("--micro-batch", micro_batch), ("--sweep-micro-batch", sweep_micro_batch),
+                        ("--max-parallel", max_parallel)):
+        if value is None:  # the option's default
+            continue
         if value < 1:
             raise NatslError(f"{flag} {value}: give a positive whole number")
     if deadline is not None and not deadline > 0:
@@ -99,7 +104,7 @@ def miniature(
         raise NatslError(f"--device {device!r}: give cpu or cuda")
     opts = MiniatureOptions(out=Path(out), data=Path(data), lrs=_floats(lrs, "--lrs"), sweep_tokens=sweep_tokens,
                             train_tokens=train_tokens, seeds=_ints(seeds, "--seeds"), systems=chosen_systems, micro_batch=micro_batch,
-                            max_parallel=max_parallel, device=device, deadline_s=deadline,
+                            sweep_micro_batch=sweep_micro_batch, max_parallel=max_parallel, device=device, deadline_s=deadline,
                             eval_reserve_s=eval_reserve, stages=chosen, evals=chosen_evals,
                             sets=tuple(set_ or ()), compile=compile_, quick=quick)
     print(describe(opts), flush=True)

@@ -78,6 +78,8 @@ class MiniatureOptions:
             rates need (GDN + SWA's is the GDN Hybrid's) and the ablations only with the NAtS-L Hybrid. A subset
             is for a budget that cannot hold the whole ladder: the report shows what was trained.
         micro_batch: sequences per micro-batch (the step stays the recipe's 64K tokens, accumulated).
+        sweep_micro_batch: the sweep stage's micro-batch (None: micro_batch); a sweep folder grown by more
+            rates keeps the micro-batch its runs had.
         max_parallel: training workers at once (None: from the GPU's memory).
         device: cpu or cuda (None: cuda when there is one).
         deadline_s: seconds for this command; at it the running stage stops resumably.
@@ -105,6 +107,7 @@ class MiniatureOptions:
     seeds: tuple = (0, 1, 2)
     systems: tuple = LADDER
     micro_batch: int = 8
+    sweep_micro_batch: Optional[int] = None
     max_parallel: Optional[int] = None
     device: Optional[str] = None
     deadline_s: Optional[float] = None
@@ -164,7 +167,8 @@ def sweep_spec(opts: MiniatureOptions) -> dict:
     systems = {name: ({"recipe": "recipes/natsl_hybrid.yaml", "set": list(ABLATIONS[name])} if name in ABLATIONS
                       else f"recipes/{name}.yaml") for name in swept_systems(opts)}
     # four validations a run, of half a million tokens (a tenth of the run's compute at most), the last at its end
-    return _spec("mini_sweep", systems, list(opts.lrs), opts.sweep_tokens, opts, evals=4, eval_tokens=524288)
+    return _spec("mini_sweep", systems, list(opts.lrs), opts.sweep_tokens, opts, evals=4, eval_tokens=524288,
+                 micro_batch=opts.sweep_micro_batch or opts.micro_batch)
 
 
 def best_rates(sweep_summary: dict) -> dict[str, float]:
@@ -193,11 +197,12 @@ def train_spec(opts: MiniatureOptions, rates: dict[str, float]) -> dict:
 
 
 def _spec(name: str, systems: dict, lrs, tokens: int, opts: MiniatureOptions, evals: int,
-          eval_tokens: Optional[int]) -> dict:
+          eval_tokens: Optional[int], micro_batch: Optional[int] = None) -> dict:
     """A spec of the ladder's recipes: `evals` validations a run (the recipes' eval_tokens, or these), a
-    checkpoint a quarter of the way (a deadline writes one too), opts.sets last."""
+    checkpoint a quarter of the way (a deadline writes one too), `micro_batch` (None: opts.micro_batch)
+    sequences a micro-batch, opts.sets last."""
     steps = max(1, tokens // 65536)
-    sets = [f"train.micro_batch_size={opts.micro_batch}", f"train.eval_every={max(1, steps // evals)}",
+    sets = [f"train.micro_batch_size={micro_batch or opts.micro_batch}", f"train.eval_every={max(1, steps // evals)}",
             f"train.save_every={max(1, steps // 4)}", *([f"train.eval_tokens={eval_tokens}"] if eval_tokens else []),
             *opts.sets]
     spec = {"name": name, "systems": systems, "lrs": lrs, "tasks": {"mini": str(opts.data)},
