@@ -389,6 +389,21 @@ def test_needles_at_zero_are_judged_by_the_teacher_forced_score_where_both_have_
     assert next(c for c in claims({"rows": {}}, {}, half, {}, {}) if "needle" in c["claim"])["verdict"] == "inconclusive"
 
 
+@pytest.mark.parametrize("mine, theirs, verdict", [(-3.5, -4.0, "holds"), (-4.5, -4.0, "fails"), (None, -4.0, "inconclusive")])
+def test_needles_no_model_predicts_are_judged_by_their_log_probability(mine, theirs, verdict):
+    """Both hybrids at 0 by string match and by answer tokens predicted: the answer tokens' log-probability decides."""
+    from natsl.miniature.report import claims
+
+    def ruler(logprob):
+        zero = {"lengths": {"4096": 0.0}}
+        return {**zero, "answer_accuracy": zero, **({"answer_logprob": {"lengths": {"4096": logprob}}} if logprob else {})}
+
+    needle = next(c for c in claims({"rows": {}}, {}, {"natsl_hybrid": ruler(mine), "gdn_hybrid": ruler(theirs)}, {}, {})
+                  if "needle" in c["claim"])
+    assert needle["verdict"] == verdict
+    assert ("log-probability" in needle["numbers"]) == (mine is not None)
+
+
 def test_routing_sources_count_tokens_where_bytes_cannot_tell(corpus, tmp_path):
     """A held-out source below the bytes bound is routed when its tokens fill a window, and left out when not."""
     from natsl.miniature.evaluate import ROUTING_MIN_BYTES_PER_TOKEN, routing_sources

@@ -156,6 +156,8 @@ def test_eval_ruler_end_to_end(tmp_path):
     teacher = report["answer_accuracy"]
     assert teacher["lengths"]["512"] == pytest.approx(sum(r["answer_token_accuracy"] for r in rows) / len(rows))
     assert "teacher-forced answer-token accuracy" in result.stdout
+    assert report["answer_logprob"]["lengths"]["512"] == pytest.approx(sum(r["answer_logprob"] for r in rows) / len(rows))
+    assert report["answer_logprob"]["lengths"]["512"] < 0 and "mean log-probability (nats), by length: 512 " in result.stdout
     plain = CliRunner().invoke(app, [str(a) for a in args[:-1]] + [str(tmp_path / "plain"), "--no-answer-accuracy",
                                                                    "--tasks", "niah_single_1"])
     assert plain.exit_code == 0, plain.output

@@ -169,6 +169,9 @@ def eval_ruler(
         print("teacher-forced answer-token accuracy:")
         print(format_table(teacher, task_list, length_list))
         print(f"mean over tasks and lengths: {teacher['mean']:.3f}")
+        logprob = summary["answer_logprob"]["lengths"]
+        print("answer tokens' mean log-probability (nats), by length: "
+              + ", ".join(f"{n} {logprob[str(n)]:.3f}" for n in length_list))
     json_path = write_json(out_dir / "ruler.json", report)
     write_jsonl(out_dir / "ruler_samples.jsonl", rows)
     png_path = plot_scores(summary, task_list, length_list, out_dir / "ruler.png", f"RULER NIAH: {em.name}")

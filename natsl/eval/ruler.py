@@ -313,8 +313,8 @@ def run_ruler(em, tasks: list[str], lengths: list[int], samples: int, *, seed: i
     """Generate, decode greedily and score every (length, task, sample). Returns (summary, rows).
 
     With `teacher_forced`, each sample is also scored by `answer_accuracy` (one more forward of its
-    prompt): the summary's "answer_accuracy" holds those means as "tasks" / "lengths" / "mean" do the
-    string-match scores.
+    prompt): the summary's "answer_accuracy" and "answer_logprob" (nats per answer token) hold those means
+    as "tasks" / "lengths" / "mean" do the string-match scores.
 
     `on_first(stats, samples, sample)` is called once, after a warm sample is decoded (the second: the
     first pays the compiles of a new length), with its timings (see `greedy_generate`), every sample to
@@ -360,6 +360,7 @@ def run_ruler(em, tasks: list[str], lengths: list[int], samples: int, *, seed: i
     summary = summarize(rows, tasks, lengths)
     if teacher_forced:
         summary["answer_accuracy"] = summarize(rows, tasks, lengths, key="answer_token_accuracy")
+        summary["answer_logprob"] = summarize(rows, tasks, lengths, key="answer_logprob")
     return summary, rows
 
 

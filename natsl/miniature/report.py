@@ -628,15 +628,21 @@ def claims(t1, ppl, ruler, routing, compare, window=None) -> list[dict]:
     if pairs and all(a == b == 0 for _, a, b in pairs):  # a floor tells the systems apart no more than a ceiling
         verdict = INCONCLUSIVE
         numbers += " (both score 0 at every length: the task is beyond these models and cannot tell them apart)"
-        # the teacher-forced score still ranks them (natsl.eval.ruler.answer_accuracy); judged on it, and said so
-        mine, theirs = ((ruler.get(n, {}).get("answer_accuracy") or {}).get("lengths") or {}
-                        for n in ("natsl_hybrid", "gdn_hybrid"))
-        forced = [(n, _num(mine.get(str(n))), _num(theirs.get(str(n)))) for n, _, _ in pairs]
-        forced = [p for p in forced if p[1] is not None and p[2] is not None]
-        if forced and len(forced) == len(pairs):
-            verdict = _verdict(all(a > b for _, a, b in forced))
-            numbers += ("; judged instead by teacher-forced answer-token accuracy: "
+        # the teacher-forced scores still rank them (natsl.eval.ruler.answer_accuracy): the answer tokens
+        # predicted, and where both predict none, their log-probability; judged on the first that tells
+        # them apart, and said so
+        for key, what in (("answer_accuracy", "teacher-forced answer-token accuracy"),
+                          ("answer_logprob", "the answer tokens' mean log-probability, teacher-forced (nats)")):
+            mine, theirs = ((ruler.get(n, {}).get(key) or {}).get("lengths") or {} for n in ("natsl_hybrid", "gdn_hybrid"))
+            forced = [(n, _num(mine.get(str(n))), _num(theirs.get(str(n)))) for n, _, _ in pairs]
+            forced = [p for p in forced if p[1] is not None and p[2] is not None]
+            if not forced or len(forced) != len(pairs):
+                break
+            numbers += (f"; judged instead by {what}: "
                         + "; ".join(f"{n}: natsl_hybrid {fmt(a, 3)} vs gdn_hybrid {fmt(b, 3)}" for n, a, b in forced))
+            if not all(a == b == 0 for _, a, b in forced):
+                verdict = _verdict(all(a > b for _, a, b in forced))
+                break
     out.append({"claim": "NAtS-L Hybrid beats GDN Hybrid on the needle tasks at 4K and beyond (RULER mean over tasks)",
                 "verdict": verdict, "numbers": numbers})
     # 4. KV bytes
@@ -855,8 +861,8 @@ def write_report(root) -> Path:
         if isinstance(data, dict):
             ruler[name] = {"tasks": data.get("tasks") or {}, "lengths": data.get("lengths") or {},
                            "mean": data.get("mean"), "samples": data.get("samples"),
-                           "answer_accuracy": data.get("answer_accuracy")
-                           if isinstance(data.get("answer_accuracy"), dict) else None}
+                           **{key: data.get(key) if isinstance(data.get(key), dict) else None
+                              for key in ("answer_accuracy", "answer_logprob")}}
     routing = routing_section(root, problems)
     over_training = routing_over_training(checkpoints, training, problems)
     compare_json = _read(root / "eval" / "compare" / "compare.json", problems)
@@ -946,6 +952,12 @@ def write_report(root) -> Path:
             md.append(md_table(["system", *map(str, lengths), "mean"],
                                [[n, *[fmt((a.get("lengths") or {}).get(str(x)), 3) for x in lengths],
                                  fmt(a.get("mean"), 3)] for n, a in forced.items()]))
+        logprobs = {n: r["answer_logprob"] for n, r in ruler.items() if r.get("answer_logprob")}
+        if logprobs:
+            md.append("\nThe answer tokens' mean log-probability, teacher-forced (nats; higher retrieves more):\n")
+            md.append(md_table(["system", *map(str, lengths), "mean"],
+                               [[n, *[fmt((a.get("lengths") or {}).get(str(x)), 3) for x in lengths],
+                                 fmt(a.get("mean"), 3)] for n, a in logprobs.items()]))
         tasks = list(dict.fromkeys(t for r in ruler.values() for t in r["tasks"]))
         for length in lengths:
             md.append(f"\nPer task at {length} tokens:\n")
