@@ -338,6 +338,7 @@ def run_ruler(em, tasks: list[str], lengths: list[int], samples: int, *, seed: i
             try:
                 out = greedy_generate(em.model, sample.prompt_ids, max_new_tokens, tokenizer.eos_id,
                                       use_cache=use_cache, device=em.device, stats=stats)
+                forced = answer_accuracy(em.model, tokenizer, sample, em.device) if teacher_forced else {}
             except NonFiniteError as err:
                 raise NatslError(f"checkpoint {str(em.folder)!r}: {err}; check its weights or try --dtype fp32") from None
             if number == min(1, len(todo) - 1) and on_first is not None:
@@ -346,13 +347,7 @@ def run_ruler(em, tasks: list[str], lengths: list[int], samples: int, *, seed: i
                 out = out[:-1]
             prediction = tokenizer.decode(out)
             row = sample.to_json()
-            row.update(prediction=prediction, score=string_match_all(prediction, sample.answers))
-            if teacher_forced:
-                try:
-                    row.update(answer_accuracy(em.model, tokenizer, sample, em.device))
-                except NonFiniteError as err:
-                    raise NatslError(f"checkpoint {str(em.folder)!r}: {err}; check its weights or try --dtype "
-                                     "fp32") from None
+            row.update(prediction=prediction, score=string_match_all(prediction, sample.answers), **forced)
             rows.append(row)
             bar.update(1)
     finally:

@@ -536,6 +536,17 @@ def _verdict(ok: bool | None) -> str:
     return NOT_MEASURED if ok is None else ("holds" if ok else "fails")
 
 
+# eval-ruler's teacher-forced measures (natsl.eval.ruler.answer_accuracy) in the order the needle claim
+# falls back on them: key in ruler.json, name in the claim, heading of its table in the report.
+TEACHER_FORCED = (
+    ("answer_accuracy", "teacher-forced answer-token accuracy",
+     "Teacher-forced answer-token accuracy (the prompt followed by the answer in one forward; the fraction of the "
+     "value's tokens predicted exactly; `natsl eval-ruler --answer-accuracy`):"),
+    ("answer_logprob", "the answer tokens' mean log-probability, teacher-forced (nats)",
+     "The answer tokens' mean log-probability, teacher-forced (nats; higher retrieves more):"),
+)
+
+
 def claims(t1, ppl, ruler, routing, compare, window=None) -> list[dict]:
     """The verdicts on the issue's five claims, each with the numbers it rests on.
 
@@ -631,8 +642,7 @@ def claims(t1, ppl, ruler, routing, compare, window=None) -> list[dict]:
         # the teacher-forced scores still rank them (natsl.eval.ruler.answer_accuracy): the answer tokens
         # predicted, and where both predict none, their log-probability; judged on the first that tells
         # them apart, and said so
-        for key, what in (("answer_accuracy", "teacher-forced answer-token accuracy"),
-                          ("answer_logprob", "the answer tokens' mean log-probability, teacher-forced (nats)")):
+        for key, what, _ in TEACHER_FORCED:
             mine, theirs = ((ruler.get(n, {}).get(key) or {}).get("lengths") or {} for n in ("natsl_hybrid", "gdn_hybrid"))
             forced = [(n, _num(mine.get(str(n))), _num(theirs.get(str(n)))) for n, _, _ in pairs]
             forced = [p for p in forced if p[1] is not None and p[2] is not None]
@@ -725,17 +735,16 @@ def _plots(folder: Path, t1, ppl, ruler, routing, over_training=None) -> list[st
                                "loss against position (Fig. 3 in miniature)", folder / "loss_vs_position.png"))
     if ruler:
         fig, ax = plt.subplots(figsize=(7, 4.2))
-        for name in order(ruler):
-            pts = sorted((int(n), v) for n, v in (ruler[name].get("lengths") or {}).items() if _num(v) is not None)
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=name)
+        # string match solid, then the teacher-forced accuracy dashed (both on the 0..1 scale)
+        for key, style, suffix in ((None, dict(marker="o"), ""),
+                                   ("answer_accuracy", dict(marker="x", linestyle="--"), ", teacher-forced")):
+            for name in order(ruler):
+                part = ruler[name] if key is None else ruler[name].get(key) or {}
+                pts = sorted((int(n), v) for n, v in (part.get("lengths") or {}).items() if _num(v) is not None)
+                if pts:
+                    ax.plot(*zip(*pts), **style, label=name + suffix)
         ax.set_xscale("log", base=2)
         ax.set_ylim(-0.02, 1.02)
-        for name in order(ruler):
-            forced = (ruler[name].get("answer_accuracy") or {}).get("lengths") or {}
-            pts = sorted((int(n), v) for n, v in forced.items() if _num(v) is not None)
-            if pts:
-                ax.plot(*zip(*pts), marker="x", linestyle="--", label=f"{name}, teacher-forced")
         written.append(_finish(fig, ax, "context length (tokens)",
                                "mean over tasks: string match (solid), answer-token accuracy (dashed)",
                                "needle retrieval against length (Table 2 in miniature)", folder / "ruler_by_length.png"))
@@ -862,7 +871,7 @@ def write_report(root) -> Path:
             ruler[name] = {"tasks": data.get("tasks") or {}, "lengths": data.get("lengths") or {},
                            "mean": data.get("mean"), "samples": data.get("samples"),
                            **{key: data.get(key) if isinstance(data.get(key), dict) else None
-                              for key in ("answer_accuracy", "answer_logprob")}}
+                              for key, _, _ in TEACHER_FORCED}}
     routing = routing_section(root, problems)
     over_training = routing_over_training(checkpoints, training, problems)
     compare_json = _read(root / "eval" / "compare" / "compare.json", problems)
@@ -945,19 +954,13 @@ def write_report(root) -> Path:
         if scores and all(v == 0 for v in scores):
             md.append("\nEvery system scores 0 at every length: the models are too weak for the task at this "
                       "training length.")
-        forced = {n: r["answer_accuracy"] for n, r in ruler.items() if r.get("answer_accuracy")}
-        if forced:
-            md.append("\nTeacher-forced answer-token accuracy (the prompt followed by the answer in one forward; the "
-                      "fraction of the value's tokens predicted exactly; `natsl eval-ruler --answer-accuracy`):\n")
-            md.append(md_table(["system", *map(str, lengths), "mean"],
-                               [[n, *[fmt((a.get("lengths") or {}).get(str(x)), 3) for x in lengths],
-                                 fmt(a.get("mean"), 3)] for n, a in forced.items()]))
-        logprobs = {n: r["answer_logprob"] for n, r in ruler.items() if r.get("answer_logprob")}
-        if logprobs:
-            md.append("\nThe answer tokens' mean log-probability, teacher-forced (nats; higher retrieves more):\n")
-            md.append(md_table(["system", *map(str, lengths), "mean"],
-                               [[n, *[fmt((a.get("lengths") or {}).get(str(x)), 3) for x in lengths],
-                                 fmt(a.get("mean"), 3)] for n, a in logprobs.items()]))
+        for key, _, heading in TEACHER_FORCED:
+            forced = {n: r[key] for n, r in ruler.items() if r.get(key)}
+            if forced:
+                md.append(f"\n{heading}\n")
+                md.append(md_table(["system", *map(str, lengths), "mean"],
+                                   [[n, *[fmt((a.get("lengths") or {}).get(str(x)), 3) for x in lengths],
+                                     fmt(a.get("mean"), 3)] for n, a in forced.items()]))
         tasks = list(dict.fromkeys(t for r in ruler.values() for t in r["tasks"]))
         for length in lengths:
             md.append(f"\nPer task at {length} tokens:\n")
