@@ -96,6 +96,9 @@ def test_the_estimate_leaves_out_what_the_stage_folders_trained_already(tmp_path
     assert left["sweep"] == whole["sweep"] - 100 and left["train"] == whole["train"] - 400
     assert left["total"] == left["sweep"] + left["train"]
     assert "tokens left to train" in P.describe(opts)
+    for stage in ("sweep", "train"):  # a summary no parser can read counts nothing (the stage says why when it runs)
+        (tmp_path / stage / "summary.json").write_text("[" * 100_000 + "]" * 100_000)
+    assert P.estimate_tokens(opts) == whole
 
 
 def test_the_whole_ladder_by_default_writes_the_same_specs_as_before_systems_existed(tmp_path):
@@ -220,6 +223,8 @@ def test_more_rates_grow_the_sweep_stage_and_other_changes_are_refused(tmp_path)
     assert P._grows(folder, P.sweep_spec(faster)) is None
     assert "train.micro_batch_size=16" in P.train_spec(faster, {n: 0.002 for n in P.SWEPT})["set"]
     assert P._grows(tmp_path, P.sweep_spec(opts)) == "no readable sweep.json"
+    (folder / "sweep.json").write_text("[" * 100_000 + "]" * 100_000)  # nested past the parser's recursion
+    assert P._grows(folder, P.sweep_spec(opts)) == "no readable sweep.json"
 
 
 def test_an_eval_reserve_evaluates_training_cut_short(monkeypatch, tmp_path):

@@ -459,3 +459,19 @@ def test_run_jobs_keeps_the_entries_of_jobs_it_does_not_run(tmp_path):
     assert run_jobs([quick], max_parallel=1, log=lambda line: None) == {"ppl": "done"}
     jobs = json.loads((tmp_path / "eval_status.json").read_text())["jobs"]
     assert jobs["ruler_natsl_hybrid"] == ruler and jobs["ppl"]["status"] == "done"
+
+
+def test_files_nested_past_the_parser_count_as_not_there(tmp_path):
+    """A job's JSON or an earlier eval_status.json that no parser can read (here nested past the recursion limit)
+    makes the job not done and leaves no earlier entries, instead of a traceback."""
+    from natsl.miniature.evaluate import _earlier_jobs
+
+    nested = "[" * 100_000 + "]" * 100_000
+    (tmp_path / "result.json").write_text(nested)
+    job = EvalJob(name="j", argv=["true"], out=tmp_path, done_file=tmp_path / "result.json", root=tmp_path,
+                  systems=[], done_key="finished")
+    assert job.done() is False
+    (tmp_path / "eval_status.json").write_text(nested)
+    assert _earlier_jobs(tmp_path / "eval_status.json") == {}
+    (tmp_path / "eval_status.json").write_text(json.dumps({"jobs": {"a": {"status": "done"}, "b": 3}}))
+    assert _earlier_jobs(tmp_path / "eval_status.json") == {"a": {"status": "done"}}

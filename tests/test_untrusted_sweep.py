@@ -326,6 +326,15 @@ def test_a_spec_that_adds_rates_or_systems_grows_the_sweep_and_keeps_its_runs(tm
     assert (out / "calls").read_text().split() == ["ran", "ran"]
 
 
+def test_a_sweep_json_nested_past_the_parser_is_no_sweep_record(tmp_path, monkeypatch):
+    stand_in_worker(tmp_path, monkeypatch, DONE)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "sweep.json").write_text("[" * 100_000 + "]" * 100_000)
+    result = CliRunner().invoke(app, ["sweep", str(write_spec(tmp_path / "spec", spec_text())), "--out", str(out)])
+    assert_one_line_error(result, "holds a sweep.json that is no sweep record; pass a new --out folder")
+
+
 @pytest.mark.parametrize("present", ["summary.json", "summary.png", "sweep.json"])
 def test_an_out_folder_of_unknown_origin_is_not_overwritten(tmp_path, monkeypatch, present):
     stand_in_worker(tmp_path, monkeypatch, DONE)

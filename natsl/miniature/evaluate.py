@@ -23,7 +23,6 @@ the running jobs (SIGTERM to their process groups, SIGKILL after a grace).
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import subprocess
@@ -31,6 +30,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from natsl.errors import NatslError
+from natsl.files import read_json
 from natsl.miniature.pipeline import ABLATIONS as ABLATION_SETS
 from natsl.miniature.pipeline import LADDER, natsl_command
 
@@ -103,8 +104,8 @@ class EvalJob:
         if self.done_key is None:
             return True
         try:
-            data = json.loads(self.done_file.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            data = read_json(self.done_file, "run the job again")
+        except (OSError, NatslError):  # unreadable, too large, not JSON, nested too deeply: not done
             return False
         return isinstance(data, dict) and data.get(self.done_key) is not None and not data.get("interrupted")
 
@@ -281,7 +282,6 @@ def eval_jobs(checkpoints: dict, corpus, out, *, device: str, quick: bool = Fals
 def _step_of(folder: Path) -> str:
     """The checkpoint a run folder resolves to now (its newest complete step), as the evaluation commands read it."""
     from natsl.checkpoint import resolve_checkpoint_folder
-    from natsl.errors import NatslError
 
     try:
         return str(resolve_checkpoint_folder(folder))
@@ -306,9 +306,10 @@ def _minutes(seconds: float) -> str:
 def _earlier_jobs(status_path: Path) -> dict:
     """job name -> its entry in an earlier eval_status.json (none, or unreadable: {})."""
     try:
-        jobs = json.loads(status_path.read_text(encoding="utf-8")).get("jobs")
-    except (OSError, ValueError, AttributeError):
+        record = read_json(status_path, "remove it")
+    except (OSError, NatslError):  # none yet, unreadable, too large, not JSON, nested too deeply
         return {}
+    jobs = record.get("jobs") if isinstance(record, dict) else None
     return {n: j for n, j in jobs.items() if isinstance(j, dict)} if isinstance(jobs, dict) else {}
 
 

@@ -26,7 +26,6 @@ Choices the paper does not fix at this size (docs/miniature.md):
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
@@ -394,12 +393,12 @@ def _sweep_stage(name: str, spec: dict, opts: MiniatureOptions, remaining, log) 
 def _grows(folder: Path, spec: dict) -> Optional[str]:
     """None where `spec` grows the sweep recorded in folder/sweep.json (natsl.training.sweep_checks.spec_grows),
     else why not."""
+    from natsl.files import read_json
     from natsl.training.sweep_checks import spec_grows
 
-    record = folder / "sweep.json"
     try:
-        old = json.loads(record.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        old = read_json(folder / "sweep.json", "remove it")
+    except (OSError, NatslError):  # missing, unreadable, too large, not JSON, nested too deeply
         return "no readable sweep.json"
     if not isinstance(old, dict) or not isinstance(old.get("spec"), dict):
         return "no readable sweep.json"
@@ -477,9 +476,11 @@ def estimate_tokens(opts: MiniatureOptions) -> dict[str, float]:
 def _trained(folder: Path, budget: int, counts) -> int:
     """Tokens the runs of folder/summary.json that `counts` accepts trained already, each at most `budget`
     (a done run: all of it; a failed one: none, as the next sweep trains it again). 0 without a summary."""
+    from natsl.files import read_json
+
     try:
-        summary = json.loads((folder / "summary.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        summary = read_json(folder / "summary.json", "remove it")
+    except (OSError, NatslError):  # none yet, or unreadable: the stage itself says so when it runs
         return 0
     runs = summary.get("runs") if isinstance(summary, dict) else None
     total = 0

@@ -260,15 +260,15 @@ def check_out_folder(out: Path, name: str, spec: dict, run_folders: list[Path],
     there. Every run folder lies in --out, symlinks resolved.
 
     Returns: how many runs the spec adds to the recorded sweep it grows, else None."""
-    from natsl.files import check_output_folder
+    from natsl.files import check_output_folder, read_json
 
     check_output_folder(out, "--out")
     grown = None
     record = out / "sweep.json"
     if record.is_file() or record.is_symlink():
         try:
-            previous = json.loads(record.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            previous = read_json(record, "pass a new --out folder")
+        except (OSError, NatslError):  # unreadable, too large, not JSON, nested too deeply: no sweep record
             previous = None
         if not isinstance(previous, dict):
             raise NatslError(f"--out {str(out)!r} holds a sweep.json that is no sweep record; pass a new --out folder")
