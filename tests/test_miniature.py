@@ -227,6 +227,33 @@ def test_more_rates_grow_the_sweep_stage_and_other_changes_are_refused(tmp_path)
     assert P._grows(folder, P.sweep_spec(opts)) == "no readable sweep.json"
 
 
+def test_a_failed_run_is_final_within_a_command_and_tried_again_by_the_next(monkeypatch, tmp_path):
+    """A stage folder whose runs are done but one failed (the first GPU run's block-128 ablation) runs natsl
+    sweep again, which reruns what is not done; within that command the failure is final: the stage goes on."""
+    opts = P.MiniatureOptions(out=tmp_path / "m", device="cpu")
+    spec = P.sweep_spec(opts)
+    folder = tmp_path / "m" / "sweep"
+    folder.mkdir(parents=True)
+    (folder / "sweep.json").write_text(json.dumps({"name": "mini_sweep", "spec": spec, "runs": []}))
+    summary = {"runs": [{"id": "a", "status": "done"}, {"id": "b", "status": "failed", "failed": "exit code 1"}]}
+    (folder / "summary.json").write_text(json.dumps(summary))
+    calls: list[list[str]] = []
+
+    def fake_run(argv, log_path, log):
+        calls.append(argv)
+        return 1  # natsl sweep's exit code when a run failed again
+
+    monkeypatch.setattr(P, "_run", fake_run)
+    lines: list[str] = []
+    assert P._sweep_stage("sweep", spec, opts, None, lines.append) == summary  # failed again: final, no Stopped
+    assert len(calls) == 1 and calls[0][2:5] == ["natsl.cli.main", "sweep", str(tmp_path / "m/specs/sweep.yaml")], calls
+    assert any("1 failed run(s) of an earlier command: trying them again" in line for line in lines), lines
+    assert P.finished_runs(summary) == (2, 2) and P.finished_runs(summary, failed_final=False) == (1, 2)
+    summary["runs"][1] = {"id": "b", "status": "done"}
+    (folder / "summary.json").write_text(json.dumps(summary))
+    assert P._sweep_stage("sweep", spec, opts, None, lines.append) == summary and len(calls) == 1  # all done: kept
+
+
 def test_an_eval_reserve_evaluates_training_cut_short(monkeypatch, tmp_path):
     """--deadline with --eval-reserve: training stops the reserve before the deadline, then the evaluations and
     the report run on the runs as they are; without a reserve a stopped stage ends the command."""

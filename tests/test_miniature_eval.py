@@ -475,3 +475,96 @@ def test_files_nested_past_the_parser_count_as_not_there(tmp_path):
     assert _earlier_jobs(tmp_path / "eval_status.json") == {}
     (tmp_path / "eval_status.json").write_text(json.dumps({"jobs": {"a": {"status": "done"}, "b": 3}}))
     assert _earlier_jobs(tmp_path / "eval_status.json") == {"a": {"status": "done"}}
+
+
+def _samples(values: dict, answers: str = "1234567") -> dict:
+    """(task, length, index) -> a RULER sample record, from {(length, index): (score, accuracy, logprob)}."""
+    return {("niah_single_1", n, i): {"answers": [answers], "score": s, "answer_token_accuracy": a,
+                                      "answer_logprob": lp} for (n, i), (s, a, lp) in values.items()}
+
+
+def test_paired_gap_is_the_mean_per_sample_difference_with_its_standard_error():
+    from natsl.miniature.report import paired_gap
+
+    seed0 = _samples({(4096, 0): (0, 0.5, -3), (4096, 1): (0, 0.3, -4), (4096, 2): (0, 0.1, -5), (8192, 0): (0, 1, -1)})
+    seed1 = _samples({(4096, 0): (0, 0.3, -3), (4096, 1): (0, 0.1, -4), (4096, 2): (0, 0.1, -5)})
+    theirs = _samples({(4096, 0): (0, 0.2, -3), (4096, 1): (0, 0.2, -4), (4096, 2): (0, 0.0, -5)})
+    gap = paired_gap([seed0, seed1], theirs, "answer_token_accuracy", 4096)
+    # per sample: mine 0.4, 0.2, 0.1 against 0.2, 0.2, 0.0: differences 0.2, 0.0, 0.1
+    assert gap["n"] == 3 and gap["gap"] == pytest.approx(0.1) and gap["mine"] == pytest.approx(0.7 / 3)
+    assert gap["se"] == pytest.approx(math.sqrt(((0.1) ** 2 + 0.1 ** 2 + 0) / 2 / 3))
+    assert paired_gap([seed0, seed1], theirs, "answer_token_accuracy", 8192) is None  # seed 1 and theirs lack it
+    other_prompt = _samples({(4096, 0): (0, 0.2, -3), (4096, 1): (0, 0.2, -4)}, answers="7654321")
+    assert paired_gap([seed0], other_prompt, "answer_token_accuracy", 4096) is None  # not the same prompts
+
+
+@pytest.mark.parametrize("mine, theirs, verdict", [
+    ((0.5, 0.6, 0.4, 0.5), (0.1, 0.2, 0.0, 0.1), "holds"),        # ahead by far more than 2 standard errors
+    ((0.5, 0.0, 0.4, 0.0), (0.1, 0.3, 0.0, 0.3), "inconclusive"),  # ahead on average, within the noise
+    ((0.0, 0.1, 0.0, 0.1), (0.5, 0.6, 0.4, 0.5), "fails")])
+def test_the_needle_claim_is_judged_on_paired_samples_beyond_their_noise(mine, theirs, verdict):
+    from natsl.miniature.report import claims
+
+    def system(accuracies):
+        return _samples({(n, i): (0.0, a, -5.0) for n in (4096, 8192) for i, a in enumerate(accuracies)})
+
+    zero = {"lengths": {"4096": 0.0, "8192": 0.0}}
+    samples = {"natsl_hybrid": system(mine), "gdn_hybrid": system(theirs)}
+    needle = next(c for c in claims({"rows": {}}, {}, {"natsl_hybrid": zero, "gdn_hybrid": zero}, {}, {},
+                                    samples=samples) if "needle" in c["claim"])
+    assert needle["verdict"] == verdict, needle
+    assert "string match is 0 for every sample of both: judged on teacher-forced answer-token accuracy" \
+        in needle["numbers"] and "(standard error, 4 samples)" in needle["numbers"]
+
+
+def test_the_needle_claim_takes_every_seed_and_falls_to_the_log_probability():
+    from natsl.miniature.report import claims
+
+    def system(logprobs):
+        return _samples({(4096, i): (0.0, 0.0, lp) for i, lp in enumerate(logprobs)})
+
+    zero = {"lengths": {"4096": 0.0}}
+    # seed 0 alone is far ahead; seeds 1 and 2 pull the mean back within the noise
+    samples = {"natsl_hybrid": system([-2.0, -2.1, -1.9]), "natsl_hybrid_s1": system([-6.0, -4.0, -5.0]),
+               "natsl_hybrid_s2": system([-4.0, -6.0, -4.5]), "gdn_hybrid": system([-4.0, -4.1, -3.9])}
+    ruler = {"natsl_hybrid": zero, "gdn_hybrid": zero}
+    needle = next(c for c in claims({"rows": {}}, {}, ruler, {}, {}, samples=samples) if "needle" in c["claim"])
+    assert needle["verdict"] == "inconclusive", needle
+    assert "are 0 for every sample of both: judged on the answer tokens' mean log-probability" in needle["numbers"]
+    assert "natsl_hybrid the mean of its 3 seed(s)" in needle["numbers"]
+    alone = {n: samples[n] for n in ("natsl_hybrid", "gdn_hybrid")}
+    assert next(c for c in claims({"rows": {}}, {}, ruler, {}, {}, samples=alone)
+                if "needle" in c["claim"])["verdict"] == "holds"
+
+
+def test_ruler_samples_are_read_bounded_and_a_bad_file_is_left_out(tmp_path):
+    from natsl.miniature.report import read_ruler_samples
+
+    path = tmp_path / "ruler_samples.jsonl"
+    rows = [{"task": "niah_single_1", "length": 4096, "index": i, "answers": ["1"], "score": 0.0,
+             "answer_token_accuracy": 0.5, "answer_logprob": -2.0} for i in range(2)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n" + json.dumps({"task": 1}) + "\n")
+    problems: list[str] = []
+    samples = read_ruler_samples(path, problems)
+    assert set(samples) == {("niah_single_1", 4096, 0), ("niah_single_1", 4096, 1)} and not problems
+    assert samples[("niah_single_1", 4096, 1)]["answer_token_accuracy"] == 0.5
+    path.write_text(json.dumps(rows[0]) + "\n{not json\n")
+    assert read_ruler_samples(path, problems) is None and "line 2" in problems[0] and "not valid JSON" in problems[0]
+    assert read_ruler_samples(tmp_path / "missing.jsonl", problems) is None and len(problems) == 1
+
+
+def test_extrapolation_is_judged_on_the_mean_of_the_hybrid_seeds():
+    from natsl.miniature.report import claims
+
+    def measured(last):
+        return {"loss_last_bucket": last, "last_bucket": [768, 1024], "train_seq_len": 256, "last_vs_within": 1.0}
+
+    ppl = {"natsl_hybrid": measured(3.0), "natsl_hybrid_s1": measured(3.6), "natsl_hybrid_s2": measured(3.5),
+           "transformer": measured(4.0), "gdn_hybrid": measured(3.2)}
+    claim = claims({"rows": {}}, ppl, {}, {}, {}, window=1024)[1]
+    # seed 0 alone is below both; the mean of three (3.367) is not
+    assert claim["verdict"] == "fails" and "natsl_hybrid mean of 3 seeds 3.367 (1 of 3 seeds below both)" \
+        in claim["numbers"], claim
+    del ppl["natsl_hybrid_s1"], ppl["natsl_hybrid_s2"]
+    claim = claims({"rows": {}}, ppl, {}, {}, {}, window=1024)[1]
+    assert claim["verdict"] == "holds" and "mean of" not in claim["numbers"]

@@ -211,10 +211,12 @@ def _spec(name: str, systems: dict, lrs, tokens: int, opts: MiniatureOptions, ev
     return spec
 
 
-def finished_runs(summary: dict) -> tuple[int, int]:
-    """(runs done, runs in all) of a sweep's summary.json."""
+def finished_runs(summary: dict, failed_final: bool = True) -> tuple[int, int]:
+    """(runs finished, runs in all) of a sweep's summary.json. A run is finished when done, and with
+    `failed_final` also when it failed: within one command a failure is final (the next stage goes on without
+    it), while the next command tries it again (natsl sweep reruns every run not done)."""
     runs = summary.get("runs") or []
-    return sum(r.get("status") == "done" or bool(r.get("failed")) for r in runs), len(runs)  # a failure is final
+    return sum(r.get("status") == "done" or (failed_final and bool(r.get("failed"))) for r in runs), len(runs)
 
 
 def checkpoint_folders(root: Path) -> dict[str, str]:
@@ -368,10 +370,13 @@ def _sweep_stage(name: str, spec: dict, opts: MiniatureOptions, remaining, log) 
                              f"--seeds, --sweep-tokens, --train-tokens, --micro-batch or --set changed); pass another "
                              f"--out, or remove {folder} to run the stage again (more --lrs or --systems alone grow it)")
         log(f"  {folder}: the spec adds learning rates or systems; its finished runs are kept")
-    done, total = finished_runs(previous or {})
+    done, total = finished_runs(previous or {}, failed_final=False)
     if done == total > 0:
         log(f"  {folder}: all {total} runs done: kept")
         return previous
+    failed = finished_runs(previous or {})[0] - done
+    if failed:
+        log(f"  {folder}: {failed} failed run(s) of an earlier command: trying them again")
     copy_recipes(opts, opts.out / "specs")
     spec_path = _write_spec(spec_path, spec)
     parallel = opts.max_parallel or default_parallel(opts.device)

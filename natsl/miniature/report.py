@@ -547,12 +547,101 @@ TEACHER_FORCED = (
 )
 
 
-def claims(t1, ppl, ruler, routing, compare, window=None) -> list[dict]:
+# eval-ruler's per-sample measures (ruler_samples.jsonl) in the order the needle claim judges on them: the
+# first on which not every sample of both systems scores 0 (string match is 0 for every sample of a model too
+# weak for the task; the log-probability is never 0). A difference counts where it exceeds NEEDLE_SE standard
+# errors of the paired per-sample differences: the samples are the same prompts for every system (one seed).
+SAMPLE_MEASURES = (("score", "string match"), ("answer_token_accuracy", "teacher-forced answer-token accuracy"),
+                   ("answer_logprob", "the answer tokens' mean log-probability, teacher-forced (nats)"))
+NEEDLE_SE = 2.0
+MAX_SAMPLES_BYTES = 64 << 20
+
+
+def read_ruler_samples(path: Path, problems: list[str]) -> dict | None:
+    """(task, length, index) -> that sample's record (answers and SAMPLE_MEASURES) from eval-ruler's
+    ruler_samples.jsonl; None when the file is missing or unreadable (noted in `problems`)."""
+    from natsl.errors import NatslError
+    from natsl.files import parse_json, read_small_text
+
+    if not path.is_file():
+        return None
+    try:
+        text = read_small_text(path, MAX_SAMPLES_BYTES, "the report leaves it out")
+        records = [parse_json(line, f"{str(path)!r} line {i}", "the report leaves it out")
+                   for i, line in enumerate(text.splitlines(), 1) if line.strip()]
+    except (NatslError, OSError) as err:
+        problems.append(str(err))
+        return None
+    samples = {}
+    for r in records:
+        if isinstance(r, dict) and isinstance(r.get("task"), str) and type(r.get("length")) is int \
+                and type(r.get("index")) is int:
+            samples[(r["task"], r["length"], r["index"])] = {
+                "answers": r.get("answers"), **{key: _num(r.get(key)) for key, _ in SAMPLE_MEASURES}}
+    return samples
+
+
+def paired_gap(mine: list[dict], theirs: dict, key: str, length: int) -> dict | None:
+    """The samples of `length` that every one of `mine` (a system's seeds) and `theirs` scored on `key`, for
+    the same prompt (equal answers): the mean over samples of (my seeds' mean - theirs), its standard error,
+    both sides' means and the count; None for fewer than two such samples."""
+    diffs, ours, others = [], [], []
+    for sample_key, their in theirs.items():
+        if sample_key[1] != length or their.get(key) is None:
+            continue
+        seeds = [m.get(sample_key) for m in mine]
+        if any(s is None or s.get(key) is None or s.get("answers") != their.get("answers") for s in seeds):
+            continue
+        ours.append(sum(s[key] for s in seeds) / len(seeds))
+        others.append(their[key])
+        diffs.append(ours[-1] - others[-1])
+    n = len(diffs)
+    if n < 2:
+        return None
+    gap = sum(diffs) / n
+    se = math.sqrt(sum((d - gap) ** 2 for d in diffs) / (n - 1) / n)
+    return {"gap": gap, "se": se, "mine": sum(ours) / n, "theirs": sum(others) / n, "n": n}
+
+
+def needle_claim_from_samples(samples: dict, lengths: list[int]) -> dict | None:
+    """The needle claim judged on the paired per-sample differences between the NAtS-L Hybrid (the mean of
+    its seeds) and the GDN Hybrid at every RULER length >= 4K, on the first SAMPLE_MEASURES that tells them
+    apart: holds where the NAtS-L Hybrid is ahead by more than NEEDLE_SE standard errors at every length, fails
+    where it is behind by more at some length, else inconclusive. None without both systems' samples."""
+    mine = [samples[n] for n in ("natsl_hybrid",) + SEEDS if samples.get(n)]
+    theirs = samples.get("gdn_hybrid")
+    if not samples.get("natsl_hybrid") or not theirs or not lengths:
+        return None
+    seeds = f"{len(mine)} seed(s)"
+    for key, what in SAMPLE_MEASURES:
+        gaps = {n: paired_gap(mine, theirs, key, n) for n in lengths}
+        if any(g is None for g in gaps.values()):
+            return None
+        if all(g["mine"] == g["theirs"] == 0 and g["se"] == 0 for g in gaps.values()):
+            continue  # a floor tells the systems apart no more than a ceiling: the next measure
+        ahead = [g["gap"] > NEEDLE_SE * g["se"] for g in gaps.values()]
+        behind = [g["gap"] < -NEEDLE_SE * g["se"] for g in gaps.values()]
+        verdict = "holds" if all(ahead) else "fails" if any(behind) else INCONCLUSIVE
+        skipped = [w for k, w in SAMPLE_MEASURES[:[k for k, _ in SAMPLE_MEASURES].index(key)]]
+        numbers = ((f"{' and '.join(skipped)} {'is' if len(skipped) == 1 else 'are'} 0 for every sample of both: "
+                    if skipped else "")
+                   + f"judged on {what}, paired per sample (the same prompts), natsl_hybrid the mean of its {seeds}: "
+                   + "; ".join(f"{n}: natsl_hybrid {fmt(g['mine'])} vs gdn_hybrid {fmt(g['theirs'])}, difference "
+                               f"{g['gap']:+.3f} +- {g['se']:.3f} (standard error, {g['n']} samples)"
+                               for n, g in gaps.items())
+                   + f" (a difference counts beyond {NEEDLE_SE:g} standard errors)")
+        return {"verdict": verdict, "numbers": numbers}
+    return None
+
+
+def claims(t1, ppl, ruler, routing, compare, window=None, samples=None) -> list[dict]:
     """The verdicts on the issue's five claims, each with the numbers it rests on.
 
     Args:
         t1: table1's result; ppl, ruler, routing, compare: the sections' results.
         window: eval-ppl's window (ppl.json max_len), for the extrapolation claim.
+        samples: name -> read_ruler_samples, for the needle claim on paired samples (without them, on the
+            means over samples in `ruler`).
     Returns:
         [{"claim", "verdict", "numbers"}] in the issue's order.
     """
@@ -608,17 +697,25 @@ def claims(t1, ppl, ruler, routing, compare, window=None) -> list[dict]:
                     "numbers": f"not measured (eval-ppl windows of {window or '?'} tokens are within the training "
                                f"length {train or '?'})"})
     else:
-        last = {n: ppl[n]["loss_last_bucket"] for n in three}
-        spans = {tuple(ppl[n]["last_bucket"] or ()) for n in three}
-        beyond = all((ppl[n]["last_bucket"] or [0])[0] >= (ppl[n]["train_seq_len"] or 0) for n in three)
-        ok = (last["natsl_hybrid"] < min(last["transformer"], last["gdn_hybrid"])) if beyond else None
+        # the NAtS-L Hybrid's seeds that eval-ppl measured too: judged on their mean, as claim 1
+        measured = [n for n in ("natsl_hybrid",) + SEEDS if n == "natsl_hybrid" or (ppl.get(n) or {}).get(
+            "loss_last_bucket") is not None]
+        last = {n: ppl[n]["loss_last_bucket"] for n in (*measured, *three[1:])}
+        spans = {tuple(ppl[n]["last_bucket"] or ()) for n in last}
+        beyond = all((ppl[n]["last_bucket"] or [0])[0] >= (ppl[n]["train_seq_len"] or 0) for n in last)
+        mean = sum(last[n] for n in measured) / len(measured)
+        best_other = min(last["transformer"], last["gdn_hybrid"])
+        ok = mean < best_other if beyond else None
         span = ppl["natsl_hybrid"]["last_bucket"]
         where = f"tokens {span[0]}-{span[1]}" if span else "the last bucket"
+        seeds = ("" if len(measured) == 1 else
+                 f"natsl_hybrid mean of {len(measured)} seeds {fmt(mean)} ({sum(last[n] < best_other for n in measured)}"
+                 f" of {len(measured)} seeds below both); ")
         numbers = (f"loss at {where} ({window / train:g}x the training length {train}"
-                   + ("" if beyond else "; the last bucket is not beyond it for all three")
-                   + ("" if len(spans) == 1 else "; the systems' last buckets differ") + "): "
+                   + ("" if beyond else "; the last bucket is not beyond it for all")
+                   + ("" if len(spans) == 1 else "; the systems' last buckets differ") + "): " + seeds
                    + ", ".join(f"{n} {fmt(last[n])} ({fmt(ppl[n]['last_vs_within'])}x its loss within the "
-                               "training length)" for n in three))
+                               "training length)" for n in last))
         out.append({"claim": claim, "verdict": _verdict(ok), "numbers": numbers})
     # 3. needles at 4K and beyond
     mine, theirs = (ruler.get(n, {}).get("lengths") or {} for n in ("natsl_hybrid", "gdn_hybrid"))
@@ -653,6 +750,9 @@ def claims(t1, ppl, ruler, routing, compare, window=None) -> list[dict]:
             if not all(a == b == 0 for _, a, b in forced):
                 verdict = _verdict(all(a > b for _, a, b in forced))
                 break
+    paired = needle_claim_from_samples(samples or {}, [n for n, _, _ in pairs]) if pairs else None
+    if paired is not None:
+        verdict, numbers = paired["verdict"], paired["numbers"]
     out.append({"claim": "NAtS-L Hybrid beats GDN Hybrid on the needle tasks at 4K and beyond (RULER mean over tasks)",
                 "verdict": verdict, "numbers": numbers})
     # 4. KV bytes
@@ -734,20 +834,33 @@ def _plots(folder: Path, t1, ppl, ruler, routing, over_training=None) -> list[st
         written.append(_finish(fig, ax, "position in window (tokens of context)", "loss (nats, per bucket)",
                                "loss against position (Fig. 3 in miniature)", folder / "loss_vs_position.png"))
     if ruler:
-        fig, ax = plt.subplots(figsize=(7, 4.2))
-        # string match solid, then the teacher-forced accuracy dashed (both on the 0..1 scale)
-        for key, style, suffix in ((None, dict(marker="o"), ""),
-                                   ("answer_accuracy", dict(marker="x", linestyle="--"), ", teacher-forced")):
+        # one panel per score (string match, then the teacher-forced ones), each on its own scale: a string match
+        # at 0 everywhere would squash the others; one colour per system in every panel, one legend beside them
+        short = {"answer_accuracy": "answer-token accuracy, teacher-forced",
+                 "answer_logprob": "answer log-probability (nats), teacher-forced"}
+        panels = [(None, "string match")] + [(key, short.get(key, key)) for key, _, _ in TEACHER_FORCED
+                                              if any(r.get(key) for r in ruler.values())]
+        fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels) + 2.2, 4.2), squeeze=False)
+        colours = {name: f"C{i % 10}" for i, name in enumerate(order(ruler))}
+        for ax, (key, what) in zip(axes[0], panels):
             for name in order(ruler):
                 part = ruler[name] if key is None else ruler[name].get(key) or {}
                 pts = sorted((int(n), v) for n, v in (part.get("lengths") or {}).items() if _num(v) is not None)
                 if pts:
-                    ax.plot(*zip(*pts), **style, label=name + suffix)
-        ax.set_xscale("log", base=2)
-        ax.set_ylim(-0.02, 1.02)
-        written.append(_finish(fig, ax, "context length (tokens)",
-                               "mean over tasks: string match (solid), answer-token accuracy (dashed)",
-                               "needle retrieval against length (Table 2 in miniature)", folder / "ruler_by_length.png"))
+                    ax.plot(*zip(*pts), marker="o", color=colours[name], label=name,
+                            linestyle="--" if "_s" in name[len("natsl_hybrid"):] else "-")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("context length (tokens)")
+            ax.set_ylabel("mean over tasks")
+            ax.set_title(what, fontsize=10)
+            ax.grid(alpha=0.3)
+        handles, labels = axes[0][0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="center right", fontsize=8)
+        fig.suptitle("needle retrieval against length (Table 2 in miniature; seeds dashed)")
+        fig.tight_layout(rect=(0, 0, 1 - 1.9 / (4.2 * len(panels) + 2.2), 1))
+        from natsl.eval.common import save_figure
+
+        written.append(save_figure(fig, folder / "ruler_by_length.png").name)
     if routing:
         names = order(routing)
         fig, axes = _map_panels(plt, len(names), max(3.6, 0.22 * max(
@@ -872,6 +985,8 @@ def write_report(root) -> Path:
                            "mean": data.get("mean"), "samples": data.get("samples"),
                            **{key: data.get(key) if isinstance(data.get(key), dict) else None
                               for key, _, _ in TEACHER_FORCED}}
+    samples = {name: read_ruler_samples(root / "eval" / f"ruler_{name}" / "ruler_samples.jsonl", problems)
+               for name in ruler}
     routing = routing_section(root, problems)
     over_training = routing_over_training(checkpoints, training, problems)
     compare_json = _read(root / "eval" / "compare" / "compare.json", problems)
@@ -879,7 +994,7 @@ def write_report(root) -> Path:
     latency_json = _read(root / "eval" / "latency" / "latency.json", problems)
     latency = latency_section(latency_json if isinstance(latency_json, dict) else None, checkpoints, root)
     lm = lm_eval_section(root, problems)
-    verdicts = claims(t1, ppl, ruler, routing, compare, window)
+    verdicts = claims(t1, ppl, ruler, routing, compare, window, samples)
     figures = _plots(folder, t1, ppl, ruler, routing, over_training)
 
     md = [f"# The paper in miniature: report\n\nWritten {time.strftime('%Y-%m-%d %H:%M:%S')} from {root}. "
