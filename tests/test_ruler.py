@@ -136,6 +136,26 @@ def test_greedy_decoding_matches_a_plain_argmax_loop():
     assert greedy_generate(model, prompt, 5, use_cache=True) == got
 
 
+def test_greedy_decoding_through_one_reused_decode_runner_matches_a_fresh_cache_each():
+    """eval-ruler decodes every prompt of a length in one DecodeRunner's cache (emptied in between, so that on a
+    GPU its graphs serve them all): a longer prompt after a shorter and a shorter after a longer, each crossing
+    routed blocks, give the tokens a fresh cache gives, and the full forward's."""
+    from natsl.inference.decode import DecodeRunner
+
+    recipe = natsl.load_recipe("tiny_hybrid")
+    torch.manual_seed(0)
+    model = natsl.build_model(recipe).eval()
+    model.set_backend("chunked")
+    runner = DecodeRunner(model, model.new_cache(1, max_len=160))
+    for n in (70, 130, 5):
+        prompt = torch.randint(0, 1024, (n,)).tolist()
+        fresh = greedy_generate(model, prompt, 20, use_cache=True)
+        assert greedy_generate(model, prompt, 20, runner=runner) == fresh, n
+        assert greedy_generate(model, prompt, 20, use_cache=False) == fresh, n
+    # the runner's own cache held the last prompt and its 19 fed-back tokens (20 generated), not a new one
+    assert int(runner.cache.positions.lengths[0]) == 5 + 19
+
+
 def test_eval_ruler_end_to_end(tmp_path):
     ckpt = save_tiny_checkpoint(tmp_path / "ckpt", steps=10, seed=0)
     out = tmp_path / "out"

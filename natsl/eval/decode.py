@@ -35,12 +35,15 @@ def last_logits(model, ids: torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 def greedy_generate(model, prompt: Sequence[int], max_new_tokens: int, eos_id: int | None = None,
-                    use_cache: bool = True, device=None, stats: dict | None = None) -> list[int]:
+                    use_cache: bool = True, device=None, stats: dict | None = None, runner=None) -> list[int]:
     """Greedy continuation of `prompt` (token ids): up to `max_new_tokens` ids, stopping after EOS.
 
-    `use_cache` decodes through the incremental cache; False recomputes the full forward. `stats`,
-    if given, receives the prefill and decode seconds and the decode steps. Non-finite logits raise
-    NonFiniteError.
+    `use_cache` decodes through the incremental cache; False recomputes the full forward. `runner` (a
+    natsl.inference.decode.DecodeRunner of this model, its cache of batch 1 with room for the prompt and
+    `max_new_tokens`) decodes in its cache instead, emptied first, replaying its CUDA graphs on a GPU: many
+    prompts of one length share its graphs instead of launching every kernel of every step from Python.
+    `stats`, if given, receives the prefill and decode seconds and the decode steps. Non-finite logits
+    raise NonFiniteError.
     """
     if max_new_tokens <= 0:
         return []
@@ -57,9 +60,12 @@ def greedy_generate(model, prompt: Sequence[int], max_new_tokens: int, eos_id: i
             stats.update(prefill_s=prefilled - started, decode_s=end - prefilled, decode_steps=len(out) - 1)
         return out
 
-    if use_cache:
-        # Allocate only what this sequence needs: the cache takes its whole capacity up front.
-        cache = model.new_cache(1, max_len=ids.shape[1] + max_new_tokens)
+    if use_cache or runner is not None:
+        if runner is not None:
+            cache = runner.cache
+            cache.reset()
+        else:  # allocate only what this sequence needs: the cache takes its whole capacity up front
+            cache = model.new_cache(1, max_len=ids.shape[1] + max_new_tokens)
         logits = model.forward_cached(ids, cache, last_only=True)[:, -1].float()
         while True:
             token = _pick(logits)
@@ -67,8 +73,11 @@ def greedy_generate(model, prompt: Sequence[int], max_new_tokens: int, eos_id: i
             out.append(token)
             if token == eos_id or len(out) >= max_new_tokens:
                 return done()
-            step = torch.tensor([[token]], dtype=torch.long, device=device)
-            logits = model(step, cache=cache)[:, -1].float()
+            if runner is not None:
+                logits = runner.step(torch.tensor([token], dtype=torch.long, device=device)).float()
+            else:
+                step = torch.tensor([[token]], dtype=torch.long, device=device)
+                logits = model(step, cache=cache)[:, -1].float()
     seq = ids
     while True:
         token = _pick(last_logits(model, seq))

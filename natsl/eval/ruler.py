@@ -322,6 +322,7 @@ def run_ruler(em, tasks: list[str], lengths: list[int], samples: int, *, seed: i
     from tqdm import tqdm
 
     from natsl.eval.decode import greedy_generate
+    from natsl.inference.decode import DecodeRunner
 
     tokenizer = em.tokenizer
     if tokenizer is None:
@@ -331,13 +332,19 @@ def run_ruler(em, tasks: list[str], lengths: list[int], samples: int, *, seed: i
     todo = [make_sample(task, length, index, tokenizer, seed=seed, max_new_tokens=max_new_tokens, essay=essay)
             for length in lengths for task in tasks for index in range(samples)]
     rows = []
+    runner, runner_length = None, None  # one decode cache per length, reused by its samples (and on a GPU their
+    # decode graphs: a graph per new cache would be captured again for every prompt)
     bar = tqdm(total=len(todo), desc=f"ruler {em.name}", unit="sample", disable=not progress, leave=False)
     try:
         for number, sample in enumerate(todo):
             stats: dict = {}
+            if use_cache and runner_length != sample.length:
+                runner = None  # the last length's cache goes before the next one is allocated
+                runner = DecodeRunner(em.model, em.model.new_cache(1, max_len=sample.length))
+                runner_length = sample.length
             try:
                 out = greedy_generate(em.model, sample.prompt_ids, max_new_tokens, tokenizer.eos_id,
-                                      use_cache=use_cache, device=em.device, stats=stats)
+                                      use_cache=use_cache, device=em.device, stats=stats, runner=runner)
                 forced = answer_accuracy(em.model, tokenizer, sample, em.device) if teacher_forced else {}
             except NonFiniteError as err:
                 raise NatslError(f"checkpoint {str(em.folder)!r}: {err}; check its weights or try --dtype fp32") from None
