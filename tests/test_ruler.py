@@ -136,19 +136,30 @@ def test_greedy_decoding_matches_a_plain_argmax_loop():
     assert greedy_generate(model, prompt, 5, use_cache=True) == got
 
 
-def test_greedy_decoding_through_one_reused_decode_runner_matches_a_fresh_cache_each():
+# the miniature ladder's layer patterns at a tiny width: every kind of cache eval-ruler empties and refills
+TINY_MINI = ("model.vocab_size=256", "model.hidden_size=32", "model.intermediate_size=64", "model.head_k_dim=16",
+             "model.head_v_dim=32", "model.attn_head_dim=16", "model.mamba2_head_dim=16", "model.mamba2_state_size=8",
+             "model.attn_window=48", "train.dtype=fp32")
+
+
+@pytest.mark.parametrize("system", ["gdn", "mamba2", "transformer", "gdn_hybrid", "natsl", "natsl_hybrid", "gdn_swa"])
+def test_greedy_decoding_through_one_reused_decode_runner_matches_a_fresh_cache_each(system):
     """eval-ruler decodes every prompt of a length in one DecodeRunner's cache (emptied in between, so that on a
     GPU its graphs serve them all): a longer prompt after a shorter and a shorter after a longer, each crossing
-    routed blocks, give the tokens a fresh cache gives, and the full forward's."""
+    routed blocks (and GDN + SWA's window), give the tokens a fresh cache gives, and the full forward's, for
+    every system of the miniature's ladder."""
+    from natsl.config import apply_overrides
     from natsl.inference.decode import DecodeRunner
 
-    recipe = natsl.load_recipe("tiny_hybrid")
+    recipe = natsl.load_recipe(f"mini/{system}")
+    sets = [o for o in TINY_MINI if system == "gdn_swa" or not o.startswith("model.attn_window")]
+    recipe = apply_overrides(recipe, sets)
     torch.manual_seed(0)
     model = natsl.build_model(recipe).eval()
     model.set_backend("chunked")
     runner = DecodeRunner(model, model.new_cache(1, max_len=160))
     for n in (70, 130, 5):
-        prompt = torch.randint(0, 1024, (n,)).tolist()
+        prompt = torch.randint(0, 256, (n,)).tolist()
         fresh = greedy_generate(model, prompt, 20, use_cache=True)
         assert greedy_generate(model, prompt, 20, runner=runner) == fresh, n
         assert greedy_generate(model, prompt, 20, use_cache=False) == fresh, n
