@@ -550,7 +550,8 @@ TEACHER_FORCED = (
 # eval-ruler's per-sample measures (ruler_samples.jsonl) in the order the needle claim judges on them: the
 # first on which not every sample of both systems scores 0 (string match is 0 for every sample of a model too
 # weak for the task; the log-probability is never 0). A difference counts where it exceeds NEEDLE_SE standard
-# errors of the paired per-sample differences: the samples are the same prompts for every system (one seed).
+# errors of the paired per-sample differences: the samples are the same prompts for every system (eval-ruler
+# draws them from its --seed alone).
 SAMPLE_MEASURES = (("score", "string match"), ("answer_token_accuracy", "teacher-forced answer-token accuracy"),
                    ("answer_logprob", "the answer tokens' mean log-probability, teacher-forced (nats)"))
 NEEDLE_SE = 2.0
@@ -848,7 +849,7 @@ def _plots(folder: Path, t1, ppl, ruler, routing, over_training=None) -> list[st
                 pts = sorted((int(n), v) for n, v in (part.get("lengths") or {}).items() if _num(v) is not None)
                 if pts:
                     ax.plot(*zip(*pts), marker="o", color=colours[name], label=name,
-                            linestyle="--" if "_s" in name[len("natsl_hybrid"):] else "-")
+                            linestyle="--" if name in SEEDS else "-")
             ax.set_xscale("log", base=2)
             ax.set_xlabel("context length (tokens)")
             ax.set_ylabel("mean over tasks")
