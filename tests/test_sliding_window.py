@@ -21,6 +21,7 @@ def tiny_swa(window=5, seed=0, **changes):
     return natsl.build_model(config).double().eval()
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # eager on purpose
 def test_band_matches_flex_and_explicit_loop():
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, 11, 8, dtype=torch.float64) for _ in range(3))
