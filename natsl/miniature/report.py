@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from natsl.miniature.evaluate import ABLATIONS, LADDER, ROUTED, SEEDS
 
@@ -536,14 +537,25 @@ def _verdict(ok: bool | None) -> str:
     return NOT_MEASURED if ok is None else ("holds" if ok else "fails")
 
 
-# eval-ruler's teacher-forced measures (natsl.eval.ruler.answer_accuracy) in the order the needle claim
-# falls back on them: key in ruler.json, name in the claim, heading of its table in the report.
+class ForcedMeasure(NamedTuple):
+    """One of eval-ruler's teacher-forced measures (natsl.eval.ruler.answer_accuracy)."""
+
+    key: str  # its means in ruler.json
+    sample_key: str  # its value per sample in ruler_samples.jsonl
+    name: str  # in the claim's numbers
+    label: str  # its panel in ruler_by_length.png
+    heading: str  # of its table in the report
+
+
+# In the order the needle claim falls back on them.
 TEACHER_FORCED = (
-    ("answer_accuracy", "teacher-forced answer-token accuracy",
-     "Teacher-forced answer-token accuracy (the prompt followed by the answer in one forward; the fraction of the "
-     "value's tokens predicted exactly; `natsl eval-ruler --answer-accuracy`):"),
-    ("answer_logprob", "the answer tokens' mean log-probability, teacher-forced (nats)",
-     "The answer tokens' mean log-probability, teacher-forced (nats; higher retrieves more):"),
+    ForcedMeasure("answer_accuracy", "answer_token_accuracy", "teacher-forced answer-token accuracy",
+                  "answer-token accuracy, teacher-forced",
+                  "Teacher-forced answer-token accuracy (the prompt followed by the answer in one forward; the "
+                  "fraction of the value's tokens predicted exactly; `natsl eval-ruler --answer-accuracy`):"),
+    ForcedMeasure("answer_logprob", "answer_logprob", "the answer tokens' mean log-probability, teacher-forced (nats)",
+                  "answer log-probability (nats), teacher-forced",
+                  "The answer tokens' mean log-probability, teacher-forced (nats; higher retrieves more):"),
 )
 
 
@@ -552,8 +564,7 @@ TEACHER_FORCED = (
 # weak for the task; the log-probability is never 0). A difference counts where it exceeds NEEDLE_SE standard
 # errors of the paired per-sample differences: the samples are the same prompts for every system (eval-ruler
 # draws them from its --seed alone).
-SAMPLE_MEASURES = (("score", "string match"), ("answer_token_accuracy", "teacher-forced answer-token accuracy"),
-                   ("answer_logprob", "the answer tokens' mean log-probability, teacher-forced (nats)"))
+SAMPLE_MEASURES = (("score", "string match"), *((m.sample_key, m.name) for m in TEACHER_FORCED))
 NEEDLE_SE = 2.0
 MAX_SAMPLES_BYTES = 64 << 20
 
@@ -614,7 +625,7 @@ def needle_claim_from_samples(samples: dict, lengths: list[int]) -> dict | None:
     if not samples.get("natsl_hybrid") or not theirs or not lengths:
         return None
     seeds = f"{len(mine)} seed(s)"
-    for key, what in SAMPLE_MEASURES:
+    for i, (key, what) in enumerate(SAMPLE_MEASURES):
         gaps = {n: paired_gap(mine, theirs, key, n) for n in lengths}
         if any(g is None for g in gaps.values()):
             return None
@@ -623,7 +634,7 @@ def needle_claim_from_samples(samples: dict, lengths: list[int]) -> dict | None:
         ahead = [g["gap"] > NEEDLE_SE * g["se"] for g in gaps.values()]
         behind = [g["gap"] < -NEEDLE_SE * g["se"] for g in gaps.values()]
         verdict = "holds" if all(ahead) else "fails" if any(behind) else INCONCLUSIVE
-        skipped = [w for k, w in SAMPLE_MEASURES[:[k for k, _ in SAMPLE_MEASURES].index(key)]]
+        skipped = [w for _, w in SAMPLE_MEASURES[:i]]
         numbers = ((f"{' and '.join(skipped)} {'is' if len(skipped) == 1 else 'are'} 0 for every sample of both: "
                     if skipped else "")
                    + f"judged on {what}, paired per sample (the same prompts), natsl_hybrid the mean of its {seeds}: "
@@ -734,26 +745,27 @@ def claims(t1, ppl, ruler, routing, compare, window=None, samples=None) -> list[
     else:
         numbers = "no RULER result for natsl_hybrid and gdn_hybrid"
     verdict = _verdict(ok)
-    if pairs and all(a == b == 0 for _, a, b in pairs):  # a floor tells the systems apart no more than a ceiling
+    paired = needle_claim_from_samples(samples or {}, [n for n, _, _ in pairs]) if pairs else None
+    if paired is not None:  # the per-sample records: paired, over the seeds, beyond their noise
+        verdict, numbers = paired["verdict"], paired["numbers"]
+    elif pairs and all(a == b == 0 for _, a, b in pairs):  # a floor tells the systems apart no more than a ceiling
         verdict = INCONCLUSIVE
         numbers += " (both score 0 at every length: the task is beyond these models and cannot tell them apart)"
         # the teacher-forced scores still rank them (natsl.eval.ruler.answer_accuracy): the answer tokens
         # predicted, and where both predict none, their log-probability; judged on the first that tells
         # them apart, and said so
-        for key, what, _ in TEACHER_FORCED:
-            mine, theirs = ((ruler.get(n, {}).get(key) or {}).get("lengths") or {} for n in ("natsl_hybrid", "gdn_hybrid"))
+        for measure in TEACHER_FORCED:
+            mine, theirs = ((ruler.get(n, {}).get(measure.key) or {}).get("lengths") or {}
+                            for n in ("natsl_hybrid", "gdn_hybrid"))
             forced = [(n, _num(mine.get(str(n))), _num(theirs.get(str(n)))) for n, _, _ in pairs]
             forced = [p for p in forced if p[1] is not None and p[2] is not None]
             if not forced or len(forced) != len(pairs):
                 break
-            numbers += (f"; judged instead by {what}: "
+            numbers += (f"; judged instead by {measure.name}: "
                         + "; ".join(f"{n}: natsl_hybrid {fmt(a, 3)} vs gdn_hybrid {fmt(b, 3)}" for n, a, b in forced))
             if not all(a == b == 0 for _, a, b in forced):
                 verdict = _verdict(all(a > b for _, a, b in forced))
                 break
-    paired = needle_claim_from_samples(samples or {}, [n for n, _, _ in pairs]) if pairs else None
-    if paired is not None:
-        verdict, numbers = paired["verdict"], paired["numbers"]
     out.append({"claim": "NAtS-L Hybrid beats GDN Hybrid on the needle tasks at 4K and beyond (RULER mean over tasks)",
                 "verdict": verdict, "numbers": numbers})
     # 4. KV bytes
@@ -837,10 +849,8 @@ def _plots(folder: Path, t1, ppl, ruler, routing, over_training=None) -> list[st
     if ruler:
         # one panel per score (string match, then the teacher-forced ones), each on its own scale: a string match
         # at 0 everywhere would squash the others; one colour per system in every panel, one legend beside them
-        short = {"answer_accuracy": "answer-token accuracy, teacher-forced",
-                 "answer_logprob": "answer log-probability (nats), teacher-forced"}
-        panels = [(None, "string match")] + [(key, short.get(key, key)) for key, _, _ in TEACHER_FORCED
-                                              if any(r.get(key) for r in ruler.values())]
+        panels = [(None, "string match")] + [(m.key, m.label) for m in TEACHER_FORCED
+                                              if any(r.get(m.key) for r in ruler.values())]
         fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels) + 2.2, 4.2), squeeze=False)
         colours = {name: f"C{i % 10}" for i, name in enumerate(order(ruler))}
         for ax, (key, what) in zip(axes[0], panels):
@@ -984,8 +994,8 @@ def write_report(root) -> Path:
         if isinstance(data, dict):
             ruler[name] = {"tasks": data.get("tasks") or {}, "lengths": data.get("lengths") or {},
                            "mean": data.get("mean"), "samples": data.get("samples"),
-                           **{key: data.get(key) if isinstance(data.get(key), dict) else None
-                              for key, _, _ in TEACHER_FORCED}}
+                           **{m.key: data.get(m.key) if isinstance(data.get(m.key), dict) else None
+                              for m in TEACHER_FORCED}}
     samples = {name: read_ruler_samples(root / "eval" / f"ruler_{name}" / "ruler_samples.jsonl", problems)
                for name in ruler}
     routing = routing_section(root, problems)
@@ -1070,10 +1080,10 @@ def write_report(root) -> Path:
         if scores and all(v == 0 for v in scores):
             md.append("\nEvery system scores 0 at every length: the models are too weak for the task at this "
                       "training length.")
-        for key, _, heading in TEACHER_FORCED:
-            forced = {n: r[key] for n, r in ruler.items() if r.get(key)}
+        for measure in TEACHER_FORCED:
+            forced = {n: r[measure.key] for n, r in ruler.items() if r.get(measure.key)}
             if forced:
-                md.append(f"\n{heading}\n")
+                md.append(f"\n{measure.heading}\n")
                 md.append(md_table(["system", *map(str, lengths), "mean"],
                                    [[n, *[fmt((a.get("lengths") or {}).get(str(x)), 3) for x in lengths],
                                      fmt(a.get("mean"), 3)] for n, a in forced.items()]))
