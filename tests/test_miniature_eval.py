@@ -433,7 +433,8 @@ def test_routing_over_training_from_metrics(tmp_path):
     steps = 3 * TRAINING_ROUTE_POINTS
     lines = [json.dumps({"step": s, "tokens": s * 100, "loss": 3.0,
                          "keep_groups": {"7": [s / steps, 0.0], "3": [1.0, 0.5]}}) for s in range(1, steps + 1)]
-    (run / "metrics.jsonl").write_text("\n".join(lines[:5] + ['{"step": 6, "tok'] + lines[5:]) + "\n")
+    nested = "[" * 100_000 + "]" * 100_000  # past the parser's recursion: skipped like a cut line
+    (run / "metrics.jsonl").write_text("\n".join(lines[:5] + ['{"step": 6, "tok', nested] + lines[5:]) + "\n")
     problems: list[str] = []
     found = routing_over_training({"natsl_hybrid": run, "gdn": run}, {}, problems)
     assert list(found) == ["natsl_hybrid"] and not problems  # only NAtS-L checkpoints

@@ -420,7 +420,8 @@ def routing_over_training(checkpoints: dict[str, Path], training: dict[str, dict
     logged by natsl train): {"labels": ["L3 g0", ...], "tokens": [...], "keep": [[per label] per point]}, the
     logged steps averaged into at most TRAINING_ROUTE_POINTS equal spans of tokens (the last span ends at the
     run's last logged step). Only the NAtS-L checkpoints; a run without such lines is left out."""
-    import json
+    from natsl.errors import NatslError
+    from natsl.files import parse_json
 
     out = {}
     for name in order(n for n in ROUTED if n in checkpoints or n in training):
@@ -434,9 +435,9 @@ def routing_over_training(checkpoints: dict[str, Path], training: dict[str, dict
             with open(path, encoding="utf-8") as fh:
                 for line in fh:
                     try:
-                        row = json.loads(line)
-                    except ValueError:
-                        continue  # a line cut by a kill
+                        row = parse_json(line, str(path), "skipped")
+                    except NatslError:
+                        continue  # a line cut by a kill, or nested past the parser
                     groups = row.get("keep_groups") if isinstance(row, dict) else None
                     if isinstance(groups, dict) and _num(row.get("tokens")) is not None:
                         points.append((float(row["tokens"]), groups))
