@@ -369,3 +369,21 @@ def test_eval_recall_options_are_checked_before_any_work(tmp_path, args, message
                                       "--device", "cpu", *args])
     assert_one_line_error(result, message)
     assert not (tmp_path / "out").exists()
+
+
+def test_run_records_survive_result_and_metrics_files_that_are_no_records(tmp_path):
+    """A run folder in --out holds what its worker wrote, or anything: a result.json nested past the parser or
+    not an object is no result, and metrics.jsonl lines that are not UTF-8, nested past the parser, cut or not
+    objects are skipped, where each gave a traceback."""
+    import natsl.training.sweep as S
+
+    run = S.RunSpec(id="r", system="gdn", recipe="x", width=64, lr=1e-3, task="t", data="d", overrides=[],
+                    max_steps=8, run_s=60.0, eval={}, compile=False, device="cpu", out=str(tmp_path / "r"))
+    metrics = tmp_path / "r" / "train" / "metrics.jsonl"
+    metrics.parent.mkdir(parents=True)
+    metrics.write_bytes(b'{"step": 3, "loss": 2.0}\n\xff\xfe not utf-8\n' + b"[" * 100_000 + b"]" * 100_000
+                        + b'\n7\n{"step": 4, "loss": 1.5}\n{"step": 5, "lo')
+    for result in ("[" * 100_000 + "]" * 100_000, "[1, 2]"):
+        (tmp_path / "r" / "result.json").write_text(result)
+        record = S.run_record(run)
+        assert record["status"] == "cut off" and record["steps"] == 4, record

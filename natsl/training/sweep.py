@@ -815,10 +815,30 @@ def stop_workers(procs: list[subprocess.Popen], grace_s: float = 3.0, wait_s: fl
 
 
 def _read_json(path: Path) -> Optional[dict]:
+    """A run's result.json as its worker wrote it; None when missing, unreadable or not a JSON object (read
+    through natsl.files.read_json: bounded, FIFO-safe, any nesting), as for a run that never wrote one."""
+    from natsl.files import read_json
+
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
+        data = read_json(path, "run the sweep again")
+    except (OSError, NatslError):
         return None
+    return data if isinstance(data, dict) else None
+
+
+def _read_metrics(path: Path) -> list[dict]:
+    """The records of a run's metrics.jsonl; a line cut by a kill, not UTF-8, nested past the parser or not an
+    object is skipped."""
+    from natsl.files import parse_json
+
+    records = []
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for line in fh:
+            with contextlib.suppress(NatslError):
+                record = parse_json(line, str(path), "skipped")
+                if isinstance(record, dict):
+                    records.append(record)
+    return records
 
 
 # ----------------------------------------------------------------------------- summary
@@ -833,12 +853,8 @@ def run_record(run: RunSpec) -> dict:
     if result:  # its provenance stays in result.json (the same for every run of a sweep, mostly)
         record = {**base, **{key: value for key, value in result.items() if key != "provenance"}}
     else:
-        records = []
         metrics = folder / "train" / "metrics.jsonl"
-        if metrics.is_file():
-            for line in metrics.read_text(encoding="utf-8").splitlines():
-                with contextlib.suppress(json.JSONDecodeError):
-                    records.append(json.loads(line))
+        records = _read_metrics(metrics) if metrics.is_file() else []
         evals = [r for r in records if "val_accuracy" in r]
         steps = [r for r in records if "loss" in r]
         record = {**base, "status": "cut off" if records else "not run", "steps": steps[-1]["step"] if steps else 0,
