@@ -407,6 +407,32 @@ def test_gpu_cuda_graph_decode_equals_eager_decode():
     assert all(torch.equal(a, b) for a, b in zip(graphed_kept, eager_kept))
 
 
+@pytest.mark.parametrize("layout", [*LAYOUTS, "gdn_swa"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_one_runner_serves_prompts_of_several_lengths_after_reset(layout):
+    """eval-ruler keeps one DecodeRunner per length and empties its cache between prompts, so that the graphs
+    captured for the first prompt are replayed for the others. Prompts of 300, 77 and 5 tokens in turn through
+    one runner (cache.reset() before each) decode to the logits of a fresh cache each, stepped eagerly; GDN + SWA
+    (the miniature's compare baseline) with a 48-token window that the prompts cross."""
+    model = gpu_model("gdn_hybrid", attn_window=48) if layout == "gdn_swa" else gpu_model(layout)
+    force_keep_fraction(model, 0.5, seed=3)  # routes that keep some blocks and write others (no NAtS-L: nothing)
+    gen = torch.Generator().manual_seed(11)
+    new = 40
+    runner = DecodeRunner(model, model.new_cache(1, max_len=300 + new), cuda_graphs=True)
+    with torch.no_grad():
+        for n in (300, 77, 5):
+            sequence = torch.randint(0, 1024, (n + new,), generator=gen).cuda()
+            runner.cache.reset()
+            model(sequence[None, :n], cache=runner.cache)
+            graphed = torch.stack([runner.step(sequence[n + t:n + t + 1]) for t in range(new)])
+            fresh = model.new_cache(1, max_len=n + new)
+            model(sequence[None, :n], cache=fresh)
+            eager = torch.stack([model(sequence[None, n + t:n + t + 1], cache=fresh)[:, -1] for t in range(new)])
+            torch.testing.assert_close(graphed.float(), eager.float(), rtol=0, atol=1e-2, msg=f"prompt of {n}")
+    assert runner.captures >= 1
+
+
 @pytest.mark.parametrize("layout", ["mamba2", "natsl_mamba2", "hybrid_mamba2"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
