@@ -170,6 +170,33 @@ def parse_json(text: str, where: str, fix: str):
         raise NatslError(f"{where} is not valid JSON ({reason}); {fix}") from None
 
 
+def read_json_records(path) -> list[dict]:
+    """The JSON objects of a .jsonl file, one a line (a run's metrics.jsonl). A line cut short by a kill, not
+    UTF-8, nested past the parser or not an object is skipped: a crash, or another program, leaves such lines.
+
+    Args:
+        path: the file (the caller checks that it is a regular file: opening a FIFO would wait).
+
+    Returns:
+        The records, in file order.
+
+    Raises:
+        OSError: the file cannot be opened or read.
+    """
+    from natsl.errors import NatslError
+
+    records = []
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for line in fh:
+            try:
+                record = parse_json(line, str(path), "skipped")
+            except NatslError:
+                continue
+            if isinstance(record, dict):
+                records.append(record)
+    return records
+
+
 def read_json(path, fix: str, max_bytes: int = MAX_JSON_BYTES):
     """The parsed JSON of a file from a folder natsl was given (read_small_text, then parse_json).
 

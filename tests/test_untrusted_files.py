@@ -22,7 +22,7 @@ from natsl.checkpoint import check_replaceable, save_model_folder
 from natsl.cli.main import app
 from natsl.errors import NatslError
 from natsl.eval.haystack import essay_text
-from natsl.files import check_output, resolve_inside
+from natsl.files import check_output, read_json_records, resolve_inside
 from natsl.tokenizer import train_bpe
 
 from cli_checks import assert_one_line_error
@@ -198,6 +198,17 @@ def test_resolve_inside_ends_with_the_callers_fix(tmp_path):
     with pytest.raises(NatslError, match="'meta.json' names '../x', which leads outside the folder") as err:
         resolve_inside(tmp_path, "../x", "'meta.json'", fix="tokenize the data again")
     assert str(err.value).endswith(": tokenize the data again") and "use another copy" not in str(err.value)
+
+
+def test_json_records_skip_every_line_that_is_not_an_object(tmp_path):
+    """metrics.jsonl as a kill or another program leaves it: the sweep, the trainer's resume and the miniature's
+    report read it through read_json_records, which keeps the objects in order and skips the rest."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"step": 1}\n' + b"[" * 100_000 + b"\n" + b'{"step": 2, "note": "\xff"}\n' + b"7\n\n"
+                     + b'"text"\n' + b'{"step": 3}\n' + b'{"step": 4, "loss": 1.')
+    records = read_json_records(path)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert records[1]["note"] == "\ufffd"  # a byte that is not UTF-8 is replaced, the record kept
 
 
 def test_resolve_inside_keeps_paths_that_stay_inside(tmp_path):

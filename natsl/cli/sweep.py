@@ -79,7 +79,9 @@ def run_worker(run_file: str) -> int:
     except KeyboardInterrupt:  # stopped at the wall-clock budget or by a signal, checkpoint written
         steps, loss = None, None
     train_s = time.time() - started
-    records = [json.loads(line) for line in (folder / "train" / "metrics.jsonl").read_text().splitlines() if line]
+    from natsl.files import read_json_records
+
+    records = read_json_records(folder / "train" / "metrics.jsonl")
     step_records = [r for r in records if "loss" in r]
     evals = [r for r in records if "val_accuracy" in r]
     from natsl.models import build_model

@@ -420,8 +420,7 @@ def routing_over_training(checkpoints: dict[str, Path], training: dict[str, dict
     logged by natsl train): {"labels": ["L3 g0", ...], "tokens": [...], "keep": [[per label] per point]}, the
     logged steps averaged into at most TRAINING_ROUTE_POINTS equal spans of tokens (the last span ends at the
     run's last logged step). Only the NAtS-L checkpoints; a run without such lines is left out."""
-    from natsl.errors import NatslError
-    from natsl.files import parse_json
+    from natsl.files import read_json_records
 
     out = {}
     for name in order(n for n in ROUTED if n in checkpoints or n in training):
@@ -430,20 +429,13 @@ def routing_over_training(checkpoints: dict[str, Path], training: dict[str, dict
                      if (pl / sub / "metrics.jsonl").is_file()), None)
         if path is None:
             continue
-        points = []
         try:
-            with open(path, encoding="utf-8") as fh:
-                for line in fh:
-                    try:
-                        row = parse_json(line, str(path), "skipped")
-                    except NatslError:
-                        continue  # a line cut by a kill, or nested past the parser
-                    groups = row.get("keep_groups") if isinstance(row, dict) else None
-                    if isinstance(groups, dict) and _num(row.get("tokens")) is not None:
-                        points.append((float(row["tokens"]), groups))
+            records = read_json_records(path)
         except OSError as err:
             problems.append(f"{path}: {err}")
             continue
+        points = [(float(row["tokens"]), row["keep_groups"]) for row in records
+                  if isinstance(row.get("keep_groups"), dict) and _num(row.get("tokens")) is not None]
         if not points:
             continue
         layers = sorted(points[-1][1], key=int)

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from natsl.atomic import write_text as atomic_write_text
-from natsl.files import os_error_at
+from natsl.files import os_error_at, read_json_records
 
 
 class MetricsLog:
@@ -21,13 +21,7 @@ class MetricsLog:
     def records(self) -> list[dict]:
         if not self.path.is_file():
             return []
-        out = []
-        for line in self.path.read_text(encoding="utf-8").splitlines():
-            try:
-                out.append(json.loads(line))
-            except (ValueError, RecursionError):
-                continue  # a line cut short by a crash (or not natsl's)
-        return out
+        return read_json_records(self.path)  # lines cut short by a crash (or not natsl's) are skipped
 
     def truncate(self, last_step: int) -> None:
         """Drop the records after `last_step` (written by a run that died before its next checkpoint)."""

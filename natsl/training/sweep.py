@@ -100,6 +100,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from natsl.errors import NatslError
+from natsl.files import read_json, read_json_records
 from natsl.training.sweep_checks import (check_devices_present, check_env, check_eval, check_name, check_out_folder,
                                          check_run_eval, check_device, recipe_location, spec_error)
 from natsl.training.sweep_lm import LM_NOTE, best_lm_points, plot_lm_summary, save_figure, validation_of
@@ -817,28 +818,11 @@ def stop_workers(procs: list[subprocess.Popen], grace_s: float = 3.0, wait_s: fl
 def _read_json(path: Path) -> Optional[dict]:
     """A run's result.json as its worker wrote it; None when missing, unreadable or not a JSON object (read
     through natsl.files.read_json: bounded, FIFO-safe, any nesting), as for a run that never wrote one."""
-    from natsl.files import read_json
-
     try:
         data = read_json(path, "run the sweep again")
     except (OSError, NatslError):
         return None
     return data if isinstance(data, dict) else None
-
-
-def _read_metrics(path: Path) -> list[dict]:
-    """The records of a run's metrics.jsonl; a line cut by a kill, not UTF-8, nested past the parser or not an
-    object is skipped."""
-    from natsl.files import parse_json
-
-    records = []
-    with open(path, encoding="utf-8", errors="replace") as fh:
-        for line in fh:
-            with contextlib.suppress(NatslError):
-                record = parse_json(line, str(path), "skipped")
-                if isinstance(record, dict):
-                    records.append(record)
-    return records
 
 
 # ----------------------------------------------------------------------------- summary
@@ -854,7 +838,7 @@ def run_record(run: RunSpec) -> dict:
         record = {**base, **{key: value for key, value in result.items() if key != "provenance"}}
     else:
         metrics = folder / "train" / "metrics.jsonl"
-        records = _read_metrics(metrics) if metrics.is_file() else []
+        records = read_json_records(metrics) if metrics.is_file() else []
         evals = [r for r in records if "val_accuracy" in r]
         steps = [r for r in records if "loss" in r]
         record = {**base, "status": "cut off" if records else "not run", "steps": steps[-1]["step"] if steps else 0,
