@@ -91,6 +91,10 @@ class Switches:
     fused_gla_decode: bool = _switch(True, "NATSL_FUSED_GLA_DECODE", "Mamba2's decode step (and NAtS-L's on a "
                                      "Mamba2 state) on its one fused Triton kernel where the fused inference "
                                      "kernels run; False: its reference twin")
+    # Checked against its twin under the Triton interpreter (tests/test_twins.py) and in the models' decode.
+    fused_rope: bool = _switch(True, "NATSL_FUSED_ROPE", "a decode token's softmax q/k norms, RoPE and K/V "
+                               "write on one fused Triton kernel where the fused inference kernels run; "
+                               "False: its reference twin (eager)")
     # The padding is tested on the CPU, the capture and replay on the GPU (tests/test_prefill_graph.py -m gpu).
     prefill_graphs: bool = _switch(True, "NATSL_PREFILL_GRAPHS", "short prompts (batch 1, empty cache) prefill "
                                    "from CUDA graphs captured per length bucket (natsl.inference.prefill_graph)")

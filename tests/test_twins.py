@@ -150,6 +150,37 @@ def test_write_kv_twins_agree():
     assert all(torch.equal(a, b) for a, b in zip(*written)) and written[0][0].abs().sum() > 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rope,norms", [(True, False), (True, True), (False, True), (False, False)])
+def test_rope_write_kv_twins_agree(dtype, rope, norms):
+    """q returned and K/V written, with and without RoPE (at positions from 0 to past 128K) and the q/k
+    norms; q, k, v as strided views of one projection, as the decode step passes them."""
+    from natsl.reference.rope import inverse_frequencies
+
+    reference, fast = pair("rope_write_kv")
+    B, heads, DK, DV, L = 3, 2, 16, 8, 6
+    qkv = randn(B, heads, 2 * DK + DV, seed=1, dtype=dtype) * 2
+    q, k, v = qkv[..., :DK], qkv[..., DK:2 * DK], qkv[..., 2 * DK:]
+    positions = torch.tensor([0, 77, 131_071], device=DEVICE)
+    inv_freq = inverse_frequencies(DK, 10000.0, DEVICE) if rope else None
+    weights = dict(q_weight=randn(DK, seed=2).abs() + 0.5, k_weight=randn(DK, seed=3).abs() + 0.5) if norms else {}
+    slots = torch.tensor([[0, 5], [3, 3], [1, 4]], device=DEVICE)
+    results = []
+    for fn in (reference, fast):
+        k_buf, v_buf = torch.zeros(B, heads, L, DK, device=DEVICE), torch.zeros(B, heads, L, DV, device=DEVICE)
+        out = fn(q, k, v, positions, inv_freq, k_buf, v_buf, slots, eps=1e-6, **weights)
+        results.append((out, k_buf, v_buf))
+    (q_ref, k_ref, v_ref), (q_fast, k_fast, v_fast) = results
+    # bf16: up to two roundings (the norm's, then the rotation's), each to an ulp of 2^-8 relative; Triton's
+    # interpreter truncates where the reference and the GPU round to nearest, so there they lean one way
+    tol = TOL if dtype == torch.float32 else (5e-3 if DEVICE == "cuda" else 1e-2)
+    assert q_fast.dtype == dtype and q_fast.shape == (B, heads, DK)
+    assert rel_rms(q_fast, q_ref) < tol and rel_rms(k_fast, k_ref) < tol and torch.equal(v_fast, v_ref)
+    assert k_ref.abs().sum() > 0 and (k_ref[0, 0, 0] != 0).all() and (k_ref[0, 0, 1] == 0).all()
+    if not rope and not norms:  # nothing to compute: q comes back as it went in, K as it was given
+        assert torch.equal(q_fast, q) and torch.equal(k_fast[0, 0, 0], k[0, 0].float())
+
+
 @pytest.mark.parametrize("B,T,n,C", [(2, 1, 0, 4), (2, 11, 2, 4), (1, 5, 3, 4)])
 def test_store_blocks_twins_agree(B, T, n, C):
     """Kept and dropped blocks, a chunk that starts inside a block (n > 0) and ends inside one."""

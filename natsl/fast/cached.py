@@ -12,6 +12,7 @@ spent several times the weights' read time in launch gaps. In prefill the same f
   `conv_chunk(x, tail, weight)` the same over many tokens (prefill): the forward kernel of
   natsl.fast.short_conv.
 - `write_kv(...)`: a decode token's K and V rows into their caches in one launch;
+  `rope_write_kv(...)` the same after the softmax heads' q/k norms and RoPE (q returned);
 - `store_blocks(...)`: a prefill chunk's K/V of kept (and unfinished) blocks into a NAtS-L cache's
   compacted memory, one program per (sequence, head, block).
 - `gdn_decode_step(...)`: L2-norm of q, k, the decay g and beta from the raw projections, and the
@@ -41,6 +42,7 @@ def _kernels():
     import triton
     import triton.language as tl
 
+    from natsl.fast.decode_row_kernels import rope_write_kv_kernel, write_kv_kernel
     from natsl.fast.decode_step_kernels import gdn_step_kernel, gla_step_kernel
 
     @triton.jit
@@ -100,26 +102,7 @@ def _kernels():
             tl.store(mem_ptr + b.to(tl.int64) * m_b + h * m_h + dest[:, None] * m_l + cols[None, :],
                      rows.to(mem_ptr.dtype.element_ty), mask=mask)
 
-    @triton.jit
-    def write_kv_kernel(kb_ptr, vb_ptr, slots_ptr, k_ptr, v_ptr, HEADS, DK, DV,
-                        kb_b, kb_h, kb_l, vb_b, vb_h, vb_l, sl_b, sl_h, k_b, k_h, v_b, v_h,
-                        BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
-        # One program per (sequence, head): its K row and V row into the slot it was given.
-        if PDL:  # kernels.pdl: wait for the earlier kernels' writes, then let the next kernel start
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        bh = tl.program_id(0)
-        b = (bh // HEADS).to(tl.int64)
-        h = bh % HEADS
-        slot = tl.load(slots_ptr + b * sl_b + h * sl_h)
-        ck = tl.arange(0, BLOCK_K)
-        row = tl.load(k_ptr + b * k_b + h * k_h + ck, mask=ck < DK)
-        tl.store(kb_ptr + b * kb_b + h * kb_h + slot * kb_l + ck, row.to(kb_ptr.dtype.element_ty), mask=ck < DK)
-        cv = tl.arange(0, BLOCK_V)
-        row = tl.load(v_ptr + b * v_b + h * v_h + cv, mask=cv < DV)
-        tl.store(vb_ptr + b * vb_b + h * vb_h + slot * vb_l + cv, row.to(vb_ptr.dtype.element_ty), mask=cv < DV)
-
-    return conv_step_kernel, gdn_step_kernel, store_blocks_kernel, write_kv_kernel, gla_step_kernel
+    return conv_step_kernel, gdn_step_kernel, store_blocks_kernel, write_kv_kernel, gla_step_kernel, rope_write_kv_kernel
 
 
 def pdl(device: torch.device) -> bool:
@@ -231,6 +214,38 @@ def write_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor, k: t
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         BLOCK_K=max(16, next_pow2(DK)), BLOCK_V=max(16, next_pow2(DV)), num_warps=1, PDL=on,
         **launch_options(on))
+
+
+def rope_write_kv(q, k, v, positions, inv_freq, k_buf, v_buf, slots, *, q_weight=None, k_weight=None,
+                  eps: float = 1e-6):
+    """A decode token's softmax heads before the attention read, in one launch: q and k RMS-normed per
+    head when their weight is given, rotated by RoPE, K and V written to their caches. (Eager, RoPE alone
+    was ~15 small kernels for q and as many for k in every attention layer's decode step.)
+
+    q, k [B, heads, Dk]; v [B, heads, Dv] (unit last stride); positions [B] (int64); inv_freq [Dk / 2]
+    fp32 or None (no rotation); k_buf, v_buf [B, heads, L, D]; slots [B, heads] (int64); q_weight,
+    k_weight [Dk] or None; eps the norms'. Returns q, normed and rotated, [B, heads, Dk] in q's dtype
+    (natsl.reference.cached.rope_write_kv: the same roundings)."""
+    B, heads, DK = q.shape
+    DV = v.shape[-1]
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
+    assert k_buf.stride(-1) == 1 and v_buf.stride(-1) == 1
+    rope = inv_freq is not None
+    assert not rope or (DK % 2 == 0 and inv_freq.shape == (DK // 2,) and inv_freq.dtype == torch.float32)
+    inv_freq = inv_freq.contiguous() if rope else positions  # (unread without rotation)
+    q_weight_arg = q if q_weight is None else q_weight.contiguous()
+    k_weight_arg = k if k_weight is None else k_weight.contiguous()
+    out = torch.empty(B, heads, DK, dtype=q.dtype, device=q.device)
+    half = (DK + 1) // 2
+    on = pdl(q.device)
+    _kernels()[5][(B * heads,)](
+        q, k, v, positions, inv_freq, q_weight_arg, k_weight_arg, out, k_buf, v_buf, slots, heads, DK, DV, half,
+        float(eps), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), positions.stride(0),
+        k_buf.stride(0), k_buf.stride(1), k_buf.stride(2), v_buf.stride(0), v_buf.stride(1), v_buf.stride(2),
+        slots.stride(0), slots.stride(1), BLOCK_H=max(16, next_pow2(half)), BLOCK_V=max(16, next_pow2(DV)),
+        ROPE=rope, Q_NORM=q_weight is not None, K_NORM=k_weight is not None, num_warps=1, PDL=on,
+        **launch_options(on))
+    return out
 
 
 def _step_launch(tensors, state, scale, widest_tile):

@@ -20,7 +20,7 @@ from natsl.ops import kernel_set
 from natsl.ops.cached import attend_cached
 from natsl.models.linear import Linear
 from natsl.models.merged import shared_linear
-from natsl.models.rope import RopeTable, apply_rope
+from natsl.models.rope import RopeTable, apply_rope, decode_frequencies
 
 
 class SoftmaxAttention(nn.Module):
@@ -37,16 +37,20 @@ class SoftmaxAttention(nn.Module):
 
     merge_groups = {"qkv": ("q_proj", "k_proj", "v_proj")}  # run as one product by natsl.models.merged
 
+    def heads(self, x: torch.Tensor):
+        """x [B,T,d] -> q, k, v [B,T,heads,head_dim], before RoPE."""
+        b, t, _ = x.shape
+        return tuple(y.view(b, t, self.num_heads, self.head_dim)
+                     for y in shared_linear(self, "qkv", x, label="attn_qkv"))
+
     def project(self, x: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None,
                 rope: RopeTable | None = None):
         """x [B,T,d] -> q, k, v [B,T,heads,head_dim], RoPE applied at positions start..start+T-1
         (or at `positions` [B, T], one row per sequence; or from `rope`, positions 0..T-1)."""
-        b, t, _ = x.shape
-        q, k, v = (y.view(b, t, self.num_heads, self.head_dim)
-                   for y in shared_linear(self, "qkv", x, label="attn_qkv"))
+        q, k, v = self.heads(x)
         if self.config.attn_rope:
             if positions is None and rope is None:
-                positions = torch.arange(start, start + t, device=x.device)
+                positions = torch.arange(start, start + x.shape[1], device=x.device)
             q = apply_rope(q, positions, self.config.rope_theta, rope)
             k = apply_rope(k, positions, self.config.rope_theta, rope)
         return q, k, v
@@ -73,7 +77,7 @@ class SoftmaxAttention(nn.Module):
             self.observed_q = None
         if start is None:  # decode: one token per sequence, each at its own position
             pos = cache.positions.pos
-            q, k, v = self.project(x, positions=pos[:, None])
+            q, k, v = self.heads(x)
             n = min(cache.positions.attn_read, cache.k.shape[2])
             if cache.window:  # ring buffer: the token goes to slot pos mod window
                 slots = (pos % cache.window)[:, None].expand(b, self.num_heads)
@@ -81,7 +85,10 @@ class SoftmaxAttention(nn.Module):
             else:  # absolute positions, or after eviction the end of each head's entries
                 slots = pos[:, None].expand(b, self.num_heads) if cache.kv_len is None else cache.kv_len
                 visible = slots + 1
-            kernel_set.pick(self.backend, x.device).write_kv(cache.k, cache.v, slots, k[:, 0], v[:, 0])
+            # RoPE on q and k, then K/V into the cache: one kernel on the fused set
+            inv_freq = decode_frequencies(self.head_dim, self.config.rope_theta, x.device) if self.config.attn_rope else None
+            q = kernel_set.pick(self.backend, x.device).rope_write_kv(q[:, 0], k[:, 0], v[:, 0], pos, inv_freq, cache.k,
+                                                                      cache.v, slots)[:, None]
             o = attend_cached(q, cache.k[:, :, :n], cache.v[:, :, :n], visible, backend=self.backend)
             if cache.kv_len is not None:
                 cache.kv_len.add_(1)

@@ -18,6 +18,7 @@ import torch
 from natsl import ops
 from natsl.models import overlap
 from natsl.models.cache import real_tokens
+from natsl.models.rope import decode_frequencies
 from natsl.ops import kernel_set
 from natsl.ops.block_end import decode_slots
 from natsl.ops.cached import attend_cached, commit_state, masked_attention, read_state
@@ -100,10 +101,13 @@ class CachedNAtSL:
                         * read_state(cache.state_start, ql, scale=self.proj.scale)).to(x.dtype)
 
         # Softmax branch: the token's K/V go after its group's kept blocks and its block's earlier tokens.
-        qs, ks, vs = self.softmax_views(q, k, v, positions=pos[:, None], kernels=kernels)
         # "gdn" intra-block output: the own block is GDN-only, the query reads the kept blocks alone
         slots, visible = decode_slots(cache.kept_len, pos, self.groups, C, c.intra_block_output != "gdn")
-        kernels.write_kv(cache.k_mem, cache.v_mem, slots, ks[:, 0], vs[:, 0])
+        # the q/k norms, RoPE and the K/V write: one kernel on the fused set (as softmax_views, then write_kv)
+        qs, ks, vs = self.softmax_heads_of(q, k, v)
+        inv_freq = decode_frequencies(c.softmax_k_dim, c.rope_theta, x.device) if c.natsl_rope else None
+        qs = kernels.rope_write_kv(qs[:, 0], ks[:, 0], vs[:, 0], pos, inv_freq, cache.k_mem, cache.v_mem, slots,
+                                   (self.q_norm, self.k_norm))[:, None]
         n = cache.positions.natsl_read
         o_nla = attend_cached(qs, cache.k_mem[:, :, :n], cache.v_mem[:, :, :n], visible, backend=self.backend)
 

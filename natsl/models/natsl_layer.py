@@ -136,21 +136,26 @@ class NAtSL(CachedNAtSL, nn.Module):
         observed = keep.detach().float().mean(dim=(0, 1))  # [H]
         self.router_keep_bias.add_(torch.sign(c.router_keep_target - observed), alpha=c.router_bias_rate)
 
+    def softmax_heads_of(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Flat post-conv q, k, v -> the softmax branch's heads [B, T, H*R, K/R or V/R], as views (no norm,
+        no RoPE)."""
+        b, t = q.shape[:2]
+        c = self.config
+        return (q.view(b, t, self.softmax_heads, c.softmax_k_dim), k.view(b, t, self.softmax_heads, c.softmax_k_dim),
+                v.view(b, t, self.softmax_heads, c.softmax_v_dim))
+
     def softmax_views(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int = 0,
                       positions: torch.Tensor | None = None, kernels=kernel_set.REFERENCE,
                       rope: RopeTable | None = None):
         """Flat post-conv q, k, v -> softmax-branch heads [B, T, H*R, K/R or V/R] (normed on `kernels`,
         natsl.ops.kernel_set; RoPE at positions start..start+T-1, or at `positions` [B, T], one row per
         sequence; or from the shared table `rope`, positions 0..T-1)."""
-        b, t = q.shape[:2]
         c = self.config
-        qv = q.view(b, t, self.softmax_heads, c.softmax_k_dim)
-        kv = k.view(b, t, self.softmax_heads, c.softmax_k_dim)
+        qv, kv, vs = self.softmax_heads_of(q, k, v)
         qs, ks = kernels.norm(qv, self.q_norm), kernels.norm(kv, self.k_norm)
-        vs = v.view(b, t, self.softmax_heads, c.softmax_v_dim)
         if c.natsl_rope:
             if positions is None and rope is None:
-                positions = torch.arange(start, start + t, device=q.device)
+                positions = torch.arange(start, start + q.shape[1], device=q.device)
             qs = apply_rope(qs, positions, c.rope_theta, rope)
             ks = apply_rope(ks, positions, c.rope_theta, rope)
         return qs, ks, vs

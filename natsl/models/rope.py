@@ -1,16 +1,23 @@
-"""Rotary position embedding (rotate-half form), applied at absolute positions."""
+"""Rotary position embedding (rotate-half form), applied at absolute positions (the formulas:
+natsl.reference.rope)."""
 
 from __future__ import annotations
 
 import torch
 
+from natsl.reference.rope import angles, cached_inverse_frequencies, inverse_frequencies, rotate
+
 
 def rope_angles(positions: torch.Tensor, dim: int, theta: float):
     """positions [T] or [B, T] (int) -> (cos, sin) of shape [T, dim] or [B, T, dim], fp32."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim))
-    freqs = positions.float()[..., None] * inv_freq
-    angles = torch.cat([freqs, freqs], dim=-1)
-    return angles.cos(), angles.sin()
+    return angles(positions, inverse_frequencies(dim, theta, positions.device))
+
+
+def decode_frequencies(dim: int, theta: float, device) -> torch.Tensor:
+    """inv_freq [dim / 2] fp32 for a decode step's fused RoPE (natsl.ops.kernel_set `rope_write_kv`), made
+    once per (dim, theta, device): a decode step's first, eager call makes it, before any CUDA graph
+    records the step (natsl.inference.decode)."""
+    return cached_inverse_frequencies(dim, float(theta), torch.device(device))
 
 
 class RopeTable:
@@ -47,7 +54,4 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor | None, theta: float,
             cos, sin = cos[None, :, None, :], sin[None, :, None, :]
         else:
             cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-    xf = x.float()
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-    return (xf * cos + rotated * sin).to(x.dtype)
+    return rotate(x, cos, sin)

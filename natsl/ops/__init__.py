@@ -280,6 +280,7 @@ TWINS = {
     "commit_block": ("natsl.reference.router:commit_block", "natsl.fast.gated_delta.commit:commit_block"),
     "decode_attention": ("natsl.reference.cached:attend_one", "natsl.fast.decode_attention:decode_attention"),
     "write_kv": ("natsl.reference.cached:write_kv", "natsl.fast.cached:write_kv"),
+    "rope_write_kv": ("natsl.reference.cached:rope_write_kv", "natsl.fast.cached:rope_write_kv"),
     "store_blocks": ("natsl.reference.cached:store_blocks", "natsl.fast.cached:store_blocks"),
     "gdn_decode_step": ("natsl.reference.cached:gdn_decode_step", "natsl.fast.cached:gdn_decode_step"),
     "gla_decode_step": ("natsl.reference.cached:gla_decode_step", "natsl.fast.cached:gla_decode_step"),

@@ -19,6 +19,7 @@ step below on the set it got, with no choice of its own:
 | `gdn_decode_step` (gates, L2 norms, token step, state in place) | `natsl.fast.cached.gdn_decode_step` | `gdn_gates`, `l2_normalize`, `natsl.ops.cached.gdn_token_step` |
 | `gla_decode_step` (Mamba2's gates, L2 norms, SSD token step, + D x) | `natsl.fast.cached.gla_decode_step` (switch `fused_gla_decode`, on by default) | its twin `natsl.reference.cached.gla_decode_step` |
 | `write_kv` | `natsl.fast.cached.write_kv` (contiguous rows) | `natsl.reference.cached.write_kv` |
+| `rope_write_kv` (a decode token's q/k norms, RoPE, K/V write) | `natsl.fast.cached.rope_write_kv` (switch `fused_rope`, on by default) | `natsl.reference.cached.rope_write_kv` |
 | `store_blocks` | `natsl.fast.cached.store_blocks` | `natsl.reference.cached.store_blocks` |
 | `close_block` (NAtS-L block end) | `natsl.ops.block_end.close_block` (compiled); with a keep budget or a custom override, the reference's | eager bookkeeping, commit on `natsl.ops.cached.commit_state` |
 
@@ -139,6 +140,18 @@ class Reference:
     def write_kv(self, k_buf, v_buf, slots, k, v) -> None:
         """A decode token's K [B, heads, Dk] and V into k_buf, v_buf [B, heads, L, D] at slots [B, heads]."""
         cached.write_kv(k_buf, v_buf, slots, k, v, fused=self.fused)
+
+    def rope_write_kv(self, q, k, v, positions, inv_freq, k_buf, v_buf, slots, norms=None):
+        """A decode token's softmax heads: q, k [B, heads, Dk] normed by `norms` (the layer's (q_norm,
+        k_norm) RMSNorm modules, or None), rotated at positions [B] with inv_freq [Dk / 2] (None: no RoPE),
+        K and V [B, heads, Dv] written to k_buf, v_buf [B, heads, L, D] at slots [B, heads]. Returns q."""
+        q_weight, k_weight, eps = (None, None, 1e-6) if norms is None else (norms[0].weight, norms[1].weight,
+                                                                             norms[0].eps)
+        assert norms is None or norms[0].eps == norms[1].eps
+        # the kernel reads unit-stride rows; the switch fused_rope (NATSL_FUSED_ROPE=0) keeps the twin
+        fused = self.fused and switches.current().fused_rope and all(t.stride(-1) == 1 for t in (q, k, v))
+        return twin("rope_write_kv", fused)(q, k, v, positions, inv_freq, k_buf, v_buf, slots,
+                                            q_weight=q_weight, k_weight=k_weight, eps=eps)
 
     def store_blocks(self, src, mem, valid, before, kept0, n: int, block_size: int) -> None:
         """A prefill chunk's K or V into a NAtS-L cache's compacted memory (natsl.reference.cached.store_blocks)."""

@@ -6,7 +6,7 @@ commit, the rule of every path, is `natsl.reference.router.commit_block`, the re
 Everything here works on any device. `gated_delta_step`, `attend_one` and `write_kv` are the reference
 twins (same signatures) of the fast decode pieces `natsl.fast.gated_delta.gated_delta_step`,
 `natsl.fast.decode_attention.decode_attention` and `natsl.fast.cached.write_kv`;
-`conv_step`, `conv_steps`, `conv_chunk`, `gdn_decode_step`, `gla_decode_step` and `store_blocks` those of the rest of
+`conv_step`, `conv_steps`, `conv_chunk`, `gdn_decode_step`, `gla_decode_step`, `rope_write_kv` and `store_blocks` those of the rest of
 `natsl.fast.cached` (natsl.ops.TWINS); `natsl.ops.cached` and `natsl.ops.kernel_set` pick between them. Nothing here but
 `store_blocks` reads a device value on the host, so a decode step built from these functions can be
 captured in a CUDA graph.
@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from natsl.reference.gates import add_skip, decay, gdn_gates, step_values
-from natsl.reference.norms import l2_normalize
+from natsl.reference.norms import l2_normalize, rms_norm
+from natsl.reference.rope import angles, rotate
 from natsl.reference.short_conv import short_conv_silu
 
 
@@ -70,6 +71,27 @@ def write_kv(k_buf, v_buf, slots, k, v) -> None:
     """A decode token's K and V into their caches: `write_token` of each."""
     write_token(k_buf, slots, k)
     write_token(v_buf, slots, v)
+
+
+def rope_write_kv(q, k, v, positions, inv_freq, k_buf, v_buf, slots, *, q_weight=None, k_weight=None,
+                  eps: float = 1e-6):
+    """A decode token's softmax heads before the attention read: q and k RMS-normed per head when their
+    weight is given (each rounded to its dtype, as the layer's norm modules do), rotated by RoPE, K and V
+    written to their caches.
+
+    q, k [B, heads, Dk]; v [B, heads, Dv]; positions [B] (int64, the token's position); inv_freq [Dk / 2]
+    fp32 (natsl.reference.rope.inverse_frequencies; None: no rotation); k_buf, v_buf [B, heads, L, D];
+    slots [B, heads] (int64); q_weight, k_weight [Dk] or None; eps the norms'. Returns q, normed and
+    rotated, [B, heads, Dk] in q's dtype; k_buf[b, h, slots[b, h]] and v_buf's are written."""
+    if q_weight is not None:
+        q = rms_norm(q, q_weight, eps)
+    if k_weight is not None:
+        k = rms_norm(k, k_weight, eps)
+    if inv_freq is not None:
+        cos, sin = angles(positions[:, None], inv_freq)  # [B, 1, Dk]: one angle set per sequence
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+    write_kv(k_buf, v_buf, slots, k, v)
+    return q
 
 
 def attend_one(q, keys, values, visible, *, scale=None, num_splits=None, block_n=None, num_warps=4,
