@@ -86,9 +86,10 @@ class SoftmaxAttention(nn.Module):
                 slots = pos[:, None].expand(b, self.num_heads) if cache.kv_len is None else cache.kv_len
                 visible = slots + 1
             # RoPE on q and k, then K/V into the cache: one kernel on the fused set
-            inv_freq = decode_frequencies(self.head_dim, self.config.rope_theta, x.device) if self.config.attn_rope else None
-            q = kernel_set.pick(self.backend, x.device).rope_write_kv(q[:, 0], k[:, 0], v[:, 0], pos, inv_freq, cache.k,
-                                                                      cache.v, slots)[:, None]
+            rope = self.config.attn_rope
+            inv_freq = decode_frequencies(self.head_dim, self.config.rope_theta, x.device) if rope else None
+            kernels = kernel_set.pick(self.backend, x.device)
+            q = kernels.rope_write_kv(q[:, 0], k[:, 0], v[:, 0], pos, inv_freq, cache.k, cache.v, slots)[:, None]
             o = attend_cached(q, cache.k[:, :, :n], cache.v[:, :, :n], visible, backend=self.backend)
             if cache.kv_len is not None:
                 cache.kv_len.add_(1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from natsl.reference.rope import angles, cached_inverse_frequencies, inverse_frequencies, rotate
+from natsl.reference.rope import angles, inverse_frequencies, rotate
 
 
 def rope_angles(positions: torch.Tensor, dim: int, theta: float):
@@ -13,11 +13,21 @@ def rope_angles(positions: torch.Tensor, dim: int, theta: float):
     return angles(positions, inverse_frequencies(dim, theta, positions.device))
 
 
+_DECODE_FREQUENCIES: dict = {}
+
+
 def decode_frequencies(dim: int, theta: float, device) -> torch.Tensor:
-    """inv_freq [dim / 2] fp32 for a decode step's fused RoPE (natsl.ops.kernel_set `rope_write_kv`), made
-    once per (dim, theta, device): a decode step's first, eager call makes it, before any CUDA graph
-    records the step (natsl.inference.decode)."""
-    return cached_inverse_frequencies(dim, float(theta), torch.device(device))
+    """inv_freq [dim / 2] fp32 for a decode step's RoPE (natsl.ops.kernel_set `rope_write_kv`), made once per
+    (dim, theta, device): a decode step captured in a CUDA graph reads the same tensor at every replay rather
+    than recomputing it. Made during a capture it would hold nothing until the first replay, so the step's
+    first, eager call must make it (natsl.inference.decode runs one before capturing)."""
+    key = (dim, float(theta), torch.device(device))
+    if key not in _DECODE_FREQUENCIES:
+        if key[2].type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("RoPE frequencies first asked for inside a CUDA graph capture: run the step once "
+                               "eagerly before capturing it")
+        _DECODE_FREQUENCIES[key] = inverse_frequencies(dim, float(theta), key[2])
+    return _DECODE_FREQUENCIES[key]
 
 
 class RopeTable:

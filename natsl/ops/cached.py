@@ -1,5 +1,5 @@
 """The cached paths' small ops (one GDN token step, one gated-linear (Mamba2) token step, the block
-commit, cached attention, K/V writes), each on its reference twin (`natsl.reference.cached`) or its
+commit, cached attention), each on its reference twin (`natsl.reference.cached`) or its
 fast twin (`natsl.fast.gated_delta`, `natsl.fast.decode_attention`, `natsl.fast.cached`), both named in
 `natsl.ops.TWINS` and chosen here from the layer's backend; and the GDN gates compiled on CUDA
 (`gdn_gates`, the layers' and the reference GDN decode step's). A layer's cached call reaches the
@@ -77,10 +77,6 @@ def commit_state(start, end, decay_sum, write, decay_skipped_blocks: bool = True
                                                                  decay_skipped_blocks)
 
 
-def write_kv(k_buf, v_buf, slots, k, v, *, fused: bool = False) -> None:
-    """A decode token's K and V into their caches; `fused` (the fused kernel set's): both in one Triton
-    launch (natsl.fast.cached.write_kv) where the rows are contiguous."""
-    twin("write_kv", fused and k.stride(-1) == 1 and v.stride(-1) == 1)(k_buf, v_buf, slots, k, v)
 
 
 def attend_cached(q, keys, values, visible, *, backend=None):

@@ -20,7 +20,7 @@ import torch
 
 from natsl.devices import triton_available, triton_interpreted  # noqa: F401  (triton_available: ops.gemv's)
 from natsl.fast.cached import (conv_chunk, conv_step, conv_steps, gdn_decode_step, gla_decode_step,  # noqa: F401
-                               store_blocks, write_kv)
+                               rope_write_kv, store_blocks, write_kv)
 from natsl.fast.norms import add_rms_norm, l2_normalize, rms_norm  # noqa: F401
 from natsl import switches
 from natsl.ops import resolve_backend

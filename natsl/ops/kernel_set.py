@@ -18,7 +18,6 @@ step below on the set it got, with no choice of its own:
 | `conv_steps` (a decode token's convs, tails shifted in place) | `natsl.fast.cached.conv_steps` | the compiled conv, then `conv_tail` |
 | `gdn_decode_step` (gates, L2 norms, token step, state in place) | `natsl.fast.cached.gdn_decode_step` | `gdn_gates`, `l2_normalize`, `natsl.ops.cached.gdn_token_step` |
 | `gla_decode_step` (Mamba2's gates, L2 norms, SSD token step, + D x) | `natsl.fast.cached.gla_decode_step` (switch `fused_gla_decode`, on by default) | its twin `natsl.reference.cached.gla_decode_step` |
-| `write_kv` | `natsl.fast.cached.write_kv` (contiguous rows) | `natsl.reference.cached.write_kv` |
 | `rope_write_kv` (a decode token's q/k norms, RoPE, K/V write) | `natsl.fast.cached.rope_write_kv` (switch `fused_rope`, on by default) | `natsl.reference.cached.rope_write_kv` |
 | `store_blocks` | `natsl.fast.cached.store_blocks` | `natsl.reference.cached.store_blocks` |
 | `close_block` (NAtS-L block end) | `natsl.ops.block_end.close_block` (compiled); with a keep budget or a custom override, the reference's | eager bookkeeping, commit on `natsl.ops.cached.commit_state` |
@@ -136,10 +135,6 @@ class Reference:
         eager bookkeeping."""
         budget = route_override is None and keep_budget
         return not (budget or (route_override is not None and not isinstance(route_override, KeepFraction)))
-
-    def write_kv(self, k_buf, v_buf, slots, k, v) -> None:
-        """A decode token's K [B, heads, Dk] and V into k_buf, v_buf [B, heads, L, D] at slots [B, heads]."""
-        cached.write_kv(k_buf, v_buf, slots, k, v, fused=self.fused)
 
     def rope_write_kv(self, q, k, v, positions, inv_freq, k_buf, v_buf, slots, norms=None):
         """A decode token's softmax heads: q, k [B, heads, Dk] normed by `norms` (the layer's (q_norm,

@@ -12,23 +12,6 @@ def inverse_frequencies(dim: int, theta: float, device) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
 
 
-_MADE: dict = {}
-
-
-def cached_inverse_frequencies(dim: int, theta: float, device: torch.device) -> torch.Tensor:
-    """`inverse_frequencies`, made once per (dim, theta, device): a decode step captured in a CUDA graph
-    reads the same tensor at every replay instead of recomputing it with three kernels per call. Made
-    during a capture it would hold nothing until the first replay, so the step's eager warm-up must make
-    it first (natsl.inference.decode does)."""
-    key = (dim, theta, device)
-    if key not in _MADE:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("RoPE frequencies first asked for inside a CUDA graph capture: run the step once "
-                               "eagerly before capturing it")
-        _MADE[key] = inverse_frequencies(dim, theta, device)
-    return _MADE[key]
-
-
 def angles(positions: torch.Tensor, inv_freq: torch.Tensor):
     """positions [...] (int) and inv_freq [D/2] -> (cos, sin) [..., D], fp32 (each pair's angle twice)."""
     freqs = positions.float()[..., None] * inv_freq
