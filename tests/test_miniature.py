@@ -159,6 +159,11 @@ def test_the_corpus_command_is_the_documented_one():
     (["--systems", "gdn,gdn"], "--systems 'gdn,gdn': give distinct names from gdn,"),
     (["--evals", "ppl,mmlu"], "--evals 'ppl,mmlu': unknown evaluation 'mmlu'; choose from ppl,compare,latency,"),
     (["--eval-reserve", "60"], "--eval-reserve 60.0: give it with --deadline"),
+    (["--rates", "gdn=0.002,llama=0.001"], "'llama=0.001' is not SYSTEM=RATE with a rate between 0 and 1"),
+    (["--rates", "gdn=2"], "'gdn=2' is not SYSTEM=RATE"),
+    (["--rates", "gdn=0.002,gdn=0.004"], "'gdn=0.004' is not SYSTEM=RATE with a rate between 0 and 1 and a system named once"),
+    (["--rates", "gdn"], "'gdn' is not SYSTEM=RATE"),
+    (["--rates", ","], "give SYSTEM=RATE items"),
     (["--eval-reserve", "600", "--deadline", "500"], "a number of seconds between 0 and the deadline"),
 ])
 def test_bad_options_are_one_line_errors(tmp_path, args, message):
@@ -166,6 +171,28 @@ def test_bad_options_are_one_line_errors(tmp_path, args, message):
                           capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_rates_given_train_without_a_sweep_and_override_the_sweeps(tmp_path, monkeypatch):
+    """--rates: the train stage takes them in place of the sweep's best rates; with every needed system's rate it
+    needs no sweep folder, and with some it takes the rest from the sweep."""
+    specs = []
+    monkeypatch.setattr(P, "_sweep_stage", lambda name, spec, *rest: specs.append(spec))
+    given = {"gdn": 0.002, "mamba2": 0.004, "transformer": 0.004, "gdn_hybrid": 0.001, "natsl": 0.002,
+             "natsl_hybrid": 0.003}
+    opts = P.MiniatureOptions(out=tmp_path / "m", rates=given, seeds=(0, 1))
+    P._stage_train(opts, None, lambda line: None, {})
+    assert specs[-1]["lrs"] == {**{s: [r] for s, r in given.items()}, "gdn_swa": [0.001]}
+    partial = P.MiniatureOptions(out=tmp_path / "m", rates={"gdn": 0.001}, systems=("gdn", "transformer"))
+    with pytest.raises(NatslError, match="holds no sweep; run the sweep stage first, or give the rates of transformer"):
+        P._stage_train(partial, None, lambda line: None, {})
+    (tmp_path / "m" / "sweep").mkdir(parents=True)
+    (tmp_path / "m" / "sweep" / "summary.json").write_text(json.dumps({"best_lm": [
+        {"system": "gdn", "best_lr": 0.004}, {"system": "transformer", "best_lr": 0.002}]}))
+    lines = []
+    P._stage_train(partial, None, lines.append, {})
+    assert specs[-1]["lrs"] == {"gdn": [0.001], "transformer": [0.002]}
+    assert lines == ["  learning rates: gdn 0.001 (--rates), transformer 0.002 (sweep)"]
 
 
 def test_training_before_a_sweep_is_a_one_line_error(tmp_path):

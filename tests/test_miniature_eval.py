@@ -569,3 +569,16 @@ def test_extrapolation_is_judged_on_the_mean_of_the_hybrid_seeds():
     del ppl["natsl_hybrid_s1"], ppl["natsl_hybrid_s2"]
     claim = claims({"rows": {}}, ppl, {}, {}, {}, window=1024)[1]
     assert claim["verdict"] == "holds" and "mean of" not in claim["numbers"]
+
+
+def test_table1_names_the_rate_of_a_run_trained_without_a_sweep_point():
+    """Table 1's rate is the one each run trained at: a run given its rate by --rates has no sweep point, and one
+    whose --rates overrode the sweep's best shows the rate it had (beside the sweep point's loss)."""
+    from natsl.miniature.report import table1
+
+    training = {"gdn": {"lr": 0.003, "val_curve": []}, "transformer": {"lr": 0.004, "val_curve": []}}
+    sweep = {"best_lm": [{"system": "transformer", "best_lr": 0.002, "val_loss": 6.0}]}
+    rows = table1(["gdn", "transformer"], training, sweep)["rows"]
+    assert rows["gdn"]["best_lr"] == 0.003 and rows["gdn"]["sweep_val_loss"] is None
+    assert rows["transformer"]["best_lr"] == 0.004 and rows["transformer"]["sweep_val_loss"] == 6.0
+    assert table1(["transformer"], {"transformer": {"val_curve": []}}, sweep)["rows"]["transformer"]["best_lr"] == 0.002

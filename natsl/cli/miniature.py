@@ -32,6 +32,27 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
     return values
 
 
+def _rates(text: str) -> dict[str, float]:
+    """--rates gdn=0.002,transformer=0.004: a learning rate per swept system (each named once)."""
+    from natsl.errors import NatslError
+    from natsl.miniature.pipeline import SWEPT
+
+    rates: dict[str, float] = {}
+    for item in (i.strip() for i in text.split(",") if i.strip()):
+        name, _, value = item.partition("=")
+        try:
+            rate = float(value)
+        except ValueError:
+            rate = float("nan")
+        if name.strip() not in SWEPT or name.strip() in rates or not 0 < rate < 1:
+            raise NatslError(f"--rates {text!r}: {item!r} is not SYSTEM=RATE with a rate between 0 and 1 and a "
+                             f"system named once, of {','.join(SWEPT)} (gdn_swa takes gdn_hybrid's)")
+        rates[name.strip()] = rate
+    if not rates:
+        raise NatslError(f"--rates {text!r}: give SYSTEM=RATE items, e.g. --rates gdn=0.002,transformer=0.004")
+    return rates
+
+
 def _names(text: str, flag: str, allowed: tuple, noun: str, fix: str, distinct: bool = False) -> tuple[str, ...]:
     """A comma list of names from `allowed` (at least one; each once where `distinct`), else one line naming
     the first unknown one and `fix` followed by the allowed names."""
@@ -54,6 +75,9 @@ def miniature(
     sweep_tokens: int = typer.Option(10_000_000, help="Tokens per sweep run."),
     train_tokens: int = typer.Option(100_000_000, help="Tokens per full run."),
     seeds: str = typer.Option("0,1,2", help="Seeds of the NAtS-L Hybrid's full runs."),
+    rates: Optional[str] = typer.Option(None, metavar="SYSTEM=RATE,...",
+                                        help="Learning rates for the train stage in place of the sweep's best, "
+                                             "e.g. from docs/miniature.md's sweep (training then needs no sweep)."),
     systems: str = typer.Option(",".join(LADDER), show_default="all seven",
                                 help="Systems of recipes/mini to sweep and train, comma separated, of " + ", ".join(LADDER)
                                      + " (a subset for a smaller budget; the report shows what was trained)."),
@@ -103,7 +127,8 @@ def miniature(
     if device not in (None, "cpu", "cuda"):
         raise NatslError(f"--device {device!r}: give cpu or cuda")
     opts = MiniatureOptions(out=Path(out), data=Path(data), lrs=_floats(lrs, "--lrs"), sweep_tokens=sweep_tokens,
-                            train_tokens=train_tokens, seeds=_ints(seeds, "--seeds"), systems=chosen_systems, micro_batch=micro_batch,
+                            train_tokens=train_tokens, seeds=_ints(seeds, "--seeds"),
+                            rates=_rates(rates) if rates is not None else {}, systems=chosen_systems, micro_batch=micro_batch,
                             sweep_micro_batch=sweep_micro_batch, max_parallel=max_parallel, device=device, deadline_s=deadline,
                             eval_reserve_s=eval_reserve, stages=chosen, evals=chosen_evals,
                             sets=tuple(set_ or ()), compile=compile_, quick=quick)

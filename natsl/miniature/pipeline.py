@@ -73,6 +73,9 @@ class MiniatureOptions:
         lrs: the sweep's learning rates (every system, every ablation).
         sweep_tokens / train_tokens: tokens a sweep run / a full run trains (each cosine schedule ends there).
         seeds: the NAtS-L Hybrid's seeds in the train stage (every other system trains seed 0).
+        rates: system (a SWEPT name) -> the learning rate the train stage gives it in place of the sweep's best:
+            rates found by a sweep elsewhere (docs/miniature.md's table), so that training needs no sweep folder;
+            a system it leaves out takes the sweep's.
         systems: the ladder's systems the sweep and train stages run (LADDER names); the sweep runs what their
             rates need (GDN + SWA's is the GDN Hybrid's) and the ablations only with the NAtS-L Hybrid. A subset
             is for a budget that cannot hold the whole ladder: the report shows what was trained.
@@ -104,6 +107,7 @@ class MiniatureOptions:
     sweep_tokens: int = 10_000_000
     train_tokens: int = 100_000_000
     seeds: tuple = (0, 1, 2)
+    rates: dict = field(default_factory=dict)
     systems: tuple = LADDER
     micro_batch: int = 8
     sweep_micro_batch: Optional[int] = None
@@ -188,7 +192,7 @@ def train_spec(opts: MiniatureOptions, rates: dict[str, float]) -> dict:
         source = RATE_OF.get(name, name)
         if source not in rates:
             raise NatslError(f"the sweep has no validation loss for {source}; run the sweep stage to its end "
-                             "(natsl miniature --stages sweep) before training")
+                             f"(natsl miniature --stages sweep) before training, or give its rate: --rates {source}=0.002")
         recipe = f"recipes/{name}.yaml"
         systems[name] = {"recipe": recipe, "seeds": list(opts.seeds)} if name == "natsl_hybrid" else recipe
         lrs[name] = [rates[source]]
@@ -422,10 +426,15 @@ def _stage_sweep(opts: MiniatureOptions, remaining, log, result) -> None:
 
 def _stage_train(opts: MiniatureOptions, remaining, log, result) -> None:
     summary = _summary(opts.out / "sweep")
-    if summary is None:
-        raise NatslError(f"{opts.out / 'sweep'} holds no sweep; run the sweep stage first")
-    rates = best_rates(summary)
-    log("  best learning rates: " + ", ".join(f"{s} {r:g}" for s, r in sorted(rates.items())))
+    needed = {RATE_OF.get(name, name) for name in opts.systems}
+    if summary is None and not needed <= set(opts.rates):
+        missing = ",".join(sorted(needed - set(opts.rates)))
+        raise NatslError(f"{opts.out / 'sweep'} holds no sweep; run the sweep stage first, or give the rates of "
+                         f"{missing} with --rates (e.g. --rates gdn=0.002,transformer=0.004)")
+    swept = best_rates(summary) if summary is not None else {}
+    rates = {**swept, **opts.rates}
+    log("  learning rates: " + ", ".join(f"{s} {r:g}" + (" (--rates)" if s in opts.rates else " (sweep)")
+                                         for s, r in sorted(rates.items()) if s in needed))
     _sweep_stage("train", train_spec(opts, rates), opts, remaining, log)
 
 

@@ -124,6 +124,8 @@ def read_training(root: Path, checkpoints: dict[str, Path], problems: list[str])
                 result = _read(run / "result.json", problems)
                 if isinstance(result, dict):
                     found[name] = {**result, "run": str(run)}
+            if name in found and isinstance(spec.get("lr"), (int, float)):
+                found[name].setdefault("lr", spec["lr"])
     return found
 
 
@@ -233,7 +235,8 @@ def table1(names, training: dict, sweep: dict | None) -> dict:
             continue
         result, point = training.get(name, {}), best.get(name, {})
         rows[name] = {"parameters": result.get("parameters") or point.get("parameters"),
-                      "best_lr": point.get("best_lr"), "sweep_val_loss": _num(point.get("val_loss")),
+                      # the rate the run trained at (--rates may have overridden the sweep's), else the sweep's best
+                      "best_lr": result.get("lr", point.get("best_lr")), "sweep_val_loss": _num(point.get("val_loss")),
                       "val_loss": _num(result.get("val_loss")), "perplexity": _num(result.get("perplexity")),
                       "tokens": result.get("tokens"), "status": result.get("status"),
                       "val_curve": result.get("val_curve") or []}
