@@ -95,6 +95,11 @@ class Switches:
     fused_rope: bool = _switch(True, "NATSL_FUSED_ROPE", "a decode token's softmax q/k norms, RoPE and K/V "
                                "write on one fused Triton kernel where the fused inference kernels run; "
                                "False: its reference twin (eager)")
+    # Checked against its twin under the Triton interpreter (tests/test_gemv.py); off until the GPU tests
+    # (-m gpu -k gemv) and a decode benchmark beside it have run on a card.
+    fused_o_norm: bool = _switch(False, "NATSL_FUSED_O_NORM", "a GDN layer's decode output norm and gate formed "
+                                 "inside its output product's GEMV kernel (one kernel fewer a layer and token) "
+                                 "where the GEMV kernel runs; False: the norm kernel, then the GEMV")
     # The padding is tested on the CPU, the capture and replay on the GPU (tests/test_prefill_graph.py -m gpu).
     prefill_graphs: bool = _switch(True, "NATSL_PREFILL_GRAPHS", "short prompts (batch 1, empty cache) prefill "
                                    "from CUDA graphs captured per length bucket (natsl.inference.prefill_graph)")

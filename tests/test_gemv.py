@@ -58,6 +58,57 @@ def test_gated_gemv_equals_swiglu_then_linear(dtype):
         assert relative_error(got, want) < (1e-5 if dtype == torch.float32 else 2 ** -6), (rows, N, K)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_norm_gated_gemv_equals_its_twin_and_the_norm_then_the_product(rows, dtype):
+    """`norm=(weight, eps)` with `up=`: the input is RMSNorm(x per head) * weight * silu(up), formed as
+    the kernel reads x, against the reference twin and against the norm then the product. Heads of 16-64
+    columns; 3 heads (a tile wider than K), heads over several tiles, tiles narrower than a head (the
+    launcher widens them), strided rows, an odd N."""
+    from natsl.reference import gemv as reference
+    from natsl.reference.norms import rms_norm
+
+    dev = device()
+    gen = torch.Generator().manual_seed(10 + rows)
+    for N, H, D, tiles in ((37, 3, 16, {}), (130, 4, 32, {}), (24, 2, 64, {"block_n": 4, "block_k": 32}),
+                           (9, 6, 16, {"block_n": 2, "block_k": 32})):
+        K = H * D
+        x = torch.randn(rows, 2 * K, generator=gen).to(dev, dtype)[:, ::2]  # rows are strided
+        gate = torch.randn(rows, K, generator=gen).to(dev, dtype)
+        norm_weight = (1 + 0.3 * torch.randn(D, generator=gen)).to(dev, dtype)
+        weight = torch.randn(N, K, generator=gen).to(dev, dtype)
+        got = kernel.linear(x, weight, up=gate, norm=(norm_weight, 1e-6), **tiles)
+        twin = reference.linear(x, weight, up=gate, norm=(norm_weight, 1e-6))
+        normed = rms_norm(x.reshape(rows, H, D), norm_weight, 1e-6, gate=gate.reshape(rows, H, D)).reshape(rows, K)
+        want = F.linear(normed.float(), weight.float())
+        assert got.shape == (rows, N) and got.dtype == dtype
+        # bf16: the rounding of the normed input and of the product (the interpreter truncates)
+        tol = 1e-5 if dtype == torch.float32 else 2 ** -6
+        assert relative_error(got, want) < tol and relative_error(twin, want) < tol, (N, H, D)
+
+
+def test_gated_norm_linear_runs_only_with_its_switch_where_the_kernel_applies(use_switches):
+    """natsl.ops.gemv.gated_norm_linear: None (the caller's norm then product) with the switch fused_o_norm
+    off, with autograd, or with a head width that is not a power of two; else the fused product, equal to
+    the norm then the product."""
+    from natsl.reference.norms import rms_norm
+
+    dev = device()
+    gen = torch.Generator().manual_seed(4)
+    x, gate = torch.randn(1, 1, 64, generator=gen).to(dev), torch.randn(1, 1, 64, generator=gen).to(dev)
+    norm_weight, weight = torch.rand(32, generator=gen).to(dev), torch.randn(24, 64, generator=gen).to(dev)
+    use_switches(force_decode_gemv=True, fused_o_norm=False)
+    with torch.no_grad():
+        assert gemv.gated_norm_linear(x, gate, norm_weight, 1e-6, weight) is None
+    use_switches(fused_o_norm=True)
+    assert gemv.gated_norm_linear(x, gate, norm_weight, 1e-6, weight) is None  # autograd on
+    with torch.no_grad():
+        assert gemv.gated_norm_linear(x, gate, norm_weight[:24], 1e-6, weight[:, :48]) is None  # heads of 24
+        got = gemv.gated_norm_linear(x, gate, norm_weight, 1e-6, weight)
+    want = F.linear(rms_norm(x.view(1, 1, 2, 32), norm_weight, 1e-6, gate=gate.view(1, 1, 2, 32)).view(1, 1, 64), weight)
+    assert got.shape == (1, 1, 24) and relative_error(got, want) < 1e-5
+
+
 def test_gemv_keeps_leading_dims():
     dev = device()
     weight = torch.randn(24, 40, device=dev)

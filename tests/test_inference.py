@@ -711,6 +711,36 @@ def test_fused_decode_step_rotates_inside_the_kernel(layout, use_switches):
     assert relative_error(logits[0], logits[1]) < 1e-5
 
 
+@pytest.mark.parametrize("layout", ["gdn", "gdn_hybrid", "natsl_hybrid", "hybrid_delta"])
+def test_fused_o_norm_forms_the_gdn_output_norm_in_the_output_product(layout, use_switches, monkeypatch):
+    """With the switch fused_o_norm, each GDN (or DeltaNet) layer's decode step forms its gated output
+    norm inside the o_proj GEMV (natsl.ops.gemv.gated_norm_linear): one such product a GDN layer and
+    token, and the logits equal those of the norm kernel then the product."""
+    from natsl.models.gated_deltanet import GatedDeltaNet
+    from natsl.ops import gemv
+
+    if not torch.cuda.is_available() and not triton_interpreted():
+        pytest.skip("needs CUDA or the Triton interpreter")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = tiny_model("chunked", **LAYOUTS[layout]).to(device)
+    gdn_layers = sum(isinstance(m, GatedDeltaNet) for m in model.modules())
+    assert gdn_layers > 0
+    ids = torch.randint(0, 1024, (1, 40), generator=torch.Generator().manual_seed(5)).to(device)
+    real, normed = gemv.kernel, []
+    monkeypatch.setattr(gemv, "kernel", lambda x, w, up=None, norm=None: normed.append(norm is not None)
+                        or real(x, w, up=up, norm=norm))
+    logits = []
+    for fused in (True, False):
+        use_switches(force_fused_inference=True, fused_o_norm=fused)
+        normed.clear()
+        with torch.no_grad():
+            cache = model.new_cache(1, max_len=40)
+            model(ids[:, :39], cache=cache)
+            logits.append(model(ids[:, 39:], cache=cache))
+        assert sum(normed) == (gdn_layers if fused else 0)
+    assert relative_error(logits[0], logits[1]) < 1e-5
+
+
 def test_fused_write_kv_equals_two_scatters():
     """natsl.fast.cached.write_kv (a decode token's K and V rows into their caches, one launch)
     against functional.write_token, with strided rows, odd widths and per-row slots."""

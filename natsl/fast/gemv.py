@@ -8,7 +8,10 @@ once: each program owns BLOCK_N output features, walks K in BLOCK_K chunks (or t
 pass), multiplies in fp32 and reduces once at the end; `tiles` picks the shapes from measurements.
 The kernel takes up to 4 rows; `Linear` sends it at most MAX_ROWS. Results agree with `F.linear`
 to rounding (fp32 sums in a different order, one rounding to the input dtype). With `up=` it reads
-SwiGLU's two halves and multiplies by silu(gate) * up instead (the decode step's down product).
+SwiGLU's two halves and multiplies by silu(gate) * up instead (the decode step's down product); with
+`norm=(weight, eps)` as well it forms RMSNorm(x) per head of weight's width, times weight and
+silu(up), as it reads x (a GDN layer's gated output norm folded into its output product: one kernel
+fewer a layer and token).
 
 `natsl.ops.gemv` decides when it runs (`applies`: grad-free inputs of <= MAX_ROWS rows, `enabled`);
 `natsl.models.linear.Linear` and the SwiGLU reach it only through that door.
@@ -49,12 +52,15 @@ def tiles(N: int, K: int, M: int, sm_count: int) -> tuple[int, int]:
     return block_n, block_k
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, *, up: torch.Tensor | None = None, block_n: int | None = None,
+def linear(x: torch.Tensor, weight: torch.Tensor, *, up: torch.Tensor | None = None,
+           norm: tuple[torch.Tensor, float] | None = None, block_n: int | None = None,
            block_k: int | None = None) -> torch.Tensor:
     """x [..., K] with at most 4 rows, weight [N, K] -> x @ weight.T [..., N] in x's dtype.
     `up` (x's shape): the input is SwiGLU's silu(x) * up instead of x, computed on the fly (a decode
-    step's down projection without the SwiGLU kernel). `block_n`, `block_k` override the tiles
-    (`python -m benchmarks.ops --op gemv` compares settings)."""
+    step's down projection without the SwiGLU kernel). `norm` = (norm_weight [D], eps) with `up`: the
+    input is instead rms_norm(x per head of D columns, norm_weight, eps, gate=up) (D a power of two
+    dividing K; natsl.reference.norms.rms_norm's formula, one rounding). `block_n`, `block_k` override
+    the tiles (`python -m benchmarks.ops --op gemv` compares settings)."""
     K = x.shape[-1]
     N = weight.shape[0]
     x2 = x.reshape(-1, K)
@@ -70,11 +76,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, up: torch.Tensor | None = N
             u2 = u2.contiguous()
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
+    head, norm_weight, eps = 0, weight, 0.0
+    if norm is not None:
+        norm_weight, eps = norm[0].contiguous(), float(norm[1])
+        head = norm_weight.numel()
+        assert up is not None and head & (head - 1) == 0 and K % head == 0, (head, K)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if block_n is None or block_k is None:
         block_n, block_k = tiles(N, K, M, kernels.sm_count(x.device))
+    if block_k < head:  # a tile holds whole heads; the tile keeps its size in weights
+        block_n, block_k = max(1, block_n * block_k // head), head
     on = kernels.pdl(x.device)
-    _kernel()[(-(-N // block_n),)](x2, u2, weight, y, N, K, x2.stride(0), u2.stride(0), weight.stride(0), y.stride(0),
-                                   M=M, BLOCK_N=block_n, BLOCK_K=block_k, GATED=up is not None, num_warps=4,
-                                   PDL=on, **kernels.launch_options(on))
+    _kernel()[(-(-N // block_n),)](x2, u2, weight, y, norm_weight, eps, N, K, x2.stride(0), u2.stride(0),
+                                   weight.stride(0), y.stride(0), M=M, BLOCK_N=block_n, BLOCK_K=block_k,
+                                   GATED=up is not None, NORM_HEAD=head, num_warps=4, PDL=on,
+                                   **kernels.launch_options(on))
     return y.view(*x.shape[:-1], N)

@@ -6,11 +6,21 @@ import triton.language as tl
 
 
 @triton.jit
-def _row(x_ptr, u_ptr, m, stride_xm, stride_um, k, k_ok, GATED: tl.constexpr):
+def _row(x_ptr, u_ptr, nw_ptr, eps, m, stride_xm, stride_um, k, k_ok, GATED: tl.constexpr,
+         NORM_HEAD: tl.constexpr, BLOCK_K: tl.constexpr):
     """Input row m at columns k in fp32; GATED: silu(x) * u, rounded to the input dtype once (as
-    the compiled SwiGLU stores it) before the product."""
+    the compiled SwiGLU stores it) before the product. NORM_HEAD > 0: RMSNorm(x) over each head of
+    NORM_HEAD columns (whole heads in a tile: BLOCK_K a multiple of it), times the norm weight and
+    silu(u), in fp32 rounded once (as the fast rms_norm with a gate stores it)."""
     x = tl.load(x_ptr + m * stride_xm + k, mask=k_ok, other=0.0)
-    if GATED:
+    if NORM_HEAD > 0:
+        xf = tl.reshape(x.to(tl.float32), [BLOCK_K // NORM_HEAD, NORM_HEAD])
+        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 1) / NORM_HEAD + eps)
+        y = tl.reshape(xf * rstd[:, None], [BLOCK_K])
+        y = y * tl.load(nw_ptr + k % NORM_HEAD, mask=k_ok, other=0.0).to(tl.float32)
+        g = tl.load(u_ptr + m * stride_um + k, mask=k_ok, other=0.0).to(tl.float32)
+        x = (y * (g / (1.0 + tl.exp(-g)))).to(x.dtype)
+    elif GATED:
         g = x.to(tl.float32)
         u = tl.load(u_ptr + m * stride_um + k, mask=k_ok, other=0.0).to(tl.float32)
         x = (g / (1.0 + tl.exp(-g)) * u).to(x.dtype)
@@ -18,24 +28,27 @@ def _row(x_ptr, u_ptr, m, stride_xm, stride_um, k, k_ok, GATED: tl.constexpr):
 
 
 @triton.jit
-def _accumulate(acc0, acc1, acc2, acc3, w, x_ptr, u_ptr, stride_xm, stride_um, k, k_ok,
-                M: tl.constexpr, GATED: tl.constexpr):
+def _accumulate(acc0, acc1, acc2, acc3, w, x_ptr, u_ptr, nw_ptr, eps, stride_xm, stride_um, k, k_ok,
+                M: tl.constexpr, GATED: tl.constexpr, NORM_HEAD: tl.constexpr, BLOCK_K: tl.constexpr):
     """Add one [BLOCK_N, BLOCK_K] weight tile times each input row's columns k to its accumulator."""
     w = w.to(tl.float32)
-    acc0 += w * _row(x_ptr, u_ptr, 0, stride_xm, stride_um, k, k_ok, GATED)[None, :]
+    acc0 += w * _row(x_ptr, u_ptr, nw_ptr, eps, 0, stride_xm, stride_um, k, k_ok, GATED, NORM_HEAD, BLOCK_K)[None, :]
     if M > 1:
-        acc1 += w * _row(x_ptr, u_ptr, 1, stride_xm, stride_um, k, k_ok, GATED)[None, :]
+        acc1 += w * _row(x_ptr, u_ptr, nw_ptr, eps, 1, stride_xm, stride_um, k, k_ok, GATED, NORM_HEAD,
+                         BLOCK_K)[None, :]
     if M > 2:
-        acc2 += w * _row(x_ptr, u_ptr, 2, stride_xm, stride_um, k, k_ok, GATED)[None, :]
+        acc2 += w * _row(x_ptr, u_ptr, nw_ptr, eps, 2, stride_xm, stride_um, k, k_ok, GATED, NORM_HEAD,
+                         BLOCK_K)[None, :]
     if M > 3:
-        acc3 += w * _row(x_ptr, u_ptr, 3, stride_xm, stride_um, k, k_ok, GATED)[None, :]
+        acc3 += w * _row(x_ptr, u_ptr, nw_ptr, eps, 3, stride_xm, stride_um, k, k_ok, GATED, NORM_HEAD,
+                         BLOCK_K)[None, :]
     return acc0, acc1, acc2, acc3
 
 
 @triton.jit
-def gemv_kernel(x_ptr, u_ptr, w_ptr, y_ptr, N, K, stride_xm, stride_um, stride_wn, stride_ym,
+def gemv_kernel(x_ptr, u_ptr, w_ptr, y_ptr, nw_ptr, eps, N, K, stride_xm, stride_um, stride_wn, stride_ym,
                 M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
-                PDL: tl.constexpr):
+                NORM_HEAD: tl.constexpr, PDL: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
@@ -53,15 +66,15 @@ def gemv_kernel(x_ptr, u_ptr, w_ptr, y_ptr, N, K, stride_xm, stride_um, stride_w
         w = tl.load(rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-        acc0, acc1, acc2, acc3 = _accumulate(acc0, acc1, acc2, acc3, w, x_ptr, u_ptr, stride_xm, stride_um,
-                                             offs_k, k_ok, M, GATED)
+        acc0, acc1, acc2, acc3 = _accumulate(acc0, acc1, acc2, acc3, w, x_ptr, u_ptr, nw_ptr, eps, stride_xm,
+                                             stride_um, offs_k, k_ok, M, GATED, NORM_HEAD, BLOCK_K)
         k_start = BLOCK_K
     for k0 in range(k_start, K, BLOCK_K):
         k = k0 + offs_k
         k_ok = k < K
         w = tl.load(rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc0, acc1, acc2, acc3 = _accumulate(acc0, acc1, acc2, acc3, w, x_ptr, u_ptr, stride_xm, stride_um,
-                                             k, k_ok, M, GATED)
+        acc0, acc1, acc2, acc3 = _accumulate(acc0, acc1, acc2, acc3, w, x_ptr, u_ptr, nw_ptr, eps, stride_xm,
+                                             stride_um, k, k_ok, M, GATED, NORM_HEAD, BLOCK_K)
     out_ty = y_ptr.dtype.element_ty
     tl.store(y_ptr + offs_n, tl.sum(acc0, 1).to(out_ty), mask=n_ok)
     if M > 1:

@@ -23,7 +23,7 @@ from natsl.models.linear import Linear
 from natsl.models.merged import buffer_product, group_product, joined_product
 from natsl.models.norms import RMSNorm
 from natsl.models.pointwise import gdn_gates
-from natsl.ops import kernel_set
+from natsl.ops import gemv, kernel_set
 from natsl.ops.cached import gdn_token_step
 
 
@@ -202,6 +202,12 @@ class GatedDeltaNet(nn.Module):
         Inductor's fusion of the formula with its neighbours was as fast in a compiled training step as
         Triton kernels of its own, so the full-sequence forward keeps the compiled piece."""
         b, t = x.shape[:2]
-        gate = self.g_proj(x).view(b, t, self.config.num_heads, self.config.head_v_dim)
+        gate = self.g_proj(x)
+        # a decode step: the norm and gate inside the output product's GEMV (natsl.ops.gemv), where it runs
+        fused = gemv.gated_norm_linear(o.reshape(b, t, -1), gate, self.o_norm.weight, self.o_norm.eps,
+                                       self.o_proj.weight, self.o_proj.bias)
+        if fused is not None:
+            return fused
+        gate = gate.view(b, t, self.config.num_heads, self.config.head_v_dim)
         o = kernels.norm(o, self.o_norm, gate)
         return self.o_proj(o.reshape(b, t, -1))

@@ -62,9 +62,10 @@ def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
             and x.dtype == weight.dtype)
 
 
-def kernel(x: torch.Tensor, weight: torch.Tensor, *, up: torch.Tensor | None = None) -> torch.Tensor:
+def kernel(x: torch.Tensor, weight: torch.Tensor, *, up: torch.Tensor | None = None,
+           norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """The fast twin, `natsl.fast.gemv.linear` (tests count its calls here)."""
-    return twin("gemv", True)(x, weight, up=up)
+    return twin("gemv", True)(x, weight, up=up, norm=norm)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pad: int = 0) -> torch.Tensor:
@@ -86,3 +87,23 @@ def swiglu_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor,
     if applies(gate, weight, bias):
         return kernel(gate, weight, up=up)
     return linear(swiglu(gate, up), weight, bias)
+
+
+def gated_norm_linear(x: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                      weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """linear(rms_norm(x per head, norm_weight, eps, gate=gate), weight, bias) on one GEMV kernel that
+    forms the norm and gate as it reads x, where `applies` and the switch fused_o_norm is on; None
+    elsewhere (the caller runs its norm, then its product).
+
+    Args:
+        x, gate: [..., H * D] (a GDN layer's read and its gate input); norm_weight [D], D a power of two.
+        weight [N, H * D], bias: the output product's.
+
+    Returns:
+        [..., N] in x's dtype, or None.
+    """
+    head = norm_weight.numel()
+    if not (switches.current().fused_o_norm and applies(x, weight, bias) and gate.shape == x.shape
+            and gate.dtype == x.dtype and head & (head - 1) == 0 and x.shape[-1] % head == 0):
+        return None
+    return kernel(x, weight, up=gate, norm=(norm_weight, eps))

@@ -5,14 +5,22 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from natsl.reference.norms import rms_norm
 from natsl.reference.norms import up as _up
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, *, up: torch.Tensor | None = None, block_n: int | None = None,
+def linear(x: torch.Tensor, weight: torch.Tensor, *, up: torch.Tensor | None = None,
+           norm: tuple[torch.Tensor, float] | None = None, block_n: int | None = None,
            block_k: int | None = None) -> torch.Tensor:
     """x [..., K], weight [N, K] -> x @ weight.T [..., N] in x's dtype. With `up` (x's shape) the
     input is SwiGLU's silu(x) * up, in fp32 rounded once to x's dtype (as the fast kernel and the
-    compiled SwiGLU form it). `block_n`, `block_k`: the fast kernel's tiles, ignored here."""
-    if up is not None:
+    compiled SwiGLU form it). With `norm` = (norm_weight [D], eps) and `up`, the input is instead
+    rms_norm(x per head of D columns, norm_weight, eps, gate=up) (a GDN layer's gated output norm).
+    `block_n`, `block_k`: the fast kernel's tiles, ignored here."""
+    if norm is not None:
+        head = norm[0].numel()
+        heads = x.shape[:-1] + (x.shape[-1] // head, head)
+        x = rms_norm(x.reshape(heads), norm[0], norm[1], gate=up.reshape(heads)).reshape(x.shape)
+    elif up is not None:
         x = (F.silu(_up(x)) * _up(up)).to(x.dtype)
     return F.linear(x, weight)
