@@ -109,6 +109,70 @@ def test_gated_norm_linear_runs_only_with_its_switch_where_the_kernel_applies(us
     assert got.shape == (1, 1, 24) and relative_error(got, want) < 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_add_norm_gemv_equals_its_twin_and_the_add_norm_then_the_product(rows, dtype):
+    """natsl.fast.gemv.add_norm_linear: the residual add and the RMSNorm formed as the kernel reads its
+    input (each program's own pass over the rows; the first writes the sum) against the reference twin and
+    against add_rms_norm then F.linear. K in one tile and over several (a pass of its own per row), an odd
+    K, strided rows, no residual (the first block)."""
+    from natsl.reference import gemv as reference
+    from natsl.reference.norms import add_rms_norm, rms_norm
+
+    dev = device()
+    gen = torch.Generator().manual_seed(20 + rows)
+    for N, K, tiles in ((37, 48, {}), (130, 100, {"block_n": 8, "block_k": 32}), (300, 1030, {})):
+        x = torch.randn(rows, 2 * K, generator=gen).to(dev, dtype)[:, ::2]  # rows are strided
+        residual = torch.randn(rows, K, generator=gen).to(dev, dtype)
+        norm_weight = (1 + 0.3 * torch.randn(K, generator=gen)).to(dev, dtype)
+        weight = torch.randn(N, K, generator=gen).to(dev, dtype)
+        tol = 1e-5 if dtype == torch.float32 else 2 ** -6  # bf16: the normed input's and the product's rounding
+        for res in (residual, None):
+            total, got = kernel.add_norm_linear(x, res, norm_weight, 1e-6, weight, **tiles)
+            twin_total, twin = reference.add_norm_linear(x, res, norm_weight, 1e-6, weight)
+            want_total, normed = (x, rms_norm(x, norm_weight, 1e-6)) if res is None else add_rms_norm(
+                x, res, norm_weight, 1e-6)
+            want = F.linear(normed.float(), weight.float())
+            assert got.shape == (rows, N) and got.dtype == dtype and total.shape == x.shape
+            assert torch.equal(twin_total, want_total), (N, K)
+            if dtype == torch.float32 or dev == "cuda":  # one rounding of the same sum: the same bits
+                assert torch.equal(total, want_total), (N, K)
+            else:  # the interpreter truncates to bf16 where the GPU rounds: within one bf16 step
+                assert relative_error(total, want_total) < 2 ** -7, (N, K)
+            assert relative_error(got, want) < tol and relative_error(twin, want) < tol, (N, K, res is None)
+
+
+def test_mlp_after_norm_runs_the_add_norm_in_the_gate_up_product_only_with_its_switch(use_switches, monkeypatch):
+    """SwiGLU.after_norm: with the switch fused_add_norm and the merged gate/up buffer, the add and norm run
+    in the gate/up GEMV (no add-norm kernel); without either, kernels.add_norm then the MLP; same values."""
+    from natsl.models.merged import merge_
+    from natsl.models.norms import RMSNorm
+    from natsl.ops import kernel_set
+
+    dev = device()
+    torch.manual_seed(3)
+    mlp, norm = SwiGLU(48, 80, device=dev), RMSNorm(48, 1e-6, device=dev)
+    with torch.no_grad():
+        norm.weight.add_(0.1 * torch.randn(48, device=dev))
+    x, pending = torch.randn(1, 1, 48, device=dev), torch.randn(1, 1, 48, device=dev)
+    kernels = kernel_set.pick("chunked", torch.device(dev))
+    added = []
+    real = kernels.add_norm
+    monkeypatch.setattr(kernels, "add_norm", lambda *a: added.append(1) or real(*a))
+    results = {}
+    for merged, fused in ((False, True), (True, False), (True, True)):
+        if merged:
+            merge_(mlp)
+        use_switches(force_decode_gemv=True, fused_add_norm=fused)
+        added.clear()
+        with torch.no_grad():
+            results[merged, fused] = mlp.after_norm(x, pending, norm, kernels)
+        assert len(added) == (0 if merged and fused else 1), (merged, fused)
+    want_total, want = results[True, False]
+    for total, y in results.values():
+        assert torch.equal(total, want_total) and relative_error(y, want) < 1e-5
+
+
 def test_gemv_keeps_leading_dims():
     dev = device()
     weight = torch.randn(24, 40, device=dev)

@@ -63,32 +63,71 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, up: torch.Tensor | None = N
     the tiles (`python -m benchmarks.ops --op gemv` compares settings)."""
     K = x.shape[-1]
     N = weight.shape[0]
-    x2 = x.reshape(-1, K)
+    x2 = _rows(x, K)
     M = x2.shape[0]
     assert 1 <= M <= 4 and weight.shape[1] == K, (x.shape, weight.shape)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
     u2 = x2
     if up is not None:
         assert up.shape == x.shape and up.dtype == x.dtype
-        u2 = up.reshape(-1, K)
-        if u2.stride(-1) != 1:
-            u2 = u2.contiguous()
-    if weight.stride(-1) != 1:
-        weight = weight.contiguous()
+        u2 = _rows(up, K)
+    weight = _rows(weight, K)
     head, norm_weight, eps = 0, weight, 0.0
     if norm is not None:
         norm_weight, eps = norm[0].contiguous(), float(norm[1])
         head = norm_weight.numel()
         assert up is not None and head & (head - 1) == 0 and K % head == 0, (head, K)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    _launch(x2, u2, weight, y, norm_weight, y, eps, M, N, K, block_n, block_k, gated=up is not None, head=head)
+    return y.view(*x.shape[:-1], N)
+
+
+def add_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                    weight: torch.Tensor, *, block_n: int | None = None,
+                    block_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + residual, rms_norm(x + residual, norm_weight, eps) @ weight.T) in one kernel: the residual
+    add and the RMSNorm of `natsl.fast.norms.add_rms_norm` formed as the GEMV reads its input (each
+    program takes the rows' norms in a pass of its own; the first writes the sum). residual None: (x,
+    the product of x's norm).
+
+    Args:
+        x, residual: [..., K], at most 4 rows, one dtype; norm_weight [K]; weight [N, K].
+
+    Returns:
+        (the sum [..., K] (x itself where residual is None), the product [..., N]), in x's dtype.
+    """
+    K = x.shape[-1]
+    N = weight.shape[0]
+    x2 = _rows(x, K)
+    M = x2.shape[0]
+    assert 1 <= M <= 4 and weight.shape[1] == K and norm_weight.numel() == K, (x.shape, weight.shape)
+    has_res = residual is not None
+    r2 = x2
+    if has_res:
+        assert residual.shape == x.shape and residual.dtype == x.dtype
+        r2 = _rows(residual, K)
+    weight = _rows(weight, K)
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    total = torch.empty(M, K, dtype=x.dtype, device=x.device) if has_res else x2
+    _launch(x2, r2, weight, y, norm_weight.contiguous(), total, float(eps), M, N, K, block_n, block_k,
+            row_norm=True, has_res=has_res)
+    total = total.view(x.shape) if has_res else x
+    return total, y.view(*x.shape[:-1], N)
+
+
+def _rows(t: torch.Tensor, K: int) -> torch.Tensor:
+    """t as rows [n, K] of unit column stride (a view where it can be, else a copy): the kernel's layout."""
+    rows = t.reshape(-1, K)
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _launch(x2, u2, weight, y, norm_weight, total, eps, M, N, K, block_n, block_k, *, gated=False, head=0,
+            row_norm=False, has_res=False) -> None:
     if block_n is None or block_k is None:
-        block_n, block_k = tiles(N, K, M, kernels.sm_count(x.device))
+        block_n, block_k = tiles(N, K, M, kernels.sm_count(x2.device))
     if block_k < head:  # a tile holds whole heads; the tile keeps its size in weights
         block_n, block_k = max(1, block_n * block_k // head), head
-    on = kernels.pdl(x.device)
-    _kernel()[(-(-N // block_n),)](x2, u2, weight, y, norm_weight, eps, N, K, x2.stride(0), u2.stride(0),
-                                   weight.stride(0), y.stride(0), M=M, BLOCK_N=block_n, BLOCK_K=block_k,
-                                   GATED=up is not None, NORM_HEAD=head, num_warps=4, PDL=on,
-                                   **kernels.launch_options(on))
-    return y.view(*x.shape[:-1], N)
+    on = kernels.pdl(x2.device)
+    _kernel()[(-(-N // block_n),)](x2, u2, weight, y, norm_weight, total, eps, N, K, x2.stride(0), u2.stride(0),
+                                   weight.stride(0), y.stride(0), total.stride(0), M=M, BLOCK_N=block_n,
+                                   BLOCK_K=block_k, GATED=gated, NORM_HEAD=head, ROW_NORM=row_norm,
+                                   HAS_RES=has_res, num_warps=4, PDL=on, **kernels.launch_options(on))

@@ -54,8 +54,7 @@ class Block(nn.Module):
         x, normed = kernels.add_norm(x, pending, self.mixer_norm)
         if self.mlp is None:
             return x, self.mixer(normed, cache=cache)
-        x, normed = kernels.add_norm(x, self.mixer(normed, cache=cache), self.mlp_norm)
-        return x, self.mlp(normed)
+        return self.mlp.after_norm(x, self.mixer(normed, cache=cache), self.mlp_norm, kernels)
 
 
 def has_mlp(config: ModelConfig, layer_type: str) -> bool:

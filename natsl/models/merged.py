@@ -71,11 +71,19 @@ def merge_(module: nn.Module) -> int:
 def buffer_product(owner: nn.Module, name: str, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
     """The outputs on x of group `name` as one product over the buffer `merge_` made, where that
     applies (merged, no gradient wanted, at most MERGE_MAX_ROWS rows); else None."""
-    linears = _linears(owner, name)
+    buffer = merged_weight(owner, name, x)
+    if buffer is None:
+        return None
+    return linear(x, buffer).split(owner.__dict__["_merged_linears"][name].sizes, dim=-1)
+
+
+def merged_weight(owner: nn.Module, name: str, x: torch.Tensor) -> torch.Tensor | None:
+    """The buffer [sum of out_features, in_features] of group `name` where `buffer_product` would run it on
+    x (merged, no gradient wanted, few rows); else None."""
     group = owner.__dict__.get("_merged_linears", {}).get(name)
     rows = x.numel() // max(x.shape[-1], 1)
-    if group is not None and rows <= MERGE_MAX_ROWS and not torch.is_grad_enabled() and group.holds(linears):
-        return linear(x, group.buffer).split(group.sizes, dim=-1)
+    if group is not None and rows <= MERGE_MAX_ROWS and not torch.is_grad_enabled() and group.holds(_linears(owner, name)):
+        return group.buffer
     return None
 
 

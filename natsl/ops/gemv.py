@@ -107,3 +107,22 @@ def gated_norm_linear(x: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Te
             and gate.dtype == x.dtype and head & (head - 1) == 0 and x.shape[-1] % head == 0):
         return None
     return kernel(x, weight, up=gate, norm=(norm_weight, eps))
+
+
+def add_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                    weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(x + residual, linear(rms_norm(x + residual, norm_weight, eps), weight)) on one GEMV kernel that adds
+    and normalises as it reads x, where `applies` and the switch fused_add_norm is on; None elsewhere (the
+    caller runs its add-norm, then its product).
+
+    Args:
+        x, residual: [..., K] (the residual stream and a block's pending output; residual may be None);
+        norm_weight [K]; weight [N, K] (the product's, no bias).
+
+    Returns:
+        (the sum [..., K], the product [..., N]) in x's dtype, or None.
+    """
+    if not (switches.current().fused_add_norm and applies(x, weight) and norm_weight.shape == x.shape[-1:]
+            and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype))):
+        return None
+    return twin("add_norm_gemv", True)(x, residual, norm_weight, eps, weight)

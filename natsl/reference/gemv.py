@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from natsl.reference.norms import rms_norm
+from natsl.reference.norms import add_rms_norm, rms_norm
 from natsl.reference.norms import up as _up
 
 
@@ -24,3 +24,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, up: torch.Tensor | None = N
     elif up is not None:
         x = (F.silu(_up(x)) * _up(up)).to(x.dtype)
     return F.linear(x, weight)
+
+
+def add_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                    weight: torch.Tensor, *, block_n: int | None = None,
+                    block_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + residual, rms_norm(x + residual, norm_weight, eps) @ weight.T): `add_rms_norm` (the sum
+    rounded to x's dtype, normalised from it, rounded once), then the product; residual None: (x, the
+    product of x's norm). `block_n`, `block_k`: the fast kernel's tiles, ignored here."""
+    if residual is None:
+        total, normed = x, rms_norm(x, norm_weight, eps)
+    else:
+        total, normed = add_rms_norm(x, residual, norm_weight, eps)
+    return total, F.linear(normed, weight)
