@@ -101,9 +101,10 @@ class Switches:
                                  "inside its output product's GEMV kernel (one kernel fewer a layer and token) "
                                  "where the GEMV kernel runs; False: the norm kernel, then the GEMV")
     # The same: tests/test_gemv.py (-m gpu -k gemv on a card).
-    fused_add_norm: bool = _switch(False, "NATSL_FUSED_ADD_NORM", "a decode step's residual add and MLP norm "
-                                   "formed inside the MLP's gate/up GEMV kernel (one kernel fewer a layer and "
-                                   "token) where the GEMV kernel runs; False: the add-norm kernel, then the GEMV")
+    fused_add_norm: bool = _switch(False, "NATSL_FUSED_ADD_NORM", "a decode step's residual add and pre-norm "
+                                   "formed inside the next GEMV kernel (the MLP's gate/up, attention's q/k/v: "
+                                   "one kernel fewer each a layer and token) where the GEMV kernel runs; False: "
+                                   "the add-norm kernel, then the GEMV")
     # The padding is tested on the CPU, the capture and replay on the GPU (tests/test_prefill_graph.py -m gpu).
     prefill_graphs: bool = _switch(True, "NATSL_PREFILL_GRAPHS", "short prompts (batch 1, empty cache) prefill "
                                    "from CUDA graphs captured per length bucket (natsl.inference.prefill_graph)")

@@ -741,11 +741,13 @@ def test_fused_o_norm_forms_the_gdn_output_norm_in_the_output_product(layout, us
     assert relative_error(logits[0], logits[1]) < 1e-5
 
 
-@pytest.mark.parametrize("layout", ["transformer", "gdn", "natsl", "natsl_hybrid", "hybrid_mamba2"])
-def test_fused_add_norm_runs_the_mlp_norm_in_the_gate_up_product(layout, use_switches, monkeypatch):
-    """With the switch fused_add_norm (and merged weights, as generation runs), every block with an MLP
-    forms its residual add and MLP norm inside the gate/up GEMV (natsl.ops.gemv.add_norm_linear) on a
-    decode step, and the logits equal those of the add-norm kernel then the product."""
+@pytest.mark.parametrize("layout", ["transformer", "gdn", "gdn_hybrid", "natsl", "natsl_hybrid", "hybrid_mamba2"])
+def test_fused_add_norm_runs_the_pre_norms_in_the_next_product(layout, use_switches, monkeypatch):
+    """With the switch fused_add_norm (and merged weights, as generation runs), every block forms its
+    residual add and MLP norm inside the gate/up GEMV, and every attention block its mixer norm inside the
+    q/k/v GEMV (natsl.ops.gemv.add_norm_linear) on a decode step; the logits equal those of the add-norm
+    kernels then the products."""
+    from natsl.models.attention import SoftmaxAttention
     from natsl.models.merged import merge_
     from natsl.ops import gemv
 
@@ -754,8 +756,8 @@ def test_fused_add_norm_runs_the_mlp_norm_in_the_gate_up_product(layout, use_swi
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = tiny_model("chunked", **LAYOUTS[layout]).to(device)
     merge_(model)
-    mlps = sum(block.mlp is not None for block in model.layers)
-    assert mlps > 0
+    folds = sum((block.mlp is not None) + isinstance(block.mixer, SoftmaxAttention) for block in model.layers)
+    assert folds > 0
     ids = torch.randint(0, 1024, (1, 40), generator=torch.Generator().manual_seed(6)).to(device)
     real, ran = gemv.add_norm_linear, []
     monkeypatch.setattr(gemv, "add_norm_linear", lambda *a: (lambda y: ran.append(y is not None) or y)(real(*a)))
@@ -767,7 +769,7 @@ def test_fused_add_norm_runs_the_mlp_norm_in_the_gate_up_product(layout, use_swi
             model(ids[:, :39], cache=cache)
             ran.clear()
             logits.append(model(ids[:, 39:], cache=cache))
-        assert sum(ran) == (mlps if fused else 0)
+        assert sum(ran) == (folds if fused else 0)
     assert relative_error(logits[0], logits[1]) < 1e-5
 
 

@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from natsl.config import ModelConfig
-from natsl.ops import kernel_set
+from natsl.ops import gemv, kernel_set
 from natsl.ops.cached import attend_cached
 from natsl.models.linear import Linear
-from natsl.models.merged import shared_linear
+from natsl.models.merged import merged_weight, shared_linear
 from natsl.models.rope import RopeTable, apply_rope, decode_frequencies
 
 
@@ -76,24 +76,8 @@ class SoftmaxAttention(nn.Module):
         if self.observe:  # a KV-eviction press scores the keys with the last queries (natsl.inference.evict)
             self.observed_q = None
         if start is None:  # decode: one token per sequence, each at its own position
-            pos = cache.positions.pos
-            q, k, v = self.heads(x)
-            n = min(cache.positions.attn_read, cache.k.shape[2])
-            if cache.window:  # ring buffer: the token goes to slot pos mod window
-                slots = (pos % cache.window)[:, None].expand(b, self.num_heads)
-                visible = torch.clamp(pos + 1, max=cache.window)[:, None].expand(b, self.num_heads)
-            else:  # absolute positions, or after eviction the end of each head's entries
-                slots = pos[:, None].expand(b, self.num_heads) if cache.kv_len is None else cache.kv_len
-                visible = slots + 1
-            # RoPE on q and k, then K/V into the cache: one kernel on the fused set
-            rope = self.config.attn_rope
-            inv_freq = decode_frequencies(self.head_dim, self.config.rope_theta, x.device) if rope else None
-            kernels = kernel_set.pick(self.backend, x.device)
-            q = kernels.rope_write_kv(q[:, 0], k[:, 0], v[:, 0], pos, inv_freq, cache.k, cache.v, slots)[:, None]
-            o = attend_cached(q, cache.k[:, :, :n], cache.v[:, :, :n], visible, backend=self.backend)
-            if cache.kv_len is not None:
-                cache.kv_len.add_(1)
-        elif cache.window:
+            return self.decode(*self.heads(x), cache)
+        if cache.window:
             o = self.prefill_window(x, cache, start)
         elif cache.kv_len is not None:
             o = self.prefill_compacted(x, cache, start)
@@ -111,6 +95,45 @@ class SoftmaxAttention(nn.Module):
                 o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=causal).transpose(1, 2)
             self.keep_queries(q)
         return self.o_proj(o.reshape(b, t, -1))
+
+    def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache) -> torch.Tensor:
+        """One decode token per sequence from its projections q, k, v [B, 1, heads, head_dim] (before RoPE):
+        RoPE, the K/V write at each sequence's position, the cached attention and o_proj -> [B, 1, d]."""
+        b = q.shape[0]
+        pos = cache.positions.pos
+        if self.observe:  # a press reads the queries of prefills only
+            self.observed_q = None
+        n = min(cache.positions.attn_read, cache.k.shape[2])
+        if cache.window:  # ring buffer: the token goes to slot pos mod window
+            slots = (pos % cache.window)[:, None].expand(b, self.num_heads)
+            visible = torch.clamp(pos + 1, max=cache.window)[:, None].expand(b, self.num_heads)
+        else:  # absolute positions, or after eviction the end of each head's entries
+            slots = pos[:, None].expand(b, self.num_heads) if cache.kv_len is None else cache.kv_len
+            visible = slots + 1
+        # RoPE on q and k, then K/V into the cache: one kernel on the fused set
+        rope = self.config.attn_rope
+        inv_freq = decode_frequencies(self.head_dim, self.config.rope_theta, q.device) if rope else None
+        kernels = kernel_set.pick(self.backend, q.device)
+        q = kernels.rope_write_kv(q[:, 0], k[:, 0], v[:, 0], pos, inv_freq, cache.k, cache.v, slots)[:, None]
+        o = attend_cached(q, cache.k[:, :, :n], cache.v[:, :, :n], visible, backend=self.backend)
+        if cache.kv_len is not None:
+            cache.kv_len.add_(1)
+        return self.o_proj(o.reshape(b, 1, -1))
+
+    def after_norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm, cache, kernels):
+        """A block's cached call: (x + residual, self(norm(x + residual), cache)). On a decode step where
+        natsl.ops.gemv.add_norm_linear runs (the switch fused_add_norm), the add and the norm are formed
+        inside the merged q/k/v GEMV; else `kernels.add_norm` (natsl.ops.kernel_set), then this layer."""
+        if cache.positions.start is None:
+            buffer = merged_weight(self, "qkv", x)
+            fused = None if buffer is None else gemv.add_norm_linear(x, residual, norm.weight, norm.eps, buffer)
+            if fused is not None:
+                x, qkv = fused
+                b, t = qkv.shape[:2]
+                q, k, v = (y.view(b, t, self.num_heads, self.head_dim) for y in qkv.chunk(3, dim=-1))
+                return x, self.decode(q, k, v, cache)
+        x, normed = kernels.add_norm(x, residual, norm)
+        return x, self(normed, cache=cache)
 
     observe = 0  # how many of a prefill's last queries to keep for a KV-eviction press (0: none)
     observed_q = None

@@ -51,10 +51,15 @@ class Block(nn.Module):
         kernel set every RMSNorm is one kernel and each add runs in the next norm's kernel; on the
         reference set the add and the norm module are the full forward's."""
         kernels = self.kernels(x.device)
-        x, normed = kernels.add_norm(x, pending, self.mixer_norm)
+        # a mixer with `after_norm` (attention) may form the add and norm inside its first product
+        if hasattr(self.mixer, "after_norm"):
+            x, mixed = self.mixer.after_norm(x, pending, self.mixer_norm, cache, kernels)
+        else:
+            x, normed = kernels.add_norm(x, pending, self.mixer_norm)
+            mixed = self.mixer(normed, cache=cache)
         if self.mlp is None:
-            return x, self.mixer(normed, cache=cache)
-        return self.mlp.after_norm(x, self.mixer(normed, cache=cache), self.mlp_norm, kernels)
+            return x, mixed
+        return self.mlp.after_norm(x, mixed, self.mlp_norm, kernels)
 
 
 def has_mlp(config: ModelConfig, layer_type: str) -> bool:
