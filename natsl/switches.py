@@ -97,9 +97,9 @@ class Switches:
                                "False: its reference twin (eager)")
     # Checked against its twin under the Triton interpreter (tests/test_gemv.py); off until the GPU tests
     # (-m gpu -k gemv) and a decode benchmark beside it have run on a card.
-    fused_o_norm: bool = _switch(False, "NATSL_FUSED_O_NORM", "a GDN layer's decode output norm and gate formed "
-                                 "inside its output product's GEMV kernel (one kernel fewer a layer and token) "
-                                 "where the GEMV kernel runs; False: the norm kernel, then the GEMV")
+    fused_o_norm: bool = _switch(False, "NATSL_FUSED_O_NORM", "a GDN or Mamba2 layer's decode output norm and "
+                                 "gate formed inside its output product's GEMV kernel (one kernel fewer a layer "
+                                 "and token) where the GEMV kernel runs; False: the norm kernel, then the GEMV")
     # The same: tests/test_gemv.py (-m gpu -k gemv on a card).
     fused_add_norm: bool = _switch(False, "NATSL_FUSED_ADD_NORM", "a decode step's residual add and pre-norm "
                                    "formed inside the next GEMV kernel (the MLP's gate/up, attention's q/k/v: "

@@ -142,6 +142,30 @@ def test_add_norm_gemv_equals_its_twin_and_the_add_norm_then_the_product(rows, d
             assert relative_error(got, want) < tol and relative_error(twin, want) < tol, (N, K, res is None)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_gated_input_norm_gemv_equals_its_twin_and_the_norm_then_the_product(rows, dtype):
+    """natsl.fast.gemv.gated_input_norm_linear (Mamba2's output norm: RMSNorm of x * silu(gate) over the
+    row, then the product) against the reference twin and against gated_input_rms_norm then F.linear: K in
+    one tile and over several, an odd K, x and the gate as column slices of one wider row."""
+    from natsl.reference import gemv as reference
+    from natsl.reference.norms import gated_input_rms_norm
+
+    dev = device()
+    gen = torch.Generator().manual_seed(30 + rows)
+    for N, K, tiles in ((37, 48, {}), (130, 100, {"block_n": 8, "block_k": 32}), (60, 1030, {})):
+        both = torch.randn(rows, 2 * K + 3, generator=gen).to(dev, dtype)
+        x, gate = both[:, :K], both[:, K + 3:]  # column slices, as Mamba2's y and z
+        norm_weight = (1 + 0.3 * torch.randn(K, generator=gen)).to(dev, dtype)
+        weight = torch.randn(N, K, generator=gen).to(dev, dtype)
+        got = kernel.gated_input_norm_linear(x, gate, norm_weight, 1e-6, weight, **tiles)
+        twin = reference.gated_input_norm_linear(x, gate, norm_weight, 1e-6, weight)
+        want = F.linear(gated_input_rms_norm(x, norm_weight, 1e-6, gate).float(), weight.float())
+        assert got.shape == (rows, N) and got.dtype == dtype
+        tol = 1e-5 if dtype == torch.float32 else 2 ** -6  # bf16: the normed input's and the product's rounding
+        assert relative_error(got, want) < tol and relative_error(twin, want) < tol, (N, K)
+
+
 def test_mlp_after_norm_runs_the_add_norm_in_the_gate_up_product_only_with_its_switch(use_switches, monkeypatch):
     """SwiGLU.after_norm: with the switch fused_add_norm and the merged gate/up buffer, the add and norm run
     in the gate/up GEMV (no add-norm kernel); without either, kernels.add_norm then the MLP; same values."""

@@ -711,43 +711,48 @@ def test_fused_decode_step_rotates_inside_the_kernel(layout, use_switches):
     assert relative_error(logits[0], logits[1]) < 1e-5
 
 
-@pytest.mark.parametrize("layout", ["gdn", "gdn_hybrid", "natsl_hybrid", "hybrid_delta"])
-def test_fused_o_norm_forms_the_gdn_output_norm_in_the_output_product(layout, use_switches, monkeypatch):
+@pytest.mark.parametrize("layout", ["gdn", "gdn_hybrid", "natsl_hybrid", "hybrid_delta", "mamba2", "hybrid_mamba2"])
+def test_fused_o_norm_forms_the_output_norm_in_the_output_product(layout, use_switches, monkeypatch):
     """With the switch fused_o_norm, each GDN (or DeltaNet) layer's decode step forms its gated output
-    norm inside the o_proj GEMV (natsl.ops.gemv.gated_norm_linear): one such product a GDN layer and
-    token, and the logits equal those of the norm kernel then the product."""
+    norm inside the o_proj GEMV (natsl.ops.gemv.gated_norm_linear) and each Mamba2 layer its gated-input
+    norm inside out_proj's (gated_input_norm_linear): one such product a layer and token, and the logits
+    equal those of the norm kernel then the product."""
     from natsl.models.gated_deltanet import GatedDeltaNet
+    from natsl.models.mamba2 import Mamba2
     from natsl.ops import gemv
 
     if not torch.cuda.is_available() and not triton_interpreted():
         pytest.skip("needs CUDA or the Triton interpreter")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = tiny_model("chunked", **LAYOUTS[layout]).to(device)
-    gdn_layers = sum(isinstance(m, GatedDeltaNet) for m in model.modules())
-    assert gdn_layers > 0
+    layers = sum(isinstance(m, (GatedDeltaNet, Mamba2)) for m in model.modules())
+    assert layers > 0
     ids = torch.randint(0, 1024, (1, 40), generator=torch.Generator().manual_seed(5)).to(device)
-    real, normed = gemv.kernel, []
-    monkeypatch.setattr(gemv, "kernel", lambda x, w, up=None, norm=None: normed.append(norm is not None)
-                        or real(x, w, up=up, norm=norm))
+    ran = []
+    for name in ("gated_norm_linear", "gated_input_norm_linear"):
+        real = getattr(gemv, name)
+        monkeypatch.setattr(gemv, name, lambda *a, real=real: (lambda y: ran.append(y is not None) or y)(real(*a)))
     logits = []
     for fused in (True, False):
         use_switches(force_fused_inference=True, fused_o_norm=fused)
-        normed.clear()
         with torch.no_grad():
             cache = model.new_cache(1, max_len=40)
             model(ids[:, :39], cache=cache)
+            ran.clear()
             logits.append(model(ids[:, 39:], cache=cache))
-        assert sum(normed) == (gdn_layers if fused else 0)
+        assert sum(ran) == (layers if fused else 0)
     assert relative_error(logits[0], logits[1]) < 1e-5
 
 
-@pytest.mark.parametrize("layout", ["transformer", "gdn", "gdn_hybrid", "natsl", "natsl_hybrid", "hybrid_mamba2"])
+@pytest.mark.parametrize("layout", ["transformer", "gdn", "gdn_hybrid", "natsl", "natsl_hybrid", "mamba2",
+                                    "hybrid_mamba2"])
 def test_fused_add_norm_runs_the_pre_norms_in_the_next_product(layout, use_switches, monkeypatch):
     """With the switch fused_add_norm (and merged weights, as generation runs), every block forms its
-    residual add and MLP norm inside the gate/up GEMV, and every attention block its mixer norm inside the
-    q/k/v GEMV (natsl.ops.gemv.add_norm_linear) on a decode step; the logits equal those of the add-norm
-    kernels then the products."""
+    residual add and MLP norm inside the gate/up GEMV, every attention block its mixer norm inside the
+    q/k/v GEMV and every Mamba2 block inside its in_proj GEMV (natsl.ops.gemv.add_norm_linear) on a decode
+    step; the logits equal those of the add-norm kernels then the products."""
     from natsl.models.attention import SoftmaxAttention
+    from natsl.models.mamba2 import Mamba2
     from natsl.models.merged import merge_
     from natsl.ops import gemv
 
@@ -756,7 +761,8 @@ def test_fused_add_norm_runs_the_pre_norms_in_the_next_product(layout, use_switc
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = tiny_model("chunked", **LAYOUTS[layout]).to(device)
     merge_(model)
-    folds = sum((block.mlp is not None) + isinstance(block.mixer, SoftmaxAttention) for block in model.layers)
+    folds = sum((block.mlp is not None) + isinstance(block.mixer, (SoftmaxAttention, Mamba2))
+                for block in model.layers)
     assert folds > 0
     ids = torch.randint(0, 1024, (1, 40), generator=torch.Generator().manual_seed(6)).to(device)
     real, ran = gemv.add_norm_linear, []

@@ -114,6 +114,30 @@ def add_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
     return total, y.view(*x.shape[:-1], N)
 
 
+def gated_input_norm_linear(x: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                            weight: torch.Tensor, *, block_n: int | None = None,
+                            block_k: int | None = None) -> torch.Tensor:
+    """gated_input_rms_norm(x, norm_weight, eps, gate) @ weight.T in one kernel: Mamba2's output norm
+    (RMSNorm of x * silu(gate) over the row, times the weight, fp32, one rounding) formed as the GEMV
+    reads x (each program takes the rows' norms in a pass of its own).
+
+    Args:
+        x, gate: [..., K], at most 4 rows (column slices read in place); norm_weight [K]; weight [N, K].
+
+    Returns:
+        [..., N] in x's dtype.
+    """
+    K = x.shape[-1]
+    N = weight.shape[0]
+    x2, g2 = _rows(x, K), _rows(gate, K)
+    M = x2.shape[0]
+    assert 1 <= M <= 4 and weight.shape[1] == K and norm_weight.numel() == K and gate.shape == x.shape
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    _launch(x2, g2, _rows(weight, K), y, norm_weight.contiguous(), y, float(eps), M, N, K, block_n, block_k,
+            row_norm=True, gate_first=True)
+    return y.view(*x.shape[:-1], N)
+
+
 def _rows(t: torch.Tensor, K: int) -> torch.Tensor:
     """t as rows [n, K] of unit column stride (a view where it can be, else a copy): the kernel's layout."""
     rows = t.reshape(-1, K)
@@ -121,7 +145,7 @@ def _rows(t: torch.Tensor, K: int) -> torch.Tensor:
 
 
 def _launch(x2, u2, weight, y, norm_weight, total, eps, M, N, K, block_n, block_k, *, gated=False, head=0,
-            row_norm=False, has_res=False) -> None:
+            row_norm=False, has_res=False, gate_first=False) -> None:
     if block_n is None or block_k is None:
         block_n, block_k = tiles(N, K, M, kernels.sm_count(x2.device))
     if block_k < head:  # a tile holds whole heads; the tile keeps its size in weights
@@ -130,4 +154,5 @@ def _launch(x2, u2, weight, y, norm_weight, total, eps, M, N, K, block_n, block_
     _kernel()[(-(-N // block_n),)](x2, u2, weight, y, norm_weight, total, eps, N, K, x2.stride(0), u2.stride(0),
                                    weight.stride(0), y.stride(0), total.stride(0), M=M, BLOCK_N=block_n,
                                    BLOCK_K=block_k, GATED=gated, NORM_HEAD=head, ROW_NORM=row_norm,
-                                   HAS_RES=has_res, num_warps=4, PDL=on, **kernels.launch_options(on))
+                                   HAS_RES=has_res, GATE_FIRST=gate_first, num_warps=4, PDL=on,
+                                   **kernels.launch_options(on))

@@ -26,7 +26,7 @@ from natsl.models.gated_deltanet import GatedDeltaProjections, init_decay
 from natsl.models.linear import Linear
 from natsl.models.norms import RMSNorm
 from natsl.models.pointwise import mamba2_gates
-from natsl.ops import kernel_set
+from natsl.ops import gemv, kernel_set
 from natsl.ops.cached import gla_token_step
 from natsl.reference.gates import add_skip, step_values
 
@@ -99,6 +99,19 @@ class Mamba2(nn.Module):
         y = kernels.gated_input_norm(y.reshape(b, t, self.inner), self.norm, z, skip=xs, skip_scale=self.D)
         return self.out_proj(y)
 
+    def after_norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm, cache, kernels):
+        """A block's cached call: (x + residual, self(norm(x + residual), cache)). On a decode step where
+        natsl.ops.gemv.add_norm_linear runs (the switch fused_add_norm), the add and the norm are formed
+        inside the in_proj GEMV; else `kernels.add_norm` (natsl.ops.kernel_set), then this layer."""
+        if x.shape[1] == 1:
+            fused = gemv.add_norm_linear(x, residual, norm.weight, norm.eps, self.in_proj.weight)
+            if fused is not None:
+                x, projected = fused
+                z, xbc, a = projected.split([self.inner, self.conv_dim, self.num_heads], dim=-1)
+                return x, self.decode(z, xbc, a, cache, kernel_set.pick(self.backend, x.device, cache.state.dtype))
+        x, normed = kernels.add_norm(x, residual, norm)
+        return x, self(normed, cache=cache)
+
     def decode(self, z: torch.Tensor, xbc: torch.Tensor, a: torch.Tensor, cache, kernels) -> torch.Tensor:
         """One token [B, 1, ...] of the in_proj's z, xBC and a on the kernel set `kernels`
         (natsl.ops.kernel_set): the conv step (its tail shifted in place; a biased conv runs its formula,
@@ -115,7 +128,11 @@ class Mamba2(nn.Module):
         xs, B, C = xbc.split([self.inner, width, width], dim=-1)
         y, _ = kernels.gla_decode_step(C, B, xs, a, self.A_log, self.dt_bias, cache.state, D=self.D,
                                        scale=SSD_SCALE)
-        return self.out_proj(kernels.gated_input_norm(y.reshape(b, 1, self.inner), self.norm, z))
+        y = y.reshape(b, 1, self.inner)
+        # the gated norm inside out_proj's GEMV (natsl.ops.gemv), where it runs
+        fused = gemv.gated_input_norm_linear(y, z, self.norm.weight, self.norm.eps, self.out_proj.weight,
+                                             self.out_proj.bias)
+        return fused if fused is not None else self.out_proj(kernels.gated_input_norm(y, self.norm, z))
 
 
 class Mamba2StateProjections(GatedDeltaProjections):

@@ -298,6 +298,8 @@ TWINS = {
     "step_values": ("natsl.reference.gates:step_values", "natsl.fast.gates:step_values"),
     "gemv": ("natsl.reference.gemv:linear", "natsl.fast.gemv:linear"),
     "add_norm_gemv": ("natsl.reference.gemv:add_norm_linear", "natsl.fast.gemv:add_norm_linear"),
+    "gated_input_norm_gemv": ("natsl.reference.gemv:gated_input_norm_linear",
+                              "natsl.fast.gemv:gated_input_norm_linear"),
     "cross_entropy": ("natsl.reference.cross_entropy:softmax_cross_entropy_",
                       "natsl.fast.cross_entropy:softmax_cross_entropy_"),
 }

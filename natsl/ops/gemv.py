@@ -126,3 +126,21 @@ def add_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
             and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype))):
         return None
     return twin("add_norm_gemv", True)(x, residual, norm_weight, eps, weight)
+
+
+def gated_input_norm_linear(x: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                            weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """linear(gated_input_rms_norm(x, norm_weight, eps, gate), weight, bias) (Mamba2's output norm, then its
+    out_proj) on one GEMV kernel that forms the norm as it reads x, where `applies` and the switch
+    fused_o_norm is on; None elsewhere (the caller runs its norm, then its product).
+
+    Args:
+        x, gate: [..., K] (the read and its gate z); norm_weight [K]; weight [N, K], bias: the product's.
+
+    Returns:
+        [..., N] in x's dtype, or None.
+    """
+    if not (switches.current().fused_o_norm and applies(x, weight, bias) and gate.shape == x.shape
+            and gate.dtype == x.dtype and norm_weight.shape == x.shape[-1:]):
+        return None
+    return twin("gated_input_norm_gemv", True)(x, gate, norm_weight, eps, weight)

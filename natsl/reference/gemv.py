@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from natsl.reference.norms import add_rms_norm, rms_norm
+from natsl.reference.norms import add_rms_norm, gated_input_rms_norm, rms_norm
 from natsl.reference.norms import up as _up
 
 
@@ -37,3 +37,12 @@ def add_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
     else:
         total, normed = add_rms_norm(x, residual, norm_weight, eps)
     return total, F.linear(normed, weight)
+
+
+def gated_input_norm_linear(x: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                            weight: torch.Tensor, *, block_n: int | None = None,
+                            block_k: int | None = None) -> torch.Tensor:
+    """gated_input_rms_norm(x, norm_weight, eps, gate) @ weight.T: Mamba2's output norm (RMSNorm of
+    x * silu(gate), fp32, one rounding), then the product. `block_n`, `block_k`: the fast kernel's tiles,
+    ignored here."""
+    return F.linear(gated_input_rms_norm(x, norm_weight, eps, gate), weight)
