@@ -95,13 +95,13 @@ class Switches:
     fused_rope: bool = _switch(True, "NATSL_FUSED_ROPE", "a decode token's softmax q/k norms, RoPE and K/V "
                                "write on one fused Triton kernel where the fused inference kernels run; "
                                "False: its reference twin (eager)")
-    # Checked against its twin under the Triton interpreter (tests/test_gemv.py); off until the GPU tests
-    # (-m gpu -k gemv) and a decode benchmark beside it have run on a card.
-    fused_o_norm: bool = _switch(False, "NATSL_FUSED_O_NORM", "a GDN or Mamba2 layer's decode output norm and "
+    # Checked against its twin under the Triton interpreter and on an H100 (tests/test_gemv.py,
+    # test_inference.py -k "fused_o_norm or fused_add_norm"); measured in docs/performance.md.
+    fused_o_norm: bool = _switch(True, "NATSL_FUSED_O_NORM", "a GDN or Mamba2 layer's decode output norm and "
                                  "gate formed inside its output product's GEMV kernel (one kernel fewer a layer "
                                  "and token) where the GEMV kernel runs; False: the norm kernel, then the GEMV")
-    # The same: tests/test_gemv.py (-m gpu -k gemv on a card).
-    fused_add_norm: bool = _switch(False, "NATSL_FUSED_ADD_NORM", "a decode step's residual add and pre-norm "
+    # The same tests and measurement.
+    fused_add_norm: bool = _switch(True, "NATSL_FUSED_ADD_NORM", "a decode step's residual add and pre-norm "
                                    "formed inside the next GEMV kernel (the MLP's gate/up, attention's q/k/v: "
                                    "one kernel fewer each a layer and token) where the GEMV kernel runs; False: "
                                    "the add-norm kernel, then the GEMV")

@@ -30,10 +30,14 @@ from natsl.ops.cached import gdn_token_step
 def init_decay(A_log: torch.Tensor, dt_bias: torch.Tensor, a_min: float) -> None:
     """A ~ U(a_min, 16) (floored at 1e-6 before the log); dt log-uniform in [1e-3, 0.1] floored at 1e-4,
     and dt_bias the inverse softplus of dt so that softplus(dt_bias) = dt at zero input. Gated
-    DeltaNet draws A from U(0, 16), Mamba2 from U(1, 16)."""
+    DeltaNet draws A from U(0, 16), Mamba2 from U(1, 16).
+    The draws are in the parameters' dtype (the random stream as ever); the log, exp and expm1 run in
+    fp64, rounded once: the CPU's vectorised fp32 transcendentals differ by an ulp between instruction sets
+    (AVX2 and AVX-512 gave different parameters for the same seed), the fp64 ones rounded to fp32 do not."""
     with torch.no_grad():
-        A_log.copy_(torch.empty_like(A_log).uniform_(a_min, 16).clamp_(min=1e-6).log())
-        log_dt = torch.empty_like(dt_bias).uniform_(math.log(1e-3), math.log(0.1))
+        A = torch.empty_like(A_log).uniform_(a_min, 16).clamp_(min=1e-6)
+        A_log.copy_(A.double().log())
+        log_dt = torch.empty_like(dt_bias).uniform_(math.log(1e-3), math.log(0.1)).double()
         dt = log_dt.exp().clamp(min=1e-4)
         dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
 
