@@ -102,8 +102,8 @@ class Switches:
                                  "and token) where the GEMV kernel runs; False: the norm kernel, then the GEMV")
     # The same tests and measurement.
     fused_add_norm: bool = _switch(True, "NATSL_FUSED_ADD_NORM", "a decode step's residual add and pre-norm "
-                                   "formed inside the next GEMV kernel (the MLP's gate/up, attention's q/k/v: "
-                                   "one kernel fewer each a layer and token) where the GEMV kernel runs; False: "
+                                   "formed inside the next GEMV kernel (the MLP's gate/up, attention's q/k/v, "
+                                   "Mamba2's in_proj: one kernel fewer each a layer and token) where the GEMV kernel runs; False: "
                                    "the add-norm kernel, then the GEMV")
     # The padding is tested on the CPU, the capture and replay on the GPU (tests/test_prefill_graph.py -m gpu).
     prefill_graphs: bool = _switch(True, "NATSL_PREFILL_GRAPHS", "short prompts (batch 1, empty cache) prefill "

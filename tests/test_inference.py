@@ -711,6 +711,22 @@ def test_fused_decode_step_rotates_inside_the_kernel(layout, use_switches):
     assert relative_error(logits[0], logits[1]) < 1e-5
 
 
+def fused_on_and_off(model, ids, ran: list, expected: int, switch) -> None:
+    """Prefill ids[:, :-1] and decode the last token with `switch(True)` then `switch(False)`: the decode
+    step's recorded folds (`ran`, True where a fused product ran) number `expected`, then none; the logits of
+    the two agree within 1e-5."""
+    logits = []
+    for fused in (True, False):
+        switch(fused)
+        with torch.no_grad():
+            cache = model.new_cache(ids.shape[0], max_len=ids.shape[1])
+            model(ids[:, :-1], cache=cache)
+            ran.clear()
+            logits.append(model(ids[:, -1:], cache=cache))
+        assert sum(ran) == (expected if fused else 0)
+    assert relative_error(logits[0], logits[1]) < 1e-5
+
+
 @pytest.mark.parametrize("layout", ["gdn", "gdn_hybrid", "natsl_hybrid", "hybrid_delta", "mamba2", "hybrid_mamba2"])
 def test_fused_o_norm_forms_the_output_norm_in_the_output_product(layout, use_switches, monkeypatch):
     """With the switch fused_o_norm, each GDN (or DeltaNet) layer's decode step forms its gated output
@@ -732,16 +748,7 @@ def test_fused_o_norm_forms_the_output_norm_in_the_output_product(layout, use_sw
     for name in ("gated_norm_linear", "gated_input_norm_linear"):
         real = getattr(gemv, name)
         monkeypatch.setattr(gemv, name, lambda *a, real=real: (lambda y: ran.append(y is not None) or y)(real(*a)))
-    logits = []
-    for fused in (True, False):
-        use_switches(force_fused_inference=True, fused_o_norm=fused)
-        with torch.no_grad():
-            cache = model.new_cache(1, max_len=40)
-            model(ids[:, :39], cache=cache)
-            ran.clear()
-            logits.append(model(ids[:, 39:], cache=cache))
-        assert sum(ran) == (layers if fused else 0)
-    assert relative_error(logits[0], logits[1]) < 1e-5
+    fused_on_and_off(model, ids, ran, layers, lambda on: use_switches(force_fused_inference=True, fused_o_norm=on))
 
 
 @pytest.mark.parametrize("layout", ["transformer", "gdn", "gdn_hybrid", "natsl", "natsl_hybrid", "mamba2",
@@ -767,16 +774,7 @@ def test_fused_add_norm_runs_the_pre_norms_in_the_next_product(layout, use_switc
     ids = torch.randint(0, 1024, (1, 40), generator=torch.Generator().manual_seed(6)).to(device)
     real, ran = gemv.add_norm_linear, []
     monkeypatch.setattr(gemv, "add_norm_linear", lambda *a: (lambda y: ran.append(y is not None) or y)(real(*a)))
-    logits = []
-    for fused in (True, False):
-        use_switches(force_fused_inference=True, fused_add_norm=fused)
-        with torch.no_grad():
-            cache = model.new_cache(1, max_len=40)
-            model(ids[:, :39], cache=cache)
-            ran.clear()
-            logits.append(model(ids[:, 39:], cache=cache))
-        assert sum(ran) == (folds if fused else 0)
-    assert relative_error(logits[0], logits[1]) < 1e-5
+    fused_on_and_off(model, ids, ran, folds, lambda on: use_switches(force_fused_inference=True, fused_add_norm=on))
 
 
 def test_fused_write_kv_equals_two_scatters():

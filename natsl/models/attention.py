@@ -73,10 +73,10 @@ class SoftmaxAttention(nn.Module):
         """Tokens that follow those in `cache` (an AttentionCache, K/V stored at absolute positions)."""
         b, t, _ = x.shape
         start = cache.positions.start
-        if self.observe:  # a KV-eviction press scores the keys with the last queries (natsl.inference.evict)
-            self.observed_q = None
         if start is None:  # decode: one token per sequence, each at its own position
             return self.decode(*self.heads(x), cache)
+        if self.observe:  # a KV-eviction press scores the keys with the last queries (natsl.inference.evict)
+            self.observed_q = None
         if cache.window:
             o = self.prefill_window(x, cache, start)
         elif cache.kv_len is not None:
@@ -101,7 +101,7 @@ class SoftmaxAttention(nn.Module):
         RoPE, the K/V write at each sequence's position, the cached attention and o_proj -> [B, 1, d]."""
         b = q.shape[0]
         pos = cache.positions.pos
-        if self.observe:  # a press reads the queries of prefills only
+        if self.observe:  # a press reads the last queries of a prefill, none of a decode step
             self.observed_q = None
         n = min(cache.positions.attn_read, cache.k.shape[2])
         if cache.window:  # ring buffer: the token goes to slot pos mod window
@@ -125,8 +125,7 @@ class SoftmaxAttention(nn.Module):
         natsl.ops.gemv.add_norm_linear runs (the switch fused_add_norm), the add and the norm are formed
         inside the merged q/k/v GEMV; else `kernels.add_norm` (natsl.ops.kernel_set), then this layer."""
         if cache.positions.start is None:
-            buffer = merged_weight(self, "qkv", x)
-            fused = None if buffer is None else gemv.add_norm_linear(x, residual, norm.weight, norm.eps, buffer)
+            fused = gemv.add_norm_linear(x, residual, norm.weight, norm.eps, merged_weight(self, "qkv", x))
             if fused is not None:
                 x, qkv = fused
                 b, t = qkv.shape[:2]

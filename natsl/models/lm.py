@@ -51,7 +51,7 @@ class Block(nn.Module):
         kernel set every RMSNorm is one kernel and each add runs in the next norm's kernel; on the
         reference set the add and the norm module are the full forward's."""
         kernels = self.kernels(x.device)
-        # a mixer with `after_norm` (attention) may form the add and norm inside its first product
+        # a mixer with `after_norm` (attention, Mamba2) may form the add and norm inside its first product
         if hasattr(self.mixer, "after_norm"):
             x, mixed = self.mixer.after_norm(x, pending, self.mixer_norm, cache, kernels)
         else:

@@ -28,8 +28,7 @@ class SwiGLU(nn.Module):
         """A cached call's (x + residual, self(norm(x + residual))): the add and the norm inside the merged
         gate/up product's GEMV kernel where natsl.ops.gemv.add_norm_linear runs (a decode step, the switch
         fused_add_norm), else `kernels.add_norm` (natsl.ops.kernel_set) then this MLP."""
-        buffer = merged_weight(self, "gate_up", x)
-        fused = None if buffer is None else gemv.add_norm_linear(x, residual, norm.weight, norm.eps, buffer)
+        fused = gemv.add_norm_linear(x, residual, norm.weight, norm.eps, merged_weight(self, "gate_up", x))
         if fused is None:
             x, normed = kernels.add_norm(x, residual, norm)
             return x, self(normed)

@@ -77,8 +77,6 @@ def commit_state(start, end, decay_sum, write, decay_skipped_blocks: bool = True
                                                                  decay_skipped_blocks)
 
 
-
-
 def attend_cached(q, keys, values, visible, *, backend=None):
     """`attend_one` for a decode step: on the split-K Triton kernel (natsl.fast.decode_attention)
     where the fused inference kernels are on (CUDA + fast backend), else `attend_one` itself."""

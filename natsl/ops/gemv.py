@@ -103,26 +103,26 @@ def gated_norm_linear(x: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Te
         [..., N] in x's dtype, or None.
     """
     head = norm_weight.numel()
-    if not (switches.current().fused_o_norm and applies(x, weight, bias) and gate.shape == x.shape
-            and gate.dtype == x.dtype and head & (head - 1) == 0 and x.shape[-1] % head == 0):
+    if not (_folds_output_norm(x, gate, weight, bias) and head & (head - 1) == 0 and x.shape[-1] % head == 0):
         return None
     return kernel(x, weight, up=gate, norm=(norm_weight, eps))
 
 
 def add_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                    weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+                    weight: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(x + residual, linear(rms_norm(x + residual, norm_weight, eps), weight)) on one GEMV kernel that adds
     and normalises as it reads x, where `applies` and the switch fused_add_norm is on; None elsewhere (the
     caller runs its add-norm, then its product).
 
     Args:
         x, residual: [..., K] (the residual stream and a block's pending output; residual may be None);
-        norm_weight [K]; weight [N, K] (the product's, no bias).
+        norm_weight [K]; weight [N, K] (the product's, no bias; None, as `merged_weight` gives where the
+        group is not merged: no fold).
 
     Returns:
         (the sum [..., K], the product [..., N]) in x's dtype, or None.
     """
-    if not (switches.current().fused_add_norm and applies(x, weight) and norm_weight.shape == x.shape[-1:]
+    if weight is None or not (switches.current().fused_add_norm and applies(x, weight) and norm_weight.shape == x.shape[-1:]
             and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype))):
         return None
     return twin("add_norm_gemv", True)(x, residual, norm_weight, eps, weight)
@@ -140,7 +140,13 @@ def gated_input_norm_linear(x: torch.Tensor, gate: torch.Tensor, norm_weight: to
     Returns:
         [..., N] in x's dtype, or None.
     """
-    if not (switches.current().fused_o_norm and applies(x, weight, bias) and gate.shape == x.shape
-            and gate.dtype == x.dtype and norm_weight.shape == x.shape[-1:]):
+    if not (_folds_output_norm(x, gate, weight, bias) and norm_weight.shape == x.shape[-1:]):
         return None
     return twin("gated_input_norm_gemv", True)(x, gate, norm_weight, eps, weight)
+
+
+def _folds_output_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether an output norm with its gate may run inside the product's GEMV: the switch fused_o_norm, the
+    kernel `applies`, and a gate of x's shape and dtype."""
+    return (switches.current().fused_o_norm and applies(x, weight, bias) and gate.shape == x.shape
+            and gate.dtype == x.dtype)
