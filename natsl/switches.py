@@ -103,8 +103,14 @@ class Switches:
     # The same tests and measurement.
     fused_add_norm: bool = _switch(True, "NATSL_FUSED_ADD_NORM", "a decode step's residual add and pre-norm "
                                    "formed inside the next GEMV kernel (the MLP's gate/up, attention's q/k/v, "
-                                   "Mamba2's in_proj: one kernel fewer each a layer and token) where the GEMV kernel runs; False: "
+                                   "a GDN layer's q/k/v/a/b/g, Mamba2's in_proj: one kernel fewer each a layer and "
+                                   "token) where the GEMV kernel runs; False: "
                                    "the add-norm kernel, then the GEMV")
+    # Checked against its twin and the conv kernel under the Triton interpreter (tests/test_gemv.py -k conv_epilogue,
+    # test_inference.py -k fused_conv); off until it is checked and measured on a GPU.
+    fused_conv: bool = _switch(False, "NATSL_FUSED_CONV", "a GDN layer's decode short convs (q, k, v) run in the "
+                               "epilogue of its merged input product's GEMV kernel where that folds the add and "
+                               "norm (one kernel fewer a layer and token); False: the conv step kernel")
     # The padding is tested on the CPU, the capture and replay on the GPU (tests/test_prefill_graph.py -m gpu).
     prefill_graphs: bool = _switch(True, "NATSL_PREFILL_GRAPHS", "short prompts (batch 1, empty cache) prefill "
                                    "from CUDA graphs captured per length bucket (natsl.inference.prefill_graph)")

@@ -326,3 +326,51 @@ def test_pdl_switch(monkeypatch, use_switches):
     use_switches(force_decode_pdl=True)
     assert kernels.pdl(cuda) and not kernels.pdl(torch.device("cpu"))
     assert kernels.launch_options(False) == {}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_conv_epilogue_equals_the_product_then_the_conv_steps(rows, dtype):
+    """`conv=`: the GEMV runs up to three short convs + SiLU on columns of its product as it stores them (a GDN
+    layer's q, k, v after its merged product; Mamba2's xBC in the middle of in_proj's), the tails shifted in
+    place, against the reference twin and against the product then natsl.fast.cached.conv_steps: segments that
+    start at column 0 and later, odd widths, tiles that cut across segment edges, plain and add-norm products."""
+    from natsl.fast import cached
+    from natsl.reference import gemv as reference
+
+    dev = device()
+    gen = torch.Generator().manual_seed(40 + rows)
+    for start, widths, tail_len, tiles in ((0, (24, 24, 40), 3, {}), (7, (37,), 3, {"block_n": 8, "block_k": 32}),
+                                           (0, (5, 9), 1, {"block_n": 4, "block_k": 16})):
+        K, N = 48, start + sum(widths) + 11  # columns after the convs pass through (a GDN layer's a, b, g)
+        x = torch.randn(rows, K, generator=gen).to(dev, dtype)
+        residual = torch.randn(rows, K, generator=gen).to(dev, dtype)
+        norm_weight = (1 + 0.3 * torch.randn(K, generator=gen)).to(dev, dtype)
+        weight = torch.randn(N, K, generator=gen).to(dev, dtype)
+        conv_weights = [torch.randn(C, 1, tail_len + 1, generator=gen).to(dev, dtype) for C in widths]
+        tails = [torch.randn(rows, tail_len, C, generator=gen).to(dev, dtype) for C in widths]
+        for fold in (False, True):
+            def run(fn, conv_tails):
+                conv = (start, conv_weights, conv_tails)
+                if fold:
+                    return fn.add_norm_linear(x, residual, norm_weight, 1e-6, weight, conv=conv, **tiles)[1]
+                return fn.linear(x, weight, conv=conv, **tiles)
+
+            fast_tails, twin_tails = [t.clone() for t in tails], [t.clone() for t in tails]
+            got, twin = run(kernel, fast_tails), run(reference, twin_tails)
+            # the same product without the conv, then the conv steps' own kernel on its columns
+            plain = (kernel.add_norm_linear(x, residual, norm_weight, 1e-6, weight, **tiles)[1] if fold
+                     else kernel.linear(x, weight, **tiles))
+            want_tails = [t.clone() for t in tails]
+            pieces = plain[:, None, start:start + sum(widths)].split(list(widths), dim=-1)
+            want = plain.clone()
+            want[:, start:start + sum(widths)] = torch.cat(cached.conv_steps(list(pieces), want_tails, conv_weights),
+                                                           dim=-1)[:, 0]
+            assert got.shape == (rows, N) and got.dtype == dtype
+            assert torch.equal(got, want), (start, widths, fold)  # the same fp32 sums in the same order
+            assert all(torch.equal(a, b) for a, b in zip(fast_tails, want_tails))
+            # bf16: the product's rounding, carried through the conv's sum (the interpreter truncates: twice that)
+            tol = 1e-5 if dtype == torch.float32 else 2 ** -6 if dev == "cuda" else 2 ** -5
+            assert relative_error(got, twin) < tol, (start, widths, fold)
+            assert all(relative_error(a, b) < tol for a, b in zip(fast_tails, twin_tails))
+            assert not torch.equal(fast_tails[0], tails[0])  # the tails moved

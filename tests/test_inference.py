@@ -570,7 +570,9 @@ def test_merged_projections_change_no_value(layout, monkeypatch):
     grad-free calls of at most MERGE_MAX_ROWS rows (decode steps, short prompts) run one product per
     group and give the logits of separate products, longer inputs keep separate products, and
     gradients still reach every projection."""
+    from natsl.models.gated_deltanet import GatedDeltaNet
     from natsl.models.merged import merge_
+    from natsl.models.natsl_layer import NAtSL
 
     config = dataclasses.replace(natsl.load_recipe(RECIPES / "tiny_hybrid.yaml").model, block_size=BLOCK,
                                  **LAYOUTS[layout])
@@ -600,6 +602,13 @@ def test_merged_projections_change_no_value(layout, monkeypatch):
     monkeypatch.undo()
     assert relative_error(short_merged, short_separate) < 1e-6
     assert any(merged_sizes) and not any(long_sizes)  # 30 rows: merged products; 80 rows: separate ones
+    assert sum(merged_sizes) == len(buffers)  # each group's one product a call
+    layers = [m for m in model.modules() if isinstance(m, (GatedDeltaNet, NAtSL))]
+    assert any(isinstance(m, NAtSL) for m in layers) == (layout == "natsl_hybrid")
+    for layer in layers:  # q, k, v, a, b and the output gate's input in one buffer; the projections' own group not merged
+        assert layer.g_proj.weight.data_ptr() > layer.proj.q_proj.weight.data_ptr() == \
+            layer.__dict__["_merged_linears"]["qkvabg"].buffer.data_ptr()
+        assert "qkvab" not in layer.proj.__dict__.get("_merged_linears", {})
     with torch.no_grad():
         cache = model.new_cache(2, max_len=41)
         model(ids[:, :39], cache=cache)
@@ -756,9 +765,11 @@ def test_fused_o_norm_forms_the_output_norm_in_the_output_product(layout, use_sw
 def test_fused_add_norm_runs_the_pre_norms_in_the_next_product(layout, use_switches, monkeypatch):
     """With the switch fused_add_norm (and merged weights, as generation runs), every block forms its
     residual add and MLP norm inside the gate/up GEMV, every attention block its mixer norm inside the
-    q/k/v GEMV and every Mamba2 block inside its in_proj GEMV (natsl.ops.gemv.add_norm_linear) on a decode
-    step; the logits equal those of the add-norm kernels then the products."""
+    q/k/v GEMV, every GDN block inside its q/k/v/a/b/g GEMV and every Mamba2 block inside its in_proj GEMV
+    (natsl.ops.gemv.add_norm_linear) on a decode step; the logits equal those of the add-norm kernels then
+    the products."""
     from natsl.models.attention import SoftmaxAttention
+    from natsl.models.gated_deltanet import GatedDeltaNet
     from natsl.models.mamba2 import Mamba2
     from natsl.models.merged import merge_
     from natsl.ops import gemv
@@ -768,13 +779,54 @@ def test_fused_add_norm_runs_the_pre_norms_in_the_next_product(layout, use_switc
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = tiny_model("chunked", **LAYOUTS[layout]).to(device)
     merge_(model)
-    folds = sum((block.mlp is not None) + isinstance(block.mixer, (SoftmaxAttention, Mamba2))
+    folds = sum((block.mlp is not None) + isinstance(block.mixer, (SoftmaxAttention, GatedDeltaNet, Mamba2))
                 for block in model.layers)
     assert folds > 0
     ids = torch.randint(0, 1024, (1, 40), generator=torch.Generator().manual_seed(6)).to(device)
     real, ran = gemv.add_norm_linear, []
     monkeypatch.setattr(gemv, "add_norm_linear", lambda *a: (lambda y: ran.append(y is not None) or y)(real(*a)))
     fused_on_and_off(model, ids, ran, folds, lambda on: use_switches(force_fused_inference=True, fused_add_norm=on))
+
+
+@pytest.mark.parametrize("layout", ["gdn", "gdn_hybrid", "natsl_hybrid"])
+def test_fused_conv_runs_the_gdn_convs_in_the_input_product(layout, use_switches, monkeypatch):
+    """With the switch fused_conv (and fused_add_norm, merged weights), every GDN block's decode step runs its
+    q, k, v convs in the epilogue of its merged input GEMV (natsl.ops.gemv.add_norm_conv_linear), so the conv
+    step kernel runs only for the other layers; the logits equal those of the conv step kernel after the
+    product, and so do the caches' tails after the step."""
+    from natsl.models.gated_deltanet import GatedDeltaNet
+    from natsl.models.merged import merge_
+    from natsl.models.natsl_layer import NAtSL
+    from natsl.ops import gemv, kernel_set
+
+    if not torch.cuda.is_available() and not triton_interpreted():
+        pytest.skip("needs CUDA or the Triton interpreter")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = tiny_model("chunked", **LAYOUTS[layout]).to(device)
+    merge_(model)
+    layers = sum(isinstance(block.mixer, GatedDeltaNet) for block in model.layers)
+    assert layers > 0
+    ids = torch.randint(0, 1024, (2, 40), generator=torch.Generator().manual_seed(7)).to(device)
+    real, ran = gemv.add_norm_conv_linear, []
+    monkeypatch.setattr(gemv, "add_norm_conv_linear", lambda *a: (lambda y: ran.append(y is not None) or y)(real(*a)))
+    steps = []
+    real_steps = kernel_set.Fused.conv_steps
+    monkeypatch.setattr(kernel_set.Fused, "conv_steps", lambda self, *a: steps.append(1) or real_steps(self, *a))
+    tails = []
+    for on in (True, False):
+        use_switches(force_fused_inference=True, fused_add_norm=True, fused_conv=on)
+        with torch.no_grad():
+            cache = model.new_cache(2, max_len=40)
+            model(ids[:, :-1], cache=cache)
+            ran.clear(), steps.clear()
+            logits = model(ids[:, -1:], cache=cache)
+        assert sum(ran) == (layers if on else 0)
+        others = sum(isinstance(block.mixer, NAtSL) for block in model.layers)  # its own conv step kernel
+        assert len(steps) == (others if on else layers + others)
+        tails.append((logits, [t.clone() for c in cache.layers if hasattr(c, "conv") for t in c.conv]))
+    (on_logits, on_tails), (off_logits, off_tails) = tails
+    assert relative_error(on_logits, off_logits) < 1e-5
+    assert len(on_tails) > 0 and all(relative_error(a, b) < 1e-6 for a, b in zip(on_tails, off_tails))
 
 
 def test_fused_write_kv_equals_two_scatters():

@@ -53,14 +53,14 @@ def tiles(N: int, K: int, M: int, sm_count: int) -> tuple[int, int]:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, *, up: torch.Tensor | None = None,
-           norm: tuple[torch.Tensor, float] | None = None, block_n: int | None = None,
+           norm: tuple[torch.Tensor, float] | None = None, conv=None, block_n: int | None = None,
            block_k: int | None = None) -> torch.Tensor:
     """x [..., K] with at most 4 rows, weight [N, K] -> x @ weight.T [..., N] in x's dtype.
     `up` (x's shape): the input is SwiGLU's silu(x) * up instead of x, computed on the fly (a decode
     step's down projection without the SwiGLU kernel). `norm` = (norm_weight [D], eps) with `up`: the
     input is instead rms_norm(x per head of D columns, norm_weight, eps, gate=up) (D a power of two
-    dividing K; natsl.reference.norms.rms_norm's formula, one rounding). `block_n`, `block_k` override
-    the tiles (`python -m benchmarks.ops --op gemv` compares settings)."""
+    dividing K; natsl.reference.norms.rms_norm's formula, one rounding). `conv`: see `conv_epilogue`.
+    `block_n`, `block_k` override the tiles (`python -m benchmarks.ops --op gemv` compares settings)."""
     K = x.shape[-1]
     N = weight.shape[0]
     x2 = _rows(x, K)
@@ -77,12 +77,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, up: torch.Tensor | None = N
         head = norm_weight.numel()
         assert up is not None and head & (head - 1) == 0 and K % head == 0, (head, K)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    _launch(x2, u2, weight, y, norm_weight, y, eps, M, N, K, block_n, block_k, gated=up is not None, head=head)
+    _launch(x2, u2, weight, y, norm_weight, y, eps, M, N, K, block_n, block_k, gated=up is not None, head=head,
+            conv=conv)
     return y.view(*x.shape[:-1], N)
 
 
 def add_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                    weight: torch.Tensor, *, block_n: int | None = None,
+                    weight: torch.Tensor, *, conv=None, block_n: int | None = None,
                     block_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + residual, rms_norm(x + residual, norm_weight, eps) @ weight.T) in one kernel: the residual
     add and the RMSNorm of `natsl.fast.norms.add_rms_norm` formed as the GEMV reads its input (each
@@ -90,7 +91,8 @@ def add_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
     the product of x's norm).
 
     Args:
-        x, residual: [..., K], at most 4 rows, one dtype; norm_weight [K]; weight [N, K].
+        x, residual: [..., K], at most 4 rows, one dtype; norm_weight [K]; weight [N, K]; conv: see
+            `conv_epilogue`.
 
     Returns:
         (the sum [..., K] (x itself where residual is None), the product [..., N]), in x's dtype.
@@ -109,7 +111,7 @@ def add_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     total = torch.empty(M, K, dtype=x.dtype, device=x.device) if has_res else x2
     _launch(x2, r2, weight, y, norm_weight.contiguous(), total, float(eps), M, N, K, block_n, block_k,
-            row_norm=True, has_res=has_res)
+            row_norm=True, has_res=has_res, conv=conv)
     total = total.view(x.shape) if has_res else x
     return total, y.view(*x.shape[:-1], N)
 
@@ -138,6 +140,31 @@ def gated_input_norm_linear(x: torch.Tensor, gate: torch.Tensor, norm_weight: to
     return y.view(*x.shape[:-1], N)
 
 
+def conv_epilogue(conv, rows: int, N: int, like: torch.Tensor) -> dict:
+    """The kernel's arguments for `conv` = (start, weights, tails): the product's columns start .. start +
+    sum(C) are the inputs of up to three short convs + SiLU, one token each (natsl.reference.cached.conv_steps:
+    weights [C, 1, W + 1], tails [B, W, C] of one dtype and W, unit column stride, B = the product's rows),
+    which the kernel runs as it stores them, the tails shifted in place; the product holds their outputs there.
+    None: no conv (the arguments that keep the kernel's CONV off)."""
+    if conv is None:
+        return dict(c0=0, C0=0, C1=0, C2=0, cw0=like, cw1=like, cw2=like, ct0=like, ct1=like, ct2=like, tb0=0, tb1=0,
+                    tb2=0, tw0=0, tw1=0, tw2=0, CONV=False, CONV_W=1)
+    start, weights, tails = conv
+    assert 1 <= len(weights) == len(tails) <= 3
+    W = tails[0].shape[1]
+    widths = [w.shape[0] for w in weights]
+    for w, t, C in zip(weights, tails, widths):
+        assert w.shape == (C, 1, W + 1) and w.is_contiguous() and t.shape == (rows, W, C) and t.stride(-1) == 1
+        assert t.dtype == tails[0].dtype
+    assert 0 <= start and start + sum(widths) <= N
+    pad = 3 - len(weights)
+    weights, tails, widths = [*weights, *weights[:1] * pad], [*tails, *tails[:1] * pad], [*widths, *[0] * pad]
+    return dict(c0=start, C0=widths[0], C1=widths[1], C2=widths[2], cw0=weights[0], cw1=weights[1], cw2=weights[2],
+                ct0=tails[0], ct1=tails[1], ct2=tails[2], tb0=tails[0].stride(0), tb1=tails[1].stride(0),
+                tb2=tails[2].stride(0), tw0=tails[0].stride(1), tw1=tails[1].stride(1), tw2=tails[2].stride(1),
+                CONV=True, CONV_W=W)
+
+
 def _rows(t: torch.Tensor, K: int) -> torch.Tensor:
     """t as rows [n, K] of unit column stride (a view where it can be, else a copy): the kernel's layout."""
     rows = t.reshape(-1, K)
@@ -145,7 +172,7 @@ def _rows(t: torch.Tensor, K: int) -> torch.Tensor:
 
 
 def _launch(x2, u2, weight, y, norm_weight, total, eps, M, N, K, block_n, block_k, *, gated=False, head=0,
-            row_norm=False, has_res=False, gate_first=False) -> None:
+            row_norm=False, has_res=False, gate_first=False, conv=None) -> None:
     if block_n is None or block_k is None:
         block_n, block_k = tiles(N, K, M, kernels.sm_count(x2.device))
     if block_k < head:  # a tile holds whole heads; the tile keeps its size in weights
@@ -155,4 +182,4 @@ def _launch(x2, u2, weight, y, norm_weight, total, eps, M, N, K, block_n, block_
                                    weight.stride(0), y.stride(0), total.stride(0), M=M, BLOCK_N=block_n,
                                    BLOCK_K=block_k, GATED=gated, NORM_HEAD=head, ROW_NORM=row_norm,
                                    HAS_RES=has_res, GATE_FIRST=gate_first, num_warps=4, PDL=on,
-                                   **kernels.launch_options(on))
+                                   **conv_epilogue(conv, M, N, y), **kernels.launch_options(on))

@@ -98,10 +98,42 @@ def _accumulate(acc0, acc1, acc2, acc3, w, x_ptr, u_ptr, nw_ptr, eps, rs0, rs1, 
 
 
 @triton.jit
+def _store_row(y_ptr, total, m, stride_ym, offs_n, n_ok, c0, C0, C1, C2, cw0, cw1, cw2, ct0, ct1, ct2, tb0, tb1,
+               tb2, tw0, tw1, tw2, CONV: tl.constexpr, CONV_W: tl.constexpr):
+    """Store row m of the product (`total`, fp32) rounded to y's dtype. CONV: the output columns
+    c0 .. c0 + C0 + C1 + C2 are up to three short convs' inputs (a GDN layer's q, k, v; Mamba2's xBC): each
+    such column takes its conv step as natsl.fast.cached's conv step kernel does, from the rounded product
+    (its weights cw [C, CONV_W + 1], its tail ct [B, CONV_W, C] with strides tb, tw, shifted in place: a
+    column's tail is this program's alone) and stores SiLU of the fp32 sum, rounded once."""
+    out_ty = y_ptr.dtype.element_ty
+    y = total.to(out_ty)
+    if CONV:
+        c = offs_n - c0
+        in0 = (c >= 0) & (c < C0)
+        in1 = (c >= C0) & (c < C0 + C1)
+        on = (in0 | in1 | ((c >= C0 + C1) & (c < C0 + C1 + C2))) & n_ok
+        col = tl.where(on, tl.where(in0, c, tl.where(in1, c - C0, c - C0 - C1)), 0)
+        w = tl.where(in0, cw0, tl.where(in1, cw1, cw2)) + col * (CONV_W + 1)
+        t = tl.where(in0, ct0 + m * tb0, tl.where(in1, ct1 + m * tb1, ct2 + m * tb2)) + col
+        tw = tl.where(in0, tw0, tl.where(in1, tw1, tw2))
+        acc = y.to(tl.float32) * tl.load(w + CONV_W, mask=on, other=0.0).to(tl.float32)
+        prev = tl.load(t, mask=on, other=0.0)
+        acc += prev.to(tl.float32) * tl.load(w, mask=on, other=0.0).to(tl.float32)
+        for j in tl.static_range(1, CONV_W):
+            cur = tl.load(t + j * tw, mask=on, other=0.0)
+            acc += cur.to(tl.float32) * tl.load(w + j, mask=on, other=0.0).to(tl.float32)
+            tl.store(t + (j - 1) * tw, cur, mask=on)
+        tl.store(t + (CONV_W - 1) * tw, y.to(ct0.dtype.element_ty), mask=on)
+        y = tl.where(on, (acc / (1.0 + tl.exp(-acc))).to(out_ty), y)
+    tl.store(y_ptr + m * stride_ym + offs_n, y, mask=n_ok)
+
+
+@triton.jit
 def gemv_kernel(x_ptr, u_ptr, w_ptr, y_ptr, nw_ptr, s_ptr, eps, N, K, stride_xm, stride_um, stride_wn, stride_ym,
                 stride_sm, M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
                 NORM_HEAD: tl.constexpr, ROW_NORM: tl.constexpr, HAS_RES: tl.constexpr, GATE_FIRST: tl.constexpr,
-                PDL: tl.constexpr):
+                PDL: tl.constexpr, c0=0, C0=0, C1=0, C2=0, cw0=None, cw1=None, cw2=None, ct0=None, ct1=None, ct2=None,
+                tb0=0, tb1=0, tb2=0, tw0=0, tw1=0, tw2=0, CONV: tl.constexpr = False, CONV_W: tl.constexpr = 1):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
@@ -149,11 +181,14 @@ def gemv_kernel(x_ptr, u_ptr, w_ptr, y_ptr, nw_ptr, s_ptr, eps, N, K, stride_xm,
         acc0, acc1, acc2, acc3 = _accumulate(acc0, acc1, acc2, acc3, w, x_ptr, u_ptr, nw_ptr, eps, rs0, rs1, rs2,
                                              rs3, stride_xm, stride_um, k, k_ok, M, GATED, NORM_HEAD, ROW_NORM,
                                              HAS_RES, GATE_FIRST, BLOCK_K)
-    out_ty = y_ptr.dtype.element_ty
-    tl.store(y_ptr + offs_n, tl.sum(acc0, 1).to(out_ty), mask=n_ok)
+    _store_row(y_ptr, tl.sum(acc0, 1), 0, stride_ym, offs_n, n_ok, c0, C0, C1, C2, cw0, cw1, cw2, ct0, ct1, ct2,
+               tb0, tb1, tb2, tw0, tw1, tw2, CONV, CONV_W)
     if M > 1:
-        tl.store(y_ptr + stride_ym + offs_n, tl.sum(acc1, 1).to(out_ty), mask=n_ok)
+        _store_row(y_ptr, tl.sum(acc1, 1), 1, stride_ym, offs_n, n_ok, c0, C0, C1, C2, cw0, cw1, cw2, ct0, ct1, ct2,
+                   tb0, tb1, tb2, tw0, tw1, tw2, CONV, CONV_W)
     if M > 2:
-        tl.store(y_ptr + 2 * stride_ym + offs_n, tl.sum(acc2, 1).to(out_ty), mask=n_ok)
+        _store_row(y_ptr, tl.sum(acc2, 1), 2, stride_ym, offs_n, n_ok, c0, C0, C1, C2, cw0, cw1, cw2, ct0, ct1, ct2,
+                   tb0, tb1, tb2, tw0, tw1, tw2, CONV, CONV_W)
     if M > 3:
-        tl.store(y_ptr + 3 * stride_ym + offs_n, tl.sum(acc3, 1).to(out_ty), mask=n_ok)
+        _store_row(y_ptr, tl.sum(acc3, 1), 3, stride_ym, offs_n, n_ok, c0, C0, C1, C2, cw0, cw1, cw2, ct0, ct1, ct2,
+                   tb0, tb1, tb2, tw0, tw1, tw2, CONV, CONV_W)

@@ -20,7 +20,8 @@ from natsl.config import ModelConfig
 from natsl.models.cache import drop_pad_gates
 from natsl.models.conv import ShortConv, joined_conv_fits, joined_conv_silu
 from natsl.models.linear import Linear
-from natsl.models.merged import buffer_product, group_product, joined_product
+from natsl.models.merged import (buffer_product, group_product, group_sizes, joined_product, merged_weight,
+                                  product_and_last)
 from natsl.models.norms import RMSNorm
 from natsl.models.pointwise import gdn_gates
 from natsl.ops import gemv, kernel_set
@@ -78,14 +79,15 @@ class GatedDeltaProjections(nn.Module):
         if self.decays:
             init_decay(self.A_log, self.dt_bias, self.a_min)
 
-    def forward(self, x: torch.Tensor, conv_tails=None, kernels=None, positions=None):
+    def forward(self, x: torch.Tensor, conv_tails=None, kernels=None, positions=None, projected=None):
         """x [B, T, d] -> (q [B,T,H*K], k [B,T,H*K], v [B,T,H*V] post-conv, g [B,T,H] fp32, beta [B,T,H], tails).
         (A Mamba2 state returns its step dt [B,T,H] fp32 in beta's place.)
         `kernels`: a cached path's kernel set (natsl.ops.kernel_set), which runs its convs. `positions` (cached paths):
         in a padded prefill call the tails end at the prompt and the pads' gates are zero
-        (natsl.models.cache.drop_pad_gates)."""
+        (natsl.models.cache.drop_pad_gates). `projected`: `linear(x)` where the caller has it already (a GDN
+        layer's merged product)."""
         convs = [self.q_conv, self.k_conv, self.v_conv]
-        if conv_tails is None and joined_conv_fits(convs, x.device):
+        if projected is None and conv_tails is None and joined_conv_fits(convs, x.device):
             qkv = joined_product("gdn_qkv", [self.q_proj, self.k_proj, self.v_proj], x)
             if qkv is not None:  # the q|k|v product is one tensor: its three convs run as one op
                 q, k, v = joined_conv_silu(convs, qkv)
@@ -93,7 +95,7 @@ class GatedDeltaProjections(nn.Module):
                 return q, k, v, g, beta, (None, None, None)
         tails = conv_tails or (None, None, None)
         valid = None if positions is None else positions.valid
-        q, k, v, *raw_gates = self.linear(x)
+        q, k, v, *raw_gates = self.linear(x) if projected is None else projected
         q, q_tail = self.q_conv(q, tails[0], valid=valid, kernels=kernels)
         k, k_tail = self.k_conv(k, tails[1], valid=valid, kernels=kernels)
         v, v_tail = self.v_conv(v, tails[2], valid=valid, kernels=kernels)
@@ -120,13 +122,22 @@ class GatedDeltaProjections(nn.Module):
         """The a, b projections -> log decay g [B,T,H] (fp32) and write strength beta [B,T,H] (b's dtype)."""
         return gdn_gates(a, b, self.A_log, self.dt_bias)
 
-    def decode_conv(self, x: torch.Tensor, conv_tails, kernels):
+    def decode_conv(self, x: torch.Tensor, conv_tails, kernels, projected=None, convolved: bool = False):
         """One token [B, 1, d] -> q, k, v (projection + conv + SiLU on the kernel set's `conv_steps`; the
-        cached tails are shifted in place) and the raw gate inputs (a, b) (cached paths only)."""
-        q, k, v, *raw_gates = self.linear(x)
+        cached tails are shifted in place) and the raw gate inputs (a, b) (cached paths only). `projected`:
+        `linear(x)` where the caller has it already (x then unused); `convolved`: its q, k, v are the convs'
+        outputs already (the product's kernel ran them: `conv_inputs`)."""
+        q, k, v, *raw_gates = self.linear(x) if projected is None else projected
+        if convolved:
+            return (q, k, v, *raw_gates)
         q, k, v = kernels.conv_steps([q, k, v], conv_tails, [self.q_conv.weight, self.k_conv.weight,
                                                              self.v_conv.weight])
         return (q, k, v, *raw_gates)
+
+    def conv_inputs(self, start: int, conv_tails) -> tuple:
+        """(start, the q, k, v convs' weights, their cached tails): the `conv` of natsl.ops.gemv's products for
+        a product whose columns from `start` are q, k, v."""
+        return start, [self.q_conv.weight, self.k_conv.weight, self.v_conv.weight], list(conv_tails)
 
     def split_heads(self, q, k, v, kernels=kernel_set.REFERENCE):
         """Flat projections -> per-head q, k (L2-normalised by `kernels`, natsl.ops.kernel_set) [B,T,H,K]
@@ -161,6 +172,12 @@ class GatedDeltaProjections(nn.Module):
         return o
 
 
+def with_projections(proj: GatedDeltaProjections, *names: str) -> tuple[str, ...]:
+    """The merge group (natsl.models.merged) of a layer that owns `proj` as .proj: the projections' q, k, v
+    and gate inputs, then the layer's own linears `names`."""
+    return (*(f"proj.{name}" for name in proj.merge_groups["qkvab"]), *names)
+
+
 class GatedDeltaNet(nn.Module):
     def __init__(self, config: ModelConfig, device=None):
         super().__init__()
@@ -171,42 +188,73 @@ class GatedDeltaNet(nn.Module):
         self.g_proj = Linear(d, h * vd, bias=False, device=device)
         self.o_norm = RMSNorm(vd, config.norm_eps, device=device)
         self.o_proj = Linear(h * vd, d, bias=False, device=device)
+        # every product of the layer's input as one (natsl.models.merged): the projections' q, k, v and gate
+        # inputs, then the output gate's; merged, it takes the place of the projections' own group
+        self.merge_groups = {"qkvabg": with_projections(self.proj, "g_proj")}
 
     def forward(self, x: torch.Tensor, cache=None, rope=None) -> torch.Tensor:
         """`rope` (the model's shared RoPE table) is accepted like every mixer's and unused."""
         if cache is not None:
             return self.forward_cached(x, cache)
-        b, t, _ = x.shape
-        q, k, v, g, beta, _ = self.proj(x)
+        projected, gate = product_and_last(self, "qkvabg", x)
+        q, k, v, g, beta, _ = self.proj(x, projected=projected)
         q, k, v = self.proj.split_heads(q, k, v)
         o, _ = self.proj.rule(q, k, v, g, beta, backend=self.backend)
-        return self.output(o, x)
+        return self.output(o, x, gate=gate)
 
     def forward_cached(self, x: torch.Tensor, cache) -> torch.Tensor:
         """Tokens that follow those in `cache` (a GDNCache): one token steps the state, many run the op
         from it; every step on the call's kernel set (natsl.ops.kernel_set)."""
         kernels = kernel_set.pick(self.backend, x.device, cache.state.dtype)
+        projected, gate = product_and_last(self, "qkvabg", x)
         if x.shape[1] == 1:
-            # the three convs (tails shifted in place), then L2 norms + g + beta + the delta-rule step
-            # (state updated in place): one kernel each on the fused set
-            q, k, v, *raw_gates = self.proj.decode_conv(x, cache.conv, kernels)
-            o, _ = self.proj.decode_step(q, k, v, raw_gates, cache.state, kernels)
-            return self.output(o[:, None], x, kernels)
-        q, k, v, g, beta, tails = self.proj(x, cache.conv, kernels, positions=cache.positions)
+            return self.decode(x, projected, gate, cache, kernels)
+        q, k, v, g, beta, tails = self.proj(x, cache.conv, kernels, positions=cache.positions, projected=projected)
         cache.store_conv(tails)
         q, k, v = self.proj.split_heads(q, k, v, kernels)
         o, state = ops.gated_delta_rule(q, k, v, g, beta, initial_state=cache.state, output_final_state=True,
                                         backend=self.backend)
         cache.state.copy_(state)
-        return self.output(o, x, kernels)
+        return self.output(o, x, kernels, gate)
 
-    def output(self, o: torch.Tensor, x: torch.Tensor, kernels=kernel_set.REFERENCE) -> torch.Tensor:
+    def decode(self, x: torch.Tensor, projected, gate, cache, kernels, convolved: bool = False) -> torch.Tensor:
+        """One token [B, 1, d]: the three convs (tails shifted in place), then L2 norms + g + beta + the
+        delta-rule step (state updated in place), one kernel each on the fused set, then the output.
+        `projected`, `gate`: the merged product's pieces (None: the layer's products of x); `convolved`: the
+        product's kernel ran the convs already."""
+        q, k, v, *raw_gates = self.proj.decode_conv(x, cache.conv, kernels, projected, convolved)
+        o, _ = self.proj.decode_step(q, k, v, raw_gates, cache.state, kernels)
+        return self.output(o[:, None], x, kernels, gate)
+
+    def after_norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm, cache, kernels):
+        """A block's cached call: (x + residual, self(norm(x + residual), cache)). On a decode step where
+        natsl.ops.gemv.add_norm_linear runs (the switch fused_add_norm, merged weights), the add and the norm
+        are formed inside the merged q/k/v/a/b/g GEMV; else `kernels.add_norm` (natsl.ops.kernel_set), then
+        this layer. With the switch fused_conv the q, k, v convs run in that GEMV's epilogue too."""
+        if x.shape[1] == 1:
+            weight = merged_weight(self, "qkvabg", x)
+            fused = gemv.add_norm_conv_linear(x, residual, norm.weight, norm.eps, weight,
+                                              self.proj.conv_inputs(0, cache.conv))
+            convolved = fused is not None
+            if fused is None:
+                fused = gemv.add_norm_linear(x, residual, norm.weight, norm.eps, weight)
+            if fused is not None:
+                x, product = fused
+                *projected, gate = product.split(group_sizes(self, "qkvabg"), dim=-1)
+                kernels = kernel_set.pick(self.backend, x.device, cache.state.dtype)
+                return x, self.decode(None, projected, gate, cache, kernels, convolved)
+        x, normed = kernels.add_norm(x, residual, norm)
+        return x, self(normed, cache=cache)
+
+    def output(self, o: torch.Tensor, x: torch.Tensor | None, kernels=kernel_set.REFERENCE,
+               gate: torch.Tensor | None = None) -> torch.Tensor:
         """o [B,T,H,V] -> W_o(RMSNorm(o) * silu(W_g x)), the norm and gate on `kernels`
         (natsl.ops.kernel_set: one kernel on the fused set, the compiled formula on the reference set).
+        `gate`: W_g x where the caller has it (x then unused).
         Inductor's fusion of the formula with its neighbours was as fast in a compiled training step as
         Triton kernels of its own, so the full-sequence forward keeps the compiled piece."""
-        b, t = x.shape[:2]
-        gate = self.g_proj(x)
+        b, t = o.shape[:2]
+        gate = self.g_proj(x) if gate is None else gate
         # a decode step: the norm and gate inside the output product's GEMV (natsl.ops.gemv), where it runs
         fused = gemv.gated_norm_linear(o.reshape(b, t, -1), gate, self.o_norm.weight, self.o_norm.eps,
                                        self.o_proj.weight, self.o_proj.bias)

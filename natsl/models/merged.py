@@ -3,7 +3,7 @@
 Decoding one token multiplies a vector by every weight matrix: each projection is a separate
 matrix-vector product of a few MB, too small to keep the GPU's memory system busy (separate
 products took several times their weights' read time in an 800M decode step). `merge_(module)` re-points the weights of each group a module names in its `merge_groups`
-attribute (q, k, v, a, b of a GDN layer; q, k, v of attention; gate and up of SwiGLU) into one
+attribute (q, k, v, a, b and the output gate's input g of a GDN layer; q, k, v, a, b of a NAtS-L layer; q, k, v of attention; gate and up of SwiGLU) into one
 contiguous buffer, as views, so the parameters, their names and the checkpoint layout stay as they are; `shared_linear` then runs a
 group as one product (through natsl.ops.gemv.linear: its GEMV kernel where that applies) and splits the result. The merged product is used only without autograd (the
 buffer is not a parameter) and only for inputs of at most `MERGE_MAX_ROWS` rows (decode steps):
@@ -43,14 +43,17 @@ class _Group:
 
 
 def _linears(owner: nn.Module, name: str) -> list[nn.Linear]:
-    return [getattr(owner, attr) for attr in owner.merge_groups[name]]
+    return [owner.get_submodule(path) for path in owner.merge_groups[name]]
 
 
 def merge_(module: nn.Module) -> int:
-    """Merge the groups of every submodule with a `merge_groups` attribute, {name: (attribute names of
-    nn.Linear, ...)} (linears without bias, same input size, dtype and device). Returns how many
-    groups it merged."""
+    """Merge the groups of every submodule with a `merge_groups` attribute, {name: (paths of nn.Linear
+    submodules, ...)} (linears without bias, same input size, dtype and device; a path may name a child's
+    linear, "proj.q_proj"). A group holding a linear that an enclosing module's group holds already is not
+    merged: the enclosing module runs that product (a GDN layer's q, k, v, a, b and its gate input in one).
+    Returns how many groups it merged."""
     merged = 0
+    claimed: set[int] = set()  # the linears of groups seen so far; modules() lists a module before its children
     for sub in module.modules():
         groups = getattr(sub, "merge_groups", None)
         if groups is None:
@@ -58,6 +61,10 @@ def merge_(module: nn.Module) -> int:
         store = sub.__dict__.setdefault("_merged_linears", {})
         for name in groups:
             linears = _linears(sub, name)
+            if claimed & {id(lin) for lin in linears}:
+                store.pop(name, None)
+                continue
+            claimed |= {id(lin) for lin in linears}
             if name in store and store[name].holds(linears):
                 continue
             if any(lin.bias is not None for lin in linears) or len({
@@ -75,6 +82,19 @@ def buffer_product(owner: nn.Module, name: str, x: torch.Tensor) -> tuple[torch.
     if buffer is None:
         return None
     return linear(x, buffer).split(owner.__dict__["_merged_linears"][name].sizes, dim=-1)
+
+
+def product_and_last(owner: nn.Module, name: str, x: torch.Tensor):
+    """(the outputs of group `name` but its last, the last) on x from the merged product where
+    `buffer_product` runs it; else (None, None). For a layer whose group is its projections' group and
+    one product more (a GDN or NAtS-L layer's output gate input)."""
+    merged = buffer_product(owner, name, x)
+    return (None, None) if merged is None else (merged[:-1], merged[-1])
+
+
+def group_sizes(owner: nn.Module, name: str) -> list[int]:
+    """The out_features of group `name`'s linears, in order: how its product splits."""
+    return [lin.out_features for lin in _linears(owner, name)]
 
 
 def merged_weight(owner: nn.Module, name: str, x: torch.Tensor) -> torch.Tensor | None:

@@ -18,6 +18,7 @@ import torch
 from natsl import ops
 from natsl.models import overlap
 from natsl.models.cache import real_tokens
+from natsl.models.merged import product_and_last
 from natsl.models.rope import decode_frequencies
 from natsl.ops import kernel_set
 from natsl.ops.block_end import decode_slots
@@ -63,15 +64,16 @@ class CachedNAtSL:
         """Tokens that follow those in `cache` (a NAtSLCache): decode when positions.start is None;
         every step on the call's kernel set (natsl.ops.kernel_set)."""
         kernels = kernel_set.pick(self.backend, x.device, cache.state_run.dtype)
+        projected, gate = product_and_last(self, "qkvabg", x)  # one product where merged (natsl.models.merged)
         if cache.positions.start is None:
-            q, k, v, *raw_gates = self.proj.decode_conv(x, cache.conv, kernels)  # tails shifted in place
+            q, k, v, *raw_gates = self.proj.decode_conv(x, cache.conv, kernels, projected)  # tails shifted in place
             o_la, o_nla = self._decode(x, q, k, v, cache, raw_gates, kernels)
         else:
-            q, k, v, g, beta, tails = self.proj(x, cache.conv, kernels, positions=cache.positions)
+            q, k, v, g, beta, tails = self.proj(x, cache.conv, kernels, positions=cache.positions, projected=projected)
             cache.store_conv(tails)
             o_la, o_nla = self._prefill(x, q, k, v, g, beta, cache, cache.positions.start, kernels)
         o_la = self.proj.skip(o_la, v.view(o_la.shape))
-        return self.mix(o_la, o_nla, q, x)
+        return self.mix(o_la, o_nla, q, x, gate)
 
     def _decode(self, x, q, k, v, cache, raw_gates, kernels):
         """One token per sequence, each at its own position; no host reads (CUDA-graph safe).

@@ -27,7 +27,9 @@ from torch import nn
 
 from natsl import ops
 from natsl.config import ModelConfig
+from natsl.models.gated_deltanet import with_projections
 from natsl.models.linear import Linear, aligned_linear
+from natsl.models.merged import product_and_last
 from natsl.models.natsl_cached import CachedNAtSL
 from natsl.models.norms import RMSNorm
 from natsl.models.rope import RopeTable, apply_rope
@@ -68,6 +70,8 @@ class NAtSL(CachedNAtSL, nn.Module):
             self.out_norm = RMSNorm(width, config.norm_eps, device=device)
         self.g_proj = Linear(d, h * config.head_v_dim, bias=False, device=device)
         self.o_proj = Linear(h * config.head_v_dim, d, bias=False, device=device)
+        # the products of the layer's input as one (natsl.models.merged), as a GDN layer's
+        self.merge_groups = {"qkvabg": with_projections(self.proj, "g_proj")}
         # Routes of the last forward ([B, NB, H], detached): read by training logs and inspect-routing.
         self.last_keep: torch.Tensor | None = None
         # The router's balance loss of the last training forward (config.router_balance > 0), else None.
@@ -166,7 +170,8 @@ class NAtSL(CachedNAtSL, nn.Module):
             return self.forward_cached(x, cache)
         c = self.config
         self.aux_loss = None
-        q, k, v, g, beta, _ = self.proj(x)
+        projected, gate = product_and_last(self, "qkvabg", x)
+        q, k, v, g, beta, _ = self.proj(x, projected=projected)
         keep, write = self.route(x)
         self.last_keep = keep.detach()
         ql, kl, vl = self.proj.split_heads(q, k, v)
@@ -179,10 +184,12 @@ class NAtSL(CachedNAtSL, nn.Module):
         o_nla = ops.routed_attention(
             qs, ks, vs, keep, block_size=c.block_size, route_grad=c.route_grad, backend=self.backend,
             intra_block=c.intra_block_output != "gdn")
-        return self.mix(o_la, o_nla, q, x)
+        return self.mix(o_la, o_nla, q, x, gate)
 
-    def mix(self, o_la: torch.Tensor, o_nla: torch.Tensor, q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Both branch outputs (per softmax head) -> W_o(mixed * silu(W_g x)) [B, T, d]."""
+    def mix(self, o_la: torch.Tensor, o_nla: torch.Tensor, q: torch.Tensor, x: torch.Tensor,
+            gate: torch.Tensor | None = None) -> torch.Tensor:
+        """Both branch outputs (per softmax head) -> W_o(mixed * silu(W_g x)) [B, T, d]; `gate`: W_g x where
+        the caller has it (the merged product)."""
         c = self.config
         b, t = x.shape[:2]
         o_la = o_la.reshape(b, t, self.softmax_heads, c.softmax_v_dim)
@@ -193,7 +200,7 @@ class NAtSL(CachedNAtSL, nn.Module):
             norms = (self.la_norm.weight, self.nla_norm.weight, None, self.la_norm.eps)
         else:
             norms = (None, None, self.out_norm.weight, self.out_norm.eps)
-        gate = self.g_proj(x)
+        gate = self.g_proj(x) if gate is None else gate
         # on the Triton kernels (natsl.fast.mix) for the paper's layer on the fast backend, else the
         # compiled formula: natsl.ops.mix decides
         return self.o_proj(mix_door.mix_read(o_la, o_nla, logits, c.mix_weights, gate, *norms, backend=self.backend))

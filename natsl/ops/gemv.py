@@ -122,10 +122,42 @@ def add_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
     Returns:
         (the sum [..., K], the product [..., N]) in x's dtype, or None.
     """
-    if weight is None or not (switches.current().fused_add_norm and applies(x, weight) and norm_weight.shape == x.shape[-1:]
-            and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype))):
+    if not _folds_add_norm(x, residual, norm_weight, weight):
         return None
     return twin("add_norm_gemv", True)(x, residual, norm_weight, eps, weight)
+
+
+def _folds_add_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                    weight: torch.Tensor | None) -> bool:
+    """Whether a block's add and pre-norm may run inside the product's GEMV: a merged weight, the switch
+    fused_add_norm, the kernel `applies`, and a norm weight and residual that fit x."""
+    return (weight is not None and switches.current().fused_add_norm and applies(x, weight)
+            and norm_weight.shape == x.shape[-1:]
+            and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype)))
+
+
+def add_norm_conv_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                         weight: torch.Tensor | None, conv) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`add_norm_linear` with the short convs of `conv` = (start, weights, tails) run on the product's columns
+    in the same kernel (natsl.fast.gemv.conv_epilogue; the tails shifted in place), where that applies and the
+    switch fused_conv is on; None elsewhere (the caller runs add_norm_linear, then its conv steps).
+
+    Args:
+        x, residual, norm_weight, eps, weight: as add_norm_linear's; conv: weights [C, 1, W + 1] (no bias),
+            tails [rows, W, C] with unit column stride.
+
+    Returns:
+        (the sum, the product with the convs' outputs in their columns), or None.
+    """
+    start, weights, tails = conv
+    rows = x.numel() // x.shape[-1]
+    if not (switches.current().fused_conv and all(t.shape[0] == rows and t.stride(-1) == 1 and t.dtype == tails[0].dtype
+                                                  and t.shape[1] == tails[0].shape[1] for t in tails)
+            and all(w.is_contiguous() for w in weights)):
+        return None
+    if not _folds_add_norm(x, residual, norm_weight, weight):
+        return None
+    return twin("add_norm_gemv", True)(x, residual, norm_weight, eps, weight, conv=conv)
 
 
 def gated_input_norm_linear(x: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float,
