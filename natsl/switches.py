@@ -108,9 +108,9 @@ class Switches:
                                    "the add-norm kernel, then the GEMV")
     # Checked against its twin and the conv kernel under the Triton interpreter (tests/test_gemv.py -k conv_epilogue,
     # test_inference.py -k fused_conv); off until it is checked and measured on a GPU.
-    fused_conv: bool = _switch(False, "NATSL_FUSED_CONV", "a GDN layer's decode short convs (q, k, v) run in the "
-                               "epilogue of its merged input product's GEMV kernel where that folds the add and "
-                               "norm (one kernel fewer a layer and token); False: the conv step kernel")
+    fused_conv: bool = _switch(False, "NATSL_FUSED_CONV", "a GDN layer's decode short convs (q, k, v; Mamba2's xBC) run "
+                               "in the epilogue of its merged input product's GEMV kernel where that folds the add "
+                               "and norm (one kernel fewer a layer and token); False: the conv step kernel")
     # The padding is tested on the CPU, the capture and replay on the GPU (tests/test_prefill_graph.py -m gpu).
     prefill_graphs: bool = _switch(True, "NATSL_PREFILL_GRAPHS", "short prompts (batch 1, empty cache) prefill "
                                    "from CUDA graphs captured per length bucket (natsl.inference.prefill_graph)")

@@ -788,13 +788,14 @@ def test_fused_add_norm_runs_the_pre_norms_in_the_next_product(layout, use_switc
     fused_on_and_off(model, ids, ran, folds, lambda on: use_switches(force_fused_inference=True, fused_add_norm=on))
 
 
-@pytest.mark.parametrize("layout", ["gdn", "gdn_hybrid", "natsl_hybrid"])
-def test_fused_conv_runs_the_gdn_convs_in_the_input_product(layout, use_switches, monkeypatch):
+@pytest.mark.parametrize("layout", ["gdn", "gdn_hybrid", "natsl_hybrid", "mamba2", "hybrid_mamba2"])
+def test_fused_conv_runs_the_convs_in_the_input_product(layout, use_switches, monkeypatch):
     """With the switch fused_conv (and fused_add_norm, merged weights), every GDN block's decode step runs its
-    q, k, v convs in the epilogue of its merged input GEMV (natsl.ops.gemv.add_norm_conv_linear), so the conv
-    step kernel runs only for the other layers; the logits equal those of the conv step kernel after the
-    product, and so do the caches' tails after the step."""
+    q, k, v convs in the epilogue of its merged input GEMV (natsl.ops.gemv.add_norm_conv_linear) and every
+    Mamba2 block its xBC conv in in_proj's, so the conv step kernel runs only for the other layers; the
+    logits equal those of the conv step kernel after the product, and so do the caches' tails after the step."""
     from natsl.models.gated_deltanet import GatedDeltaNet
+    from natsl.models.mamba2 import Mamba2
     from natsl.models.merged import merge_
     from natsl.models.natsl_layer import NAtSL
     from natsl.ops import gemv, kernel_set
@@ -804,7 +805,7 @@ def test_fused_conv_runs_the_gdn_convs_in_the_input_product(layout, use_switches
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = tiny_model("chunked", **LAYOUTS[layout]).to(device)
     merge_(model)
-    layers = sum(isinstance(block.mixer, GatedDeltaNet) for block in model.layers)
+    layers = sum(isinstance(block.mixer, (GatedDeltaNet, Mamba2)) for block in model.layers)
     assert layers > 0
     ids = torch.randint(0, 1024, (2, 40), generator=torch.Generator().manual_seed(7)).to(device)
     real, ran = gemv.add_norm_conv_linear, []

@@ -104,26 +104,40 @@ class Mamba2(nn.Module):
         natsl.ops.gemv.add_norm_linear runs (the switch fused_add_norm), the add and the norm are formed
         inside the in_proj GEMV; else `kernels.add_norm` (natsl.ops.kernel_set), then this layer."""
         if x.shape[1] == 1:
-            fused = gemv.add_norm_linear(x, residual, norm.weight, norm.eps, self.in_proj.weight)
+            fused = None
+            if self.conv.bias is None:  # with the switch fused_conv, the xBC conv in the GEMV's epilogue
+                fused = gemv.add_norm_conv_linear(x, residual, norm.weight, norm.eps, self.in_proj.weight,
+                                                  (self.inner, [self.conv.weight], [cache.conv[0]]))
+            convolved = fused is not None
+            if fused is None:
+                fused = gemv.add_norm_linear(x, residual, norm.weight, norm.eps, self.in_proj.weight)
             if fused is not None:
                 x, projected = fused
                 z, xbc, a = projected.split([self.inner, self.conv_dim, self.num_heads], dim=-1)
-                return x, self.decode(z, xbc, a, cache, kernel_set.pick(self.backend, x.device, cache.state.dtype))
+                return x, self.decode(z, xbc, a, cache, kernel_set.pick(self.backend, x.device, cache.state.dtype),
+                                      convolved)
         x, normed = kernels.add_norm(x, residual, norm)
         return x, self(normed, cache=cache)
 
-    def decode(self, z: torch.Tensor, xbc: torch.Tensor, a: torch.Tensor, cache, kernels) -> torch.Tensor:
-        """One token [B, 1, ...] of the in_proj's z, xBC and a on the kernel set `kernels`
-        (natsl.ops.kernel_set): the conv step (its tail shifted in place; a biased conv runs its formula,
-        the fused step has no bias), then dt, g, the SSD step on the cached state (in place), the read and
-        + D x (one kernel on the fused set, which reads each B/C group for the heads that share it); then
-        the gated norm and out_proj. No host reads."""
-        b = xbc.shape[0]
+    def conv_step(self, xbc: torch.Tensor, cache, kernels) -> torch.Tensor:
+        """One token's xBC [B, 1, conv_dim] through the conv + SiLU, the cached tail shifted in place (a
+        biased conv runs its formula: the fused step has no bias)."""
         if self.conv.bias is None:
-            (xbc,) = kernels.conv_steps([xbc], [cache.conv[0]], [self.conv.weight])
-        else:
-            xbc, tail = self.conv(xbc, cache.conv[0], kernels=kernels)
-            cache.store_conv([tail])
+            return kernels.conv_steps([xbc], [cache.conv[0]], [self.conv.weight])[0]
+        xbc, tail = self.conv(xbc, cache.conv[0], kernels=kernels)
+        cache.store_conv([tail])
+        return xbc
+
+    def decode(self, z: torch.Tensor, xbc: torch.Tensor, a: torch.Tensor, cache, kernels,
+               convolved: bool = False) -> torch.Tensor:
+        """One token [B, 1, ...] of the in_proj's z, xBC and a on the kernel set `kernels`
+        (natsl.ops.kernel_set): the conv step (`conv_step`), then dt, g, the SSD step on the cached state (in
+        place), the read and + D x (one kernel on the fused set, which reads each B/C group for the heads that share it); then
+        the gated norm and out_proj. No host reads. `convolved`: xbc is the conv's output already (in_proj's
+        kernel ran the step)."""
+        b = xbc.shape[0]
+        if not convolved:
+            xbc = self.conv_step(xbc, cache, kernels)
         width = self.groups * self.state_size
         xs, B, C = xbc.split([self.inner, width, width], dim=-1)
         y, _ = kernels.gla_decode_step(C, B, xs, a, self.A_log, self.dt_bias, cache.state, D=self.D,
