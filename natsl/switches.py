@@ -106,9 +106,9 @@ class Switches:
                                    "a GDN layer's q/k/v/a/b/g, Mamba2's in_proj: one kernel fewer each a layer and "
                                    "token) where the GEMV kernel runs; False: "
                                    "the add-norm kernel, then the GEMV")
-    # Checked against its twin and the conv kernel under the Triton interpreter (tests/test_gemv.py -k conv_epilogue,
-    # test_inference.py -k fused_conv); off until it is checked and measured on a GPU.
-    fused_conv: bool = _switch(False, "NATSL_FUSED_CONV", "a GDN layer's decode short convs (q, k, v; Mamba2's xBC) run "
+    # Checked against its twin and the conv kernel under the Triton interpreter and on an H100 (tests/test_gemv.py
+    # -k conv_epilogue, test_inference.py -k fused_conv); measured in docs/performance.md.
+    fused_conv: bool = _switch(True, "NATSL_FUSED_CONV", "a GDN layer's decode short convs (q, k, v; Mamba2's xBC) run "
                                "in the epilogue of its merged input product's GEMV kernel where that folds the add "
                                "and norm (one kernel fewer a layer and token); False: the conv step kernel")
     # The padding is tested on the CPU, the capture and replay on the GPU (tests/test_prefill_graph.py -m gpu).

@@ -783,8 +783,10 @@ def test_fused_add_norm_runs_the_pre_norms_in_the_next_product(layout, use_switc
                 for block in model.layers)
     assert folds > 0
     ids = torch.randint(0, 1024, (1, 40), generator=torch.Generator().manual_seed(6)).to(device)
-    real, ran = gemv.add_norm_linear, []
-    monkeypatch.setattr(gemv, "add_norm_linear", lambda *a: (lambda y: ran.append(y is not None) or y)(real(*a)))
+    ran = []
+    for name in ("add_norm_linear", "add_norm_conv_linear"):  # (the second with the convs in its epilogue)
+        real = getattr(gemv, name)
+        monkeypatch.setattr(gemv, name, lambda *a, real=real: (lambda y: ran.append(y is not None) or y)(real(*a)))
     fused_on_and_off(model, ids, ran, folds, lambda on: use_switches(force_fused_inference=True, fused_add_norm=on))
 
 

@@ -71,7 +71,7 @@ def miniature(
     out: str = typer.Option("runs/miniature", help="Folder of the miniature: specs/, sweep/, train/, eval/, report/."),
     data: str = typer.Option("data/mini", help="Corpus (a natsl tokenize folder); built from this machine's "
                                                "installed sources and docs when it has no meta.json."),
-    lrs: str = typer.Option("0.001,0.002,0.004", help="Learning rates swept for every system."),
+    lrs: str = typer.Option("0.001,0.002,0.004,0.008", help="Learning rates swept for every system."),
     sweep_tokens: int = typer.Option(10_000_000, help="Tokens per sweep run."),
     train_tokens: int = typer.Option(100_000_000, help="Tokens per full run."),
     seeds: str = typer.Option("0,1,2", help="Seeds of the NAtS-L Hybrid's full runs."),

@@ -103,7 +103,7 @@ class MiniatureOptions:
     vocab_size: int = 32000
     val_fraction: float = 0.005
     tokenizer_train_docs: Optional[int] = 30000
-    lrs: tuple = (0.001, 0.002, 0.004)
+    lrs: tuple = (0.001, 0.002, 0.004, 0.008)
     sweep_tokens: int = 10_000_000
     train_tokens: int = 100_000_000
     seeds: tuple = (0, 1, 2)
