@@ -5,9 +5,10 @@
     python -m benchmarks.ops --op mix --provider natsl_fast --mode fwdbwd --sweep      # launch settings
     python -m benchmarks.ops --list                                                     # the registry
 
-Ops: gated_delta, gated_linear (Mamba2's SSD), routed_attention, short_conv, mix, cross_entropy, decode_attention, gemv, pointwise.
+Ops: gated_delta, gated_linear (Mamba2's SSD), routed_attention, short_conv, mix, cross_entropy, decode_attention, gemv,
+gemv_fold (a decode step's norms and convs inside the GEMV, against their own kernels then the GEMV), pointwise.
 Providers: natsl_fast (the Triton path), natsl_fast_dense (gated_delta, gated_linear without a write mask, as fla
-runs it), natsl_reference (natsl's PyTorch path: the chunked GDN, the
+runs it), natsl_unfused (gemv_fold: the fast norm or conv kernel and the GEMV kernel, one launch each), natsl_reference (natsl's PyTorch path: the chunked GDN, the
 dense routed attention, the model's pointwise formulas -- compiled on CUDA), fla
 (flash-linear-attention), sdpa_flash and sdpa_cudnn (causal SDPA with that backend), cublas
 (F.linear). A provider that is not installed, or does not apply to an op, mode or shape, is skipped
@@ -38,7 +39,8 @@ from typing import Callable, Optional
 from benchmarks import common
 
 MODES = ("fwd", "fwdbwd")
-PROVIDERS = ("natsl_fast", "natsl_fast_dense", "natsl_reference", "fla", "sdpa_flash", "sdpa_cudnn", "cublas")
+PROVIDERS = ("natsl_fast", "natsl_fast_dense", "natsl_unfused", "natsl_reference", "fla", "sdpa_flash", "sdpa_cudnn",
+             "cublas")
 LABELS = ("keep", "channels", "product", "piece")  # the variant fields that name a point
 SEQUENCE_POINTS = ((1, 4096), (1, 16384), (1, 65536), (8, 4096))
 EPS = 1e-6
@@ -365,6 +367,75 @@ def gemv_build(fast):
     return build
 
 
+# ---------------------------------------------------------------------------------------------- gemv_fold
+FOLD_CONV = 3  # the short conv's tail: conv_size 4
+
+
+def fold_pieces(m, args) -> list[dict]:
+    """The decode step's folds (natsl.ops.gemv) at a model's widths: the piece and its product [N, K]."""
+    H, K, V, d = m.num_heads, m.head_k_dim, m.head_v_dim, m.hidden_size
+    gdn_in = 2 * H * K + 2 * H * V + 2 * H
+    return [{"piece": name, "N": n, "K": k} for name, n, k in (
+        ("add_norm gdn q|k|v|a|b|g", gdn_in, d), ("add_norm+conv gdn q|k|v|a|b|g", gdn_in, d),
+        ("add_norm mlp gate|up", 2 * m.intermediate_size, d), ("o_norm gdn o", d, H * V),
+        ("gated_input_norm mamba2 out", d, m.mamba2_expand * d))]
+
+
+def fold_inputs(p: Point, device, dtype):
+    """gemv_inputs' x and weight copies, and the fold's pieces: a residual, a gate, the norm weight (a head's
+    for o_norm), the q, k, v convs' weights and tails."""
+    torch = _torch()
+    m, rows, K = p.model, p.batch, p.variant["K"]
+    x = gemv_inputs(p, device, dtype)
+    widths = [m.num_heads * m.head_k_dim] * 2 + [m.num_heads * m.head_v_dim]
+    return {**x, "residual": torch.randn(rows, K, device=device, dtype=dtype),
+            "gate": torch.randn(rows, K, device=device, dtype=dtype),
+            "norm": 1 + 0.1 * torch.randn(m.head_v_dim if p.variant["piece"].startswith("o_norm") else K,
+                                          device=device, dtype=dtype),
+            "conv_weights": [torch.randn(c, 1, FOLD_CONV + 1, device=device, dtype=dtype) for c in widths],
+            "tails": [torch.randn(rows, FOLD_CONV, c, device=device, dtype=dtype) for c in widths]}
+
+
+def fold_build(fused: bool):
+    """natsl_fast: the folded GEMV, one launch; natsl_unfused: the norm (and conv) kernels, then the GEMV."""
+    def build(x, p, mode):
+        _needs_cuda(x["x"].device)
+        from natsl.fast import cached, gemv, norms
+
+        piece, rows, eps = p.variant["piece"], p.batch, EPS
+        tails = [t.clone() for t in x["tails"]]  # each provider steps its own
+        turn = iter(range(10 ** 9))
+
+        def weight():
+            return x["weights"][next(turn) % len(x["weights"])]
+
+        if piece.startswith("add_norm"):
+            conv = (0, x["conv_weights"], tails) if "conv" in piece else None
+            if fused:
+                fn = lambda: gemv.add_norm_linear(x["x"], x["residual"], x["norm"], eps, weight(), conv=conv)  # noqa: E731
+            else:
+                def fn():
+                    y = gemv.linear(norms.add_rms_norm(x["x"], x["residual"], x["norm"], eps)[1], weight())
+                    if conv is None:
+                        return y
+                    pieces = y[:, None, :sum(t.shape[-1] for t in tails)].split([t.shape[-1] for t in tails], dim=-1)
+                    return cached.conv_steps(list(pieces), tails, x["conv_weights"])
+        elif piece.startswith("o_norm"):
+            head = x["norm"].numel()
+            if fused:
+                fn = lambda: gemv.linear(x["x"], weight(), up=x["gate"], norm=(x["norm"], eps))  # noqa: E731
+            else:
+                heads = (rows, p.variant["K"] // head, head)
+                fn = lambda: gemv.linear(norms.rms_norm(x["x"].view(heads), x["norm"], eps,  # noqa: E731
+                                                        gate=x["gate"].view(heads)).view(rows, -1), weight())
+        elif fused:
+            fn = lambda: gemv.gated_input_norm_linear(x["x"], x["gate"], x["norm"], eps, weight())  # noqa: E731
+        else:
+            fn = lambda: gemv.linear(norms.gated_input_rms_norm(x["x"], x["norm"], eps, x["gate"]), weight())  # noqa: E731
+        return Call(fn, [], graph=True)
+    return build
+
+
 # ---------------------------------------------------------------------------------------------- pointwise
 def norm_pieces(m, args) -> list[dict]:
     """The model's norms at their row widths: (piece, row shape, has weight, has gate, L2)."""
@@ -499,6 +570,8 @@ REGISTRY = {op.name: op for op in (
        sweep=("natsl.fast.decode_attention", _settings(PROGRAMS_PER_SM_NARROW=[8, 32], PROGRAMS_PER_SM=[2, 4]))),
     Op("gemv", {"natsl_fast": gemv_build(True), "cublas": gemv_build(False)}, gemv_inputs,
        points=((1, 1), (2, 1)), variants=gemv_products, modes=("fwd",)),
+    Op("gemv_fold", {"natsl_fast": fold_build(True), "natsl_unfused": fold_build(False)}, fold_inputs,
+       points=((1, 1), (2, 1)), variants=fold_pieces, modes=("fwd",)),
     Op("pointwise", {"natsl_fast": norm_fast, "natsl_reference": norm_reference}, norm_inputs,
        points=((1, 131072), (8, 4096)), variants=norm_pieces,
        sweep=("natsl.fast.norms", _settings(RMS_LAUNCH=[{"pdl": False}, {"rows": 4}, {"rows": 32},

@@ -70,7 +70,7 @@ def test_ops_options_are_checked_by_name():
 
 def test_the_registry_holds_every_op_and_its_points_take_the_recipes_widths():
     assert set(ops.REGISTRY) == {"gated_delta", "gated_linear", "routed_attention", "short_conv", "mix", "cross_entropy",
-                                 "decode_attention", "gemv", "pointwise"}
+                                 "decode_attention", "gemv", "gemv_fold", "pointwise"}
     for op in ops.REGISTRY.values():
         assert set(op.providers) <= set(ops.PROVIDERS) and "natsl_fast" in op.providers and op.modes
     args = ops.parse(["--op", "routed_attention", "--shapes", "800m,tiny", "--keep", "1", "0.5"])
@@ -410,3 +410,31 @@ def test_profile_sorts_kernels_by_kind_from_their_names():
                      "_conv_bwd_walk_kernel": "short conv kernels",
                      "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT": "matmuls",
                      "triton_poi_fused__to_copy_add_cat_mul_silu_12": "Inductor-fused"}
+
+
+def test_gemv_fold_providers_compute_the_same_pieces(monkeypatch):
+    """benchmarks.ops gemv_fold: at the tiny recipe's widths, the folded GEMV (natsl_fast) and the norm or
+    conv kernel then the GEMV (natsl_unfused) give the same product for every piece (the q conv's output for
+    the conv piece), so the side-by-side times one computation two ways. Runs the kernels in the interpreter."""
+    import torch
+
+    from natsl.devices import triton_interpreted
+
+    if not triton_interpreted():
+        pytest.skip("needs the Triton interpreter (CUDA timing is the benchmark's own job)")
+    monkeypatch.setattr(ops, "_needs_cuda", lambda device: None)
+    args = ops.parse(["--op", "gemv_fold", "--shapes", "tiny", "--device", "cpu", "--batch", "2", "--lengths", "1"])
+    op = ops.REGISTRY["gemv_fold"]
+    points = ops.points(op, args)
+    assert {p.variant["piece"].split()[0] for p in points} == {"add_norm", "add_norm+conv", "o_norm",
+                                                               "gated_input_norm"}
+    for point in points:
+        inputs = op.inputs(point, torch.device("cpu"), torch.float32)
+        fused = op.providers["natsl_fast"](inputs, point, "fwd").fn()
+        unfused = op.providers["natsl_unfused"](inputs, point, "fwd").fn()
+        if "conv" in point.variant["piece"]:  # (sum, product with the convs' outputs) against the conv steps
+            q = unfused[0][:, 0]
+            fused, unfused = fused[1][:, :q.shape[-1]], q
+        elif point.variant["piece"].startswith("add_norm"):
+            fused = fused[1]
+        assert fused.shape == unfused.shape and torch.allclose(fused, unfused, rtol=1e-4, atol=1e-4), point.label
