@@ -810,8 +810,9 @@ def test_fused_conv_runs_the_convs_in_the_input_product(layout, use_switches, mo
     layers = sum(isinstance(block.mixer, (GatedDeltaNet, Mamba2)) for block in model.layers)
     assert layers > 0
     ids = torch.randint(0, 1024, (2, 40), generator=torch.Generator().manual_seed(7)).to(device)
-    real, ran = gemv.add_norm_conv_linear, []
-    monkeypatch.setattr(gemv, "add_norm_conv_linear", lambda *a: (lambda y: ran.append(y is not None) or y)(real(*a)))
+    real, ran = gemv.add_norm_conv_linear, []  # True where the convs ran in the product's kernel
+    monkeypatch.setattr(gemv, "add_norm_conv_linear", lambda *a: (lambda y: ran.append(y is not None and y[2]) or y)(
+        real(*a)))
     steps = []
     real_steps = kernel_set.Fused.conv_steps
     monkeypatch.setattr(kernel_set.Fused, "conv_steps", lambda self, *a: steps.append(1) or real_steps(self, *a))
@@ -821,7 +822,8 @@ def test_fused_conv_runs_the_convs_in_the_input_product(layout, use_switches, mo
         with torch.no_grad():
             cache = model.new_cache(2, max_len=40)
             model(ids[:, :-1], cache=cache)
-            ran.clear(), steps.clear()
+            ran.clear()
+            steps.clear()
             logits = model(ids[:, -1:], cache=cache)
         assert sum(ran) == (layers if on else 0)
         others = sum(isinstance(block.mixer, NAtSL) for block in model.layers)  # its own conv step kernel

@@ -228,18 +228,14 @@ class GatedDeltaNet(nn.Module):
 
     def after_norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm, cache, kernels):
         """A block's cached call: (x + residual, self(norm(x + residual), cache)). On a decode step where
-        natsl.ops.gemv.add_norm_linear runs (the switch fused_add_norm, merged weights), the add and the norm
+        natsl.ops.gemv.add_norm_conv_linear runs (the switch fused_add_norm, merged weights), the add and norm
         are formed inside the merged q/k/v/a/b/g GEMV; else `kernels.add_norm` (natsl.ops.kernel_set), then
         this layer. With the switch fused_conv the q, k, v convs run in that GEMV's epilogue too."""
         if x.shape[1] == 1:
-            weight = merged_weight(self, "qkvabg", x)
-            fused = gemv.add_norm_conv_linear(x, residual, norm.weight, norm.eps, weight,
+            fused = gemv.add_norm_conv_linear(x, residual, norm.weight, norm.eps, merged_weight(self, "qkvabg", x),
                                               self.proj.conv_inputs(0, cache.conv))
-            convolved = fused is not None
-            if fused is None:
-                fused = gemv.add_norm_linear(x, residual, norm.weight, norm.eps, weight)
             if fused is not None:
-                x, product = fused
+                x, product, convolved = fused
                 *projected, gate = product.split(group_sizes(self, "qkvabg"), dim=-1)
                 kernels = kernel_set.pick(self.backend, x.device, cache.state.dtype)
                 return x, self.decode(None, projected, gate, cache, kernels, convolved)

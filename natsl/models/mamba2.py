@@ -101,18 +101,15 @@ class Mamba2(nn.Module):
 
     def after_norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm, cache, kernels):
         """A block's cached call: (x + residual, self(norm(x + residual), cache)). On a decode step where
-        natsl.ops.gemv.add_norm_linear runs (the switch fused_add_norm), the add and the norm are formed
-        inside the in_proj GEMV; else `kernels.add_norm` (natsl.ops.kernel_set), then this layer."""
+        natsl.ops.gemv.add_norm_conv_linear runs (the switch fused_add_norm), the add and the norm are formed
+        inside the in_proj GEMV (and with fused_conv the xBC conv); else `kernels.add_norm`
+        (natsl.ops.kernel_set), then this layer."""
         if x.shape[1] == 1:
-            fused = None
-            if self.conv.bias is None:  # with the switch fused_conv, the xBC conv in the GEMV's epilogue
-                fused = gemv.add_norm_conv_linear(x, residual, norm.weight, norm.eps, self.in_proj.weight,
-                                                  (self.inner, [self.conv.weight], [cache.conv[0]]))
-            convolved = fused is not None
-            if fused is None:
-                fused = gemv.add_norm_linear(x, residual, norm.weight, norm.eps, self.in_proj.weight)
+            # with the switch fused_conv, the xBC conv in the GEMV's epilogue (the kernel's conv has no bias)
+            conv = (self.inner, [self.conv.weight], [cache.conv[0]]) if self.conv.bias is None else None
+            fused = gemv.add_norm_conv_linear(x, residual, norm.weight, norm.eps, self.in_proj.weight, conv)
             if fused is not None:
-                x, projected = fused
+                x, projected, convolved = fused
                 z, xbc, a = projected.split([self.inner, self.conv_dim, self.num_heads], dim=-1)
                 return x, self.decode(z, xbc, a, cache, kernel_set.pick(self.backend, x.device, cache.state.dtype),
                                       convolved)
@@ -132,9 +129,9 @@ class Mamba2(nn.Module):
                convolved: bool = False) -> torch.Tensor:
         """One token [B, 1, ...] of the in_proj's z, xBC and a on the kernel set `kernels`
         (natsl.ops.kernel_set): the conv step (`conv_step`), then dt, g, the SSD step on the cached state (in
-        place), the read and + D x (one kernel on the fused set, which reads each B/C group for the heads that share it); then
-        the gated norm and out_proj. No host reads. `convolved`: xbc is the conv's output already (in_proj's
-        kernel ran the step)."""
+        place), the read and + D x (one kernel on the fused set, which reads each B/C group for the heads that
+        share it); then the gated norm and out_proj. No host reads. `convolved`: xbc is the conv's output
+        already (in_proj's kernel ran the step)."""
         b = xbc.shape[0]
         if not convolved:
             xbc = self.conv_step(xbc, cache, kernels)

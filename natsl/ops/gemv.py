@@ -137,27 +137,35 @@ def _folds_add_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
 
 
 def add_norm_conv_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                         weight: torch.Tensor | None, conv) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`add_norm_linear` with the short convs of `conv` = (start, weights, tails) run on the product's columns
-    in the same kernel (natsl.fast.gemv.conv_epilogue; the tails shifted in place), where that applies and the
-    switch fused_conv is on; None elsewhere (the caller runs add_norm_linear, then its conv steps).
+                         weight: torch.Tensor | None, conv) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
+    """`add_norm_linear`, with the short convs of `conv` = (start, weights, tails) run on the product's columns
+    in the same kernel (natsl.fast.gemv.conv_epilogue; the tails shifted in place) where the switch fused_conv
+    is on and the tails fit; None where add_norm_linear would not run (the caller runs its add-norm, then its
+    product and convs).
 
     Args:
         x, residual, norm_weight, eps, weight: as add_norm_linear's; conv: weights [C, 1, W + 1] (no bias),
-            tails [rows, W, C] with unit column stride.
+            tails [rows, W, C] with unit column stride; None: no conv here (a biased one).
 
     Returns:
-        (the sum, the product with the convs' outputs in their columns), or None.
+        (the sum, the product, whether its conv columns hold the convs' outputs: else they are the convs'
+        inputs, as add_norm_linear's), or None.
     """
-    start, weights, tails = conv
-    rows = x.numel() // x.shape[-1]
-    if not (switches.current().fused_conv and all(t.shape[0] == rows and t.stride(-1) == 1 and t.dtype == tails[0].dtype
-                                                  and t.shape[1] == tails[0].shape[1] for t in tails)
-            and all(w.is_contiguous() for w in weights)):
-        return None
     if not _folds_add_norm(x, residual, norm_weight, weight):
         return None
-    return twin("add_norm_gemv", True)(x, residual, norm_weight, eps, weight, conv=conv)
+    fold = twin("add_norm_gemv", True)
+    if conv is None or not (switches.current().fused_conv and _conv_fits(x, conv)):
+        return (*fold(x, residual, norm_weight, eps, weight), False)
+    return (*fold(x, residual, norm_weight, eps, weight, conv=conv), True)
+
+
+def _conv_fits(x: torch.Tensor, conv) -> bool:
+    """Whether the GEMV kernel's conv epilogue takes `conv` for a product of x: a tail row per row of x, all
+    tails of one dtype and length with unit column stride, contiguous weights."""
+    _, weights, tails = conv
+    rows = x.numel() // x.shape[-1]
+    return (all(t.shape[0] == rows and t.stride(-1) == 1 and t.dtype == tails[0].dtype
+                and t.shape[1] == tails[0].shape[1] for t in tails) and all(w.is_contiguous() for w in weights))
 
 
 def gated_input_norm_linear(x: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float,
