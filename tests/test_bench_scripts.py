@@ -438,3 +438,18 @@ def test_gemv_fold_providers_compute_the_same_pieces(monkeypatch):
         elif point.variant["piece"].startswith("add_norm"):
             fused = fused[1]
         assert fused.shape == unfused.shape and torch.allclose(fused, unfused, rtol=1e-4, atol=1e-4), point.label
+
+
+def test_gemv_fold_skips_the_output_norm_fold_where_no_model_takes_it(monkeypatch):
+    """At the 800M widths a GDN head is 384 wide, where natsl.ops.gemv.gated_norm_linear does not fold: the
+    natsl_fast provider says so (Skip) instead of failing in the kernel's assertion, and natsl_unfused still runs."""
+    import torch
+
+    monkeypatch.setattr(ops, "_needs_cuda", lambda device: None)
+    args = ops.parse(["--op", "gemv_fold", "--shapes", "800m", "--device", "cpu", "--batch", "1", "--lengths", "1"])
+    op = ops.REGISTRY["gemv_fold"]
+    point = next(p for p in ops.points(op, args) if p.variant["piece"].startswith("o_norm"))
+    inputs = op.inputs(point, torch.device("cpu"), torch.float32)
+    with pytest.raises(ops.Skip, match="no fold at head width 384"):
+        op.providers["natsl_fast"](inputs, point, "fwd")
+    assert callable(op.providers["natsl_unfused"](inputs, point, "fwd").fn)

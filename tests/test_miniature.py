@@ -144,6 +144,29 @@ def test_the_corpus_command_is_the_documented_one():
     assert "--val-fraction 0.005" in text and "--val-fraction 0.005" in docs
 
 
+def test_a_given_tokenizer_builds_the_same_corpus_as_the_trained_bpe(tmp_path, monkeypatch):
+    """--tokenizer: the corpus stage tokenizes with an earlier build's tokenizer.json instead of training a BPE,
+    and writes the same tokens."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    base = P.MiniatureOptions(out=Path("m"), data=Path("data/a"), corpus_inputs=(str(ROOT / "docs"),),
+                              corpus_patterns=("*.md",), vocab_size=300, val_fraction=0.2, tokenizer_train_docs=None,
+                              device="cpu", stages=("corpus",))
+    assert P.run_miniature(base, log=lambda line: None)["stages"]["corpus"] == "done"
+    from dataclasses import replace
+
+    given = replace(base, out=Path("m2"), data=Path("data/b"), tokenizer=Path("data/a/tokenizer.json"))
+    argv = P.corpus_command(given)
+    assert "--train-tokenizer" not in argv and argv[argv.index("--tokenizer") + 1] == "data/a/tokenizer.json"
+    assert P.run_miniature(given, log=lambda line: None)["stages"]["corpus"] == "done"
+    trained, reused = (json.loads((tmp_path / "data" / x / "meta.json").read_text()) for x in "ab")
+    assert reused["total_tokens"] == trained["total_tokens"] > 0
+    shards = sorted(p.name for p in (tmp_path / "data/a").glob("*.bin"))
+    assert shards  # train_00000.bin, validation_00000.bin
+    for name in shards:
+        assert (tmp_path / "data/b" / name).read_bytes() == (tmp_path / "data/a" / name).read_bytes(), name
+
+
 @pytest.mark.parametrize("args, message", [
     (["--lrs", "0.1,abc"], "--lrs '0.1,abc' is not a comma-separated list of numbers; pass e.g. 0.001,0.002,0.004"),
     (["--seeds", "0,x"], "--seeds '0,x' is not a comma-separated list of whole numbers; pass e.g. 0,1,2"),
@@ -159,6 +182,7 @@ def test_the_corpus_command_is_the_documented_one():
     (["--systems", "gdn,gdn"], "--systems 'gdn,gdn': give distinct names from gdn,"),
     (["--evals", "ppl,mmlu"], "--evals 'ppl,mmlu': unknown evaluation 'mmlu'; choose from ppl,compare,latency,"),
     (["--eval-reserve", "60"], "--eval-reserve 60.0: give it with --deadline"),
+    (["--tokenizer", "no/such/tokenizer.json"], "--tokenizer 'no/such/tokenizer.json' does not exist; pass a tokenizer.json"),
     (["--rates", "gdn=0.002,llama=0.001"], "'llama=0.001' is not SYSTEM=RATE with a rate between 0 and 1"),
     (["--rates", "gdn=2"], "'gdn=2' is not SYSTEM=RATE"),
     (["--rates", "gdn=0.002,gdn=0.004"], "'gdn=0.004' is not SYSTEM=RATE with a rate between 0 and 1 and a system named once"),

@@ -71,6 +71,9 @@ def miniature(
     out: str = typer.Option("runs/miniature", help="Folder of the miniature: specs/, sweep/, train/, eval/, report/."),
     data: str = typer.Option("data/mini", help="Corpus (a natsl tokenize folder); built from this machine's "
                                                "installed sources and docs when it has no meta.json."),
+    tokenizer: Optional[str] = typer.Option(
+        None, help="The corpus stage's tokenizer.json (or a folder holding one) instead of training a BPE, e.g. an "
+                   "earlier build's data/mini/tokenizer.json: the same corpus without the BPE's minutes."),
     lrs: str = typer.Option("0.001,0.002,0.004,0.008", help="Learning rates swept for every system."),
     sweep_tokens: int = typer.Option(10_000_000, help="Tokens per sweep run."),
     train_tokens: int = typer.Option(100_000_000, help="Tokens per full run."),
@@ -124,9 +127,12 @@ def miniature(
                          "and the deadline")
     chosen_systems = _names(systems, "--systems", LADDER, "system", "give distinct names from", distinct=True)
     chosen_evals = _names(evals, "--evals", EVALS, "evaluation", "choose from")
+    if tokenizer is not None and not Path(tokenizer).exists():
+        raise NatslError(f"--tokenizer {tokenizer!r} does not exist; pass a tokenizer.json or a folder holding one "
+                         "(e.g. an earlier build's data/mini/tokenizer.json), or leave it out to train the BPE")
     if device not in (None, "cpu", "cuda"):
         raise NatslError(f"--device {device!r}: give cpu or cuda")
-    opts = MiniatureOptions(out=Path(out), data=Path(data), lrs=_floats(lrs, "--lrs"), sweep_tokens=sweep_tokens,
+    opts = MiniatureOptions(out=Path(out), data=Path(data), tokenizer=Path(tokenizer) if tokenizer else None, lrs=_floats(lrs, "--lrs"), sweep_tokens=sweep_tokens,
                             train_tokens=train_tokens, seeds=_ints(seeds, "--seeds"),
                             rates=_rates(rates) if rates is not None else {}, systems=chosen_systems, micro_batch=micro_batch,
                             sweep_micro_batch=sweep_micro_batch, max_parallel=max_parallel, device=device, deadline_s=deadline,

@@ -70,6 +70,9 @@ class MiniatureOptions:
         vocab_size: the trained BPE's vocabulary (the recipes' model.vocab_size).
         val_fraction: the share of documents held out for validation (whole files).
         tokenizer_train_docs: the BPE trains on the first N documents (None: all; the longest step).
+        tokenizer: a tokenizer.json (or a folder holding one) the corpus stage uses instead of training a BPE,
+            e.g. the data/mini/tokenizer.json of an earlier build: the same corpus without the BPE's minutes. Its
+            vocabulary must fit the recipes' model.vocab_size (32000; else --set model.vocab_size=N).
         lrs: the sweep's learning rates (every system, every ablation).
         sweep_tokens / train_tokens: tokens a sweep run / a full run trains (each cosine schedule ends there).
         seeds: the NAtS-L Hybrid's seeds in the train stage (every other system trains seed 0).
@@ -103,6 +106,7 @@ class MiniatureOptions:
     vocab_size: int = 32000
     val_fraction: float = 0.005
     tokenizer_train_docs: Optional[int] = 30000
+    tokenizer: Optional[Path] = None
     lrs: tuple = (0.001, 0.002, 0.004, 0.008)
     sweep_tokens: int = 10_000_000
     train_tokens: int = 100_000_000
@@ -140,10 +144,13 @@ def corpus_command(opts: MiniatureOptions) -> list[str]:
 
     inputs = [i.format(purelib=sysconfig.get_paths()["purelib"]) for i in opts.corpus_inputs]
     includes = [arg for pattern in opts.corpus_patterns for arg in ("--include", pattern)]
+    if opts.tokenizer is not None:
+        tokenizer = ["--tokenizer", str(opts.tokenizer)]
+    else:
+        tokenizer = ["--train-tokenizer", "--vocab-size", str(opts.vocab_size),
+                     *(["--tokenizer-train-docs", str(opts.tokenizer_train_docs)] if opts.tokenizer_train_docs else [])]
     return natsl_command("tokenize", *inputs, *includes, "--skip-bad-files", "--dedup", "--val-fraction", str(opts.val_fraction),
-                         "--val-texts", "--train-tokenizer", "--vocab-size", str(opts.vocab_size), "--out",
-                         str(opts.data), *(["--tokenizer-train-docs", str(opts.tokenizer_train_docs)]
-                                           if opts.tokenizer_train_docs else []))
+                         "--val-texts", *tokenizer, "--out", str(opts.data))
 
 
 def default_parallel(device: Optional[str]) -> int:
