@@ -182,6 +182,7 @@ def test_a_given_tokenizer_builds_the_same_corpus_as_the_trained_bpe(tmp_path, m
     (["--systems", "gdn,gdn"], "--systems 'gdn,gdn': give distinct names from gdn,"),
     (["--evals", "ppl,mmlu"], "--evals 'ppl,mmlu': unknown evaluation 'mmlu'; choose from ppl,compare,latency,"),
     (["--eval-reserve", "60"], "--eval-reserve 60.0: give it with --deadline"),
+    (["--tokenizer", "data/mini/tokenizer.json"], "lies inside --data 'data/mini', which the corpus stage writes; copy it out first"),
     (["--tokenizer", "no/such/tokenizer.json"], "--tokenizer 'no/such/tokenizer.json' does not exist; pass a tokenizer.json"),
     (["--rates", "gdn=0.002,llama=0.001"], "'llama=0.001' is not SYSTEM=RATE with a rate between 0 and 1"),
     (["--rates", "gdn=2"], "'gdn=2' is not SYSTEM=RATE"),

@@ -127,6 +127,13 @@ def miniature(
                          "and the deadline")
     chosen_systems = _names(systems, "--systems", LADDER, "system", "give distinct names from", distinct=True)
     chosen_evals = _names(evals, "--evals", EVALS, "evaluation", "choose from")
+    if tokenizer is not None:
+        from natsl.files import real_path
+
+        folder, given = real_path(data), real_path(tokenizer)
+        if given == folder or folder in given.parents:
+            raise NatslError(f"--tokenizer {tokenizer!r} lies inside --data {data!r}, which the corpus stage writes; "
+                             "copy it out first (e.g. to mini_tokenizer.json) and pass the copy")
     if tokenizer is not None and not Path(tokenizer).exists():
         raise NatslError(f"--tokenizer {tokenizer!r} does not exist; pass a tokenizer.json or a folder holding one "
                          "(e.g. an earlier build's data/mini/tokenizer.json), or leave it out to train the BPE")
