@@ -422,8 +422,6 @@ def fold_build(fused: bool):
                     return cached.conv_steps(list(pieces), tails, x["conv_weights"])
         elif piece.startswith("o_norm"):
             head = x["norm"].numel()
-            if fused and head & (head - 1):
-                raise Skip(f"no fold at head width {head} (natsl.ops.gemv.gated_norm_linear folds power-of-two heads)")
             if fused:
                 fn = lambda: gemv.linear(x["x"], weight(), up=x["gate"], norm=(x["norm"], eps))  # noqa: E731
             else:

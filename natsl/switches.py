@@ -96,9 +96,9 @@ class Switches:
                                "write on one fused Triton kernel where the fused inference kernels run; "
                                "False: its reference twin (eager)")
     # Checked against its twin under the Triton interpreter and on an H100 (tests/test_gemv.py,
-    # test_inference.py -k "fused_o_norm or fused_add_norm"). Off by default: each GEMV program takes the row's
-    # norm in a pass of its own, which made Mamba2's decode slower, and a GDN head of 384 (the 800M recipes)
-    # is not a power of two, so no 800M GDN layer folds (docs/performance.md, "Decode launches").
+    # test_inference.py -k "fused_o_norm or fused_add_norm"). Off by default: the kernel that took each row's
+    # norm in a pass of its own made Mamba2's decode slower (docs/performance.md, "Decode launches"); its
+    # one-pass successor is not yet timed on a GPU.
     fused_o_norm: bool = _switch(False, "NATSL_FUSED_O_NORM", "a GDN or Mamba2 layer's decode output norm and "
                                  "gate formed inside its output product's GEMV kernel (one kernel fewer a layer "
                                  "and token) where the GEMV kernel runs; False: the norm kernel, then the GEMV")

@@ -64,14 +64,16 @@ def test_norm_gated_gemv_equals_its_twin_and_the_norm_then_the_product(rows, dty
     """`norm=(weight, eps)` with `up=`: the input is RMSNorm(x per head) * weight * silu(up), formed as
     the kernel reads x, against the reference twin and against the norm then the product. Heads of 16-64
     columns; 3 heads (a tile wider than K), heads over several tiles, tiles narrower than a head (the
-    launcher widens them), strided rows, an odd N."""
+    launcher widens them), strided rows, an odd N; heads of 24, 48 and 384 (the 800M GDN's), which are not
+    powers of two (each takes the next power of two's positions in a tile)."""
     from natsl.reference import gemv as reference
     from natsl.reference.norms import rms_norm
 
     dev = device()
     gen = torch.Generator().manual_seed(10 + rows)
     for N, H, D, tiles in ((37, 3, 16, {}), (130, 4, 32, {}), (24, 2, 64, {"block_n": 4, "block_k": 32}),
-                           (9, 6, 16, {"block_n": 2, "block_k": 32})):
+                           (9, 6, 16, {"block_n": 2, "block_k": 32}), (11, 3, 24, {}), (7, 2, 384, {}),
+                           (5, 5, 48, {"block_n": 2, "block_k": 128})):
         K = H * D
         x = torch.randn(rows, 2 * K, generator=gen).to(dev, dtype)[:, ::2]  # rows are strided
         gate = torch.randn(rows, K, generator=gen).to(dev, dtype)
@@ -89,8 +91,8 @@ def test_norm_gated_gemv_equals_its_twin_and_the_norm_then_the_product(rows, dty
 
 def test_gated_norm_linear_runs_only_with_its_switch_where_the_kernel_applies(use_switches):
     """natsl.ops.gemv.gated_norm_linear: None (the caller's norm then product) with the switch fused_o_norm
-    off, with autograd, or with a head width that is not a power of two; else the fused product, equal to
-    the norm then the product."""
+    off, with autograd, or with a head width that does not divide the row; else the fused product, equal to
+    the norm then the product, at heads of 32 and of 24 (not a power of two)."""
     from natsl.reference.norms import rms_norm
 
     dev = device()
@@ -103,18 +105,22 @@ def test_gated_norm_linear_runs_only_with_its_switch_where_the_kernel_applies(us
     use_switches(fused_o_norm=True)
     assert gemv.gated_norm_linear(x, gate, norm_weight, 1e-6, weight) is None  # autograd on
     with torch.no_grad():
-        assert gemv.gated_norm_linear(x, gate, norm_weight[:24], 1e-6, weight[:, :48]) is None  # heads of 24
+        assert gemv.gated_norm_linear(x, gate, norm_weight[:24], 1e-6, weight) is None  # 24 does not divide 64
         got = gemv.gated_norm_linear(x, gate, norm_weight, 1e-6, weight)
+        got24 = gemv.gated_norm_linear(x[..., :48], gate[..., :48], norm_weight[:24], 1e-6, weight[:, :48])
     want = F.linear(rms_norm(x.view(1, 1, 2, 32), norm_weight, 1e-6, gate=gate.view(1, 1, 2, 32)).view(1, 1, 64), weight)
     assert got.shape == (1, 1, 24) and relative_error(got, want) < 1e-5
+    want24 = F.linear(rms_norm(x[..., :48].reshape(1, 1, 2, 24), norm_weight[:24], 1e-6,
+                               gate=gate[..., :48].reshape(1, 1, 2, 24)).view(1, 1, 48), weight[:, :48])
+    assert got24 is not None and relative_error(got24, want24) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 def test_add_norm_gemv_equals_its_twin_and_the_add_norm_then_the_product(rows, dtype):
     """natsl.fast.gemv.add_norm_linear: the residual add and the RMSNorm formed as the kernel reads its
-    input (each program's own pass over the rows; the first writes the sum) against the reference twin and
-    against add_rms_norm then F.linear. K in one tile and over several (a pass of its own per row), an odd
+    input (the rows' sums of squares in the product's pass; the first program writes the sum) against the twin and
+    against add_rms_norm then F.linear. K in one tile and over several, an odd
     K, strided rows, no residual (the first block)."""
     from natsl.reference import gemv as reference
     from natsl.reference.norms import add_rms_norm, rms_norm

@@ -58,8 +58,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, up: torch.Tensor | None = N
     """x [..., K] with at most 4 rows, weight [N, K] -> x @ weight.T [..., N] in x's dtype.
     `up` (x's shape): the input is SwiGLU's silu(x) * up instead of x, computed on the fly (a decode
     step's down projection without the SwiGLU kernel). `norm` = (norm_weight [D], eps) with `up`: the
-    input is instead rms_norm(x per head of D columns, norm_weight, eps, gate=up) (D a power of two
-    dividing K; natsl.reference.norms.rms_norm's formula, one rounding). `conv`: see `conv_epilogue`.
+    input is instead rms_norm(x per head of D columns, norm_weight, eps, gate=up) (D dividing K; a head
+    that is not a power of two wide takes the next power of two's positions in a tile, the rest masked;
+    natsl.reference.norms.rms_norm's formula, one rounding). `conv`: see `conv_epilogue`.
     `block_n`, `block_k` override the tiles (`python -m benchmarks.ops --op gemv` compares settings)."""
     K = x.shape[-1]
     N = weight.shape[0]
@@ -75,7 +76,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, up: torch.Tensor | None = N
     if norm is not None:
         norm_weight, eps = norm[0].contiguous(), float(norm[1])
         head = norm_weight.numel()
-        assert up is not None and head & (head - 1) == 0 and K % head == 0, (head, K)
+        assert up is not None and K % head == 0, (head, K)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     _launch(x2, u2, weight, y, norm_weight, y, eps, M, N, K, block_n, block_k, gated=up is not None, head=head,
             conv=conv)
@@ -86,9 +87,10 @@ def add_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
                     weight: torch.Tensor, *, conv=None, block_n: int | None = None,
                     block_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + residual, rms_norm(x + residual, norm_weight, eps) @ weight.T) in one kernel: the residual
-    add and the RMSNorm of `natsl.fast.norms.add_rms_norm` formed as the GEMV reads its input (each
-    program takes the rows' norms in a pass of its own; the first writes the sum). residual None: (x,
-    the product of x's norm).
+    add and the RMSNorm of `natsl.fast.norms.add_rms_norm` formed as the GEMV reads its input: each row's
+    sum of squares is gathered in the same pass as the product, whose fp32 sum the row's norm scale then
+    multiplies (so the normed input is not rounded before the product, as add_rms_norm rounds it: within
+    one rounding of the twin); the first program writes the sum. residual None: (x, the product of x's norm).
 
     Args:
         x, residual: [..., K], at most 4 rows, one dtype; norm_weight [K]; weight [N, K]; conv: see
@@ -120,8 +122,8 @@ def gated_input_norm_linear(x: torch.Tensor, gate: torch.Tensor, norm_weight: to
                             weight: torch.Tensor, *, block_n: int | None = None,
                             block_k: int | None = None) -> torch.Tensor:
     """gated_input_rms_norm(x, norm_weight, eps, gate) @ weight.T in one kernel: Mamba2's output norm
-    (RMSNorm of x * silu(gate) over the row, times the weight, fp32, one rounding) formed as the GEMV
-    reads x (each program takes the rows' norms in a pass of its own).
+    (RMSNorm of x * silu(gate) over the row, times the weight, fp32) formed as the GEMV reads x, in one
+    pass as `add_norm_linear`'s (the row's scale multiplies the finished product).
 
     Args:
         x, gate: [..., K], at most 4 rows (column slices read in place); norm_weight [K]; weight [N, K].
@@ -173,13 +175,16 @@ def _rows(t: torch.Tensor, K: int) -> torch.Tensor:
 
 def _launch(x2, u2, weight, y, norm_weight, total, eps, M, N, K, block_n, block_k, *, gated=False, head=0,
             row_norm=False, has_res=False, gate_first=False, conv=None) -> None:
+    # heads whose width is not a power of two take the next one's positions in a tile (the kernel's `_columns`)
+    head_p2 = kernels.next_pow2(head) if head else 0
+    positions = K // head * head_p2 if head else K
     if block_n is None or block_k is None:
-        block_n, block_k = tiles(N, K, M, kernels.sm_count(x2.device))
-    if block_k < head:  # a tile holds whole heads; the tile keeps its size in weights
-        block_n, block_k = max(1, block_n * block_k // head), head
+        block_n, block_k = tiles(N, positions, M, kernels.sm_count(x2.device))
+    if block_k < head_p2:  # a tile holds whole heads; the tile keeps its size in weights
+        block_n, block_k = max(1, block_n * block_k // head_p2), head_p2
     on = kernels.pdl(x2.device)
     _kernel()[(-(-N // block_n),)](x2, u2, weight, y, norm_weight, total, eps, N, K, x2.stride(0), u2.stride(0),
                                    weight.stride(0), y.stride(0), total.stride(0), M=M, BLOCK_N=block_n,
                                    BLOCK_K=block_k, GATED=gated, NORM_HEAD=head, ROW_NORM=row_norm,
-                                   HAS_RES=has_res, GATE_FIRST=gate_first, num_warps=4, PDL=on,
+                                   HAS_RES=has_res, GATE_FIRST=gate_first, num_warps=4, PDL=on, HEAD_P2=head_p2,
                                    **conv_epilogue(conv, M, N, y), **kernels.launch_options(on))

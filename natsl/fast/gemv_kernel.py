@@ -23,47 +23,68 @@ def _gated(x_ptr, u_ptr, m, stride_xm, stride_um, k, k_ok):
 
 
 @triton.jit
-def _row_rstd(x_ptr, u_ptr, s_ptr, m, stride_xm, stride_um, stride_sm, K, eps, store_to, offs_k,
-              HAS_RES: tl.constexpr, GATE_FIRST: tl.constexpr, BLOCK_K: tl.constexpr):
-    """1 / sqrt(mean(h^2) + eps) of row m over all K columns (fp32), h = x + u (HAS_RES), x * silu(u)
-    (GATE_FIRST) or x; with HAS_RES the sum's columns below `store_to` are also written to s_ptr's row m
-    (K in one program, 0 in the others)."""
-    ss = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + offs_k
-        k_ok = k < K
-        if GATE_FIRST:
-            x, xf = _gated(x_ptr, u_ptr, m, stride_xm, stride_um, k, k_ok)
-        else:
-            x = _summed(x_ptr, u_ptr, m, stride_xm, stride_um, k, k_ok, HAS_RES)
-            if HAS_RES:
-                tl.store(s_ptr + m * stride_sm + k, x, mask=k < store_to)
-            xf = x.to(tl.float32)
-        ss += xf * xf
-    return 1.0 / tl.sqrt(tl.sum(ss, 0) / K + eps)
+def _normed_step(acc, ss, w, x_ptr, u_ptr, nw_ptr, s_ptr, m, stride_xm, stride_um, stride_sm, k, k_ok, store_to,
+                 HAS_RES: tl.constexpr, GATE_FIRST: tl.constexpr):
+    """Row m of a row-norm product at columns k: adds the fp32 weight tile w times h * the norm weight to acc
+    [BLOCK_N, BLOCK_K] and h * h to ss [BLOCK_K], h = x + u rounded to x's dtype (HAS_RES: the sum's columns
+    below `store_to` are written to s_ptr's row m, K in one program and 0 in the others), x * silu(u)
+    (GATE_FIRST) or x. The norm scale 1 / sqrt(mean(h^2) + eps) is one number per row, so it multiplies the
+    finished fp32 product instead: one pass over the row, in step with the weights."""
+    if GATE_FIRST:
+        x, hf = _gated(x_ptr, u_ptr, m, stride_xm, stride_um, k, k_ok)
+    else:
+        x = _summed(x_ptr, u_ptr, m, stride_xm, stride_um, k, k_ok, HAS_RES)
+        if HAS_RES:
+            tl.store(s_ptr + m * stride_sm + k, x, mask=k < store_to)
+        hf = x.to(tl.float32)
+    h = hf * tl.load(nw_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+    return acc + w * h[None, :], ss + hf * hf
 
 
 @triton.jit
-def _row(x_ptr, u_ptr, nw_ptr, eps, rstd, m, stride_xm, stride_um, k, k_ok, GATED: tl.constexpr,
-         NORM_HEAD: tl.constexpr, ROW_NORM: tl.constexpr, HAS_RES: tl.constexpr, GATE_FIRST: tl.constexpr,
-         BLOCK_K: tl.constexpr):
+def _accumulate_normed(acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3, w, x_ptr, u_ptr, nw_ptr, s_ptr, stride_xm,
+                       stride_um, stride_sm, k, k_ok, store_to, M: tl.constexpr, HAS_RES: tl.constexpr,
+                       GATE_FIRST: tl.constexpr):
+    """`_normed_step` for each of the M rows with one [BLOCK_N, BLOCK_K] weight tile."""
+    w = w.to(tl.float32)
+    acc0, ss0 = _normed_step(acc0, ss0, w, x_ptr, u_ptr, nw_ptr, s_ptr, 0, stride_xm, stride_um, stride_sm, k, k_ok,
+                             store_to, HAS_RES, GATE_FIRST)
+    if M > 1:
+        acc1, ss1 = _normed_step(acc1, ss1, w, x_ptr, u_ptr, nw_ptr, s_ptr, 1, stride_xm, stride_um, stride_sm, k,
+                                 k_ok, store_to, HAS_RES, GATE_FIRST)
+    if M > 2:
+        acc2, ss2 = _normed_step(acc2, ss2, w, x_ptr, u_ptr, nw_ptr, s_ptr, 2, stride_xm, stride_um, stride_sm, k,
+                                 k_ok, store_to, HAS_RES, GATE_FIRST)
+    if M > 3:
+        acc3, ss3 = _normed_step(acc3, ss3, w, x_ptr, u_ptr, nw_ptr, s_ptr, 3, stride_xm, stride_um, stride_sm, k,
+                                 k_ok, store_to, HAS_RES, GATE_FIRST)
+    return acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3
+
+
+@triton.jit
+def _columns(kp, K, NORM_HEAD: tl.constexpr, HEAD_P2: tl.constexpr):
+    """The input columns of tile positions kp, and which are real. Heads whose width NORM_HEAD is not a power
+    of two take HEAD_P2 (the next one) positions each, the last HEAD_P2 - NORM_HEAD masked, so that a tile
+    still holds whole heads and reshapes to [heads, HEAD_P2] (a GDN head of 384 at the 800M widths)."""
+    col = kp
+    ok = kp < K
+    if HEAD_P2 != NORM_HEAD:  # both 0 without a head norm
+        j = kp % HEAD_P2
+        col = (kp // HEAD_P2) * NORM_HEAD + j
+        ok = (j < NORM_HEAD) & (col < K)
+    return col, ok
+
+
+@triton.jit
+def _row(x_ptr, u_ptr, nw_ptr, eps, m, stride_xm, stride_um, k, k_ok, GATED: tl.constexpr,
+         NORM_HEAD: tl.constexpr, HEAD_P2: tl.constexpr, BLOCK_K: tl.constexpr):
     """Input row m at columns k in fp32; GATED: silu(x) * u, rounded to the input dtype once (as
     the compiled SwiGLU stores it) before the product. NORM_HEAD > 0: RMSNorm(x) over each head of
-    NORM_HEAD columns (whole heads in a tile: BLOCK_K a multiple of it), times the norm weight and
-    silu(u), in fp32 rounded once (as the fast rms_norm with a gate stores it). ROW_NORM: (x + u
-    where HAS_RES, rounded; x * silu(u) in fp32 where GATE_FIRST) times the row's `rstd` and the norm
-    weight, rounded once (as add_rms_norm, or gated_input_rms_norm)."""
-    if ROW_NORM:
-        if GATE_FIRST:
-            x, xf = _gated(x_ptr, u_ptr, m, stride_xm, stride_um, k, k_ok)
-        else:
-            x = _summed(x_ptr, u_ptr, m, stride_xm, stride_um, k, k_ok, HAS_RES)
-            xf = x.to(tl.float32)
-        y = xf * rstd * tl.load(nw_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-        return y.to(x.dtype).to(tl.float32)
+    NORM_HEAD columns (whole heads in a tile, each on HEAD_P2 positions: `_columns`), times the norm weight
+    and silu(u), in fp32 rounded once (as the fast rms_norm with a gate stores it)."""
     x = tl.load(x_ptr + m * stride_xm + k, mask=k_ok, other=0.0)
     if NORM_HEAD > 0:
-        xf = tl.reshape(x.to(tl.float32), [BLOCK_K // NORM_HEAD, NORM_HEAD])
+        xf = tl.reshape(x.to(tl.float32), [BLOCK_K // HEAD_P2, HEAD_P2])
         rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 1) / NORM_HEAD + eps)
         y = tl.reshape(xf * rstd[:, None], [BLOCK_K])
         y = y * tl.load(nw_ptr + k % NORM_HEAD, mask=k_ok, other=0.0).to(tl.float32)
@@ -77,24 +98,40 @@ def _row(x_ptr, u_ptr, nw_ptr, eps, rstd, m, stride_xm, stride_um, k, k_ok, GATE
 
 
 @triton.jit
-def _accumulate(acc0, acc1, acc2, acc3, w, x_ptr, u_ptr, nw_ptr, eps, rs0, rs1, rs2, rs3, stride_xm, stride_um,
-                k, k_ok, M: tl.constexpr, GATED: tl.constexpr, NORM_HEAD: tl.constexpr, ROW_NORM: tl.constexpr,
-                HAS_RES: tl.constexpr, GATE_FIRST: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Add one [BLOCK_N, BLOCK_K] weight tile times each input row's columns k to its accumulator
-    (rs0-rs3: the rows' norm scales where ROW_NORM)."""
+def _accumulate(acc0, acc1, acc2, acc3, w, x_ptr, u_ptr, nw_ptr, eps, stride_xm, stride_um, k, k_ok,
+                M: tl.constexpr, GATED: tl.constexpr, NORM_HEAD: tl.constexpr, HEAD_P2: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+    """Add one [BLOCK_N, BLOCK_K] weight tile times each input row's columns k to its accumulator."""
     w = w.to(tl.float32)
-    acc0 += w * _row(x_ptr, u_ptr, nw_ptr, eps, rs0, 0, stride_xm, stride_um, k, k_ok, GATED, NORM_HEAD,
-                     ROW_NORM, HAS_RES, GATE_FIRST, BLOCK_K)[None, :]
+    acc0 += w * _row(x_ptr, u_ptr, nw_ptr, eps, 0, stride_xm, stride_um, k, k_ok, GATED, NORM_HEAD, HEAD_P2,
+                     BLOCK_K)[None, :]
     if M > 1:
-        acc1 += w * _row(x_ptr, u_ptr, nw_ptr, eps, rs1, 1, stride_xm, stride_um, k, k_ok, GATED, NORM_HEAD,
-                         ROW_NORM, HAS_RES, GATE_FIRST, BLOCK_K)[None, :]
+        acc1 += w * _row(x_ptr, u_ptr, nw_ptr, eps, 1, stride_xm, stride_um, k, k_ok, GATED, NORM_HEAD, HEAD_P2,
+                         BLOCK_K)[None, :]
     if M > 2:
-        acc2 += w * _row(x_ptr, u_ptr, nw_ptr, eps, rs2, 2, stride_xm, stride_um, k, k_ok, GATED, NORM_HEAD,
-                         ROW_NORM, HAS_RES, GATE_FIRST, BLOCK_K)[None, :]
+        acc2 += w * _row(x_ptr, u_ptr, nw_ptr, eps, 2, stride_xm, stride_um, k, k_ok, GATED, NORM_HEAD, HEAD_P2,
+                         BLOCK_K)[None, :]
     if M > 3:
-        acc3 += w * _row(x_ptr, u_ptr, nw_ptr, eps, rs3, 3, stride_xm, stride_um, k, k_ok, GATED, NORM_HEAD,
-                         ROW_NORM, HAS_RES, GATE_FIRST, BLOCK_K)[None, :]
+        acc3 += w * _row(x_ptr, u_ptr, nw_ptr, eps, 3, stride_xm, stride_um, k, k_ok, GATED, NORM_HEAD, HEAD_P2,
+                         BLOCK_K)[None, :]
     return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _tile(acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3, w, x_ptr, u_ptr, nw_ptr, s_ptr, eps, stride_xm, stride_um,
+          stride_sm, k, k_ok, store_to, M: tl.constexpr, GATED: tl.constexpr, NORM_HEAD: tl.constexpr,
+          HEAD_P2: tl.constexpr, ROW_NORM: tl.constexpr, HAS_RES: tl.constexpr, GATE_FIRST: tl.constexpr,
+          BLOCK_K: tl.constexpr):
+    """One weight tile into the accumulators: `_accumulate_normed` (ROW_NORM, with the sums of squares) or
+    `_accumulate`."""
+    if ROW_NORM:
+        acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3 = _accumulate_normed(
+            acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3, w, x_ptr, u_ptr, nw_ptr, s_ptr, stride_xm, stride_um,
+            stride_sm, k, k_ok, store_to, M, HAS_RES, GATE_FIRST)
+    else:
+        acc0, acc1, acc2, acc3 = _accumulate(acc0, acc1, acc2, acc3, w, x_ptr, u_ptr, nw_ptr, eps, stride_xm,
+                                             stride_um, k, k_ok, M, GATED, NORM_HEAD, HEAD_P2, BLOCK_K)
+    return acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3
 
 
 @triton.jit
@@ -132,7 +169,7 @@ def _store_row(y_ptr, total, m, stride_ym, offs_n, n_ok, c0, C0, C1, C2, cw0, cw
 def gemv_kernel(x_ptr, u_ptr, w_ptr, y_ptr, nw_ptr, s_ptr, eps, N, K, stride_xm, stride_um, stride_wn, stride_ym,
                 stride_sm, M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
                 NORM_HEAD: tl.constexpr, ROW_NORM: tl.constexpr, HAS_RES: tl.constexpr, GATE_FIRST: tl.constexpr,
-                PDL: tl.constexpr, c0=0, C0=0, C1=0, C2=0, cw0=None, cw1=None, cw2=None, ct0=None, ct1=None, ct2=None,
+                PDL: tl.constexpr, HEAD_P2: tl.constexpr = 0, c0=0, C0=0, C1=0, C2=0, cw0=None, cw1=None, cw2=None, ct0=None, ct1=None, ct2=None,
                 tb0=0, tb1=0, tb2=0, tw0=0, tw1=0, tw2=0, CONV: tl.constexpr = False, CONV_W: tl.constexpr = 1):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -144,51 +181,51 @@ def gemv_kernel(x_ptr, u_ptr, w_ptr, y_ptr, nw_ptr, s_ptr, eps, N, K, stride_xm,
     acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     k_start = 0
+    k_end = K  # in tile positions: padded heads (`_columns`) take HEAD_P2 positions each
+    if HEAD_P2 != NORM_HEAD:
+        k_end = (K // NORM_HEAD) * HEAD_P2
     if PDL:
         # The weights are never written by earlier kernels: the first tile (all of it for one-pass
         # tiles) loads while the previous kernel finishes; the input is read after the wait.
-        k_ok = offs_k < K
-        w = tl.load(rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        k, k_ok = _columns(offs_k, K, NORM_HEAD, HEAD_P2)
+        w = tl.load(rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    # ROW_NORM: each row's sum of squares, gathered in the same pass as the product (the first program writes
+    # the residual sum); the row's norm scale multiplies the product after the loop.
+    ss0 = tl.zeros([BLOCK_K], dtype=tl.float32)
+    ss1 = tl.zeros([BLOCK_K], dtype=tl.float32)
+    ss2 = tl.zeros([BLOCK_K], dtype=tl.float32)
+    ss3 = tl.zeros([BLOCK_K], dtype=tl.float32)
+    store_to = tl.where(tl.program_id(0) == 0, K, 0)
+    if PDL:
+        acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3 = _tile(
+            acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3, w, x_ptr, u_ptr, nw_ptr, s_ptr, eps, stride_xm, stride_um,
+            stride_sm, k, k_ok, store_to, M, GATED, NORM_HEAD, HEAD_P2, ROW_NORM, HAS_RES, GATE_FIRST, BLOCK_K)
+        k_start = BLOCK_K
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k, k_ok = _columns(k0 + offs_k, K, NORM_HEAD, HEAD_P2)
+        w = tl.load(rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3 = _tile(
+            acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3, w, x_ptr, u_ptr, nw_ptr, s_ptr, eps, stride_xm, stride_um,
+            stride_sm, k, k_ok, store_to, M, GATED, NORM_HEAD, HEAD_P2, ROW_NORM, HAS_RES, GATE_FIRST, BLOCK_K)
     rs0 = 1.0
     rs1 = 1.0
     rs2 = 1.0
     rs3 = 1.0
     if ROW_NORM:
-        # every program takes each row's norm in a pass over it (a few KB, from L2); the first writes the sum
-        store = tl.where(tl.program_id(0) == 0, K, 0)
-        rs0 = _row_rstd(x_ptr, u_ptr, s_ptr, 0, stride_xm, stride_um, stride_sm, K, eps, store, offs_k, HAS_RES,
-                        GATE_FIRST, BLOCK_K)
-        if M > 1:
-            rs1 = _row_rstd(x_ptr, u_ptr, s_ptr, 1, stride_xm, stride_um, stride_sm, K, eps, store, offs_k,
-                            HAS_RES, GATE_FIRST, BLOCK_K)
-        if M > 2:
-            rs2 = _row_rstd(x_ptr, u_ptr, s_ptr, 2, stride_xm, stride_um, stride_sm, K, eps, store, offs_k,
-                            HAS_RES, GATE_FIRST, BLOCK_K)
-        if M > 3:
-            rs3 = _row_rstd(x_ptr, u_ptr, s_ptr, 3, stride_xm, stride_um, stride_sm, K, eps, store, offs_k,
-                            HAS_RES, GATE_FIRST, BLOCK_K)
-    if PDL:
-        acc0, acc1, acc2, acc3 = _accumulate(acc0, acc1, acc2, acc3, w, x_ptr, u_ptr, nw_ptr, eps, rs0, rs1, rs2,
-                                             rs3, stride_xm, stride_um, offs_k, k_ok, M, GATED, NORM_HEAD,
-                                             ROW_NORM, HAS_RES, GATE_FIRST, BLOCK_K)
-        k_start = BLOCK_K
-    for k0 in range(k_start, K, BLOCK_K):
-        k = k0 + offs_k
-        k_ok = k < K
-        w = tl.load(rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc0, acc1, acc2, acc3 = _accumulate(acc0, acc1, acc2, acc3, w, x_ptr, u_ptr, nw_ptr, eps, rs0, rs1, rs2,
-                                             rs3, stride_xm, stride_um, k, k_ok, M, GATED, NORM_HEAD, ROW_NORM,
-                                             HAS_RES, GATE_FIRST, BLOCK_K)
-    _store_row(y_ptr, tl.sum(acc0, 1), 0, stride_ym, offs_n, n_ok, c0, C0, C1, C2, cw0, cw1, cw2, ct0, ct1, ct2,
+        rs0 = 1.0 / tl.sqrt(tl.sum(ss0, 0) / K + eps)
+        rs1 = 1.0 / tl.sqrt(tl.sum(ss1, 0) / K + eps)
+        rs2 = 1.0 / tl.sqrt(tl.sum(ss2, 0) / K + eps)
+        rs3 = 1.0 / tl.sqrt(tl.sum(ss3, 0) / K + eps)
+    _store_row(y_ptr, tl.sum(acc0, 1) * rs0, 0, stride_ym, offs_n, n_ok, c0, C0, C1, C2, cw0, cw1, cw2, ct0, ct1, ct2,
                tb0, tb1, tb2, tw0, tw1, tw2, CONV, CONV_W)
     if M > 1:
-        _store_row(y_ptr, tl.sum(acc1, 1), 1, stride_ym, offs_n, n_ok, c0, C0, C1, C2, cw0, cw1, cw2, ct0, ct1, ct2,
+        _store_row(y_ptr, tl.sum(acc1, 1) * rs1, 1, stride_ym, offs_n, n_ok, c0, C0, C1, C2, cw0, cw1, cw2, ct0, ct1, ct2,
                    tb0, tb1, tb2, tw0, tw1, tw2, CONV, CONV_W)
     if M > 2:
-        _store_row(y_ptr, tl.sum(acc2, 1), 2, stride_ym, offs_n, n_ok, c0, C0, C1, C2, cw0, cw1, cw2, ct0, ct1, ct2,
+        _store_row(y_ptr, tl.sum(acc2, 1) * rs2, 2, stride_ym, offs_n, n_ok, c0, C0, C1, C2, cw0, cw1, cw2, ct0, ct1, ct2,
                    tb0, tb1, tb2, tw0, tw1, tw2, CONV, CONV_W)
     if M > 3:
-        _store_row(y_ptr, tl.sum(acc3, 1), 3, stride_ym, offs_n, n_ok, c0, C0, C1, C2, cw0, cw1, cw2, ct0, ct1, ct2,
+        _store_row(y_ptr, tl.sum(acc3, 1) * rs3, 3, stride_ym, offs_n, n_ok, c0, C0, C1, C2, cw0, cw1, cw2, ct0, ct1, ct2,
                    tb0, tb1, tb2, tw0, tw1, tw2, CONV, CONV_W)

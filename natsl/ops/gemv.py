@@ -96,14 +96,14 @@ def gated_norm_linear(x: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Te
     elsewhere (the caller runs its norm, then its product).
 
     Args:
-        x, gate: [..., H * D] (a GDN layer's read and its gate input); norm_weight [D], D a power of two.
+        x, gate: [..., H * D] (a GDN layer's read and its gate input); norm_weight [D], D dividing H * D.
         weight [N, H * D], bias: the output product's.
 
     Returns:
         [..., N] in x's dtype, or None.
     """
     head = norm_weight.numel()
-    if not (_folds_output_norm(x, gate, weight, bias) and head & (head - 1) == 0 and x.shape[-1] % head == 0):
+    if not (_folds_output_norm(x, gate, weight, bias) and x.shape[-1] % head == 0):
         return None
     return kernel(x, weight, up=gate, norm=(norm_weight, eps))
 
