@@ -101,6 +101,23 @@ def test_the_estimate_leaves_out_what_the_stage_folders_trained_already(tmp_path
     assert P.estimate_tokens(opts) == whole
 
 
+def test_the_estimate_counts_only_the_chosen_stages_at_the_measured_rates(tmp_path):
+    """--stages train (the rates given) trains no sweep, and --compile estimates at the compiled workers' rate."""
+    from dataclasses import replace
+
+    opts = P.MiniatureOptions(out=tmp_path, stages=("corpus", "train", "eval", "report"))
+    tokens = P.estimate_tokens(opts)
+    assert tokens["sweep"] == 0 and tokens["train"] == (len(P.LADDER) + 2) * opts.train_tokens
+    assert P.estimate_tokens(replace(opts, stages=("eval", "report")))["total"] == 0
+
+    def minutes(o):
+        return float(P.describe(o).split("takes about ")[1].split(" min")[0])
+
+    assert minutes(opts) == round(tokens["train"] / P.H100_TOKENS_PER_S["train"] / 60)
+    assert minutes(replace(opts, compile=True)) == round(tokens["train"] / P.H100_TOKENS_PER_S_COMPILED["train"] / 60)
+    assert "(compiled)" in P.describe(replace(opts, compile=True))
+
+
 def test_the_whole_ladder_by_default_writes_the_same_specs_as_before_systems_existed(tmp_path):
     # a miniature folder from before --systems (its specs/*.yaml) must still be taken as the same spec
     opts = P.MiniatureOptions(out=tmp_path)

@@ -479,18 +479,21 @@ STAGE_RUNNERS = {"corpus": _stage_corpus, "sweep": _stage_sweep, "train": _stage
 
 
 def estimate_tokens(opts: MiniatureOptions) -> dict[str, float]:
-    """Tokens each training stage has left to train (the time estimate printed before work): every run of
-    the spec, less what the stage folders' summaries say their runs of this spec trained already (a grown
-    or resumed stage trains only the rest)."""
-    swept = swept_systems(opts)
-    sweep = len(swept) * len(opts.lrs) * opts.sweep_tokens
-    sweep -= _trained(opts.out / "sweep", opts.sweep_tokens,
-                      lambda r: r.get("system") in swept and r.get("lr") in opts.lrs)
-    hybrid_seeds = len(opts.seeds) - 1 if "natsl_hybrid" in opts.systems else 0
-    train = (len(opts.systems) + hybrid_seeds) * opts.train_tokens
-    train -= _trained(opts.out / "train", opts.train_tokens,
-                      lambda r: r.get("system") in opts.systems and (r.get("system") != "natsl_hybrid"
-                                                                      or r.get("seed") in opts.seeds))
+    """Tokens each training stage of this command has left to train (the time estimate printed before work):
+    every run of the spec, less what the stage folders' summaries say their runs of this spec trained already
+    (a grown or resumed stage trains only the rest); 0 for a stage that --stages leaves out."""
+    sweep = train = 0
+    if "sweep" in opts.stages:
+        swept = swept_systems(opts)
+        sweep = len(swept) * len(opts.lrs) * opts.sweep_tokens
+        sweep -= _trained(opts.out / "sweep", opts.sweep_tokens,
+                          lambda r: r.get("system") in swept and r.get("lr") in opts.lrs)
+    if "train" in opts.stages:
+        hybrid_seeds = len(opts.seeds) - 1 if "natsl_hybrid" in opts.systems else 0
+        train = (len(opts.systems) + hybrid_seeds) * opts.train_tokens
+        train -= _trained(opts.out / "train", opts.train_tokens,
+                          lambda r: r.get("system") in opts.systems and (r.get("system") != "natsl_hybrid"
+                                                                          or r.get("seed") in opts.seeds))
     return {"sweep": float(sweep), "train": float(train), "total": float(sweep + train)}
 
 
@@ -515,8 +518,11 @@ def _trained(folder: Path, budget: int, counts) -> int:
 
 
 # Tokens per second of all workers together on one H100 80GB, in the sweep (13 at once) and in training (9 at
-# once), eager at micro-batch 8 under MPS: the figures of docs/miniature.md, for the estimate printed before work.
+# once) under MPS: eager at micro-batch 8, and compiled (the sweep's 12 runs of 10M tokens at micro-batch 8 in
+# 187 s with their compilation; training at micro-batch 16), the figures of docs/miniature.md, for the estimate
+# printed before work.
 H100_TOKENS_PER_S = {"sweep": 0.47e6, "train": 0.78e6}
+H100_TOKENS_PER_S_COMPILED = {"sweep": 0.64e6, "train": 1.39e6}
 
 
 def describe(opts: MiniatureOptions) -> str:
@@ -527,8 +533,10 @@ def describe(opts: MiniatureOptions) -> str:
     line = (f"miniature: {swept} systems x {len(opts.lrs)} rates x {opts.sweep_tokens / 1e6:g}M tokens, then "
             f"{len(opts.systems)} systems{seeds} x {opts.train_tokens / 1e6:g}M tokens: "
             f"{tokens['total'] / 1e9:.2f}B tokens left to train")
-    minutes = sum(tokens[k] / H100_TOKENS_PER_S[k] for k in ("sweep", "train")) / 60
-    line += f"; training alone takes about {minutes:.0f} min on one H100 at the recipes' size"
+    rates = H100_TOKENS_PER_S_COMPILED if opts.compile else H100_TOKENS_PER_S
+    minutes = sum(tokens[k] / rates[k] for k in ("sweep", "train")) / 60
+    line += (f"; training alone takes about {minutes:.0f} min on one H100 at the recipes' size"
+             + (" (compiled)" if opts.compile else ""))
     if opts.device == "cpu" or not _has_cuda():
         line += (" (on this machine's CPU, many times longer: use a GPU, or --set a smaller model as "
                  "tests/test_miniature.py does)")
