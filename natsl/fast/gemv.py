@@ -5,7 +5,9 @@ weights. cuBLAS picks a different kernel for each shape at one row (gemv, split-
 reduction, narrow-tile GEMMs), and on the H200 an 800M decode step's products took about twice the
 time their weights take to read at copy bandwidth. This kernel streams the weight
 once: each program owns BLOCK_N output features, walks K in BLOCK_K chunks (or takes it in one
-pass), multiplies in fp32 and reduces once at the end; `tiles` picks the shapes from measurements.
+pass), multiplies in fp32 and reduces once at the end (a one-pass tile reduces its product as it forms,
+so its accumulator is one column wide, not a tile's: half the registers, no spills at two rows); `tiles`
+picks the shapes from measurements.
 The kernel takes up to 4 rows; `Linear` sends it at most MAX_ROWS. Results agree with `F.linear`
 to rounding (fp32 sums in a different order, one rounding to the input dtype). With `up=` it reads
 SwiGLU's two halves and multiplies by silu(gate) * up instead (the decode step's down product); with
@@ -187,4 +189,5 @@ def _launch(x2, u2, weight, y, norm_weight, total, eps, M, N, K, block_n, block_
                                    weight.stride(0), y.stride(0), total.stride(0), M=M, BLOCK_N=block_n,
                                    BLOCK_K=block_k, GATED=gated, NORM_HEAD=head, ROW_NORM=row_norm,
                                    HAS_RES=has_res, GATE_FIRST=gate_first, num_warps=4, PDL=on, HEAD_P2=head_p2,
+                                   ACC_K=1 if block_k >= positions else block_k,
                                    **conv_epilogue(conv, M, N, y), **kernels.launch_options(on))

@@ -23,8 +23,17 @@ def _gated(x_ptr, u_ptr, m, stride_xm, stride_um, k, k_ok):
 
 
 @triton.jit
+def _add(acc, part, AXIS: tl.constexpr, ACC_K: tl.constexpr):
+    """acc + part. ACC_K == 1 (one tile holds the whole row): part is summed over its columns (AXIS) first, so
+    the accumulator is [..., 1] rather than a tile's width, which frees the registers a one-pass tile needs."""
+    if ACC_K == 1:
+        part = tl.sum(part, AXIS, keep_dims=True)
+    return acc + part
+
+
+@triton.jit
 def _normed_step(acc, ss, w, x_ptr, u_ptr, nw_ptr, s_ptr, m, stride_xm, stride_um, stride_sm, k, k_ok, store_to,
-                 HAS_RES: tl.constexpr, GATE_FIRST: tl.constexpr):
+                 HAS_RES: tl.constexpr, GATE_FIRST: tl.constexpr, ACC_K: tl.constexpr):
     """Row m of a row-norm product at columns k: adds the fp32 weight tile w times h * the norm weight to acc
     [BLOCK_N, BLOCK_K] and h * h to ss [BLOCK_K], h = x + u rounded to x's dtype (HAS_RES: the sum's columns
     below `store_to` are written to s_ptr's row m, K in one program and 0 in the others), x * silu(u)
@@ -38,26 +47,26 @@ def _normed_step(acc, ss, w, x_ptr, u_ptr, nw_ptr, s_ptr, m, stride_xm, stride_u
             tl.store(s_ptr + m * stride_sm + k, x, mask=k < store_to)
         hf = x.to(tl.float32)
     h = hf * tl.load(nw_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-    return acc + w * h[None, :], ss + hf * hf
+    return _add(acc, w * h[None, :], 1, ACC_K), _add(ss, hf * hf, 0, ACC_K)
 
 
 @triton.jit
 def _accumulate_normed(acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3, w, x_ptr, u_ptr, nw_ptr, s_ptr, stride_xm,
                        stride_um, stride_sm, k, k_ok, store_to, M: tl.constexpr, HAS_RES: tl.constexpr,
-                       GATE_FIRST: tl.constexpr):
+                       GATE_FIRST: tl.constexpr, ACC_K: tl.constexpr):
     """`_normed_step` for each of the M rows with one [BLOCK_N, BLOCK_K] weight tile."""
     w = w.to(tl.float32)
     acc0, ss0 = _normed_step(acc0, ss0, w, x_ptr, u_ptr, nw_ptr, s_ptr, 0, stride_xm, stride_um, stride_sm, k, k_ok,
-                             store_to, HAS_RES, GATE_FIRST)
+                             store_to, HAS_RES, GATE_FIRST, ACC_K)
     if M > 1:
         acc1, ss1 = _normed_step(acc1, ss1, w, x_ptr, u_ptr, nw_ptr, s_ptr, 1, stride_xm, stride_um, stride_sm, k,
-                                 k_ok, store_to, HAS_RES, GATE_FIRST)
+                                 k_ok, store_to, HAS_RES, GATE_FIRST, ACC_K)
     if M > 2:
         acc2, ss2 = _normed_step(acc2, ss2, w, x_ptr, u_ptr, nw_ptr, s_ptr, 2, stride_xm, stride_um, stride_sm, k,
-                                 k_ok, store_to, HAS_RES, GATE_FIRST)
+                                 k_ok, store_to, HAS_RES, GATE_FIRST, ACC_K)
     if M > 3:
         acc3, ss3 = _normed_step(acc3, ss3, w, x_ptr, u_ptr, nw_ptr, s_ptr, 3, stride_xm, stride_um, stride_sm, k,
-                                 k_ok, store_to, HAS_RES, GATE_FIRST)
+                                 k_ok, store_to, HAS_RES, GATE_FIRST, ACC_K)
     return acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3
 
 
@@ -100,20 +109,20 @@ def _row(x_ptr, u_ptr, nw_ptr, eps, m, stride_xm, stride_um, k, k_ok, GATED: tl.
 @triton.jit
 def _accumulate(acc0, acc1, acc2, acc3, w, x_ptr, u_ptr, nw_ptr, eps, stride_xm, stride_um, k, k_ok,
                 M: tl.constexpr, GATED: tl.constexpr, NORM_HEAD: tl.constexpr, HEAD_P2: tl.constexpr,
-                BLOCK_K: tl.constexpr):
+                BLOCK_K: tl.constexpr, ACC_K: tl.constexpr):
     """Add one [BLOCK_N, BLOCK_K] weight tile times each input row's columns k to its accumulator."""
     w = w.to(tl.float32)
-    acc0 += w * _row(x_ptr, u_ptr, nw_ptr, eps, 0, stride_xm, stride_um, k, k_ok, GATED, NORM_HEAD, HEAD_P2,
-                     BLOCK_K)[None, :]
+    acc0 = _add(acc0, w * _row(x_ptr, u_ptr, nw_ptr, eps, 0, stride_xm, stride_um, k, k_ok, GATED, NORM_HEAD,
+                             HEAD_P2, BLOCK_K)[None, :], 1, ACC_K)
     if M > 1:
-        acc1 += w * _row(x_ptr, u_ptr, nw_ptr, eps, 1, stride_xm, stride_um, k, k_ok, GATED, NORM_HEAD, HEAD_P2,
-                         BLOCK_K)[None, :]
+        acc1 = _add(acc1, w * _row(x_ptr, u_ptr, nw_ptr, eps, 1, stride_xm, stride_um, k, k_ok, GATED, NORM_HEAD,
+                                 HEAD_P2, BLOCK_K)[None, :], 1, ACC_K)
     if M > 2:
-        acc2 += w * _row(x_ptr, u_ptr, nw_ptr, eps, 2, stride_xm, stride_um, k, k_ok, GATED, NORM_HEAD, HEAD_P2,
-                         BLOCK_K)[None, :]
+        acc2 = _add(acc2, w * _row(x_ptr, u_ptr, nw_ptr, eps, 2, stride_xm, stride_um, k, k_ok, GATED, NORM_HEAD,
+                                 HEAD_P2, BLOCK_K)[None, :], 1, ACC_K)
     if M > 3:
-        acc3 += w * _row(x_ptr, u_ptr, nw_ptr, eps, 3, stride_xm, stride_um, k, k_ok, GATED, NORM_HEAD, HEAD_P2,
-                         BLOCK_K)[None, :]
+        acc3 = _add(acc3, w * _row(x_ptr, u_ptr, nw_ptr, eps, 3, stride_xm, stride_um, k, k_ok, GATED, NORM_HEAD,
+                                 HEAD_P2, BLOCK_K)[None, :], 1, ACC_K)
     return acc0, acc1, acc2, acc3
 
 
@@ -121,16 +130,16 @@ def _accumulate(acc0, acc1, acc2, acc3, w, x_ptr, u_ptr, nw_ptr, eps, stride_xm,
 def _tile(acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3, w, x_ptr, u_ptr, nw_ptr, s_ptr, eps, stride_xm, stride_um,
           stride_sm, k, k_ok, store_to, M: tl.constexpr, GATED: tl.constexpr, NORM_HEAD: tl.constexpr,
           HEAD_P2: tl.constexpr, ROW_NORM: tl.constexpr, HAS_RES: tl.constexpr, GATE_FIRST: tl.constexpr,
-          BLOCK_K: tl.constexpr):
+          BLOCK_K: tl.constexpr, ACC_K: tl.constexpr):
     """One weight tile into the accumulators: `_accumulate_normed` (ROW_NORM, with the sums of squares) or
     `_accumulate`."""
     if ROW_NORM:
         acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3 = _accumulate_normed(
             acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3, w, x_ptr, u_ptr, nw_ptr, s_ptr, stride_xm, stride_um,
-            stride_sm, k, k_ok, store_to, M, HAS_RES, GATE_FIRST)
+            stride_sm, k, k_ok, store_to, M, HAS_RES, GATE_FIRST, ACC_K)
     else:
         acc0, acc1, acc2, acc3 = _accumulate(acc0, acc1, acc2, acc3, w, x_ptr, u_ptr, nw_ptr, eps, stride_xm,
-                                             stride_um, k, k_ok, M, GATED, NORM_HEAD, HEAD_P2, BLOCK_K)
+                                             stride_um, k, k_ok, M, GATED, NORM_HEAD, HEAD_P2, BLOCK_K, ACC_K)
     return acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3
 
 
@@ -169,17 +178,19 @@ def _store_row(y_ptr, total, m, stride_ym, offs_n, n_ok, c0, C0, C1, C2, cw0, cw
 def gemv_kernel(x_ptr, u_ptr, w_ptr, y_ptr, nw_ptr, s_ptr, eps, N, K, stride_xm, stride_um, stride_wn, stride_ym,
                 stride_sm, M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
                 NORM_HEAD: tl.constexpr, ROW_NORM: tl.constexpr, HAS_RES: tl.constexpr, GATE_FIRST: tl.constexpr,
-                PDL: tl.constexpr, HEAD_P2: tl.constexpr = 0, c0=0, C0=0, C1=0, C2=0, cw0=None, cw1=None, cw2=None, ct0=None, ct1=None, ct2=None,
+                PDL: tl.constexpr, ACC_K: tl.constexpr, HEAD_P2: tl.constexpr = 0, c0=0, C0=0, C1=0, C2=0, cw0=None,
+                cw1=None, cw2=None, ct0=None, ct1=None, ct2=None,
                 tb0=0, tb1=0, tb2=0, tw0=0, tw1=0, tw2=0, CONV: tl.constexpr = False, CONV_W: tl.constexpr = 1):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     offs_k = tl.arange(0, BLOCK_K)
-    # One [BLOCK_N, BLOCK_K] fp32 accumulator per input row, reduced once after the loop.
-    acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    # One [BLOCK_N, ACC_K] fp32 accumulator per input row, reduced once after the loop (ACC_K = BLOCK_K; 1 where
+    # one tile holds the whole row, whose product is reduced as it forms: `_add`).
+    acc0 = tl.zeros([BLOCK_N, ACC_K], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_N, ACC_K], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_N, ACC_K], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_N, ACC_K], dtype=tl.float32)
     k_start = 0
     k_end = K  # in tile positions: padded heads (`_columns`) take HEAD_P2 positions each
     if HEAD_P2 != NORM_HEAD:
@@ -193,22 +204,24 @@ def gemv_kernel(x_ptr, u_ptr, w_ptr, y_ptr, nw_ptr, s_ptr, eps, N, K, stride_xm,
         tl.extra.cuda.gdc_launch_dependents()
     # ROW_NORM: each row's sum of squares, gathered in the same pass as the product (the first program writes
     # the residual sum); the row's norm scale multiplies the product after the loop.
-    ss0 = tl.zeros([BLOCK_K], dtype=tl.float32)
-    ss1 = tl.zeros([BLOCK_K], dtype=tl.float32)
-    ss2 = tl.zeros([BLOCK_K], dtype=tl.float32)
-    ss3 = tl.zeros([BLOCK_K], dtype=tl.float32)
+    ss0 = tl.zeros([ACC_K], dtype=tl.float32)
+    ss1 = tl.zeros([ACC_K], dtype=tl.float32)
+    ss2 = tl.zeros([ACC_K], dtype=tl.float32)
+    ss3 = tl.zeros([ACC_K], dtype=tl.float32)
     store_to = tl.where(tl.program_id(0) == 0, K, 0)
     if PDL:
         acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3 = _tile(
             acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3, w, x_ptr, u_ptr, nw_ptr, s_ptr, eps, stride_xm, stride_um,
-            stride_sm, k, k_ok, store_to, M, GATED, NORM_HEAD, HEAD_P2, ROW_NORM, HAS_RES, GATE_FIRST, BLOCK_K)
+            stride_sm, k, k_ok, store_to, M, GATED, NORM_HEAD, HEAD_P2, ROW_NORM, HAS_RES, GATE_FIRST, BLOCK_K,
+            ACC_K)
         k_start = BLOCK_K
     for k0 in range(k_start, k_end, BLOCK_K):
         k, k_ok = _columns(k0 + offs_k, K, NORM_HEAD, HEAD_P2)
         w = tl.load(rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3 = _tile(
             acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3, w, x_ptr, u_ptr, nw_ptr, s_ptr, eps, stride_xm, stride_um,
-            stride_sm, k, k_ok, store_to, M, GATED, NORM_HEAD, HEAD_P2, ROW_NORM, HAS_RES, GATE_FIRST, BLOCK_K)
+            stride_sm, k, k_ok, store_to, M, GATED, NORM_HEAD, HEAD_P2, ROW_NORM, HAS_RES, GATE_FIRST, BLOCK_K,
+            ACC_K)
     rs0 = 1.0
     rs1 = 1.0
     rs2 = 1.0
