@@ -550,8 +550,10 @@ REGISTRY = {op.name: op for op in (
                             "sdpa_flash": sdpa("FLASH_ATTENTION"), "sdpa_cudnn": sdpa("CUDNN_ATTENTION")},
        routed_inputs, variants=keep_variants,
        sweep=("natsl.fast.block_sparse.config", _settings(
-           USE_DESCRIPTORS=[False], FORWARD=[{"BLOCK_N": 128, "num_stages": 2}, {"BLOCK_M": 64}],
-           BACKWARD_DQ=[{"BLOCK_M": 64}, {"num_stages": 3}], BACKWARD_DKDV=[{"BLOCK_M": 32}, {"num_warps": 8}]))),
+           USE_DESCRIPTORS=[False], FORWARD=[{"BLOCK_N": 128, "num_stages": 2}, {"BLOCK_M": 64}, {"num_warps": 8}],
+           FORWARD_SMALL_DV=[{"BLOCK_N": 64, "num_stages": 3}, {"num_warps": 8}],
+           BACKWARD_DQ=[{"BLOCK_M": 64}, {"num_stages": 3}, {"num_warps": 8}],
+           BACKWARD_DKDV=[{"BLOCK_M": 32}, {"num_warps": 8}]))),
     Op("short_conv", {"natsl_fast": conv_fast, "natsl_reference": conv_reference}, conv_inputs,
        points=((8, 4096), (1, 131072)), variants=channel_variants,
        sweep=("natsl.fast.short_conv", _settings(

@@ -459,3 +459,20 @@ def test_gemv_fold_times_the_output_norm_fold_at_the_800m_head_of_384(monkeypatc
     fused = op.providers["natsl_fast"](inputs, point, "fwd").fn()
     unfused = op.providers["natsl_unfused"](inputs, point, "fwd").fn()
     assert fused.shape == unfused.shape and torch.allclose(fused, unfused, rtol=1e-4, atol=1e-4)
+
+
+def test_resources_compiles_the_gemv_variants_for_hopper_and_reads_their_registers(tmp_path):
+    """benchmarks.resources --kernels gemv: every decode GEMV variant compiled for sm_90 (no GPU, no
+    interpreter), with registers within Hopper's 255 a thread and spill bytes read from the cubin."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.resources", "--kernels", "gemv", "--out", str(tmp_path)],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+    if proc.returncode and "has no NVIDIA backend tools" in proc.stderr:
+        pytest.skip(proc.stderr.strip())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "resources.json").read_text())["rows"]
+    assert len(rows) == 12 and all(0 < r["registers"] <= 255 and r["spill_bytes"] >= 0 for r in rows)
+    assert {r["variant"] for r in rows} >= {"gemv MLP down, SwiGLU, 2 rows", "gemv LM head, 1 row"}
+    assert "registers" in proc.stdout and "wrote" in proc.stdout
