@@ -9,7 +9,8 @@ its spill bytes (stack) and static shared memory from the cubin. A kernel that s
 registers for local-memory traffic, which timing alone shows only as "slower than expected"; this finds it on
 a CPU host, for the Triton version installed here (compare with the GPU image's: docs/performance.md).
 
-Variants: the decode GEMV (`natsl.fast.gemv`) at the 800M shapes' tiles, and routed attention's forward, dq
+Variants: the decode GEMV (`natsl.fast.gemv`) at the 800M shapes' tiles, the GDN and Mamba2 decode steps
+(`natsl.fast.decode_step_kernels`), and routed attention's forward, dq
 and dk/dv kernels (`natsl.fast.block_sparse`) at their configured settings and at each alternative that
 `python -m benchmarks.ops --op routed_attention --sweep` times. Needs Triton's NVIDIA backend (ptxas and
 cuobjdump ship in its wheel). Results: a table on stdout, OUT/resources.json.
@@ -26,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-FAMILIES = ("gemv", "routed_attention")
+FAMILIES = ("gemv", "decode_step", "routed_attention")
 FP32_POINTERS = {"lse_ptr", "delta_ptr", "dkeep_ptr"}
 INT_POINTERS = {"flags_ptr", "before_ptr", "blocks_ptr"}
 FLOAT_SCALARS = {"eps", "scale", "qk_scale"}
@@ -34,11 +35,14 @@ FLOAT_SCALARS = {"eps", "scale", "qk_scale"}
 GEMV_POINTERS = {"cw0", "cw1", "cw2", "ct0", "ct1", "ct2"}
 
 
-def signature(fn, constexprs: dict) -> dict:
-    """Triton signature of a bf16 kernel: constexprs as given, pointers by name, the rest 32-bit scalars."""
+def signature(fn, constexprs: dict, pointers: dict | None = None) -> dict:
+    """Triton signature of a bf16 kernel: constexprs as given, pointers by name (`pointers` overrides), the
+    rest 32-bit scalars."""
     types = {}
     for name in inspect.signature(fn.fn).parameters:
-        if name in constexprs:
+        if pointers and name in pointers:
+            types[name] = pointers[name]
+        elif name in constexprs:
             types[name] = "constexpr"
         elif name in FP32_POINTERS:
             types[name] = "*fp32"
@@ -60,14 +64,14 @@ def _tool(name: str) -> str:
     return str(path)
 
 
-def usage(fn, constexprs: dict, num_warps: int, num_stages: int) -> dict:
+def usage(fn, constexprs: dict, num_warps: int, num_stages: int, pointers: dict | None = None) -> dict:
     """Compile fn for sm_90 and read the cubin's registers, stack (spill) bytes and static shared memory."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     params = list(inspect.signature(fn.fn).parameters)
-    source = ASTSource(fn=fn, signature=signature(fn, constexprs),
+    source = ASTSource(fn=fn, signature=signature(fn, constexprs, pointers),
                        constexprs={(params.index(name),): value for name, value in constexprs.items()})
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": num_warps, "num_stages": num_stages})
@@ -107,6 +111,19 @@ def gemv_variants() -> list[tuple[str, object, dict, dict]]:
             out.append((f"gemv {label}, {rows} row{'s' * (rows > 1)}", gemv_kernel, constexprs,
                         {"num_warps": 4, "num_stages": 3}))
     return out
+
+
+def decode_step_variants() -> list[tuple[str, object, dict, dict]]:
+    """The recurrent decode steps (`natsl.fast.cached`'s gdn_decode_step, gla_decode_step) at the 800M widths:
+    fp32 states and per-head vectors, V tiles as `_step_launch` picks them."""
+    from natsl.fast.decode_step_kernels import gdn_step_kernel, gla_step_kernel
+
+    fp32 = {name: "*fp32" for name in ("s_ptr", "g_ptr", "alog_ptr", "dtb_ptr", "d_ptr")}
+    options = {"num_warps": 4, "num_stages": 3, "pointers": fp32}
+    return [("decode step GDN (K 192, V 384)", gdn_step_kernel,
+             {"K": 192, "V": 384, "BK": 256, "BV": 64, "PDL": True}, options),
+            ("decode step Mamba2 (state 128, head 64)", gla_step_kernel,
+             {"K": 128, "V": 64, "BK": 128, "BV": 32, "L2": False, "HAS_D": True, "PDL": True}, options)]
 
 
 def routed_variants() -> list[tuple[str, object, dict, dict]]:
@@ -164,13 +181,16 @@ def main(argv=None) -> None:
     variants = []
     if "gemv" in args.kernels:
         variants += gemv_variants()
+    if "decode_step" in args.kernels:
+        variants += decode_step_variants()
     if "routed_attention" in args.kernels:
         variants += routed_variants()
     rows = []
     print(f"sm_90, Triton {triton.__version__}: registers per thread, spill bytes, static shared bytes")
     for label, kernel, constexprs, options in variants:
-        found = usage(kernel, constexprs, options["num_warps"], options["num_stages"])
-        rows.append({"variant": label, **options, **found})
+        found = usage(kernel, constexprs, options["num_warps"], options["num_stages"], options.get("pointers"))
+        rows.append({"variant": label, "num_warps": options["num_warps"], "num_stages": options["num_stages"],
+                     **found})
         print(f"{label}: {found['registers']} registers, {found['spill_bytes']} spill bytes"
               f"{'  <- spills' if found['spill_bytes'] else ''}", flush=True)
     out = Path(args.out)
