@@ -116,6 +116,8 @@ def test_the_estimate_counts_only_the_chosen_stages_at_the_measured_rates(tmp_pa
     assert minutes(opts) == round(tokens["train"] / P.H100_TOKENS_PER_S["train"] / 60)
     assert minutes(replace(opts, compile=True)) == round(tokens["train"] / P.H100_TOKENS_PER_S_COMPILED["train"] / 60)
     assert "(compiled)" in P.describe(replace(opts, compile=True))
+    assert "rates x" not in P.describe(opts) and "systems (NAtS-L Hybrid x 3 seeds) x 100M tokens" in P.describe(opts)
+    assert "no training stage: 0.00B tokens" in P.describe(replace(opts, stages=("eval",)))
 
 
 def test_the_whole_ladder_by_default_writes_the_same_specs_as_before_systems_existed(tmp_path):

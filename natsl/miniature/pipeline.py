@@ -530,8 +530,12 @@ def describe(opts: MiniatureOptions) -> str:
     tokens = estimate_tokens(opts)
     swept = len(swept_systems(opts))
     seeds = f" (NAtS-L Hybrid x {len(opts.seeds)} seeds)" if "natsl_hybrid" in opts.systems else ""
-    line = (f"miniature: {swept} systems x {len(opts.lrs)} rates x {opts.sweep_tokens / 1e6:g}M tokens, then "
-            f"{len(opts.systems)} systems{seeds} x {opts.train_tokens / 1e6:g}M tokens: "
+    parts = []
+    if "sweep" in opts.stages:
+        parts.append(f"{swept} systems x {len(opts.lrs)} rates x {opts.sweep_tokens / 1e6:g}M tokens")
+    if "train" in opts.stages:
+        parts.append(f"{len(opts.systems)} systems{seeds} x {opts.train_tokens / 1e6:g}M tokens")
+    line = (f"miniature: {', then '.join(parts) or 'no training stage'}: "
             f"{tokens['total'] / 1e9:.2f}B tokens left to train")
     rates = H100_TOKENS_PER_S_COMPILED if opts.compile else H100_TOKENS_PER_S
     minutes = sum(tokens[k] / rates[k] for k in ("sweep", "train")) / 60
