@@ -327,6 +327,52 @@ def decode_sdpa(backend_name):
     return build
 
 
+# --------------------------------------------------------------------------------------------- decode_step
+def step_variants(m, args) -> list[dict]:
+    """A GDN layer's decode step and Mamba2's at the model's widths (Mamba2: heads of 64 over expand x d,
+    state 128, one B/C group)."""
+    d = m.hidden_size
+    return [{"layer": "gdn", "H": m.num_heads, "K": m.head_k_dim, "V": m.head_v_dim, "G": m.num_heads},
+            {"layer": "mamba2", "H": m.mamba2_expand * d // 64, "K": 128, "V": 64, "G": 1}]
+
+
+def step_inputs(p: Point, device, dtype):
+    """One token's post-conv projections (q, k per head or group; v per head), its gate inputs, the per-head
+    parameters (fp32) and enough fp32 states (>= 256 MB on CUDA) that each call reads its own from memory."""
+    torch = _torch()
+    v, B = p.variant, p.batch
+    H, K, V, G = v["H"], v["K"], v["V"], v["G"]
+    copies = max(1, -(-(256 << 20) // (B * H * K * V * 4))) if device.type == "cuda" else 1
+    return {"q": torch.randn(B, G * K, device=device, dtype=dtype), "k": torch.randn(B, G * K, device=device, dtype=dtype),
+            "v": torch.randn(B, H * V, device=device, dtype=dtype), "a": torch.randn(B, H, device=device, dtype=dtype),
+            "b": torch.randn(B, H, device=device, dtype=dtype), "A_log": torch.randn(H, device=device),
+            "dt_bias": torch.randn(H, device=device), "D": torch.randn(H, device=device),
+            "states": [0.1 * torch.randn(B, H, K, V, device=device) for _ in range(copies)]}
+
+
+def step_build(fast):
+    """natsl.fast.cached's decode step (natsl_fast) or its reference twin, on a fresh state each call."""
+    def build(x, p, mode):
+        if fast:
+            _needs_cuda(x["q"].device)
+            from natsl.fast import cached
+        else:
+            from natsl.reference import cached
+        turn = iter(range(10 ** 9))
+
+        def state():
+            return x["states"][next(turn) % len(x["states"])]
+
+        if p.variant["layer"] == "gdn":
+            fn = lambda: cached.gdn_decode_step(x["q"], x["k"], x["v"], x["a"], x["b"], x["A_log"],  # noqa: E731
+                                                x["dt_bias"], state())
+        else:
+            fn = lambda: cached.gla_decode_step(x["q"], x["k"], x["v"], x["a"], x["A_log"], x["dt_bias"],  # noqa: E731
+                                                state(), D=x["D"])
+        return Call(fn, [], graph=fast)
+    return build
+
+
 # --------------------------------------------------------------------------------------------------- gemv
 def gemv_products(m, args) -> list[dict]:
     """The decode step's products [N, K] at a model's widths."""
@@ -570,6 +616,9 @@ REGISTRY = {op.name: op for op in (
                             "sdpa_flash": decode_sdpa("FLASH_ATTENTION"), "sdpa_cudnn": decode_sdpa("CUDNN_ATTENTION")},
        decode_inputs, points=((1, 4096), (1, 16384), (1, 65536), (1, 131072)), modes=("fwd",),
        sweep=("natsl.fast.decode_attention", _settings(PROGRAMS_PER_SM_NARROW=[8, 32], PROGRAMS_PER_SM=[2, 4]))),
+    Op("decode_step", {"natsl_fast": step_build(True), "natsl_reference": step_build(False)}, step_inputs,
+       points=((1, 1), (4, 1)), variants=step_variants, modes=("fwd",),
+       sweep=("natsl.fast.cached", _settings(STEP_TILES=[{"gdn": 32}, {"gdn": 16}, {"gla": 16}, {"gla": 64}]))),
     Op("gemv", {"natsl_fast": gemv_build(True), "cublas": gemv_build(False)}, gemv_inputs,
        points=((1, 1), (2, 1)), variants=gemv_products, modes=("fwd",)),
     Op("gemv_fold", {"natsl_fast": fold_build(True), "natsl_unfused": fold_build(False)}, fold_inputs,

@@ -70,7 +70,7 @@ def test_ops_options_are_checked_by_name():
 
 def test_the_registry_holds_every_op_and_its_points_take_the_recipes_widths():
     assert set(ops.REGISTRY) == {"gated_delta", "gated_linear", "routed_attention", "short_conv", "mix", "cross_entropy",
-                                 "decode_attention", "gemv", "gemv_fold", "pointwise"}
+                                 "decode_attention", "decode_step", "gemv", "gemv_fold", "pointwise"}
     for op in ops.REGISTRY.values():
         assert set(op.providers) <= set(ops.PROVIDERS) and "natsl_fast" in op.providers and op.modes
     args = ops.parse(["--op", "routed_attention", "--shapes", "800m,tiny", "--keep", "1", "0.5"])
@@ -412,20 +412,26 @@ def test_profile_sorts_kernels_by_kind_from_their_names():
                      "triton_poi_fused__to_copy_add_cat_mul_silu_12": "Inductor-fused"}
 
 
+def _interpreted_points(monkeypatch, op_name: str, shapes: str = "tiny", batch: str = "2"):
+    """(op, its decode-sized points at `shapes`) for a CPU run of natsl_fast's kernels in the Triton interpreter
+    (the provider's CUDA check lifted); skips without the interpreter (CUDA timing is the benchmark's own job)."""
+    from natsl.devices import triton_interpreted
+
+    if not triton_interpreted():
+        pytest.skip("needs the Triton interpreter (CUDA timing is the benchmark's own job)")
+    monkeypatch.setattr(ops, "_needs_cuda", lambda device: None)
+    args = ops.parse(["--op", op_name, "--shapes", shapes, "--device", "cpu", "--batch", batch, "--lengths", "1"])
+    op = ops.REGISTRY[op_name]
+    return op, ops.points(op, args)
+
+
 def test_gemv_fold_providers_compute_the_same_pieces(monkeypatch):
     """benchmarks.ops gemv_fold: at the tiny recipe's widths, the folded GEMV (natsl_fast) and the norm or
     conv kernel then the GEMV (natsl_unfused) give the same product for every piece (the q conv's output for
     the conv piece), so the side-by-side times one computation two ways. Runs the kernels in the interpreter."""
     import torch
 
-    from natsl.devices import triton_interpreted
-
-    if not triton_interpreted():
-        pytest.skip("needs the Triton interpreter (CUDA timing is the benchmark's own job)")
-    monkeypatch.setattr(ops, "_needs_cuda", lambda device: None)
-    args = ops.parse(["--op", "gemv_fold", "--shapes", "tiny", "--device", "cpu", "--batch", "2", "--lengths", "1"])
-    op = ops.REGISTRY["gemv_fold"]
-    points = ops.points(op, args)
+    op, points = _interpreted_points(monkeypatch, "gemv_fold")
     assert {p.variant["piece"].split()[0] for p in points} == {"add_norm", "add_norm+conv", "o_norm",
                                                                "gated_input_norm"}
     for point in points:
@@ -446,14 +452,8 @@ def test_gemv_fold_times_the_output_norm_fold_at_the_800m_head_of_384(monkeypatc
     into o_proj's GEMV there, equal to the norm kernel then the GEMV (natsl_unfused). Interpreted kernels."""
     import torch
 
-    from natsl.devices import triton_interpreted
-
-    if not triton_interpreted():
-        pytest.skip("needs the Triton interpreter (CUDA timing is the benchmark's own job)")
-    monkeypatch.setattr(ops, "_needs_cuda", lambda device: None)
-    args = ops.parse(["--op", "gemv_fold", "--shapes", "800m", "--device", "cpu", "--batch", "1", "--lengths", "1"])
-    op = ops.REGISTRY["gemv_fold"]
-    point = next(p for p in ops.points(op, args) if p.variant["piece"].startswith("o_norm"))
+    op, points = _interpreted_points(monkeypatch, "gemv_fold", shapes="800m", batch="1")
+    point = next(p for p in points if p.variant["piece"].startswith("o_norm"))
     inputs = op.inputs(point, torch.device("cpu"), torch.float32)
     assert inputs["norm"].numel() == 384
     fused = op.providers["natsl_fast"](inputs, point, "fwd").fn()
@@ -476,3 +476,29 @@ def test_resources_compiles_the_gemv_variants_for_hopper_and_reads_their_registe
     assert len(rows) == 12 and all(0 < r["registers"] <= 255 and r["spill_bytes"] >= 0 for r in rows)
     assert {r["variant"] for r in rows} >= {"gemv MLP down, SwiGLU, 2 rows", "gemv LM head, 1 row"}
     assert "registers" in proc.stdout and "wrote" in proc.stdout
+
+
+def test_decode_step_providers_compute_the_same_step(monkeypatch):
+    """benchmarks.ops decode_step: at the tiny recipe's widths, the fused step (natsl_fast, interpreted) and its
+    reference twin give the same read, log decay and new state, for the GDN and the Mamba2 layer; and the sweep's
+    tile widths are settings of natsl.fast.cached.STEP_TILES."""
+    import torch
+
+    op, points = _interpreted_points(monkeypatch, "decode_step")
+    assert {p.variant["layer"] for p in points} == {"gdn", "mamba2"}
+    from natsl.fast import cached
+
+    assert op.sweep[0] == "natsl.fast.cached" and all(set(s) == {"STEP_TILES"} for s in op.sweep[1])
+    for tiles in ({}, {"gdn": 16, "gla": 16}):  # the defaults, and V tiles narrower than a head (the sweep's)
+        for layer, width in tiles.items():
+            monkeypatch.setitem(cached.STEP_TILES, layer, width)
+        for point in points:
+            results = {}
+            for provider in ("natsl_fast", "natsl_reference"):
+                torch.manual_seed(0)
+                inputs = op.inputs(point, torch.device("cpu"), torch.float32)
+                o, g = op.providers[provider](inputs, point, "fwd").fn()
+                results[provider] = (o, g, inputs["states"][0])
+            for got, want in zip(results["natsl_fast"], results["natsl_reference"]):
+                assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-4, atol=1e-4), (point.label, tiles)
+    assert any(p.variant["V"] > 16 for p in points)  # so the narrow tiles split a head

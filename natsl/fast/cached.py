@@ -248,6 +248,11 @@ def rope_write_kv(q, k, v, positions, inv_freq, k_buf, v_buf, slots, *, q_weight
     return out
 
 
+# The widest V tile of a decode step's program (the grid is V tiles x B*H): at batch 1 an 800M GDN layer's
+# step is 6 heads x 384 / 64 = 36 programs. `python -m benchmarks.ops --op decode_step --sweep` compares widths.
+STEP_TILES = {"gdn": 64, "gla": 32}
+
+
 def _step_launch(tensors, state, scale, widest_tile):
     """The set-up that gdn_decode_step and gla_decode_step share: `tensors` (q first) with unit last
     stride, the outputs o [B, H, V] in q's dtype and g [B, H] fp32, the grid (V tiles of at most
@@ -280,7 +285,7 @@ def gdn_decode_step(q, k, v, a, b, A_log, dt_bias, state, *, scale=None):
     g [B, H] fp32: the token's log decay).
     """
     A_log, dt_bias = _per_head(A_log, dt_bias)
-    tensors, o, g, grid, rows, launch = _step_launch((q, k, v, a, b), state, scale, 64)
+    tensors, o, g, grid, rows, launch = _step_launch((q, k, v, a, b), state, scale, STEP_TILES["gdn"])
     _kernels()[1][grid](*tensors, A_log, dt_bias, state, o, g, state.shape[1], *rows, **launch)
     return o, g
 
@@ -297,7 +302,7 @@ def gla_decode_step(q, k, v, a, A_log, dt_bias, state, *, D=None, scale=None, l2
     assert q.shape[-1] == k.shape[-1] == G * K and G >= 1 and H % G == 0 and v.shape[-1] == H * V
     A_log, dt_bias, D = _per_head(A_log, dt_bias, D)
     # V tiles of 32: twice the programs of 64-wide tiles (B*H is small at batch 1: 48 heads at 800M)
-    tensors, o, g, grid, rows, launch = _step_launch((q, k, v, a), state, scale, 32)
+    tensors, o, g, grid, rows, launch = _step_launch((q, k, v, a), state, scale, STEP_TILES["gla"])
     _kernels()[4][grid](*tensors, A_log, dt_bias, A_log if D is None else D, state, o, g, H, H // G, *rows,
                         L2=bool(l2), HAS_D=D is not None, **launch)
     return o, g
