@@ -28,6 +28,7 @@ import tempfile
 from pathlib import Path
 
 FAMILIES = ("gemv", "decode_step", "routed_attention")
+H100_SMS = 132  # the launcher's tile choice depends on the SM count: the H100's (the H200 has as many)
 FP32_POINTERS = {"lse_ptr", "delta_ptr", "dkeep_ptr"}
 INT_POINTERS = {"flags_ptr", "before_ptr", "blocks_ptr"}
 FLOAT_SCALARS = {"eps", "scale", "qk_scale"}
@@ -85,29 +86,27 @@ def usage(fn, constexprs: dict, num_warps: int, num_stages: int, pointers: dict 
 
 
 def gemv_variants() -> list[tuple[str, object, dict, dict]]:
-    """(label, kernel, constexprs, options): the 800M decode products at one and two rows, at `tiles`' shapes."""
-    from natsl.fast.gemv import tiles
+    """(label, kernel, constexprs, options): the 800M decode products at one and two rows, at the tiles the
+    launcher picks on an H100 (`natsl.fast.gemv.launch_tiles`)."""
+    from natsl.fast.gemv import launch_tiles
     from natsl.fast.gemv_kernel import gemv_kernel
 
-    base = {"GATED": False, "NORM_HEAD": 0, "HEAD_P2": 0, "ROW_NORM": False, "HAS_RES": False,
-            "GATE_FIRST": False, "PDL": True, "CONV": False, "CONV_W": 1}
+    base = {"GATED": False, "NORM_HEAD": 0, "ROW_NORM": False, "HAS_RES": False, "GATE_FIRST": False, "PDL": True,
+            "CONV": False, "CONV_W": 1}
     products = [  # (label, N, K, the product's mode)
         ("GDN q|k|v|a|b|g, add + norm + conv", 9228, 1536, {"ROW_NORM": True, "HAS_RES": True, "CONV": True,
                                                           "CONV_W": 3}),
         ("MLP gate|up, add + norm", 8192, 1536, {"ROW_NORM": True, "HAS_RES": True}),
         ("MLP down, SwiGLU", 1536, 4096, {"GATED": True}),
-        ("GDN o_proj, output norm (head 384)", 1536, 2304, {"GATED": True, "NORM_HEAD": 384, "HEAD_P2": 512}),
+        ("GDN o_proj, output norm (head 384)", 1536, 2304, {"GATED": True, "NORM_HEAD": 384}),
         ("Mamba2 out_proj, gated-input norm", 1536, 3072, {"ROW_NORM": True, "GATE_FIRST": True}),
         ("LM head", 32000, 1536, {}),
     ]
     out = []
     for rows in (1, 2):
         for label, N, K, mode in products:
-            positions = K // mode["NORM_HEAD"] * mode["HEAD_P2"] if mode.get("NORM_HEAD") else K
-            block_n, block_k = tiles(N, positions, rows, 132)
-            block_k = max(block_k, mode.get("HEAD_P2", 0))
-            constexprs = {**base, **mode, "M": rows, "BLOCK_N": block_n, "BLOCK_K": block_k,
-                          "ACC_K": 1 if block_k >= positions else block_k}
+            constexprs = {**base, **mode, "M": rows,
+                          **launch_tiles(N, K, rows, mode.get("NORM_HEAD", 0), H100_SMS)}
             out.append((f"gemv {label}, {rows} row{'s' * (rows > 1)}", gemv_kernel, constexprs,
                         {"num_warps": 4, "num_stages": 3}))
     return out
@@ -116,14 +115,18 @@ def gemv_variants() -> list[tuple[str, object, dict, dict]]:
 def decode_step_variants() -> list[tuple[str, object, dict, dict]]:
     """The recurrent decode steps (`natsl.fast.cached`'s gdn_decode_step, gla_decode_step) at the 800M widths:
     fp32 states and per-head vectors, V tiles as `_step_launch` picks them."""
+    from natsl.fast.cached import STEP_TILES, step_blocks
     from natsl.fast.decode_step_kernels import gdn_step_kernel, gla_step_kernel
 
     fp32 = {name: "*fp32" for name in ("s_ptr", "g_ptr", "alog_ptr", "dtb_ptr", "d_ptr")}
     options = {"num_warps": 4, "num_stages": 3, "pointers": fp32}
-    return [("decode step GDN (K 192, V 384)", gdn_step_kernel,
-             {"K": 192, "V": 384, "BK": 256, "BV": 64, "PDL": True}, options),
-            ("decode step Mamba2 (state 128, head 64)", gla_step_kernel,
-             {"K": 128, "V": 64, "BK": 128, "BV": 32, "L2": False, "HAS_D": True, "PDL": True}, options)]
+    out = []
+    for label, kernel, layer, K, V, extra in (
+            ("decode step GDN (K 192, V 384)", gdn_step_kernel, "gdn", 192, 384, {}),
+            ("decode step Mamba2 (state 128, head 64)", gla_step_kernel, "gla", 128, 64, {"L2": False, "HAS_D": True})):
+        BK, BV = step_blocks(K, V, STEP_TILES[layer])
+        out.append((label, kernel, {"K": K, "V": V, "BK": BK, "BV": BV, "PDL": True, **extra}, options))
+    return out
 
 
 def routed_variants() -> list[tuple[str, object, dict, dict]]:

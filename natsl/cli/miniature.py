@@ -134,12 +134,13 @@ def miniature(
         if given == folder or folder in given.parents:
             raise NatslError(f"--tokenizer {tokenizer!r} lies inside --data {data!r}, which the corpus stage writes; "
                              "copy it out first (e.g. to mini_tokenizer.json) and pass the copy")
-    if tokenizer is not None and not Path(tokenizer).exists():
-        raise NatslError(f"--tokenizer {tokenizer!r} does not exist; pass a tokenizer.json or a folder holding one "
-                         "(e.g. an earlier build's data/mini/tokenizer.json), or leave it out to train the BPE")
+        if not given.exists():
+            raise NatslError(f"--tokenizer {tokenizer!r} does not exist; pass a tokenizer.json or a folder holding one "
+                             "(e.g. an earlier build's data/mini/tokenizer.json), or leave it out to train the BPE")
     if device not in (None, "cpu", "cuda"):
         raise NatslError(f"--device {device!r}: give cpu or cuda")
-    opts = MiniatureOptions(out=Path(out), data=Path(data), tokenizer=Path(tokenizer) if tokenizer else None, lrs=_floats(lrs, "--lrs"), sweep_tokens=sweep_tokens,
+    opts = MiniatureOptions(out=Path(out), data=Path(data), tokenizer=Path(tokenizer) if tokenizer else None,
+                            lrs=_floats(lrs, "--lrs"), sweep_tokens=sweep_tokens,
                             train_tokens=train_tokens, seeds=_ints(seeds, "--seeds"),
                             rates=_rates(rates) if rates is not None else {}, systems=chosen_systems, micro_batch=micro_batch,
                             sweep_micro_batch=sweep_micro_batch, max_parallel=max_parallel, device=device, deadline_s=deadline,

@@ -253,6 +253,11 @@ def rope_write_kv(q, k, v, positions, inv_freq, k_buf, v_buf, slots, *, q_weight
 STEP_TILES = {"gdn": 64, "gla": 32}
 
 
+def step_blocks(K: int, V: int, widest_tile: int) -> tuple[int, int]:
+    """(BK, BV) of a decode step's program over a [K, V] state: all of K, V tiles of at most `widest_tile`."""
+    return max(16, next_pow2(K)), min(widest_tile, max(16, next_pow2(V)))
+
+
 def _step_launch(tensors, state, scale, widest_tile):
     """The set-up that gdn_decode_step and gla_decode_step share: `tensors` (q first) with unit last
     stride, the outputs o [B, H, V] in q's dtype and g [B, H] fp32, the grid (V tiles of at most
@@ -264,10 +269,10 @@ def _step_launch(tensors, state, scale, widest_tile):
     q = tensors[0]
     o = torch.empty(B, H, V, dtype=q.dtype, device=q.device)
     g = torch.empty(B, H, dtype=torch.float32, device=q.device)
-    BV = min(widest_tile, max(16, next_pow2(V)))
+    BK, BV = step_blocks(K, V, widest_tile)
     rows = [t.stride(0) for t in tensors] + [state.stride(0), K ** -0.5 if scale is None else float(scale)]
     on = pdl(q.device)
-    launch = dict(K=K, V=V, BK=max(16, next_pow2(K)), BV=BV, num_warps=4, PDL=on, **launch_options(on))
+    launch = dict(K=K, V=V, BK=BK, BV=BV, num_warps=4, PDL=on, **launch_options(on))
     return tensors, o, g, (-(-V // BV), B * H), rows, launch
 
 

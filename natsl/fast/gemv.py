@@ -175,19 +175,28 @@ def _rows(t: torch.Tensor, K: int) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
-def _launch(x2, u2, weight, y, norm_weight, total, eps, M, N, K, block_n, block_k, *, gated=False, head=0,
-            row_norm=False, has_res=False, gate_first=False, conv=None) -> None:
-    # heads whose width is not a power of two take the next one's positions in a tile (the kernel's `_columns`)
+def launch_tiles(N: int, K: int, M: int, head: int, sm_count: int, block_n: int | None = None,
+                 block_k: int | None = None) -> dict:
+    """The kernel's tile constexprs for an [N, K] product of M rows (`head`: the output norm's head width, 0
+    without): BLOCK_N and BLOCK_K (`tiles`' unless both are given), HEAD_P2 and ACC_K. A head that is not a
+    power of two wide takes the next power of two's positions in a tile (the kernel's `_columns`); a tile
+    holds whole heads; ACC_K is 1 where one tile holds the whole row (its product reduced as it forms)."""
     head_p2 = kernels.next_pow2(head) if head else 0
     positions = K // head * head_p2 if head else K
     if block_n is None or block_k is None:
-        block_n, block_k = tiles(N, positions, M, kernels.sm_count(x2.device))
-    if block_k < head_p2:  # a tile holds whole heads; the tile keeps its size in weights
+        block_n, block_k = tiles(N, positions, M, sm_count)
+    if block_k < head_p2:  # the tile keeps its size in weights
         block_n, block_k = max(1, block_n * block_k // head_p2), head_p2
+    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "HEAD_P2": head_p2,
+            "ACC_K": 1 if block_k >= positions else block_k}
+
+
+def _launch(x2, u2, weight, y, norm_weight, total, eps, M, N, K, block_n, block_k, *, gated=False, head=0,
+            row_norm=False, has_res=False, gate_first=False, conv=None) -> None:
+    shape = launch_tiles(N, K, M, head, kernels.sm_count(x2.device), block_n, block_k)
     on = kernels.pdl(x2.device)
-    _kernel()[(-(-N // block_n),)](x2, u2, weight, y, norm_weight, total, eps, N, K, x2.stride(0), u2.stride(0),
-                                   weight.stride(0), y.stride(0), total.stride(0), M=M, BLOCK_N=block_n,
-                                   BLOCK_K=block_k, GATED=gated, NORM_HEAD=head, ROW_NORM=row_norm,
-                                   HAS_RES=has_res, GATE_FIRST=gate_first, num_warps=4, PDL=on, HEAD_P2=head_p2,
-                                   ACC_K=1 if block_k >= positions else block_k,
-                                   **conv_epilogue(conv, M, N, y), **kernels.launch_options(on))
+    _kernel()[(-(-N // shape["BLOCK_N"]),)](x2, u2, weight, y, norm_weight, total, eps, N, K, x2.stride(0),
+                                            u2.stride(0), weight.stride(0), y.stride(0), total.stride(0), M=M,
+                                            GATED=gated, NORM_HEAD=head, ROW_NORM=row_norm, HAS_RES=has_res,
+                                            GATE_FIRST=gate_first, num_warps=4, PDL=on, **shape,
+                                            **conv_epilogue(conv, M, N, y), **kernels.launch_options(on))

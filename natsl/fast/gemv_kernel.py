@@ -35,7 +35,7 @@ def _add(acc, part, AXIS: tl.constexpr, ACC_K: tl.constexpr):
 def _normed_step(acc, ss, w, x_ptr, u_ptr, nw_ptr, s_ptr, m, stride_xm, stride_um, stride_sm, k, k_ok, store_to,
                  HAS_RES: tl.constexpr, GATE_FIRST: tl.constexpr, ACC_K: tl.constexpr):
     """Row m of a row-norm product at columns k: adds the fp32 weight tile w times h * the norm weight to acc
-    [BLOCK_N, BLOCK_K] and h * h to ss [BLOCK_K], h = x + u rounded to x's dtype (HAS_RES: the sum's columns
+    [BLOCK_N, ACC_K] and h * h to ss [ACC_K] (`_add`), h = x + u rounded to x's dtype (HAS_RES: the sum's columns
     below `store_to` are written to s_ptr's row m, K in one program and 0 in the others), x * silu(u)
     (GATE_FIRST) or x. The norm scale 1 / sqrt(mean(h^2) + eps) is one number per row, so it multiplies the
     finished fp32 product instead: one pass over the row, in step with the weights."""
@@ -195,13 +195,6 @@ def gemv_kernel(x_ptr, u_ptr, w_ptr, y_ptr, nw_ptr, s_ptr, eps, N, K, stride_xm,
     k_end = K  # in tile positions: padded heads (`_columns`) take HEAD_P2 positions each
     if HEAD_P2 != NORM_HEAD:
         k_end = (K // NORM_HEAD) * HEAD_P2
-    if PDL:
-        # The weights are never written by earlier kernels: the first tile (all of it for one-pass
-        # tiles) loads while the previous kernel finishes; the input is read after the wait.
-        k, k_ok = _columns(offs_k, K, NORM_HEAD, HEAD_P2)
-        w = tl.load(rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     # ROW_NORM: each row's sum of squares, gathered in the same pass as the product (the first program writes
     # the residual sum); the row's norm scale multiplies the product after the loop.
     ss0 = tl.zeros([ACC_K], dtype=tl.float32)
@@ -210,6 +203,12 @@ def gemv_kernel(x_ptr, u_ptr, w_ptr, y_ptr, nw_ptr, s_ptr, eps, N, K, stride_xm,
     ss3 = tl.zeros([ACC_K], dtype=tl.float32)
     store_to = tl.where(tl.program_id(0) == 0, K, 0)
     if PDL:
+        # The weights are never written by earlier kernels: the first tile (all of it for one-pass
+        # tiles) loads while the previous kernel finishes; the input is read after the wait.
+        k, k_ok = _columns(offs_k, K, NORM_HEAD, HEAD_P2)
+        w = tl.load(rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
         acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3 = _tile(
             acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3, w, x_ptr, u_ptr, nw_ptr, s_ptr, eps, stride_xm, stride_um,
             stride_sm, k, k_ok, store_to, M, GATED, NORM_HEAD, HEAD_P2, ROW_NORM, HAS_RES, GATE_FIRST, BLOCK_K,
