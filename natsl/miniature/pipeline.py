@@ -518,9 +518,8 @@ def _trained(folder: Path, budget: int, counts) -> int:
 
 
 # Tokens per second of all workers together on one H100 80GB, in the sweep (13 at once) and in training (9 at
-# once) under MPS: eager at micro-batch 8, and compiled (the sweep's 12 runs of 10M tokens at micro-batch 8 in
-# 187 s with their compilation; training at micro-batch 16), the figures of docs/miniature.md, for the estimate
-# printed before work.
+# once) under MPS: eager at micro-batch 8, and compiled (the sweep with its compilation at micro-batch 8, training
+# at micro-batch 16), the figures of docs/miniature.md, for the estimate printed before work.
 H100_TOKENS_PER_S = {"sweep": 0.47e6, "train": 0.78e6}
 H100_TOKENS_PER_S_COMPILED = {"sweep": 0.64e6, "train": 1.39e6}
 
