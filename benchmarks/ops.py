@@ -618,7 +618,7 @@ REGISTRY = {op.name: op for op in (
        sweep=("natsl.fast.decode_attention", _settings(PROGRAMS_PER_SM_NARROW=[8, 32], PROGRAMS_PER_SM=[2, 4]))),
     Op("decode_step", {"natsl_fast": step_build(True), "natsl_reference": step_build(False)}, step_inputs,
        points=((1, 1), (4, 1)), variants=step_variants, modes=("fwd",),
-       sweep=("natsl.fast.cached", _settings(STEP_TILES=[{"gdn": 32}, {"gdn": 16}, {"gla": 16}, {"gla": 64}]))),
+       sweep=("natsl.fast.cached", _settings(STEP_TILES=[{"gdn": w} for w in (64, 32, 16)] + [{"gla": w} for w in (64, 32, 16)]))),
     Op("gemv", {"natsl_fast": gemv_build(True), "cublas": gemv_build(False)}, gemv_inputs,
        points=((1, 1), (2, 1)), variants=gemv_products, modes=("fwd",)),
     Op("gemv_fold", {"natsl_fast": fold_build(True), "natsl_unfused": fold_build(False)}, fold_inputs,

@@ -114,17 +114,18 @@ def gemv_variants() -> list[tuple[str, object, dict, dict]]:
 
 def decode_step_variants() -> list[tuple[str, object, dict, dict]]:
     """The recurrent decode steps (`natsl.fast.cached`'s gdn_decode_step, gla_decode_step) at the 800M widths:
-    fp32 states and per-head vectors, V tiles as `_step_launch` picks them."""
-    from natsl.fast.cached import STEP_TILES, step_blocks
+    fp32 states and per-head vectors, V tiles as `_step_launch` picks them at batch 1 on an H100."""
+    from natsl.fast.cached import STEP_TILES, step_blocks, step_tile
     from natsl.fast.decode_step_kernels import gdn_step_kernel, gla_step_kernel
 
     fp32 = {name: "*fp32" for name in ("s_ptr", "g_ptr", "alog_ptr", "dtb_ptr", "d_ptr")}
     options = {"num_warps": 4, "num_stages": 3, "pointers": fp32}
     out = []
-    for label, kernel, layer, K, V, extra in (
-            ("decode step GDN (K 192, V 384)", gdn_step_kernel, "gdn", 192, 384, {}),
-            ("decode step Mamba2 (state 128, head 64)", gla_step_kernel, "gla", 128, 64, {"L2": False, "HAS_D": True})):
-        BK, BV = step_blocks(K, V, STEP_TILES[layer])
+    for label, kernel, layer, heads, K, V, extra in (
+            ("decode step GDN (K 192, V 384)", gdn_step_kernel, "gdn", 6, 192, 384, {}),
+            ("decode step Mamba2 (state 128, head 64)", gla_step_kernel, "gla", 48, 128, 64,
+             {"L2": False, "HAS_D": True})):
+        BK, BV = step_blocks(K, V, step_tile(V, heads, H100_SMS, STEP_TILES[layer]))
         out.append((label, kernel, {"K": K, "V": V, "BK": BK, "BV": BV, "PDL": True, **extra}, options))
     return out
 

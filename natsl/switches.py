@@ -96,9 +96,9 @@ class Switches:
                                "write on one fused Triton kernel where the fused inference kernels run; "
                                "False: its reference twin (eager)")
     # Checked against its twin under the Triton interpreter and on an H100 (tests/test_gemv.py,
-    # test_inference.py -k "fused_o_norm or fused_add_norm"). Off by default: the kernel that took each row's
-    # norm in a pass of its own made Mamba2's decode slower (docs/performance.md, "Decode launches"); its
-    # one-pass successor is not yet timed on a GPU.
+    # test_inference.py -k "fused_o_norm or fused_add_norm"). Off by default: the output-norm folds make the GDN
+    # and Mamba2 decode slower, in the earlier kernel and in its one-pass successor (docs/performance.md,
+    # "Decode launches").
     fused_o_norm: bool = _switch(False, "NATSL_FUSED_O_NORM", "a GDN or Mamba2 layer's decode output norm and "
                                  "gate formed inside its output product's GEMV kernel (one kernel fewer a layer "
                                  "and token) where the GEMV kernel runs; False: the norm kernel, then the GEMV")
@@ -106,8 +106,8 @@ class Switches:
     fused_add_norm: bool = _switch(True, "NATSL_FUSED_ADD_NORM", "a decode step's residual add and pre-norm "
                                    "formed inside the next GEMV kernel (the MLP's gate/up, attention's q/k/v, "
                                    "a GDN layer's q/k/v/a/b/g, Mamba2's in_proj: one kernel fewer each a layer and "
-                                   "token) where the GEMV kernel runs; False: "
-                                   "the add-norm kernel, then the GEMV")
+                                   "token) where the GEMV kernel runs on one row (natsl.ops.gemv.ADD_NORM_FOLD_ROWS); "
+                                   "False: the add-norm kernel, then the GEMV")
     # Checked against its twin and the conv kernel under the Triton interpreter and on an H100 (tests/test_gemv.py
     # -k conv_epilogue, test_inference.py -k fused_conv); measured in docs/performance.md.
     fused_conv: bool = _switch(True, "NATSL_FUSED_CONV", "a GDN layer's decode short convs (q, k, v; Mamba2's xBC) run "

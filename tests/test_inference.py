@@ -810,6 +810,7 @@ def test_fused_conv_runs_the_convs_in_the_input_product(layout, use_switches, mo
     layers = sum(isinstance(block.mixer, (GatedDeltaNet, Mamba2)) for block in model.layers)
     assert layers > 0
     ids = torch.randint(0, 1024, (2, 40), generator=torch.Generator().manual_seed(7)).to(device)
+    monkeypatch.setattr(gemv, "ADD_NORM_FOLD_ROWS", 2)  # the kernel's two-row path, which the default leaves out
     real, ran = gemv.add_norm_conv_linear, []  # True where the convs ran in the product's kernel
     monkeypatch.setattr(gemv, "add_norm_conv_linear", lambda *a: (lambda y: ran.append(y is not None and y[2]) or y)(
         real(*a)))

@@ -52,7 +52,8 @@ def test_every_family_of_the_issue_has_twins():
     import natsl.fast.cached as cached
 
     kernels = {name for name, fn in vars(cached).items() if inspect.isfunction(fn) and fn.__module__ == cached.__name__
-               and name not in ("pdl", "launch_options", "next_pow2") and not name.startswith("_")}
+               and name not in ("pdl", "launch_options", "next_pow2", "step_blocks", "step_tile")
+               and not name.startswith("_")}
     assert kernels == {fast.split(":")[1] for _, fast in ops.TWINS.values() if fast.startswith("natsl.fast.cached:")}
 
 
@@ -201,8 +202,13 @@ def test_store_blocks_twins_agree(B, T, n, C):
     assert torch.equal(*stored) and stored[0].abs().sum() > 0
 
 
-def test_gdn_decode_step_twins_agree():
-    """Output, log decay and the state (updated in place) from raw post-conv projections."""
+@pytest.mark.parametrize("forced", [None, 32])
+def test_gdn_decode_step_twins_agree(forced, monkeypatch):
+    """Output, log decay and the state (updated in place) from raw post-conv projections: V in two tiles (the
+    launcher's choice for 4 programs a tile on the interpreter's nominal 4 SMs) and in one (a forced width)."""
+    import natsl.fast.cached as cached
+
+    monkeypatch.setitem(cached.STEP_TILES, "gdn", forced)
     reference, fast = pair("gdn_decode_step")
     B, H, K, V = 2, 2, 16, 32
     q, k, v = randn(B, H * K, seed=1), randn(B, H * K, seed=2), randn(B, H * V, seed=3)
@@ -241,6 +247,21 @@ def test_gla_decode_step_twins_agree(G, l2, skip, dtype):
     tol = TOL if dtype == torch.float32 else 2e-2
     (o_ref, g_ref, s_ref), (o, g, s) = results
     assert rel_rms(o.float(), o_ref.float()) < tol and rel_rms(g, g_ref) < TOL and rel_rms(s, s_ref) < tol
+
+
+def test_decode_step_tiles_give_two_programs_per_sm_where_they_can():
+    """The V tile the decode steps launch with: the widest giving two programs per SM, else the narrowest; a
+    forced width wins; never wider than the head. The 800M shapes on an H100 (132 SMs), where
+    `benchmarks.ops --op decode_step --sweep` measured 16 columns fastest at batch 1 and 32 at batch 4."""
+    from natsl.fast.cached import step_blocks, step_tile
+
+    assert step_tile(384, 6, 132) == 16  # GDN, batch 1: 144 programs at 16 columns, 72 at 32
+    assert step_tile(384, 4 * 6, 132) == 32  # batch 4: 288 programs
+    assert step_tile(384, 64 * 6, 132) == 64
+    assert step_tile(64, 48, 132) == 16 and step_tile(64, 4 * 48, 132) == 32  # Mamba2's 48 heads of 64
+    assert step_tile(24, 1, 4) == 16 and step_tile(12, 64, 4) == 16  # narrow heads: at least 16 columns
+    assert step_tile(384, 6, 132, forced=64) == 64 and step_tile(24, 6, 132, forced=64) == 32
+    assert step_blocks(192, 384, 16) == (256, 16) and step_blocks(128, 24, 64) == (128, 32)
 
 
 @pytest.mark.parametrize("family", ["gdn_decode_step", "gla_decode_step"])

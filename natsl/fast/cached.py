@@ -248,20 +248,44 @@ def rope_write_kv(q, k, v, positions, inv_freq, k_buf, v_buf, slots, *, q_weight
     return out
 
 
-# The widest V tile of a decode step's program (the grid is V tiles x B*H): at batch 1 an 800M GDN layer's
-# step is 6 heads x 384 / 64 = 36 programs. `python -m benchmarks.ops --op decode_step --sweep` compares widths.
-STEP_TILES = {"gdn": 64, "gla": 32}
+# A decode step's grid is V tiles x B*H programs: at batch 1 an 800M GDN layer is 6 heads x 384 columns, 36
+# programs of 64 columns on 132 SMs. The launcher takes the widest tile that still gives two programs per SM, else
+# the narrowest (`step_tile`); an int here forces a layer's width instead (benchmarks.ops --op decode_step --sweep
+# compares them; docs/performance.md, "Decode steps").
+STEP_TILES: dict[str, int | None] = {"gdn": None, "gla": None}
+STEP_TILE_WIDTHS = (64, 32, 16)
 
 
-def step_blocks(K: int, V: int, widest_tile: int) -> tuple[int, int]:
-    """(BK, BV) of a decode step's program over a [K, V] state: all of K, V tiles of at most `widest_tile`."""
-    return max(16, next_pow2(K)), min(widest_tile, max(16, next_pow2(V)))
+def step_tile(V: int, programs_per_tile: int, sms: int, forced: int | None = None) -> int:
+    """The V tile width of a decode step over [K, V] states.
+
+    Args:
+        V: the state's value width (a head's columns).
+        programs_per_tile: B * H, the programs that each V tile position launches.
+        sms: the device's streaming multiprocessors.
+        forced: a width to use instead of the choice (STEP_TILES' entry), or None.
+    Returns:
+        the widest of STEP_TILE_WIDTHS giving at least 2 * sms programs, else the narrowest; never wider
+        than V rounded up to a power of two (and at least 16).
+    """
+    head = max(16, next_pow2(V))
+    if forced is not None:
+        return min(forced, head)
+    for width in STEP_TILE_WIDTHS:
+        if -(-V // width) * programs_per_tile >= 2 * sms:
+            return min(width, head)
+    return min(STEP_TILE_WIDTHS[-1], head)
 
 
-def _step_launch(tensors, state, scale, widest_tile):
+def step_blocks(K: int, V: int, tile: int) -> tuple[int, int]:
+    """(BK, BV) of a decode step's program over a [K, V] state: all of K, V tiles of at most `tile` columns."""
+    return max(16, next_pow2(K)), min(tile, max(16, next_pow2(V)))
+
+
+def _step_launch(tensors, state, scale, layer):
     """The set-up that gdn_decode_step and gla_decode_step share: `tensors` (q first) with unit last
-    stride, the outputs o [B, H, V] in q's dtype and g [B, H] fp32, the grid (V tiles of at most
-    `widest_tile` columns, B*H), the kernel's arguments after its head counts (each tensor's row
+    stride, the outputs o [B, H, V] in q's dtype and g [B, H] fp32, the grid (V tiles of `step_tile`'s
+    width for `layer`, a key of STEP_TILES; B*H), the kernel's arguments after its head counts (each tensor's row
     stride, the state's, the scale: K^-0.5 when None) and its launch keywords."""
     B, H, K, V = state.shape
     assert state.stride(-1) == 1 and state.stride(-2) == V and state.stride(1) == K * V
@@ -269,7 +293,7 @@ def _step_launch(tensors, state, scale, widest_tile):
     q = tensors[0]
     o = torch.empty(B, H, V, dtype=q.dtype, device=q.device)
     g = torch.empty(B, H, dtype=torch.float32, device=q.device)
-    BK, BV = step_blocks(K, V, widest_tile)
+    BK, BV = step_blocks(K, V, step_tile(V, B * H, sm_count(q.device), STEP_TILES[layer]))
     rows = [t.stride(0) for t in tensors] + [state.stride(0), K ** -0.5 if scale is None else float(scale)]
     on = pdl(q.device)
     launch = dict(K=K, V=V, BK=BK, BV=BV, num_warps=4, PDL=on, **launch_options(on))
@@ -290,7 +314,7 @@ def gdn_decode_step(q, k, v, a, b, A_log, dt_bias, state, *, scale=None):
     g [B, H] fp32: the token's log decay).
     """
     A_log, dt_bias = _per_head(A_log, dt_bias)
-    tensors, o, g, grid, rows, launch = _step_launch((q, k, v, a, b), state, scale, STEP_TILES["gdn"])
+    tensors, o, g, grid, rows, launch = _step_launch((q, k, v, a, b), state, scale, "gdn")
     _kernels()[1][grid](*tensors, A_log, dt_bias, state, o, g, state.shape[1], *rows, **launch)
     return o, g
 
@@ -307,7 +331,7 @@ def gla_decode_step(q, k, v, a, A_log, dt_bias, state, *, D=None, scale=None, l2
     assert q.shape[-1] == k.shape[-1] == G * K and G >= 1 and H % G == 0 and v.shape[-1] == H * V
     A_log, dt_bias, D = _per_head(A_log, dt_bias, D)
     # V tiles of 32: twice the programs of 64-wide tiles (B*H is small at batch 1: 48 heads at 800M)
-    tensors, o, g, grid, rows, launch = _step_launch((q, k, v, a), state, scale, STEP_TILES["gla"])
+    tensors, o, g, grid, rows, launch = _step_launch((q, k, v, a), state, scale, "gla")
     _kernels()[4][grid](*tensors, A_log, dt_bias, A_log if D is None else D, state, o, g, H, H // G, *rows,
                         L2=bool(l2), HAS_D=D is not None, **launch)
     return o, g

@@ -127,11 +127,18 @@ def add_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
     return twin("add_norm_gemv", True)(x, residual, norm_weight, eps, weight)
 
 
+# The add-norm fold (and the conv epilogue, which rides on it) runs at one row only: at two rows the folded GDN
+# input product took 1.5x the norm kernel and the product apart (docs/performance.md, "Decode launches").
+ADD_NORM_FOLD_ROWS = 1
+
+
 def _folds_add_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                     weight: torch.Tensor | None) -> bool:
     """Whether a block's add and pre-norm may run inside the product's GEMV: a merged weight, the switch
-    fused_add_norm, the kernel `applies`, and a norm weight and residual that fit x."""
+    fused_add_norm, the kernel `applies`, at most ADD_NORM_FOLD_ROWS rows, and a norm weight and residual that
+    fit x."""
     return (weight is not None and switches.current().fused_add_norm and applies(x, weight)
+            and x.numel() <= ADD_NORM_FOLD_ROWS * x.shape[-1]
             and norm_weight.shape == x.shape[-1:]
             and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype)))
 
