@@ -61,9 +61,15 @@ class Tokenizer:
         Returns:
             One id list per text, as `encode` gives.
         """
+        return [e.ids for e in self.encodings(texts)]
+
+    def encodings(self, texts: list[str]) -> list:
+        """The `tokenizers` library's Encoding of each text (its ids in `.ids`), encoded on all cores. The
+        library releases the GIL while it encodes, so a thread may run this beside Python work; reading
+        `.ids` (a Python list built per token) is the part that holds it."""
         # encode_batch_fast skips the character offsets nobody here reads (tokenizers >= 0.21)
         encode = getattr(self.inner, "encode_batch_fast", self.inner.encode_batch)
-        return [e.ids for e in encode(texts, add_special_tokens=False)]
+        return encode(texts, add_special_tokens=False)
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.inner.decode(list(ids), skip_special_tokens=False)

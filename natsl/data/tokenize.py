@@ -33,6 +33,7 @@ import json
 import math
 import os
 import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -310,10 +311,24 @@ def _tokenize(source, out: Path, settings: TokenizeSettings, progress: bool, log
         duplicates[origin] = duplicates.get(origin, 0) + 1
         return False
 
-    def encode_pending() -> int:
-        nonlocal documents
+    # The encoding of one batch runs on a thread (the library's own threads, without the GIL) while this one
+    # reads the next batch and turns the last one's ids into arrays: on a many-core host that Python work per
+    # token was as long as the encoding itself. `in_flight` is (its documents, the encoding, the items read up to
+    # it): a commit records only the items of batches already written, so a resume rereads the rest.
+    encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="natsl-tokenize")
+    in_flight: list[tuple[list[tuple[str, int]], Future, int]] = []
+    done_items = items
+
+    def submit_pending() -> None:
+        in_flight.append((list(pending), encoder.submit(tok.encodings, [text for text, _ in pending]), items))
+        pending.clear()
+
+    def finish_one() -> int:
+        nonlocal documents, done_items
+        batch, future, mark = in_flight.pop(0)
         count = 0
-        for (text, origin), ids in zip(pending, tok.encode_batch([text for text, _ in pending])):
+        for (text, origin), encoding in zip(batch, future.result()):
+            ids = encoding.ids
             split = "validation" if is_validation(documents, fraction) else "train"
             buffers[split] += [start, np.asarray(ids, dtype=np.int64), eos]
             state["splits"][split]["documents"] += 1
@@ -326,8 +341,11 @@ def _tokenize(source, out: Path, settings: TokenizeSettings, progress: bool, log
             if val_writer is not None and split == "validation":
                 val_writer.add(input_of[origin], text)
             count += length
-        pending.clear()
+        done_items = mark
         return count
+
+    def queued() -> int:
+        return sum(len(batch) for batch, _, _ in in_flight)
 
     def commit() -> None:
         nonlocal buffered
@@ -338,7 +356,7 @@ def _tokenize(source, out: Path, settings: TokenizeSettings, progress: bool, log
         if val_writer is not None:
             val_writer.commit()
         buffered = 0
-        state["items"] = items
+        state["items"] = done_items
         state["commits"] += 1
         _write_json_atomic(progress_path, state)
         fault_point("kill_after_commit", state["commits"])
@@ -353,20 +371,25 @@ def _tokenize(source, out: Path, settings: TokenizeSettings, progress: bool, log
                 if text and seen is not None:
                     is_new(text, origin)
                 continue
-            if settings.max_documents is not None and documents + len(pending) >= settings.max_documents:
+            if settings.max_documents is not None and documents + queued() + len(pending) >= settings.max_documents:
                 break
             items += 1
             if text and is_new(text, origin):
                 pending.append((text, origin))
             if len(pending) >= settings.batch_docs:
-                buffered += encode_pending()
-                bar.set_postfix_str(f"{documents:,} docs", refresh=False)
-                if buffered >= settings.commit_tokens:
-                    commit()
-        buffered += encode_pending()
+                submit_pending()
+                if len(in_flight) > 1:  # the batch before it, while it encodes
+                    buffered += finish_one()
+                    bar.set_postfix_str(f"{documents:,} docs", refresh=False)
+                    if buffered >= settings.commit_tokens:
+                        commit()
+        submit_pending()
+        while in_flight:
+            buffered += finish_one()
         commit()
     finally:
         bar.close()
+        encoder.shutdown(wait=True, cancel_futures=True)
 
     splits = state["splits"]
     total = sum(s["tokens"] for s in splits.values())
