@@ -428,22 +428,30 @@ def _interpreted_points(monkeypatch, op_name: str, shapes: str = "tiny", batch: 
 def test_gemv_fold_providers_compute_the_same_pieces(monkeypatch):
     """benchmarks.ops gemv_fold: at the tiny recipe's widths, the folded GEMV (natsl_fast) and the norm or
     conv kernel then the GEMV (natsl_unfused) give the same product for every piece (the q conv's output for
-    the conv piece), so the side-by-side times one computation two ways. Runs the kernels in the interpreter."""
+    the conv piece), so the side-by-side times one computation two ways; so do the --sweep's fold tiles
+    (settings of natsl.fast.gemv.FOLD_TILES). Runs the kernels in the interpreter."""
     import torch
+
+    from natsl.fast import gemv
 
     op, points = _interpreted_points(monkeypatch, "gemv_fold")
     assert {p.variant["piece"].split()[0] for p in points} == {"add_norm", "add_norm+conv", "o_norm",
                                                                "gated_input_norm"}
-    for point in points:
-        inputs = op.inputs(point, torch.device("cpu"), torch.float32)
-        fused = op.providers["natsl_fast"](inputs, point, "fwd").fn()
-        unfused = op.providers["natsl_unfused"](inputs, point, "fwd").fn()
-        if "conv" in point.variant["piece"]:  # (sum, product with the convs' outputs) against the conv steps
-            q = unfused[0][:, 0]
-            fused, unfused = fused[1][:, :q.shape[-1]], q
-        elif point.variant["piece"].startswith("add_norm"):
-            fused = fused[1]
-        assert fused.shape == unfused.shape and torch.allclose(fused, unfused, rtol=1e-4, atol=1e-4), point.label
+    assert op.sweep[0] == "natsl.fast.gemv" and all(set(s) == {"FOLD_TILES"} for s in op.sweep[1])
+    for setting in [{}] + [s["FOLD_TILES"] for s in op.sweep[1]]:
+        for fold in ("output_norm", "row_norm"):
+            monkeypatch.setitem(gemv.FOLD_TILES, fold, setting.get(fold))
+        for point in points:
+            inputs = op.inputs(point, torch.device("cpu"), torch.float32)
+            fused = op.providers["natsl_fast"](inputs, point, "fwd").fn()
+            unfused = op.providers["natsl_unfused"](inputs, point, "fwd").fn()
+            if "conv" in point.variant["piece"]:  # (sum, product with the convs' outputs) against the conv steps
+                q = unfused[0][:, 0]
+                fused, unfused = fused[1][:, :q.shape[-1]], q
+            elif point.variant["piece"].startswith("add_norm"):
+                fused = fused[1]
+            assert fused.shape == unfused.shape and torch.allclose(fused, unfused, rtol=1e-4, atol=1e-4), (
+                point.label, setting)
 
 
 

@@ -30,6 +30,15 @@ from natsl.fast import cached as kernels
 # One and two rows beat cuBLAS at every 800M decode shape on the H200 (`python -m benchmarks.ops --op gemv`); at
 # four rows cuBLAS was faster for most, so larger batches keep F.linear.
 MAX_ROWS = 2
+
+# The tiles (BLOCK_N, BLOCK_K) of the folds where a caller gives none; None: `tiles`' choice, as for a plain product
+# of the (padded) row. Every program of a fold reads the whole input row (and its gate or residual) again for the
+# norm, so one-pass tiles two weight rows tall make that the weights' own bytes again at the 800M o_proj (768
+# programs); taller looped tiles (an output norm's a head at a time) read it fewer times. `python -m
+# benchmarks.ops --op gemv_fold --sweep` compares settings.
+FOLD_TILES: dict[str, tuple[int, int] | None] = {"output_norm": None, "row_norm": None}
+
+
 def _kernel():
     from natsl.fast.gemv_kernel import gemv_kernel  # imports Triton: only where a kernel runs
 
@@ -193,6 +202,9 @@ def launch_tiles(N: int, K: int, M: int, head: int, sm_count: int, block_n: int 
 
 def _launch(x2, u2, weight, y, norm_weight, total, eps, M, N, K, block_n, block_k, *, gated=False, head=0,
             row_norm=False, has_res=False, gate_first=False, conv=None) -> None:
+    fold = FOLD_TILES["output_norm" if head else "row_norm"] if head or row_norm else None
+    if fold is not None and block_n is None and block_k is None:
+        block_n, block_k = fold
     shape = launch_tiles(N, K, M, head, kernels.sm_count(x2.device), block_n, block_k)
     on = kernels.pdl(x2.device)
     _kernel()[(-(-N // shape["BLOCK_N"]),)](x2, u2, weight, y, norm_weight, total, eps, N, K, x2.stride(0),
