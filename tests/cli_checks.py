@@ -24,3 +24,27 @@ def kill_after_commit(monkeypatch, module, commit: int) -> type:
 
     monkeypatch.setattr(module, "fault_point", die)
     return Killed
+
+
+# A process started in the background of a non-interactive shell (a CI runner's job, `cmd &`) inherits SIGINT
+# ignored, and Python then keeps ignoring it, as POSIX programs do; so does every process it starts. The tests
+# that press Ctrl-C start their command as a terminal's foreground command is started: SIGINT with Python's
+# default handler. ARGS are python's own after the interpreter: ["-m", module, ...] or ["-c", code, ...].
+_AS_FOREGROUND = """
+import runpy, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
+mode, target, *rest = sys.argv[1:]
+if mode == "-m":
+    sys.argv = [target, *rest]
+    runpy.run_module(target, run_name="__main__", alter_sys=True)
+else:
+    sys.argv = ["-c", *rest]
+    exec(compile(target, "<string>", "exec"), {"__name__": "__main__"})
+"""
+
+
+def as_foreground(args: list[str]) -> list[str]:
+    """The python arguments that run `args` (["-m", module, ...] or ["-c", code, ...]) with SIGINT's default
+    handler, whatever the test runner inherited."""
+    assert args[0] in ("-m", "-c"), args
+    return ["-c", _AS_FOREGROUND, *args]

@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+from cli_checks import as_foreground
+
 ROOT = Path(__file__).resolve().parent.parent
 HANG_GUARD_S = 600
 
@@ -19,8 +21,8 @@ HANG_GUARD_S = 600
 def start(args: list[str], env: dict | None = None) -> subprocess.Popen:
     full = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
     full.pop("NATSL_FAULT", None)
-    return subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=full,
-                            cwd=ROOT)
+    return subprocess.Popen([sys.executable, *as_foreground(args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=full, cwd=ROOT)
 
 
 def interrupt_when(proc: subprocess.Popen, stream: str, pattern: str) -> tuple[str, str, int]:

@@ -21,7 +21,7 @@ from natsl.config import OptimConfig
 from natsl.data.dataset import step_sample_indices
 from natsl.training.optim import lr_at, param_groups
 
-from cli_checks import assert_one_line_error
+from cli_checks import as_foreground, assert_one_line_error
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = [str(ROOT / "recipes" / "tiny_hybrid.yaml"), "--set", "train.seq_len=128", "train.micro_batch_size=4",
@@ -814,7 +814,8 @@ def test_ctrl_c_during_start_up_is_one_line_and_130(tmp_path, cache_env):
 
     env = {**os.environ, **cache_env}
     env.pop("NATSL_FAULT", None)
-    proc = subprocess.Popen([sys.executable, "-m", "natsl.cli.main", "train", *TINY, "--out", str(tmp_path / "run")],
+    proc = subprocess.Popen([sys.executable, *as_foreground(["-m", "natsl.cli.main", "train", *TINY, "--out",
+                                                             str(tmp_path / "run")])],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     # once torch's libraries load (the first seconds; earlier the interpreter itself is starting)
     maps, deadline = Path(f"/proc/{proc.pid}/maps"), time.time() + 60
