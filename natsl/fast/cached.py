@@ -330,7 +330,6 @@ def gla_decode_step(q, k, v, a, A_log, dt_bias, state, *, D=None, scale=None, l2
     G = q.shape[-1] // K
     assert q.shape[-1] == k.shape[-1] == G * K and G >= 1 and H % G == 0 and v.shape[-1] == H * V
     A_log, dt_bias, D = _per_head(A_log, dt_bias, D)
-    # V tiles of 32: twice the programs of 64-wide tiles (B*H is small at batch 1: 48 heads at 800M)
     tensors, o, g, grid, rows, launch = _step_launch((q, k, v, a), state, scale, "gla")
     _kernels()[4][grid](*tensors, A_log, dt_bias, A_log if D is None else D, state, o, g, H, H // G, *rows,
                         L2=bool(l2), HAS_D=D is not None, **launch)
