@@ -322,7 +322,8 @@ def test_report_of_runs_cut_short_matches_tokens_and_guards_claims(tmp_path):
     assert claim1["verdict"] == "holds", claim1
     # the claim's own runs all reached 24.9M tokens: natsl (out of the claim) does not hold them back to 12.5M
     assert "at 24,903,680 (24.9M) tokens, the most these runs all reached" in claim1["numbers"], claim1
-    assert "mean of 3 seed(s), min 2.730, max 2.770" in claim1["numbers"] and "runs cut short" in claim1["numbers"]
+    assert "mean of 3 seed(s), min 2.730, max 2.770; 3 of 3 seed(s) at most both)" in claim1["numbers"]
+    assert "runs cut short" in claim1["numbers"]
     assert "transformer 3.900" in claim1["numbers"] and "gdn_hybrid 2.800" in claim1["numbers"]
     assert claim2["verdict"] == "not measured"
     assert "eval-ppl windows of 512 tokens are within the training length 2048" in claim2["numbers"]
@@ -569,6 +570,23 @@ def test_extrapolation_is_judged_on_the_mean_of_the_hybrid_seeds():
     del ppl["natsl_hybrid_s1"], ppl["natsl_hybrid_s2"]
     claim = claims({"rows": {}}, ppl, {}, {}, {}, window=1024)[1]
     assert claim["verdict"] == "holds" and "mean of" not in claim["numbers"]
+
+
+def test_perplexity_claim_says_how_many_seeds_hold_it_alone():
+    from natsl.miniature.report import claims
+
+    def row(loss):
+        return {"val_curve": [[100, loss + 1.0], [200, loss]], "tokens": 200, "perplexity": math.exp(loss)}
+
+    # the seeds' mean (1.80) is below both, but seed 0 alone (1.842) is above the GDN Hybrid (1.841)
+    rows = {"natsl_hybrid": row(1.842), "natsl_hybrid_s1": row(1.770), "natsl_hybrid_s2": row(1.788),
+            "transformer": row(2.121), "gdn_hybrid": row(1.841)}
+    claim = claims({"rows": rows, "cut_short": []}, {}, {}, {}, {})[0]
+    assert claim["verdict"] == "holds", claim
+    assert "mean of 3 seed(s), min 1.770, max 1.842; 2 of 3 seed(s) at most both)" in claim["numbers"], claim
+    rows["gdn_hybrid"] = row(1.70)
+    claim = claims({"rows": rows, "cut_short": []}, {}, {}, {}, {})[0]
+    assert claim["verdict"] == "fails" and "; 0 of 3 seed(s) at most both)" in claim["numbers"], claim
 
 
 def test_table1_names_the_rate_of_a_run_trained_without_a_sweep_point():
