@@ -11,7 +11,7 @@ under OUT and the JSON file whose presence (complete: see EvalJob.done) means it
 | ruler_NAME          | eval-ruler, 2k-16k, all 8 NIAH tasks (Table 2), per ladder system and seed | OUT/ruler_NAME |
 | routing_NAME        | inspect-routing on each held-out source and a synthetic one (Figs. 5/6), per NAtS-L checkpoint | OUT/routing_NAME |
 | compare             | compare at matched KV bytes: NAtS-L (router, forced budgets) vs Transformer presses and GDN+SWA | OUT/compare |
-| latency             | bench-latency of the trained natsl_hybrid, transformer, gdn_hybrid, 2K-32K; alone, last | OUT/latency |
+| latency             | bench-latency of the trained natsl_hybrid, transformer, gdn_hybrid, 2K-32K; alone, first | OUT/latency |
 | lm_eval_NAME        | eval-lm on the local tasks of natsl.miniature.lm_task (only where lm_eval imports) | OUT/lm_eval_NAME |
 
 `run_jobs` runs the pending ones (a job whose JSON is there is done and skipped: a second call resumes),
@@ -200,7 +200,8 @@ def eval_jobs(checkpoints: dict, corpus, out, *, device: str, quick: bool = Fals
     Returns:
         The jobs, in the order they are best started: long single jobs first, then the short routing jobs and
         RULER (the claim's pair first), so that a deadline leaves out what the claims need least;
-        bench-latency runs last and alone (exclusive).
+        bench-latency runs first and alone (exclusive): its timings want a quiet GPU, and it takes seconds, so a
+        deadline at the end of the stage never leaves it out.
     """
     from natsl.atomic import write_json
     from natsl.miniature.lm_task import build_lm_tasks
@@ -361,7 +362,7 @@ def run_jobs(jobs: list[EvalJob], *, max_parallel: int, deadline_s: float | None
             "quick": any(j.quick for j in jobs), "updated": time.strftime("%Y-%m-%d %H:%M:%S")})
 
     pending = []
-    for j in sorted(jobs, key=lambda j: j.exclusive):  # the exclusive ones last (a stable sort: order kept)
+    for j in sorted(jobs, key=lambda j: not j.exclusive):  # the exclusive ones first (a stable sort: order kept)
         if j.skipped:
             status[j.name] = f"skipped: {j.skipped}"
         elif j.done() and (not j.stamp or evaluated.get(j.name) == j.stamp):
