@@ -75,6 +75,30 @@ def test_a_subset_of_systems_sweeps_and_trains_only_what_it_needs(tmp_path):
     assert "1 systems (NAtS-L Hybrid x 2 seeds)" in P.describe(hybrid)
 
 
+def test_seed_systems_train_every_named_system_over_the_seeds(tmp_path):
+    """--seed-systems: the baselines over --seeds too (their spread measured as the NAtS-L Hybrid's), counted in
+    the estimate and said in the plan; a train stage grown by seeds keeps its runs, one that drops seeds is refused."""
+    from dataclasses import replace
+
+    opts = P.MiniatureOptions(out=tmp_path / "m", train_tokens=65536 * 20, seeds=(0, 1),
+                              seed_systems=("gdn_hybrid", "natsl_hybrid"), systems=("gdn_hybrid", "natsl_hybrid", "gdn"))
+    P.copy_recipes(opts, tmp_path / "m" / "specs")
+    rates = {"gdn": 0.002, "gdn_hybrid": 0.001, "natsl_hybrid": 0.002}
+    got = sorted((r.system, r.seed) for r in _runs(P.train_spec(opts, rates), tmp_path / "m"))
+    assert got == [("gdn", 0), ("gdn_hybrid", 0), ("gdn_hybrid", 1), ("natsl_hybrid", 0), ("natsl_hybrid", 1)]
+    assert P.estimate_tokens(replace(opts, stages=("train",)))["train"] == 5 * 65536 * 20
+    assert "3 systems (2 of them x 2 seeds) x" in P.describe(opts)
+    assert "seeds)" not in P.describe(replace(opts, seeds=(0,)))
+    folder = tmp_path / "m" / "train"
+    folder.mkdir(parents=True)
+    before = P.train_spec(replace(opts, seed_systems=("natsl_hybrid",)), rates)
+    (folder / "sweep.json").write_text(json.dumps({"name": "mini_train", "spec": before, "runs": []}))
+    assert P._grows(folder, P.train_spec(opts, rates)) is None  # gdn_hybrid: one seed -> two
+    assert P._grows(folder, P.train_spec(replace(opts, seeds=(0, 1, 2)), rates)) is None
+    assert P._grows(folder, P.train_spec(replace(opts, seeds=(1, 2)), rates)) == "system 'gdn_hybrid' differs"
+    assert P._grows(folder, P.train_spec(replace(opts, seed_systems=()), rates)) == "system 'natsl_hybrid' differs"
+
+
 def test_the_estimate_leaves_out_what_the_stage_folders_trained_already(tmp_path):
     """A grown or resumed stage trains the rest only: done runs of this spec count whole, runs cut short by what
     they trained, failed runs and runs of other rates or systems not at all."""
@@ -201,6 +225,7 @@ def test_a_given_tokenizer_builds_the_same_corpus_as_the_trained_bpe(tmp_path, m
     (["--systems", "gdn,gdn"], "--systems 'gdn,gdn': give distinct names from gdn,"),
     (["--evals", "ppl,mmlu"], "--evals 'ppl,mmlu': unknown evaluation 'mmlu'; choose from ppl,compare,latency,"),
     (["--eval-reserve", "60"], "--eval-reserve 60.0: give it with --deadline"),
+    (["--seed-systems", "gdn,llama"], "--seed-systems 'gdn,llama': unknown system 'llama'; give all or distinct names"),
     (["--tokenizer", "data/mini/tokenizer.json"], "lies inside --data 'data/mini', which the corpus stage writes; copy it out first"),
     (["--tokenizer", "no/such/tokenizer.json"], "--tokenizer 'no/such/tokenizer.json' does not exist; pass a tokenizer.json"),
     (["--rates", "gdn=0.002,llama=0.001"], "'llama=0.001' is not SYSTEM=RATE with a rate between 0 and 1"),
@@ -275,6 +300,11 @@ def test_corpus_sweep_and_train_end_to_end_and_again_does_nothing(tmp_path, monk
 
     with pytest.raises(NatslError, match="holds runs of another spec"):
         P.run_miniature(replace(opts, sweep_tokens=512), log=again.append)
+    grown: list[str] = []  # a baseline's seeds added later: only the new run trains
+    result = P.run_miniature(replace(opts, stages=("train",), seed_systems=("natsl_hybrid", "gdn")), log=grown.append)
+    assert result["stages"]["train"] == "done" and "gdn_s1" in result["checkpoints"], grown
+    assert any("the spec adds learning rates, systems or seeds; its finished runs are kept" in line
+               for line in grown), grown
 
 
 def test_more_rates_grow_the_sweep_stage_and_other_changes_are_refused(tmp_path):

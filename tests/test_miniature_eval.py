@@ -491,13 +491,13 @@ def test_paired_gap_is_the_mean_per_sample_difference_with_its_standard_error():
     seed0 = _samples({(4096, 0): (0, 0.5, -3), (4096, 1): (0, 0.3, -4), (4096, 2): (0, 0.1, -5), (8192, 0): (0, 1, -1)})
     seed1 = _samples({(4096, 0): (0, 0.3, -3), (4096, 1): (0, 0.1, -4), (4096, 2): (0, 0.1, -5)})
     theirs = _samples({(4096, 0): (0, 0.2, -3), (4096, 1): (0, 0.2, -4), (4096, 2): (0, 0.0, -5)})
-    gap = paired_gap([seed0, seed1], theirs, "answer_token_accuracy", 4096)
+    gap = paired_gap([seed0, seed1], [theirs], "answer_token_accuracy", 4096)
     # per sample: mine 0.4, 0.2, 0.1 against 0.2, 0.2, 0.0: differences 0.2, 0.0, 0.1
     assert gap["n"] == 3 and gap["gap"] == pytest.approx(0.1) and gap["mine"] == pytest.approx(0.7 / 3)
     assert gap["se"] == pytest.approx(math.sqrt(((0.1) ** 2 + 0.1 ** 2 + 0) / 2 / 3))
-    assert paired_gap([seed0, seed1], theirs, "answer_token_accuracy", 8192) is None  # seed 1 and theirs lack it
+    assert paired_gap([seed0, seed1], [theirs], "answer_token_accuracy", 8192) is None  # seed 1 and theirs lack it
     other_prompt = _samples({(4096, 0): (0, 0.2, -3), (4096, 1): (0, 0.2, -4)}, answers="7654321")
-    assert paired_gap([seed0], other_prompt, "answer_token_accuracy", 4096) is None  # not the same prompts
+    assert paired_gap([seed0], [other_prompt], "answer_token_accuracy", 4096) is None  # not the same prompts
 
 
 @pytest.mark.parametrize("mine, theirs, verdict", [
@@ -600,3 +600,63 @@ def test_table1_names_the_rate_of_a_run_trained_without_a_sweep_point():
     assert rows["gdn"]["best_lr"] == 0.003 and rows["gdn"]["sweep_val_loss"] is None
     assert rows["transformer"]["best_lr"] == 0.004 and rows["transformer"]["sweep_val_loss"] == 6.0
     assert table1(["transformer"], {"transformer": {"val_curve": []}}, sweep)["rows"]["transformer"]["best_lr"] == 0.002
+
+
+def test_eval_jobs_take_every_seed_of_every_system(tmp_path):
+    """Seeds are names SYSTEM_sN of any ladder system (--seed-systems) and any N (--seeds), not a fixed list:
+    each gets its RULER and lm-eval jobs, the NAtS-L ones their routing job, and the ppl job takes them all."""
+    from natsl.miniature.evaluate import is_routed, ordered, seeds_of, split_seed
+
+    assert split_seed("natsl_hybrid_s3") == ("natsl_hybrid", 3) and split_seed("gdn_swa_s12") == ("gdn_swa", 12)
+    for plain in ("gdn_swa", "natsl_hybrid", "natsl_hybrid_s0", "natsl_hybrid_s01", "llama_s1", "natsl_hybrid_mix_x"):
+        assert split_seed(plain) == (plain, 0), plain
+    names = ["natsl_hybrid_s3", "gdn_hybrid_s1", "natsl_hybrid_chunk128", "gdn_hybrid", "natsl_hybrid",
+             "natsl_hybrid_s1", "transformer", "llama"]
+    assert ordered(names) == ["transformer", "gdn_hybrid", "gdn_hybrid_s1", "natsl_hybrid", "natsl_hybrid_s1",
+                              "natsl_hybrid_s3", "natsl_hybrid_chunk128", "llama"]
+    assert seeds_of("natsl_hybrid", names) == ["natsl_hybrid", "natsl_hybrid_s1", "natsl_hybrid_s3"]
+    assert [n for n in ordered(names) if is_routed(n)] == ["natsl_hybrid", "natsl_hybrid_s1", "natsl_hybrid_s3",
+                                                          "natsl_hybrid_chunk128"]
+    data = tmp_path / "data"
+    data.mkdir()
+    runs = {name: tmp_path / "runs" / name for name in ("natsl_hybrid", "natsl_hybrid_s3", "gdn_hybrid",
+                                                        "gdn_hybrid_s1", "llama")}
+    jobs = {j.name: j for j in eval_jobs(runs, data, tmp_path / "eval", device="cpu", quick=True)}
+    assert {"ruler_natsl_hybrid_s3", "ruler_gdn_hybrid_s1", "routing_natsl_hybrid_s3"} <= set(jobs)
+    assert "routing_gdn_hybrid_s1" not in jobs and not any("llama" in name for name in jobs)
+    assert jobs["ppl"].systems == ["gdn_hybrid", "gdn_hybrid_s1", "natsl_hybrid", "natsl_hybrid_s3"]
+
+
+def test_the_claims_judge_baselines_by_the_mean_of_their_seeds():
+    """With --seed-systems the Transformer and the GDN Hybrid have seeds too: each is judged by its mean, as the
+    NAtS-L Hybrid is, on perplexity, extrapolation and the paired needle samples."""
+    from natsl.miniature.report import claims
+
+    def row(loss):
+        return {"val_curve": [[100, loss + 1.0], [200, loss]], "tokens": 200, "perplexity": math.exp(loss)}
+
+    # the GDN Hybrid's seed 0 alone (1.79) is below the NAtS-L Hybrid's 1.80; its mean (1.82) is not
+    rows = {"natsl_hybrid": row(1.80), "transformer": row(2.1), "transformer_s1": row(2.0),
+            "gdn_hybrid": row(1.79), "gdn_hybrid_s1": row(1.85)}
+    claim = claims({"rows": rows, "cut_short": []}, {}, {}, {}, {})[0]
+    assert claim["verdict"] == "holds", claim
+    assert "gdn_hybrid 1.820 (ppl 6.172; mean of 2 seeds, min 1.790, max 1.850)" in claim["numbers"], claim
+
+    def measured(last):
+        return {"loss_last_bucket": last, "last_bucket": [768, 1024], "train_seq_len": 256, "last_vs_within": 1.0}
+
+    ppl = {"natsl_hybrid": measured(3.1), "transformer": measured(4.0), "gdn_hybrid": measured(3.0),
+           "gdn_hybrid_s2": measured(3.4)}
+    extrapolation = claims({"rows": {}}, ppl, {}, {}, {}, window=1024)[1]
+    assert extrapolation["verdict"] == "holds" and "gdn_hybrid mean of 2 seeds 3.200" in extrapolation["numbers"]
+
+    def system(accuracies):
+        return _samples({(4096, i): (0.0, a, -5.0) for i, a in enumerate(accuracies)})
+
+    zero = {"lengths": {"4096": 0.0}}
+    # the GDN Hybrid's seed 0 matches the NAtS-L Hybrid; its seed 1 is far behind: the means differ beyond the noise
+    samples = {"natsl_hybrid": system([0.5, 0.6, 0.4, 0.5]), "gdn_hybrid": system([0.5, 0.6, 0.4, 0.5]),
+               "gdn_hybrid_s1": system([0.1, 0.0, 0.1, 0.0])}
+    needle = next(c for c in claims({"rows": {}}, {}, {"natsl_hybrid": zero, "gdn_hybrid": zero}, {}, {},
+                                    samples=samples) if "needle" in c["claim"])
+    assert needle["verdict"] == "holds" and "gdn_hybrid of its 2" in needle["numbers"], needle

@@ -77,7 +77,10 @@ def miniature(
     lrs: str = typer.Option("0.001,0.002,0.004,0.008", help="Learning rates swept for every system."),
     sweep_tokens: int = typer.Option(10_000_000, help="Tokens per sweep run."),
     train_tokens: int = typer.Option(100_000_000, help="Tokens per full run."),
-    seeds: str = typer.Option("0,1,2", help="Seeds of the NAtS-L Hybrid's full runs."),
+    seeds: str = typer.Option("0,1,2", help="Seeds of the full runs of --seed-systems."),
+    seed_systems: str = typer.Option("natsl_hybrid", help="Systems trained over --seeds, comma separated, or all "
+                                                          "(the baselines' spread over seeds measured too); the "
+                                                          "others train seed 0."),
     rates: Optional[str] = typer.Option(None, metavar="SYSTEM=RATE,...",
                                         help="Learning rates for the train stage in place of the sweep's best, "
                                              "e.g. from docs/miniature.md's sweep (training then needs no sweep)."),
@@ -127,6 +130,8 @@ def miniature(
                          "and the deadline")
     chosen_systems = _names(systems, "--systems", LADDER, "system", "give distinct names from", distinct=True)
     chosen_evals = _names(evals, "--evals", EVALS, "evaluation", "choose from")
+    seeded = LADDER if seed_systems.strip() == "all" else _names(seed_systems, "--seed-systems", LADDER, "system",
+                                                                 "give all or distinct names from", distinct=True)
     if tokenizer is not None:
         from natsl.files import real_path
 
@@ -141,7 +146,7 @@ def miniature(
         raise NatslError(f"--device {device!r}: give cpu or cuda")
     opts = MiniatureOptions(out=Path(out), data=Path(data), tokenizer=Path(tokenizer) if tokenizer else None,
                             lrs=_floats(lrs, "--lrs"), sweep_tokens=sweep_tokens,
-                            train_tokens=train_tokens, seeds=_ints(seeds, "--seeds"),
+                            train_tokens=train_tokens, seeds=_ints(seeds, "--seeds"), seed_systems=seeded,
                             rates=_rates(rates) if rates is not None else {}, systems=chosen_systems, micro_batch=micro_batch,
                             sweep_micro_batch=sweep_micro_batch, max_parallel=max_parallel, device=device, deadline_s=deadline,
                             eval_reserve_s=eval_reserve, stages=chosen, evals=chosen_evals,

@@ -35,10 +35,8 @@ from natsl.files import read_json
 from natsl.miniature.pipeline import ABLATIONS as ABLATION_SETS
 from natsl.miniature.pipeline import LADDER, natsl_command
 
-SEEDS = ("natsl_hybrid_s1", "natsl_hybrid_s2")
 ABLATIONS = tuple(ABLATION_SETS)
-NAMES = LADDER + SEEDS + ABLATIONS
-ROUTED = ("natsl", "natsl_hybrid") + SEEDS + ABLATIONS  # the checkpoints with NAtS-L layers
+ROUTED_SYSTEMS = ("natsl", "natsl_hybrid")  # the ladder's systems with NAtS-L layers (and every ablation)
 COMPARED = ("natsl_hybrid", "natsl")  # NAtS-L at matched KV bytes against ...
 BASELINES = ("transformer", "gdn_swa")  # ... the Transformer's eviction presses and the sliding window
 TIMED = ("natsl_hybrid", "transformer", "gdn_hybrid")  # bench-latency, trained routers
@@ -60,6 +58,45 @@ BUDGETS = "0.125,0.25,0.5,1"
 PRESSES = "snapkv,pyramidkv,adakv"
 SYNTHETIC_DOCS = 24
 SYNTHETIC_PAIRS = 400
+
+
+def split_seed(name: str) -> tuple[str, int]:
+    """(system, seed) of a checkpoint name: SYSTEM_sN names seed N > 0 of a ladder system (the train stage's
+    runs over --seeds, e.g. natsl_hybrid_s1); any other name is seed 0 of itself."""
+    base, sep, digits = name.rpartition("_s")
+    if sep and base in LADDER and digits.isdigit() and digits == str(int(digits)) and int(digits) > 0:
+        return base, int(digits)
+    return name, 0
+
+
+def is_known(name: str) -> bool:
+    """Whether the evaluation stage evaluates this checkpoint name: a ladder system, one's seed, an ablation."""
+    return split_seed(name)[0] in LADDER or name in ABLATIONS
+
+
+def is_routed(name: str) -> bool:
+    """Whether the checkpoint has NAtS-L layers (a router to inspect)."""
+    return split_seed(name)[0] in ROUTED_SYSTEMS or name in ABLATIONS
+
+
+def is_seed(name: str) -> bool:
+    """Whether the name is an extra seed (N > 0) of a ladder system."""
+    return split_seed(name)[1] > 0
+
+
+def seeds_of(system: str, names) -> list[str]:
+    """The names among `names` that are `system` or one of its seeds, seed 0 first."""
+    return sorted((n for n in names if split_seed(n)[0] == system), key=lambda n: split_seed(n)[1])
+
+
+def ordered(names) -> list[str]:
+    """The ladder first, each system followed by its seeds, then the ablations, then any other name."""
+    known = list(LADDER + ABLATIONS)
+
+    def key(name: str):
+        system, seed = split_seed(name)
+        return (known.index(system) if system in known else len(known), system, seed)
+    return sorted(set(names), key=key)
 
 
 @dataclass
@@ -191,8 +228,9 @@ def eval_jobs(checkpoints: dict, corpus, out, *, device: str, quick: bool = Fals
     (name -> run folder, for the report) and, where lm_eval imports or not, the local lm-eval task folder OUT/lm_tasks.
 
     Args:
-        checkpoints: name -> training run folder (or checkpoint folder); names of NAMES, any may be missing
-            (a job whose checkpoints are all missing is left out; names outside NAMES are ignored).
+        checkpoints: name -> training run folder (or checkpoint folder): ladder systems, their seeds
+            (SYSTEM_sN) and ablations, any may be missing (a job whose checkpoints are all missing is left out;
+            other names are ignored).
         corpus: the `natsl tokenize` folder (its validation split and validation_texts/).
         out: the evaluation folder.
         device: --device of every command (cpu, cuda, cuda:N).
@@ -207,7 +245,8 @@ def eval_jobs(checkpoints: dict, corpus, out, *, device: str, quick: bool = Fals
     from natsl.miniature.lm_task import build_lm_tasks
 
     corpus, out = Path(corpus), Path(out)
-    have = {name: Path(checkpoints[name]) for name in NAMES if checkpoints.get(name) is not None}
+    have = {name: Path(checkpoints[name]) for name in ordered(checkpoints)
+            if is_known(name) and checkpoints.get(name) is not None}
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "checkpoints.json", {name: str(path) for name, path in have.items()})
     dev = ["--device", device]
@@ -221,12 +260,12 @@ def eval_jobs(checkpoints: dict, corpus, out, *, device: str, quick: bool = Fals
         jobs.append(EvalJob(name, argv, folder, folder / done_name, out, list(systems), quick=quick, stamp=stamp,
                             **kw))
 
-    ordered = list(have)
-    if ordered:
+    names = list(have)
+    if names:
         max_len, windows = (512, 2) if quick else (PPL_MAX_LEN, 8)
-        job("ppl", natsl_command("eval-ppl", *[have[n] for n in ordered], "--data", corpus, "--split", "validation",
+        job("ppl", natsl_command("eval-ppl", *[have[n] for n in names], "--data", corpus, "--split", "validation",
                                  "--max-len", max_len, "--windows", windows, "--concat", "--no-progress",
-                                 "--out", out / "ppl", *dev), "ppl.json", ordered)
+                                 "--out", out / "ppl", *dev), "ppl.json", names)
     compared = [n for n in COMPARED if n in have]
     baselines = [n for n in BASELINES if n in have]
     if compared and baselines:
@@ -247,7 +286,7 @@ def eval_jobs(checkpoints: dict, corpus, out, *, device: str, quick: bool = Fals
         job("latency", natsl_command("bench-latency", *[x for n in timed for x in ("--checkpoint", have[n])],
                                      *lengths, "--no-progress", "--out", out / "latency", *dev),
             "latency.json", timed, done_key="finished", exclusive=True)
-    routed = [n for n in ROUTED if n in have]
+    routed = [n for n in have if is_routed(n)]
     if routed:
         seq_len = 256 if quick else ROUTING_SEQ_LEN
         synthetic = write_synthetic(out / "synthetic.jsonl")
@@ -259,13 +298,13 @@ def eval_jobs(checkpoints: dict, corpus, out, *, device: str, quick: bool = Fals
                                                  "--out", out / f"routing_{name}", *dev),
                 "routing.json", [name], note=note)
     # the claim's pair first: a deadline that cuts the stage leaves the systems it does not compare
-    for name in sorted((n for n in LADDER + SEEDS if n in have), key=lambda n: n not in NEEDLE_PAIR):
+    for name in sorted((n for n in have if n not in ABLATIONS), key=lambda n: split_seed(n)[0] not in NEEDLE_PAIR):
         # quick: a tiny test vocabulary spells the longest prompt (niah_multiquery) in about 500 tokens
         lengths, samples, new = ("1024,2048", 1, 48) if quick else (RULER_LENGTHS, RULER_SAMPLES, RULER_NEW_TOKENS)
         job(f"ruler_{name}", natsl_command("eval-ruler", have[name], "--lengths", lengths, "--tasks", "all",
                                            "--samples", samples, "--max-new-tokens", new, "--no-progress",
                                            "--out", out / f"ruler_{name}", *dev), "ruler.json", [name])
-    lm_systems = [n for n in LADDER + SEEDS if n in have]
+    lm_systems = [n for n in have if n not in ABLATIONS]
     if lm_systems and (corpus / "validation_texts").is_dir():
         items, docs = (8, 2) if quick else (400, 25)
         tasks = build_lm_tasks(corpus / "validation_texts", out / "lm_tasks", items=items, docs_per_source=docs,

@@ -75,7 +75,9 @@ class MiniatureOptions:
             vocabulary must fit the recipes' model.vocab_size (32000; else --set model.vocab_size=N).
         lrs: the sweep's learning rates (every system, every ablation).
         sweep_tokens / train_tokens: tokens a sweep run / a full run trains (each cosine schedule ends there).
-        seeds: the NAtS-L Hybrid's seeds in the train stage (every other system trains seed 0).
+        seeds: the train stage's seeds of the seed_systems (every other system trains seed 0).
+        seed_systems: the systems (LADDER names) trained over `seeds`: the NAtS-L Hybrid by default, every
+            system for a comparison whose baselines' spread over seeds is measured too (runs SYSTEM_sN).
         rates: system (a SWEPT name) -> the learning rate the train stage gives it in place of the sweep's best:
             rates found by a sweep elsewhere (docs/miniature.md's table), so that training needs no sweep folder;
             a system it leaves out takes the sweep's.
@@ -111,6 +113,7 @@ class MiniatureOptions:
     sweep_tokens: int = 10_000_000
     train_tokens: int = 100_000_000
     seeds: tuple = (0, 1, 2)
+    seed_systems: tuple = ("natsl_hybrid",)
     rates: dict = field(default_factory=dict)
     systems: tuple = LADDER
     micro_batch: int = 8
@@ -187,8 +190,8 @@ def best_rates(sweep_summary: dict) -> dict[str, float]:
 
 
 def train_spec(opts: MiniatureOptions, rates: dict[str, float]) -> dict:
-    """The train stage's spec: the ladder (opts.systems of it) at each system's best rate, train_tokens each; the
-    NAtS-L Hybrid over opts.seeds.
+    """The train stage's spec: the ladder (opts.systems of it) at each system's best rate, train_tokens each;
+    opts.seed_systems over opts.seeds.
 
     Raises:
         NatslError: a system without a best rate (its sweep runs have no validation loss).
@@ -201,7 +204,7 @@ def train_spec(opts: MiniatureOptions, rates: dict[str, float]) -> dict:
             raise NatslError(f"the sweep has no validation loss for {source}; run the sweep stage to its end "
                              f"(natsl miniature --stages sweep) before training, or give its rate: --rates {source}=0.002")
         recipe = f"recipes/{name}.yaml"
-        systems[name] = {"recipe": recipe, "seeds": list(opts.seeds)} if name == "natsl_hybrid" else recipe
+        systems[name] = {"recipe": recipe, "seeds": list(opts.seeds)} if name in opts.seed_systems else recipe
         lrs[name] = [rates[source]]
     return _spec("mini_train", systems, lrs, opts.train_tokens, opts, evals=8, eval_tokens=None)
 
@@ -371,18 +374,19 @@ def _sweep_stage(name: str, spec: dict, opts: MiniatureOptions, remaining, log) 
     folder = opts.out / name
     spec_path = opts.out / "specs" / f"{name}.yaml"
     previous = _summary(folder)
-    if previous is not None and not (spec_path.is_file() and spec_path.read_text(encoding="utf-8") == _spec_text(spec)):
+    same_spec = spec_path.is_file() and spec_path.read_text(encoding="utf-8") == _spec_text(spec)
+    if previous is not None and not same_spec:
         # natsl sweep keeps a finished run by its id, which does not name every setting: runs of another spec
         # (other --sweep-tokens, --train-tokens, --set, --micro-batch) would be taken as this one's. A spec
-        # that only adds rates or systems grows the stage (natsl sweep checks each kept run's settings too).
+        # that only adds rates, systems or seeds grows the stage (natsl sweep checks each kept run's settings too).
         why = _grows(folder, spec)
         if why is not None:
             raise NatslError(f"{folder} holds runs of another spec than {spec_path} now asks for ({why}: --lrs, "
                              f"--seeds, --sweep-tokens, --train-tokens, --micro-batch or --set changed); pass another "
-                             f"--out, or remove {folder} to run the stage again (more --lrs or --systems alone grow it)")
-        log(f"  {folder}: the spec adds learning rates or systems; its finished runs are kept")
+                             f"--out, or remove {folder} to run the stage again (more --lrs, --systems or seeds alone grow it)")
+        log(f"  {folder}: the spec adds learning rates, systems or seeds; its finished runs are kept")
     done, total = finished_runs(previous or {}, failed_final=False)
-    if done == total > 0:
+    if same_spec and done == total > 0:  # a grown spec's new runs are not in the summary yet
         log(f"  {folder}: all {total} runs done: kept")
         return previous
     failed = finished_runs(previous or {})[0] - done
@@ -489,10 +493,10 @@ def estimate_tokens(opts: MiniatureOptions) -> dict[str, float]:
         sweep -= _trained(opts.out / "sweep", opts.sweep_tokens,
                           lambda r: r.get("system") in swept and r.get("lr") in opts.lrs)
     if "train" in opts.stages:
-        hybrid_seeds = len(opts.seeds) - 1 if "natsl_hybrid" in opts.systems else 0
-        train = (len(opts.systems) + hybrid_seeds) * opts.train_tokens
+        runs = sum(len(opts.seeds) if name in opts.seed_systems else 1 for name in opts.systems)
+        train = runs * opts.train_tokens
         train -= _trained(opts.out / "train", opts.train_tokens,
-                          lambda r: r.get("system") in opts.systems and (r.get("system") != "natsl_hybrid"
+                          lambda r: r.get("system") in opts.systems and (r.get("system") not in opts.seed_systems
                                                                           or r.get("seed") in opts.seeds))
     return {"sweep": float(sweep), "train": float(train), "total": float(sweep + train)}
 
@@ -531,7 +535,9 @@ def describe(opts: MiniatureOptions) -> str:
     """What the run trains, with a time estimate, for the start of the command's output."""
     tokens = estimate_tokens(opts)
     swept = len(swept_systems(opts))
-    seeds = f" (NAtS-L Hybrid x {len(opts.seeds)} seeds)" if "natsl_hybrid" in opts.systems else ""
+    seeded = [name for name in opts.systems if name in opts.seed_systems]
+    seeds = ("" if not seeded or len(opts.seeds) < 2 else f" (NAtS-L Hybrid x {len(opts.seeds)} seeds)"
+             if seeded == ["natsl_hybrid"] else f" ({len(seeded)} of them x {len(opts.seeds)} seeds)")
     parts = []
     if "sweep" in opts.stages:
         parts.append(f"{swept} systems x {len(opts.lrs)} rates x {opts.sweep_tokens / 1e6:g}M tokens")

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from natsl.miniature.evaluate import ABLATIONS, LADDER, ROUTED, SEEDS
+from natsl.miniature.evaluate import ABLATIONS, LADDER, is_routed, is_seed, ordered, seeds_of, split_seed
 
 NOT_MEASURED = "not measured"
 # A routing group whose kept fraction is within this of 0 or 1 everywhere routes per head (it keeps all of
@@ -145,9 +145,16 @@ def system_of(path, label, checkpoints: dict[str, Path], root: Path | None = Non
 
 
 def order(names) -> list[str]:
-    """The ladder first, then the seeds, the ablations, and any other name."""
-    known = list(LADDER + SEEDS + ABLATIONS)
-    return sorted(set(names), key=lambda n: (known.index(n) if n in known else len(known), n))
+    """The ladder first (each system followed by its seeds), then the ablations, and any other name."""
+    return ordered(names)
+
+
+def eval_names(root: Path, kind: str) -> list[str]:
+    """The checkpoint names with an evaluation folder root/eval/KIND_NAME."""
+    folder = root / "eval"
+    if not folder.is_dir():
+        return []
+    return [p.name[len(kind) + 1:] for p in folder.iterdir() if p.is_dir() and p.name.startswith(kind + "_")]
 
 
 # ----------------------------------------------------------------------------- formatting
@@ -251,9 +258,7 @@ def table1(names, training: dict, sweep: dict | None) -> dict:
 def seeds_at(t1: dict, system: str = "natsl_hybrid") -> dict | None:
     """The mean over a system's seeds (itself and SYSTEM_sN) of their matched-token losses, with min, max and n."""
     rows = t1["rows"]
-    losses = [rows[n]["val_loss_matched"] for n in rows if (n == system or (n.startswith(f"{system}_s")
-                                                                                and n[len(system) + 2:].isdigit()))
-              and rows[n]["val_loss_matched"] is not None]
+    losses = [rows[n]["val_loss_matched"] for n in seeds_of(system, rows) if rows[n]["val_loss_matched"] is not None]
     if not losses:
         return None
     return {"mean": sum(losses) / len(losses), "min": min(losses), "max": max(losses), "n": len(losses)}
@@ -398,7 +403,8 @@ def routing_verdict(datasets: list[dict]) -> dict:
 
 def routing_section(root: Path, problems) -> dict:
     out = {}
-    for name in order(n for n in ROUTED if (root / "eval" / f"routing_{n}" / "routing.json").is_file()):
+    for name in order(n for n in eval_names(root, "routing")
+                      if is_routed(n) and (root / "eval" / f"routing_{n}" / "routing.json").is_file()):
         data = _read(root / "eval" / f"routing_{name}" / "routing.json", problems)
         if not isinstance(data, dict):
             continue
@@ -426,7 +432,7 @@ def routing_over_training(checkpoints: dict[str, Path], training: dict[str, dict
     from natsl.files import read_json_records
 
     out = {}
-    for name in order(n for n in ROUTED if n in checkpoints or n in training):
+    for name in order(n for n in {*checkpoints, *training} if is_routed(n)):
         places = [checkpoints.get(name), Path(training[name]["run"]) if name in training else None]
         path = next((pl / sub / "metrics.jsonl" for pl in places if pl is not None for sub in (".", "train")
                      if (pl / sub / "metrics.jsonl").is_file()), None)
@@ -589,19 +595,20 @@ def read_ruler_samples(path: Path, problems: list[str]) -> dict | None:
     return samples
 
 
-def paired_gap(mine: list[dict], theirs: dict, key: str, length: int) -> dict | None:
-    """The samples of `length` that every one of `mine` (a system's seeds) and `theirs` scored on `key`, for
-    the same prompt (equal answers): the mean over samples of (my seeds' mean - theirs), its standard error,
-    both sides' means and the count; None for fewer than two such samples."""
+def paired_gap(mine: list[dict], theirs: list[dict], key: str, length: int) -> dict | None:
+    """The samples of `length` that every one of `mine` (a system's seeds) and of `theirs` (the other's seeds)
+    scored on `key`, for the same prompt (equal answers): the mean over samples of (my seeds' mean - their
+    seeds' mean), its standard error, both sides' means and the count; None for fewer than two such samples."""
     diffs, ours, others = [], [], []
-    for sample_key, their in theirs.items():
-        if sample_key[1] != length or their.get(key) is None:
+    for sample_key, first in theirs[0].items():
+        if sample_key[1] != length:
             continue
-        seeds = [m.get(sample_key) for m in mine]
-        if any(s is None or s.get(key) is None or s.get("answers") != their.get("answers") for s in seeds):
+        mine_at, theirs_at = [m.get(sample_key) for m in mine], [t.get(sample_key) for t in theirs]
+        if any(s is None or s.get(key) is None or s.get("answers") != first.get("answers")
+               for s in mine_at + theirs_at):
             continue
-        ours.append(sum(s[key] for s in seeds) / len(seeds))
-        others.append(their[key])
+        ours.append(sum(s[key] for s in mine_at) / len(mine_at))
+        others.append(sum(s[key] for s in theirs_at) / len(theirs_at))
         diffs.append(ours[-1] - others[-1])
     n = len(diffs)
     if n < 2:
@@ -616,11 +623,11 @@ def needle_claim_from_samples(samples: dict, lengths: list[int]) -> dict | None:
     its seeds) and the GDN Hybrid at every RULER length >= 4K, on the first SAMPLE_MEASURES that tells them
     apart: holds where the NAtS-L Hybrid is ahead by more than NEEDLE_SE standard errors at every length, fails
     where it is behind by more at some length, else inconclusive. None without both systems' samples."""
-    mine = [samples[n] for n in ("natsl_hybrid",) + SEEDS if samples.get(n)]
-    theirs = samples.get("gdn_hybrid")
-    if not samples.get("natsl_hybrid") or not theirs or not lengths:
+    mine = [samples[n] for n in seeds_of("natsl_hybrid", samples) if samples.get(n)]
+    theirs = [samples[n] for n in seeds_of("gdn_hybrid", samples) if samples.get(n)]
+    if not samples.get("natsl_hybrid") or not samples.get("gdn_hybrid") or not lengths:
         return None
-    seeds = f"{len(mine)} seed(s)"
+    seeds = f"{len(mine)} seed(s)" + (f", gdn_hybrid of its {len(theirs)}" if len(theirs) > 1 else "")
     for i, (key, what) in enumerate(SAMPLE_MEASURES):
         gaps = {n: paired_gap(mine, theirs, key, n) for n in lengths}
         if any(g is None for g in gaps.values()):
@@ -658,16 +665,25 @@ def claims(t1, ppl, ruler, routing, compare, window=None, samples=None) -> list[
     # 1. validation perplexity, at the largest token count that the claim's runs (the NAtS-L Hybrid's seeds, the
     # Transformer, the GDN Hybrid) all reached: runs stopped by deadlines differ, and a slower system left out of
     # the claim need not hold it back
+    # the Transformer and the GDN Hybrid over their own seeds where they trained several (--seed-systems), each
+    # judged by its mean as the NAtS-L Hybrid is
     others = ("transformer", "gdn_hybrid")
-    mine_names = [n for n in rows if n == "natsl_hybrid" or (n.startswith("natsl_hybrid_s") and n[14:].isdigit())]
-    claim_rows = {n: rows[n] for n in (*mine_names, *others) if n in rows}
+    mine_names = seeds_of("natsl_hybrid", rows)
+    their_names = {o: seeds_of(o, rows) for o in others}
+    claim_rows = {n: rows[n] for n in (*mine_names, *[n for o in others for n in their_names[o]])}
     matched = matched_tokens({n: r["val_curve"] for n, r in claim_rows.items()}) if claim_rows and all(
         r["val_curve"] for r in claim_rows.values()) else None
     at = {n: (loss_at(r["val_curve"], matched) if matched is not None else None) for n, r in claim_rows.items()}
-    mine_losses = [at[n] for n in mine_names if at.get(n) is not None]
-    mine = ({"mean": sum(mine_losses) / len(mine_losses), "min": min(mine_losses), "max": max(mine_losses),
-             "n": len(mine_losses)} if mine_losses else None)
-    theirs = {n: at.get(n) for n in others}
+
+    def over_seeds(names: list[str]) -> dict | None:
+        losses = [at[n] for n in names if at.get(n) is not None]
+        return ({"mean": sum(losses) / len(losses), "min": min(losses), "max": max(losses), "n": len(losses),
+                 "losses": losses} if losses else None)
+
+    mine = over_seeds(mine_names)
+    mine_losses = mine["losses"] if mine else []
+    their = {o: over_seeds(their_names[o]) for o in others}
+    theirs = {o: (t["mean"] if t else None) for o, t in their.items()}
     claim = "NAtS-L Hybrid's validation perplexity is at most the Transformer's and GDN Hybrid's"
     if matched is not None and mine and all(v is not None for v in theirs.values()):
         ok = mine["mean"] <= min(theirs.values())
@@ -682,7 +698,10 @@ def claims(t1, ppl, ruler, routing, compare, window=None, samples=None) -> list[
                    + f": natsl_hybrid {fmt(mine['mean'])} (ppl {fmt(math.exp(mine['mean']))}; mean of "
                    f"{mine['n']} seed(s), min {fmt(mine['min'])}, max {fmt(mine['max'])}; {below} of "
                    f"{mine['n']} seed(s) at most both), "
-                   + ", ".join(f"{n} {fmt(v)} (ppl {fmt(math.exp(v))})" for n, v in theirs.items()))
+                   + ", ".join(f"{n} {fmt(v)} (ppl {fmt(math.exp(v))}"
+                               + (f"; mean of {their[n]['n']} seeds, min {fmt(their[n]['min'])}, max "
+                                  f"{fmt(their[n]['max'])}" if their[n]["n"] > 1 else "") + ")"
+                               for n, v in theirs.items()))
         out.append({"claim": claim, "verdict": _verdict(ok), "numbers": numbers})
     else:
         systems = ("natsl_hybrid", *others)
@@ -710,13 +729,18 @@ def claims(t1, ppl, ruler, routing, compare, window=None, samples=None) -> list[
                                f"length {train or '?'})"})
     else:
         # the NAtS-L Hybrid's seeds that eval-ppl measured too: judged on their mean, as claim 1
-        measured = [n for n in ("natsl_hybrid",) + SEEDS if n == "natsl_hybrid" or (ppl.get(n) or {}).get(
-            "loss_last_bucket") is not None]
-        last = {n: ppl[n]["loss_last_bucket"] for n in (*measured, *three[1:])}
+        # and the baselines' seeds, each baseline by its mean
+        def runs_of(system: str) -> list[str]:
+            return [n for n in seeds_of(system, ppl) if (ppl.get(n) or {}).get("loss_last_bucket") is not None]
+
+        measured = runs_of("natsl_hybrid")
+        their_runs = {o: runs_of(o) for o in three[1:]}
+        last = {n: ppl[n]["loss_last_bucket"] for n in (*measured, *[n for o in three[1:] for n in their_runs[o]])}
         spans = {tuple(ppl[n]["last_bucket"] or ()) for n in last}
         beyond = all((ppl[n]["last_bucket"] or [0])[0] >= (ppl[n]["train_seq_len"] or 0) for n in last)
         mean = sum(last[n] for n in measured) / len(measured)
-        best_other = min(last["transformer"], last["gdn_hybrid"])
+        their_mean = {o: sum(last[n] for n in runs) / len(runs) for o, runs in their_runs.items()}
+        best_other = min(their_mean.values())
         ok = mean < best_other if beyond else None
         span = ppl["natsl_hybrid"]["last_bucket"]
         where = f"tokens {span[0]}-{span[1]}" if span else "the last bucket"
@@ -726,6 +750,8 @@ def claims(t1, ppl, ruler, routing, compare, window=None, samples=None) -> list[
         numbers = (f"loss at {where} ({window / train:g}x the training length {train}"
                    + ("" if beyond else "; the last bucket is not beyond it for all")
                    + ("" if len(spans) == 1 else "; the systems' last buckets differ") + "): " + seeds
+                   + "".join(f"{o} mean of {len(runs)} seeds {fmt(their_mean[o])}; "
+                             for o, runs in their_runs.items() if len(runs) > 1)
                    + ", ".join(f"{n} {fmt(last[n])} ({fmt(ppl[n]['last_vs_within'])}x its loss within the "
                                "training length)" for n in last))
         out.append({"claim": claim, "verdict": _verdict(ok), "numbers": numbers})
@@ -788,9 +814,10 @@ def claims(t1, ppl, ruler, routing, compare, window=None, samples=None) -> list[
     out.append({"claim": "NAtS-L Hybrid keeps at most half of the Transformer's KV bytes", "verdict": _verdict(ok),
                 "numbers": "; ".join(parts) or "neither inspect-routing nor compare measured natsl_hybrid"})
     # 5. routing per source in every seed
-    seeds = [n for n in ("natsl_hybrid",) + SEEDS if n in routing]
+    seeds = seeds_of("natsl_hybrid", routing)
     spreads = {n: routing[n].get("max_spread_over_sources") for n in seeds}
-    missing = [n for n in ("natsl_hybrid",) + SEEDS if n not in routing]
+    # the seeds trained (Table 1) that inspect-routing did not measure
+    missing = [n for n in seeds_of("natsl_hybrid", {*rows, "natsl_hybrid"}) if n not in routing]
     ok = None if not seeds or any(v is None for v in spreads.values()) else all(v > SOURCE_TOL for v in spreads.values())
     if missing and ok:  # "every seed" is not shown by fewer seeds; a seed that fails it is shown
         ok = None
@@ -859,7 +886,7 @@ def _plots(folder: Path, t1, ppl, ruler, routing, over_training=None) -> list[st
                 pts = sorted((int(n), v) for n, v in (part.get("lengths") or {}).items() if _num(v) is not None)
                 if pts:
                     ax.plot(*zip(*pts), marker="o", color=colours[name], label=name,
-                            linestyle="--" if name in SEEDS else "-")
+                            linestyle="--" if is_seed(name) else "-")
             ax.set_xscale("log", base=2)
             ax.set_xlabel("context length (tokens)")
             ax.set_ylabel("mean over tasks")
@@ -989,7 +1016,8 @@ def write_report(root) -> Path:
     window = (ppl_json or {}).get("max_len")
     quick = quick_mode(status)
     ruler = {}
-    for name in order(n for n in LADDER + SEEDS if (root / "eval" / f"ruler_{n}" / "ruler.json").is_file()):
+    for name in order(n for n in eval_names(root, "ruler") if split_seed(n)[0] in LADDER
+                      and (root / "eval" / f"ruler_{n}" / "ruler.json").is_file()):
         data = _read(root / "eval" / f"ruler_{name}" / "ruler.json", problems)
         if isinstance(data, dict):
             ruler[name] = {"tasks": data.get("tasks") or {}, "lengths": data.get("lengths") or {},
@@ -1032,10 +1060,11 @@ def write_report(root) -> Path:
                              fmt(r["best_lr"], 3) if r["best_lr"] is not None else "-", fmt(r["sweep_val_loss"]),
                              fmt_tokens(r["tokens"]), str(r["status"] or "-").split(" (")[0], fmt(r["val_loss"]), fmt(r["perplexity"]),
                              fmt(r["val_loss_matched"])] for n, r in rows.items()]))
-        mine = seeds_at(t1)
-        if mine and mine["n"] > 1:
-            md.append(f"\nnatsl_hybrid over its {mine['n']} seeds at {fmt_tokens(matched)} tokens: mean "
-                      f"{fmt(mine['mean'])}, min {fmt(mine['min'])}, max {fmt(mine['max'])}.")
+        for system in order(split_seed(n)[0] for n in rows):
+            mine = seeds_at(t1, system)
+            if mine and mine["n"] > 1:
+                md.append(f"\n{system} over its {mine['n']} seeds at {fmt_tokens(matched)} tokens: mean "
+                          f"{fmt(mine['mean'])}, min {fmt(mine['min'])}, max {fmt(mine['max'])}.")
     else:
         md.append(NOT_MEASURED)
     md.append("\n## Learning-rate sweep\n")
@@ -1103,7 +1132,7 @@ def write_report(root) -> Path:
                                [[d["name"], fmt(d["keep_fraction"]), fmt(d["kv_ratio"]),
                                  *[" / ".join(fmt(g, 2) for g in layer["group_keep_fraction"] or [])
                                    for layer in d["layers"]]] for d in r["datasets"]]))
-        seeds = [n for n in ("natsl_hybrid",) + SEEDS if n in routing]
+        seeds = seeds_of("natsl_hybrid", routing)
         if len(seeds) > 1:
             md.append("\nAcross seeds (kept fraction per source):\n")
             sources = list(dict.fromkeys(d["name"] for n in seeds for d in routing[n]["datasets"]))

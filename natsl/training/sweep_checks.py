@@ -211,8 +211,9 @@ RUN_PLACE_FIELDS = ("out", "train_deadline", "deadline", "recipe")
 
 
 def spec_grows(old_spec: dict, spec: dict) -> Optional[str]:
-    """Whether `spec` differs from `old_spec` only in its learning rates and by more systems, each earlier
-    system's entry unchanged: None if so, else what differs (one phrase). `grown_from` checks the runs too."""
+    """Whether `spec` differs from `old_spec` only in its learning rates, by more systems and by more seeds of
+    a system (its own `seeds:`, every earlier seed kept), each earlier system's entry otherwise unchanged: None
+    if so, else what differs (one phrase). `grown_from` checks the runs too."""
     old_spec, spec = _plain(old_spec), _plain(spec)
     for key in sorted((set(old_spec) | set(spec)) - {"lrs", "systems"}):
         if old_spec.get(key) != spec.get(key):
@@ -220,10 +221,28 @@ def spec_grows(old_spec: dict, spec: dict) -> Optional[str]:
     old_systems, systems = old_spec.get("systems"), spec.get("systems")
     if not isinstance(old_systems, dict) or not isinstance(systems, dict):
         return "'systems' differs"
+    spec_seeds = spec.get("seeds", [0])
     for system, entry in old_systems.items():
-        if systems.get(system) != entry:
+        if systems.get(system) != entry and not _adds_seeds(entry, systems.get(system), spec_seeds):
             return f"system {system!r} differs"
     return None
+
+
+def _adds_seeds(old_entry: Any, entry: Any, spec_seeds: Any) -> bool:
+    """Whether a system's entry differs from its old one only by seeds added (a recipe path alone reads as a
+    mapping with the spec's seeds): its finished runs are then runs of the new entry too."""
+    def parts(value: Any) -> Optional[dict]:
+        value = {"recipe": value} if isinstance(value, str) else value
+        if not isinstance(value, dict):
+            return None
+        seeds = value.get("seeds", spec_seeds)
+        return {**value, "seeds": seeds} if isinstance(seeds, list) else None
+
+    old, new = parts(old_entry), parts(entry)
+    if old is None or new is None:
+        return False
+    same_rest = {k: v for k, v in old.items() if k != "seeds"} == {k: v for k, v in new.items() if k != "seeds"}
+    return same_rest and all(seed in new["seeds"] for seed in old["seeds"])
 
 
 def grown_from(previous: dict, spec: dict, runs: list[dict]) -> Optional[str]:
@@ -280,7 +299,7 @@ def check_out_folder(out: Path, name: str, spec: dict, run_folders: list[Path],
             if why is not None:
                 raise NatslError(f"--out {str(out)!r} holds the sweep {previous.get('name')!r} of another spec ({why}); "
                                  "pass a new --out folder (the same spec again resumes its sweep there, and one that "
-                                 "only adds learning rates or systems grows it)")
+                                 "only adds learning rates, systems or a system's seeds grows it)")
             grown = len(runs or []) - len(previous.get("runs") or [])
     elif any((out / f).exists() or (out / f).is_symlink() for f in SUMMARY_FILES):
         raise NatslError(f"--out {str(out)!r} holds a summary but no sweep.json; pass a new --out folder")
