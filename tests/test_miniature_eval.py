@@ -20,7 +20,8 @@ from natsl.eval.haystack import essay_text
 from natsl.eval.ruler import summarize
 from natsl.miniature.evaluate import EvalJob, eval_jobs, run_jobs
 from natsl.miniature.lm_task import build_lm_tasks
-from natsl.miniature.report import locate, matched_tokens, write_report
+from natsl.miniature.report import write_report
+from natsl.miniature.results import locate, matched_tokens
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEMS = {"natsl_hybrid": [], "transformer": ["model.base_layer=attention", "model.natsl_layers=[]"]}
@@ -360,7 +361,7 @@ def test_report_judges_extrapolation_beyond_the_training_length(tmp_path):
 
 
 def test_needles_at_zero_for_both_systems_are_inconclusive_not_failed():
-    from natsl.miniature.report import claims
+    from natsl.miniature.claims import claims
 
     def ruler(scores):
         return {"lengths": {str(n): v for n, v in scores.items()}}
@@ -375,7 +376,7 @@ def test_needles_at_zero_for_both_systems_are_inconclusive_not_failed():
 
 @pytest.mark.parametrize("mine, theirs, verdict", [(0.4, 0.3, "holds"), (0.3, 0.4, "fails")])
 def test_needles_at_zero_are_judged_by_the_teacher_forced_score_where_both_have_it(mine, theirs, verdict):
-    from natsl.miniature.report import claims
+    from natsl.miniature.claims import claims
 
     def ruler(forced):
         return {"lengths": {"4096": 0.0, "8192": 0.0},
@@ -393,7 +394,7 @@ def test_needles_at_zero_are_judged_by_the_teacher_forced_score_where_both_have_
 @pytest.mark.parametrize("mine, theirs, verdict", [(-3.5, -4.0, "holds"), (-4.5, -4.0, "fails"), (None, -4.0, "inconclusive")])
 def test_needles_no_model_predicts_are_judged_by_their_log_probability(mine, theirs, verdict):
     """Both hybrids at 0 by string match and by answer tokens predicted: the answer tokens' log-probability decides."""
-    from natsl.miniature.report import claims
+    from natsl.miniature.claims import claims
 
     def ruler(logprob):
         zero = {"lengths": {"4096": 0.0}}
@@ -427,7 +428,7 @@ def test_routing_sources_count_tokens_where_bytes_cannot_tell(corpus, tmp_path):
 def test_routing_over_training_from_metrics(tmp_path):
     """Kept fraction per routing group over training, from natsl train's metrics.jsonl (a line cut by a kill is
     skipped), averaged into spans of tokens; the report shows it as a table and a map."""
-    from natsl.miniature.report import TRAINING_ROUTE_POINTS, routing_over_training
+    from natsl.miniature.sections import TRAINING_ROUTE_POINTS, routing_over_training
 
     run = tmp_path / "train" / "runs" / "a" / "train"
     run.mkdir(parents=True)
@@ -486,7 +487,7 @@ def _samples(values: dict, answers: str = "1234567") -> dict:
 
 
 def test_paired_gap_is_the_mean_per_sample_difference_with_its_standard_error():
-    from natsl.miniature.report import paired_gap
+    from natsl.miniature.claims import paired_gap
 
     seed0 = _samples({(4096, 0): (0, 0.5, -3), (4096, 1): (0, 0.3, -4), (4096, 2): (0, 0.1, -5), (8192, 0): (0, 1, -1)})
     seed1 = _samples({(4096, 0): (0, 0.3, -3), (4096, 1): (0, 0.1, -4), (4096, 2): (0, 0.1, -5)})
@@ -505,7 +506,7 @@ def test_paired_gap_is_the_mean_per_sample_difference_with_its_standard_error():
     ((0.5, 0.0, 0.4, 0.0), (0.1, 0.3, 0.0, 0.3), "inconclusive"),  # ahead on average, within the noise
     ((0.0, 0.1, 0.0, 0.1), (0.5, 0.6, 0.4, 0.5), "fails")])
 def test_the_needle_claim_is_judged_on_paired_samples_beyond_their_noise(mine, theirs, verdict):
-    from natsl.miniature.report import claims
+    from natsl.miniature.claims import claims
 
     def system(accuracies):
         return _samples({(n, i): (0.0, a, -5.0) for n in (4096, 8192) for i, a in enumerate(accuracies)})
@@ -520,7 +521,7 @@ def test_the_needle_claim_is_judged_on_paired_samples_beyond_their_noise(mine, t
 
 
 def test_the_needle_claim_takes_every_seed_and_falls_to_the_log_probability():
-    from natsl.miniature.report import claims
+    from natsl.miniature.claims import claims
 
     def system(logprobs):
         return _samples({(4096, i): (0.0, 0.0, lp) for i, lp in enumerate(logprobs)})
@@ -540,7 +541,7 @@ def test_the_needle_claim_takes_every_seed_and_falls_to_the_log_probability():
 
 
 def test_ruler_samples_are_read_bounded_and_a_bad_file_is_left_out(tmp_path):
-    from natsl.miniature.report import read_ruler_samples
+    from natsl.miniature.claims import read_ruler_samples
 
     path = tmp_path / "ruler_samples.jsonl"
     rows = [{"task": "niah_single_1", "length": 4096, "index": i, "answers": ["1"], "score": 0.0,
@@ -556,7 +557,7 @@ def test_ruler_samples_are_read_bounded_and_a_bad_file_is_left_out(tmp_path):
 
 
 def test_extrapolation_is_judged_on_the_mean_of_the_hybrid_seeds():
-    from natsl.miniature.report import claims
+    from natsl.miniature.claims import claims
 
     def measured(last):
         return {"loss_last_bucket": last, "last_bucket": [768, 1024], "train_seq_len": 256, "last_vs_within": 1.0}
@@ -573,7 +574,7 @@ def test_extrapolation_is_judged_on_the_mean_of_the_hybrid_seeds():
 
 
 def test_perplexity_claim_says_how_many_seeds_hold_it_alone():
-    from natsl.miniature.report import claims
+    from natsl.miniature.claims import claims
 
     def row(loss):
         return {"val_curve": [[100, loss + 1.0], [200, loss]], "tokens": 200, "perplexity": math.exp(loss)}
@@ -592,7 +593,7 @@ def test_perplexity_claim_says_how_many_seeds_hold_it_alone():
 def test_table1_names_the_rate_of_a_run_trained_without_a_sweep_point():
     """Table 1's rate is the one each run trained at: a run given its rate by --rates has no sweep point, and one
     whose --rates overrode the sweep's best shows the rate it had (beside the sweep point's loss)."""
-    from natsl.miniature.report import table1
+    from natsl.miniature.sections import table1
 
     training = {"gdn": {"lr": 0.003, "val_curve": []}, "transformer": {"lr": 0.004, "val_curve": []}}
     sweep = {"best_lm": [{"system": "transformer", "best_lr": 0.002, "val_loss": 6.0}]}
@@ -605,7 +606,7 @@ def test_table1_names_the_rate_of_a_run_trained_without_a_sweep_point():
 def test_eval_jobs_take_every_seed_of_every_system(tmp_path):
     """Seeds are names SYSTEM_sN of any ladder system (--seed-systems) and any N (--seeds), not a fixed list:
     each gets its RULER and lm-eval jobs, the NAtS-L ones their routing job, and the ppl job takes them all."""
-    from natsl.miniature.evaluate import is_routed, ordered, seeds_of, split_seed
+    from natsl.miniature.ladder import is_routed, ordered, seeds_of, split_seed
 
     assert split_seed("natsl_hybrid_s3") == ("natsl_hybrid", 3) and split_seed("gdn_swa_s12") == ("gdn_swa", 12)
     for plain in ("gdn_swa", "natsl_hybrid", "natsl_hybrid_s0", "natsl_hybrid_s01", "llama_s1", "natsl_hybrid_mix_x"):
@@ -630,7 +631,7 @@ def test_eval_jobs_take_every_seed_of_every_system(tmp_path):
 def test_the_claims_judge_baselines_by_the_mean_of_their_seeds():
     """With --seed-systems the Transformer and the GDN Hybrid have seeds too: each is judged by its mean, as the
     NAtS-L Hybrid is, on perplexity, extrapolation and the paired needle samples."""
-    from natsl.miniature.report import claims
+    from natsl.miniature.claims import claims
 
     def row(loss):
         return {"val_curve": [[100, loss + 1.0], [200, loss]], "tokens": 200, "perplexity": math.exp(loss)}

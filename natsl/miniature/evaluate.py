@@ -32,11 +32,8 @@ from pathlib import Path
 
 from natsl.errors import NatslError
 from natsl.files import read_json
-from natsl.miniature.pipeline import ABLATIONS as ABLATION_SETS
-from natsl.miniature.pipeline import LADDER, natsl_command
+from natsl.miniature.ladder import ABLATIONS, is_known, is_routed, natsl_command, ordered, split_seed
 
-ABLATIONS = tuple(ABLATION_SETS)
-ROUTED_SYSTEMS = ("natsl", "natsl_hybrid")  # the ladder's systems with NAtS-L layers (and every ablation)
 COMPARED = ("natsl_hybrid", "natsl")  # NAtS-L at matched KV bytes against ...
 BASELINES = ("transformer", "gdn_swa")  # ... the Transformer's eviction presses and the sliding window
 TIMED = ("natsl_hybrid", "transformer", "gdn_hybrid")  # bench-latency, trained routers
@@ -58,45 +55,6 @@ BUDGETS = "0.125,0.25,0.5,1"
 PRESSES = "snapkv,pyramidkv,adakv"
 SYNTHETIC_DOCS = 24
 SYNTHETIC_PAIRS = 400
-
-
-def split_seed(name: str) -> tuple[str, int]:
-    """(system, seed) of a checkpoint name: SYSTEM_sN names seed N > 0 of a ladder system (the train stage's
-    runs over --seeds, e.g. natsl_hybrid_s1); any other name is seed 0 of itself."""
-    base, sep, digits = name.rpartition("_s")
-    if sep and base in LADDER and digits.isdigit() and digits == str(int(digits)) and int(digits) > 0:
-        return base, int(digits)
-    return name, 0
-
-
-def is_known(name: str) -> bool:
-    """Whether the evaluation stage evaluates this checkpoint name: a ladder system, one's seed, an ablation."""
-    return split_seed(name)[0] in LADDER or name in ABLATIONS
-
-
-def is_routed(name: str) -> bool:
-    """Whether the checkpoint has NAtS-L layers (a router to inspect)."""
-    return split_seed(name)[0] in ROUTED_SYSTEMS or name in ABLATIONS
-
-
-def is_seed(name: str) -> bool:
-    """Whether the name is an extra seed (N > 0) of a ladder system."""
-    return split_seed(name)[1] > 0
-
-
-def seeds_of(system: str, names) -> list[str]:
-    """The names among `names` that are `system` or one of its seeds, seed 0 first."""
-    return sorted((n for n in names if split_seed(n)[0] == system), key=lambda n: split_seed(n)[1])
-
-
-def ordered(names) -> list[str]:
-    """The ladder first, each system followed by its seeds, then the ablations, then any other name."""
-    known = list(LADDER + ABLATIONS)
-
-    def key(name: str):
-        system, seed = split_seed(name)
-        return (known.index(system) if system in known else len(known), system, seed)
-    return sorted(set(names), key=key)
 
 
 @dataclass

@@ -34,19 +34,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from natsl.errors import NatslError
+from natsl.miniature.ladder import ABLATIONS, LADDER, RATE_OF, SWEPT, natsl_command
 
-# The paper's six systems (Table 1) and GDN + SWA, the compare baseline: recipes/mini/NAME.yaml.
-LADDER = ("gdn", "mamba2", "transformer", "gdn_hybrid", "natsl", "natsl_hybrid", "gdn_swa")
-SWEPT = tuple(s for s in LADDER if s != "gdn_swa")
-RATE_OF = {"gdn_swa": "gdn_hybrid"}  # a system trained at another's best rate
-# Table 4's ablations of the NAtS-L Hybrid that the miniature runs: mixing weights from x instead of q, blocks
-# (chunks) of 128 tokens, and no softmax inside the current block (the GDN state alone reads it).
-ABLATIONS = {
-    "natsl_hybrid_mix_x": ["model.mix_input=x"],
-    # on the fast kernels: 128-token blocks are two 64-token chunks sharing a route (natsl/fast/gated_delta/spans.py)
-    "natsl_hybrid_chunk128": ["model.block_size=128"],
-    "natsl_hybrid_no_intra_softmax": ["model.intra_block_output=gdn"],
-}
 STAGES = ("corpus", "sweep", "train", "eval", "report")
 # the eval stage's job families (natsl.miniature.evaluate): a job is named FAMILY or FAMILY_CHECKPOINT
 EVALS = ("ppl", "compare", "latency", "routing", "ruler", "lm_eval")
@@ -134,11 +123,6 @@ def _recipes_folder() -> Path:
     from natsl.config import recipes_root
 
     return Path(recipes_root()) / "mini"
-
-
-def natsl_command(*args: str) -> list[str]:
-    """argv of a natsl subcommand run by this Python (the installed `natsl` script may be another's)."""
-    return [sys.executable, "-m", "natsl.cli.main", *map(str, args)]
 
 
 def corpus_command(opts: MiniatureOptions) -> list[str]:
