@@ -22,7 +22,8 @@ from natsl.checkpoint import check_replaceable, save_model_folder
 from natsl.cli.main import app
 from natsl.errors import NatslError
 from natsl.eval.haystack import essay_text
-from natsl.files import check_output, read_json_records, resolve_inside
+from natsl.files import read_json_records, resolve_inside
+from natsl.outputs import check_output
 from natsl.tokenizer import train_bpe
 
 from cli_checks import assert_one_line_error

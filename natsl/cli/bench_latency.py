@@ -52,7 +52,7 @@ def bench_latency(
     import natsl
     from natsl.runtime import (check_keeps_natsl, check_length, checkpoint_recipe_of, pick_backend, pick_device,
                                pick_dtype)
-    from natsl.files import check_output
+    from natsl.outputs import check_output
     from natsl.inference import bench
     from natsl.seeding import check_seed
     from natsl.cli.jobs import check_bench

@@ -67,7 +67,7 @@ def compare(
     from natsl.errors import NatslError
     from natsl.eval.common import prepare_out_dir
     from natsl.eval import compare as logic
-    from natsl.files import check_output
+    from natsl.outputs import check_output
     from natsl.seeding import check_seed
     from natsl.cli.jobs import check_compare
 

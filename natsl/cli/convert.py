@@ -33,7 +33,7 @@ def convert(
     from natsl.errors import NatslError
     from natsl.eval.convert import convert_checkpoint, import_hf
     from natsl.atomic import recover_folder
-    from natsl.files import check_output, check_output_folder
+    from natsl.outputs import check_output, check_output_folder
 
     target = Path(out)
     check_output_folder(target, "OUT")

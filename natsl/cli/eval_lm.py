@@ -41,7 +41,7 @@ def eval_lm(
     from natsl.eval.lm_eval_run import run_tasks
     from natsl.cli.jobs import check_job
     from natsl.estimate import Work
-    from natsl.files import check_output
+    from natsl.outputs import check_output
     from natsl.runtime import check_length, checkpoint_recipe_of, pick_device, pick_dtype
 
     check_output(out, [checkpoint, include_path], "--out")

@@ -49,7 +49,7 @@ def eval_ppl(
     from natsl.eval.common import human_count, load_eval_model, prepare_out_dir, print_estimate
     from natsl.eval.data import check_vocab, load_token_data, windows as make_windows
     from natsl.eval.ppl import evaluate_windows, plot_curves
-    from natsl.files import check_output
+    from natsl.outputs import check_output
     from natsl.models.routing import force_keep_fraction
     from natsl.cli.jobs import check_job, held_bytes
     from natsl.estimate import Work

@@ -24,7 +24,7 @@ def run_eval_recall(checkpoint: str, task: Optional[str] = None, lengths: Option
     from natsl.atomic import write_json
     from natsl.eval.common import load_eval_model, prepare_out_dir
     from natsl.eval.recall import evaluate_recall, format_table, plot_recall, recall_grid
-    from natsl.files import check_output
+    from natsl.outputs import check_output
     from natsl.models.routing import force_keep_fraction
     from natsl.runtime import check_keeps_natsl, checkpoint_recipe_of
     from natsl.cli.jobs import check_job, held_bytes

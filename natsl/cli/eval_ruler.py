@@ -85,7 +85,7 @@ def eval_ruler(
     from natsl.cli.jobs import check_job, decoding_works
     from natsl.eval.haystack import EssaySentences, split_sentences
     from natsl.eval.ruler import TASKS, format_table, plot_scores, run_ruler
-    from natsl.files import check_output
+    from natsl.outputs import check_output
     from natsl.models.routing import force_keep_fraction
     from natsl.seeding import check_seed
 

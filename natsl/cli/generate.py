@@ -94,7 +94,7 @@ def generate(
     if batch_size < 1:
         raise NatslError(f"--batch-size must be at least 1, got {batch_size}")
     if output:  # refused before generating, not after
-        from natsl.files import check_output
+        from natsl.outputs import check_output
 
         check_output(output, [checkpoint, prompt_file], "--output")
         out_path = Path(output)

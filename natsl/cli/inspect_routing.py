@@ -41,7 +41,7 @@ def inspect_routing(
     from natsl.eval.common import human_count, load_eval_model, prepare_out_dir, print_estimate
     from natsl.eval.data import check_vocab, load_token_data, windows as make_windows
     from natsl.eval.routing import collect_keep, plot_groups, plot_time, summarize_dataset
-    from natsl.files import check_output
+    from natsl.outputs import check_output
     from natsl.seeding import check_seed
 
     check_output(out, [checkpoint, *(data or [])], "--out")

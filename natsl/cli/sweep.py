@@ -32,7 +32,7 @@ def sweep(
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show the progress bar."),
 ) -> None:
     """Train many small models (systems x widths x learning rates x tasks) in parallel; summary JSON + PNG."""
-    from natsl.files import check_output
+    from natsl.outputs import check_output
     from natsl.training.sweep import exit_code, load_spec, run_sweep
 
     check_output(out, [spec], "--out")

@@ -49,7 +49,7 @@ def tokenize(
     the last line gives the token count and the mix (per input and --include pattern)."""
     from natsl.data.sources import open_source
     from natsl.data.tokenize import TokenizeSettings, tokenize_corpus
-    from natsl.files import check_output
+    from natsl.outputs import check_output
 
     check_output(out, [*inputs, tokenizer], "--out")
     settings = TokenizeSettings(tokenizer=tokenizer, train_tokenizer=train_tokenizer, vocab_size=vocab_size,

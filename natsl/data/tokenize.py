@@ -47,7 +47,8 @@ from natsl.data.dedup import SeenDocuments
 from natsl.data.mix import build_mix, check_cells, describe_mix, new_cells
 from natsl.data.shards import RETOKENIZE, check_splits, read_json_object
 from natsl.data.val_texts import FOLDER as VAL_TEXTS, ValTextWriter, file_names as val_file_names
-from natsl.files import check_output_folder, resolve_inside
+from natsl.files import resolve_inside
+from natsl.outputs import check_output_folder
 from natsl.tokenizer import Tokenizer, train_bpe
 from natsl.training.faults import fault_point
 

@@ -64,7 +64,7 @@ def convert_checkpoint(src, out, dtype: torch.dtype | None = None) -> Path:
 def _check_target(out: Path, *sources) -> None:
     """Writing replaces what is at `out`: never an input, a training checkpoint or the user's other data."""
     from natsl.checkpoint import check_replaceable
-    from natsl.files import check_output
+    from natsl.outputs import check_output
 
     check_output(out, sources, "OUT")
     check_replaceable(out)

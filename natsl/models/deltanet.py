@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from natsl.models.gated_deltanet import GatedDeltaProjections
-from natsl.reference.norms import up
+from natsl.reference.precision import up
 
 
 class DeltaProjections(GatedDeltaProjections):

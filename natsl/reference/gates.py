@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from natsl.reference.norms import up
+from natsl.reference.precision import up
 
 
 def decay(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):

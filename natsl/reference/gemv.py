@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from natsl.reference.cached import conv_step
 from natsl.reference.norms import add_rms_norm, gated_input_rms_norm, rms_norm
-from natsl.reference.norms import up as _up
+from natsl.reference.precision import up as _up
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, *, up: torch.Tensor | None = None,

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from natsl.reference.norms import normalize, up
+from natsl.reference.norms import normalize
+from natsl.reference.precision import up
 
 
 def mix_weights(logits: torch.Tensor, kind: str) -> torch.Tensor:

@@ -8,10 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
-def up(t: torch.Tensor) -> torch.Tensor:
-    """16-bit tensors to fp32 for the arithmetic; fp32 and fp64 stay as they are."""
-    return t.float() if t.element_size() < 4 else t
+from natsl.reference.gates import add_head_skip
+from natsl.reference.precision import up
 
 
 def normalize(xf: torch.Tensor, eps: float, mean: bool) -> torch.Tensor:
@@ -58,8 +56,6 @@ def gated_input_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate
     x's dtype. With `skip` (x's shape) x is first x + skip_scale skip per head (skip_scale [H], the
     last dim cut into H heads), rounded to x's dtype: Mamba2's + D x (natsl.reference.gates.add_skip)."""
     if skip is not None:
-        from natsl.reference.gates import add_head_skip  # (gates imports this module for `up`)
-
         x = add_head_skip(x, skip, skip_scale)
     y = normalize(up(x) * F.silu(up(gate)), eps, mean=True) * up(weight)
     return y.to(x.dtype)

@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from natsl.reference.norms import up
+from natsl.reference.precision import up
 
 
 def short_conv_silu(x: torch.Tensor, weight: torch.Tensor, tail: Optional[torch.Tensor] = None) -> torch.Tensor:

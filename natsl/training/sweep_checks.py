@@ -279,7 +279,8 @@ def check_out_folder(out: Path, name: str, spec: dict, run_folders: list[Path],
     there. Every run folder lies in --out, symlinks resolved.
 
     Returns: how many runs the spec adds to the recorded sweep it grows, else None."""
-    from natsl.files import check_output_folder, read_json
+    from natsl.files import read_json
+    from natsl.outputs import check_output_folder
 
     check_output_folder(out, "--out")
     grown = None

@@ -35,7 +35,7 @@ from natsl.errors import NatslError
 from natsl.fast import op_check
 from natsl.data.tasks import IGNORE, TaskData, answer_hits, is_task
 from natsl.atomic import write_text as atomic_write_text
-from natsl.files import check_output_folder
+from natsl.outputs import check_output_folder
 from natsl.training import distributed as D
 from natsl.training import micro_batch as M
 from natsl.training import state as S
