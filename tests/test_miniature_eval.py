@@ -556,14 +556,21 @@ def test_ruler_samples_are_read_bounded_and_a_bad_file_is_left_out(tmp_path):
     assert read_ruler_samples(tmp_path / "missing.jsonl", problems) is None and len(problems) == 1
 
 
+def _val_row(loss):
+    """A Table 1 row whose validation curve ends at `loss` after 200 tokens."""
+    return {"val_curve": [[100, loss + 1.0], [200, loss]], "tokens": 200, "perplexity": math.exp(loss)}
+
+
+def _ppl_point(last):
+    """An eval-ppl result whose last bucket, beyond the 256-token training length, has loss `last`."""
+    return {"loss_last_bucket": last, "last_bucket": [768, 1024], "train_seq_len": 256, "last_vs_within": 1.0}
+
+
 def test_extrapolation_is_judged_on_the_mean_of_the_hybrid_seeds():
     from natsl.miniature.claims import claims
 
-    def measured(last):
-        return {"loss_last_bucket": last, "last_bucket": [768, 1024], "train_seq_len": 256, "last_vs_within": 1.0}
-
-    ppl = {"natsl_hybrid": measured(3.0), "natsl_hybrid_s1": measured(3.6), "natsl_hybrid_s2": measured(3.5),
-           "transformer": measured(4.0), "gdn_hybrid": measured(3.2)}
+    ppl = {"natsl_hybrid": _ppl_point(3.0), "natsl_hybrid_s1": _ppl_point(3.6), "natsl_hybrid_s2": _ppl_point(3.5),
+           "transformer": _ppl_point(4.0), "gdn_hybrid": _ppl_point(3.2)}
     claim = claims({"rows": {}}, ppl, {}, {}, {}, window=1024)[1]
     # seed 0 alone is below both; the mean of three (3.367) is not
     assert claim["verdict"] == "fails" and "natsl_hybrid mean of 3 seeds 3.367 (1 of 3 seeds below both)" \
@@ -576,16 +583,13 @@ def test_extrapolation_is_judged_on_the_mean_of_the_hybrid_seeds():
 def test_perplexity_claim_says_how_many_seeds_hold_it_alone():
     from natsl.miniature.claims import claims
 
-    def row(loss):
-        return {"val_curve": [[100, loss + 1.0], [200, loss]], "tokens": 200, "perplexity": math.exp(loss)}
-
     # the seeds' mean (1.80) is below both, but seed 0 alone (1.842) is above the GDN Hybrid (1.841)
-    rows = {"natsl_hybrid": row(1.842), "natsl_hybrid_s1": row(1.770), "natsl_hybrid_s2": row(1.788),
-            "transformer": row(2.121), "gdn_hybrid": row(1.841)}
+    rows = {"natsl_hybrid": _val_row(1.842), "natsl_hybrid_s1": _val_row(1.770), "natsl_hybrid_s2": _val_row(1.788),
+            "transformer": _val_row(2.121), "gdn_hybrid": _val_row(1.841)}
     claim = claims({"rows": rows, "cut_short": []}, {}, {}, {}, {})[0]
     assert claim["verdict"] == "holds", claim
     assert "mean of 3 seed(s), min 1.770, max 1.842; 2 of 3 seed(s) at most both)" in claim["numbers"], claim
-    rows["gdn_hybrid"] = row(1.70)
+    rows["gdn_hybrid"] = _val_row(1.70)
     claim = claims({"rows": rows, "cut_short": []}, {}, {}, {}, {})[0]
     assert claim["verdict"] == "fails" and "; 0 of 3 seed(s) at most both)" in claim["numbers"], claim
 
@@ -633,21 +637,15 @@ def test_the_claims_judge_baselines_by_the_mean_of_their_seeds():
     NAtS-L Hybrid is, on perplexity, extrapolation and the paired needle samples."""
     from natsl.miniature.claims import claims
 
-    def row(loss):
-        return {"val_curve": [[100, loss + 1.0], [200, loss]], "tokens": 200, "perplexity": math.exp(loss)}
-
     # the GDN Hybrid's seed 0 alone (1.79) is below the NAtS-L Hybrid's 1.80; its mean (1.82) is not
-    rows = {"natsl_hybrid": row(1.80), "transformer": row(2.1), "transformer_s1": row(2.0),
-            "gdn_hybrid": row(1.79), "gdn_hybrid_s1": row(1.85)}
+    rows = {"natsl_hybrid": _val_row(1.80), "transformer": _val_row(2.1), "transformer_s1": _val_row(2.0),
+            "gdn_hybrid": _val_row(1.79), "gdn_hybrid_s1": _val_row(1.85)}
     claim = claims({"rows": rows, "cut_short": []}, {}, {}, {}, {})[0]
     assert claim["verdict"] == "holds", claim
     assert "gdn_hybrid 1.820 (ppl 6.172; mean of 2 seeds, min 1.790, max 1.850)" in claim["numbers"], claim
 
-    def measured(last):
-        return {"loss_last_bucket": last, "last_bucket": [768, 1024], "train_seq_len": 256, "last_vs_within": 1.0}
-
-    ppl = {"natsl_hybrid": measured(3.1), "transformer": measured(4.0), "gdn_hybrid": measured(3.0),
-           "gdn_hybrid_s2": measured(3.4)}
+    ppl = {"natsl_hybrid": _ppl_point(3.1), "transformer": _ppl_point(4.0), "gdn_hybrid": _ppl_point(3.0),
+           "gdn_hybrid_s2": _ppl_point(3.4)}
     extrapolation = claims({"rows": {}}, ppl, {}, {}, {}, window=1024)[1]
     assert extrapolation["verdict"] == "holds" and "gdn_hybrid mean of 2 seeds 3.200" in extrapolation["numbers"]
 

@@ -8,16 +8,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from natsl.miniature.ladder import seeds_of
-from natsl.miniature.results import (
-    NOT_MEASURED,
-    SOURCE_TOL,
-    SYNTHETIC,
-    as_number,
-    fmt,
-    fmt_tokens,
-    loss_at,
-    matched_tokens,
-)
+from natsl.miniature.results import (NOT_MEASURED, SOURCE_TOL, SYNTHETIC, as_number, fmt, fmt_tokens, loss_at,
+                                     matched_tokens, seed_spread)
 
 # ----------------------------------------------------------------------------- claims
 
@@ -165,14 +157,12 @@ def claims(t1, ppl, ruler, routing, compare, window=None, samples=None) -> list[
         r["val_curve"] for r in claim_rows.values()) else None
     at = {n: (loss_at(r["val_curve"], matched) if matched is not None else None) for n, r in claim_rows.items()}
 
-    def over_seeds(names: list[str]) -> dict | None:
-        losses = [at[n] for n in names if at.get(n) is not None]
-        return ({"mean": sum(losses) / len(losses), "min": min(losses), "max": max(losses), "n": len(losses),
-                 "losses": losses} if losses else None)
+    def losses(names: list[str]) -> list[float]:
+        return [at[n] for n in names if at.get(n) is not None]
 
-    mine = over_seeds(mine_names)
-    mine_losses = mine["losses"] if mine else []
-    their = {o: over_seeds(their_names[o]) for o in others}
+    mine_losses = losses(mine_names)
+    mine = seed_spread(mine_losses)
+    their = {o: seed_spread(losses(their_names[o])) for o in others}
     theirs = {o: (t["mean"] if t else None) for o, t in their.items()}
     claim = "NAtS-L Hybrid's validation perplexity is at most the Transformer's and GDN Hybrid's"
     if matched is not None and mine and all(v is not None for v in theirs.values()):

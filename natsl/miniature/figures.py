@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from natsl.miniature.claims import TEACHER_FORCED
-from natsl.miniature.ladder import is_seed
-from natsl.miniature.results import as_number, order
+from natsl.miniature.ladder import is_seed, ordered
+from natsl.miniature.results import as_number
 
 # ----------------------------------------------------------------------------- figures
 
@@ -33,7 +33,7 @@ def write_figures(folder: Path, t1, ppl, ruler, routing, over_training=None) -> 
     curves = {n: r["val_curve"] for n, r in t1["rows"].items() if r.get("val_curve")}
     if curves:
         fig, ax = plt.subplots(figsize=(7, 4.2))
-        for name in order(curves):
+        for name in ordered(curves):
             tokens, losses = zip(*curves[name])
             ax.plot([t / 1e6 for t in tokens], losses, marker=".", label=name)
         if t1["matched_tokens"] is not None:
@@ -44,7 +44,7 @@ def write_figures(folder: Path, t1, ppl, ruler, routing, over_training=None) -> 
     if ppl:
         fig, ax = plt.subplots(figsize=(7, 4.2))
         train = None
-        for name in order(ppl):
+        for name in ordered(ppl):
             xs, ys = zip(*ppl[name]["curve"]) if ppl[name]["curve"] else ((), ())
             ax.plot(xs, ys, marker="o", markersize=3, label=name)
             train = train or ppl[name]["train_seq_len"]
@@ -58,9 +58,9 @@ def write_figures(folder: Path, t1, ppl, ruler, routing, over_training=None) -> 
         panels = [(None, "string match")] + [(m.key, m.label) for m in TEACHER_FORCED
                                               if any(r.get(m.key) for r in ruler.values())]
         fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels) + 2.2, 4.2), squeeze=False)
-        colours = {name: f"C{i % 10}" for i, name in enumerate(order(ruler))}
+        colours = {name: f"C{i % 10}" for i, name in enumerate(ordered(ruler))}
         for ax, (key, what) in zip(axes[0], panels):
-            for name in order(ruler):
+            for name in ordered(ruler):
                 part = ruler[name] if key is None else ruler[name].get(key) or {}
                 pts = sorted((int(n), v) for n, v in (part.get("lengths") or {}).items() if as_number(v) is not None)
                 if pts:
@@ -79,7 +79,7 @@ def write_figures(folder: Path, t1, ppl, ruler, routing, over_training=None) -> 
 
         written.append(save_figure(fig, folder / "ruler_by_length.png").name)
     if routing:
-        names = order(routing)
+        names = ordered(routing)
         fig, axes = _map_panels(plt, len(names), max(3.6, 0.22 * max(
             sum(len(layer["group_keep_fraction"] or []) for layer in
                 (routing[n]["datasets"] or [{"layers": []}])[0]["layers"]) for n in names)))
@@ -120,7 +120,7 @@ def _routing_over_training_plot(plt, folder: Path, over_training: dict) -> str:
     """Kept fraction per (layer, group) against tokens trained: one map per NAtS-L checkpoint."""
     from natsl.eval.common import save_figure
 
-    names = order(over_training)
+    names = ordered(over_training)
     fig, axes = _map_panels(plt, len(names), max(3.0, 0.22 * max(len(over_training[n]["labels"]) for n in names)))
     image = None
     for ax, name in zip(axes.flat, names):

@@ -31,32 +31,11 @@ from pathlib import Path
 
 from natsl.miniature.claims import TEACHER_FORCED, claims, read_ruler_samples
 from natsl.miniature.figures import write_figures
-from natsl.miniature.ladder import LADDER, seeds_of, split_seed
-from natsl.miniature.results import (
-    NOT_MEASURED,
-    as_number,
-    eval_names,
-    fmt,
-    fmt_tokens,
-    human_bytes,
-    md_table,
-    order,
-    read_checkpoints,
-    read_result,
-    read_training,
-)
-from natsl.miniature.sections import (
-    ablation_section,
-    compare_section,
-    latency_section,
-    lm_eval_section,
-    ppl_section,
-    routing_over_training,
-    routing_section,
-    seeds_at,
-    sweep_section,
-    table1,
-)
+from natsl.miniature.ladder import LADDER, ordered, seeds_of, split_seed
+from natsl.miniature.results import (NOT_MEASURED, as_number, eval_names, fmt, fmt_tokens, human_bytes, md_table,
+                                     read_checkpoints, read_result, read_training)
+from natsl.miniature.sections import (ablation_section, compare_section, latency_section, lm_eval_section, ppl_section,
+                                      routing_over_training, routing_section, seeds_at, sweep_section, table1)
 
 # ----------------------------------------------------------------------------- the report
 
@@ -105,7 +84,7 @@ def write_report(root) -> Path:
     sweep = read_result(root / "sweep" / "summary.json", problems)
     sweep = sweep if isinstance(sweep, dict) else None
     status = read_result(root / "eval" / "eval_status.json", problems) or {}
-    names = order([*checkpoints, *training, *[p.get("system") for p in (sweep or {}).get("best_lm") or []
+    names = ordered([*checkpoints, *training, *[p.get("system") for p in (sweep or {}).get("best_lm") or []
                                               if isinstance(p, dict) and p.get("system")]])
     t1 = table1(names, training, sweep)
     swept = sweep_section(root, sweep)
@@ -115,7 +94,7 @@ def write_report(root) -> Path:
     window = (ppl_json or {}).get("max_len")
     quick = quick_mode(status)
     ruler = {}
-    for name in order(n for n in eval_names(root, "ruler") if split_seed(n)[0] in LADDER
+    for name in ordered(n for n in eval_names(root, "ruler") if split_seed(n)[0] in LADDER
                       and (root / "eval" / f"ruler_{n}" / "ruler.json").is_file()):
         data = read_result(root / "eval" / f"ruler_{name}" / "ruler.json", problems)
         if isinstance(data, dict):
@@ -159,7 +138,7 @@ def write_report(root) -> Path:
                              fmt(r["best_lr"], 3) if r["best_lr"] is not None else "-", fmt(r["sweep_val_loss"]),
                              fmt_tokens(r["tokens"]), str(r["status"] or "-").split(" (")[0], fmt(r["val_loss"]), fmt(r["perplexity"]),
                              fmt(r["val_loss_matched"])] for n, r in rows.items()]))
-        for system in order(split_seed(n)[0] for n in rows):
+        for system in ordered(split_seed(n)[0] for n in rows):
             mine = seeds_at(t1, system)
             if mine and mine["n"] > 1:
                 md.append(f"\n{system} over its {mine['n']} seeds at {fmt_tokens(matched)} tokens: mean "
@@ -195,7 +174,7 @@ def write_report(root) -> Path:
                             "last / within", "bits/byte"],
                            [[n, fmt(r["ppl"]), fmt(r["loss_within_train_len"]), fmt(r["loss_last_bucket"]),
                              fmt(r["last_vs_within"]), fmt(r["bits_per_byte"])]
-                            for n, r in ((n, ppl[n]) for n in order(ppl))]))
+                            for n, r in ((n, ppl[n]) for n in ordered(ppl))]))
     else:
         md.append(_status_note(status, "ppl"))
     md.append("\n## Table 2 in miniature: RULER needle-in-a-haystack\n")
@@ -275,7 +254,7 @@ def write_report(root) -> Path:
     md.append("\n## lm-eval on the local tasks\n")
     if lm:
         metrics = list(dict.fromkeys(k for scores in lm.values() for k in scores))
-        md.append(md_table(["system", *metrics], [[n, *[fmt(lm[n].get(k)) for k in metrics]] for n in order(lm)]))
+        md.append(md_table(["system", *metrics], [[n, *[fmt(lm[n].get(k)) for k in metrics]] for n in ordered(lm)]))
     else:
         skipped = [e["status"] for j, e in (status.get("jobs") or {}).items() if j.startswith("lm_eval_")
                    and isinstance(e, dict)] if isinstance(status, dict) else []

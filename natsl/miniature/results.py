@@ -6,8 +6,6 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from natsl.miniature.ladder import ordered
-
 NOT_MEASURED = "not measured"
 # A routing group whose kept fraction is within this of 0 or 1 everywhere routes per head (it keeps all of
 # its blocks or none); sources whose fractions differ by more than it are routed differently.
@@ -120,9 +118,11 @@ def system_of(path, label, checkpoints: dict[str, Path], root: Path | None = Non
     return best or str(label)
 
 
-def order(names) -> list[str]:
-    """The ladder first (each system followed by its seeds), then the ablations, and any other name."""
-    return ordered(names)
+def seed_spread(values: list[float]) -> dict | None:
+    """Mean, min, max and count of one system's values over its seeds; None for none."""
+    if not values:
+        return None
+    return {"mean": sum(values) / len(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
 def eval_names(root: Path, kind: str) -> list[str]:

@@ -5,22 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from natsl.miniature.ladder import ABLATIONS
-from natsl.miniature.ladder import is_routed, seeds_of
-from natsl.miniature.results import (
-    HEAD_TOL,
-    NOT_MEASURED,
-    SOURCE_TOL,
-    SYNTHETIC,
-    as_number,
-    eval_names,
-    locate,
-    loss_at,
-    matched_tokens,
-    order,
-    read_result,
-    system_of,
-)
+from natsl.miniature.ladder import ABLATIONS, is_routed, ordered, seeds_of
+from natsl.miniature.results import (HEAD_TOL, NOT_MEASURED, SOURCE_TOL, SYNTHETIC, as_number, eval_names, locate,
+                                     loss_at, matched_tokens, read_result, seed_spread, system_of)
 
 
 def table1(names, training: dict, sweep: dict | None) -> dict:
@@ -49,10 +36,8 @@ def table1(names, training: dict, sweep: dict | None) -> dict:
 def seeds_at(t1: dict, system: str = "natsl_hybrid") -> dict | None:
     """The mean over a system's seeds (itself and SYSTEM_sN) of their matched-token losses, with min, max and n."""
     rows = t1["rows"]
-    losses = [rows[n]["val_loss_matched"] for n in seeds_of(system, rows) if rows[n]["val_loss_matched"] is not None]
-    if not losses:
-        return None
-    return {"mean": sum(losses) / len(losses), "min": min(losses), "max": max(losses), "n": len(losses)}
+    return seed_spread([rows[n]["val_loss_matched"] for n in seeds_of(system, rows)
+                        if rows[n]["val_loss_matched"] is not None])
 
 
 # ----------------------------------------------------------------------------- the sweep
@@ -107,7 +92,7 @@ def sweep_section(root: Path, sweep: dict | None) -> dict:
         reasons = [_log_reason(root / "sweep" / "runs" / str(r.get("id")) / "log.txt") for r in mine]
         out[name] = {"ranking": [], "best_lr": None, "val_loss": None, "grid": sorted(grids.get(name, set())),
                      "edge": None, "failed": next((x for x in reasons if x), "failed"), "tokens": None}
-    return {n: out[n] for n in order(out)}
+    return {n: out[n] for n in ordered(out)}
 
 
 def recipe_seq_len(folders, problems: list[str]) -> int | None:
@@ -194,7 +179,7 @@ def routing_verdict(datasets: list[dict]) -> dict:
 
 def routing_section(root: Path, problems) -> dict:
     out = {}
-    for name in order(n for n in eval_names(root, "routing")
+    for name in ordered(n for n in eval_names(root, "routing")
                       if is_routed(n) and (root / "eval" / f"routing_{n}" / "routing.json").is_file()):
         data = read_result(root / "eval" / f"routing_{name}" / "routing.json", problems)
         if not isinstance(data, dict):
@@ -223,7 +208,7 @@ def routing_over_training(checkpoints: dict[str, Path], training: dict[str, dict
     from natsl.files import read_json_records
 
     out = {}
-    for name in order(n for n in {*checkpoints, *training} if is_routed(n)):
+    for name in ordered(n for n in {*checkpoints, *training} if is_routed(n)):
         places = [checkpoints.get(name), Path(training[name]["run"]) if name in training else None]
         path = next((pl / sub / "metrics.jsonl" for pl in places if pl is not None for sub in (".", "train")
                      if (pl / sub / "metrics.jsonl").is_file()), None)
