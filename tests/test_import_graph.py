@@ -1,7 +1,9 @@
 """Imports run one way: no circle of natsl modules importing each other, function-level imports included
-(a lazy import hides a circle from Python, not from the reader). The one circle allowed is the layer registry's:
-natsl.config asks natsl.models.registry for each layer type's config section, and the layer modules the registry
-builds read natsl.config's ModelConfig (imports under `if TYPE_CHECKING:` are annotations and do not count)."""
+(a lazy import hides a circle from Python, not from the reader). Imports under `if TYPE_CHECKING:` are annotations
+and do not count: the layer modules the registry builds name natsl.config's ModelConfig only there, since
+natsl.config asks natsl.models.registry for each layer type's config section. The one circle allowed is the NAtS-L
+layer's with the registry: built alone (`NAtSL(config)`), the layer asks the registry for the linear memory that
+config.natsl_state names, which the registry's variants build it with."""
 
 from __future__ import annotations
 
@@ -9,8 +11,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "natsl"
-ALLOWED = {"natsl.config", *(f"natsl.models.{m}" for m in ("registry", "attention", "deltanet", "gated_deltanet",
-                                                             "mamba2", "natsl_layer", "nsa"))}
+ALLOWED = {"natsl.models.natsl_layer", "natsl.models.registry"}
 
 
 def module_name(path: Path) -> str:
@@ -99,9 +100,10 @@ def test_circles_finds_a_circle_and_only_one():
     assert circles({"a": {"b"}, "b": set()}) == []
 
 
-def test_no_import_circle_but_the_registrys():
+def test_no_import_circle_but_the_natsl_layers():
     files = {module_name(p): p for p in ROOT.rglob("*.py")}
     graph = {name: imported_modules(path, name, set(files)) for name, path in files.items()}
     assert graph["natsl.miniature.report"] >= {"natsl.miniature.claims", "natsl.miniature.results"}  # it reads them
+    assert graph["natsl.config"] >= {"natsl.models.registry"}  # the one lazy import that once closed a circle
     for circle in circles(graph):
         assert circle <= ALLOWED, f"import circle: {sorted(circle)}"

@@ -10,17 +10,20 @@ window); and, once a KV-eviction press has compacted it (natsl.inference.evict),
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from natsl.config import ModelConfig
-from natsl.ops import gemv, kernel_set
-from natsl.ops.cached import attend_cached
 from natsl.models.linear import Linear
 from natsl.models.merged import merged_weight, shared_linear
 from natsl.models.rope import RopeTable, apply_rope, decode_frequencies
+from natsl.ops import gemv, kernel_set
+from natsl.ops.cached import attend_cached
+
+if TYPE_CHECKING:
+    from natsl.config import ModelConfig
 
 
 class SoftmaxAttention(nn.Module):

@@ -11,12 +11,12 @@ in natsl.models.mamba2.Mamba2StateProjections.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from natsl import ops
-from natsl.config import ModelConfig
 from natsl.models.cache import drop_pad_gates
 from natsl.models.conv import ShortConv, joined_conv_fits, joined_conv_silu
 from natsl.models.linear import Linear
@@ -26,6 +26,9 @@ from natsl.models.norms import RMSNorm
 from natsl.models.pointwise import gdn_gates
 from natsl.ops import gemv, kernel_set
 from natsl.ops.cached import gdn_token_step
+
+if TYPE_CHECKING:
+    from natsl.config import ModelConfig
 
 
 def init_decay(A_log: torch.Tensor, dt_bias: torch.Tensor, a_min: float) -> None:

@@ -15,11 +15,12 @@ conv tail of x|B|C and the state [B, H, N, P].
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from natsl import ops
-from natsl.config import ModelConfig
 from natsl.models.cache import drop_pad_gates
 from natsl.models.conv import ShortConv
 from natsl.models.gated_deltanet import GatedDeltaProjections, init_decay
@@ -29,6 +30,9 @@ from natsl.models.pointwise import mamba2_gates
 from natsl.ops import gemv, kernel_set
 from natsl.ops.cached import gla_token_step
 from natsl.reference.gates import add_skip, step_values
+
+if TYPE_CHECKING:
+    from natsl.config import ModelConfig
 
 MAMBA2_A_MIN = 1.0  # A ~ U(1, 16) (mamba_ssm's A_init_range)
 SSD_SCALE = 1.0  # Mamba2 reads its state unscaled: y = C^T S

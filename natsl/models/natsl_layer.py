@@ -22,11 +22,12 @@ Incremental inference (docs/spec.md section 4: prefill and decode from a NAtSLCa
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from natsl import ops
-from natsl.config import ModelConfig
 from natsl.models.gated_deltanet import with_projections
 from natsl.models.linear import Linear, aligned_linear
 from natsl.models.merged import product_and_last
@@ -36,6 +37,9 @@ from natsl.models.rope import RopeTable, apply_rope
 from natsl.ops import kernel_set
 from natsl.ops import mix as mix_door
 from natsl.reference.router import route_blocks, route_means
+
+if TYPE_CHECKING:
+    from natsl.config import ModelConfig
 
 
 class NAtSL(CachedNAtSL, nn.Module):

@@ -25,16 +25,19 @@ from __future__ import annotations
 
 import importlib.util
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from natsl.config import ModelConfig
 from natsl.errors import NatslError
 from natsl.models.attention import sliding_window_attention
 from natsl.models.linear import Linear
 from natsl.models.rope import RopeTable, apply_rope
+
+if TYPE_CHECKING:
+    from natsl.config import ModelConfig
 
 MISSING_FLA = "NSA layers need flash-linear-attention, which is not installed: pip install 'natsl[fla]'"
 NO_CACHE = ("NSA layers have no inference cache (flash-linear-attention's NSA decodes only through its own growing "
