@@ -91,7 +91,7 @@ def check_replaceable(target) -> None:
                          "(its optimizer and RNG state and manifest would be lost): choose another output folder")
 
     def refuse(why: str) -> NatslError:
-        return NatslError(f"{str(target)!r} exists and is not a natsl checkpoint folder ({why}); only a checkpoint "
+        return NatslError(f"{str(target)!r} exists and is not a folder natsl convert wrote ({why}); only such a "
                           "folder or an empty one is replaced: choose another output folder or remove it yourself")
 
     if target.is_symlink() or not target.is_dir():

@@ -139,7 +139,7 @@ def test_force_refuses_what_is_not_a_checkpoint(ckpt, tmp_path):
     unrelated = tmp_path / "notes"
     unrelated.mkdir()
     (unrelated / "notes.txt").write_text("keep me")
-    assert_one_line_error(run("convert", ckpt, unrelated, "--force"), "not a natsl checkpoint folder", "notes.txt")
+    assert_one_line_error(run("convert", ckpt, unrelated, "--force"), "not a folder natsl convert wrote", "notes.txt")
     assert (unrelated / "notes.txt").read_text() == "keep me"
 
     plain = tmp_path / "plain.txt"

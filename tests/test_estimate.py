@@ -182,6 +182,22 @@ def test_every_long_command_refuses_what_the_memory_cannot_hold(name, checkpoint
                                         tmp_path / "compare" / "compare.json", tmp_path / "ruler" / "ruler.json"))
 
 
+def test_train_estimates_activation_checkpointing_auto_as_the_step_will_run(tmp_path, no_memory):
+    """`auto` recomputes blocks only where a GPU's probe finds one sequence too many (never on the CPU): the
+    estimate takes it as off, so 800m_hybrid's recipe (auto) on a CPU is estimated as `false`, above `true`."""
+    import re
+
+    def peak(setting: str) -> float:
+        result = CliRunner().invoke(app, ["train", "800m_hybrid", "--set", "data.path=builtin",
+                                          f"train.activation_checkpointing={setting}", "--device", "cpu",
+                                          "--out", str(tmp_path / "run")])
+        assert_one_line_error(result, "of memory at its peak (estimate)")
+        return float(re.search(r"needs about ([0-9.]+) GB", result.stderr).group(1))
+
+    assert peak("auto") == peak("false") > 2 * peak("true")
+    assert not (tmp_path / "run").exists()
+
+
 def test_force_goes_on_after_saying_so(tmp_path, no_memory):
     args = ["warmup", str(ROOT / "recipes" / "tiny_hybrid.yaml"), "--lengths", "64", "--decode-tokens", "1",
             "--device", "cpu", "--force"]

@@ -71,6 +71,7 @@ def test_export_logits_and_round_trip(tmp_path, tok, system):
     model, ckpt = checkpoint(tmp_path, tok, system)
     result = run("convert", ckpt, tmp_path / "hf", "--to", "hf")
     assert result.exit_code == 0, result.output
+    assert "verified:" in result.output  # read back as an import reads it, every tensor compared
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     hf = load_hf(tmp_path / "hf")
     if system == "transformer":  # plain Llama: no remote code, transformers' own classes
@@ -96,6 +97,29 @@ def test_export_logits_and_round_trip(tmp_path, tok, system):
     back = json.loads((tmp_path / "back" / "config.json").read_text())
     assert back["recipe"]["model"] == json.loads((ckpt / "config.json").read_text())["recipe"]["model"]
     assert back["source_model_type"] == config["model_type"]
+
+
+@pytest.mark.parametrize("system", ["transformer", "gdn_hybrid"])  # a Llama folder; a tied head stored once
+def test_export_verification_finds_a_changed_or_missing_tensor(tmp_path, tok, system):
+    from safetensors.torch import save_file
+
+    from natsl.errors import NatslError
+    from natsl.hf.export import verify_hf_export
+
+    _, ckpt = checkpoint(tmp_path, tok, system)
+    result = run("convert", ckpt, tmp_path / "hf", "--to", "hf", "--no-verify")
+    assert result.exit_code == 0 and "verified:" not in result.output, result.output
+    weights = tmp_path / "hf" / "model.safetensors"
+    tensors = load_file(str(weights))
+    assert verify_hf_export(ckpt, tmp_path / "hf") == len(tensors)
+    name = sorted(tensors)[-1]
+    changed = dict(tensors, **{name: tensors[name] + 1})
+    save_file(changed, str(weights), metadata={"format": "pt"})
+    with pytest.raises(NatslError, match="verification failed"):
+        verify_hf_export(ckpt, tmp_path / "hf")
+    save_file({k: v for k, v in tensors.items() if k != name}, str(weights), metadata={"format": "pt"})
+    with pytest.raises(NatslError):  # a tensor gone: the import's own shape check or the comparison says so
+        verify_hf_export(ckpt, tmp_path / "hf")
 
 
 GREEDY, SAMPLING = dict(temperature=0.0), dict(temperature=0.9, top_k=40, seed=3)

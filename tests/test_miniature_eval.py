@@ -630,6 +630,9 @@ def test_eval_jobs_take_every_seed_of_every_system(tmp_path):
     assert {"ruler_natsl_hybrid_s3", "ruler_gdn_hybrid_s1", "routing_natsl_hybrid_s3"} <= set(jobs)
     assert "routing_gdn_hybrid_s1" not in jobs and not any("llama" in name for name in jobs)
     assert jobs["ppl"].systems == ["gdn_hybrid", "gdn_hybrid_s1", "natsl_hybrid", "natsl_hybrid_s3"]
+    # a corpus without held-out texts: lm-eval recorded as skipped with the fix, routing on the synthetic source
+    assert all("--val-texts" in jobs[f"lm_eval_{n}"].skipped for n in ("natsl_hybrid_s3", "gdn_hybrid_s1"))
+    assert "synthetic source alone" in jobs["routing_natsl_hybrid_s3"].note
 
 
 def test_the_claims_judge_baselines_by_the_mean_of_their_seeds():

@@ -128,6 +128,9 @@ def test_text_field_and_txt_modes(tmp_path):
     assert open_source(["someone/some_dataset"]).describe()["kind"] == "hub"
     with pytest.raises(NatslError, match="does not exist"):
         open_source(["./missing.jsonl"])
+    for folder in ("missing_dir/", "someone/missing_dir/"):  # a folder's trailing slash: never a dataset name
+        with pytest.raises(NatslError, match="does not exist"):
+            open_source([folder])
 
 
 def run_cli(*args, env_extra=None):

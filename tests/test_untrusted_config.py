@@ -203,6 +203,14 @@ def test_train_refuses_a_recipe_without_a_train_section(tmp_path, train):
     assert load_recipe(path).model.hidden_size == 32  # a model-only recipe is fine where nothing trains
 
 
+@pytest.mark.parametrize("steps", ["0", "-3"])
+def test_train_refuses_max_steps_below_one_before_any_output(tmp_path, steps):
+    result = run("train", "tiny_hybrid", "--max-steps", steps, "--out", tmp_path / "run")  # it prints an estimate
+    assert_one_line_error(result, f"--max-steps must be at least 1, got {steps}")
+    assert result.stdout.strip() == ""  # no estimate first
+    assert not (tmp_path / "run").exists()
+
+
 # ----------------------------------------------------------------------------- run folders outside runs/
 
 BAD_NAMES = ["../escaped", "../../escaped", "/tmp/escaped", "a/b", "..", ".hidden", "two words", "", "x" * 200]

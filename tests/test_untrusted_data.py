@@ -337,6 +337,15 @@ def test_resuming_on_other_data_is_refused_with_the_way_forward(world, tmp_path)
     assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step_000001"]
 
 
+def test_the_way_forward_names_the_embedded_corpus_as_users_write_it(tmp_path):
+    from natsl.data.builtin import cache_root
+    from natsl.data.dataset import as_given
+
+    assert as_given(str(cache_root() / "builtin-v1-vocab1024-abc")) == "builtin"  # not the cache's folder
+    assert as_given(str(tmp_path / "builtin-v1-vocab1024-abc")) == str(tmp_path / "builtin-v1-vocab1024-abc")
+    assert as_given("data/mycorpus") == "data/mycorpus"
+
+
 # -- a killed `natsl tokenize` before its first progress file -------------------------------------------
 
 def kill_at(monkeypatch, where: str):

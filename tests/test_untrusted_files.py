@@ -233,7 +233,7 @@ def test_convert_never_replaces_a_training_checkpoint_even_with_force(ckpt, tmp_
     bare = tmp_path / "run2" / "checkpoints" / "step_000002"
     bare.mkdir(parents=True)
     assert_one_line_error(run("convert", ckpt, bare, "--force"), "training checkpoint")
-    assert_one_line_error(run("convert", ckpt, tmp_path / "run", "--force"), "is not a natsl checkpoint folder")
+    assert_one_line_error(run("convert", ckpt, tmp_path / "run", "--force"), "is not a folder natsl convert wrote")
     assert snapshot(step) == before
     with pytest.raises(NatslError, match="training checkpoint"):
         check_replaceable(loose)

@@ -205,7 +205,7 @@ def test_set_cannot_move_the_data_or_the_run(tmp_path, item, message):
     ({"eval": "{lengths: abc}"}, "eval.lengths 'abc': 'abc' is not a length"),
     ({"eval": "{lengths: [512]}"}, "eval.lengths must be comma-separated numbers"),
     ({"eval": "{lengths: '16384'}"}, "16384 is beyond the model's max_seq_len"),
-    ({"eval": "{pairs: '0'}"}, "eval.pairs '0': lengths must be positive"),
+    ({"eval": "{pairs: '0'}"}, "eval.pairs '0': counts must be positive"),
     ({"eval": "{pairs: '1000'}"}, "no (length, pairs) point of the grid fits"),
     ({"eval": "{colour: red}"}, "unknown eval key 'colour'"),
     ({"max_parallel": "abc"}, "max_parallel must be a whole number of workers"),
@@ -360,7 +360,7 @@ def test_an_out_folder_of_unknown_origin_is_not_overwritten(tmp_path, monkeypatc
     (["--keep-fraction", "nan"], "--keep-fraction must lie in [0, 1]"),
     (["--lengths", "0"], "--lengths '0': lengths must be positive"),
     (["--lengths", "abc"], "'abc' is not a length"),
-    (["--pairs", "inf"], "--pairs 'inf': 'inf' is not a length"),
+    (["--pairs", "inf"], "--pairs 'inf': 'inf' is not a count; use e.g. 16,64,256"),
     (["--pairs", ","], "--pairs is empty"),
 ])
 def test_eval_recall_options_are_checked_before_any_work(tmp_path, args, message):

@@ -63,7 +63,7 @@ def compare(
     A run the estimate calls long or large says so first; one the device's memory cannot hold is refused
     (--force starts it anyway)."""
     from natsl.atomic import write_json, write_text
-    from natsl.data.grid import parse_lengths
+    from natsl.data.grid import parse_lengths, parse_pairs
     from natsl.errors import NatslError
     from natsl.eval.common import prepare_out_dir
     from natsl.eval import compare as logic
@@ -100,7 +100,7 @@ def compare(
                   force=force)
     out_dir = prepare_out_dir(out)
     recall_args = {"task": task, "lengths": parse_lengths(lengths) if lengths else None,
-                   "pairs": parse_lengths(pairs) if pairs else None, "vocab": None,
+                   "pairs": parse_pairs(pairs) if pairs else None, "vocab": None,
                    "samples": samples, "batch_size": batch_size} if recall and quality else None
     json_path = out_dir / "compare.json"
     result = logic.run_compare(models, budgets=budget_list, methods=method_list, contexts=contexts, quality=quality,

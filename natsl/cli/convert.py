@@ -16,12 +16,14 @@ def convert(
     out: str = typer.Argument(..., help="Folder to write (weights, config.json, tokenizer.json)."),
     from_hf: bool = typer.Option(False, "--from-hf", help="SRC is a Hugging Face folder (safetensors): one that "
                                  "`--to hf` wrote (model type natsl or llama) or the authors' release (model type "
-                                 "neural_attention_search_linear_attn_gdn); config.json's model_type tells them apart."),
+                                 "neural_attention_search_linear_attn_gdn, _delta or nats_mamba); config.json's "
+                                 "model_type tells them apart."),
     to: str = typer.Option("natsl", "--to", help="natsl: an inference folder; hf: a Hugging Face folder (a Llama "
                            "checkpoint for the Transformer, model type natsl with remote code otherwise)."),
     dtype: Optional[str] = typer.Option(None, help="Store the weights as fp32, bf16 or fp16 (default: as in SRC)."),
     tokenizer: Optional[str] = typer.Option(None, help="With --from-hf: tokenizer.json to bundle (default: SRC/tokenizer.json)."),
-    force: bool = typer.Option(False, help="Replace OUT if it is a natsl checkpoint folder or empty."),
+    force: bool = typer.Option(False, help="Replace OUT if it is a folder natsl convert wrote (an inference or HF "
+                                "folder) or an empty one; a training checkpoint is never replaced."),
     verify: bool = typer.Option(True, help="Load the written folder back and check every tensor."),
 ) -> None:
     """Write a clean inference folder that `natsl.load_checkpoint`, generation and every eval command read."""
@@ -51,7 +53,12 @@ def convert(
 
         if from_hf or tokenizer is not None:
             raise NatslError("--to hf writes a natsl checkpoint as a Hugging Face folder; drop --from-hf and --tokenizer")
-        print(f"wrote {export_hf(src, target, chosen)}")
+        written = export_hf(src, target, chosen)
+        if verify:
+            from natsl.hf.export import verify_hf_export
+
+            print(f"verified: {verify_hf_export(src, written)} tensors read back as an import reads them")
+        print(f"wrote {written}")
         return
     if from_hf:
         from natsl.hf.export import OWN_MODEL_TYPES, hf_model_type, import_own_hf

@@ -19,7 +19,7 @@ def run_eval_recall(checkpoint: str, task: Optional[str] = None, lengths: Option
     """The command's work (the sweep's workers call it too): returns the report written to recall.json.
     `deadline` (a time.time()): no grid point is started after it (the report's `complete` is then false).
     `force`: start even when the estimate says the device's memory cannot hold the evaluation."""
-    from natsl.data.grid import check_vocab, parse_lengths
+    from natsl.data.grid import check_vocab, parse_lengths, parse_pairs
     from natsl.errors import NatslError
     from natsl.atomic import write_json
     from natsl.eval.common import load_eval_model, prepare_out_dir
@@ -40,7 +40,7 @@ def run_eval_recall(checkpoint: str, task: Optional[str] = None, lengths: Option
     check_seed(seed, "--seed")
     check_vocab(vocab)
     length_list = parse_lengths(lengths) if lengths else None
-    count_list = parse_lengths(pairs, "--pairs") if pairs else None
+    count_list = parse_pairs(pairs) if pairs else None
     use_threads(threads, device, say=not quiet)
     if keep_fraction is not None:  # config.json only: refuse before loading
         folder, recipe = checkpoint_recipe_of(checkpoint)

@@ -26,7 +26,8 @@ def info(
     seq_len: int = typer.Option(256, help="Tokens in the forward pass (random ids)."),
     forward: bool = typer.Option(True, help="Run a forward pass and print the routing of every NAtS-L layer."),
     backend: Optional[str] = typer.Option(None, help="reference, chunked or fast (default: chunked; the forward pass "
-                                                     "runs on the CPU, where fast needs TRITON_INTERPRET=1)."),
+                                                     "runs on the CPU, where fast needs TRITON_INTERPRET=1; with "
+                                                     "--kernels, the commands' default on --device: fast on CUDA)."),
     seed: int = typer.Option(0, help="Seed for the weights (of a recipe) and the random tokens (0 to 2**63-1)."),
     threads: Optional[int] = threads_option(),
     kernels: bool = typer.Option(False, "--kernels", help="After the model summary, print which kernel each op "

@@ -65,7 +65,9 @@ def check_training(recipe, *, device: Optional[str], backend: Optional[str], thr
     rates = None
     if dev.type == "cpu":  # at the thread count the trainer will use
         rates = E.device_rates(dev, threads=cpu_threads(threads)[0])
-    est = E.estimate(recipe.model, [work], dev, backend=chosen, checkpointing=tc.activation_checkpointing,
+    # "auto" recomputes blocks only where a GPU's probe finds that not even one sequence fits (and never on the
+    # CPU), so the estimate takes it as off: the peak the step will have
+    est = E.estimate(recipe.model, [work], dev, backend=chosen, checkpointing=tc.activation_checkpointing is True,
                      rates=rates)
     what = (f"train {recipe.name}: up to {steps:,} steps of {tc.tokens_per_step:,} tokens ({micro} x {tc.seq_len} x "
             f"{accum} accum{f' x {world} ranks' if world > 1 else ''})")

@@ -66,6 +66,8 @@ def train(
         key, _, value = item.partition("=")
         if given.setdefault(key.strip(), value) != value:
             raise NatslError(f"override '{key.strip()}' is given twice with different values; give it once")
+    if max_steps is not None and max_steps < 1:  # before the estimate's lines, as every bad input
+        raise NatslError(f"--max-steps must be at least 1, got {max_steps}")
     rec = load_recipe(recipe, require=("model", "train"))  # no silent 800M defaults
     if overrides:
         rec = apply_overrides(rec, overrides)

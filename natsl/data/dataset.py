@@ -94,8 +94,16 @@ def check_resumed_data(trainer_state: dict, meta: dict, folder, checkpoint: Path
         return
     raise NatslError(f"checkpoint {checkpoint.name} was trained on other data ({trainer_state.get('data')!r}, "
                      f"fingerprint {str(old)[:12]}) than data.path {str(folder)!r} (fingerprint {str(new)[:12]}); "
-                     f"resume with --set data.path={trainer_state.get('data')}, or train on this data from those "
-                     f"weights in a new run: --out NEW_FOLDER --set train.init_from={checkpoint}")
+                     f"resume with --set data.path={as_given(trainer_state.get('data'))}, or train on this data in "
+                     f"a new run: --out NEW_FOLDER (from those weights: --set train.init_from={checkpoint})")
+
+
+def as_given(data) -> str:
+    """A recorded data path as a user writes it: the embedded corpus's cache folder is `builtin`."""
+    from natsl.data.builtin import cache_root
+
+    path = Path(str(data))
+    return "builtin" if path.name.startswith("builtin-") and path.parent == cache_root() else str(data)
 
 
 class TokenData:

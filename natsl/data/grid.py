@@ -8,14 +8,16 @@ from natsl.data.tasks import Part, TaskSpec, _check_part, is_task, parse_task
 from natsl.errors import NatslError
 
 
-def parse_lengths(text: str, what: str = "--lengths") -> list[int]:
+def parse_lengths(text: str, what: str = "--lengths", noun: str = "length",
+                  example: str = "4k,8k,16k or 4096,8192") -> list[int]:
     """"4k,8k,16k" or "4096,8192" -> [4096, 8192, ...]; `what` names the value in errors.
 
     Args:
         text: comma-separated positive integers, each optionally with a `k` suffix (x 1024).
         what: how the error messages name the value (an option, or a spec key).
+        noun, example: what one value is and a good value, for the error messages (pairs are counts, not lengths).
     Returns:
-        the lengths, in the order given.
+        the values, in the order given.
     """
     out = []
     for part in text.split(","):
@@ -28,13 +30,19 @@ def parse_lengths(text: str, what: str = "--lengths") -> list[int]:
         try:
             value = int(float(part) * scale)
         except (ValueError, OverflowError):  # "abc", "nan", "inf"
-            raise NatslError(f"{what} {text!r}: {part!r} is not a length; use e.g. 4k,8k,16k or 4096,8192") from None
+            raise NatslError(f"{what} {text!r}: {part!r} is not a {noun}; use e.g. {example}") from None
         if value < 1:
-            raise NatslError(f"{what} {text!r}: lengths must be positive")
+            raise NatslError(f"{what} {text!r}: {noun}s must be positive; use e.g. {example}")
         out.append(value)
     if not out:
-        raise NatslError(f"{what} is empty; use e.g. 4k,8k,16k")
+        raise NatslError(f"{what} is empty; use e.g. {example}")
     return out
+
+
+def parse_pairs(text: str, what: str = "--pairs") -> list[int]:
+    """"16,64,256" -> [16, 64, 256]: the key-value pairs (MQAR) or digits (passkey) of a recall grid, read as
+    parse_lengths reads lengths (a `k` suffix too), its errors naming counts."""
+    return parse_lengths(text, what, noun="count", example="16,64,256")
 
 
 def grid_points(task: str, lengths: list[int], counts: list[int], vocab: int) -> list[tuple[int, int]]:

@@ -73,7 +73,9 @@ def hub_unreachable_reason(timeout: float = 5.0) -> str | None:
 
 
 def looks_like_local_path(name: str) -> bool:
-    return (name.startswith((".", "/", "~")) or name.endswith(SUFFIXES) or name.endswith(".json") or has_glob(name)
+    """Whether a name that is not on disk is meant as a path (so: a missing file), not a Hub dataset's name; a
+    trailing slash names a folder, never a dataset."""
+    return (name.startswith((".", "/", "~")) or name.endswith(("/", *SUFFIXES)) or name.endswith(".json") or has_glob(name)
             or name.count("/") > 1 or os.sep != "/" and os.sep in name)
 
 

@@ -280,12 +280,43 @@ def exported_recipe(saved: dict):
 
 def import_own_hf(src, out, dtype: torch.dtype | None = None, tokenizer_path=None) -> Path:
     """A Llama or `model_type: natsl` folder -> a natsl inference folder."""
-    from natsl.checkpoint import check_state_dict
-    from natsl.eval.convert import _check_target, decode_special_floats, read_hf_tensors, write_imported
-    from natsl.models import build_model
+    from natsl.eval.convert import _check_target, write_imported
 
     folder = Path(src)
     _check_target(Path(out), folder, tokenizer_path)
+    recipe, state, kind = read_own_hf(folder)
+    return write_imported(folder, out, recipe, state, dtype, tokenizer_path, kind)
+
+
+def verify_hf_export(src, folder: Path) -> int:
+    """Read a folder that `export_hf(src, folder)` wrote as an import would (its config's recipe, every tensor
+    under natsl's names, shapes checked) and compare each tensor with `src`'s at the stored dtype.
+
+    Returns:
+        The number of tensors compared; a tensor that differs or is missing is a one-line NatslError.
+    """
+    from natsl.checkpoint import load_checkpoint, resolve_checkpoint_folder
+
+    model, _ = load_checkpoint(resolve_checkpoint_folder(src))
+    _, stored, _ = read_own_hf(Path(folder))
+    wanted = model.state_dict()
+    if model.recipe.model.tie_embeddings and "lm_head.weight" not in stored:
+        wanted.pop("lm_head.weight", None)  # a tied head is stored once, as the embedding
+    missing = sorted(set(wanted) - set(stored))
+    bad = [k for k, v in stored.items() if k not in wanted or not torch.equal(wanted[k].to(v.dtype), v)]
+    if missing or bad:
+        raise NatslError(f"verification failed: {(missing + bad)[:3]} missing or changed in {str(folder)!r}; "
+                         "export again (without --force into a folder another program writes)")
+    return len(stored)
+
+
+def read_own_hf(folder: Path):
+    """(recipe, state dict under natsl's names, model type) of a Llama or `model_type: natsl` folder, every tensor's
+    shape checked against the model its config builds."""
+    from natsl.checkpoint import check_state_dict
+    from natsl.eval.convert import decode_special_floats, read_hf_tensors
+    from natsl.models import build_model
+
     config = decode_special_floats(read_json(folder / "config.json", "fix the file or export the checkpoint again"))
     check_export_record(config, repr(str(folder / "config.json")))
     kind = config.get("model_type")
@@ -303,4 +334,4 @@ def import_own_hf(src, out, dtype: torch.dtype | None = None, tokenizer_path=Non
     state = {back.get(h, h): t for h, t in tensors.items()}
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     check_state_dict(folder / "model.safetensors", state, expected, recipe.model.tie_embeddings)
-    return write_imported(folder, out, recipe, state, dtype, tokenizer_path, kind)
+    return recipe, state, kind

@@ -250,6 +250,9 @@ def eval_jobs(checkpoints: dict, corpus, out, *, device: str, quick: bool = Fals
         synthetic = write_synthetic(out / "synthetic.jsonl")
         sources, small = routing_sources(corpus, synthetic, seq_len)
         note = f"left out as smaller than one {seq_len}-token window: {', '.join(small)}" if small else None
+        if len(sources) == 1:  # the synthetic source alone
+            note = (f"{str(corpus)!r} has no held-out source of a {seq_len}-token window (validation_texts/, written by "
+                    "natsl tokenize --val-texts): routed on the synthetic source alone")
         for name in routed:
             job(f"routing_{name}", natsl_command("inspect-routing", have[name], *sources, "--seq-len", seq_len,
                                                  *(["--samples", 2] if quick else []),
@@ -263,7 +266,12 @@ def eval_jobs(checkpoints: dict, corpus, out, *, device: str, quick: bool = Fals
                                            "--samples", samples, "--max-new-tokens", new, "--no-progress",
                                            "--out", out / f"ruler_{name}", *dev), "ruler.json", [name])
     lm_systems = [n for n in have if n not in ABLATIONS]
-    if lm_systems and (corpus / "validation_texts").is_dir():
+    if lm_systems and not (corpus / "validation_texts").is_dir():
+        why = (f"{str(corpus)!r} has no validation_texts/ to build lm-eval's local tasks from; tokenize the corpus "
+               "with --val-texts (the corpus stage does) to measure them")
+        for name in lm_systems:
+            job(f"lm_eval_{name}", [], "lm_eval.json", [name], skipped=why)
+    elif lm_systems:
         items, docs = (8, 2) if quick else (400, 25)
         tasks = build_lm_tasks(corpus / "validation_texts", out / "lm_tasks", items=items, docs_per_source=docs,
                                max_chars=2000 if quick else 16000)
@@ -373,7 +381,7 @@ def run_jobs(jobs: list[EvalJob], *, max_parallel: int, deadline_s: float | None
         f"at most {max_parallel} at once" + (f", {len(jobs) - total} skipped" if total < len(jobs) else ""))
     for j in jobs:
         if j.skipped:
-            log(f"{j.name}: skipped ({j.skipped}); to run it elsewhere: {shown(j.argv)}")
+            log(f"{j.name}: skipped ({j.skipped})" + (f"; to run it elsewhere: {shown(j.argv)}" if j.argv else ""))
     running: dict[str, tuple] = {}
     finished_s: list[float] = []
 

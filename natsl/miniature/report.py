@@ -204,7 +204,10 @@ def write_report(root) -> Path:
     md.append("\n## Figs. 5/6 in miniature: routing per layer, group and source\n")
     if routing:
         for name, r in routing.items():
-            md.append(f"\n**{name}** ({r['seq_len']}-token windows): routing {r['routing']}.\n")
+            note = ((status.get("jobs") or {}).get(f"routing_{name}") or {}).get("note") if isinstance(status, dict) \
+                else None
+            md.append(f"\n**{name}** ({r['seq_len']}-token windows): routing {r['routing']}."
+                      + (f" ({note})" if note else "") + "\n")
             layers = [layer["layer"] for layer in (r["datasets"][0]["layers"] if r["datasets"] else [])]
             md.append(md_table(["source", "kept", "KV vs Transformer layer", *[f"layer {x} groups" for x in layers]],
                                [[d["name"], fmt(d["keep_fraction"]), fmt(d["kv_ratio"]),

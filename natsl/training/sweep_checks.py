@@ -135,7 +135,7 @@ EVAL_DEFAULTS = {"samples": 128, "batch_size": 32}
 def check_eval(value: Any, path) -> dict:
     """The spec's `eval:` (eval-recall's grid and sample counts), checked as eval-recall checks its options;
     lengths and pairs as strings such as "512,1024". Whether each run's grid fits its model: check_run_eval."""
-    from natsl.data.grid import parse_lengths
+    from natsl.data.grid import parse_lengths, parse_pairs
     from natsl.seeding import check_seed
 
     value = {} if value is None else value
@@ -160,7 +160,7 @@ def check_eval(value: Any, path) -> dict:
                 grid = evals[key] = str(grid)
             if not isinstance(grid, str):
                 raise NatslError(f"eval.{key} must be comma-separated numbers such as \"512,1024\", got {grid!r}")
-            parse_lengths(grid, f"eval.{key}")
+            (parse_lengths if key == "lengths" else parse_pairs)(grid, f"eval.{key}")
     except NatslError as err:
         raise spec_error(path, f"{err}; fix the spec's eval:") from None
     return evals
@@ -168,11 +168,11 @@ def check_eval(value: Any, path) -> dict:
 
 def check_run_eval(evals: dict, recipe, run_id: str, path) -> None:
     """The grid a run's worker will evaluate on fits its model (natsl.data.grid.eval_grid, as eval-recall reads it)."""
-    from natsl.data.grid import eval_grid, parse_lengths
+    from natsl.data.grid import eval_grid, parse_lengths, parse_pairs
 
     lengths, pairs = evals.get("lengths"), evals.get("pairs")
     try:
-        eval_grid(recipe, None, parse_lengths(lengths) if lengths else None, parse_lengths(pairs) if pairs else None,
+        eval_grid(recipe, None, parse_lengths(lengths) if lengths else None, parse_pairs(pairs) if pairs else None,
                   evals.get("vocab"))
     except NatslError as err:
         raise spec_error(path, f"run {run_id}: eval: {err}; fix the spec's eval:") from None

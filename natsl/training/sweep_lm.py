@@ -8,7 +8,6 @@ its final step when it trained to its end), `perplexity` and `val_curve` ([[toke
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 from typing import Optional
 
@@ -95,14 +94,12 @@ def best_lm_points(records: list[dict]) -> list[dict]:
 
 
 def save_figure(fig, path: Path) -> None:
-    """Write a matplotlib figure as a PNG atomically (a reader never sees half a file) and close it."""
-    import matplotlib.pyplot as plt
+    """Write a matplotlib figure as a PNG atomically (natsl.atomic.save_figure) and close it; legends placed outside
+    the axes are kept (bbox_inches="tight")."""
+    from natsl.atomic import save_figure as save
 
     fig.tight_layout()
-    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    save(fig, path, dpi=110, bbox_inches="tight")
 
 
 def plot_lm_summary(summary: dict, path: Path) -> None:
@@ -131,6 +128,10 @@ def plot_lm_summary(summary: dict, path: Path) -> None:
                 cx.plot([t / 1e6 for t in tokens], losses, "-", marker=".", color=color,
                         label=f"{label}, lr {p['best_lr']:g}")
         ax.set_xscale("log")
+        rates = sorted({q["lr"] for p in best if p["task"] == task for q in p["ranking"]})
+        if rates:  # a tick at each swept rate, labelled (a log axis labels only its decades)
+            ax.set_xticks(rates, [f"{r:.0e}".replace("e-0", "e-") for r in rates])
+            ax.minorticks_off()
         ax.set_xlabel("learning rate")
         ax.set_ylabel("final validation loss")
         ax.set_title(f"{task}: validation loss by learning rate (best ringed)")
@@ -139,8 +140,8 @@ def plot_lm_summary(summary: dict, path: Path) -> None:
         cx.set_title(f"{task}: each system at its best learning rate")
         for a in (ax, cx):
             a.grid(alpha=0.3)
-            if a.get_legend_handles_labels()[0]:
-                a.legend(fontsize=8)
+            if a.get_legend_handles_labels()[0]:  # below the axes: inside, it hid points and curves
+                a.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=2, frameon=False)
     seeds = len(summary.get("seeds") or [0])
     fig.suptitle(f"{summary['name']}: learning-rate sweep{f' (mean of {seeds} seeds)' if seeds > 1 else ''}")
     save_figure(fig, path)
