@@ -21,7 +21,7 @@ from natsl import __version__
 from natsl.atomic import atomic_folder  # noqa: F401  (the model-folder writers import it from here)
 from natsl.config import ModelConfig, Recipe, from_dict
 from natsl.errors import NatslError
-from natsl.files import read_json
+from natsl.files import read_json, resolve_inside
 
 FORMAT = "natsl"
 FORMAT_VERSION = 1
@@ -324,7 +324,9 @@ def verify_manifest(folder: Path, hashed=None) -> dict:
     except (KeyError, TypeError, AttributeError):
         raise NatslError(f"{str(manifest_path)!r} is corrupt") from None
     for name, size in sizes.items():
-        path = folder / name
+        path = resolve_inside(folder, name, repr(str(manifest_path)), fix="use another checkpoint")
+        if not isinstance(size, int) or isinstance(size, bool):
+            raise NatslError(f"{str(manifest_path)!r} is corrupt: the size of {name} is {size!r}")
         if not path.is_file():
             raise NatslError(f"{str(folder)!r} is incomplete: {name} is missing")
         if path.stat().st_size != size:
@@ -429,6 +431,13 @@ def checkpoint_tokenizer(folder: Path, config: dict, vocab_size: int):
     if not (folder / "tokenizer.json").is_file():
         return None
     tokenizer = Tokenizer.from_file(folder)
-    tokenizer.apply_conventions(config.get("tokenizer") or {})  # older checkpoints record nothing: no BOS
+    recorded = config.get("tokenizer") or {}  # older checkpoints record nothing: no BOS
+    if not isinstance(recorded, dict):
+        raise NatslError(f"{str(folder / 'config.json')!r}: its tokenizer section is {type(recorded).__name__}, not "
+                         "an object: the file is damaged; use another copy of the checkpoint")
+    try:
+        tokenizer.apply_conventions(recorded)
+    except NatslError as err:
+        raise NatslError(f"{str(folder / 'config.json')!r}: {err}") from None
     check_fits_model(tokenizer, vocab_size, f"checkpoint {str(folder)!r}")
     return tokenizer

@@ -379,7 +379,9 @@ def _power_of_two(low: int):
 MODEL_RULES = {
     # token ids are stored as uint16 or uint32 (natsl.data.tokenize.token_dtype)
     "vocab_size": _count(1, 2**32),
-    "hidden_size": _count(1), "num_layers": _count(1),
+    # layers: the checks walk a list of num_layers types, so an unbounded count (10**9 in a recipe or an HF
+    # config) would hang them; 1024 is far past any model trained (the paper's deepest has 48)
+    "hidden_size": _count(1), "num_layers": _count(1, 1024),
     "intermediate_size": (lambda v: v >= 0, "at least 0 (0: blocks without an MLP)"),
     "mamba2_head_dim": _count(1), "mamba2_state_size": _count(1), "mamba2_expand": _count(1), "mamba2_groups": _count(1),
     "num_heads": _count(1), "head_k_dim": _count(1), "head_v_dim": _count(1),

@@ -23,6 +23,10 @@ def _first_token(inner, candidates) -> int | None:
 class Tokenizer:
     def __init__(self, inner):
         self.inner = inner
+        # The ids it can emit run to its largest, not to its count of entries: a tokenizer.json with gaps in its
+        # ids (an untrusted file) would otherwise pass the model's vocabulary check and index past the embedding.
+        ids = inner.get_vocab(with_added_tokens=True).values()
+        self._id_space = max(inner.get_vocab_size(), max(ids, default=-1) + 1)
         self.eos_id = _first_token(inner, EOS_CANDIDATES)
         self.bos_id = _first_token(inner, BOS_CANDIDATES)
         # Whether the model's documents start with BOS (set from the data's meta.json or the checkpoint's
@@ -38,13 +42,20 @@ class Tokenizer:
         return {"eos_id": self.eos_id, "bos_id": self.bos_id, "add_bos": self.add_bos}
 
     def apply_conventions(self, recorded: dict) -> "Tokenizer":
-        self.eos_id = recorded.get("eos_id", self.eos_id)
+        """Take the special-token use a checkpoint's config.json records (untrusted: an EOS that is no id of
+        this tokenizer is a one-line NatslError)."""
+        eos = recorded.get("eos_id", self.eos_id)
+        if eos is not None and (not isinstance(eos, int) or isinstance(eos, bool) or not 0 <= eos < self.vocab_size):
+            raise NatslError(f"the tokenizer section records eos_id {eos!r}, which is no id of its tokenizer (0 to "
+                             f"{self.vocab_size - 1}): the config.json is damaged; use another copy of the checkpoint")
+        self.eos_id = eos
         self.add_bos = bool(recorded.get("add_bos", False)) and self.bos_id is not None
         return self
 
     @property
     def vocab_size(self) -> int:
-        return self.inner.get_vocab_size()
+        """The size of its id space: its largest id + 1 (at least its count of entries)."""
+        return self._id_space
 
     @property
     def eos_token(self) -> str | None:

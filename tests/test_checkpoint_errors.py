@@ -222,6 +222,24 @@ def test_a_step_folder_is_checked_against_its_manifest_on_load(tmp_path):
     assert_one_line_error(run("convert", folder, tmp_path / "out"), "SHA-256")
 
 
+@pytest.mark.parametrize("name", ["/etc/passwd", "../outside.txt", "sub/../../outside.txt"])
+def test_a_manifest_naming_files_outside_its_folder_is_refused_unread(tmp_path, name):
+    """A manifest is untrusted: its names stay inside the step folder (no size or hash of other files)."""
+    from natsl.training import state as S
+
+    recipe = natsl.load_recipe("tiny_hybrid")
+    model = natsl.build_model(recipe)
+    folder = S.save_checkpoint(tmp_path / "run", 3, model.state_dict(), ({}, []), recipe, None,
+                               {"step": 3, "tokens_seen": 0}, {}, keep_last=0)
+    (tmp_path / "run" / "checkpoints" / "outside.txt").write_text("x")
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["files"][name] = 1
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(NatslError, match="natsl reads only files inside"):
+        natsl.load_checkpoint(folder)
+    assert_one_line_error(run("convert", folder, tmp_path / "out"), "natsl reads only files inside")
+
+
 def test_write_errors_name_the_target_not_the_hidden_temporary(tmp_path, monkeypatch):
     import errno
     import tempfile
@@ -246,3 +264,124 @@ def test_write_errors_name_the_target_not_the_hidden_temporary(tmp_path, monkeyp
         atomic_write_text(tmp_path / "notes.json", "{}")
     assert err.value.filename == str(tmp_path / "notes.json") and err.value.errno == errno.ENOSPC
     assert list(tmp_path.iterdir()) == []  # no temporary file left behind
+
+
+# ----------------------------------------------------------------------------- a checkpoint's tokenizer, untrusted
+
+def tokenizer_folder(ckpt, folder, vocab: dict, section):
+    """`ckpt` with a word-level tokenizer.json of `vocab` and config.json's tokenizer section `section`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    inner = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    inner.pre_tokenizer = pre_tokenizers.Whitespace()
+    variant(ckpt, folder, config=lambda d: d.update(tokenizer=section))
+    inner.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def test_a_tokenizer_with_an_id_past_the_vocabulary_is_refused_though_it_has_few_entries(ckpt, tmp_path):
+    """Four entries, one of them id 70000: its id space, not its count, is checked against the embedding."""
+    from natsl.tokenizer import Tokenizer
+
+    vocab = {"<|endoftext|>": 0, "[UNK]": 1, "cat": 50, "the": 70000}
+    folder = tokenizer_folder(ckpt, tmp_path / "sparse", vocab, {"eos_id": 0})
+    assert Tokenizer.from_file(folder).vocab_size == 70001
+    with pytest.raises(NatslError, match="70,001 entries but the model's vocabulary only 1,024"):
+        natsl.load_checkpoint(folder)
+    assert_one_line_error(run("generate", folder, "--prompt", "the cat", "--device", "cpu"), "70,001 entries")
+
+
+@pytest.mark.parametrize("section", [{"eos_id": 100000}, {"eos_id": -1}, {"eos_id": "x"}, {"eos_id": 1.5},
+                                     {"eos_id": True}, [1]], ids=str)
+def test_a_tokenizer_section_naming_no_id_is_refused(ckpt, tmp_path, section):
+    folder = tokenizer_folder(ckpt, tmp_path / "eos", {"<|endoftext|>": 0, "[UNK]": 1, "cat": 2}, section)
+    with pytest.raises(NatslError, match="config.json'.*(no id of its tokenizer|not an object)"):
+        natsl.load_checkpoint(folder)
+
+
+# ----------------------------------------------------------------------------- a training step's state, untrusted
+
+def trained_step(tmp_path):
+    """A real step folder of tiny_hybrid after one optimizer step: model, AdamW state, RNG, trainer state."""
+    from natsl.training import state as S
+
+    recipe = natsl.load_recipe("tiny_hybrid")
+    torch.manual_seed(0)
+    model = natsl.build_model(recipe)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randint(0, 64, (1, 32))).float().mean().backward()
+    opt.step()
+    names = {id(p): n for n, p in model.named_parameters()}
+    folder = S.save_checkpoint(tmp_path / "run", 1, model.state_dict(), S.optimizer_to_tensors(opt, names), recipe,
+                               None, {"step": 1, "tokens_seen": 32, "samples_seen": 1},
+                               S.rng_tensors([S.capture_rng(torch.device("cpu"))]), keep_last=0)
+    return folder, model, opt, names
+
+
+def rewrite(folder, name, write):
+    """Change one file of a step folder and its manifest entry, as someone editing the folder can."""
+    import hashlib
+
+    write(folder / name)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["files"][name] = (folder / name).stat().st_size
+    manifest["sha256"][name] = hashlib.sha256((folder / name).read_bytes()).hexdigest()
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("edit", [{"step": "4"}, {"step": -5}, {"step": 4.5}, {"step": 10**30}, {"tokens_seen": "x"},
+                                  {"samples_seen": -100}, {"samples_seen": 1.5}, {"bad_steps": "x"},
+                                  {"optimizer_groups": "x"}, {"optimizer_groups": [1]}], ids=str)
+def test_a_trainer_state_that_cannot_resume_is_refused(tmp_path, edit):
+    from natsl.training import state as S
+
+    folder, *_ = trained_step(tmp_path)
+    rewrite(folder, "trainer_state.json",
+            lambda p: p.write_text(json.dumps({**json.loads(p.read_text()), **edit})))
+    with pytest.raises(NatslError, match="trainer_state.json' is corrupt"):
+        S.load_training_checkpoint(folder)
+    result = run("train", "tiny_hybrid", "--resume", folder, "--out", tmp_path / "again", "--device", "cpu")
+    assert_one_line_error(result, "trainer_state.json' is corrupt")
+
+
+@pytest.mark.parametrize("change", ["cut", "float", "missing"])
+def test_an_rng_state_that_is_not_one_is_refused(tmp_path, change):
+    from natsl.training import state as S
+
+    folder, *_ = trained_step(tmp_path)
+
+    def write(path):
+        tensors = load_file(str(path))
+        if change == "cut":
+            tensors["cpu_rank0"] = tensors["cpu_rank0"][:10].clone()
+        elif change == "float":
+            tensors["cpu_rank0"] = tensors["cpu_rank0"].float()
+        else:
+            tensors = {"other": tensors["cpu_rank0"]}
+        save_file(tensors, str(path))
+
+    rewrite(folder, "rng.safetensors", write)
+    with pytest.raises(NatslError, match="rng.safetensors'"):
+        S.load_training_checkpoint(folder)
+
+
+@pytest.mark.parametrize("change", ["shape", "int", "missing"])
+def test_optimizer_moments_that_do_not_fit_their_parameter_are_refused(tmp_path, change):
+    from natsl.training import state as S
+
+    folder, model, opt, names = trained_step(tmp_path)
+    loaded = S.load_training_checkpoint(folder)
+    tensors = dict(loaded.optimizer_tensors)
+    key = "embed.weight::exp_avg" if "embed.weight::exp_avg" in tensors else sorted(k for k in tensors
+                                                                                     if k.endswith("::exp_avg"))[0]
+    if change == "shape":
+        tensors[key] = torch.zeros(3)
+    elif change == "int":
+        tensors[key] = tensors[key].to(torch.int32)
+    else:
+        del tensors[key]
+    fresh = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(NatslError, match="the optimizer state in"):
+        S.optimizer_from_tensors(fresh, names, tensors, loaded.trainer_state["optimizer_groups"], str(folder))
+    S.optimizer_from_tensors(fresh, names, dict(loaded.optimizer_tensors), loaded.trainer_state["optimizer_groups"],
+                             str(folder))  # the intact state loads

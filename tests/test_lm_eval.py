@@ -137,6 +137,22 @@ def write_tasks(tasks):
     """) + textwrap.dedent(common))
 
 
+def test_a_task_folder_that_would_run_code_is_refused_before_lm_eval_reads_it(ckpt, tmp_path):
+    """lm-eval's `!function` imports a Python file of the task folder: natsl runs no code from a file's contents."""
+    from cli_checks import assert_one_line_error
+
+    tasks = tmp_path / "tasks"
+    write_tasks(tasks)
+    marker = tmp_path / "PWNED"
+    (tasks / "evil.py").write_text(f"open({str(marker)!r}, 'w').close()\ndef proc(docs):\n    return docs\n")
+    yaml = (tasks / "mc.yaml").read_text()
+    (tasks / "mc.yaml").write_text(yaml + "process_docs: !function evil.proc\n")
+    result = CliRunner().invoke(app, ["eval-lm", str(ckpt), "--tasks", "natsl_tiny_mc", "--include-path", str(tasks),
+                                      "--limit", "2", "--out", str(tmp_path / "out"), "--device", "cpu"])
+    assert_one_line_error(result, "mc.yaml", "uses !function", "natsl runs no code from a task folder")
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+
 def test_eval_lm_runs_local_tasks(ckpt, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     tasks = tmp_path / "tasks"

@@ -211,6 +211,26 @@ def test_train_refuses_max_steps_below_one_before_any_output(tmp_path, steps):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("clash", ["recipe", "init_from", "data"])
+def test_train_refuses_an_out_folder_that_holds_what_it_reads(tmp_path, clash):
+    """The run writes recipe.yaml, checkpoints/ and metrics into --out: never over or among its own inputs."""
+    out = tmp_path / "out"
+    out.mkdir()
+    recipe = write_recipe((out if clash == "recipe" else tmp_path) / "r.yaml",
+                          f"name: x\nmodel: {json.dumps(TINY)}\ntrain: {json.dumps(TRAIN)}\n")
+    before = recipe.read_bytes()
+    sets = []
+    if clash == "init_from":
+        save_model_folder(out, natsl.build_model(recipe_from_dict({"model": TINY})), recipe_from_dict({"model": TINY}))
+        sets = ["--set", f"train.init_from={out}"]
+    elif clash == "data":
+        (out / "meta.json").write_text("{}")
+        sets = ["--set", f"data.path={out}"]
+    result = run("train", recipe, *sets, "--out", out, "--device", "cpu", "--max-steps", 1)
+    assert_one_line_error(result, f"--out {str(out)!r}", "the input", "choose a --out path apart from the inputs")
+    assert recipe.read_bytes() == before and not (out / "checkpoints").exists()
+
+
 # ----------------------------------------------------------------------------- run folders outside runs/
 
 BAD_NAMES = ["../escaped", "../../escaped", "/tmp/escaped", "a/b", "..", ".hidden", "two words", "", "x" * 200]

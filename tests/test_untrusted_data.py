@@ -563,3 +563,16 @@ def test_an_unreadable_file_is_one_line_or_skipped(tmp_path, monkeypatch):
     result = run(*args, tmp_path / "lenient", "--skip-bad-files")
     assert result.exit_code == 0, result.output
     assert json.loads((tmp_path / "lenient" / "meta.json").read_text())["skipped"]["reasons"] == {"unreadable": 1}
+
+
+@pytest.mark.parametrize("name", ["fifo.txt", "fifo.jsonl"])
+def test_a_fifo_given_as_evaluation_text_is_refused_not_waited_on(tmp_path, name):
+    """eval-ppl, inspect-routing and compare read --data text through read_text_documents: open() on a FIFO
+    would wait for a writer forever."""
+    import os
+
+    from natsl.eval.data import read_text_documents
+
+    os.mkfifo(tmp_path / name)
+    with pytest.raises(NatslError, match="is not a regular file"):
+        read_text_documents(tmp_path / name)

@@ -45,6 +45,10 @@ def eval_lm(
     from natsl.runtime import check_length, checkpoint_recipe_of, pick_device, pick_dtype
 
     check_output(out, [checkpoint, include_path], "--out")
+    if include_path:
+        from natsl.eval.lm_eval_run import check_task_folder
+
+        check_task_folder(include_path)
     names = [t.strip() for t in tasks.split(",") if t.strip()]
     if not names:
         raise NatslError("--tasks names no task; pass e.g. --tasks hellaswag,arc_easy")

@@ -78,7 +78,7 @@ def train(
         raise missing_data(rec)  # bad input before the estimate's lines
     options = TrainOptions(out_dir=out, resume=resume, device=device, backend=backend, compile=compile_,
                            max_steps=max_steps, threads=threads, progress=progress)
-    check_before_work(rec, options)  # its one line alone, before the estimate's
+    check_before_work(rec, options, recipe if Path(recipe).is_file() else None)  # its one line alone, before the estimate's
     check_training(rec, device=device, backend=backend, threads=threads, max_steps=max_steps, force=force)
     result = run_training(rec, options)
     if launched_by_torchrun() and int(os.environ.get("RANK", "0")) != 0:

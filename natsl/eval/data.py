@@ -7,6 +7,7 @@ whose tokenizer differs would score the wrong symbols, so that is refused with o
 
 from __future__ import annotations
 
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,8 +45,11 @@ def data_name(path: Path) -> str:
 
 def read_text_documents(path: Path, text_key: str = "text") -> list[str]:
     """`.txt`: the whole file is one document; `.jsonl`: one document per line (an object with
-    `text_key`, or a bare JSON string)."""
+    `text_key`, or a bare JSON string). A FIFO or device (open would wait for a writer) is a one-line
+    NatslError."""
     path = Path(path)
+    if not stat.S_ISREG(path.stat().st_mode):
+        raise NatslError(f"{str(path)!r} is not a regular file; pass a .txt, a .jsonl or a `natsl tokenize` folder")
     if path.suffix in JSONL_SUFFIXES:
         docs = []
         with open(path, encoding="utf-8") as fh:

@@ -16,6 +16,44 @@ def import_lm_eval():
     return lm_eval_adapter
 
 
+CODE_TAGS = ("!function",)  # lm-eval's YAML tag that imports a Python file of the task folder and runs it
+MAX_TASK_FILES = 10_000
+
+
+def check_task_folder(folder) -> None:
+    """Refuse a --include-path task folder whose YAMLs would run code: lm-eval's `!function` tag imports a Python
+    file beside them, and natsl runs no code from a file's contents. A folder (or file) that does not exist, or
+    YAML that is not UTF-8, is a one-line NatslError too.
+
+    Args:
+        folder: the --include-path folder (a YAML file is accepted as lm-eval accepts it).
+    """
+    from pathlib import Path
+
+    from natsl.errors import NatslError
+
+    folder = Path(folder)
+    if not folder.exists():
+        raise NatslError(f"--include-path {str(folder)!r} does not exist; pass a folder of lm-eval task YAMLs")
+    files = [folder] if folder.is_file() else sorted(p for p in folder.rglob("*") if p.suffix in (".yaml", ".yml"))
+    if len(files) > MAX_TASK_FILES:
+        raise NatslError(f"--include-path {str(folder)!r} holds {len(files):,} YAML files; pass the folder of the "
+                         "tasks alone")
+    for path in files:
+        if not path.is_file():
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError) as err:
+            raise NatslError(f"task file {str(path)!r} cannot be read as UTF-8 text ({type(err).__name__}); fix or "
+                             "remove it") from None
+        tag = next((t for t in CODE_TAGS if t in text), None)
+        if tag:
+            raise NatslError(f"task file {str(path)!r} uses {tag}, which makes lm-eval import and run a Python file "
+                             "of that folder; natsl runs no code from a task folder: write the task without it (or "
+                             "run lm_eval yourself on a folder you trust)")
+
+
 def run_tasks(checkpoint, tasks: list[str], out, *, include_path=None, num_fewshot=None, limit=None,
               batch_size: int = 1, model_args: dict | None = None) -> dict:
     adapter = import_lm_eval()

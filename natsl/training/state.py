@@ -131,6 +131,9 @@ def optimizer_to_tensors(optimizer: torch.optim.Optimizer, names: dict[int, str]
     return tensors, groups
 
 
+MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's two moments per parameter, each of its parameter's shape
+
+
 def optimizer_from_tensors(optimizer: torch.optim.Optimizer, names: dict[int, str], tensors: dict,
                            groups: list[dict], where: str, place=lambda name, t: t) -> None:
     """Restore the AdamW state; `place(param_name, full_tensor)` lays each out as its parameter (FSDP: the
@@ -141,12 +144,22 @@ def optimizer_from_tensors(optimizer: torch.optim.Optimizer, names: dict[int, st
                          "resume with the recipe the checkpoint was trained with")
     flat = [n for group in group_names for n in group]
     index_of = {n: i for i, n in enumerate(flat)}
+    shape_of = {n: tuple(p.shape) for n, p in zip(flat, (p for g in optimizer.param_groups for p in g["params"]))}
     state: dict[int, dict] = {}
     for key, value in tensors.items():
         pname, _, skey = key.rpartition("::")
         if pname not in index_of:
             raise NatslError(f"the optimizer state in {where} names an unknown parameter {pname!r}")
+        if skey in MOMENTS and (not value.is_floating_point() or tuple(value.shape) != shape_of[pname]):
+            raise NatslError(f"the optimizer state in {where}: {key} is {str(value.dtype).removeprefix('torch.')} "
+                             f"{tuple(value.shape)}, not a float tensor of its parameter's shape {shape_of[pname]}; "
+                             "use another checkpoint")
         state.setdefault(index_of[pname], {})[skey] = place(pname, value)
+    for index, entry in state.items():
+        missing = sorted(set(MOMENTS) - set(entry))
+        if missing:
+            raise NatslError(f"the optimizer state in {where} has no {missing[0]} for {flat[index]}; use another "
+                             "checkpoint")
     # Hyper-parameters come from the current recipe (lr is set every step anyway); only the state is restored.
     param_groups = optimizer.state_dict()["param_groups"]
     optimizer.load_state_dict({"state": state, "param_groups": param_groups})
@@ -211,11 +224,7 @@ def load_training_checkpoint(folder: Path) -> LoadedCheckpoint:
             raise NatslError(f"{str(folder)!r} is incomplete: the manifest lists no {name}")
     recipe = checkpoint_recipe(folder, read_config(folder))  # resuming compares its model with the new recipe's
     state = read_json(folder / STATE_FILE, "the checkpoint is corrupt: use another one")
-    try:
-        for key in ("step", "tokens_seen", "samples_seen", "optimizer_groups"):
-            state[key]
-    except (KeyError, TypeError):
-        raise NatslError(f"{str(folder / STATE_FILE)!r} is corrupt or incomplete") from None
+    check_trainer_state(state, folder / STATE_FILE)
     loaded = {}
     for name in ("model.safetensors", OPTIMIZER_FILE, RNG_FILE):
         try:
@@ -223,6 +232,7 @@ def load_training_checkpoint(folder: Path) -> LoadedCheckpoint:
         except (SafetensorError, OSError, ValueError) as err:
             first = str(err).splitlines()[0] if str(err) else type(err).__name__
             raise NatslError(f"{str(folder / name)!r} is corrupt ({first})") from None
+    check_rng_tensors(loaded[RNG_FILE], folder / RNG_FILE)
     bad = next((name for name, t in loaded["model.safetensors"].items() if not t.is_floating_point()), None)
     if bad is not None:  # load_state_dict would cast it silently
         raise NatslError(f"{str(folder / 'model.safetensors')!r}: tensor {bad} is "
@@ -230,6 +240,47 @@ def load_training_checkpoint(folder: Path) -> LoadedCheckpoint:
                          "type; the file was not written by natsl: use another checkpoint")
     return LoadedCheckpoint(folder, recipe, loaded["model.safetensors"], loaded[OPTIMIZER_FILE], state,
                             loaded[RNG_FILE])
+
+
+# The counters a resumed run takes as they are: whole numbers from 0 (a step past 10**15 is no run's).
+COUNTERS = {"step": True, "tokens_seen": True, "samples_seen": True, "bad_steps": False}
+MAX_COUNT = 10**15
+
+
+def check_trainer_state(state, path: Path) -> None:
+    """NatslError (one line) unless trainer_state.json holds what resuming reads: the counters as whole numbers
+    from 0 and the optimizer's groups as a list of objects naming their parameters. The file is untrusted: a
+    counter as a string or a float would stop the run deep inside it, a negative one would train from it."""
+    def corrupt(why: str) -> NatslError:
+        return NatslError(f"{str(path)!r} is corrupt: {why}; use another checkpoint")
+
+    if not isinstance(state, dict):
+        raise corrupt("not a JSON object")
+    for key, required in COUNTERS.items():
+        if key not in state:
+            if required:
+                raise corrupt(f"it has no {key}")
+            continue
+        value = state[key]
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_COUNT:
+            raise corrupt(f"{key} is {value!r}, not a whole number from 0")
+    groups = state.get("optimizer_groups")
+    if not isinstance(groups, list) or not all(
+            isinstance(g, dict) and isinstance(g.get("param_names"), list) for g in groups):
+        raise corrupt("optimizer_groups is not a list of groups that name their parameters")
+
+
+def check_rng_tensors(tensors: dict, path: Path) -> None:
+    """NatslError unless the RNG file holds rank 0's CPU generator state as this torch writes it (bytes of its
+    size): a cut or retyped state would stop the resumed run in torch.set_rng_state, a missing one would resume
+    on another random stream without a word."""
+    size = torch.get_rng_state().numel()
+    if "cpu_rank0" not in tensors:
+        raise NatslError(f"{str(path)!r} holds no cpu_rank0 generator state; use another checkpoint")
+    for name, tensor in tensors.items():
+        if tensor.dtype != torch.uint8 or tensor.dim() != 1 or (name.startswith("cpu_") and tensor.numel() != size):
+            raise NatslError(f"{str(path)!r}: {name} is {str(tensor.dtype).removeprefix('torch.')} of shape "
+                             f"{tuple(tensor.shape)}, not a generator state; use another checkpoint")
 
 
 def rng_tensors(states: list[dict]) -> dict[str, torch.Tensor]:

@@ -35,7 +35,8 @@ from natsl.errors import NatslError
 from natsl.fast import op_check
 from natsl.data.tasks import IGNORE, TaskData, answer_hits, is_task
 from natsl.atomic import write_text as atomic_write_text
-from natsl.outputs import check_output_folder
+from natsl.files import read_json
+from natsl.outputs import check_output, check_output_folder
 from natsl.training import distributed as D
 from natsl.training import micro_batch as M
 from natsl.training import state as S
@@ -130,26 +131,34 @@ def missing_data(recipe: Recipe) -> NatslError:
                       "for a smoke run on the embedded corpus")
 
 
-def check_before_work(recipe: Recipe, options: TrainOptions) -> None:
+def check_before_work(recipe: Recipe, options: TrainOptions, recipe_file=None) -> None:
     """The checks of a run's input that need no model, data or checkpoint read, for `natsl train` to make
     before it prints its estimate: bad input then gets its one line alone (the estimate's lines depend on how
     fast this machine is now). The trainer makes the same checks again, for callers of `train`.
 
     Raises:
         NatslError: windows longer than model.max_seq_len, CUDA graphs without compile, --resume never onto
-            a folder with checkpoints, or a --resume folder that is not there.
+            a folder with checkpoints, a --resume folder that is not there, or a run folder that is, holds or lies
+            inside what the run reads (`recipe_file`, train.init_from, the data folder): the run would write
+            recipe.yaml, checkpoints and metrics over or among them.
     """
     check_window(recipe)
+    data = None if recipe.data.path == "builtin" or is_task(recipe.data.path) else recipe.data.path
+    check_output(out_folder(recipe, options), [recipe_file, recipe.train.init_from, data], "--out")
     compiled = options.compile if options.compile is not None else recipe.train.compile
     cuda_graphs_wanted(recipe.train.cuda_graphs, compiled, int(os.environ.get("WORLD_SIZE", "1")),
                        torch.device("cpu"))
     if options.resume == "never":
-        out = _out_dir(recipe, options)
+        out = out_folder(recipe, options)
         existing = S.list_checkpoints(out)
         if existing:
             raise onto_checkpoints(out, existing)
     elif options.resume != "auto" and not Path(options.resume).is_dir():
         raise S.missing_checkpoint(options.resume)
+    elif options.resume != "auto" and (Path(options.resume) / S.STATE_FILE).is_file():
+        # its counters before the estimate (the whole folder is read and hashed when the run loads it)
+        S.check_trainer_state(read_json(Path(options.resume) / S.STATE_FILE, "the checkpoint is corrupt: use "
+                                        "another one"), Path(options.resume) / S.STATE_FILE)
 
 
 def check_window(recipe: Recipe) -> None:
@@ -166,7 +175,8 @@ def onto_checkpoints(out: Path, existing) -> NatslError:
                       "continue with --resume auto, or pass another --out")
 
 
-def _out_dir(recipe: Recipe, options: TrainOptions) -> Path:
+def out_folder(recipe: Recipe, options: TrainOptions) -> Path:
+    """The run folder: --out, else train.out_dir with the recipe's name, inside runs/."""
     if options.out_dir:
         return Path(options.out_dir)
     return run_folder(recipe)  # inside runs/, whatever the recipe's name and train.out_dir say
@@ -707,7 +717,7 @@ class Trainer:
 
     def run(self) -> TrainResult:
         self.plan()
-        self.out = _out_dir(self.recipe, self.options)
+        self.out = out_folder(self.recipe, self.options)
         check_output_folder(self.out, "--out")
         with run_lock(self.out, self.info.is_main):
             return self._run()
