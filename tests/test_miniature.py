@@ -398,3 +398,12 @@ def test_evals_runs_only_the_chosen_families_of_eval_jobs(monkeypatch, tmp_path)
     assert ran == ["ppl", "latency", "lm_eval_natsl_hybrid", "lm_eval_transformer"]
     assert [P.eval_family(n) for n in names] == ["ppl", "compare", "latency", "routing", "ruler", "ruler", "lm_eval",
                                                  "lm_eval"]
+
+
+def test_a_set_item_that_fits_no_recipe_is_refused_before_the_corpus_stage(tmp_path):
+    """--set is checked against the ladder's recipes first, not after minutes of tokenizing the corpus."""
+    opts = P.MiniatureOptions(out=tmp_path / "m", data=tmp_path / "data", stages=("corpus",), sets=("model.bogus=1",))
+    with pytest.raises(NatslError, match="--set does not fit the .* recipe: .*bogus"):
+        P.run_miniature(opts, log=lambda line: None)
+    assert not (tmp_path / "data").exists() and not (tmp_path / "m").exists()
+    P.check_sets(P.MiniatureOptions(out=tmp_path / "m", sets=("train.log_every=5",)))  # one that fits every recipe

@@ -511,3 +511,18 @@ def test_bench_latency_records_no_forced_fraction_for_a_model_without_natsl_laye
     assert result.exit_code == 0, result.output
     models = json.loads((tmp_path / "b" / "latency.json").read_text())["models"]
     assert {m["name"]: m["forced_keep_fraction"] for m in models} == {"gdn": None, "hybrid": 0.5}
+
+
+# ----------------------------------------------------------------------------- bytes that are not UTF-8
+
+@pytest.mark.parametrize("args", [["generate", "runs/none", "--prompt", "a\udcffb"],
+                                  ["train", "tiny_hybrid", "--out", "runs/r\udcffun"],
+                                  ["train", "tiny_hybrid", "--set", "data.path=/x\udcff"],
+                                  ["eval-ppl", "runs/none", "--data", "na\udcffme.txt"]],
+                         ids=["prompt", "out", "set", "data"])
+def test_an_argument_that_is_not_utf8_is_refused_before_any_work(tmp_path, monkeypatch, args):
+    """A shell passes stray bytes as lone surrogates: refused up front, not after training when a record or
+    tokenizer.json is written (UnicodeEncodeError)."""
+    monkeypatch.chdir(tmp_path)
+    assert_one_line_error(run(*args), "is not UTF-8 text", "rename the file or pass the text as UTF-8")
+    assert list(tmp_path.iterdir()) == []

@@ -73,6 +73,19 @@ def _out_of_memory(err: RuntimeError) -> bool:
     return type(err).__name__ == "OutOfMemoryError" or "can't allocate memory" in str(err)
 
 
+def _not_utf8(values) -> str | None:
+    """The first string argument (or item of a list argument) that cannot be written as UTF-8: Python decodes
+    a command line's stray bytes to lone surrogates, which fail later, when a record or a file name is written."""
+    for value in values:
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(item, str):
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    return item
+    return None
+
+
 def command(*args, stop_soon: bool = False, **kwargs):
     """`app.command` that reports NatslError, operating-system errors (a missing file, a path that
     cannot be written) and running out of memory as one line with exit code 2. `stop_soon`: the first
@@ -82,6 +95,10 @@ def command(*args, stop_soon: bool = False, **kwargs):
     def register(fn):
         @functools.wraps(fn)
         def wrapped(*a, **kw):
+            odd = _not_utf8([*a, *kw.values()])
+            if odd is not None:
+                fail(f"the argument {odd!r} is not UTF-8 text (the shell passed bytes no UTF-8 text holds), and "
+                     "natsl writes its records as UTF-8; rename the file or pass the text as UTF-8")
             try:
                 with interrupts.stop_soon() if stop_soon else contextlib.nullcontext():
                     return fn(*a, **kw)

@@ -253,6 +253,23 @@ def _summary(folder: Path) -> Optional[dict]:
     return read_json(path, f"remove {folder} and run natsl miniature again")
 
 
+def check_sets(opts: MiniatureOptions) -> None:
+    """NatslError (one line) when an item of --set does not apply to every system of the ladder that will train,
+    said before the corpus stage's minutes of tokenizing rather than when the sweep's spec is checked."""
+    from natsl.config import apply_overrides, load_recipe
+    from natsl.errors import NatslError
+
+    if not opts.sets:
+        return
+    for name in opts.systems or LADDER:
+        source = opts.recipes / f"{name}.yaml"
+        if source.is_file():
+            try:
+                apply_overrides(load_recipe(str(source)), list(opts.sets))
+            except NatslError as err:
+                raise NatslError(f"--set does not fit the {name} recipe: {err}") from None
+
+
 def copy_recipes(opts: MiniatureOptions, folder: Path) -> None:
     """Copy the ladder's recipes to folder/recipes/ (the specs beside them read them there), as they are:
     a later edit of recipes/mini does not change a miniature under way."""
@@ -295,6 +312,7 @@ def run_miniature(opts: MiniatureOptions, log: Callable[[str], None] = print) ->
          "report": path of report.md or None}.
     """
     start = time.monotonic()
+    check_sets(opts)
 
     def left() -> Optional[float]:
         return None if opts.deadline_s is None else opts.deadline_s - (time.monotonic() - start)
