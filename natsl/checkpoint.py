@@ -342,6 +342,9 @@ def model_files(path) -> tuple[Path, dict, Recipe, Path]:
     """(folder, config.json's contents, recipe, weights file) of a folder that `natsl train` or `natsl convert` wrote (a step, a run
     folder: its newest step, an inference folder), each checked to be there."""
     folder = resolve_checkpoint_folder(path)
+    for name in (COMPLETE_MARKER, "model.safetensors", "tokenizer.json"):  # a link out of the folder: not read
+        if (folder / name).is_symlink():
+            resolve_inside(folder, name, f"checkpoint {str(folder)!r}", fix="copy the file into the folder")
     config = read_config(folder)
     recipe = checkpoint_recipe(folder, config)
     weights = folder / "model.safetensors"

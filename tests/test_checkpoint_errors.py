@@ -385,3 +385,19 @@ def test_optimizer_moments_that_do_not_fit_their_parameter_are_refused(tmp_path,
         S.optimizer_from_tensors(fresh, names, tensors, loaded.trainer_state["optimizer_groups"], str(folder))
     S.optimizer_from_tensors(fresh, names, dict(loaded.optimizer_tensors), loaded.trainer_state["optimizer_groups"],
                              str(folder))  # the intact state loads
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors"])
+def test_a_checkpoint_file_linked_from_outside_its_folder_is_not_read(ckpt, tmp_path, name):
+    import os
+
+    folder = variant(ckpt, tmp_path / "linked")
+    outside = tmp_path / f"outside-{name}"
+    (folder / name).rename(outside)
+    os.symlink(outside, folder / name)
+    with pytest.raises(NatslError, match="is a link to a file outside the folder"):
+        natsl.load_checkpoint(folder)
+    os.unlink(folder / name)
+    os.symlink(os.path.relpath(tmp_path / "linked" / "inner", folder), folder / name)  # a link inside is fine
+    outside.rename(folder / "inner")
+    natsl.load_checkpoint(folder)

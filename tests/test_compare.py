@@ -180,6 +180,7 @@ def test_time_budget_records_skipped_points(tmp_path):
     (["tiny_hybrid", "--context", "32,0"], "--context must be at least 1 token, got 0"),
     (["tiny_hybrid", "--context", ","], "--context is empty"),
     (["tiny_hybrid", "--no-quality", "--data", "x.txt"], "--no-quality measures no perplexity"),
+    (["tiny_hybrid", "--no-quality", "--recall"], "--no-quality measures no recall"),
     (["tiny_hybrid", "--time-budget", "0"], "--time-budget must be a positive number of seconds"),
     (["800m_nsa_hybrid", "--no-quality"], "NSA layers have no inference cache"),
 ])

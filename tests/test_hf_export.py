@@ -122,6 +122,23 @@ def test_export_verification_finds_a_changed_or_missing_tensor(tmp_path, tok, sy
         verify_hf_export(ckpt, tmp_path / "hf")
 
 
+def test_an_import_of_nan_weights_says_so(tmp_path, tok):
+    from safetensors.torch import save_file
+
+    from cli_checks import assert_one_line_error
+
+    _, ckpt = checkpoint(tmp_path, tok, "transformer")
+    assert run("convert", ckpt, tmp_path / "hf", "--to", "hf").exit_code == 0
+    weights = tmp_path / "hf" / "model.safetensors"
+    tensors = load_file(str(weights))
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[0] = float("nan")
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    assert_one_line_error(run("convert", tmp_path / "hf", tmp_path / "back", "--from-hf"), "holds NaN or infinite")
+    assert not (tmp_path / "back").exists()
+
+
 GREEDY, SAMPLING = dict(temperature=0.0), dict(temperature=0.9, top_k=40, seed=3)
 
 

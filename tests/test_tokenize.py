@@ -273,3 +273,18 @@ def test_documents_start_with_bos_when_the_tokenizer_has_one(tmp_path):
                              progress=False, log=lambda *_: None)
     assert (meta["add_bos"], meta["bos_id"]) == (False, None)
     assert TokenData(tmp_path / "bpe").split("train").n_tokens == meta["total_tokens"]
+
+
+def test_a_link_out_of_an_input_folder_is_left_out(tmp_path, capsys):
+    """An input folder is read, not what its links point at (an untrusted folder could link to any file)."""
+    from natsl.data.local_files import expand_inputs
+
+    folder = tmp_path / "in"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.txt").write_text("inside")
+    (tmp_path / "secret.txt").write_text("outside")
+    os.symlink(tmp_path / "secret.txt", folder / "sub" / "b.txt")
+    os.symlink(folder / "a.txt", folder / "c.txt")  # a link inside the folder stays
+    files = [path.name for _, path in expand_inputs([str(folder)], include=("*.txt",))]
+    assert files == ["a.txt", "c.txt"]
+    assert "is a link out of" in capsys.readouterr().err

@@ -33,7 +33,8 @@ def compare(
                                              "(32768,65536,131072), a table row and a plot row each."),
     quality: bool = typer.Option(True, "--quality/--no-quality", help="Measure quality (recall, perplexity) of the "
                                                                      "checkpoints; --no-quality: latency and memory only."),
-    recall: bool = typer.Option(True, "--recall/--no-recall", help="Measure recall accuracy (eval-recall's task)."),
+    recall: Optional[bool] = typer.Option(None, "--recall/--no-recall", help="Measure recall accuracy (eval-recall's "
+                                          "task; default: with --quality)."),
     task: Optional[str] = typer.Option(None, help="mqar or passkey (default: the checkpoint's own task)."),
     lengths: Optional[str] = typer.Option(None, help="Recall sequence lengths (default: the training task's)."),
     pairs: Optional[str] = typer.Option(None, help="Recall pairs or digits (default: the training task's)."),
@@ -87,6 +88,9 @@ def compare(
         raise NatslError(f"--time-budget must be a positive number of seconds, got {time_budget}")
     if not quality and data is not None:
         raise NatslError("--no-quality measures no perplexity: leave out --data, or --no-quality")
+    if not quality and recall:
+        raise NatslError("--no-quality measures no recall: leave out --recall, or --no-quality")
+    recall = quality if recall is None else recall
     if quality and not recall and data is None:
         raise NatslError("nothing measures quality: keep --recall, pass --data for perplexity, or pass --no-quality")
     budget_list = parse_fractions(budgets, "--budgets")

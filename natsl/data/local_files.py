@@ -74,12 +74,22 @@ def check_include(patterns) -> tuple[str, ...]:
 
 
 def _folder_files(folder: Path, include: tuple[str, ...]) -> list[Path]:
+    """The files under `folder` that `include` chooses (hidden entries left out); a link that leads out of the
+    folder is left out with a warning (an input folder is read, not what its links point at)."""
+    import sys
+
+    from natsl.files import real_path
+
+    root = real_path(folder)
     found = []
     for path in folder.rglob("*"):
         rel = path.relative_to(folder)
         if any(part.startswith(".") for part in rel.parts) or not any(fnmatch.fnmatch(path.name, p) for p in include):
             continue
         if path.is_file():
+            if root not in real_path(path).parents:
+                print(f"warning: {str(path)!r} is a link out of {str(folder)!r}; left out", file=sys.stderr)
+                continue
             found.append(path)
     return sorted(found, key=lambda p: p.relative_to(folder).as_posix())
 

@@ -513,6 +513,10 @@ def write_imported(folder: Path, out, recipe, state: dict, dtype, tokenizer_path
 
     if dtype is None:
         dtype = next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
+    bad = next((name for name, t in state.items() if t.is_floating_point() and not torch.isfinite(t).all()), None)
+    if bad is not None:  # a model of NaN weights computes nothing; the verification would only say "changed"
+        raise NatslError(f"{str(folder)!r}: tensor {bad} holds NaN or infinite values; the source weights are "
+                         "damaged: use another copy")
     model = build_model(recipe, device="meta").to_empty(device="cpu")
     model = model.to(dtype)
     model.load_state_dict(state, strict=not recipe.model.tie_embeddings, assign=False)
