@@ -10,7 +10,7 @@ import importlib
 # YEAR.MONTH.DAY.N: the date of CHANGELOG.md's newest heading and the number of entries under it, so
 # that every change (one CHANGELOG line each) moves the version; tests/test_version.py checks it, and
 # pyproject.toml reads it (docs/development.md, "Versions").
-__version__ = "2026.12.7.46"
+__version__ = "2026.12.7.47"
 
 # public name -> the module that defines it
 _LAZY = {

@@ -264,6 +264,13 @@ def test_a_cuda_sweep_without_a_gpu_stops_before_any_worker(tmp_path, monkeypatc
     assert_one_line_error(result, "the runs train on cuda:1")
 
 
+def test_a_run_too_large_for_the_memory_is_refused_before_any_worker(tmp_path):
+    """widths: [a million] passes the spec's checks; the memory estimate stops it in one line, not a worker's
+    out-of-memory traceback in its log."""
+    refused(tmp_path, spec_text(widths="[1048576]", device="cpu"), "run t-gdn-d1048576", "width 1048576",
+            "of memory at its peak (estimate)", "lower the spec's widths")
+
+
 def test_failed_runs_make_the_runner_exit_1(tmp_path, monkeypatch):
     """A worker that fails (its own error, or killed by something else than the runner) is a failed run:
     exit 1 from the module entry point and `natsl sweep`; a sweep whose runs are all done exits 0."""

@@ -604,6 +604,7 @@ def run_sweep(sweep: Sweep, progress: bool = True, log=print, mps: bool = False)
     check_devices_present({r.device for r in pending})
     check_initial_weights(sweep)
     check_data_folders(pending)
+    check_run_memory(pending)
     if not mps:
         return _run_sweep(sweep, env, progress, log)
     with mps_daemon(sweep, env, log) as mps_env:
@@ -640,6 +641,41 @@ def check_data_folders(runs: list[RunSpec]) -> None:
             raise NatslError(f"task {run.task!r}: data folder {run.data!r} does not exist (from {os.getcwd()}); make it "
                              f"with `natsl tokenize YOUR_TEXT_FILES... --out {run.data} ...` (docs/training.md) or fix "
                              "the spec's tasks")
+
+
+def check_run_memory(runs: list[RunSpec]) -> None:
+    """Every run still to train fits its device's memory alone (natsl.estimate, as `natsl train` checks), checked
+    before any worker starts: a spec's `widths: [1000000000]` is one line here, not an out-of-memory traceback
+    in a worker's log. Runs beside each other share the device; that the estimate does not count."""
+    import torch
+
+    from natsl import estimate as E
+    from natsl.config import apply_overrides, load_recipe
+    from natsl.runtime import pick_backend
+    from natsl.training.micro_batch import cpu_micro_batch
+
+    seen = set()
+    for run in runs:
+        key = (run.recipe, tuple(run.overrides), run.device)
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            recipe = apply_overrides(load_recipe(run.recipe), run.overrides)
+        except NatslError:
+            continue  # the spec's checks passed it; its worker says what went wrong since, as before
+        device = torch.device(run.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        tc = recipe.train
+        micro = tc.micro_batch_size if isinstance(tc.micro_batch_size, int) else \
+            cpu_micro_batch(max(tc.tokens_per_step // tc.seq_len, 1)) if device.type == "cpu" else 1
+        work = E.Work("train", micro, tc.seq_len, calls=1, micro_batches=max(tc.tokens_per_step // (micro * tc.seq_len), 1))
+        est = E.estimate(recipe.model, [work], device, backend=pick_backend(None, device),
+                         checkpointing=tc.activation_checkpointing is True)
+        free = E.available_memory(device)
+        if free is not None and est.peak_bytes > E.FIT_SHARE * free:
+            raise NatslError(f"run {run.id} (width {run.width}) needs about {E.human_bytes(est.peak_bytes)} of memory "
+                             f"at its peak (estimate) but {device} has {E.human_bytes(free)} available; lower the "
+                             "spec's widths or its train.micro_batch_size")
 
 
 def exit_code(summary: Optional[dict]) -> int:
